@@ -69,6 +69,7 @@ class Sequence:
     # Detokenization state (owned by the Detokenizer).
     output_text: str = ""
     num_emitted_chars: int = 0
+    num_reported_tokens: int = 0  # tokens already reported in a RequestOutput
     prefix_offset: int = 0
     read_offset: int = 0
     # Log-probabilities of sampled tokens (only when sampling_params.logprobs is not None).

@@ -1,0 +1,473 @@
+"""The bound model: how fast a decode step could possibly be.
+
+A decode step cannot finish before ``max(memory_time, compute_time)``: it must stream every weight
+and every KV entry it attends to from HBM, and it must do ``2 x parameters`` FLOPs per token
+(Pope et al. 2022, "Efficiently Scaling Transformer Inference", sections 2-3). Speculative decoding
+trades extra FLOPs for fewer weight reads; its expected gain follows Leviathan et al. 2023,
+"Fast Inference from Transformers via Speculative Decoding", section 3.
+
+Every time this module returns is a **lower bound** (seconds), not a latency: real steps add kernel
+launch gaps, attention inefficiency and host work on top. Pure Python; no torch import.
+
+Units: bytes, seconds, FLOP, FLOP/s, bytes/s. "GB" is 1e9 bytes, "GiB" is 2**30 bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+GB = 1e9
+GIB = float(2**30)
+
+PAPER_POPE = 'Pope et al. 2022, "Efficiently Scaling Transformer Inference" (arXiv:2211.05102)'
+PAPER_LEVIATHAN = ('Leviathan et al. 2023, "Fast Inference from Transformers via Speculative Decoding" '
+                   "(ICML 2023, arXiv:2211.17192)")
+
+# Bits per stored weight, including quantization metadata.
+# int4_g128: 4 bits + a 16-bit scale per 128 weights (0.125) + zero-point overhead, 4.15 as GPTQ
+# (Frantar et al. 2023) estimates; the worksheet uses 4.15 exactly.
+WEIGHT_FORMAT_BITS: dict[str, float] = {
+    "bf16": 16.0,
+    "fp16": 16.0,
+    "fp8_e4m3": 8.0,
+    "int8": 8.0,
+    "int4_g128": 4.15,
+}
+DEFAULT_FORMATS: tuple[str, ...] = ("bf16", "fp8_e4m3", "int4_g128")
+
+# Bytes per KV-cache element.
+KV_DTYPE_BYTES: dict[str, float] = {
+    "fp32": 4.0,
+    "bf16": 2.0,
+    "fp16": 2.0,
+    "fp8_e4m3": 1.0,
+    "fp8": 1.0,
+    "int8": 1.0,
+}
+
+MAX_GAMMA = 8
+DEFAULT_RESERVE_FRACTION = 0.10  # of device memory, for activations, CUDA context and fragmentation
+
+
+def _check_positive(name: str, value: float) -> None:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+        raise ValueError(f"{name} must be a finite number > 0, got {value!r}")
+
+
+def _check_non_negative(name: str, value: float) -> None:
+    if not (isinstance(value, int | float) and math.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
+
+
+def _check_alpha(alpha: float) -> None:
+    if not (isinstance(alpha, int | float) and 0.0 <= alpha < 1.0):
+        raise ValueError(f"alpha (acceptance rate) must be in [0, 1), got {alpha!r}")
+
+
+def _check_gamma(gamma: int) -> None:
+    if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 0:
+        raise ValueError(f"gamma (draft tokens per step) must be an integer >= 0, got {gamma!r}")
+
+
+# --------------------------------------------------------------------------------------------------
+# Bytes
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class WeightFormat:
+    """A weight storage format: bits per weight including scales and zero points.
+
+    ``grouped(bits, group_size)`` models group-wise quantization (GPTQ/AWQ style): each group of
+    ``group_size`` weights carries one ``scale_bits`` scale and one ``zero_bits`` zero point.
+    """
+
+    name: str
+    bits_per_weight: float
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.bits_per_weight, int | float) and 0 < self.bits_per_weight <= 64):
+            raise ValueError(f"bits_per_weight must be in (0, 64], got {self.bits_per_weight!r}")
+
+    @classmethod
+    def grouped(cls, bits: int, group_size: int, scale_bits: int = 16, zero_bits: int | None = None,
+                name: str | None = None) -> WeightFormat:
+        """``bits + (scale_bits + zero_bits) / group_size`` bits per weight; ``zero_bits`` defaults to ``bits``."""
+        if not 1 <= bits <= 16:
+            raise ValueError(f"bits must be in [1, 16], got {bits!r}")
+        if group_size < 1:
+            raise ValueError(f"group_size must be >= 1, got {group_size!r}")
+        zb = bits if zero_bits is None else zero_bits
+        return cls(name or f"int{bits}_g{group_size}", bits + (scale_bits + zb) / group_size)
+
+
+def parse_weight_format(spec: str | float | WeightFormat) -> WeightFormat:
+    """A format by name (``bf16``, ``fp8_e4m3``, ``int8``, ``int4_g128``, ``fp16``), ``intN_gG`` for a
+    custom group size (see :meth:`WeightFormat.grouped`), or a number of bits (``"5.5"``).
+
+    Raises:
+        ValueError: the spec names no format; the message lists the known names.
+    """
+    if isinstance(spec, WeightFormat):
+        return spec
+    if isinstance(spec, int | float) and not isinstance(spec, bool):
+        return WeightFormat(f"{float(spec):g}bit", float(spec))
+    text = str(spec).strip()
+    if text in WEIGHT_FORMAT_BITS:
+        return WeightFormat(text, WEIGHT_FORMAT_BITS[text])
+    if text.startswith("int") and "_g" in text:
+        b, _, g = text[3:].partition("_g")
+        if b.isdigit() and g.isdigit():
+            return WeightFormat.grouped(int(b), int(g), name=text)
+    try:
+        bits = float(text.removesuffix("bit").removesuffix("bits"))
+    except ValueError:
+        bits = None
+    if bits is not None and math.isfinite(bits):
+        return WeightFormat(f"{bits:g}bit", bits)
+    raise ValueError(
+        f"unknown weight format {text!r}; known: {', '.join(WEIGHT_FORMAT_BITS)}, intN_gG "
+        "(N in [1, 16] bits, group size G >= 1), or bits per weight as a number in (0, 64]"
+    )
+
+
+def weight_bytes(num_params: float, fmt: str | float | WeightFormat = "bf16") -> float:
+    """Bytes of weights: ``num_params x bits_per_weight / 8`` (Pope et al. 2022, section 3.1)."""
+    _check_positive("num_params", num_params)
+    return num_params * parse_weight_format(fmt).bits_per_weight / 8
+
+
+def weight_bytes_per_tensor(tensors: Iterable[tuple[float, float]]) -> float:
+    """Bytes of a checkpoint given its real per-tensor widths: ``sum(numel x bits / 8)``.
+
+    Args:
+        tensors: ``(numel, bits_per_element)`` pairs, e.g. Q4_1 blocks at 5.0 bits and F32 norms at 32.
+    """
+    total = 0.0
+    for numel, bits in tensors:
+        _check_non_negative("numel", numel)
+        _check_positive("bits_per_element", bits)
+        total += numel * bits / 8
+    return total
+
+
+def kv_dtype_bytes(kv_dtype: str) -> float:
+    """Bytes per KV element for ``kv_dtype``; raises ``ValueError`` listing the known dtypes."""
+    if kv_dtype not in KV_DTYPE_BYTES:
+        raise ValueError(f"unknown KV dtype {kv_dtype!r}; known: {', '.join(KV_DTYPE_BYTES)}")
+    return KV_DTYPE_BYTES[kv_dtype]
+
+
+def kv_bytes_per_sequence(num_layers: int, num_kv_heads: int, head_dim: int,
+                          context_tokens: int, kv_bytes_per_element: float = 2.0) -> float:
+    """KV-cache bytes of one sequence: ``2 (K and V) x layers x kv_heads x head_dim x bytes x tokens``
+    (Pope et al. 2022, section 3.3)."""
+    for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
+                    ("kv_bytes_per_element", kv_bytes_per_element)):
+        _check_positive(name, v)
+    _check_non_negative("context_tokens", context_tokens)
+    return 2 * num_layers * num_kv_heads * head_dim * kv_bytes_per_element * context_tokens
+
+
+# --------------------------------------------------------------------------------------------------
+# Time lower bounds
+# --------------------------------------------------------------------------------------------------
+
+def memory_time(weight_bytes: float, kv_bytes_per_seq: float, batch: int, bandwidth: float) -> float:
+    """Lower bound (s) from bytes: ``(weights + batch x KV per sequence) / bandwidth`` (Pope et al. 2022).
+
+    Every step reads all weights once and each sequence's KV once, whatever the number of positions.
+    """
+    _check_non_negative("weight_bytes", weight_bytes)
+    _check_non_negative("kv_bytes_per_seq", kv_bytes_per_seq)
+    _check_non_negative("batch", batch)
+    _check_positive("bandwidth", bandwidth)
+    return (weight_bytes + batch * kv_bytes_per_seq) / bandwidth
+
+
+def compute_time(num_params: float, batch: int, positions: int, peak_flops: float) -> float:
+    """Lower bound (s) from FLOPs: ``2 x parameters x batch x positions / peak`` (Pope et al. 2022, 3.1).
+
+    ``positions`` is tokens per sequence in the step: 1 for plain decoding, ``gamma + 1`` when verifying.
+    Attention FLOPs are left out (small next to the matmuls at these contexts), so this stays a bound.
+    """
+    _check_non_negative("num_params", num_params)
+    _check_non_negative("batch", batch)
+    _check_positive("positions", positions)
+    _check_positive("peak_flops", peak_flops)
+    return 2 * num_params * batch * positions / peak_flops
+
+
+@dataclass(frozen=True)
+class StepBound:
+    """Lower bound of one forward step. Times in seconds, intensity in FLOP/byte."""
+
+    memory_s: float
+    compute_s: float
+    flops: float
+    bytes_moved: float
+    hardware_ratio: float  # peak FLOP/s / bandwidth bytes/s
+
+    @property
+    def bound_s(self) -> float:
+        """The step lower bound: ``max(memory_s, compute_s)``."""
+        return max(self.memory_s, self.compute_s)
+
+    @property
+    def bound_by(self) -> str:
+        return "compute" if self.compute_s > self.memory_s else "memory"
+
+    @property
+    def arithmetic_intensity(self) -> float:
+        """FLOP per byte moved; compute-bound when above :attr:`hardware_ratio` (Pope et al. 2022)."""
+        return self.flops / self.bytes_moved if self.bytes_moved else math.inf
+
+    def as_dict(self) -> dict[str, float | str]:
+        return {"memory_lower_bound_s": self.memory_s, "compute_lower_bound_s": self.compute_s,
+                "step_lower_bound_s": self.bound_s, "bound_by": self.bound_by, "flops": self.flops,
+                "bytes_moved": self.bytes_moved, "arithmetic_intensity": self.arithmetic_intensity,
+                "hardware_ratio": self.hardware_ratio}
+
+
+def step_bound(num_params: float, weight_bytes: float, kv_bytes_per_seq: float, batch: int,
+               bandwidth: float, peak_flops: float, positions: int = 1) -> StepBound:
+    """``max(memory_time, compute_time)`` for a step of ``batch`` sequences x ``positions`` tokens."""
+    mem = memory_time(weight_bytes, kv_bytes_per_seq, batch, bandwidth)
+    comp = compute_time(num_params, batch, positions, peak_flops)
+    return StepBound(memory_s=mem, compute_s=comp, flops=2 * num_params * batch * positions,
+                     bytes_moved=weight_bytes + batch * kv_bytes_per_seq,
+                     hardware_ratio=peak_flops / bandwidth)
+
+
+def hardware_ratio(peak_flops: float, bandwidth: float) -> float:
+    """FLOP/byte at which a kernel turns compute-bound (the roofline ridge point)."""
+    _check_positive("peak_flops", peak_flops)
+    _check_positive("bandwidth", bandwidth)
+    return peak_flops / bandwidth
+
+
+def min_compute_bound_batch(num_params: float, weight_bytes: float, kv_bytes_per_seq: float,
+                            bandwidth: float, peak_flops: float, positions: int = 1,
+                            max_batch: int = 1 << 20) -> int | None:
+    """Smallest batch with ``compute_time >= memory_time`` for ``positions`` tokens per sequence.
+
+    Solves ``b (2 P positions / peak - KV / bandwidth) >= weights / bandwidth``. Returns ``None`` when
+    KV reads grow faster with batch than FLOPs do (never compute-bound), or past ``max_batch``.
+    """
+    per_seq = 2 * num_params * positions / peak_flops - kv_bytes_per_seq / bandwidth
+    if per_seq <= 0:
+        return None
+    b = max(1, math.ceil(weight_bytes / bandwidth / per_seq) - 1)
+
+    def is_compute_bound(n: int) -> bool:
+        return (compute_time(num_params, n, positions, peak_flops)
+                >= memory_time(weight_bytes, kv_bytes_per_seq, n, bandwidth))
+
+    while not is_compute_bound(b):  # guard the closed form against rounding
+        b += 1
+    while b > 1 and is_compute_bound(b - 1):
+        b -= 1
+    return b if b <= max_batch else None
+
+
+def fits_on_device(weight_bytes: float, kv_bytes_per_seq: float, batch: int, capacity_bytes: float,
+                   reserve_bytes: float | None = None) -> dict[str, float | bool]:
+    """Whether weights + ``batch`` sequences of KV + a reserve fit in device memory.
+
+    The reserve (activations, CUDA context, allocator fragmentation) defaults to
+    ``DEFAULT_RESERVE_FRACTION`` (10%) of capacity. Returns the bytes needed, the capacity, the
+    reserve, ``fits`` and ``max_batch`` (largest batch that fits; 0 if weights alone do not).
+    """
+    _check_positive("capacity_bytes", capacity_bytes)
+    reserve = DEFAULT_RESERVE_FRACTION * capacity_bytes if reserve_bytes is None else reserve_bytes
+    _check_non_negative("reserve_bytes", reserve)
+    needed = weight_bytes + batch * kv_bytes_per_seq + reserve
+    free_for_kv = capacity_bytes - reserve - weight_bytes
+    if free_for_kv < 0:
+        max_batch = 0
+    elif kv_bytes_per_seq == 0:
+        max_batch = -1  # unlimited by memory
+    else:
+        max_batch = int(free_for_kv // kv_bytes_per_seq)
+    return {"fits": needed <= capacity_bytes, "needed_bytes": needed, "capacity_bytes": capacity_bytes,
+            "reserve_bytes": reserve, "max_batch": max_batch}
+
+
+# --------------------------------------------------------------------------------------------------
+# Speculative decoding (Leviathan et al. 2023, section 3)
+# --------------------------------------------------------------------------------------------------
+
+def expected_tokens_per_step(alpha: float, gamma: int) -> float:
+    """E[tokens per target step] = ``(1 - alpha^(gamma+1)) / (1 - alpha)`` (Leviathan et al. 2023, eq. 1).
+
+    ``alpha`` is the per-token acceptance rate in [0, 1); ``gamma`` the number of draft tokens.
+    """
+    _check_alpha(alpha)
+    _check_gamma(gamma)
+    return (1 - alpha ** (gamma + 1)) / (1 - alpha)
+
+
+def speculative_speedup(alpha: float, gamma: int, draft_cost: float, verify_cost_ratio: float = 1.0) -> float:
+    """Walltime improvement ``E / (gamma c + verify_cost_ratio)`` (Leviathan et al. 2023, theorem 3.8).
+
+    ``draft_cost`` c is one draft step's time over one plain target step. With free verification
+    (``verify_cost_ratio`` 1, the paper's assumption) this is the paper's formula; at batch, the target
+    pass over ``gamma + 1`` positions costs :func:`verify_cost_ratio` plain steps.
+    """
+    _check_non_negative("draft_cost", draft_cost)
+    _check_positive("verify_cost_ratio", verify_cost_ratio)
+    return expected_tokens_per_step(alpha, gamma) / (gamma * draft_cost + verify_cost_ratio)
+
+
+def verify_cost_ratio(num_params: float, weight_bytes: float, kv_bytes_per_seq: float, batch: int,
+                      bandwidth: float, peak_flops: float, gamma: int) -> float:
+    """``step_bound(gamma + 1 positions) / step_bound(1 position)`` at ``batch``; 1.0 while memory-bound.
+
+    Replaces the "+1" of Leviathan et al. 2023 when verification is not free (Pope et al. 2022 bounds).
+    """
+    _check_gamma(gamma)
+    args = (num_params, weight_bytes, kv_bytes_per_seq, batch, bandwidth, peak_flops)
+    return step_bound(*args, positions=gamma + 1).bound_s / step_bound(*args, positions=1).bound_s
+
+
+def iteration_time(plain_step_s: float, gamma: int, draft_cost: float, verify_cost_ratio: float = 1.0) -> float:
+    """Seconds per speculative iteration: ``plain_step x (gamma c + verify_cost_ratio)``.
+
+    A lower bound when ``plain_step_s`` is one (Leviathan et al. 2023, section 3.4).
+    """
+    _check_positive("plain_step_s", plain_step_s)
+    _check_gamma(gamma)
+    _check_non_negative("draft_cost", draft_cost)
+    return plain_step_s * (gamma * draft_cost + verify_cost_ratio)
+
+
+def average_tpot(plain_step_s: float, alpha: float, gamma: int, draft_cost: float,
+                 verify_cost_ratio: float = 1.0) -> float:
+    """Average time per output token (s): iteration time / E[tokens per step]."""
+    return (iteration_time(plain_step_s, gamma, draft_cost, verify_cost_ratio)
+            / expected_tokens_per_step(alpha, gamma))
+
+
+def break_even_alpha(gamma: int, draft_cost: float, verify_cost_ratio: float = 1.0) -> float | None:
+    """Smallest acceptance rate at which speculation is no slower than plain decoding.
+
+    Solves ``E(alpha) = gamma c + verify_cost_ratio`` by bisection (E rises from 1 at alpha 0 towards
+    ``gamma + 1``). Returns 0.0 when speculation never loses, ``None`` when it never wins.
+    """
+    _check_gamma(gamma)
+    _check_non_negative("draft_cost", draft_cost)
+    cost = gamma * draft_cost + verify_cost_ratio
+    if cost <= 1.0:
+        return 0.0
+    if cost >= gamma + 1:
+        return None
+    lo, hi = 0.0, 1.0
+    for _ in range(200):
+        mid = (lo + hi) / 2
+        if expected_tokens_per_step(mid, gamma) < cost:
+            lo = mid
+        else:
+            hi = mid
+        if hi - lo < 1e-15:
+            break
+    return hi
+
+
+def best_gamma(alpha: float, draft_cost: float,
+               verify_cost_ratio: float | Callable[[int], float] = 1.0,
+               gammas: Iterable[int] = range(1, MAX_GAMMA + 1)) -> tuple[int, float]:
+    """The ``gamma`` in 1..8 that maximizes :func:`speculative_speedup`; returns ``(gamma, speedup)``.
+
+    ``verify_cost_ratio`` may be a function of gamma (at batch it grows with gamma).
+    """
+    best: tuple[int, float] | None = None
+    for g in gammas:
+        ratio = verify_cost_ratio(g) if callable(verify_cost_ratio) else verify_cost_ratio
+        s = speculative_speedup(alpha, g, draft_cost, ratio)
+        if best is None or s > best[1]:
+            best = (g, s)
+    if best is None:
+        raise ValueError("gammas must not be empty")
+    return best
+
+
+# --------------------------------------------------------------------------------------------------
+# Report for a real run
+# --------------------------------------------------------------------------------------------------
+
+def decode_floor_report(weight_bytes: int, kv_bytes_read: float, flops: float,
+                        bandwidth_bytes_per_s: float, peak_flops: float | None,
+                        measured_step_s: float) -> dict[str, Any]:
+    """The measured mean decode step beside its floor (lower bound), for the end of a run.
+
+    Args:
+        weight_bytes: bytes of the weights actually read per step (from the real tensors).
+        kv_bytes_read: KV bytes read per step at the actual context lengths, summed over the batch.
+        flops: FLOPs of one step (``2 x params x batch`` for plain decoding).
+        bandwidth_bytes_per_s: measured (probe) or datasheet read bandwidth.
+        peak_flops: FLOP/s, or ``None`` to bound by memory only.
+        measured_step_s: mean measured decode-step time.
+
+    Returns:
+        ``floor_s``, ``measured_s``, ``fraction_of_floor`` (= floor / measured, 1.0 at the floor),
+        ``memory_floor_s``, ``compute_floor_s``, ``bound_by`` and ``text``, e.g.
+        ``"decode step 41.2 ms, floor 12.3 ms (30% of floor)"`` (Pope et al. 2022 bound).
+    """
+    _check_non_negative("weight_bytes", weight_bytes)
+    _check_non_negative("kv_bytes_read", kv_bytes_read)
+    _check_non_negative("flops", flops)
+    _check_positive("bandwidth_bytes_per_s", bandwidth_bytes_per_s)
+    _check_positive("measured_step_s", measured_step_s)
+    mem = (weight_bytes + kv_bytes_read) / bandwidth_bytes_per_s
+    comp = 0.0
+    if peak_flops is not None:
+        _check_positive("peak_flops", peak_flops)
+        comp = flops / peak_flops
+    floor = max(mem, comp)
+    fraction = floor / measured_step_s
+    text = f"decode step {measured_step_s * 1e3:.1f} ms, floor {floor * 1e3:.1f} ms ({fraction * 100:.0f}% of floor)"
+    return {"floor_s": floor, "measured_s": measured_step_s, "fraction_of_floor": fraction,
+            "memory_floor_s": mem, "compute_floor_s": comp,
+            "bound_by": "compute" if comp > mem else "memory", "text": text}
+
+
+# --------------------------------------------------------------------------------------------------
+# Model shapes
+# --------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the bound needs from a model: parameter count P and the KV-cache geometry."""
+
+    name: str
+    num_params: float
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+
+    def __post_init__(self) -> None:
+        for field_name in ("num_params", "num_layers", "num_kv_heads", "head_dim", "hidden_size"):
+            _check_positive(field_name, getattr(self, field_name))
+
+    @classmethod
+    def from_model_config(cls, cfg: Any) -> ModelShape:
+        """From a :class:`roofline.config.ModelConfig` (P from ``ModelConfig.num_params``)."""
+        return cls(name=cfg.name, num_params=float(cfg.num_params), num_layers=cfg.num_hidden_layers,
+                   num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size)
+
+    def kv_bytes_per_sequence(self, context_tokens: int, kv_dtype: str = "bf16") -> float:
+        return kv_bytes_per_sequence(self.num_layers, self.num_kv_heads, self.head_dim, context_tokens,
+                                     kv_dtype_bytes(kv_dtype))
+
+
+# The published worksheet's fixture: a dense 70B model (Llama-2/3-70B-like KV geometry), BF16 KV,
+# context 2048, batch 32; evaluated on the hypothetical 3.0 TB/s, 1,000 TFLOP/s device with
+# alpha 0.8, gamma 4, c 0.1 and a 25 ms plain step.
+DENSE_70B_FIXTURE = ModelShape(name="dense-70b-fixture-r1", num_params=70e9, num_layers=80, num_kv_heads=8,
+                               head_dim=128, hidden_size=8192)
+FIXTURE_SHAPES: dict[str, ModelShape] = {DENSE_70B_FIXTURE.name: DENSE_70B_FIXTURE}
+WORKSHEET = {"batch": 32, "context": 2048, "kv_dtype": "bf16", "alpha": 0.8, "gamma": 4,
+             "draft_cost": 0.1, "plain_step_s": 0.025, "hardware": "worksheet"}

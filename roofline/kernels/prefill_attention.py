@@ -1,0 +1,225 @@
+"""Varlen paged prefill/extend attention in Triton: FlashAttention's tiled online softmax
+(Dao et al. 2022, "FlashAttention"; Dao 2023, "FlashAttention-2") over the paged KV cache.
+
+Each sequence i contributes q_len_i new query rows (query_start_loc) and has seq_len_i keys in the cache
+(its cached prefix plus the new tokens, already written). Query j of the chunk sits at absolute position
+ctx_i + j with ctx_i = seq_len_i - q_len_i and attends to keys 0..ctx_i + j. One rule serves full prefill
+(ctx = 0), chunked prefill, prefix-cache hits and speculative verification.
+
+Grid (cdiv(max_query_len, BLOCK_M), num_seqs, H): one program owns BLOCK_M query rows of one head and
+streams that head's kv head through the block table in BLOCK_N-key tiles, keeping the running max m,
+the running sum l and the [BLOCK_M, D] fp32 accumulator in registers; nothing of size S x S touches HBM.
+The key range splits in two loops, as in FlashAttention-2: keys every row of the tile may see
+(< ctx + m0 + 1) run without a mask, and the diagonal band runs with the causal mask. M-tiles are
+issued last-first so the longest (most keys) programs start first and the tail is short.
+
+FLOPs: 4 * sum_i q_len_i * (ctx_i + (q_len_i + 1) / 2) * H * D (2 GEMMs, causal half of the chunk).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from roofline.layers.attention import AttentionMetadata, ref_paged_attention
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+LOG2E = 1.4426950408889634
+
+
+def ref_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+) -> torch.Tensor:
+    """Pure-torch twin of :func:`paged_prefill_attention` (delegates to the exact paged reference)."""
+    return ref_paged_attention(q, k_cache, v_cache, meta, scale)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _attend_tile(
+        acc, l_i, m_i, q, k_base, v_base, bt_row, start_n, offs_m_pos, seq_len,
+        stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
+        MASKED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        offs_n = start_n + tl.arange(0, BLOCK_N)
+        if PAGE % BLOCK_N == 0:
+            # The whole tile lies inside one cache block: one block-table read, strided rows.
+            page = tl.load(bt_row + start_n // PAGE).to(tl.int64)
+            k_rows = page * stride_kb + (offs_n % PAGE) * stride_ks
+            v_rows = page * stride_vb + (offs_n % PAGE) * stride_vs
+        else:
+            if MASKED:
+                page = tl.load(bt_row + offs_n // PAGE, mask=offs_n < seq_len, other=0).to(tl.int64)
+            else:
+                page = tl.load(bt_row + offs_n // PAGE).to(tl.int64)  # [BLOCK_N] one entry per key
+            k_rows = page * stride_kb + (offs_n % PAGE) * stride_ks
+            v_rows = page * stride_vb + (offs_n % PAGE) * stride_vs
+        # K^T tile [BLOCK_D, BLOCK_N] (loaded transposed so the dot needs no register shuffle)
+        kt_ptrs = k_base + k_rows[None, :] + offs_d[:, None]
+        v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
+        if MASKED:
+            nmask = offs_n < seq_len
+            kt = tl.load(kt_ptrs, mask=nmask[None, :] & dmask[:, None], other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            kt = tl.load(kt_ptrs, mask=dmask[:, None], other=0.0)
+        else:
+            kt = tl.load(kt_ptrs)
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], log2-scaled via q
+        if MASKED:
+            causal = (offs_n[None, :] <= offs_m_pos[:, None]) & (offs_n[None, :] < seq_len)
+            qk = tl.where(causal, qk, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(qk - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        if MASKED:
+            v = tl.load(v_ptrs, mask=nmask[:, None] & dmask[None, :], other=0.0)
+        elif BLOCK_D != HEAD_DIM:
+            v = tl.load(v_ptrs, mask=dmask[None, :], other=0.0)
+        else:
+            v = tl.load(v_ptrs)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        return acc, l_i, m_new
+
+    @triton.jit
+    def _prefill_kernel(
+        Q, KC, VC, Out, BlockTables, QueryStartLoc, SeqLens,
+        scale_log2e,
+        stride_qt, stride_qh, stride_ot, stride_oh,
+        stride_kb, stride_ks, stride_kh,
+        stride_vb, stride_vs, stride_vh,
+        stride_bt,
+        GROUP: tl.constexpr, PAGE: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        seq = tl.program_id(1)
+        head = tl.program_id(2)
+        q_start = tl.load(QueryStartLoc + seq)
+        q_len = tl.load(QueryStartLoc + seq + 1) - q_start
+        m_block = tl.num_programs(0) - 1 - tl.program_id(0)  # heaviest tiles first
+        m0 = m_block * BLOCK_M
+        if m0 >= q_len:
+            return
+        seq_len = tl.load(SeqLens + seq)
+        ctx = seq_len - q_len  # cached prefix length
+
+        offs_m = m0 + tl.arange(0, BLOCK_M)
+        mmask = offs_m < q_len
+        offs_d = tl.arange(0, BLOCK_D)
+        dmask = offs_d < HEAD_DIM
+        q_rows = (q_start + offs_m).to(tl.int64)
+        q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
+                    mask=mmask[:, None] & dmask[None, :], other=0.0)
+        # Fold scale*log2(e) into q once (BLOCK_M*D multiplies instead of BLOCK_M*seq_len), then exp2.
+        q = (q.to(tl.float32) * scale_log2e).to(q.dtype)
+
+        kv_head = head // GROUP
+        k_base = KC + kv_head * stride_kh
+        v_base = VC + kv_head * stride_vh
+        bt_row = BlockTables + seq.to(tl.int64) * stride_bt
+        offs_m_pos = ctx + offs_m  # absolute positions of this tile's queries
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+
+        # Keys < ctx + m0 + 1 are visible to every row of the tile: no mask.
+        full_end = ((ctx + m0 + 1) // BLOCK_N) * BLOCK_N
+        for start_n in range(0, full_end, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, k_base, v_base, bt_row, start_n, offs_m_pos, seq_len,
+                stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
+                False, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+        # Diagonal band: keys up to the tile's last row (or the sequence end), causal mask.
+        band_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
+        for start_n in range(full_end, band_end, BLOCK_N):
+            acc, l_i, m_i = _attend_tile(
+                acc, l_i, m_i, q, k_base, v_base, bt_row, start_n, offs_m_pos, seq_len,
+                stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
+                True, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+
+        # Every valid row saw key 0 at least, so l_i > 0 there; padded rows are not stored.
+        out = acc / l_i[:, None]
+        tl.store(Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
+                 out.to(Out.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
+
+
+def default_prefill_config(head_dim: int, dtype: torch.dtype, on_cuda: bool) -> dict:
+    """Tile sizes and launch parameters: small tiles under the interpreter, measured ones on the H200."""
+    if not on_cuda:
+        return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    if head_dim <= 64:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
+    if head_dim <= 128:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+
+
+def paged_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention of new tokens over their paged context (prefill, chunked prefill, extend).
+
+    Args:
+        q: [num_tokens, H, D] fp32/fp16/bf16 (RoPE'd), rows of sequence i at
+            query_start_loc[i]:query_start_loc[i+1]. D any size (padded to a power of two inside).
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D], already holding this step's k/v.
+        meta: uses query_start_loc [num_seqs+1] int32, seq_lens [num_seqs] int32, block_tables
+            [num_seqs, max_blocks] int32, max_query_len (host int, sizes the grid).
+        scale: softmax scale, usually 1/sqrt(D).
+        out: optional [num_tokens, H, D] output in q's dtype.
+        config: optional dict(BLOCK_M, BLOCK_N, num_warps, num_stages) overriding
+            :func:`default_prefill_config` (benchmarks sweep it).
+
+    Returns:
+        [num_tokens, H, D] in q's dtype; softmax statistics and accumulation in fp32.
+
+    Raises:
+        ValueError: H not a multiple of H_kv, or shapes disagree. RuntimeError: triton missing.
+    """
+    if triton is None:
+        raise RuntimeError("triton is not installed; use ref_prefill_attention on this machine")
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, d_cache = k_cache.shape
+    if d_cache != head_dim or v_cache.shape != k_cache.shape:
+        raise ValueError(f"q {tuple(q.shape)} and caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} disagree")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("q and the caches need a contiguous last dim")
+    if out is None:
+        out = torch.empty_like(q)
+    num_seqs = meta.query_start_loc.shape[0] - 1
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    cfg = dict(default_prefill_config(head_dim, q.dtype, q.is_cuda))
+    if config:
+        cfg.update(config)
+    grid = (triton.cdiv(meta.max_query_len, cfg["BLOCK_M"]), num_seqs, num_heads)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+        scale * LOG2E,
+        q.stride(0), q.stride(1), out.stride(0), out.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        meta.block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, PAGE=block_size,
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out

@@ -1,0 +1,192 @@
+"""Rotary embedding on q and k fused with writing k and v into the paged KV cache (Triton).
+
+RoPE (Su et al. 2021, RoFormer) in the rotate-half ("neox", Hugging Face) layout: with x1 = x[:D/2],
+x2 = x[D/2:] and angle theta_i(pos),
+    out1 = x1 * cos - x2 * sin
+    out2 = x2 * cos + x1 * sin
+``cos_sin_cache`` is [max_positions, D] fp32 = cat(cos[:, :D/2], sin[:, :D/2]), so one row holds every
+angle a token needs (Llama-3.1 / YaRN scaling is baked into the table by whoever builds it).
+The rotation runs in fp32 and rounds once to the input dtype.
+
+One program handles one token: all H query heads, all H_kv key heads, and the k/v rows it writes to the
+cache at ``slot_mapping[t]`` (layout [num_blocks, block_size, H_kv, D], slot = block*block_size + off).
+A negative slot (a padded token of a CUDA-graph batch) rotates q/k but writes nothing to the cache.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+
+def ref_rope_and_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Pure-torch twin of :func:`rope_and_cache` (same in-place effects)."""
+    half = q.shape[-1] // 2
+    cs = cos_sin_cache[positions.long()].float()  # [T, D]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]  # [T, 1, D/2]
+    for x in (q, k):
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
+    valid = slot_mapping >= 0
+    slots = slot_mapping[valid]
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_cache.view(num_slots, *k_cache.shape[2:])[slots] = k[valid].to(k_cache.dtype)
+    v_cache.view(num_slots, *v_cache.shape[2:])[slots] = v[valid].to(v_cache.dtype)
+
+
+def ref_store_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Pure-torch twin of :func:`store_kv_cache`."""
+    valid = slot_mapping >= 0
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    k_cache.view(num_slots, *k_cache.shape[2:])[slot_mapping[valid]] = k[valid].to(k_cache.dtype)
+    v_cache.view(num_slots, *v_cache.shape[2:])[slot_mapping[valid]] = v[valid].to(v_cache.dtype)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _rope_cache_kernel(
+        Q, K, V, Pos, CosSin, KC, VC, Slots,
+        stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
+        stride_cs, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
+        num_heads, num_kv_heads,
+        HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
+        BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
+        APPLY_ROPE: tl.constexpr,
+    ):
+        t = tl.program_id(0).to(tl.int64)
+        slot = tl.load(Slots + t).to(tl.int64)
+        offs_half = tl.arange(0, HALF_P2)
+        offs_kh = tl.arange(0, BLOCK_HKV)
+        # k is handled as two [BLOCK_HKV, HALF_P2] halves so the rotated values go to q/k and the cache
+        # straight from registers (no re-read of what this program wrote).
+        kmask = (offs_kh < num_kv_heads)[:, None] & (offs_half < HALF)[None, :]
+        k_ptr = K + t * stride_kt + offs_kh[:, None] * stride_kh + offs_half[None, :]
+        k1 = tl.load(k_ptr, mask=kmask, other=0.0)
+        k2 = tl.load(k_ptr + HALF, mask=kmask, other=0.0)
+        if APPLY_ROPE:
+            pos = tl.load(Pos + t).to(tl.int64)
+            cs_mask = offs_half < HALF
+            cos = tl.load(CosSin + pos * stride_cs + offs_half, mask=cs_mask, other=0.0)[None, :]
+            sin = tl.load(CosSin + pos * stride_cs + HALF + offs_half, mask=cs_mask, other=0.0)[None, :]
+            # q: [BLOCK_H, HALF_P2] halves of all H query heads of this token.
+            offs_h = tl.arange(0, BLOCK_H)
+            qmask = (offs_h < num_heads)[:, None] & (offs_half < HALF)[None, :]
+            q_ptr = Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_half[None, :]
+            q1 = tl.load(q_ptr, mask=qmask, other=0.0)
+            q2 = tl.load(q_ptr + HALF, mask=qmask, other=0.0)
+            f1 = q1.to(tl.float32)
+            f2 = q2.to(tl.float32)
+            tl.store(q_ptr, (f1 * cos - f2 * sin).to(q1.dtype), mask=qmask)
+            tl.store(q_ptr + HALF, (f2 * cos + f1 * sin).to(q1.dtype), mask=qmask)
+            f1 = k1.to(tl.float32)
+            f2 = k2.to(tl.float32)
+            k1 = (f1 * cos - f2 * sin).to(k1.dtype)
+            k2 = (f2 * cos + f1 * sin).to(k2.dtype)
+            tl.store(k_ptr, k1, mask=kmask)
+            tl.store(k_ptr + HALF, k2, mask=kmask)
+        if slot >= 0:
+            kc_ptr = KC + slot * stride_kc_slot + offs_kh[:, None] * stride_kc_h + offs_half[None, :]
+            tl.store(kc_ptr, k1.to(KC.dtype.element_ty), mask=kmask)
+            tl.store(kc_ptr + HALF, k2.to(KC.dtype.element_ty), mask=kmask)
+            offs_d = tl.arange(0, BLOCK_D)
+            vmask = (offs_kh < num_kv_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
+            v = tl.load(V + t * stride_vt + offs_kh[:, None] * stride_vh + offs_d[None, :], mask=vmask)
+            tl.store(VC + slot * stride_vc_slot + offs_kh[:, None] * stride_vc_h + offs_d[None, :],
+                     v.to(VC.dtype.element_ty), mask=vmask)
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    if k_cache.shape != v_cache.shape or k_cache.dim() != 4:
+        raise ValueError(f"k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} must both be "
+                         "[num_blocks, block_size, num_kv_heads, head_dim]")
+    # slot indexing needs block and in-block strides to agree (a contiguous cache, or a layer's slice of one).
+    if k_cache.stride(0) != k_cache.shape[1] * k_cache.stride(1) or v_cache.stride(0) != v_cache.shape[1] * v_cache.stride(1):
+        raise ValueError("k_cache/v_cache must have stride(0) == block_size * stride(1)")
+    if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
+        raise ValueError("k_cache/v_cache last dim must be contiguous")
+
+
+def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, apply_rope: bool) -> None:
+    if triton is None:
+        raise RuntimeError("triton is not installed; use the ref_ twin on this machine")
+    _check_cache(k_cache, v_cache)
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if v.shape != k.shape or k_cache.shape[2:] != (num_kv_heads, head_dim):
+        raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} and cache {tuple(k_cache.shape)} disagree")
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t is not None and t.stride(-1) != 1:
+            raise ValueError(f"{name} last dim must be contiguous")
+    num_heads = q.shape[1] if q is not None else 1
+    if apply_rope:
+        if cos_sin_cache.shape[-1] != head_dim:
+            raise ValueError(f"cos_sin_cache last dim {cos_sin_cache.shape[-1]} must equal even head_dim {head_dim}")
+        if q.shape[0] != num_tokens or q.shape[2] != head_dim:
+            raise ValueError(f"q {tuple(q.shape)} must be [{num_tokens}, H, {head_dim}]")
+    if head_dim % 2:
+        raise ValueError(f"head_dim must be even, got {head_dim}")
+    if num_tokens == 0:
+        return
+    half = head_dim // 2
+    _rope_cache_kernel[(num_tokens,)](
+        q if apply_rope else k, k, v,
+        positions if apply_rope else slot_mapping,
+        cos_sin_cache if apply_rope else k,
+        k_cache, v_cache, slot_mapping,
+        q.stride(0) if apply_rope else 0, q.stride(1) if apply_rope else 0,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        cos_sin_cache.stride(0) if apply_rope else 0,
+        k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+        num_heads, num_kv_heads,
+        HEAD_DIM=head_dim, HALF=half, HALF_P2=triton.next_power_of_2(max(half, 1)),
+        BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim), APPLY_ROPE=apply_rope, num_warps=4,
+    )
+
+
+def rope_and_cache(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Rotate q and k in place (rotate-half RoPE) and store rotated k and v at their cache slots.
+
+    Args:
+        q: [T, H, D] (modified in place), k: [T, H_kv, D] (modified in place), v: [T, H_kv, D];
+            fp32/fp16/bf16, last dim contiguous.
+        positions: [T] int32/int64 absolute token positions (< max_positions).
+        cos_sin_cache: [max_positions, D] fp32, row = cat(cos(pos*inv_freq), sin(pos*inv_freq)).
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D]; slot s is (s // block_size, s % block_size).
+        slot_mapping: [T] int64 cache slot per token; negative = padding, not written.
+
+    Raises:
+        ValueError: shapes disagree, D odd, or non-contiguous last dims. RuntimeError: triton missing.
+    """
+    _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, apply_rope=True)
+
+
+def store_kv_cache(
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+) -> None:
+    """Write k, v ([T, H_kv, D]) into the paged cache at ``slot_mapping`` ([T] int64; negative = skip)."""
+    _launch(None, k, v, None, None, k_cache, v_cache, slot_mapping, apply_rope=False)

@@ -1,0 +1,21 @@
+"""SwiGLU's gate: silu(gate) * up over a fused gate_up projection (Shazeer 2020)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from roofline.layers import dispatch
+
+
+def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * intermediate] -> [num_tokens, intermediate]."""
+    gate, up = x.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    kernels = dispatch.kernels_for(x)
+    if kernels is not None:
+        return kernels.silu_and_mul(x)
+    return ref_silu_and_mul(x)

