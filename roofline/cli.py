@@ -1,0 +1,63 @@
+"""``roofline {generate, chat, serve, bench, cost, probe}``.
+
+Subcommands live beside what they drive and register themselves through ``add_parser(subparsers)``;
+each module is imported only when its parser is built, and heavy imports happen inside handlers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+# (module, function) pairs that add subcommands; bench subcommands are nested under `roofline bench`.
+_COMMANDS = [
+    ("roofline.commands", "add_generate_parser"),
+    ("roofline.commands", "add_chat_parser"),
+    ("roofline.server.cli", "add_parser"),
+    ("roofline.cost_cli", "add_cost_parser"),
+    ("roofline.cost_cli", "add_probe_parser"),
+]
+_BENCH_COMMANDS = [
+    ("roofline.bench.serve", "add_parser"),
+    ("roofline.bench.decode", "add_parser"),
+    ("roofline.bench.throughput", "add_parser"),
+    ("roofline.bench.attention", "add_parser"),
+]
+
+
+def _register(subparsers: argparse._SubParsersAction, entries: list[tuple[str, str]]) -> None:
+    for module_name, func in entries:
+        try:
+            module = importlib.import_module(module_name)
+        except ModuleNotFoundError as e:
+            if e.name and e.name.startswith("roofline"):
+                continue  # subcommand not built into this checkout
+            raise
+        getattr(module, func)(subparsers)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="roofline", description="LLM inference measured against its floor")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _register(sub, _COMMANDS)
+    bench = sub.add_parser("bench", help="benchmarks (serve, decode, throughput, attention)")
+    bench_sub = bench.add_subparsers(dest="bench_command", required=True)
+    _register(bench_sub, _BENCH_COMMANDS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, FileNotFoundError) as e:
+        print(f"roofline: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

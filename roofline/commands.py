@@ -1,0 +1,167 @@
+"""``roofline generate`` (offline batch, the README's main job) and ``roofline chat`` (interactive)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from roofline.engine.args import EngineArgs
+
+
+def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:
+    g = parser.add_argument_group("sampling")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--min-p", type=float, default=0.0)
+    g.add_argument("--repetition-penalty", type=float, default=1.0)
+    g.add_argument("--presence-penalty", type=float, default=0.0)
+    g.add_argument("--frequency-penalty", type=float, default=0.0)
+    g.add_argument("--max-tokens", type=int, default=max_tokens)
+    g.add_argument("--min-tokens", type=int, default=0)
+    g.add_argument("--n", type=int, default=1)
+    g.add_argument("--stop", action="append", default=None, help="stop string (repeatable)")
+    g.add_argument("--ignore-eos", action="store_true")
+    g.add_argument("--sampling-seed", type=int, default=None, help="per-request seed")
+
+
+def sampling_params_from_args(args: argparse.Namespace, **overrides: Any):
+    from roofline.sampling_params import SamplingParams
+
+    kw = dict(
+        n=args.n, temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+        repetition_penalty=args.repetition_penalty, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens, min_tokens=args.min_tokens,
+        stop=args.stop, ignore_eos=args.ignore_eos, seed=args.sampling_seed,
+    )
+    kw.update(overrides)
+    return SamplingParams(**kw)
+
+
+# ---------------------------------------------------------------------------------------------- generate
+
+
+def add_generate_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="offline batch generation (prompts, a file, or a ShareGPT sample)")
+    EngineArgs.add_cli_args(p)
+    src = p.add_argument_group("prompts (default: --sharegpt 32)")
+    src.add_argument("--prompt", action="append", default=None, help="a prompt (repeatable)")
+    src.add_argument("--prompts-file", default=None, help="one prompt per line, or JSONL with a 'prompt' key")
+    src.add_argument("--sharegpt", type=int, default=None, metavar="N", help="N prompts drawn from ShareGPT")
+    src.add_argument("--dataset-seed", type=int, default=0)
+    src.add_argument("--dataset-output-lens", action="store_true",
+                     help="use ShareGPT's completion lengths as max_tokens (with ignore_eos)")
+    p.add_argument("--chat-template", action="store_true", help="wrap prompts in the model's chat template")
+    p.add_argument("--show", type=int, default=3, help="how many outputs to print")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--floor", choices=["probe", "none"], default="probe",
+                   help="compare the mean decode step with its bound (probe the bandwidth in-process)")
+    p.add_argument("--hardware", default=None, help="probe JSON or preset for the floor instead of probing")
+    add_sampling_args(p)
+    p.set_defaults(func=run_generate)
+
+
+def _read_prompts(path: str) -> list[str]:
+    import json
+    from pathlib import Path
+
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"prompts file {path!r} does not exist")
+    prompts = []
+    for line in file.read_text().splitlines():
+        if not line.strip():
+            continue
+        if path.endswith(".jsonl"):
+            prompts.append(json.loads(line)["prompt"])
+        else:
+            prompts.append(line)
+    return prompts
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from roofline.llm import LLM
+    from roofline.report import print_run_summary
+
+    engine_args = EngineArgs.from_cli_args(args)
+    llm = LLM(**engine_args.to_dict())
+    params_list = None
+    if args.prompt:
+        prompts: list[Any] = list(args.prompt)
+    elif args.prompts_file:
+        prompts = _read_prompts(args.prompts_file)
+    else:
+        from roofline.bench.datasets import sample_sharegpt
+
+        n = args.sharegpt or 32
+        max_len = llm.engine.config.scheduler_config.max_model_len
+        reqs = sample_sharegpt(llm.tokenizer, n, seed=args.dataset_seed,
+                               max_prompt_len=min(1024, max_len // 2), max_total_len=min(2048, max_len))
+        prompts = [r.prompt for r in reqs]
+        if args.dataset_output_lens:
+            params_list = [sampling_params_from_args(args, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
+    if args.chat_template:
+        prompts = [{"prompt_token_ids": llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)} for p in prompts]
+    params = params_list or sampling_params_from_args(args)
+    outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
+    for ro in outputs[: args.show]:
+        prompt = ro.prompt if ro.prompt is not None else f"<{len(ro.prompt_token_ids)} tokens>"
+        print("-" * 80)
+        print(f"prompt ({len(ro.prompt_token_ids)} tokens): {prompt[:200]!r}")
+        if ro.error:
+            print(f"error: {ro.error}")
+        for c in ro.outputs:
+            print(f"output [{c.index}] ({len(c.token_ids)} tokens, finish_reason={c.finish_reason}): {c.text[:400]!r}")
+    errors = [ro for ro in outputs if ro.error]
+    for ro in errors:
+        print(f"request {ro.request_id} rejected: {ro.error}", file=sys.stderr)
+    print("-" * 80)
+    print_run_summary(llm, floor=args.floor, hardware=args.hardware)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- chat
+
+
+def add_chat_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("chat", help="interactive chat with the model's chat template")
+    EngineArgs.add_cli_args(p)
+    p.add_argument("--system", default=None, help="system prompt")
+    add_sampling_args(p, max_tokens=256)
+    p.set_defaults(func=run_chat, temperature=0.7)
+
+
+def run_chat(args: argparse.Namespace) -> int:
+    from roofline.llm import LLM
+
+    llm = LLM(**EngineArgs.from_cli_args(args).to_dict())
+    params = sampling_params_from_args(args)
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    print("roofline chat: type a message; /reset clears the history, /exit or Ctrl-D quits.")
+    while True:
+        try:
+            line = input("> ")
+        except EOFError:
+            print()
+            return 0
+        text = line.strip()
+        if not text:
+            continue
+        if text in ("/exit", "/quit"):
+            return 0
+        if text == "/reset":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": text})
+        out = llm.chat(messages, params, use_tqdm=False)[0]
+        if out.error:
+            print(f"error: {out.error}")
+            messages.pop()
+            continue
+        reply = out.outputs[0].text
+        print(reply)
+        messages.append({"role": "assistant", "content": reply})

@@ -1,0 +1,70 @@
+"""End-of-run summary: throughput, latency, and the mean decode step beside its bound.
+
+The decode-step floor is the bound model's (``roofline.costmodel``): bytes a step must move (every weight
+once, plus the KV cache read at the actual context lengths) over the read bandwidth measured in this
+process (or read from a ``roofline probe`` file), against FLOPs over peak where a peak is known.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def decode_floor(llm: Any, hardware: str | None = None) -> dict[str, Any] | None:
+    """The floor of the last run's mean decode step; None when the run had no decode-only step."""
+    from roofline import costmodel, hardware as hw
+
+    engine = llm.engine
+    runner = engine.runner
+    stats = llm.last_run_stats
+    steps = engine.stats.decode_steps()
+    if stats is None or not steps or stats.mean_decode_step_s is None:
+        return None
+    recent = steps[-max(1, len(steps)):]
+    mean_batch = sum(s.num_seqs for s in recent) / len(recent)
+    mean_ctx = sum(s.context_tokens for s in recent) / len(recent)
+    if hardware:
+        spec = hw.load_hardware(hardware)
+        bandwidth = spec.memory_bandwidth
+        peak = spec.peak_flops_for(str(runner.dtype).removeprefix("torch.")) \
+            if hasattr(spec, "peak_flops_for") else None
+        source = f"{spec.name} ({spec.source})"
+    else:
+        bandwidth = hw.measure_read_bandwidth(str(runner.device))
+        peak = None
+        source = f"read bandwidth measured in-process on {runner.device}"
+    report = costmodel.decode_floor_report(
+        weight_bytes=runner.weight_bytes,
+        kv_bytes_read=mean_ctx * runner.kv_bytes_per_token,
+        flops=2.0 * engine.model_config.num_params * mean_batch,
+        bandwidth_bytes_per_s=bandwidth,
+        peak_flops=peak,
+        measured_step_s=stats.mean_decode_step_s,
+    )
+    report.update(bandwidth_bytes_per_s=bandwidth, bandwidth_source=source, mean_batch=mean_batch,
+                  mean_context_tokens=mean_ctx / max(mean_batch, 1e-9))
+    return report
+
+
+def print_run_summary(llm: Any, floor: str = "probe", hardware: str | None = None) -> None:
+    s = llm.last_run_stats
+    if s is None:
+        return
+    print(f"requests:           {s.num_requests}")
+    print(f"prompt tokens:      {s.num_prompt_tokens}")
+    print(f"generated tokens:   {s.num_output_tokens}")
+    print(f"wall time:          {s.wall_time_s:.2f} s")
+    print(f"output throughput:  {s.output_tok_per_s:.1f} tok/s")
+    if s.mean_ttft_s is not None:
+        print(f"mean TTFT:          {s.mean_ttft_s * 1e3:.1f} ms")
+    if s.mean_tpot_s is not None:
+        print(f"mean TPOT:          {s.mean_tpot_s * 1e3:.1f} ms")
+    print(f"preemptions:        {s.num_preemptions}")
+    if floor == "none" and not hardware:
+        return
+    rep = decode_floor(llm, hardware)
+    if rep is None:
+        return
+    s.decode_floor = rep
+    print(f"bandwidth:          {rep['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({rep['bandwidth_source']})")
+    print(rep["summary"])
