@@ -139,7 +139,7 @@ def build_report(shape: cm.ModelShape, hw: HardwareSpec, formats: list[str], kv_
     e = cm.expected_tokens_per_step(alpha, gamma)
     report: dict[str, Any] = {
         "citations": [cm.PAPER_POPE, cm.PAPER_LEVIATHAN],
-        "note": "every time is a lower bound in seconds, not a latency",
+        "note": "every time (keys ending in _s) is a lower bound in seconds",
         "model": {"name": shape.name, "num_params": shape.num_params, "num_layers": shape.num_layers,
                   "num_kv_heads": shape.num_kv_heads, "head_dim": shape.head_dim,
                   "hidden_size": shape.hidden_size},
@@ -339,9 +339,9 @@ def write_plot(path: str | Path, shape: cm.ModelShape, hw: HardwareSpec, formats
         if cm.min_compute_bound_batch(p, w, kv_seq, bw, peak, 1) is None:
             never.append(f.name)
     if never:
-        ax1.text(0.98, 0.02, f"decode (1 position) never compute-bound for {', '.join(never)}:\n"
-                 "KV bytes per sequence outgrow its FLOPs", transform=ax1.transAxes, ha="right",
-                 va="bottom", fontsize=7)
+        ax1.text(0.02, 0.70, f"decode (1 position) never compute-bound for {', '.join(never)}:\n"
+                 "KV bytes per sequence outgrow its FLOPs", transform=ax1.transAxes, ha="left",
+                 va="top", fontsize=7)
     ax1.axvline(batch, color="grey", linewidth=0.8, linestyle=":")
     ax1.set_xscale("log", base=2)
     ax1.set_yscale("log")

@@ -26,7 +26,6 @@ from typing import Any
 
 SOURCES = ("datasheet", "hypothetical", "measured")
 HARDWARE_JSON_FORMAT = "roofline-hardware/1"
-TB = 1e12
 
 
 @dataclass(frozen=True)
@@ -111,25 +110,25 @@ def _plain(obj: Any) -> Any:
 # Dense peaks (no 2:4 sparsity). Capacities are the datasheet's decimal GB.
 HARDWARE_PRESETS: dict[str, HardwareSpec] = {
     "h100-sxm": HardwareSpec(
-        name="h100-sxm", memory_bandwidth=3.35 * TB,
+        name="h100-sxm", memory_bandwidth=3.35e12,
         peak_flops={"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "int8": 1979e12, "fp32": 67e12},
         memory_capacity=80e9, source="datasheet",
         citation="NVIDIA H100 Tensor Core GPU datasheet, SXM5: 80 GB HBM3 at 3.35 TB/s; dense BF16 989 "
                  "TFLOP/s, FP8 1,979 TFLOP/s (sparsity figures halved)"),
     "h200": HardwareSpec(
-        name="h200", memory_bandwidth=4.8 * TB,
+        name="h200", memory_bandwidth=4.8e12,
         peak_flops={"bf16": 989e12, "fp16": 989e12, "fp8": 1979e12, "int8": 1979e12, "fp32": 67e12},
         memory_capacity=141e9, source="datasheet",
         citation="NVIDIA H200 Tensor Core GPU datasheet, SXM: 141 GB HBM3e at 4.8 TB/s; dense BF16 989 "
                  "TFLOP/s, FP8 1,979 TFLOP/s (sparsity figures halved)"),
     "a100-80gb": HardwareSpec(
-        name="a100-80gb", memory_bandwidth=2.039 * TB,
+        name="a100-80gb", memory_bandwidth=2.039e12,
         peak_flops={"bf16": 312e12, "fp16": 312e12, "int8": 624e12, "fp32": 19.5e12},
         memory_capacity=80e9, source="datasheet",
         citation="NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM: HBM2e at 2,039 GB/s; dense BF16 312 "
                  "TFLOP/s, INT8 624 TOPS"),
     "worksheet": HardwareSpec(
-        name="worksheet", memory_bandwidth=3.0 * TB, peak_flops={"bf16": 1000e12, "fp16": 1000e12},
+        name="worksheet", memory_bandwidth=3.0e12, peak_flops={"bf16": 1000e12, "fp16": 1000e12},
         memory_capacity=None, source="hypothetical",
         citation="hypothetical round-number device of the published bound-model worksheet: 3.0 TB/s, "
                  "1,000 TFLOP/s"),

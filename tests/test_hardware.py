@@ -1,0 +1,120 @@
+"""Hardware presets, the probe JSON round trip and the in-process read-bandwidth measurement (CPU)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import time
+
+import pytest
+
+from roofline.cost_cli import add_cost_parser, add_probe_parser
+from roofline.hardware import HARDWARE_PRESETS, HardwareSpec, load_hardware, measure_read_bandwidth, probe
+
+
+def run_cli(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="roofline")
+    sub = parser.add_subparsers(dest="command", required=True)
+    add_cost_parser(sub)
+    add_probe_parser(sub)
+    args = parser.parse_args(argv)
+    return args.func(args)
+
+
+@pytest.mark.parametrize(
+    "name, bw, bf16, capacity, source",
+    [
+        ("h100-sxm", 3.35e12, 989e12, 80e9, "datasheet"),
+        ("h200", 4.8e12, 989e12, 141e9, "datasheet"),
+        ("a100-80gb", 2.039e12, 312e12, 80e9, "datasheet"),
+        ("worksheet", 3.0e12, 1000e12, None, "hypothetical"),
+    ],
+)
+def test_presets(name, bw, bf16, capacity, source):
+    hw = load_hardware(name)
+    assert (hw.memory_bandwidth, hw.peak("bf16"), hw.memory_capacity, hw.source) == (bw, bf16, capacity, source)
+    assert hw.peak("fp16") == bf16
+    assert hw.citation
+
+
+def test_spec_is_frozen_and_validated():
+    hw = HARDWARE_PRESETS["h200"]
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        hw.memory_bandwidth = 1.0  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        hw.peak_flops["bf16"] = 1.0  # type: ignore[index]
+    with pytest.raises(ValueError, match=r"source must be one of datasheet, hypothetical, measured; got 'guess'"):
+        HardwareSpec("x", 1e12, {"bf16": 1e15}, None, "guess", "")
+    with pytest.raises(ValueError, match=r"memory_bandwidth must be .* > 0, got -1.0"):
+        HardwareSpec("x", -1.0, {"bf16": 1e15}, None, "hypothetical", "")
+    with pytest.raises(ValueError, match=r"peak_flops\['fp8'\] must be a finite FLOP/s > 0, got 0"):
+        HardwareSpec("x", 1e12, {"fp8": 0}, None, "hypothetical", "")
+    with pytest.raises(ValueError, match=r"a100-80gb has no peak FLOP/s for dtype 'fp8'; known: bf16, fp16, int8, fp32"):
+        HARDWARE_PRESETS["a100-80gb"].peak("fp8")
+
+
+def test_load_hardware_errors(tmp_path):
+    with pytest.raises(ValueError, match=r"unknown hardware 'b200'; known presets: h100-sxm, h200, a100-80gb"):
+        load_hardware("b200")
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match=r"cannot read hardware JSON"):
+        load_hardware(str(bad))
+    bad.write_text(json.dumps({"name": "x"}))
+    with pytest.raises(ValueError, match=r"hardware JSON lacks key 'memory_bandwidth_bytes_per_s'"):
+        load_hardware(str(bad))
+
+
+def test_round_trip(tmp_path):
+    path = tmp_path / "h200.json"
+    HARDWARE_PRESETS["h200"].save(path)
+    assert load_hardware(str(path)) == HARDWARE_PRESETS["h200"]
+
+
+def test_measure_read_bandwidth_cpu_fast():
+    t0 = time.perf_counter()
+    bw = measure_read_bandwidth("cpu", size_bytes=64 * 2**20, rounds=3)
+    assert time.perf_counter() - t0 < 2.0
+    assert 1e8 < bw < 1e13  # 0.1 GB/s .. 10 TB/s: a real CPU memory system
+    with pytest.raises(ValueError, match=r"rounds must be an integer >= 1, got 0"):
+        measure_read_bandwidth("cpu", rounds=0)
+    with pytest.raises(ValueError, match=r"device must be 'auto', 'cpu' or 'cuda\[:N\]', got 'tpu'"):
+        measure_read_bandwidth("tpu")
+
+
+def test_probe_cpu_tiny():
+    spec = probe("cpu", rounds=2, size_bytes=4 * 2**20, gemm_n=64)
+    d = spec.details
+    assert spec.source == "measured" and d["device"] == "cpu" and d["rounds"] == 2
+    assert len(d["read_round_s"]) == 2 and len(d["copy_round_s"]) == 2
+    assert spec.memory_bandwidth == d["read_bytes_per_s"] > 0 and d["copy_bytes_per_s"] > 0
+    assert d["buffer_bytes"] == 4 * 2**20 and d["gemm_n"] == 64
+    assert {"bf16", "fp16", "fp32"} <= set(spec.peak_flops)
+    for dtype in ("fp8", "int8"):  # measured or recorded as unsupported, never silently missing
+        assert dtype in spec.peak_flops or "unsupported" in d["gemm"][dtype]
+    assert d["versions"]["torch"] and d["date"][:2] == "20"
+    assert spec.memory_capacity is None or spec.memory_capacity > 2**30
+
+
+def test_probe_cli_json_feeds_cost(tmp_path, capsys):
+    out = tmp_path / "probe.json"
+    assert run_cli(["probe", "--device", "cpu", "--rounds", "2", "--size-mb", "4", "--gemm-n", "64",
+                    "--output", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "read" in printed and "GB/s" in printed and f"wrote {out}" in printed
+    data = json.loads(out.read_text())
+    assert data["format"] == "roofline-hardware/1" and data["source"] == "measured"
+    assert data["details"]["device_name"] and data["details"]["versions"]["torch"]
+    assert run_cli(["cost", "--model", "smollm2-135m", "--hardware", str(out), "--format", "bf16",
+                    "--batch", "1", "--context", "0", "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["hardware"]["source"] == "measured"
+    p = r["model"]["num_params"]
+    expected = max(2 * p / data["memory_bandwidth_bytes_per_s"], 2 * p / data["peak_flops"]["bf16"])
+    assert r["formats"][0]["step_lower_bound_s"] == pytest.approx(expected)
+
+
+def test_probe_cli_bad_rounds(capsys):
+    assert run_cli(["probe", "--device", "cpu", "--rounds", "0"]) == 2
+    assert "roofline probe: error: rounds must be an integer >= 1, got 0" in capsys.readouterr().err
