@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import time
 
 import pytest
 
@@ -72,10 +71,10 @@ def test_round_trip(tmp_path):
     assert load_hardware(str(path)) == HARDWARE_PRESETS["h200"]
 
 
-def test_measure_read_bandwidth_cpu_fast():
-    t0 = time.perf_counter()
-    bw = measure_read_bandwidth("cpu", size_bytes=64 * 2**20, rounds=3)
-    assert time.perf_counter() - t0 < 2.0
+def test_measure_read_bandwidth_cpu_defaults():
+    # Defaults: 256 MiB (8x a 32 MiB L3), one warm-up + 5 rounds: about 0.3 s on an idle 2-core CPU.
+    # Not asserted as a time: CI machines are shared (benchmarks are not timed tests).
+    bw = measure_read_bandwidth("cpu")
     assert 1e8 < bw < 1e13  # 0.1 GB/s .. 10 TB/s: a real CPU memory system
     with pytest.raises(ValueError, match=r"rounds must be an integer >= 1, got 0"):
         measure_read_bandwidth("cpu", rounds=0)
