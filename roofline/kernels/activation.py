@@ -27,12 +27,12 @@ def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 if triton is not None:
 
     @triton.jit
-    def _silu_and_mul_kernel(X, Out, stride_x, stride_o, I, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(X, Out, stride_x, stride_o, inter, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-        mask = cols < I
+        mask = cols < inter
         g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-        u = tl.load(X + row * stride_x + I + cols, mask=mask, other=0.0)
+        u = tl.load(X + row * stride_x + inter + cols, mask=mask, other=0.0)
         gf = g.to(tl.float32)
         act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # silu rounded to the input dtype, as torch's F.silu
         out = act.to(tl.float32) * u.to(tl.float32)

@@ -42,7 +42,7 @@ if triton is not None:
 
     @triton.jit
     def _attend_tile(
-        acc, l_i, m_i, q, k_base, v_base, bt_row, start_n, offs_m_pos, seq_len,
+        acc, l_i, m_i, q, k_base, v_base, bt_row, start_n, offs_m_pos, seq_len, scale_log2e,
         stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
         MASKED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -70,7 +70,9 @@ if triton is not None:
             kt = tl.load(kt_ptrs, mask=dmask[:, None], other=0.0)
         else:
             kt = tl.load(kt_ptrs)
-        qk = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N], log2-scaled via q
+        # Scores in log2 units: scale*log2(e) is applied in fp32 after the dot (exact q operands), and the
+        # softmax uses exp2 (one MUFU op) instead of exp.
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
         if MASKED:
             causal = (offs_n[None, :] <= offs_m_pos[:, None]) & (offs_n[None, :] < seq_len)
             qk = tl.where(causal, qk, float("-inf"))
@@ -117,8 +119,6 @@ if triton is not None:
         q_rows = (q_start + offs_m).to(tl.int64)
         q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                     mask=mmask[:, None] & dmask[None, :], other=0.0)
-        # Fold scale*log2(e) into q once (BLOCK_M*D multiplies instead of BLOCK_M*seq_len), then exp2.
-        q = (q.to(tl.float32) * scale_log2e).to(q.dtype)
 
         kv_head = head // GROUP
         k_base = KC + kv_head * stride_kh
@@ -134,14 +134,14 @@ if triton is not None:
         full_end = ((ctx + m0 + 1) // BLOCK_N) * BLOCK_N
         for start_n in range(0, full_end, BLOCK_N):
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, k_base, v_base, bt_row, start_n, offs_m_pos, seq_len,
+                acc, l_i, m_i, q, k_base, v_base, bt_row, start_n, offs_m_pos, seq_len, scale_log2e,
                 stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
                 False, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
         # Diagonal band: keys up to the tile's last row (or the sequence end), causal mask.
         band_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
         for start_n in range(full_end, band_end, BLOCK_N):
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, k_base, v_base, bt_row, start_n, offs_m_pos, seq_len,
+                acc, l_i, m_i, q, k_base, v_base, bt_row, start_n, offs_m_pos, seq_len, scale_log2e,
                 stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
                 True, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
 
@@ -155,11 +155,11 @@ def default_prefill_config(head_dim: int, dtype: torch.dtype, on_cuda: bool) -> 
     """Tile sizes and launch parameters: small tiles under the interpreter, measured ones on the H200."""
     if not on_cuda:
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
+    if dtype == torch.float32 or head_dim > 128:  # fp32 / wide tiles: keep shared memory under 228 KB
+        return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
     if head_dim <= 64:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
-    if head_dim <= 128:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
-    return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
+    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
 
 
 def paged_prefill_attention(

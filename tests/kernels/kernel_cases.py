@@ -1,0 +1,85 @@
+"""Case builders and float64 references shared by the kernel tests (see conftest.py for the interpreter).
+
+bf16 is wrong under the Triton interpreter, so bf16 cases are GPU-only (``gpu_only`` marks).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from roofline.layers.attention import AttentionMetadata
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+# Relative-error bounds ||out - ref|| / ||ref|| by operand dtype (issue 5).
+TOL = {torch.float32: 1e-5, torch.float16: 1e-3, torch.bfloat16: 1e-2}
+gpu_only = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+# CPU interpreter: fp32/fp16 at small shapes; bf16 on the GPU only.
+DTYPES = [torch.float32, torch.float16, pytest.param(torch.bfloat16, marks=gpu_only, id="bfloat16")]
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64; NaN/inf anywhere in out gives inf (never passes)."""
+    out64, ref64 = out.double(), ref.double()
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    return float((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30))
+
+
+def make_paged_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed=0):
+    """Random paged KV cache + queries + AttentionMetadata; blocks are shuffled so tables are non-trivial.
+
+    Returns (q [T, H, D], k_cache, v_cache [num_blocks, block_size, H_kv, D], meta).
+    """
+    g = torch.Generator().manual_seed(seed)
+    nblocks = [(s + block_size - 1) // block_size for s in seq_lens]
+    total = sum(nblocks) + 3  # a few blocks nobody owns: reading them would be a bug
+    perm = torch.randperm(total, generator=g)
+    max_blocks = max(nblocks) + 1  # padded column of zeros
+    tables = torch.zeros(len(seq_lens), max_blocks, dtype=torch.int32)
+    slots = []
+    pos = 0
+    for i, (nb, q_len, s) in enumerate(zip(nblocks, q_lens, seq_lens, strict=True)):
+        tables[i, :nb] = perm[pos:pos + nb].to(torch.int32)
+        pos += nb
+        for p in range(s - q_len, s):
+            slots.append(int(tables[i, p // block_size]) * block_size + p % block_size)
+    k_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(total, block_size, num_kv_heads, head_dim, generator=g).to(dtype)
+    q = torch.randn(sum(q_lens), num_heads, head_dim, generator=g).to(dtype)
+    qsl = torch.tensor([0] + list(torch.tensor(q_lens).cumsum(0)), dtype=torch.int32)
+    meta = AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64, device=DEVICE),
+        query_start_loc=qsl.to(DEVICE),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
+        block_tables=tables.to(DEVICE),
+        max_query_len=max(q_lens),
+        max_seq_len=max(seq_lens),
+        seq_lens_cpu=list(seq_lens),
+        query_lens_cpu=list(q_lens),
+    )
+    return q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), meta
+
+
+def attention_f64(q, k_cache, v_cache, meta, scale) -> torch.Tensor:
+    """float64 paged causal attention (independent of ref_paged_attention): [T, H, D] float64."""
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.empty(q.shape, dtype=torch.float64)
+    tables = meta.block_tables.cpu().long()
+    flat_k = k_cache.reshape(-1, num_kv_heads, head_dim).double().cpu()
+    flat_v = v_cache.reshape(-1, num_kv_heads, head_dim).double().cpu()
+    start = 0
+    for i, (q_len, s) in enumerate(zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True)):
+        pos = torch.arange(s)
+        slots = tables[i, pos // block_size] * block_size + pos % block_size
+        k = flat_k[slots].repeat_interleave(group, dim=1)  # [s, H, D]
+        v = flat_v[slots].repeat_interleave(group, dim=1)
+        qi = q[start:start + q_len].double().cpu()
+        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale
+        q_pos = torch.arange(s - q_len, s)[:, None]
+        scores.masked_fill_(torch.arange(s)[None, :] > q_pos, float("-inf"))
+        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+        start += q_len
+    return out
