@@ -69,7 +69,9 @@ class SamplingParams:
             self.stop = []
         else:
             if not isinstance(self.stop, (list, tuple)):
-                raise ValueError(f"stop must be a string or a list of strings, got {type(self.stop).__name__}")
+                raise ValueError(
+                    f"stop must be a string or a list of strings, got {self.stop!r} of type {type(self.stop).__name__}"
+                )
             self.stop = list(self.stop)
         for s in self.stop:
             if not isinstance(s, str):
@@ -81,7 +83,8 @@ class SamplingParams:
         else:
             if not isinstance(self.stop_token_ids, (list, tuple)):
                 raise ValueError(
-                    f"stop_token_ids must be a list of ints, got {type(self.stop_token_ids).__name__}"
+                    f"stop_token_ids must be a list of ints, got {self.stop_token_ids!r} of type "
+                    f"{type(self.stop_token_ids).__name__}"
                 )
             self.stop_token_ids = list(self.stop_token_ids)
             for t in self.stop_token_ids:
@@ -95,8 +98,8 @@ class SamplingParams:
 
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", self.n, ">= 1")
-        if self.temperature < 0.0:
-            raise bad("temperature", self.temperature, ">= 0")
+        if not 0.0 <= self.temperature < float("inf"):  # also rejects NaN
+            raise bad("temperature", self.temperature, "finite and >= 0")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "in (0, 1]")
         if self.top_k == 0:
@@ -117,10 +120,8 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, ">= 0")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise bad("logprobs", self.logprobs, ">= 0")
-        if self.logprobs is not None and self.logprobs > 20:
-            raise bad("logprobs", self.logprobs, "<= 20")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise bad("logprobs", self.logprobs, "None or in [0, 20]")
         if self.prompt_logprobs is not None:
             raise ValueError(f"prompt_logprobs is not supported yet, got {self.prompt_logprobs!r}; use None")
         if self.seed is not None and not isinstance(self.seed, int):

@@ -7,7 +7,7 @@ later); a block returns to the free list only when its count reaches zero.
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 
 from roofline.engine.sequence import Sequence
 
@@ -66,10 +66,15 @@ class BlockManager:
         return new
 
     def free(self, seq: Sequence) -> None:
-        """Drop ``seq``'s references; blocks whose count reaches zero return to the free list."""
-        for b in seq.block_table:
-            if self.ref_counts[b] <= 0:
+        """Drop ``seq``'s references; blocks whose count reaches zero return to the free list.
+
+        Raises:
+            RuntimeError: a block in the table is not held that often (a double free); nothing changes then.
+        """
+        for b, n in Counter(seq.block_table).items():
+            if self.ref_counts[b] < n:
                 raise RuntimeError(f"double free of block {b}")
+        for b in seq.block_table:
             self.ref_counts[b] -= 1
             if self.ref_counts[b] == 0:
                 self.free_block_ids.append(b)

@@ -94,7 +94,9 @@ def apply_top_k_top_p_min_p(
     if top_ps is not None:
         probs = sorted_logits.masked_fill(mask, float("-inf")).softmax(dim=-1)
         cum_before = probs.cumsum(dim=-1) - probs  # mass strictly above each token
-        mask |= cum_before >= top_ps[:, None]
+        # top_p == 1 (a row that does not use it) masks nothing: the fp32 cumsum of a peaked row reaches
+        # 1.0 before its tail, which would otherwise be cut depending on the other rows in the batch.
+        mask |= (cum_before >= top_ps[:, None]) & (top_ps[:, None] < 1.0)
         mask[:, 0] = False  # always keep the most likely token
     return logits.masked_fill(mask.scatter(1, sorted_idx, mask), float("-inf"))
 

@@ -1,0 +1,172 @@
+"""Property tests: random add / step / abort sequences never leak or double-free a KV block.
+
+A hypothesis state machine drives a Scheduler on a small pool (often too small, so preemption happens)
+the way the engine does: schedule, run (fake sampled tokens), update, finish on max_tokens /
+max_model_len or at random, and abort at random, also between schedule and update. After every
+operation the block manager's books must match the live block tables exactly, and at the end, once
+every sequence has finished, every block must be free again.
+"""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
+
+from roofline.config import SchedulerConfig
+from roofline.engine.block_manager import BlockManager
+from roofline.engine.scheduler import Scheduler
+from roofline.engine.sequence import Sequence, SequenceStatus
+from roofline.sampling_params import SamplingParams
+
+MAX_DRAIN_STEPS = 2000
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(
+        block_size=st.sampled_from([1, 2, 4]),
+        max_model_len=st.integers(4, 24),
+        extra_blocks=st.integers(0, 4),
+        budget=st.integers(1, 16),
+        max_num_seqs=st.integers(1, 4),
+        chunked=st.booleans(),
+    )
+    def setup(self, block_size, max_model_len, extra_blocks, budget, max_num_seqs, chunked):
+        if not chunked:
+            budget = max(budget, max_model_len)  # SchedulerConfig requires it
+        # The engine guarantees the pool holds at least one sequence of max_model_len tokens.
+        num_blocks = -(-max_model_len // block_size) + extra_blocks
+        self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
+                                      max_model_len=max_model_len, enable_chunked_prefill=chunked)
+        self.bm = BlockManager(num_blocks, block_size)
+        self.sched = Scheduler(self.config, self.bm)
+        self.seqs: list[Sequence] = []
+        self.clock = 0.0
+
+    # ------------------------------------------------------------------------------ helpers
+
+    def live(self) -> list[Sequence]:
+        return list(self.sched.running) + list(self.sched.waiting)
+
+    def stop_status(self, seq: Sequence) -> SequenceStatus | None:
+        """The engine's length rules (``LLMEngine._check_stop``)."""
+        if seq.num_output_tokens >= seq.sampling_params.max_tokens:
+            return SequenceStatus.FINISHED_LENGTH
+        if seq.num_tokens >= self.config.max_model_len:
+            return SequenceStatus.FINISHED_LENGTH
+        return None
+
+    def one_step(self, data: st.DataObject | None) -> None:
+        before = {s.seq_id: (s.num_computed_tokens, s.num_tokens) for s in self.sched.running}
+        out = self.sched.schedule()
+        assert out.num_batched_tokens <= self.config.max_num_batched_tokens
+        assert len(self.sched.running) <= self.config.max_num_seqs
+        ids = [s.seq.seq_id for s in out.scheduled]
+        assert len(ids) == len(set(ids)), "a sequence scheduled twice in one step"
+        assert all(s.num_scheduled_tokens >= 1 for s in out.scheduled)
+        for s in out.scheduled:
+            seq = s.seq
+            assert seq in self.sched.running
+            assert seq not in out.preempted
+            # The chunk's KV slots are allocated before the runner writes them.
+            end = seq.num_computed_tokens + s.num_scheduled_tokens
+            assert end <= seq.num_tokens
+            assert len(seq.block_table) * self.bm.block_size >= end
+            if not self.config.enable_chunked_prefill:
+                assert s.samples, "without chunked prefill every chunk reaches the end"
+        # Decodes (1 token, already running before this step) are scheduled before any prefill chunk.
+        kinds = [s.seq.seq_id in before and before[s.seq.seq_id][1] - before[s.seq.seq_id][0] == 1
+                 for s in out.scheduled]
+        assert kinds == sorted(kinds, reverse=True), "a prefill was scheduled before a decode"
+        for victim in out.preempted:
+            assert victim.status == SequenceStatus.PREEMPTED
+            assert victim.block_table == [] and victim.num_computed_tokens == 0
+            assert victim in self.sched.waiting
+        samples = {s.seq.seq_id: s.samples for s in out.scheduled}
+        if data is not None and out.scheduled and data.draw(st.booleans(), label="abort mid-step"):
+            i = data.draw(st.integers(0, len(out.scheduled) - 1), label="abort which")
+            self.sched.finish(out.scheduled[i].seq, SequenceStatus.FINISHED_ABORTED)
+        sampled = {sid: (data.draw(st.integers(0, 99), label="token") if data is not None else 0)
+                   for sid, smp in samples.items() if smp}
+        got = self.sched.update(out, sampled, now=self.clock)
+        assert {s.seq_id for s in got} == {s.seq.seq_id for s in out.scheduled
+                                           if samples[s.seq.seq_id] and not s.seq.is_finished}
+        for seq in got:
+            assert seq.output_token_ids[-1] == sampled[seq.seq_id]
+            status = self.stop_status(seq)
+            if status is None and data is not None and data.draw(st.integers(0, 9), label="stop") == 0:
+                status = SequenceStatus.FINISHED_STOPPED  # e.g. EOS or a stop string
+            if status is not None:
+                self.sched.finish(seq, status)
+
+    # ------------------------------------------------------------------------------ rules
+
+    @rule(num_prompt_tokens=st.integers(1, 23), max_tokens=st.integers(1, 8), n=st.integers(1, 2))
+    def add(self, num_prompt_tokens, max_tokens, n):
+        num_prompt_tokens = min(num_prompt_tokens, self.config.max_model_len - 1)  # engine validation
+        self.clock += 1.0
+        for index in range(n):  # n samples of one request share the arrival time
+            seq = Sequence(f"r{len(self.seqs)}", list(range(1, num_prompt_tokens + 1)),
+                           SamplingParams(max_tokens=max_tokens), index=index, arrival_time=self.clock)
+            self.sched.add(seq)
+            self.seqs.append(seq)
+
+    @rule(data=st.data())
+    def step(self, data):
+        self.one_step(data)
+
+    @precondition(lambda self: self.sched.has_unfinished())
+    @rule(data=st.data())
+    def abort(self, data):
+        live = self.live()
+        seq = live[data.draw(st.integers(0, len(live) - 1), label="abort which")]
+        self.sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
+        assert seq.is_finished and seq.block_table == []
+
+    # ------------------------------------------------------------------------------ invariants
+
+    @invariant()
+    def books_balance(self):
+        self.bm.check_invariants(self.live())
+
+    @invariant()
+    def queues_are_consistent(self):
+        running, waiting = self.sched.running, list(self.sched.waiting)
+        assert not set(map(id, running)) & set(map(id, waiting))
+        for seq in running:
+            assert seq.status == SequenceStatus.RUNNING
+            assert seq.num_computed_tokens <= seq.num_tokens
+            # The block table covers every computed token (and no more than one partial block past it).
+            assert len(seq.block_table) * self.bm.block_size >= seq.num_computed_tokens
+            assert len(seq.block_table) == self.bm.num_blocks_needed(seq.num_computed_tokens)
+            assert seq.num_uncomputed_tokens >= 1  # a running sequence always has a token to compute
+        for seq in waiting:
+            assert seq.status in (SequenceStatus.WAITING, SequenceStatus.PREEMPTED)
+            assert seq.block_table == [] and seq.num_computed_tokens == 0
+        for seq in self.seqs:
+            if seq.is_finished:
+                assert seq.block_table == []
+                assert seq not in running and seq not in waiting
+            assert seq.num_tokens <= self.config.max_model_len
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        # Everything drains (no livelock), then every block is free again.
+        for _ in range(MAX_DRAIN_STEPS):
+            if not self.sched.has_unfinished():
+                break
+            self.one_step(None)
+            self.bm.check_invariants(self.live())
+        assert not self.sched.has_unfinished(), "sequences never finished"
+        assert all(s.is_finished and s.block_table == [] for s in self.seqs)
+        assert self.bm.num_free_blocks == self.bm.num_blocks
+        assert sorted(self.bm.free_block_ids) == list(range(self.bm.num_blocks))
+        assert self.bm.ref_counts == [0] * self.bm.num_blocks
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=150, stateful_step_count=40, deadline=None, derandomize=True,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestScheduler = SchedulerMachine.TestCase
