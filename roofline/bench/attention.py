@@ -224,19 +224,24 @@ def run_attention_bench(args: argparse.Namespace) -> int:
     torch.manual_seed(0)
     bw = measure_read_bandwidth_cuda()
     log(f"read bandwidth {bw['read_bytes_per_s'] / 1e12:.2f} TB/s, copy {bw['copy_bytes_per_s'] / 1e12:.2f} TB/s")
-    prefill_cfgs = None
+    prefill_cfgs = tma_cfgs = None
     if args.sweep:
         prefill_cfgs = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)
-                        for m, n, w, s in [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
-                                           (128, 32, 4, 4), (128, 128, 8, 2), (64, 128, 4, 3), (128, 64, 8, 4)]]
+                        for m, n, w, s in [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3),
+                                           (128, 128, 8, 2), (128, 32, 4, 4)]]
+        prefill_cfgs += [dict(BLOCK_M=128, BLOCK_N=n, num_warps=w, num_stages=3, WARP_SPEC=True)
+                         for n, w in [(128, 8), (64, 4)]]
+        tma_cfgs = [dict(c, USE_TMA=True) for c in prefill_cfgs[:3] + prefill_cfgs[-2:]] + prefill_cfgs[:1]
     prefill = bench_prefill(_parse_ints(args.seqs), args.tokens, 32, 8, 128, args.block_size, prefill_cfgs, log)
     if args.sweep and args.block_size != 256:
-        prefill += bench_prefill([8192], args.tokens, 32, 8, 128, 256, prefill_cfgs[:3], log)
+        prefill += bench_prefill([8192], args.tokens, 32, 8, 128, 256, tma_cfgs, log)
     sweep = None
     if args.sweep:
-        sweep = {(8, 32768): [dict(num_splits=s) for s in (4, 8, 16, 32)]
+        sweep = {(8, 32768): [dict(num_splits=s) for s in (8, 16, 32, 64)]
                  + [dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in
-                    [(32, 4, 2), (64, 4, 3), (64, 8, 2), (128, 4, 2), (128, 8, 2), (64, 4, 4)]]}
+                    [(32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 3), (64, 4, 4)]],
+                 (1, 32768): [dict(num_splits=s) for s in (16, 32, 64, 128)],
+                 (1, 131072): [dict(num_splits=s) for s in (32, 64, 128)]}
     decode = bench_decode(_parse_ints(args.batches), _parse_ints(args.ctxs), 32, 8, 128, args.block_size,
                           bw["read_bytes_per_s"], args.max_gib * 2**30, sweep, log)
 

@@ -42,56 +42,70 @@ if triton is not None:
 
     @triton.jit
     def _attend_tile(
-        acc, l_i, m_i, q, k_base, v_base, bt_row, start_n, offs_m_pos, seq_len, scale_log2e,
-        stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
+        acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_col, bt_row, start_n, offs_m_pos, seq_len,
+        scale_log2e, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
         MASKED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
     ):
         offs_n = start_n + tl.arange(0, BLOCK_N)
-        if PAGE % BLOCK_N == 0:
-            # The whole tile lies inside one cache block: one block-table read, strided rows.
-            page = tl.load(bt_row + start_n // PAGE).to(tl.int64)
-            k_rows = page * stride_kb + (offs_n % PAGE) * stride_ks
-            v_rows = page * stride_vb + (offs_n % PAGE) * stride_vs
+        nmask = offs_n < seq_len
+        if USE_TMA:
+            # PAGE % BLOCK_N == 0: the tile is BLOCK_N consecutive rows of one block -> one bulk tensor copy
+            # (cp.async.bulk.tensor) per operand, over the cache viewed as [num_slots, H_kv * D].
+            page = tl.load(bt_row + start_n // PAGE)
+            row = page * PAGE + start_n % PAGE
+            kt = k_desc.load([row, kv_col]).T  # [BLOCK_D, BLOCK_N]
         else:
-            if MASKED:
-                page = tl.load(bt_row + offs_n // PAGE, mask=offs_n < seq_len, other=0).to(tl.int64)
+            if PAGE % BLOCK_N == 0:
+                # The whole tile lies inside one cache block: one block-table read, strided rows.
+                page = tl.load(bt_row + start_n // PAGE).to(tl.int64)
+            elif MASKED:
+                page = tl.load(bt_row + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)
             else:
                 page = tl.load(bt_row + offs_n // PAGE).to(tl.int64)  # [BLOCK_N] one entry per key
             k_rows = page * stride_kb + (offs_n % PAGE) * stride_ks
             v_rows = page * stride_vb + (offs_n % PAGE) * stride_vs
-        # K^T tile [BLOCK_D, BLOCK_N] (loaded transposed so the dot needs no register shuffle)
-        kt_ptrs = k_base + k_rows[None, :] + offs_d[:, None]
-        v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
+            # K^T tile [BLOCK_D, BLOCK_N] (loaded transposed so the dot needs no register shuffle)
+            kt_ptrs = k_base + k_rows[None, :] + offs_d[:, None]
+            v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
+            if MASKED:
+                kt = tl.load(kt_ptrs, mask=nmask[None, :] & dmask[:, None], other=0.0)
+            elif BLOCK_D != HEAD_DIM:
+                kt = tl.load(kt_ptrs, mask=dmask[:, None], other=0.0)
+            else:
+                kt = tl.load(kt_ptrs)
+        # Scores in log2 units: scale*log2(e) is applied in fp32 after the dot (exact q operands), fused
+        # with the max subtraction into one FMA, and the softmax uses exp2 (one MUFU op) instead of exp.
+        qk = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         if MASKED:
-            nmask = offs_n < seq_len
-            kt = tl.load(kt_ptrs, mask=nmask[None, :] & dmask[:, None], other=0.0)
-        elif BLOCK_D != HEAD_DIM:
-            kt = tl.load(kt_ptrs, mask=dmask[:, None], other=0.0)
+            causal = (offs_n[None, :] <= offs_m_pos[:, None]) & nmask[None, :]
+            qk = tl.where(causal, qk * scale_log2e, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            qk = qk - m_new[:, None]
         else:
-            kt = tl.load(kt_ptrs)
-        # Scores in log2 units: scale*log2(e) is applied in fp32 after the dot (exact q operands), and the
-        # softmax uses exp2 (one MUFU op) instead of exp.
-        qk = tl.dot(q, kt, input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_M, BLOCK_N]
-        if MASKED:
-            causal = (offs_n[None, :] <= offs_m_pos[:, None]) & (offs_n[None, :] < seq_len)
-            qk = tl.where(causal, qk, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale_log2e)
+            qk = qk * scale_log2e - m_new[:, None]
+        p = tl.exp2(qk)
         alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        if MASKED:
+        acc = acc * alpha[:, None]
+        if USE_TMA:
+            v = v_desc.load([row, kv_col])  # [BLOCK_N, BLOCK_D]
+            if MASKED:  # rows past seq_len are stale cache slots (maybe NaN): p = 0 there, v must be finite
+                v = tl.where(nmask[:, None], v, 0.0)
+        elif MASKED:
             v = tl.load(v_ptrs, mask=nmask[:, None] & dmask[None, :], other=0.0)
         elif BLOCK_D != HEAD_DIM:
             v = tl.load(v_ptrs, mask=dmask[None, :], other=0.0)
         else:
             v = tl.load(v_ptrs)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        # Accumulate in place (the MMA's C operand is acc): no second [BLOCK_M, D] register tile.
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         return acc, l_i, m_new
 
     @triton.jit
     def _prefill_kernel(
-        Q, KC, VC, Out, BlockTables, QueryStartLoc, SeqLens,
+        Q, KC, VC, Out, BlockTables, QueryStartLoc, SeqLens, KDesc, VDesc,
         scale_log2e,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh,
@@ -100,6 +114,7 @@ if triton is not None:
         GROUP: tl.constexpr, PAGE: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
     ):
         seq = tl.program_id(1)
         head = tl.program_id(2)
@@ -118,11 +133,12 @@ if triton is not None:
         dmask = offs_d < HEAD_DIM
         q_rows = (q_start + offs_m).to(tl.int64)
         q = tl.load(Q + q_rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
-                    mask=mmask[:, None] & dmask[None, :], other=0.0)
+                    mask=mmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_M, BLOCK_D]
 
         kv_head = head // GROUP
         k_base = KC + kv_head * stride_kh
         v_base = VC + kv_head * stride_vh
+        kv_col = kv_head * HEAD_DIM  # column of this kv head in the [num_slots, H_kv * D] view (TMA)
         bt_row = BlockTables + seq.to(tl.int64) * stride_bt
         offs_m_pos = ctx + offs_m  # absolute positions of this tile's queries
 
@@ -132,18 +148,25 @@ if triton is not None:
 
         # Keys < ctx + m0 + 1 are visible to every row of the tile: no mask.
         full_end = ((ctx + m0 + 1) // BLOCK_N) * BLOCK_N
-        for start_n in range(0, full_end, BLOCK_N):
-            acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, k_base, v_base, bt_row, start_n, offs_m_pos, seq_len, scale_log2e,
-                stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
-                False, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+        if WARP_SPEC:
+            for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=True):
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, q, k_base, v_base, KDesc, VDesc, kv_col, bt_row, start_n, offs_m_pos,
+                    seq_len, scale_log2e, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
+                    False, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, USE_TMA)
+        else:
+            for start_n in range(0, full_end, BLOCK_N):
+                acc, l_i, m_i = _attend_tile(
+                    acc, l_i, m_i, q, k_base, v_base, KDesc, VDesc, kv_col, bt_row, start_n, offs_m_pos,
+                    seq_len, scale_log2e, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
+                    False, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, USE_TMA)
         # Diagonal band: keys up to the tile's last row (or the sequence end), causal mask.
         band_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
         for start_n in range(full_end, band_end, BLOCK_N):
             acc, l_i, m_i = _attend_tile(
-                acc, l_i, m_i, q, k_base, v_base, bt_row, start_n, offs_m_pos, seq_len, scale_log2e,
-                stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
-                True, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION)
+                acc, l_i, m_i, q, k_base, v_base, KDesc, VDesc, kv_col, bt_row, start_n, offs_m_pos,
+                seq_len, scale_log2e, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
+                True, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, USE_TMA)
 
         # Every valid row saw key 0 at least, so l_i > 0 there; padded rows are not stored.
         out = acc / l_i[:, None]
@@ -181,8 +204,9 @@ def paged_prefill_attention(
             [num_seqs, max_blocks] int32, max_query_len (host int, sizes the grid).
         scale: softmax scale, usually 1/sqrt(D).
         out: optional [num_tokens, H, D] output in q's dtype.
-        config: optional dict(BLOCK_M, BLOCK_N, num_warps, num_stages) overriding
-            :func:`default_prefill_config` (benchmarks sweep it).
+        config: optional dict(BLOCK_M, BLOCK_N, num_warps, num_stages, USE_TMA, WARP_SPEC) overriding
+            :func:`default_prefill_config` (benchmarks sweep it). USE_TMA (CUDA, block_size a multiple of
+            BLOCK_N, power-of-2 D) loads K/V tiles with tensor descriptors; otherwise pointer loads.
 
     Returns:
         [num_tokens, H, D] in q's dtype; softmax statistics and accumulation in fp32.
@@ -208,9 +232,18 @@ def paged_prefill_attention(
     cfg = dict(default_prefill_config(head_dim, q.dtype, q.is_cuda))
     if config:
         cfg.update(config)
+    use_tma = bool(cfg.get("USE_TMA", False)) and q.is_cuda and block_size % cfg["BLOCK_N"] == 0 \
+        and head_dim == triton.next_power_of_2(head_dim)
+    k_desc, v_desc = k_cache, v_cache  # unused placeholders unless use_tma
+    if use_tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        num_slots = k_cache.shape[0] * block_size
+        k_desc, v_desc = (TensorDescriptor(c, shape=[num_slots, num_kv_heads * head_dim], strides=[c.stride(1), 1],
+                                           block_shape=[cfg["BLOCK_N"], head_dim]) for c in (k_cache, v_cache))
     grid = (triton.cdiv(meta.max_query_len, cfg["BLOCK_M"]), num_seqs, num_heads)
     _prefill_kernel[grid](
-        q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+        q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens, k_desc, v_desc,
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -220,6 +253,7 @@ def paged_prefill_attention(
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        USE_TMA=use_tma, WARP_SPEC=bool(cfg.get("WARP_SPEC", False)),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -83,3 +83,16 @@ def attention_f64(q, k_cache, v_cache, meta, scale) -> torch.Tensor:
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
         start += q_len
     return out
+
+
+def poison_stale_slots(kc, vc, meta):
+    """NaN in every cache slot no sequence owns (tails of last blocks, unowned blocks): must never leak."""
+    block_size = kc.shape[1]
+    live = torch.zeros(kc.shape[0] * block_size, dtype=torch.bool)
+    tables = meta.block_tables.cpu().long()
+    for i, s in enumerate(meta.seq_lens_cpu):
+        pos = torch.arange(s)
+        live[tables[i, pos // block_size] * block_size + pos % block_size] = True
+    dead = (~live).to(kc.device)
+    kc.view(-1, *kc.shape[2:])[dead] = float("nan")
+    vc.view(-1, *vc.shape[2:])[dead] = float("nan")

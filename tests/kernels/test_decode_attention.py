@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import DTYPES, TOL, attention_f64, make_paged_case, rel_err  # noqa: E402
+from kernel_cases import DTYPES, TOL, attention_f64, make_paged_case, poison_stale_slots, rel_err  # noqa: E402
 
 from roofline.kernels.decode_attention import paged_decode_attention, ref_decode_attention  # noqa: E402
 
@@ -67,3 +67,10 @@ def test_decode_gpu_large(head_dim, block_size, group, dtype):
     # GPU tile config (BLOCK_N 64), default num_splits, contexts up to 9k.
     _check([1, 4097, 9000, 300, 2048], 8 * group, 8, head_dim, block_size, dtype, num_splits=None,
            seed=head_dim + block_size)
+
+
+def test_decode_ignores_stale_cache_slots():
+    q, kc, vc, meta = make_paged_case([1, 1, 1], [1, 47, 200], 8, 2, 64, 32, torch.float32, seed=12)
+    poison_stale_slots(kc, vc, meta)
+    out = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 0.125, num_splits=4, block_n=16)
+    assert rel_err(out, ref_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 0.125)) < 1e-5

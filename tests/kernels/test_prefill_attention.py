@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import DTYPES, TOL, attention_f64, make_paged_case, rel_err  # noqa: E402
+from kernel_cases import DTYPES, TOL, attention_f64, make_paged_case, poison_stale_slots, rel_err  # noqa: E402
 
 from roofline.kernels.prefill_attention import paged_prefill_attention, ref_prefill_attention  # noqa: E402
 
@@ -68,3 +68,21 @@ def test_prefill_gpu_large(head_dim, block_size, group, dtype):
     seq_lens = [1000, 3000, 1024, 2048, 4100]
     _check(q_lens, seq_lens, 8 * group, 8, head_dim, block_size, dtype, seed=head_dim + block_size)
 
+
+
+@pytest.mark.parametrize("config", [None] + ([dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, USE_TMA=True),
+                                              dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, USE_TMA=True)]
+                                             if torch.cuda.is_available() else []))
+def test_prefill_ignores_stale_cache_slots(config):
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    block_size = 256 if torch.cuda.is_available() else 32
+    q_lens, seq_lens = [300, 1, 77], [300, 513, 1000]
+    if not torch.cuda.is_available():
+        q_lens, seq_lens = [20, 1, 7], [20, 45, 70]
+    q, kc, vc, meta = make_paged_case(q_lens, seq_lens, 8, 2, 128 if torch.cuda.is_available() else 32,
+                                      block_size, dtype, seed=11)
+    poison_stale_slots(kc, vc, meta)
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    out = torch.full_like(q, float("nan"))
+    paged_prefill_attention(q, kc, vc, meta, scale, out=out, config=config)
+    assert rel_err(out, ref_prefill_attention(q, kc, vc, meta, scale)) < TOL[dtype]
