@@ -104,7 +104,7 @@ def _prefill_point(seq, batch, heads, kv_heads, head_dim, block_size, configs, l
                flops=flops, sdpa_ms=t_sdpa, sdpa_tflops=flops / t_sdpa / 1e9,
                sdpa_gqa_ms=t_gqa, sdpa_gqa_tflops=flops / t_gqa / 1e9, variants=[])
     best = None
-    for cfg in configs or [default_prefill_config(head_dim, dtype, True)]:
+    for cfg in configs or [default_prefill_config(head_dim, dtype, True, block_size, seq)]:
         def fn(cfg=cfg):
             return paged_prefill_attention(q, kc, vc, meta, scale, out=out, config=cfg)
         try:
@@ -233,11 +233,11 @@ def run_attention_bench(args: argparse.Namespace) -> int:
                          for n, w in [(128, 8), (64, 4)]]
         tma_cfgs = [dict(c, USE_TMA=True) for c in prefill_cfgs[:3] + prefill_cfgs[-2:]] + prefill_cfgs[:1]
     prefill = bench_prefill(_parse_ints(args.seqs), args.tokens, 32, 8, 128, args.block_size, prefill_cfgs, log)
-    if args.sweep and args.block_size != 256:
+    if args.block_size != 256:  # the block-size-256 (TMA) path at 8k, for reference
         prefill += bench_prefill([8192], args.tokens, 32, 8, 128, 256, tma_cfgs, log)
     sweep = None
     if args.sweep:
-        sweep = {(8, 32768): [dict(num_splits=s) for s in (8, 16, 32, 64)]
+        sweep = {(8, 32768): [dict(num_splits=s) for s in (5, 8, 16, 32, 64)]
                  + [dict(block_n=bn, num_warps=w, num_stages=st) for bn, w, st in
                     [(32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 3), (64, 4, 4)]],
                  (1, 32768): [dict(num_splits=s) for s in (16, 32, 64, 128)],

@@ -66,17 +66,17 @@ def ref_decode_attention(
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int = 132,
-                      block_n: int = 64, min_keys_per_split: int = 256, max_splits: int = 64) -> int:
-    """Splits per (sequence, kv head) so that stage 1 launches ~8 programs per SM.
+                      min_keys_per_split: int = 1024, max_splits: int = 64) -> int:
+    """Splits per (sequence, kv head) so that stage 1 launches ~4 programs per SM.
 
-    Why 8: a program streams its split as a serial chain of BLOCK_N-key tiles, each waiting out DRAM
-    latency behind a 2-stage pipeline, so short chains and many resident programs keep enough bytes in
-    flight (measured on the H200, batch 8 x 32k: 5 splits 0.91 of read bandwidth, 16 splits 0.996).
-    Depends only on static sizes (see the module docstring on CUDA graphs). Each split keeps at least
-    ``min_keys_per_split`` keys so the fp32 partials and the reduction stay small next to the KV reads.
+    Measured on the H200 (bench/results/attention-*.json, docs/kernels.md): too few programs leave DRAM
+    latency uncovered (batch 8 x 32k: 5 splits 0.91 of read bandwidth, 8-16 splits 0.98), too many cost
+    extra waves, partial writes and a longer reduction (batch 8 x 4k: 5 splits 0.57, 16 splits 0.31;
+    batch 32 x 128k: 2 splits 1.07, 5 splits 0.98). Each split keeps >= ``min_keys_per_split`` keys.
+    Depends only on static sizes (see the module docstring on CUDA graphs).
     """
     pairs = max(1, num_seqs * num_kv_heads)
-    want = math.ceil(8 * num_sms / pairs)
+    want = math.ceil(4 * num_sms / pairs)
     by_len = max(1, max_context // min_keys_per_split)
     return int(max(1, min(want, by_len, max_splits)))
 
@@ -225,8 +225,7 @@ def paged_decode_attention(
         block_n = 64 if head_dim <= 128 else 32
     if num_splits is None:
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size,
-                                       num_sms=num_sms, block_n=block_n)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, num_sms=num_sms)
     if out is None:
         out = torch.empty_like(q)
     if num_seqs == 0:

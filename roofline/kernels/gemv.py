@@ -22,8 +22,10 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-# Largest M for which fast_linear uses the Triton GEMV (measured on the H200: docs/kernels.md).
-FAST_LINEAR_MAX_M = 8
+# Largest M for which fast_linear uses the Triton GEMV. Measured on the H200 (docs/kernels.md,
+# bench/results/gemv-*.json): the best-tuned Triton GEMV is within -3%..+10% of cuBLAS per shape and
+# slower on some M (2-8) specialisations, so it does not pay robustly: 0 = always F.linear.
+FAST_LINEAR_MAX_M = 0
 DEFAULT_GEMV_CONFIG = dict(BLOCK_N=32, BLOCK_K=256, num_warps=4, num_stages=4)
 
 

@@ -174,15 +174,25 @@ if triton is not None:
                  out.to(Out.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
 
 
-def default_prefill_config(head_dim: int, dtype: torch.dtype, on_cuda: bool) -> dict:
-    """Tile sizes and launch parameters: small tiles under the interpreter, measured ones on the H200."""
+def default_prefill_config(head_dim: int, dtype: torch.dtype, on_cuda: bool, block_size: int = 16,
+                           max_query_len: int = 8192) -> dict:
+    """Tile sizes and launch parameters: small tiles under the interpreter, measured ones on the H200.
+
+    H200, bf16, D 128, 32/8 heads (bench/results/attention-*.json): with block_size 16 (per-key block-table
+    gather) BLOCK 128x128 / 8 warps is best from 8k up (350 TFLOP/s at 8k) and 64x64 / 4 warps below 4k;
+    with block_size a multiple of 64 the tensor-descriptor (TMA) path at 128x64 / 4 warps reaches 463.
+    """
     if not on_cuda:
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
     if dtype == torch.float32 or head_dim > 128:  # fp32 / wide tiles: keep shared memory under 228 KB
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=4, num_stages=2)
     if head_dim <= 64:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
-    return dict(BLOCK_M=128, BLOCK_N=64, num_warps=8, num_stages=3)
+    if block_size % 64 == 0 and head_dim == 128:
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, USE_TMA=True)
+    if max_query_len <= 4096:
+        return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
+    return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
 
 def paged_prefill_attention(
@@ -229,7 +239,7 @@ def paged_prefill_attention(
     num_seqs = meta.query_start_loc.shape[0] - 1
     if num_tokens == 0 or num_seqs == 0:
         return out
-    cfg = dict(default_prefill_config(head_dim, q.dtype, q.is_cuda))
+    cfg = dict(default_prefill_config(head_dim, q.dtype, q.is_cuda, block_size, meta.max_query_len))
     if config:
         cfg.update(config)
     use_tma = bool(cfg.get("USE_TMA", False)) and q.is_cuda and block_size % cfg["BLOCK_N"] == 0 \
