@@ -66,19 +66,21 @@ def ref_decode_attention(
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int = 132,
-                      min_keys_per_split: int = 1024, max_splits: int = 64) -> int:
-    """Splits per (sequence, kv head) so that stage 1 launches ~4 programs per SM.
+                      min_keys_per_split: int = 512, max_splits: int = 64) -> int:
+    """Splits per (sequence, kv head): a power of two near 4 programs per SM.
 
-    Measured on the H200 (bench/results/attention-*.json, docs/kernels.md): too few programs leave DRAM
-    latency uncovered (batch 8 x 32k: 5 splits 0.91 of read bandwidth, 8-16 splits 0.98), too many cost
-    extra waves, partial writes and a longer reduction (batch 8 x 4k: 5 splits 0.57, 16 splits 0.31;
-    batch 32 x 128k: 2 splits 1.07, 5 splits 0.98). Each split keeps >= ``min_keys_per_split`` keys.
-    Depends only on static sizes (see the module docstring on CUDA graphs).
+    Measured on the H200 (llama-3-8b shape, block_size 16; docs/kernels.md): batch 8 x 32k gives
+    0.49/0.79/0.91/0.99/0.99 of read bandwidth at 2/4/5/8/16 splits, but 0.64 at 3 and 0.76 at 9 (odd
+    counts are consistently slow, so only powers of two are used); batch 32 x 128k 1.07 at 2, 4, 8 or 16.
+    Each split keeps >= ``min_keys_per_split`` keys. Depends only on static sizes (module docstring).
     """
+    def floor_pow2(n: int) -> int:
+        return 1 << (max(1, n).bit_length() - 1)
+
     pairs = max(1, num_seqs * num_kv_heads)
-    want = math.ceil(4 * num_sms / pairs)
-    by_len = max(1, max_context // min_keys_per_split)
-    return int(max(1, min(want, by_len, max_splits)))
+    want = floor_pow2(math.ceil(4 * num_sms / pairs))
+    by_len = floor_pow2(max_context // min_keys_per_split)
+    return int(min(want, by_len, max_splits))
 
 
 if triton is not None:
