@@ -179,18 +179,22 @@ class LLMEngine:
 
     # ------------------------------------------------------------------------------ the step
 
-    def _check_stop(self, seq: Sequence, token: int) -> SequenceStatus | None:
+    def _check_stop_token(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        """EOS (any of the model's ids, unless ignore_eos) or a stop token id, once past min_tokens."""
         p = seq.sampling_params
-        max_len = self.config.scheduler_config.max_model_len
         if seq.num_output_tokens >= p.min_tokens:
             if not p.ignore_eos and token in p._all_stop_token_ids:
                 return SequenceStatus.FINISHED_STOPPED
             if token in (p.stop_token_ids or []):
                 seq.stop_reason = token
                 return SequenceStatus.FINISHED_STOPPED
+        return None
+
+    def _check_length(self, seq: Sequence) -> SequenceStatus | None:
+        p = seq.sampling_params
         if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
             return SequenceStatus.FINISHED_LENGTH
-        if seq.num_tokens >= max_len:
+        if seq.num_tokens >= self.config.scheduler_config.max_model_len:
             return SequenceStatus.FINISHED_LENGTH
         return None
 
@@ -219,7 +223,8 @@ class LLMEngine:
                         entry.decoded_token = self.tokenizer.decode([tid])
                 seq.output_logprobs.append(lp)
                 seq.cumulative_logprob += lp[token].logprob
-            status = self._check_stop(seq, token)
+            # Order as in vLLM: stop token, then stop string, then the length limits.
+            status = self._check_stop_token(seq, token)
             before = len(seq.output_text)
             self.detokenizer.decode_new(seq)
             if status is None and seq.num_output_tokens >= seq.sampling_params.min_tokens:
@@ -227,6 +232,8 @@ class LLMEngine:
                 if stop is not None:
                     seq.stop_reason = stop
                     status = SequenceStatus.FINISHED_STOPPED
+            if status is None:
+                status = self._check_length(seq)
             if status is not None:
                 self.scheduler.finish(seq, status)
                 self.runner.release(seq)

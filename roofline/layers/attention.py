@@ -142,14 +142,80 @@ def ref_paged_attention(
     return out
 
 
+def _decode_attention_batched(
+    q: torch.Tensor,  # [N, H, D], one query per sequence
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [N, max_blocks]
+    seq_lens: torch.Tensor,  # [N]
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:
+    """All decode rows at once: gather each table's blocks, pad to ``max_seq_len``, mask the padding."""
+    n, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_blocks = (max_seq_len + block_size - 1) // block_size
+    table = block_tables[:, :num_blocks].long()
+    k = k_cache[table].reshape(n, num_blocks * block_size, num_kv_heads, head_dim)  # [N, L, H_kv, D]
+    v = v_cache[table].reshape(n, num_blocks * block_size, num_kv_heads, head_dim)
+    qg = q.float().reshape(n, num_kv_heads, group, head_dim)  # query heads grouped by their KV head
+    scores = torch.einsum("nhgd,nlhd->nhgl", qg, k.float()) * scale  # [N, H_kv, G, L]
+    pad = torch.arange(k.shape[1], device=q.device)[None, :] >= seq_lens[:, None]  # [N, L]
+    scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    # Slots past seq_len may hold stale values (even inf/NaN from a freed request); 0 * NaN is NaN.
+    v = v.masked_fill(pad[:, :, None, None], 0.0)
+    out = torch.einsum("nhgl,nlhd->nhgd", probs, v.float())
+    return out.reshape(n, num_heads, head_dim).to(q.dtype)
+
+
 class TorchAttentionBackend(AttentionBackend):
-    """Exact pure-torch paged attention (CPU path and reference). Loops over sequences."""
+    """Exact pure-torch paged attention (the CPU path).
+
+    Decode rows (one new token) are computed together on padded, masked KV; rows with several new
+    tokens (prefill chunks) go one sequence at a time through ``scaled_dot_product_attention`` with a
+    mask that lets the chunk see its cached prefix and itself causally.
+    """
 
     name = "torch"
 
     def forward(self, q, k, v, k_cache, v_cache, meta):
         write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-        return ref_paged_attention(q, k_cache, v_cache, meta, self.scale)
+        out = torch.empty_like(q)
+        qlens = meta.query_lens_cpu
+        decode_rows = [i for i, n in enumerate(qlens) if n == 1]
+        if decode_rows:
+            starts = meta.query_start_loc[:-1]
+            if len(decode_rows) == len(qlens):
+                rows = starts.long()
+                tables, lens = meta.block_tables, meta.seq_lens
+                max_len = meta.max_seq_len
+            else:
+                sel = torch.tensor(decode_rows, dtype=torch.long, device=q.device)
+                rows = starts[sel].long()
+                tables, lens = meta.block_tables[sel], meta.seq_lens[sel]
+                max_len = max(meta.seq_lens_cpu[i] for i in decode_rows)
+            out[rows] = _decode_attention_batched(q[rows], k_cache, v_cache, tables, lens, max_len, self.scale)
+        start = 0
+        group = self.num_heads // self.num_kv_heads
+        for i, (q_len, seq_len) in enumerate(zip(qlens, meta.seq_lens_cpu, strict=True)):
+            if q_len > 1:
+                qi = q[start:start + q_len].transpose(0, 1)  # [H, q_len, D]
+                ki = gather_kv(k_cache, meta.block_tables[i], seq_len).transpose(0, 1)  # [H_kv, L, D]
+                vi = gather_kv(v_cache, meta.block_tables[i], seq_len).transpose(0, 1)
+                if group > 1:
+                    ki = ki.repeat_interleave(group, dim=0)
+                    vi = vi.repeat_interleave(group, dim=0)
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+                k_pos = torch.arange(seq_len, device=q.device)
+                mask = k_pos[None, :] <= q_pos[:, None]  # [q_len, L], True = attend
+                o = torch.nn.functional.scaled_dot_product_attention(
+                    qi, ki.to(q.dtype), vi.to(q.dtype), attn_mask=mask, scale=self.scale
+                )
+                out[start:start + q_len] = o.transpose(0, 1)
+            start += q_len
+        return out
 
 
 _BACKENDS: dict[str, str] = {

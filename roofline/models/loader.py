@@ -286,8 +286,8 @@ def load_tokenizer(source: ModelSource) -> Any:
     if source.format == "gguf":
         assert source.path is not None
         return AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
-    if source.format == "hf":
+    if source.path is not None and source.path.is_dir() and any(
+        (source.path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+    ):
         return AutoTokenizer.from_pretrained(str(source.path))
-    if source.path is not None and source.path.is_dir() and (source.path / "tokenizer.json").exists():
-        return AutoTokenizer.from_pretrained(str(source.path))
-    return None
+    return None  # no tokenizer files: prompts must be token ids
