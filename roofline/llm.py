@@ -27,6 +27,8 @@ class RunStats:
     mean_tpot_s: float | None
     num_preemptions: int
     mean_decode_step_s: float | None
+    mean_decode_batch: float | None = None  # sequences per decode-only step
+    mean_decode_kv_tokens: float | None = None  # keys read per decode-only step, summed over sequences
     decode_floor: dict[str, Any] | None = None  # filled by the bound model (roofline.costmodel)
 
     @property
@@ -105,6 +107,18 @@ class LLM:
             prompts.append({"prompt_token_ids": list(ids)})
         return self.generate(prompts, sampling_params, use_tqdm)
 
+    def decode_floor(self, hardware: str | None = None) -> dict[str, Any] | None:
+        """The last run's mean decode step beside its bound (``roofline.costmodel``), also stored in
+        ``last_run_stats.decode_floor``. Keys include ``floor_s``, ``measured_s``, ``fraction_of_floor`` and
+        ``text`` ("decode step 41.2 ms, floor 12.3 ms (30% of floor)"). ``hardware``: a preset or probe
+        JSON; by default the read bandwidth is measured in this process."""
+        from roofline.report import decode_floor
+
+        rep = decode_floor(self, hardware)
+        if self.last_run_stats is not None:
+            self.last_run_stats.decode_floor = rep
+        return rep
+
     def _run(self, prompts: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         t0 = time.monotonic()
@@ -159,5 +173,7 @@ class LLM:
             mean_tpot_s=sum(tpots) / len(tpots) if tpots else None,
             num_preemptions=engine.stats.num_preemptions - preempt_before,
             mean_decode_step_s=sum(s.duration_s for s in decode) / len(decode) if decode else None,
+            mean_decode_batch=sum(s.num_seqs for s in decode) / len(decode) if decode else None,
+            mean_decode_kv_tokens=sum(s.context_tokens for s in decode) / len(decode) if decode else None,
         )
         return [r for r in results if r is not None]

@@ -17,17 +17,18 @@ def decode_floor(llm: Any, hardware: str | None = None) -> dict[str, Any] | None
     engine = llm.engine
     runner = engine.runner
     stats = llm.last_run_stats
-    steps = engine.stats.decode_steps()
-    if stats is None or not steps or stats.mean_decode_step_s is None:
+    if stats is None or stats.mean_decode_step_s is None:
         return None
-    recent = steps[-max(1, len(steps)):]
-    mean_batch = sum(s.num_seqs for s in recent) / len(recent)
-    mean_ctx = sum(s.context_tokens for s in recent) / len(recent)
+    mean_batch = stats.mean_decode_batch or 1.0
+    mean_ctx = stats.mean_decode_kv_tokens or 0.0
     if hardware:
         spec = hw.load_hardware(hardware)
         bandwidth = spec.memory_bandwidth
-        peak = spec.peak_flops_for(str(runner.dtype).removeprefix("torch.")) \
-            if hasattr(spec, "peak_flops_for") else None
+        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[str(runner.dtype).removeprefix("torch.")]
+        try:
+            peak = spec.peak(dtype)
+        except ValueError:
+            peak = None
         source = f"{spec.name} ({spec.source})"
     else:
         bandwidth = hw.measure_read_bandwidth(str(runner.device))
@@ -62,9 +63,8 @@ def print_run_summary(llm: Any, floor: str = "probe", hardware: str | None = Non
     print(f"preemptions:        {s.num_preemptions}")
     if floor == "none" and not hardware:
         return
-    rep = decode_floor(llm, hardware)
+    rep = llm.decode_floor(hardware)
     if rep is None:
         return
-    s.decode_floor = rep
     print(f"bandwidth:          {rep['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({rep['bandwidth_source']})")
-    print(rep["summary"])
+    print(rep["text"])
