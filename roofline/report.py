@@ -12,7 +12,8 @@ from typing import Any
 
 def decode_floor(llm: Any, hardware: str | None = None) -> dict[str, Any] | None:
     """The floor of the last run's mean decode step; None when the run had no decode-only step."""
-    from roofline import costmodel, hardware as hw
+    from roofline import costmodel
+    from roofline import hardware as hw
 
     engine = llm.engine
     runner = engine.runner

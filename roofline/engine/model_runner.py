@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from roofline.config import EngineConfig, ModelConfig
+from roofline.engine.cuda_graph import CUDAGraphDecoder
 from roofline.engine.scheduler import SchedulerOutput
 from roofline.engine.sequence import Logprob, Sequence
 from roofline.layers.attention import AttentionMetadata, get_attention_backend
@@ -89,6 +90,14 @@ class ModelRunner:
             self.kv_caches.append((attn.k_cache, attn.v_cache))
         self.sampler = Sampler()
         self._generators: dict[int, torch.Generator] = {}
+        self.graphs: CUDAGraphDecoder | None = None
+        if self.device.type == "cuda" and not config.enforce_eager:
+            sc = config.scheduler_config
+            self.graphs = CUDAGraphDecoder(
+                self.model, sc.max_num_seqs, -(-sc.max_model_len // self.block_size), self.device,
+                mc.hidden_size, self.dtype,
+            )
+            self.graphs.capture()
 
     # ------------------------------------------------------------------------------ sizing
 
@@ -156,7 +165,10 @@ class ModelRunner:
         for s in out.scheduled:
             seq = s.seq
             start, n = s.start_position, s.num_scheduled_tokens
-            tokens = seq.token_ids[start:start + n]
+            if n == 1 and start == seq.num_tokens - 1:
+                tokens = [seq.last_token_id]  # decode: avoid copying the whole history
+            else:
+                tokens = seq.token_ids[start:start + n]
             input_ids.extend(tokens)
             pos = range(start, start + n)
             positions.extend(pos)
@@ -262,7 +274,11 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> StepResult:
         t0 = time.perf_counter()
         input_ids, positions, meta, logits_indices = self.prepare_inputs(out)
-        hidden = self.model(input_ids, positions, meta)
+        if (self.graphs is not None and meta.is_decode_only
+                and self.graphs.can_run(len(out.scheduled), meta.block_tables.shape[1])):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
         sampling_seqs = [s.seq for s in out.scheduled if s.samples]
         result = StepResult({}, {}, 0.0)
         if sampling_seqs:

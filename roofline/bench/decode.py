@@ -1,0 +1,167 @@
+"""``roofline bench decode``: decode-step time at named shapes with dummy weights, beside its floor.
+
+For each (batch, context) the runner executes real engine decode steps (scheduler -> runner -> update,
+CUDA graphs where enabled) on sequences whose first ``context - 1`` tokens are already in the paged cache
+(their values do not change the speed). The floor of a step is the bound model's:
+
+    floor = max((weight_bytes + KV bytes read) / read_bandwidth, 2 * params * batch / peak_flops)
+
+with the read bandwidth and the bf16 GEMM rate measured in the same process (Pope et al. 2022;
+``roofline.costmodel.decode_floor_report``). The table prints tok/s, ms per step, floor and the achieved
+fraction of the floor (floor / measured).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import random
+import statistics
+import time
+from typing import Any
+
+
+def measure_gemm_flops(device: str, n: int = 8192, rounds: int = 10) -> float:
+    """Median dense bf16 (CUDA) / fp32 (CPU) GEMM rate in FLOP/s on random n x n x n operands."""
+    import torch
+
+    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    if not device.startswith("cuda"):
+        n = min(n, 1024)
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    times = []
+    for i in range(rounds + 2):
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        a @ b
+        if device.startswith("cuda"):
+            torch.cuda.synchronize()
+        if i >= 2:
+            times.append(time.perf_counter() - t0)
+    return 2 * n**3 / statistics.median(times)
+
+
+def build_engine(args: argparse.Namespace, max_batch: int, max_context: int):
+    from roofline.config import model_preset
+    from roofline.engine.args import EngineArgs
+    from roofline.engine.llm_engine import LLMEngine
+    from roofline.models.loader import ModelSource
+
+    mc = model_preset(args.model)
+    max_len = max_context + args.steps + args.warmup + 16
+    if mc.max_position_embeddings < max_len:
+        # Benchmark shape only: positions beyond the preset's trained length cost the same.
+        mc = dataclasses.replace(mc, max_position_embeddings=max_len)
+    ea = EngineArgs(model=args.model, load_format="dummy", dtype=args.dtype, max_model_len=max_len,
+                    max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch),
+                    gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
+                    kv_cache_memory=args.kv_cache_memory, attention_backend=args.attention_backend,
+                    device=args.device)
+    return LLMEngine(ea.engine_config(mc), ModelSource("dummy", None, args.model), mc, tokenizer=None)
+
+
+def time_decode(engine: Any, batch: int, context: int, steps: int, warmup: int, seed: int = 0) -> list[float]:
+    """Per-step wall times (s) of ``steps`` decode steps for ``batch`` sequences at ``context`` tokens."""
+    from roofline.engine.sequence import Sequence, SequenceStatus
+    from roofline.sampling_params import SamplingParams
+
+    rng = random.Random(seed)
+    vocab = engine.model_config.vocab_size
+    sched, bm, runner = engine.scheduler, engine.block_manager, engine.runner
+    params = SamplingParams(temperature=0.0, max_tokens=steps + warmup + 1, ignore_eos=True)
+    seqs = []
+    for i in range(batch):
+        seq = Sequence(f"bench-{i}", [rng.randrange(vocab) for _ in range(context)], params)
+        bm.allocate(seq, context - 1)
+        seq.num_computed_tokens = context - 1  # prefix "already computed": its KV values do not affect speed
+        seq.status = SequenceStatus.RUNNING
+        sched.running.append(seq)
+        seqs.append(seq)
+    times = []
+    try:
+        for i in range(warmup + steps):
+            out = sched.schedule()
+            assert out.is_decode_only and len(out.scheduled) == batch, "benchmark batch did not fit"
+            t0 = time.perf_counter()
+            result = runner.execute(out)  # ends with the sampled ids' device->host copy (a sync)
+            elapsed = time.perf_counter() - t0
+            sched.update(out, result.sampled)
+            if i >= warmup:
+                times.append(elapsed)
+    finally:
+        for seq in seqs:
+            sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
+    return times
+
+
+def run_decode_bench(args: argparse.Namespace) -> int:
+    from roofline import costmodel
+    from roofline.bench.common import parse_sizes, write_result
+    from roofline.hardware import measure_read_bandwidth
+
+    batches = parse_sizes(args.batch_sizes)
+    contexts = parse_sizes(args.contexts)
+    engine = build_engine(args, max(batches), max(contexts))
+    runner = engine.runner
+    device = str(runner.device)
+    bandwidth = measure_read_bandwidth(device)
+    peak = measure_gemm_flops(device)
+    capacity = engine.block_manager.num_blocks * engine.block_manager.block_size
+    print(f"model {args.model} (dummy weights, {runner.dtype}), {runner.weight_bytes / 1e9:.2f} GB of weights, "
+          f"KV {runner.kv_bytes_per_token} B/token, pool {capacity} tokens, "
+          f"CUDA graphs {'on' if runner.graphs is not None else 'off'}")
+    print(f"measured in this process: read {bandwidth / 1e12:.3f} TB/s, dense GEMM {peak / 1e12:.1f} TFLOP/s")
+    rows = []
+    header = f"{'batch':>6} {'context':>8} {'ms/step':>9} {'tok/s':>10} {'floor ms':>9} {'floor tok/s':>12} {'of floor':>9}"
+    print(header)
+    for context in contexts:
+        for batch in batches:
+            need = batch * (context + args.steps + args.warmup + engine.block_manager.block_size)
+            if need > capacity:
+                print(f"{batch:>6} {context:>8}   skipped: needs {need} KV tokens, pool holds {capacity}")
+                continue
+            times = time_decode(engine, batch, context, args.steps, args.warmup)
+            step = statistics.median(times)
+            mean_ctx = context + args.warmup + args.steps / 2
+            rep = costmodel.decode_floor_report(
+                weight_bytes=runner.weight_bytes,
+                kv_bytes_read=batch * mean_ctx * runner.kv_bytes_per_token,
+                flops=2.0 * engine.model_config.num_params * batch,
+                bandwidth_bytes_per_s=bandwidth, peak_flops=peak, measured_step_s=step,
+            )
+            row = dict(batch=batch, context=context, step_ms=step * 1e3, tok_per_s=batch / step,
+                       floor_ms=rep["floor_s"] * 1e3, floor_tok_per_s=batch / rep["floor_s"],
+                       fraction_of_floor=rep["fraction_of_floor"], bound_by=rep["bound_by"],
+                       step_ms_p10=sorted(times)[len(times) // 10] * 1e3,
+                       step_ms_p90=sorted(times)[(len(times) * 9) // 10] * 1e3)
+            rows.append(row)
+            print(f"{batch:>6} {context:>8} {row['step_ms']:>9.3f} {row['tok_per_s']:>10.1f} {row['floor_ms']:>9.3f} "
+                  f"{row['floor_tok_per_s']:>12.1f} {row['fraction_of_floor']:>9.3f}", flush=True)
+    path = write_result(args.out_dir, f"decode-{args.model}", dict(
+        model=args.model, dtype=str(runner.dtype), weight_bytes=runner.weight_bytes,
+        kv_bytes_per_token=runner.kv_bytes_per_token, read_bandwidth_bytes_per_s=bandwidth,
+        peak_flops=peak, cuda_graphs=runner.graphs is not None, attention_backend=runner.backend_name,
+        steps=args.steps, warmup=args.warmup, rows=rows,
+    ))
+    print(f"wrote {path}")
+    return 0
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("decode", help="decode step time vs its floor, dummy weights at a named shape")
+    p.add_argument("--model", default="llama-3-8b", help="preset shape (llama-3-8b, qwen3-8b, llama-3-70b, ...)")
+    p.add_argument("--batch-sizes", default="1,8,32,64,128,256")
+    p.add_argument("--contexts", default="128,1k,4k,32k")
+    p.add_argument("--steps", type=int, default=32, help="timed decode steps per point")
+    p.add_argument("--warmup", type=int, default=4)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--kv-cache-memory", default=None)
+    p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--out-dir", default="bench/results")
+    p.set_defaults(func=run_decode_bench)
+    return p

@@ -1,0 +1,159 @@
+"""Prometheus metrics of the server (prometheus-client), named like vLLM's (``roofline:`` prefix).
+
+Per request (observed by the API layer when a request ends; seconds, engine monotonic clock):
+    roofline:time_to_first_token_seconds     histogram, arrival -> first token
+    roofline:inter_token_latency_seconds     histogram, one observation per gap between tokens
+    roofline:time_per_output_token_seconds   histogram, one per request: (last - first token) / (n - 1)
+    roofline:e2e_request_latency_seconds     histogram, arrival -> finish
+    roofline:request_queue_time_seconds      histogram, arrival -> first scheduled
+    roofline:request_success_total           counter, label finished_reason = stop | length | abort
+    roofline:prompt_tokens_total             counter, prompt tokens of requests that got a first token
+    roofline:generation_tokens_total         counter, generated tokens (all n samples)
+Engine state (read from the engine thread's snapshot at scrape time):
+    roofline:num_requests_running, roofline:num_requests_waiting   gauges (requests, not sequences)
+    roofline:kv_cache_usage_perc             gauge, fraction of KV blocks in use, in [0, 1]
+    roofline:num_preemptions_total           counter
+
+Each app gets its own ``CollectorRegistry`` so several apps (tests) can live in one process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from roofline.outputs import RequestOutput
+from roofline.server.async_engine import EngineSnapshot
+
+# Bucket edges in seconds (vLLM's, so dashboards carry over).
+TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)
+TOKEN_LATENCY_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
+                         10.0, 20.0, 40.0, 80.0)
+REQUEST_LATENCY_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
+                           120.0, 240.0, 480.0, 960.0, 1920.0, 7680.0)
+FINISH_REASONS = ("stop", "length", "abort")
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class _EngineCollector(Collector):
+    """Gauges and the preemption counter, read from the latest engine snapshot on every scrape."""
+
+    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str):
+        self._snapshot = snapshot
+        self._model_name = model_name
+
+    def collect(self) -> Iterator[Metric]:
+        snap = self._snapshot()
+        labels = ["model_name"]
+        values = [self._model_name]
+        for name, doc, value in (
+            ("roofline:num_requests_running", "Requests with a sequence being computed.",
+             snap.num_running_requests),
+            ("roofline:num_requests_waiting", "Requests waiting to be scheduled (new or preempted).",
+             snap.num_waiting_requests),
+            ("roofline:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = 100 percent).",
+             snap.kv_cache_usage),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, float(value))
+            yield g
+        c = CounterMetricFamily("roofline:num_preemptions", "Sequences preempted (KV blocks reclaimed).",
+                                labels=labels)
+        c.add_metric(values, float(snap.num_preemptions))
+        yield c
+
+
+class ServerMetrics:
+    """All metrics of one app, in their own registry."""
+
+    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]):
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+        r = self.registry
+        self.ttft = Histogram("roofline:time_to_first_token_seconds",
+                              "Time to first token (s): arrival to first generated token.", labels,
+                              buckets=TTFT_BUCKETS, registry=r).labels(model_name)
+        self.itl = Histogram("roofline:inter_token_latency_seconds",
+                             "Inter-token latency (s): gap between consecutive tokens of a sequence.", labels,
+                             buckets=TOKEN_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.tpot = Histogram("roofline:time_per_output_token_seconds",
+                              "Time per output token (s) after the first, one observation per request.",
+                              labels, buckets=TOKEN_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.e2e = Histogram("roofline:e2e_request_latency_seconds",
+                             "End-to-end request latency (s): arrival to finish.", labels,
+                             buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.queue_time = Histogram("roofline:request_queue_time_seconds",
+                                    "Queue time (s): arrival to first scheduled.", labels,
+                                    buckets=REQUEST_LATENCY_BUCKETS, registry=r).labels(model_name)
+        self.prompt_tokens = Counter("roofline:prompt_tokens", "Prompt tokens prefilled.", labels,
+                                     registry=r).labels(model_name)
+        self.generation_tokens = Counter("roofline:generation_tokens", "Tokens generated.", labels,
+                                         registry=r).labels(model_name)
+        success = Counter("roofline:request_success", "Requests finished, by finish reason.",
+                          labels + ["finished_reason"], registry=r)
+        self.request_success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
+        r.register(_EngineCollector(snapshot, model_name))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)
+
+    def tracker(self) -> RequestTracker:
+        return RequestTracker(self)
+
+
+class RequestTracker:
+    """Feeds one request's outputs into the metrics: counters as tokens arrive, histograms at the end."""
+
+    def __init__(self, metrics: ServerMetrics):
+        self.metrics = metrics
+        self.last: RequestOutput | None = None
+        self._num_tokens = 0
+        self._counted_prompt = False
+        self._done = False
+
+    def on_output(self, out: RequestOutput) -> None:
+        m = self.metrics
+        if not self._counted_prompt:
+            m.prompt_tokens.inc(len(out.prompt_token_ids))
+            self._counted_prompt = True
+        num_tokens = sum(len(c.token_ids) for c in out.outputs)
+        if num_tokens > self._num_tokens:
+            m.generation_tokens.inc(num_tokens - self._num_tokens)
+            self._num_tokens = num_tokens
+        self.last = out
+        if out.finished:
+            self._finish(out)
+
+    def on_abort(self) -> None:
+        """The request ended early (client disconnect or cancel): count it as ``abort``."""
+        if not self._done:
+            self._done = True
+            self.metrics.request_success["abort"].inc()
+
+    def _finish(self, out: RequestOutput) -> None:
+        if self._done:
+            return
+        self._done = True
+        m = self.metrics
+        reason = out.outputs[0].finish_reason if out.outputs else "abort"
+        m.request_success[reason if reason in m.request_success else "abort"].inc()
+        met = out.metrics
+        if met is None:
+            return
+        if met.ttft is not None:
+            m.ttft.observe(met.ttft)
+        if met.queue_time is not None:
+            m.queue_time.observe(met.queue_time)
+        if met.finished_time is not None:
+            m.e2e.observe(met.finished_time - met.arrival_time)
+        times = met.token_times
+        for a, b in zip(times, times[1:], strict=False):
+            m.itl.observe(b - a)
+        if met.tpot is not None:
+            m.tpot.observe(met.tpot)
