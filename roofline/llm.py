@@ -139,7 +139,7 @@ class LLM:
                         text = prompt
                     else:
                         raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-                engine.add_request(request_id, prompt, params)
+                engine.add_request(request_id, prompt, params, stream=False)
             except ValueError as e:
                 results[i] = RequestOutput(request_id, text, [] if isinstance(prompt, str) else list(prompt),
                                            [], finished=True, error=str(e))

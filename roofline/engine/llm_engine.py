@@ -56,6 +56,7 @@ class _Request:
     prompt_token_ids: list[int]
     seqs: list[Sequence]
     arrival_time: float
+    stream: bool = True  # report every step (servers); False: only the final output (offline batches)
 
 
 class LLMEngine:
@@ -130,8 +131,11 @@ class LLMEngine:
                              f"got {params.n}")
 
     def add_request(self, request_id: str | None, prompt: str | list[int], params: SamplingParams | None = None,
-                    arrival_time: float | None = None) -> str:
+                    arrival_time: float | None = None, stream: bool = True) -> str:
         """Validate and queue a request (``params.n`` sample streams). Returns the request id.
+
+        With ``stream=False`` the request appears in ``step()``'s outputs only when it finishes (saves
+        building an output per token for offline batches).
 
         Raises:
             ValueError: empty or too-long prompt, token ids out of range, duplicate request id, or an
@@ -156,7 +160,7 @@ class LLMEngine:
         for seq in seqs:
             self.detokenizer.start(seq)
             self.scheduler.add(seq)
-        self.requests[request_id] = _Request(request_id, text, token_ids, seqs, now)
+        self.requests[request_id] = _Request(request_id, text, token_ids, seqs, now, stream)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -242,6 +246,8 @@ class LLMEngine:
                 touched[req.request_id] = req
         outputs = []
         for req in touched.values():
+            if not req.stream and not all(s.is_finished for s in req.seqs):
+                continue
             ro = self._make_output(req)
             outputs.append(ro)
             if ro.finished:
