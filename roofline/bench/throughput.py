@@ -90,7 +90,7 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
     print(f"elapsed {elapsed:.2f} s: {result['requests_per_s']:.2f} req/s, "
           f"output {result['output_tok_per_s']:.1f} tok/s, total {result['total_tok_per_s']:.1f} tok/s, "
           f"preemptions {result['num_preemptions']}")
-    path = write_result(args.out_dir, f"throughput-{args.model}", result)
+    path = write_result(args.out_dir, f"throughput-{args.model}-seqs{args.max_num_seqs}", result)
     print(f"wrote {path}")
     return 0
 
@@ -106,7 +106,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-seqs", type=int, default=512)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-memory", default=None)
