@@ -31,7 +31,6 @@ import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
-from datetime import UTC, datetime
 from typing import Any
 
 PERCENTILES = (50, 90, 99)
@@ -465,9 +464,11 @@ def run_bench(args: argparse.Namespace) -> int:
         config = {k: (v if not isinstance(v, float) or math.isfinite(v) else str(v))
                   for k, v in vars(args).items() if k != "func" and k != "api_key"}
         config["model"] = model
+        from roofline.bench.common import environment
+
         record = {
-            "date": datetime.now(UTC).isoformat(timespec="seconds"),
-            "kind": "serve",
+            "benchmark": "serve",
+            **environment(),  # date, git commit, device and versions of the client machine
             "config": config,
             "metadata": metadata,
             "versions": _versions(),

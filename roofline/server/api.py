@@ -547,7 +547,7 @@ async def create_completion(serving: OpenAIServing, req: P.CompletionRequest, ra
                 yield _sse(P.ErrorResponse(error=P.ErrorInfo(message=str(e), type="server_error")))
                 yield "data: [DONE]\n\n"
 
-        return _streaming_response(events())
+        return _streaming_response(serving, events(), streams, trackers)
 
     finals = await serving.collect(raw, streams, trackers)
     if finals is None:
@@ -663,7 +663,7 @@ async def create_chat_completion(serving: OpenAIServing, req: P.ChatCompletionRe
                 yield _sse(P.ErrorResponse(error=P.ErrorInfo(message=str(e), type="server_error")))
                 yield "data: [DONE]\n\n"
 
-        return _streaming_response(events())
+        return _streaming_response(serving, events(), streams, trackers)
 
     finals = await serving.collect(raw, streams, trackers)
     if finals is None:
@@ -683,9 +683,28 @@ async def create_chat_completion(serving: OpenAIServing, req: P.ChatCompletionRe
                                                  usage=usage).model_dump())
 
 
-def _streaming_response(events: AsyncIterator[str]) -> StreamingResponse:
-    return StreamingResponse(events, media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+class _SSEResponse(StreamingResponse):
+    """A server-sent-event response that runs ``on_close`` however it ends.
+
+    If the client disconnects before the body iterator first runs, the iterator's own ``finally`` never
+    executes; this hook still aborts the requests, so they do not run on with nobody listening.
+    """
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]):
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._on_close()
+
+
+def _streaming_response(serving: OpenAIServing, events: AsyncIterator[str], streams: list[RequestStream],
+                        trackers: list[RequestTracker]) -> StreamingResponse:
+    return _SSEResponse(events, lambda: serving._abort_unfinished(streams, trackers))
 
 
 # ---------------------------------------------------------------------------------------------- the app

@@ -66,8 +66,11 @@ class EngineSnapshot:
     kv_cache_usage: float = 0.0  # fraction of KV blocks in use, in [0, 1]
     num_preemptions: int = 0  # since the engine started
     num_unfinished_requests: int = 0
-    num_steps: int = 0
+    num_steps: int = 0  # engine steps run by this AsyncLLMEngine
 
+
+# A long-running server would otherwise grow ``engine.stats.steps`` without bound (~100 B per step).
+_MAX_STEP_RECORDS = 100_000
 
 _ABORTED = object()  # queue sentinel: the request was aborted from the event-loop side
 
@@ -131,6 +134,7 @@ class AsyncLLMEngine:
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
         self.error: BaseException | None = None
+        self._num_steps = 0
         self._publish()
 
     @classmethod
@@ -291,6 +295,10 @@ class AsyncLLMEngine:
     def _step(self) -> None:
         try:
             outputs = self.engine.step()
+            self._num_steps += 1
+            steps = self.engine.stats.steps
+            if len(steps) > _MAX_STEP_RECORDS:  # the engine keeps one record per step, forever
+                del steps[: len(steps) - _MAX_STEP_RECORDS // 2]
         except Exception as e:
             # The engine state is suspect after a failed step: end every request with the error.
             logger.exception("engine step failed; aborting all requests")
@@ -327,7 +335,7 @@ class AsyncLLMEngine:
             kv_cache_usage=bm.usage,
             num_preemptions=sched.num_preemptions,
             num_unfinished_requests=self.engine.num_unfinished_requests,
-            num_steps=len(self.engine.stats.steps),
+            num_steps=self._num_steps,
         )
 
     def _publish(self) -> None:

@@ -1,0 +1,52 @@
+"""``roofline serve`` and ``roofline bench serve`` flags (no model needed)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+
+def test_serve_flags_defaults_and_env_api_key(monkeypatch):
+    from roofline.cli import build_parser
+
+    monkeypatch.setenv("ROOFLINE_API_KEY", "from-env")
+    args = build_parser().parse_args(["serve"])
+    assert (args.model, args.host, args.port) == (None, "127.0.0.1", 8000)
+    assert args.api_key == "from-env"
+    assert (args.max_waiting_requests, args.max_request_body_bytes, args.max_stop) == (None, 1 << 20, 4)
+    args = build_parser().parse_args(["serve", "my.gguf", "--port", "9001", "--api-key", "k", "--max-model-len",
+                                      "512", "--max-waiting-requests", "3", "--served-model-name", "a", "b"])
+    assert (args.model, args.port, args.api_key, args.max_model_len) == ("my.gguf", 9001, "k", 512)
+    assert args.max_waiting_requests == 3 and args.served_model_name == ["a", "b"]
+    monkeypatch.delenv("ROOFLINE_API_KEY")
+    assert build_parser().parse_args(["serve"]).api_key is None
+
+
+def test_bench_serve_flags():
+    from roofline.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "serve"])
+    assert args.base_url == "http://127.0.0.1:8000" and args.endpoint == "completions"
+    assert args.dataset == "sharegpt" and math.isinf(args.request_rate) and args.ignore_eos is True
+    args = build_parser().parse_args(["bench", "serve", "--endpoint", "chat", "--dataset", "random",
+                                      "--request-rate", "4", "--max-concurrency", "8", "--no-ignore-eos",
+                                      "--slo-ttft-ms", "500", "--slo-tpot-ms", "50"])
+    assert (args.endpoint, args.dataset, args.request_rate, args.max_concurrency) == ("chat", "random", 4.0, 8)
+    assert (args.ignore_eos, args.slo_ttft_ms, args.slo_tpot_ms) == (False, 500.0, 50.0)
+
+
+def test_server_config_rejects_bad_limits():
+    from roofline.server.api import ServerConfig
+
+    with pytest.raises(ValueError, match="max_waiting_requests must be >= 0 or None, got -1"):
+        ServerConfig(max_waiting_requests=-1)
+    with pytest.raises(ValueError, match="max_body_bytes must be >= 1, got 0"):
+        ServerConfig(max_body_bytes=0)
+
+
+def test_bench_rejects_bad_load_settings():
+    from roofline.cli import main
+
+    assert main(["bench", "serve", "--request-rate", "0"]) == 2  # ValueError -> exit status 2
+    assert main(["bench", "serve", "--max-concurrency", "0"]) == 2

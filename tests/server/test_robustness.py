@@ -1,0 +1,321 @@
+"""Bad input, auth, body limit, admission control, client disconnects and /metrics on a live server.
+
+Status choices (documented in roofline/server/api.py): type errors are 400 (as vLLM and OpenAI answer,
+not FastAPI's 422), an unknown model is 404 (OpenAI's status), a body over the limit is 413.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+MODEL = "SmolLM2-135M-Instruct"
+MAX_MODEL_LEN = 1024  # as in conftest.py
+MAX_NUM_SEQS = 8
+
+
+def wait_until(predicate, timeout_s: float = 30.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.02)
+    return bool(predicate())
+
+
+@pytest.fixture(scope="module")
+def server(async_engine):
+    from roofline.server.api import BackgroundServer, build_app
+
+    app = build_app(async_engine)
+    with BackgroundServer(app) as srv:
+        srv.app = app
+        yield srv
+
+
+def _post(server, path: str, body) -> httpx.Response:
+    content = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    return httpx.post(server.url + path, content=content, headers={"content-type": "application/json"}, timeout=60)
+
+
+def _metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in Prometheus text (labels must match exactly those given, in any order)."""
+    for line in text.splitlines():
+        if line.startswith("#") or not line.startswith(name):
+            continue
+        m = re.fullmatch(r"([^{ ]+)(?:\{(.*)\})? (\S+)", line)
+        if not m or m.group(1) != name:
+            continue
+        found = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
+        found.pop("model_name", None)
+        if found == labels:
+            return float(m.group(3))
+    raise KeyError(f"{name}{labels} not in metrics")
+
+
+# (path, body, status, param, code, message fragments)
+BAD_INPUTS = [
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 4', 400, None, None, ["malformed JSON body"]),
+    ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", None,
+     ["temperature", "valid number", "'hot'"]),
+    ("/v1/completions", {"prompt": 5}, 400, "prompt", None, ["prompt", "got 5"]),
+    ("/v1/completions", {"prompt": "hi", "n": "two"}, 400, "n", None, ["n: ", "valid integer"]),
+    ("/v1/chat/completions", {"messages": "hello"}, 400, "messages", None, ["messages", "valid list"]),
+    ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", None,
+     ["messages.0.role", "'wizard'"]),
+    ("/v1/completions", {"max_tokens": 4}, 400, "prompt", None, ["prompt: field required"]),
+    ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "model_not_found",
+     ["'gpt-4' does not exist", MODEL]),
+    ("/v1/completions", {"prompt": list(range(100, 100 + MAX_MODEL_LEN))}, 400, "prompt",
+     "context_length_exceeded", [f"maximum context length is {MAX_MODEL_LEN}", f"has {MAX_MODEL_LEN} tokens",
+                                 f"at most {MAX_MODEL_LEN - 1}"]),
+    ("/v1/completions", {"prompt": "hello " * 1500}, 400, "prompt", "context_length_exceeded",
+     [f"maximum context length is {MAX_MODEL_LEN}"]),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400, "max_tokens", "context_length_exceeded",
+     ["5001 were requested", f"max_tokens must be in [1, {MAX_MODEL_LEN - 1}]"]),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens", None, ["max_tokens must be >= 1, got 0"]),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": -3}, 400, "max_tokens", None,
+     ["max_tokens must be >= 1, got -3"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 0}, 400,
+     "max_completion_tokens", None, ["max_completion_tokens must be >= 1, got 0"]),
+    ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n", None, [f"n must be in [1, {MAX_NUM_SEQS}], got 0"]),
+    ("/v1/completions", {"prompt": "hi", "n": 500}, 400, "n", None, [f"n must be in [1, {MAX_NUM_SEQS}], got 500"]),
+    ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature", None,
+     ["temperature must be", ">= 0", "-0.5"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "temperature": -1}, 400,
+     "temperature", None, ["temperature must be", ">= 0"]),
+    ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p", None, ["top_p must be in (0, 1], got 0"]),
+    ("/v1/completions", {"prompt": "hi", "top_p": 1.5}, 400, "top_p", None, ["top_p must be in (0, 1], got 1.5"]),
+    ("/v1/completions", {"prompt": "hi", "stop": ["a", "b", "c", "d", "e"]}, 400, "stop", None,
+     ["stop has 5 strings; at most 4 are allowed"]),
+    ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs", None, ["logprobs must be in [0, 20], got 21"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": True, "top_logprobs": 30},
+     400, "top_logprobs", None, ["top_logprobs must be in [0, 20], got 30"]),
+    ("/v1/completions", {"prompt": "hi", "presence_penalty": 3}, 400, "presence_penalty", None,
+     ["presence_penalty must be in [-2, 2]"]),
+    ("/v1/completions", {"prompt": [1, 2, 10**6]}, 400, "prompt", None, ["1000000 is out of range [0, 49152)"]),
+    ("/v1/completions", {"prompt": ""}, 400, "prompt", None, ["prompt is empty"]),
+    ("/v1/chat/completions", {"messages": []}, 400, "messages", None, ["at least 1 message"]),
+]
+
+
+def test_bad_inputs_get_openai_errors_while_a_request_completes(server):
+    # A streaming request in flight beside every bad one; it must finish untouched.
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    result: dict = {}
+
+    def live() -> None:
+        stream = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=40,
+                                           temperature=0, stream=True, stream_options={"include_usage": True},
+                                           extra_body={"ignore_eos": True})
+        chunks = list(stream)
+        result["text"] = "".join(c.choices[0].text for c in chunks if c.choices)
+        result["usage"] = chunks[-1].usage
+        result["finish"] = [c.choices[0].finish_reason for c in chunks if c.choices][-1]
+
+    reference = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=40,
+                                          temperature=0, extra_body={"ignore_eos": True}).choices[0].text
+    thread = threading.Thread(target=live)
+    thread.start()
+    assert wait_until(lambda: server.app.state.async_engine.snapshot.num_running_requests == 1)
+    for path, body, status, param, code, fragments in BAD_INPUTS:
+        r = _post(server, path, body)
+        assert r.status_code == status, (body, r.text)
+        err = r.json()["error"]
+        assert set(err) == {"message", "type", "param", "code"}
+        assert err["type"] == "invalid_request_error"
+        assert (err["param"], err["code"]) == (param, code), (body, err)
+        for fragment in fragments:
+            assert fragment in err["message"], (body, err["message"])
+        assert httpx.get(server.url + "/health").status_code == 200  # still serving
+    thread.join(120)
+    assert result["text"] == reference
+    assert result["usage"].completion_tokens == 40 and result["finish"] == "length"
+    # And a fresh request after all of them is served normally.
+    ok = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=2, temperature=0)
+    assert ok.choices[0].text == " Paris."
+
+
+def test_body_over_limit_is_413_then_serving_continues(async_engine):
+    from roofline.server.api import BackgroundServer, build_app
+
+    with BackgroundServer(build_app(async_engine, max_body_bytes=2048)) as srv:
+        big = {"prompt": "x" * 4000, "max_tokens": 1}
+        r = _post(srv, "/v1/completions", big)
+        assert r.status_code == 413
+        err = r.json()["error"]
+        assert err["code"] == "request_too_large" and "over the limit of 2048 bytes" in err["message"]
+        # Chunked upload (no Content-Length) is counted too.
+        chunks = (b"x" * 1024 for _ in range(4))
+        r = httpx.post(srv.url + "/v1/completions", content=chunks, headers={"content-type": "application/json"})
+        assert r.status_code == 413
+        r = _post(srv, "/v1/completions", {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0})
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == " Paris."
+
+
+def test_api_key_required_on_v1_only(async_engine):
+    from roofline.server.api import BackgroundServer, build_app
+
+    with BackgroundServer(build_app(async_engine, api_key="s3cret")) as srv:
+        body = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
+        r = httpx.post(srv.url + "/v1/completions", json=body)
+        assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key"
+        assert "missing" in r.json()["error"]["message"]
+        r = httpx.post(srv.url + "/v1/completions", json=body, headers={"Authorization": "Bearer wrong"})
+        assert r.status_code == 401 and "incorrect" in r.json()["error"]["message"]
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=srv.url + "/v1", api_key="wrong", max_retries=0).models.list()
+        ok = openai.OpenAI(base_url=srv.url + "/v1", api_key="s3cret", max_retries=0)
+        assert ok.completions.create(model=MODEL, **body).choices[0].text == " Paris."
+        assert httpx.get(srv.url + "/health").status_code == 200
+        assert httpx.get(srv.url + "/metrics").status_code == 200
+
+
+def test_disconnect_mid_stream_aborts_and_frees_blocks(server):
+    engine = server.app.state.async_engine
+    assert wait_until(lambda: engine.snapshot.num_unfinished_requests == 0)
+    idle_free = engine.snapshot.num_free_blocks
+    assert idle_free == engine.snapshot.num_total_blocks
+    before = _metric(httpx.get(server.url + "/metrics").text, "roofline:request_success_total",
+                     finished_reason="abort")
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    t0 = time.monotonic()
+    with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200
+        seen = 0
+        for line in r.iter_lines():
+            if line.startswith("data:"):
+                seen += 1
+                if seen == 3:
+                    break
+        assert engine.snapshot.num_free_blocks < idle_free  # mid-stream the request holds KV blocks
+    # Connection closed after 3 chunks of a 900-token request: the abort must free every block.
+    assert wait_until(lambda: engine.snapshot.num_unfinished_requests == 0, timeout_s=10)
+    assert engine.snapshot.num_free_blocks == idle_free
+    assert time.monotonic() - t0 < 30  # far less than the ~900 steps the full request would take
+    after = _metric(httpx.get(server.url + "/metrics").text, "roofline:request_success_total",
+                    finished_reason="abort")
+    assert after == before + 1
+
+
+def test_disconnect_while_waiting_non_streaming_aborts(server):
+    engine = server.app.state.async_engine
+    idle_free = engine.snapshot.num_total_blocks
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 900, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(server.url + "/v1/completions", json=body, timeout=1.5)
+    assert wait_until(lambda: engine.snapshot.num_unfinished_requests == 0, timeout_s=10)
+    assert engine.snapshot.num_free_blocks == idle_free
+
+
+def test_admission_control_503_with_retry_after(server, async_engine):
+    from roofline.server.api import BackgroundServer, build_app
+
+    engine = async_engine
+    with BackgroundServer(build_app(async_engine, max_waiting_requests=1)) as limited:
+        main = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+        lim = openai.AsyncOpenAI(base_url=limited.url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+        async def consume(stream) -> tuple[int, str | None]:
+            usage, finish = None, None
+            async for chunk in stream:
+                if chunk.choices:
+                    finish = chunk.choices[0].finish_reason or finish
+                if chunk.usage:
+                    usage = chunk.usage
+            return usage.completion_tokens, finish
+
+        async def main_flow():
+            kw = dict(model=MODEL, max_tokens=60, temperature=0, stream=True, stream_options={"include_usage": True},
+                      extra_body={"ignore_eos": True})
+            # Fill every running slot through the unlimited server.
+            running = [await main.completions.create(prompt=f"Story number {i}:", **kw) for i in range(MAX_NUM_SEQS)]
+            tasks = [asyncio.ensure_future(consume(s)) for s in running]
+            assert await asyncio.to_thread(wait_until, lambda: engine.snapshot.num_running_requests == MAX_NUM_SEQS)
+            # One more waits (admitted: the limit is 1 waiting request) ...
+            waiting = await lim.completions.create(prompt="Waiting story:", **kw)
+            tasks.append(asyncio.ensure_future(consume(waiting)))
+            assert await asyncio.to_thread(wait_until, lambda: engine.snapshot.num_waiting_requests == 1)
+            # ... and the next is refused with 503 + Retry-After, non-streaming or streaming.
+            for stream in (False, True):
+                with pytest.raises(openai.APIStatusError) as exc:
+                    await lim.completions.create(model=MODEL, prompt="Refused:", max_tokens=5, stream=stream)
+                assert exc.value.status_code == 503
+                assert exc.value.response.headers["retry-after"] == "1"
+                err = exc.value.response.json()["error"]
+                assert err["type"] == "server_error" and err["code"] == "server_overloaded"
+                assert "1 requests are waiting and --max-waiting-requests is 1" in err["message"]
+            results = await asyncio.gather(*tasks)
+            await main.close()
+            await lim.close()
+            return results
+
+        results = asyncio.run(main_flow())
+        # Everything already in flight completed in full.
+        assert results == [(60, "length")] * (MAX_NUM_SEQS + 1)
+        r = httpx.post(limited.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 1}, timeout=60)
+        assert r.status_code == 200
+
+
+def test_metrics_follow_requests(server):
+    names = ["roofline:time_to_first_token_seconds", "roofline:inter_token_latency_seconds",
+             "roofline:time_per_output_token_seconds", "roofline:e2e_request_latency_seconds",
+             "roofline:request_queue_time_seconds", "roofline:num_requests_running",
+             "roofline:num_requests_waiting", "roofline:kv_cache_usage_perc", "roofline:num_preemptions_total",
+             "roofline:prompt_tokens_total", "roofline:generation_tokens_total", "roofline:request_success_total"]
+    before = httpx.get(server.url + "/metrics")
+    assert before.status_code == 200 and before.headers["content-type"].startswith("text/plain")
+    for name in names:
+        assert f"\n{name}" in before.text, name
+    b = before.text
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="x", max_retries=0, timeout=120)
+    r1 = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=7, temperature=0,
+                                   extra_body={"ignore_eos": True})
+    r2 = client.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8, temperature=0,
+                                   stop=["\n"])
+    a = httpx.get(server.url + "/metrics").text
+    assert _metric(a, "roofline:request_success_total", finished_reason="length") == \
+        _metric(b, "roofline:request_success_total", finished_reason="length") + 1
+    assert _metric(a, "roofline:request_success_total", finished_reason="stop") == \
+        _metric(b, "roofline:request_success_total", finished_reason="stop") + 1
+    assert _metric(a, "roofline:generation_tokens_total") == _metric(b, "roofline:generation_tokens_total") + \
+        r1.usage.completion_tokens + r2.usage.completion_tokens
+    assert _metric(a, "roofline:prompt_tokens_total") == _metric(b, "roofline:prompt_tokens_total") + \
+        r1.usage.prompt_tokens + r2.usage.prompt_tokens
+    for hist in ("time_to_first_token", "e2e_request_latency", "request_queue_time", "time_per_output_token"):
+        name = f"roofline:{hist}_seconds_count"
+        assert _metric(a, name) == _metric(b, name) + 2, name
+    # One ITL observation per gap between tokens: 6 + 2 (r2 stopped after 3 tokens).
+    assert _metric(a, "roofline:inter_token_latency_seconds_count") == \
+        _metric(b, "roofline:inter_token_latency_seconds_count") + (7 - 1) + (3 - 1)
+    assert _metric(a, "roofline:e2e_request_latency_seconds_sum") > _metric(b, "roofline:e2e_request_latency_seconds_sum")
+    assert _metric(a, "roofline:num_requests_running") == 0.0
+    assert _metric(a, "roofline:kv_cache_usage_perc") == 0.0
+
+
+def test_metrics_registries_are_per_app(async_engine):
+    from roofline.server.api import build_app
+
+    a, b = build_app(async_engine), build_app(async_engine)
+    assert a.state.metrics.registry is not b.state.metrics.registry
+    a.state.metrics.generation_tokens.inc(5)
+    assert _metric(b.state.metrics.render().decode(), "roofline:generation_tokens_total") == 0.0
+    assert _metric(a.state.metrics.render().decode(), "roofline:generation_tokens_total") == 5.0
+
+
+def test_disconnect_right_after_headers_aborts(server):
+    engine = server.app.state.async_engine
+    idle_free = engine.snapshot.num_total_blocks
+    body = {"model": MODEL, "prompt": "Tell me a story.", "max_tokens": 900, "ignore_eos": True, "stream": True}
+    for _ in range(3):
+        with httpx.stream("POST", server.url + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200  # closed before reading a single event
+    assert wait_until(lambda: engine.snapshot.num_unfinished_requests == 0, timeout_s=10)
+    assert engine.snapshot.num_free_blocks == idle_free
