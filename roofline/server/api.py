@@ -720,21 +720,20 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         ctx = first.get("ctx") or {}
         return f"malformed JSON body: {ctx.get('error', first.get('msg'))}", None
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
-    # A union (prompt, stop, content) yields one error per member; report the field once.
-    fields = []
-    for e in errors:
-        field = ".".join(str(x) for x in e.get("loc", ()) if x != "body")
-        if field not in fields:
-            fields.append(field)
     param = loc[0] if loc else None
-    path = ".".join(loc) if loc else "body"
     value = first.get("input")
-    shown = repr(value) if not isinstance(value, dict) or len(repr(value)) < 200 else "{...}"
+    shown = repr(value) if len(repr(value)) < 200 else f"{type(value).__name__} of {len(repr(value))} chars"
     if first.get("type") == "missing":
-        return f"{path}: field required", param
-    message = f"{path}: {first.get('msg')}, got {shown}"
+        return f"{'.'.join(loc) or 'body'}: field required", param
+    # A union field (prompt, stop, content) fails once per member type: name the accepted types once.
+    same_field = [e for e in errors if [str(x) for x in e.get("loc", ()) if x != "body"][:1] == loc[:1]]
+    if len(loc) >= 2 and len(same_field) > 1 and len(same_field) == len(errors):
+        members = list(dict.fromkeys(str(e["loc"][2]) for e in same_field if len(e.get("loc", ())) > 2))
+        if len(members) > 1:
+            return f"{loc[0]}: got {shown}, expected one of: {', '.join(members)}", param
+    message = f"{'.'.join(loc) or 'body'}: {first.get('msg')}, got {shown}"
     if len(errors) > 1:
-        message += f" ({len(errors)} errors; fields: {', '.join(f or 'body' for f in fields[:5])})"
+        message += f" (and {len(errors) - 1} more errors)"
     return message, param
 
 
