@@ -127,32 +127,41 @@ class LLM:
         results: list[RequestOutput | None] = [None] * len(prompts)
         ids: list[str] = []
         order: dict[str, int] = {}
-        for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
-            request_id = engine.next_request_id()
-            text = prompt if isinstance(prompt, str) else None
-            try:
-                if isinstance(prompt, dict):
-                    if "prompt_token_ids" in prompt:
-                        prompt = list(prompt["prompt_token_ids"])
-                    elif "prompt" in prompt:
-                        prompt = prompt["prompt"]
-                        text = prompt
-                    else:
-                        raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
-                engine.add_request(request_id, prompt, params, stream=False)
-            except ValueError as e:
-                results[i] = RequestOutput(request_id, text, [] if isinstance(prompt, str) else list(prompt),
-                                           [], finished=True, error=str(e))
-                continue
-            ids.append(request_id)
-            order[request_id] = i
         progress = None
-        if use_tqdm and ids:
-            from tqdm.auto import tqdm
-
-            progress = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
         try:
+            for i, (prompt, params) in enumerate(zip(prompts, params_list, strict=True)):
+                request_id = engine.next_request_id()
+                text = prompt if isinstance(prompt, str) else None
+                try:
+                    if isinstance(prompt, dict):
+                        if "prompt_token_ids" in prompt:
+                            prompt = list(prompt["prompt_token_ids"])
+                        elif "prompt" in prompt:
+                            prompt = prompt["prompt"]
+                            text = prompt if isinstance(prompt, str) else None
+                        else:
+                            raise ValueError("a dict prompt needs 'prompt' or 'prompt_token_ids'")
+                    if not isinstance(prompt, (str, list, tuple)):
+                        raise ValueError(f"a prompt must be a string, a list of token ids, or a dict with "
+                                         f"'prompt' or 'prompt_token_ids'; got {type(prompt).__name__}")
+                    engine.add_request(request_id, prompt, params, stream=False)
+                except ValueError as e:
+                    token_ids = list(prompt) if isinstance(prompt, (list, tuple)) else []
+                    results[i] = RequestOutput(request_id, text, token_ids, [], finished=True, error=str(e))
+                    continue
+                ids.append(request_id)
+                order[request_id] = i
+            if use_tqdm and ids:
+                from tqdm.auto import tqdm
+
+                progress = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
             final = engine.run_to_completion(ids, progress)
+        except BaseException:
+            # An unexpected error or Ctrl-C: nobody will collect these requests, so free their blocks
+            # now rather than leave them queued for the next call to run.
+            for rid in ids:
+                engine.abort_request(rid)
+            raise
         finally:
             if progress is not None:
                 progress.close()

@@ -292,7 +292,7 @@ def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tens
         dest.copy_(tensor)
         loaded.add(f"{target}:{shard}")
     expected = set()
-    for name, p in params.items():
+    for name in params:
         if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
             continue
         module = model.get_submodule(name.rsplit(".", 1)[0])

@@ -1,0 +1,58 @@
+"""``roofline generate`` end to end in a subprocess, on the real default model.
+
+Few cases: every process that gets past argument checks loads the model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def roofline(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    return subprocess.run([sys.executable, "-m", "roofline.cli", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_generate_prints_output_and_summary():
+    r = roofline("generate", "--prompt", "The capital of France is", "--max-tokens", "4", "--floor", "none",
+                 "--no-progress")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "prompt (5 tokens): 'The capital of France is'" in out
+    assert re.search(r"output \[0\] \(4 tokens, finish_reason=length\): ' Paris\.", out)
+    assert re.search(r"^requests:\s+1$", out, re.M)
+    assert re.search(r"^prompt tokens:\s+5$", out, re.M)
+    assert re.search(r"^generated tokens:\s+4$", out, re.M)
+    m = re.search(r"^output throughput:\s+([0-9.]+) tok/s$", out, re.M)
+    assert m and float(m.group(1)) > 0
+    assert re.search(r"^preemptions:\s+0$", out, re.M)
+    assert "bandwidth:" not in out  # --floor none: no probe
+    assert "Processed prompts" not in r.stderr  # --no-progress
+
+
+def test_bad_sampling_flag_exits_2():
+    r = roofline("generate", "--prompt", "x", "--max-tokens", "0", "--floor", "none", "--no-progress")
+    assert r.returncode == 2
+    assert "max_tokens must be >= 1, got 0" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_bad_engine_flag_exits_2_before_loading():
+    r = roofline("generate", "--prompt", "x", "--block-size", "0", "--floor", "none", "--no-progress",
+                 timeout=120)
+    assert r.returncode == 2
+    assert "block_size must be in [1, 1024], got 0" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_unparsable_flag_exits_2():
+    r = roofline("generate", "--max-tokens", "four", timeout=120)
+    assert r.returncode == 2
+    assert "--max-tokens" in r.stderr and "invalid int value: 'four'" in r.stderr
