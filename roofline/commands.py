@@ -52,7 +52,8 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
     src.add_argument("--dataset-seed", type=int, default=0)
     src.add_argument("--dataset-output-lens", action="store_true",
                      help="use ShareGPT's completion lengths as max_tokens (with ignore_eos)")
-    p.add_argument("--chat-template", action="store_true", help="wrap prompts in the model's chat template")
+    p.add_argument("--chat-template", action=argparse.BooleanOptionalAction, default=None,
+                   help="wrap prompts in the model's chat template (default: on for ShareGPT prompts)")
     p.add_argument("--show", type=int, default=3, help="how many outputs to print")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--floor", choices=["probe", "none"], default="probe",
@@ -101,13 +102,18 @@ def run_generate(args: argparse.Namespace) -> int:
         prompts = [r.prompt for r in reqs]
         if args.dataset_output_lens:
             params_list = [sampling_params_from_args(args, max_tokens=r.output_len, ignore_eos=True) for r in reqs]
-    if args.chat_template:
-        prompts = [{"prompt_token_ids": llm.tokenizer.apply_chat_template(
-            [{"role": "user", "content": p}], add_generation_prompt=True, tokenize=True)} for p in prompts]
+    use_template = args.chat_template
+    if use_template is None:
+        use_template = not (args.prompt or args.prompts_file) and llm.tokenizer is not None \
+            and getattr(llm.tokenizer, "chat_template", None) is not None
+    display = [p if isinstance(p, str) else None for p in prompts]
+    if use_template:
+        prompts = [{"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": p}])}
+                   for p in prompts]
     params = params_list or sampling_params_from_args(args)
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
-    for ro in outputs[: args.show]:
-        prompt = ro.prompt if ro.prompt is not None else f"<{len(ro.prompt_token_ids)} tokens>"
+    for i, ro in enumerate(outputs[: args.show]):
+        prompt = ro.prompt or display[i] or f"<{len(ro.prompt_token_ids)} tokens>"
         print("-" * 80)
         print(f"prompt ({len(ro.prompt_token_ids)} tokens): {prompt[:200]!r}")
         if ro.error:

@@ -98,14 +98,24 @@ class LLM:
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none (dummy weights)")
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
-        prompts: list[Prompt] = []
-        for conv in conversations:
-            ids = self.tokenizer.apply_chat_template(conv, add_generation_prompt=add_generation_prompt,
-                                                     tokenize=True)
-            if isinstance(ids, dict) or hasattr(ids, "input_ids"):
-                ids = ids["input_ids"]
-            prompts.append({"prompt_token_ids": list(ids)})
+        prompts: list[Prompt] = [
+            {"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt)} for conv in conversations
+        ]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        """Token ids of ``conversation`` rendered with the model's chat template.
+
+        Raises:
+            ValueError: the model has no tokenizer or its tokenizer has no chat template.
+        """
+        tok = self.tokenizer
+        if tok is None or getattr(tok, "chat_template", None) is None:
+            raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
+        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers >= 5 returns a BatchEncoding
+            ids = ids["input_ids"]
+        return list(ids)
 
     def decode_floor(self, hardware: str | None = None) -> dict[str, Any] | None:
         """The last run's mean decode step beside its bound (``roofline.costmodel``), also stored in
@@ -122,8 +132,7 @@ class LLM:
     def _run(self, prompts: list[Prompt], params_list: list[SamplingParams], use_tqdm: bool) -> list[RequestOutput]:
         engine = self.engine
         t0 = time.monotonic()
-        steps_before = len(engine.stats.steps)
-        preempt_before = engine.stats.num_preemptions
+        before = engine.stats.snapshot()
         results: list[RequestOutput | None] = [None] * len(prompts)
         ids: list[str] = []
         order: dict[str, int] = {}
@@ -171,8 +180,7 @@ class LLM:
         done = [r for r in results if r is not None and r.error is None]
         ttfts = [r.metrics.ttft for r in done if r.metrics and r.metrics.ttft is not None]
         tpots = [r.metrics.tpot for r in done if r.metrics and r.metrics.tpot is not None]
-        steps = engine.stats.steps[steps_before:]
-        decode = [s for s in steps if s.is_decode_only]
+        n_dec, t_dec, seqs_dec, kv_dec, preempt = (a - b for a, b in zip(engine.stats.snapshot(), before, strict=True))
         self.last_run_stats = RunStats(
             num_requests=len(done),
             num_prompt_tokens=sum(len(r.prompt_token_ids) for r in done),
@@ -180,9 +188,9 @@ class LLM:
             wall_time_s=wall,
             mean_ttft_s=sum(ttfts) / len(ttfts) if ttfts else None,
             mean_tpot_s=sum(tpots) / len(tpots) if tpots else None,
-            num_preemptions=engine.stats.num_preemptions - preempt_before,
-            mean_decode_step_s=sum(s.duration_s for s in decode) / len(decode) if decode else None,
-            mean_decode_batch=sum(s.num_seqs for s in decode) / len(decode) if decode else None,
-            mean_decode_kv_tokens=sum(s.context_tokens for s in decode) / len(decode) if decode else None,
+            num_preemptions=int(preempt),
+            mean_decode_step_s=t_dec / n_dec if n_dec else None,
+            mean_decode_batch=seqs_dec / n_dec if n_dec else None,
+            mean_decode_kv_tokens=kv_dec / n_dec if n_dec else None,
         )
         return [r for r in results if r is not None]

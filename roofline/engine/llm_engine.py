@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,11 +43,28 @@ class StepRecord:
 
 @dataclass
 class EngineStats:
-    steps: list[StepRecord] = field(default_factory=list)
-    num_preemptions: int = 0
+    """Cumulative step counters (callers diff two snapshots for one run) and a bounded window of records."""
 
-    def decode_steps(self) -> list[StepRecord]:
-        return [s for s in self.steps if s.is_decode_only]
+    num_steps: int = 0
+    num_decode_steps: int = 0
+    decode_time_s: float = 0.0
+    decode_seqs: int = 0  # summed over decode-only steps
+    decode_kv_tokens: int = 0  # keys read, summed over decode-only steps and their sequences
+    num_preemptions: int = 0
+    recent: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=4096))
+
+    def record(self, rec: StepRecord) -> None:
+        self.num_steps += 1
+        self.recent.append(rec)
+        if rec.is_decode_only:
+            self.num_decode_steps += 1
+            self.decode_time_s += rec.duration_s
+            self.decode_seqs += rec.num_seqs
+            self.decode_kv_tokens += rec.context_tokens
+
+    def snapshot(self) -> tuple[int, float, int, int, int]:
+        return (self.num_decode_steps, self.decode_time_s, self.decode_seqs, self.decode_kv_tokens,
+                self.num_preemptions)
 
 
 @dataclass
@@ -208,7 +226,7 @@ class LLMEngine:
         if out.is_empty:
             return []
         result = self.runner.execute(out)
-        self.stats.steps.append(StepRecord(
+        self.stats.record(StepRecord(
             duration_s=result.duration_s,
             num_seqs=len(out.scheduled),
             num_tokens=out.num_batched_tokens,

@@ -69,9 +69,6 @@ class EngineSnapshot:
     num_steps: int = 0  # engine steps run by this AsyncLLMEngine
 
 
-# A long-running server would otherwise grow ``engine.stats.steps`` without bound (~100 B per step).
-_MAX_STEP_RECORDS = 100_000
-
 _ABORTED = object()  # queue sentinel: the request was aborted from the event-loop side
 
 
@@ -296,9 +293,6 @@ class AsyncLLMEngine:
         try:
             outputs = self.engine.step()
             self._num_steps += 1
-            steps = self.engine.stats.steps
-            if len(steps) > _MAX_STEP_RECORDS:  # the engine keeps one record per step, forever
-                del steps[: len(steps) - _MAX_STEP_RECORDS // 2]
         except Exception as e:
             # The engine state is suspect after a failed step: end every request with the error.
             logger.exception("engine step failed; aborting all requests")
