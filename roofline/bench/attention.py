@@ -18,21 +18,10 @@ import argparse
 import datetime as _dt
 import json
 import math
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
-
-def _git_sha() -> str:
-    sha = os.environ.get("ROOFLINE_GIT_SHA")
-    if sha:
-        return sha
-    try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
-                              timeout=10).stdout.strip()
-    except Exception:  # noqa: BLE001 - no git on the machine: record it as unknown
-        return "unknown"
+from roofline.bench.common import git_sha
 
 
 def _paged_prefill_inputs(batch: int, seq: int, heads: int, kv_heads: int, head_dim: int, block_size: int,
@@ -256,7 +245,7 @@ def run_attention_bench(args: argparse.Namespace) -> int:
         log(f"{r['batch']:>10} {r['ctx']:>7} {(r['bytes_per_s'] or float('nan')) / 1e12:>6.2f} "
             f"{r['frac_of_read'] or float('nan'):>8.3f}")
 
-    sha = _git_sha()
+    sha = git_sha()
     now = _dt.datetime.now(_dt.UTC)
     result = dict(
         benchmark="attention", date=now.isoformat(timespec="seconds"), git_commit=sha,
