@@ -71,7 +71,7 @@ def batched(default_llm, small_chunks_llm, no_chunk_llm) -> dict[str, tuple[LLM,
     runs = {}
     for name, llm in [("bs16-chunked-2048", default_llm), ("bs1-chunked-64", small_chunks_llm),
                       ("bs32-unchunked-512", no_chunk_llm)]:
-        first_step = len(llm.engine.stats.steps)
+        first_step = llm.engine.stats.num_steps
         runs[name] = (llm, first_step, _generate(llm, PROMPTS))
     return runs
 
@@ -104,7 +104,7 @@ def test_configs_really_differ(batched):
     """The engines exercised what they claim: block sizes, chunking, and step composition."""
     small, first, _ = batched["bs1-chunked-64"]
     assert small.engine.block_manager.block_size == 1
-    steps = small.engine.stats.steps[first:]
+    steps = small.engine.stats.steps_since(first)
     assert max(s.num_tokens for s in steps) <= 64
     # ceil(sum(LENGTHS) / 64) steps at least to get through the prompts, with decodes mixed in.
     assert sum(not s.is_decode_only for s in steps) >= -(-sum(LENGTHS) // 64)
@@ -113,7 +113,7 @@ def test_configs_really_differ(batched):
 
     whole, first, _ = batched["bs32-unchunked-512"]
     assert whole.engine.block_manager.block_size == 32
-    steps = whole.engine.stats.steps[first:]
+    steps = whole.engine.stats.steps_since(first)
     assert max(s.num_tokens for s in steps) >= 300  # the 300-token prompt went in one step
     assert all(s.num_tokens <= 512 for s in steps)
     # Prompts arrived over several steps, each new one prefilled whole beside running decodes.
@@ -123,4 +123,4 @@ def test_configs_really_differ(batched):
 
     default, first, _ = batched["bs16-chunked-2048"]
     assert default.engine.block_manager.block_size == 16
-    assert default.engine.stats.steps[first].num_tokens == sum(LENGTHS)  # one prefill step for all
+    assert default.engine.stats.steps_since(first)[0].num_tokens == sum(LENGTHS)  # one prefill step for all

@@ -42,10 +42,10 @@ PARAMS = [
 def _run(llm: LLM) -> tuple[list[list[int]], int, int]:
     """Outputs, preemptions during the run, and the number of tokens the model processed."""
     engine = llm.engine
-    first_step = len(engine.stats.steps)
+    first_step = engine.stats.num_steps
     outs = llm.generate([{"prompt_token_ids": p} for p in PROMPTS], PARAMS, use_tqdm=False)
     assert [o.error for o in outs] == [None] * NUM_PROMPTS
-    processed = sum(s.num_tokens for s in engine.stats.steps[first_step:])
+    processed = sum(s.num_tokens for s in engine.stats.steps_since(first_step))
     return [o.outputs[0].token_ids for o in outs], llm.last_run_stats.num_preemptions, processed
 
 

@@ -62,6 +62,17 @@ class EngineStats:
             self.decode_seqs += rec.num_seqs
             self.decode_kv_tokens += rec.context_tokens
 
+    def steps_since(self, step_index: int) -> list[StepRecord]:
+        """Records of steps ``step_index`` (a past ``num_steps``) onwards.
+
+        Raises:
+            ValueError: those steps have left the bounded window.
+        """
+        n = self.num_steps - step_index
+        if n > len(self.recent):
+            raise ValueError(f"step {step_index} is older than the last {len(self.recent)} kept records")
+        return list(self.recent)[len(self.recent) - n:] if n > 0 else []
+
     def snapshot(self) -> tuple[int, float, int, int, int]:
         return (self.num_decode_steps, self.decode_time_s, self.decode_seqs, self.decode_kv_tokens,
                 self.num_preemptions)
