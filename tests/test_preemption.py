@@ -1,10 +1,10 @@
 """Preemption by recompute on the real default model.
 
-A KV pool of 12 blocks of 16 tokens holds three of the six sequences at their full length (32 to 37
-prompt tokens + 24 new: 4 blocks each), but admission only needs room for the prompts (2 or 3 blocks),
-so four start together. As they grow, sequences are preempted, lose their blocks, and are recomputed
-(prompt plus the tokens generated so far) when they come back. Outputs must be those of an unconstrained
-run (``default_llm``, 2912 blocks), and every block must be free afterwards.
+A KV pool of 12 blocks of 16 tokens holds two of the six sequences at their full length (24 to 29
+prompt tokens + 40 new: 5 blocks each), but admission only needs room for the prompts (2 blocks each),
+so all six start together. As they grow, sequences are preempted (five times in this run), lose their
+blocks, and are recomputed (prompt plus the tokens generated so far) when they come back. Outputs must be
+those of an unconstrained run (``default_llm``, 2912 blocks), and every block must be free afterwards.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import torch
 from roofline import LLM, SamplingParams
 
 NUM_PROMPTS = 6
-PROMPT_LEN = 32
-NUM_NEW = 24
+PROMPT_LEN = 24
+NUM_NEW = 40
 BLOCK_SIZE = 16
-NUM_KV_BLOCKS = 12  # 192 slots; one sequence needs ceil(61 / 16) = 4 blocks at most
+NUM_KV_BLOCKS = 12  # 192 slots; one sequence needs ceil(64 / 16) = 4 to ceil(69 / 16) = 5 blocks
 MAX_MODEL_LEN = 192  # <= 192, the pool's capacity, as the engine requires
 
 
