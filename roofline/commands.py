@@ -86,6 +86,7 @@ def run_generate(args: argparse.Namespace) -> int:
     from roofline.report import print_run_summary
 
     engine_args = EngineArgs.from_cli_args(args)
+    base_params = sampling_params_from_args(args)  # validate flags before the model loads
     llm = LLM(**engine_args.to_dict())
     params_list = None
     if args.prompt:
@@ -110,7 +111,7 @@ def run_generate(args: argparse.Namespace) -> int:
     if use_template:
         prompts = [{"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": p}])}
                    for p in prompts]
-    params = params_list or sampling_params_from_args(args)
+    params = params_list or base_params
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
     for i, ro in enumerate(outputs[: args.show]):
         prompt = ro.prompt or display[i] or f"<{len(ro.prompt_token_ids)} tokens>"
@@ -142,8 +143,8 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
 def run_chat(args: argparse.Namespace) -> int:
     from roofline.llm import LLM
 
+    params = sampling_params_from_args(args)  # validate flags before the model loads
     llm = LLM(**EngineArgs.from_cli_args(args).to_dict())
-    params = sampling_params_from_args(args)
     messages: list[dict[str, str]] = []
     if args.system:
         messages.append({"role": "system", "content": args.system})
