@@ -282,6 +282,31 @@ def _gemm_rates(device: str, n: int, rounds: int) -> tuple[dict[str, float], dic
     return rates, notes
 
 
+def measure_gemm_flops(device: str = "auto", dtype: str = "auto", n: int | None = None, rounds: int = 5) -> float:
+    """Median dense GEMM rate (FLOP/s) of an ``n x n x n`` product on random operands, in this process.
+
+    ``dtype``: ``bf16``/``fp16``/``fp32`` or ``auto`` (bf16 on CUDA, fp32 on CPU). ``n`` defaults to 8192 on
+    CUDA and 512 on CPU. FLOPs = 2 n^3.
+
+    Raises:
+        ValueError: an unknown dtype or device, rounds < 1.
+    """
+    import torch
+
+    _check_probe_args(rounds, None)
+    dev = _resolve_device(device)
+    cuda = dev.startswith("cuda")
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    key = ("bf16" if cuda else "fp32") if dtype == "auto" else dtype
+    if key not in names:
+        raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {dtype!r}")
+    size = n or DEFAULT_GEMM_N["cuda" if cuda else "cpu"]
+    a = torch.randn(size, size, device=dev).to(names[key])
+    b = torch.randn(size, size, device=dev).to(names[key])
+    ts = _time_rounds(lambda: torch.matmul(a, b), dev, rounds)
+    return 2 * size**3 / statistics.median(ts)
+
+
 def _versions(device: str) -> dict[str, Any]:
     import torch
 

@@ -33,8 +33,9 @@ def decode_floor(llm: Any, hardware: str | None = None) -> dict[str, Any] | None
         source = f"{spec.name} ({spec.source})"
     else:
         bandwidth = hw.measure_read_bandwidth(str(runner.device))
-        peak = None
-        source = f"read bandwidth measured in-process on {runner.device}"
+        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[str(runner.dtype).removeprefix("torch.")]
+        peak = hw.measure_gemm_flops(str(runner.device), dtype)
+        source = f"read bandwidth and {dtype} GEMM rate measured in-process on {runner.device}"
     report = costmodel.decode_floor_report(
         weight_bytes=runner.weight_bytes,
         kv_bytes_read=mean_ctx * runner.kv_bytes_per_token,
@@ -43,7 +44,7 @@ def decode_floor(llm: Any, hardware: str | None = None) -> dict[str, Any] | None
         peak_flops=peak,
         measured_step_s=stats.mean_decode_step_s,
     )
-    report.update(bandwidth_bytes_per_s=bandwidth, bandwidth_source=source, mean_batch=mean_batch,
+    report.update(bandwidth_bytes_per_s=bandwidth, peak_flops=peak, bandwidth_source=source, mean_batch=mean_batch,
                   mean_context_tokens=mean_ctx / max(mean_batch, 1e-9))
     return report
 
@@ -67,5 +68,7 @@ def print_run_summary(llm: Any, floor: str = "probe", hardware: str | None = Non
     rep = llm.decode_floor(hardware)
     if rep is None:
         return
-    print(f"bandwidth:          {rep['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s ({rep['bandwidth_source']})")
+    peak = f", {rep['peak_flops'] / 1e12:.3f} TFLOP/s" if rep.get("peak_flops") else ""
+    print(f"floor inputs:       {rep['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s{peak} ({rep['bandwidth_source']}); "
+          f"bound by {rep['bound_by']}")
     print(rep["text"])

@@ -21,28 +21,6 @@ import time
 from typing import Any
 
 
-def measure_gemm_flops(device: str, n: int = 8192, rounds: int = 10) -> float:
-    """Median dense bf16 (CUDA) / fp32 (CPU) GEMM rate in FLOP/s on random n x n x n operands."""
-    import torch
-
-    dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    if not device.startswith("cuda"):
-        n = min(n, 1024)
-    a = torch.randn(n, n, device=device, dtype=dtype)
-    b = torch.randn(n, n, device=device, dtype=dtype)
-    times = []
-    for i in range(rounds + 2):
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        a @ b
-        if device.startswith("cuda"):
-            torch.cuda.synchronize()
-        if i >= 2:
-            times.append(time.perf_counter() - t0)
-    return 2 * n**3 / statistics.median(times)
-
-
 def build_engine(args: argparse.Namespace, max_batch: int, max_context: int):
     from roofline.config import model_preset
     from roofline.engine.args import EngineArgs
@@ -99,7 +77,7 @@ def time_decode(engine: Any, batch: int, context: int, steps: int, warmup: int, 
 def run_decode_bench(args: argparse.Namespace) -> int:
     from roofline import costmodel
     from roofline.bench.common import parse_sizes, write_result
-    from roofline.hardware import measure_read_bandwidth
+    from roofline.hardware import measure_gemm_flops, measure_read_bandwidth
 
     batches = parse_sizes(args.batch_sizes)
     contexts = parse_sizes(args.contexts)
@@ -107,7 +85,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     runner = engine.runner
     device = str(runner.device)
     bandwidth = measure_read_bandwidth(device)
-    peak = measure_gemm_flops(device)
+    peak = measure_gemm_flops(device, n=8192 if device.startswith("cuda") else 1024, rounds=10)
     capacity = engine.block_manager.num_blocks * engine.block_manager.block_size
     print(f"model {args.model} (dummy weights, {runner.dtype}), {runner.weight_bytes / 1e9:.2f} GB of weights, "
           f"KV {runner.kv_bytes_per_token} B/token, pool {capacity} tokens, "

@@ -196,17 +196,24 @@ class TorchAttentionBackend(AttentionBackend):
         qlens = meta.query_lens_cpu
         decode_rows = [i for i, n in enumerate(qlens) if n == 1]
         if decode_rows:
-            starts = meta.query_start_loc[:-1]
-            if len(decode_rows) == len(qlens):
-                rows = starts.long()
-                tables, lens = meta.block_tables, meta.seq_lens
-                max_len = meta.max_seq_len
-            else:
-                sel = torch.tensor(decode_rows, dtype=torch.long, device=q.device)
-                rows = starts[sel].long()
-                tables, lens = meta.block_tables[sel], meta.seq_lens[sel]
-                max_len = max(meta.seq_lens_cpu[i] for i in decode_rows)
-            out[rows] = _decode_attention_batched(q[rows], k_cache, v_cache, tables, lens, max_len, self.scale)
+            # Decode rows, by length, in groups whose longest context is at most 1.5x the shortest, so
+            # padding to the group's longest wastes little (ragged batches otherwise pad to the longest).
+            decode_rows.sort(key=lambda i: meta.seq_lens_cpu[i])
+            groups: list[list[int]] = []
+            for i in decode_rows:
+                if groups and meta.seq_lens_cpu[i] <= 1.5 * meta.seq_lens_cpu[groups[-1][0]] + 16:
+                    groups[-1].append(i)
+                else:
+                    groups.append([i])
+            first_token = [0]
+            for n in qlens:
+                first_token.append(first_token[-1] + n)
+            for g in groups:
+                sel = torch.tensor(g, dtype=torch.long, device=q.device)
+                rows = torch.tensor([first_token[i] for i in g], dtype=torch.long, device=q.device)
+                max_len = meta.seq_lens_cpu[g[-1]]
+                out[rows] = _decode_attention_batched(q[rows], k_cache, v_cache, meta.block_tables[sel],
+                                                      meta.seq_lens[sel], max_len, self.scale)
         start = 0
         group = self.num_heads // self.num_kv_heads
         for i, (q_len, seq_len) in enumerate(zip(qlens, meta.seq_lens_cpu, strict=True)):
