@@ -1,0 +1,42 @@
+"""`roofline bench decode` and `roofline bench throughput` on the CPU at tiny sizes: the code paths the H200
+runs, with the JSON they write checked field by field (speed itself is not asserted: benchmarks are not
+timed tests)."""
+
+from __future__ import annotations
+
+import json
+
+from roofline.cli import main
+
+
+def test_bench_decode_writes_rows_beside_the_floor(tmp_path):
+    rc = main(["bench", "decode", "--model", "smollm2-135m", "--batch-sizes", "1,2", "--contexts", "8,24",
+               "--steps", "2", "--warmup", "1", "--kv-cache-memory", "64MiB", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    [path] = tmp_path.glob("decode-smollm2-135m-*.json")
+    result = json.loads(path.read_text())
+    assert result["model"] == "smollm2-135m"
+    assert result["device"] == "cpu" and result["cuda_graphs"] is False
+    assert result["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # layers x kv heads x head_dim x fp32, k and v
+    assert [(r["batch"], r["context"]) for r in result["rows"]] == [(1, 8), (2, 8), (1, 24), (2, 24)]
+    for r in result["rows"]:
+        assert r["step_ms"] > 0 and r["floor_ms"] > 0
+        assert abs(r["fraction_of_floor"] - r["floor_ms"] / r["step_ms"]) < 1e-9
+        assert abs(r["tok_per_s"] - r["batch"] / (r["step_ms"] / 1e3)) < 1e-6 * r["tok_per_s"]
+    for key in ("git_commit", "date", "torch", "read_bandwidth_bytes_per_s", "peak_flops", "weight_bytes"):
+        assert result[key], key
+
+
+def test_bench_throughput_generates_exact_output_lengths(tmp_path):
+    dataset = tmp_path / "reqs.json"
+    reqs = [{"prompt_token_ids": [100 + i, 200, 300 + i], "output_len": 3 + i} for i in range(3)]
+    dataset.write_text(json.dumps({"requests": reqs}))
+    rc = main(["bench", "throughput", "--model", "smollm2-135m", "--dataset-file", str(dataset), "--num-prompts",
+               "3", "--max-model-len", "64", "--max-num-seqs", "4", "--kv-cache-memory", "64MiB",
+               "--no-progress", "--no-warmup", "--out-dir", str(tmp_path)])
+    assert rc == 0
+    [path] = tmp_path.glob("throughput-smollm2-135m-seqs4-*.json")
+    result = json.loads(path.read_text())
+    assert result["output_tokens"] == result["expected_output_tokens"] == 3 + 4 + 5
+    assert result["prompt_tokens"] == 9
+    assert abs(result["output_tok_per_s"] - 12 / result["elapsed_s"]) < 1e-6 * result["output_tok_per_s"]
