@@ -87,12 +87,20 @@ def run_generate(args: argparse.Namespace) -> int:
 
     engine_args = EngineArgs.from_cli_args(args)
     base_params = sampling_params_from_args(args)  # validate flags before the model loads
+    if args.sharegpt is not None and args.sharegpt < 1:
+        raise ValueError(f"--sharegpt must be >= 1, got {args.sharegpt}")
+    if args.hardware:
+        from roofline.hardware import load_hardware
+
+        load_hardware(args.hardware)  # fail now, not after the run
     llm = LLM(**engine_args.to_dict())
     params_list = None
     if args.prompt:
         prompts: list[Any] = list(args.prompt)
     elif args.prompts_file:
         prompts = _read_prompts(args.prompts_file)
+        if not prompts:
+            raise ValueError(f"prompts file {args.prompts_file!r} has no prompts")
     else:
         from roofline.bench.datasets import sample_sharegpt
 
@@ -126,7 +134,7 @@ def run_generate(args: argparse.Namespace) -> int:
         print(f"request {ro.request_id} rejected: {ro.error}", file=sys.stderr)
     print("-" * 80)
     print_run_summary(llm, floor=args.floor, hardware=args.hardware)
-    return 0
+    return 1 if errors else 0  # the valid requests completed; say that some did not
 
 
 # ---------------------------------------------------------------------------------------------- chat

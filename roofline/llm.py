@@ -75,7 +75,7 @@ class LLM:
         still complete.
         """
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
-                                                 and isinstance(prompts[0], int)):
+                                                 and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)  # type: ignore[arg-type]
         if sampling_params is None:
@@ -112,6 +112,9 @@ class LLM:
         tok = self.tokenizer
         if tok is None or getattr(tok, "chat_template", None) is None:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        for i, m in enumerate(conversation):
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
+                raise ValueError(f"message {i} must be a dict with string 'role' and 'content', got {m!r}")
         ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers >= 5 returns a BatchEncoding
             ids = ids["input_ids"]

@@ -96,6 +96,18 @@ class SamplingParams:
         def bad(name: str, value: object, allowed: str) -> ValueError:
             return ValueError(f"{name} must be {allowed}, got {value!r}")
 
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(f"{name} must be a number, got {value!r} of type {type(value).__name__}")
+        for name in ("n", "top_k", "min_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"{name} must be an integer, got {value!r} of type {type(value).__name__}")
+        for name in ("max_tokens", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+                raise ValueError(f"{name} must be an integer or None, got {value!r} of type {type(value).__name__}")
         if not isinstance(self.n, int) or self.n < 1:
             raise bad("n", self.n, ">= 1")
         if not 0.0 <= self.temperature < float("inf"):  # also rejects NaN

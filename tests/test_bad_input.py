@@ -347,3 +347,35 @@ def test_logprobs_off_by_default(default_llm):
     c = default_llm.generate("Hi", SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)[0].outputs[0]
     assert c.logprobs is None and c.cumulative_logprob is None
 
+
+
+def test_mixed_list_is_two_prompts_not_one_token_list(default_llm):
+    """[123, "text"] is two prompts (token ids would have to be all ints); the text one still completes."""
+    outs = default_llm.generate([[123], "The capital of France is"],
+                                SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert len(outs) == 2
+    assert outs[1].error is None and outs[1].outputs[0].text == " Paris."
+    outs = default_llm.generate([123, "The capital of France is"], SamplingParams(temperature=0, max_tokens=2),
+                                use_tqdm=False)
+    assert len(outs) == 2
+    assert outs[1].outputs[0].text == " Paris."
+    assert outs[0].error == ("a prompt must be a string, a list of token ids, or a dict with 'prompt' or "
+                             "'prompt_token_ids'; got int")
+
+
+def test_chat_message_without_content_is_a_clear_error(default_llm):
+    with pytest.raises(ValueError, match=r"^message 0 must be a dict with string 'role' and 'content', got"):
+        default_llm.chat([{"role": "user"}], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
+def test_cuda_device_without_gpu_is_a_clear_error():
+    import torch
+
+    from roofline.engine.model_runner import resolve_device
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU")
+    with pytest.raises(ValueError, match=r"^device 'cuda' requested, but this torch build sees no CUDA GPU"):
+        resolve_device("cuda")
+    with pytest.raises(ValueError, match=r"^device must be auto, cpu, cuda or cuda:N, got 'tpu'"):
+        resolve_device("tpu")

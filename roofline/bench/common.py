@@ -75,7 +75,11 @@ def parse_sizes(text: str) -> list[int]:
         if not part:
             continue
         mult = 1024 if part.endswith("k") else 1
-        value = float(part.rstrip("k")) * mult
+        try:
+            value = float(part.rstrip("k")) * mult
+        except ValueError as e:
+            raise ValueError(f"sizes must be comma-separated positive integers (a k suffix means x1024), "
+                             f"got {part!r}") from e
         if value <= 0:
             raise ValueError(f"sizes must be positive, got {part!r}")
         out.append(int(value))

@@ -61,6 +61,9 @@ class EngineArgs:
     enforce_eager: bool = False
 
     def engine_config(self, model_config: ModelConfig) -> EngineConfig:
+        if self.max_model_len is not None and self.max_model_len < 2:
+            raise ValueError(f"max_model_len must be >= 2 (one prompt token and one generated), "
+                             f"got {self.max_model_len}")
         max_model_len = self.max_model_len or min(model_config.max_position_embeddings, 8192)
         if max_model_len > model_config.max_position_embeddings:
             raise ValueError(

@@ -30,9 +30,23 @@ CPU_DEFAULT_KV_CACHE_BYTES = 2 << 30
 
 
 def resolve_device(device: str) -> torch.device:
+    """``auto`` -> cuda when available, else cpu.
+
+    Raises:
+        ValueError: an unparsable device, or a CUDA device on a machine without one.
+    """
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested, but this torch build sees no CUDA GPU "
+                         f"(torch {torch.__version__}); use --device cpu or auto")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    return dev
 
 
 def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:

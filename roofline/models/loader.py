@@ -151,7 +151,10 @@ def _gguf_reader(path: str) -> Any:
     """One parsed GGUF header per file (parsing the metadata of the default model takes seconds)."""
     import gguf
 
-    return gguf.GGUFReader(path)
+    try:
+        return gguf.GGUFReader(path)
+    except ValueError as e:
+        raise ValueError(f"cannot read GGUF file {path!r}: {e}") from e
 
 
 def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:

@@ -14,7 +14,7 @@ from roofline.sampling_params import SamplingParams, SamplingType
     [
         (dict(max_tokens=0), "max_tokens must be >= 1, got 0"),
         (dict(max_tokens=-3), "max_tokens must be >= 1, got -3"),
-        (dict(max_tokens=2.5), "max_tokens must be >= 1, got 2.5"),
+        (dict(max_tokens=2.5), "max_tokens must be an integer or None, got 2.5 of type float"),
         (dict(temperature=-0.5), "temperature must be finite and >= 0, got -0.5"),
         (dict(temperature=float("nan")), "temperature must be finite and >= 0, got nan"),
         (dict(temperature=float("inf")), "temperature must be finite and >= 0, got inf"),
@@ -33,7 +33,7 @@ from roofline.sampling_params import SamplingParams, SamplingType
         (dict(frequency_penalty=2.1), "frequency_penalty must be in [-2, 2], got 2.1"),
         (dict(n=0), "n must be >= 1, got 0"),
         (dict(n=-1), "n must be >= 1, got -1"),
-        (dict(n=1.5), "n must be >= 1, got 1.5"),
+        (dict(n=1.5), "n must be an integer, got 1.5 of type float"),
         (dict(min_tokens=-1), "min_tokens must be >= 0, got -1"),
         (dict(min_tokens=5, max_tokens=4), "min_tokens must be <= max_tokens (4), got 5"),
         (dict(logprobs=21), "logprobs must be None or in [0, 20], got 21"),
@@ -92,3 +92,17 @@ def test_clone_is_deep():
     q.stop_token_ids.append(2)
     q._all_stop_token_ids.add(9)
     assert p.stop == ["x"] and p.stop_token_ids == [1] and p._all_stop_token_ids == set()
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(temperature=None), "temperature must be a number, got None of type NoneType"),
+        (dict(top_p="0.9"), "top_p must be a number, got '0.9' of type str"),
+        (dict(max_tokens="8"), "max_tokens must be an integer or None, got '8' of type str"),
+        (dict(top_k=True), "top_k must be an integer, got True of type bool"),
+    ],
+)
+def test_wrong_types_name_the_type(kwargs, message):
+    with pytest.raises(ValueError, match="^" + re.escape(message) + "$"):
+        SamplingParams(**kwargs)
