@@ -116,10 +116,11 @@ class Scheduler:
         # Decodes first (one token each), then running prefills; FCFS within each group.
         order = sorted(self.running, key=lambda s: (s.is_prefill, s.arrival_time, s.seq_id))
         scheduled_ids: set[int] = set()
+        preempted_ids: set[int] = set()
         for seq in order:
             if budget == 0:
                 break
-            if seq not in self.running:  # preempted earlier in this loop
+            if seq.seq_id in preempted_ids:  # preempted earlier in this loop
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self.config.enable_chunked_prefill and num_new < seq.num_uncomputed_tokens:
@@ -131,9 +132,10 @@ class Scheduler:
                 )
                 self._preempt(victim)
                 out.preempted.append(victim)
+                preempted_ids.add(victim.seq_id)
                 if victim is seq:
                     break
-            if seq not in self.running:
+            if seq.seq_id in preempted_ids:
                 continue
             bm.allocate(seq, num_new)
             out.scheduled.append(ScheduledSequence(seq, num_new))

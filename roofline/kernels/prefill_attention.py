@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import torch
 
+from roofline.kernels.common import check_paged_attention_inputs
 from roofline.layers.attention import AttentionMetadata, ref_paged_attention
 
 try:
@@ -227,13 +228,8 @@ def paged_prefill_attention(
     if triton is None:
         raise RuntimeError("triton is not installed; use ref_prefill_attention on this machine")
     num_tokens, num_heads, head_dim = q.shape
-    _, block_size, num_kv_heads, d_cache = k_cache.shape
-    if d_cache != head_dim or v_cache.shape != k_cache.shape:
-        raise ValueError(f"q {tuple(q.shape)} and caches {tuple(k_cache.shape)}/{tuple(v_cache.shape)} disagree")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads {num_heads} must be a multiple of num_kv_heads {num_kv_heads}")
-    if q.stride(-1) != 1 or k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
-        raise ValueError("q and the caches need a contiguous last dim")
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    check_paged_attention_inputs(q, k_cache, v_cache)
     if out is None:
         out = torch.empty_like(q)
     num_seqs = meta.query_start_loc.shape[0] - 1

@@ -17,7 +17,6 @@ from roofline.config import ModelConfig
 
 def hf_state_dict(model: torch.nn.Module, config: ModelConfig) -> dict[str, torch.Tensor]:
     """Our fused parameters split back into Hugging Face tensor names (contiguous CPU copies)."""
-    fused = {our: hf for hf, our, _ in getattr(model, "stacked_params", ())}
     out: dict[str, torch.Tensor] = {}
     for name, p in model.named_parameters():
         if name == "lm_head.weight" and config.tie_word_embeddings:
@@ -32,7 +31,6 @@ def hf_state_dict(model: torch.nn.Module, config: ModelConfig) -> dict[str, torc
                 out[f"{parent}.{proj}.{kind}"] = p.detach().narrow(0, start, size).cpu().contiguous().clone()
         else:
             out[name] = p.detach().cpu().contiguous().clone()
-    del fused
     return out
 
 

@@ -125,13 +125,8 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo | None = None
 
 
-class CompletionStreamResponse(BaseModel):
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=now_s)
-    model: str
-    choices: list[CompletionChoice]
-    usage: UsageInfo | None = None
+class CompletionStreamResponse(CompletionResponse):
+    """A streamed completions chunk: OpenAI gives it the same shape as the whole response."""
 
 
 # ---------------------------------------------------------------------------------------------- chat
