@@ -36,7 +36,7 @@ def run_serve(args: argparse.Namespace) -> int:
 
     import uvicorn
 
-    from roofline.server.api import ServerConfig, build_app
+    from roofline.server.app import ServerConfig, build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = ServerConfig(

@@ -4,7 +4,7 @@ Field names, defaults and nesting follow the OpenAI API reference (Completions, 
 Models). vLLM-style extensions (``top_k``, ``min_p``, ``repetition_penalty``, ``min_tokens``,
 ``ignore_eos``, ``stop_token_ids``...) are accepted beside the standard fields. Unknown fields are
 ignored. Only types are checked here; value ranges are checked where the request becomes a
-``SamplingParams`` (``api.py``), so every range error names the field and its allowed range.
+``SamplingParams`` (``serving.py``), so every range error names the field and its allowed range.
 """
 
 from __future__ import annotations

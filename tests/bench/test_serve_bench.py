@@ -91,7 +91,7 @@ def test_payloads():
 @pytest.fixture(scope="module")
 def server(request):
     """A live server on the session's default model if tests/conftest.py provides one, else its own."""
-    from roofline.server.api import BackgroundServer, build_app
+    from roofline.server.app import BackgroundServer, build_app
     from roofline.server.async_engine import AsyncLLMEngine
 
     try:

@@ -23,7 +23,7 @@ PARIS_8_IDS = [7042, 30, 198, 198, 504, 2988, 314, 42]
 
 @pytest.fixture(scope="module")
 def server(async_engine):
-    from roofline.server.api import BackgroundServer, build_app
+    from roofline.server.app import BackgroundServer, build_app
 
     app = build_app(async_engine)
     with BackgroundServer(app) as srv:

@@ -1,6 +1,6 @@
 """Bad input, auth, body limit, admission control, client disconnects and /metrics on a live server.
 
-Status choices (documented in roofline/server/api.py): type errors are 400 (as vLLM and OpenAI answer,
+Status choices (documented in roofline/server/app.py): type errors are 400 (as vLLM and OpenAI answer,
 not FastAPI's 422), an unknown model is 404 (OpenAI's status), a body over the limit is 413.
 """
 
@@ -32,7 +32,7 @@ def wait_until(predicate, timeout_s: float = 30.0) -> bool:
 
 @pytest.fixture(scope="module")
 def server(async_engine):
-    from roofline.server.api import BackgroundServer, build_app
+    from roofline.server.app import BackgroundServer, build_app
 
     app = build_app(async_engine)
     with BackgroundServer(app) as srv:
@@ -146,7 +146,7 @@ def test_bad_inputs_get_openai_errors_while_a_request_completes(server):
 
 
 def test_body_over_limit_is_413_then_serving_continues(async_engine):
-    from roofline.server.api import BackgroundServer, build_app
+    from roofline.server.app import BackgroundServer, build_app
 
     with BackgroundServer(build_app(async_engine, max_body_bytes=2048)) as srv:
         big = {"prompt": "x" * 4000, "max_tokens": 1}
@@ -163,7 +163,7 @@ def test_body_over_limit_is_413_then_serving_continues(async_engine):
 
 
 def test_api_key_required_on_v1_only(async_engine):
-    from roofline.server.api import BackgroundServer, build_app
+    from roofline.server.app import BackgroundServer, build_app
 
     with BackgroundServer(build_app(async_engine, api_key="s3cret")) as srv:
         body = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0}
@@ -218,7 +218,7 @@ def test_disconnect_while_waiting_non_streaming_aborts(server):
 
 
 def test_admission_control_503_with_retry_after(server, async_engine):
-    from roofline.server.api import BackgroundServer, build_app
+    from roofline.server.app import BackgroundServer, build_app
 
     engine = async_engine
     with BackgroundServer(build_app(async_engine, max_waiting_requests=1)) as limited:
@@ -303,7 +303,7 @@ def test_metrics_follow_requests(server):
 
 
 def test_metrics_registries_are_per_app(async_engine):
-    from roofline.server.api import build_app
+    from roofline.server.app import build_app
 
     a, b = build_app(async_engine), build_app(async_engine)
     assert a.state.metrics.registry is not b.state.metrics.registry

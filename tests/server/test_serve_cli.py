@@ -37,7 +37,7 @@ def test_bench_serve_flags():
 
 
 def test_server_config_rejects_bad_limits():
-    from roofline.server.api import ServerConfig
+    from roofline.server.app import ServerConfig
 
     with pytest.raises(ValueError, match="max_waiting_requests must be >= 0 or None, got -1"):
         ServerConfig(max_waiting_requests=-1)
