@@ -170,7 +170,7 @@ def build_app(
     # Default names: what the user asked for (e.g. SmolLM2-135M-Instruct), then the config's name.
     model_names = config.served_model_names or tuple(
         dict.fromkeys([async_engine.model_name, async_engine.engine.model_config.name]))
-    metrics = ServerMetrics(model_names[0], lambda: async_engine.snapshot)
+    metrics = ServerMetrics(model_names[0], async_engine.state)
     serving = OpenAIServing(async_engine, config, metrics, model_names)
 
     @asynccontextmanager

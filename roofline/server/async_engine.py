@@ -8,10 +8,16 @@ Threads and what they touch:
                     outputs from one ``asyncio.Queue`` per request, filled by the engine thread through
                     ``loop.call_soon_threadsafe``.
 
-``snapshot`` is a frozen copy of the engine's counters, published by the engine thread after every
-iteration; the event loop and metrics read only the snapshot, never the engine. ``_lock`` guards the
-snapshot together with the count of adds not yet seen by the engine, so admission control never counts
-a request twice or misses one.
+``snapshot`` is a frozen copy of the engine's counters, published by the engine thread twice per
+iteration: after it applies the queued commands (just before a step) and after the step. The event loop and
+metrics read only the snapshot, never the engine: the scheduler and block manager are not thread-safe, and
+a step (seconds on a CPU) mutates them throughout. ``_lock`` guards the snapshot together with the count of
+adds not yet seen by the engine, so admission control never counts a request twice or misses one.
+
+What can be known while a step runs (``state()``, read by ``/metrics`` at scrape time) without touching the
+engine: the adds the engine thread has not applied yet, the requests the event loop has handed over and not
+yet seen end (added, minus finished, failed, rejected or aborted), and how long the current step has run.
+Running requests, KV usage and preemptions are known only as of the last snapshot.
 """
 
 from __future__ import annotations
@@ -21,7 +27,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -69,32 +75,65 @@ class EngineSnapshot:
     num_steps: int = 0  # engine steps run by this AsyncLLMEngine
 
 
+@dataclass(frozen=True)
+class EngineState:
+    """What ``/metrics`` reads at scrape time: the last snapshot plus what is known live, during a step too.
+
+    Attributes:
+        snapshot: engine counters as of the last engine-thread publication (before or after a step).
+        num_waiting_requests: live: adds queued for the engine thread plus the snapshot's waiting requests.
+        num_unfinished_requests: live: requests accepted by ``add_request`` whose stream has not ended
+            (finished, failed, rejected by the engine, or aborted), counted on the event-loop side.
+        step_elapsed_s: live: seconds the engine step now running has taken so far; 0.0 between steps.
+    """
+
+    snapshot: EngineSnapshot
+    num_waiting_requests: int
+    num_unfinished_requests: int
+    step_elapsed_s: float
+
+
 _ABORTED = object()  # queue sentinel: the request was aborted from the event-loop side
 
 
 class RequestStream:
     """Outputs of one request, in order. Iterate with ``async for``; ends after the finished output.
 
-    ``put`` is called from the engine thread, everything else from the event loop.
+    ``put`` is called from the engine thread, everything else from the event loop. ``on_end`` runs once,
+    on the event loop, when the request ends: its finished output or its error arrives there, or it is
+    aborted from the event-loop side (whichever comes first), whether or not anyone iterates the stream.
     """
 
-    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop):
+    def __init__(self, request_id: str, loop: asyncio.AbstractEventLoop,
+                 on_end: Callable[[], None] | None = None):
         self.request_id = request_id
         self._loop = loop
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._on_end = on_end
         self.finished = False
         self.aborted = False
 
     def put(self, item: RequestOutput | BaseException) -> None:
         """Thread-safe: hand an output (or the error that ended the request) to the event loop."""
         try:
-            self._loop.call_soon_threadsafe(self._queue.put_nowait, item)
+            self._loop.call_soon_threadsafe(self._deliver, item)
         except RuntimeError:  # the event loop is closed (server shut down); nobody is listening
             pass
+
+    def _deliver(self, item: RequestOutput | BaseException) -> None:  # on the event loop
+        self._queue.put_nowait(item)
+        if isinstance(item, BaseException) or item.finished:
+            self._end()
 
     def _mark_aborted(self) -> None:
         self.aborted = True
         self._queue.put_nowait(_ABORTED)
+        self._end()
+
+    def _end(self) -> None:
+        on_end, self._on_end = self._on_end, None
+        if on_end is not None:
+            on_end()
 
     async def __aiter__(self) -> AsyncIterator[RequestOutput]:
         while not self.finished:
@@ -127,6 +166,11 @@ class AsyncLLMEngine:
         self._streams: dict[str, RequestStream] = {}  # engine thread only
         self._lock = threading.Lock()
         self._num_pending_adds = 0  # adds submitted but not yet applied by the engine thread
+        # Requests accepted by add_request, and those whose stream has ended (event-loop side; under _lock,
+        # because apps on several event loops may share this engine).
+        self._num_added = 0
+        self._num_ended = 0
+        self._step_started_at: float | None = None  # monotonic start of the running step; engine thread writes
         self._snapshot = EngineSnapshot()
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
@@ -176,6 +220,25 @@ class AsyncLLMEngine:
         with self._lock:
             return self._num_pending_adds + self._snapshot.num_waiting_requests
 
+    def state(self) -> EngineState:
+        """The last snapshot and the live counts, read together; never waits for a step to end.
+
+        The engine thread takes ``_lock`` only to publish a snapshot, never across a step.
+        """
+        started = self._step_started_at  # one read: the engine thread may reset it meanwhile
+        elapsed = 0.0 if started is None else max(0.0, time.monotonic() - started)
+        with self._lock:
+            return EngineState(
+                snapshot=self._snapshot,
+                num_waiting_requests=self._num_pending_adds + self._snapshot.num_waiting_requests,
+                num_unfinished_requests=self._num_added - self._num_ended,
+                step_elapsed_s=elapsed,
+            )
+
+    def _request_ended(self) -> None:
+        with self._lock:
+            self._num_ended += 1
+
     # ------------------------------------------------------------------------------ requests (event loop)
 
     async def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams,
@@ -198,14 +261,18 @@ class AsyncLLMEngine:
             if max_waiting is not None and num_waiting >= max_waiting:
                 raise EngineOverloadedError(num_waiting, max_waiting)
             self._num_pending_adds += 1
-        stream = RequestStream(request_id, loop)
+            self._num_added += 1
+        stream = RequestStream(request_id, loop, on_end=self._request_ended)
         accepted: asyncio.Future[None] = loop.create_future()
         arrival = arrival_time if arrival_time is not None else time.monotonic()
         self._commands.put(("add", request_id, prompt, params, arrival, stream, accepted, loop))
         try:
             await accepted
         except asyncio.CancelledError:
-            self.abort(request_id)  # the caller went away while the add was in flight
+            self.abort(request_id, stream)  # the caller went away while the add was in flight
+            raise
+        except BaseException:  # the engine rejected the request: it never ran
+            stream._end()
             raise
         return stream
 
@@ -290,6 +357,7 @@ class AsyncLLMEngine:
         return keep_running
 
     def _step(self) -> None:
+        self._step_started_at = time.monotonic()
         try:
             outputs = self.engine.step()
             self._num_steps += 1
@@ -301,6 +369,8 @@ class AsyncLLMEngine:
                 stream.put(RuntimeError(f"engine step failed: {e!r}"))
             self._streams.clear()
             return
+        finally:
+            self._step_started_at = None
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:

@@ -9,8 +9,16 @@ Per request (observed by the API layer when a request ends; seconds, engine mono
     roofline:request_success_total           counter, label finished_reason = stop | length | abort
     roofline:prompt_tokens_total             counter, prompt tokens of requests that got a first token
     roofline:generation_tokens_total         counter, generated tokens (all n samples)
-Engine state (read from the engine thread's snapshot at scrape time):
-    roofline:num_requests_running, roofline:num_requests_waiting   gauges (requests, not sequences)
+Engine state, read at scrape time from ``AsyncLLMEngine.state()``. The engine is not thread-safe, so the
+scrape never reads it; a step can take seconds on a CPU, and what is known while it runs is split in two:
+  live (moves during a step; kept by the event loop and the engine thread's queue bookkeeping):
+    roofline:num_requests_waiting            gauge, requests not yet scheduled: the snapshot's waiting
+                                             ones plus adds queued for the engine thread
+    roofline:num_requests_unfinished         gauge, requests accepted and not yet ended (finished,
+                                             failed or aborted): what clients are waiting on
+    roofline:engine_step_elapsed_seconds     gauge, how long the running step has taken; 0 between steps
+  as of the last snapshot (published just before each step and at its end):
+    roofline:num_requests_running            gauge (requests, not sequences)
     roofline:kv_cache_usage_perc             gauge, fraction of KV blocks in use, in [0, 1]
     roofline:num_preemptions_total           counter
 
@@ -26,7 +34,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from roofline.outputs import RequestOutput
-from roofline.server.async_engine import EngineSnapshot
+from roofline.server.async_engine import EngineState
 
 # Bucket edges in seconds (vLLM's, so dashboards carry over).
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
@@ -41,23 +49,28 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class _EngineCollector(Collector):
-    """Gauges and the preemption counter, read from the latest engine snapshot on every scrape."""
+    """Gauges and the preemption counter, read from ``AsyncLLMEngine.state()`` on every scrape."""
 
-    def __init__(self, snapshot: Callable[[], EngineSnapshot], model_name: str):
-        self._snapshot = snapshot
+    def __init__(self, state: Callable[[], EngineState], model_name: str):
+        self._state = state
         self._model_name = model_name
 
     def collect(self) -> Iterator[Metric]:
-        snap = self._snapshot()
+        state = self._state()
+        snap = state.snapshot
         labels = ["model_name"]
         values = [self._model_name]
         for name, doc, value in (
-            ("roofline:num_requests_running", "Requests with a sequence being computed.",
-             snap.num_running_requests),
-            ("roofline:num_requests_waiting", "Requests waiting to be scheduled (new or preempted).",
-             snap.num_waiting_requests),
-            ("roofline:kv_cache_usage_perc", "Fraction of KV-cache blocks in use (1 = 100 percent).",
-             snap.kv_cache_usage),
+            ("roofline:num_requests_running", "Requests with a sequence being computed (as of the last "
+             "engine snapshot).", snap.num_running_requests),
+            ("roofline:num_requests_waiting", "Requests waiting to be scheduled, new or preempted (live).",
+             state.num_waiting_requests),
+            ("roofline:num_requests_unfinished", "Requests accepted and not yet finished or aborted (live).",
+             state.num_unfinished_requests),
+            ("roofline:kv_cache_usage_perc", "Fraction of KV-cache blocks in use, 1 = 100 percent (as of the "
+             "last engine snapshot).", snap.kv_cache_usage),
+            ("roofline:engine_step_elapsed_seconds", "Seconds the running engine step has taken so far; 0 "
+             "between steps (live).", state.step_elapsed_s),
         ):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric(values, float(value))
@@ -71,7 +84,7 @@ class _EngineCollector(Collector):
 class ServerMetrics:
     """All metrics of one app, in their own registry."""
 
-    def __init__(self, model_name: str, snapshot: Callable[[], EngineSnapshot]):
+    def __init__(self, model_name: str, state: Callable[[], EngineState]):
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -97,7 +110,7 @@ class ServerMetrics:
         success = Counter("roofline:request_success", "Requests finished, by finish reason.",
                           labels + ["finished_reason"], registry=r)
         self.request_success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
-        r.register(_EngineCollector(snapshot, model_name))
+        r.register(_EngineCollector(state, model_name))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""
