@@ -7,6 +7,29 @@ from enum import IntEnum
 
 _GREEDY_EPS = 1e-5
 
+# Ranges of what the engine can represent (why each bound is what it is):
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # torch int64 tensors / 64-bit torch.Generator seeds
+FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: the sampler's per-row parameters are fp32
+MAX_N = 1024  # samples per prompt; the engine also caps n at max_num_seqs (all samples run in one batch)
+MAX_LOGPROBS = 20  # as OpenAI's top_logprobs; verify_for_model also caps it at vocab_size
+
+
+def _show(value: object) -> str:
+    """``repr(value)``, except that an int too long to read (or to convert: Python caps int -> str at 4300
+    digits) is shown by its size."""
+    if isinstance(value, int) and value.bit_length() > 128:
+        bits = value.bit_length()
+        return f"an int of {bits} bits (about {'-' if value < 0 else ''}10**{int(bits * 0.30103)})"
+    return repr(value)
+
+
+def _fits_float32(value: float) -> bool:
+    """True when ``value`` (already known finite or an int) does not overflow to inf as an fp32 tensor entry."""
+    try:
+        return abs(float(value)) <= FLOAT32_MAX
+    except OverflowError:  # an int beyond the float64 range
+        return False
+
 
 class SamplingType(IntEnum):
     GREEDY = 0
@@ -18,24 +41,34 @@ class SamplingType(IntEnum):
 class SamplingParams:
     """How to sample one request.
 
-    Attributes follow vLLM's ``SamplingParams``:
-        n: number of independent samples for the prompt (>= 1).
-        temperature: >= 0; 0 means greedy.
+    Attributes follow vLLM's ``SamplingParams``. Every field is range-checked here against what the engine
+    can represent (int64 tensors and seeds, fp32 sampler parameters), so one request's values can never fail
+    a batch step that other requests share; ``verify_for_model`` adds the checks that need the vocabulary.
+        n: number of independent samples for the prompt, in [1, MAX_N = 1024] (the engine also caps it at
+            ``max_num_seqs``).
+        temperature: finite, in [0, FLOAT32_MAX]; 0 means greedy.
         top_p: in (0, 1]; 1 disables.
-        top_k: -1 (or 0) disables, else >= 1.
+        top_k: -1 (or 0) disables, else in [1, 2**63 - 1] (and <= vocab_size, ``verify_for_model``).
         min_p: in [0, 1]; 0 disables.
-        repetition_penalty: > 0 (1 disables); CTRL-style, divides positive logits of seen tokens.
+        repetition_penalty: in (0, FLOAT32_MAX] (1 disables); CTRL-style, divides positive logits of seen tokens.
         presence_penalty, frequency_penalty: in [-2, 2] (OpenAI semantics, over generated tokens).
-        seed: per-request seed; the same seed gives the same tokens whatever else is in the batch.
-        max_tokens: >= 1 new tokens (None: until the context limit).
-        min_tokens: >= 0; EOS and stop token ids are suppressed before this many tokens.
+        seed: per-request seed in [-2**63, 2**63 - n]; sample i is seeded with ``seed + i``, which must fit
+            torch's 64-bit generator seed without two seeds aliasing. The same seed gives the same tokens
+            whatever else is in the batch.
+        max_tokens: in [1, 2**63 - 1] new tokens (None: until the context limit).
+        min_tokens: in [0, 2**63 - 1] and <= max_tokens; EOS and stop token ids are suppressed before this
+            many tokens.
         stop: stop strings; the stop string is not included in the output text.
-        stop_token_ids: extra token ids that end the request.
-        ignore_eos: keep generating past EOS.
-        logprobs: None, or the number (>= 0) of top alternatives to return with each sampled token.
+        stop_token_ids: extra token ids that end the request, each in [0, 2**63 - 1] (and < vocab_size,
+            ``verify_for_model``).
+        ignore_eos: bool; keep generating past EOS.
+        logprobs: None, or the number in [0, 20] (as OpenAI's ``top_logprobs``; <= vocab_size,
+            ``verify_for_model``) of top alternatives to return with each sampled token.
         prompt_logprobs: not supported yet (must be None).
-        include_stop_str_in_output: keep the matched stop string in the text.
-        skip_special_tokens: drop special tokens from the text.
+        include_stop_str_in_output: bool; keep the matched stop string in the text.
+        skip_special_tokens: bool; drop special tokens from the text.
+
+    Integer fields reject bool and float; float fields reject bool and str; bool fields take only True/False.
 
     Raises:
         ValueError: any value outside its range; the message names the field, the value and the range.
@@ -90,12 +123,15 @@ class SamplingParams:
             for t in self.stop_token_ids:
                 if not isinstance(t, int) or isinstance(t, bool) or t < 0:
                     raise ValueError(f"stop_token_ids must contain non-negative ints, got {t!r}")
+                if t > INT64_MAX:
+                    raise ValueError(f"stop_token_ids must contain ints in [0, 2**63 - 1], got {_show(t)}")
         self._verify()
 
     def _verify(self) -> None:
         def bad(name: str, value: object, allowed: str) -> ValueError:
-            return ValueError(f"{name} must be {allowed}, got {value!r}")
+            return ValueError(f"{name} must be {allowed}, got {_show(value)}")
 
+        # Types first: every later comparison may assume a real number / a real int (bool is not one).
         for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)):
@@ -108,36 +144,85 @@ class SamplingParams:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{name} must be an integer or None, got {value!r} of type {type(value).__name__}")
-        if not isinstance(self.n, int) or self.n < 1:
-            raise bad("n", self.n, ">= 1")
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise bad("seed", self.seed, "an int or None")
+        for name in ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be a bool (True or False), got {value!r} of type {type(value).__name__}")
+
+        if not 1 <= self.n <= MAX_N:
+            raise bad("n", self.n, ">= 1" if self.n < 1 else f"in [1, {MAX_N}]")
         if not 0.0 <= self.temperature < float("inf"):  # also rejects NaN
             raise bad("temperature", self.temperature, "finite and >= 0")
+        if not _fits_float32(self.temperature):
+            raise bad("temperature", self.temperature, f"<= {FLOAT32_MAX!r} (float32 max: the sampler's dtype)")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "in (0, 1]")
         if self.top_k == 0:
             self.top_k = -1
         if self.top_k < -1:
             raise bad("top_k", self.top_k, "-1 (disabled) or >= 1")
+        if self.top_k > INT64_MAX:
+            raise bad("top_k", self.top_k, "-1 (disabled) or in [1, 2**63 - 1]")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "in [0, 1]")
-        if not self.repetition_penalty > 0.0:
+        if not self.repetition_penalty > 0.0:  # also rejects NaN
             raise bad("repetition_penalty", self.repetition_penalty, "> 0")
+        if not _fits_float32(self.repetition_penalty):
+            raise bad("repetition_penalty", self.repetition_penalty,
+                      f"finite and <= {FLOAT32_MAX!r} (float32 max: the sampler's dtype)")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", self.frequency_penalty, "in [-2, 2]")
-        if self.max_tokens is not None and (not isinstance(self.max_tokens, int) or self.max_tokens < 1):
-            raise bad("max_tokens", self.max_tokens, ">= 1")
+        if self.max_tokens is not None:
+            if self.max_tokens < 1:
+                raise bad("max_tokens", self.max_tokens, ">= 1")
+            if self.max_tokens > INT64_MAX:
+                raise bad("max_tokens", self.max_tokens, "None or in [1, 2**63 - 1]")
         if self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, ">= 0")
+        if self.min_tokens > INT64_MAX:
+            raise bad("min_tokens", self.min_tokens, "in [0, 2**63 - 1]")
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
-        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
-            raise bad("logprobs", self.logprobs, "None or in [0, 20]")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise bad("logprobs", self.logprobs, f"None or in [0, {MAX_LOGPROBS}]")
         if self.prompt_logprobs is not None:
             raise ValueError(f"prompt_logprobs is not supported yet, got {self.prompt_logprobs!r}; use None")
-        if self.seed is not None and not isinstance(self.seed, int):
-            raise bad("seed", self.seed, "an int or None")
+        if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1):
+            # Sample i is seeded with seed + i (ModelRunner._generator); keep every one in int64.
+            raise bad("seed", self.seed,
+                      f"None or in [-2**63, 2**63 - n] = [{INT64_MIN}, {INT64_MAX - (self.n - 1)}] for n={self.n} "
+                      f"(sample i is seeded with seed + i, a 64-bit torch seed)")
+
+    def verify_for_model(self, vocab_size: int) -> None:
+        """The checks that need the model: call once per request before it is scheduled.
+
+        Args:
+            vocab_size: the model's vocabulary size (rows of the LM head); token ids are in [0, vocab_size).
+
+        Raises:
+            ValueError: any construction check (re-run: fields may have been assigned since), ``top_k`` >
+                vocab_size, a ``stop_token_ids`` entry outside [0, vocab_size), or
+                ``logprobs`` > vocab_size (the sampler's top-k of the log-softmax would fail for the whole
+                batch); the message names the field, the value and the range for this model.
+        """
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+            raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
+        # The fields are plain attributes: re-run the construction checks (microseconds) in case the caller
+        # assigned one since, e.g. ``params.seed = 2**64``, which would otherwise fail a shared batch step.
+        self.__post_init__()
+        if self.top_k > vocab_size:
+            raise ValueError(f"top_k must be -1 (disabled) or in [1, vocab_size] = [1, {vocab_size}] for this "
+                             f"model, got {_show(self.top_k)}")
+        for t in self.stop_token_ids or []:
+            if not 0 <= t < vocab_size:
+                raise ValueError(f"stop_token_ids entry {t!r} is out of range [0, {vocab_size})")
+        if self.logprobs is not None and self.logprobs > vocab_size:
+            raise ValueError(f"logprobs must be None or in [0, {min(MAX_LOGPROBS, vocab_size)}] for this model "
+                             f"(vocab_size {vocab_size}), got {self.logprobs!r}")
 
     @property
     def sampling_type(self) -> SamplingType:
