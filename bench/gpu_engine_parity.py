@@ -2,7 +2,8 @@
 
 Runs each variant in its own process (the kernel dispatch is chosen once per process), 8 prompts x 32 new
 tokens, greedy, ignore_eos, and compares token ids:
-    torch-eager   ROOFLINE_DISABLE_KERNELS=1, attention_backend=torch, no CUDA graphs (pure torch)
+    torch-eager   disable_triton_kernels, attention_backend=torch, no CUDA graphs (pure torch)
+    torch-graph   the same with CUDA graphs requested: the torch backend cannot be captured, so it runs eager
     triton-eager  Triton attention + fused kernels, no CUDA graphs
     triton-graph  Triton attention + fused kernels, decode replayed from CUDA graphs
 Usage: python bench/gpu_engine_parity.py MODEL.gguf OUT_DIR [--dtype bfloat16]
@@ -27,9 +28,10 @@ PROMPTS = [
 ]
 
 VARIANTS = {
-    "torch-eager": dict(env={"ROOFLINE_DISABLE_KERNELS": "1"}, backend="torch", eager=True),
-    "triton-eager": dict(env={}, backend="triton", eager=True),
-    "triton-graph": dict(env={}, backend="triton", eager=False),
+    "torch-eager": dict(env={}, backend="torch", eager=True, no_kernels=True),
+    "torch-graph": dict(env={}, backend="torch", eager=False, no_kernels=True),
+    "triton-eager": dict(env={}, backend="triton", eager=True, no_kernels=False),
+    "triton-graph": dict(env={}, backend="triton", eager=False, no_kernels=False),
 }
 
 
@@ -40,14 +42,14 @@ def run_variant(model: str, name: str, dtype: str) -> dict:
 
     v = VARIANTS[name]
     llm = LLM(model, dtype=dtype, attention_backend=v["backend"], enforce_eager=v["eager"], max_model_len=1024,
-              gpu_memory_utilization=0.3)
+              gpu_memory_utilization=0.3, disable_triton_kernels=v["no_kernels"])
     params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     outs = llm.generate(PROMPTS, params, use_tqdm=False)
     # Batch of one as well: the same prompt alone must give the same tokens.
     alone = llm.generate(PROMPTS[:1], params, use_tqdm=False)[0].outputs[0].token_ids
     return dict(variant=name, dtype=dtype, device=torch.cuda.get_device_name(),
                 tokens=[o.outputs[0].token_ids for o in outs], texts=[o.outputs[0].text for o in outs],
-                alone_first=alone, graphs=llm.engine.runner.graphs is not None)
+                alone_first=alone, graphs=llm.engine.worker.graphs is not None)
 
 
 def main() -> int:

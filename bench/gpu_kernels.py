@@ -1,7 +1,7 @@
-"""One device call for the Triton kernels: GPU tests, `bench attention`, GEMV and fused-op measurements.
+"""One device call for the Triton kernels: GPU tests, `bench attention` and fused-op measurements.
 
 Usage (on the H200, from the repo root):  python3 bench/gpu_kernels.py [--out DIR] [--quick] [--no-sweep]
-Writes under DIR (default $OUT or bench/results): pytest.log, attention-*.json, gemv.json, ops.json,
+Writes under DIR (default $OUT or bench/results): pytest.log, attention-*.json, ops.json,
 and prints a short table last. Every timing is a triton.testing.do_bench median (L2 flushed per call).
 """
 
@@ -18,14 +18,6 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-# llama-3-8b linear shapes [N, K] (out, in); "w14336" is the issue's 14336x4096 measurement.
-GEMV_SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
-               "w14336": (14336, 4096), "lm_head": (128256, 4096)}
-GEMV_MS = [1, 2, 4, 8, 16]
-GEMV_CONFIGS = [dict(BLOCK_N=bn, BLOCK_K=bk, num_warps=w, num_stages=s) for bn, bk, w, s in [
-    (16, 256, 4, 4), (16, 512, 4, 3), (32, 128, 4, 4), (32, 256, 4, 4), (32, 256, 4, 3), (32, 512, 4, 3),
-    (64, 128, 4, 4), (64, 256, 4, 3), (64, 256, 8, 4), (32, 256, 8, 5), (16, 128, 4, 6), (64, 512, 8, 3),
-    (16, 64, 4, 8), (16, 128, 4, 8), (32, 128, 4, 8), (16, 256, 2, 6)]]
 
 
 def run_tests(out: Path) -> dict:
@@ -37,51 +29,6 @@ def run_tests(out: Path) -> dict:
     tail = (proc.stdout.strip().splitlines() or ["(no output)"])[-1]
     print(proc.stdout[-3000:], flush=True)
     return dict(returncode=proc.returncode, summary=tail, seconds=time.time() - t0)
-
-
-def bench_gemv(read_bw: float, log) -> list[dict]:
-    import torch
-    import torch.nn.functional as F
-    from triton.testing import do_bench
-
-    from roofline.kernels.gemv import linear_small_m
-
-    rows = []
-    for name, (n, k) in GEMV_SHAPES.items():
-        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k**0.5
-        best_cfg = None
-        for m in GEMV_MS:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            nbytes = (n * k + m * k + m * n) * 2
-            t_torch = do_bench(lambda x=x, w=w: F.linear(x, w), return_mode="median")
-            ref = F.linear(x, w).float()
-            cands = GEMV_CONFIGS if (m in (1, 16) or best_cfg is None) else [best_cfg]
-            results = []
-            for cfg in cands:
-                try:
-                    y = linear_small_m(x, w, config=cfg)
-                    err = float((y.float() - ref).norm() / ref.norm())
-                    t = do_bench(lambda x=x, w=w, cfg=cfg: linear_small_m(x, w, config=cfg), return_mode="median")
-                    results.append(dict(config=cfg, ms=t, rel_err=err))
-                except Exception as e:  # noqa: BLE001
-                    results.append(dict(config=cfg, error=f"{type(e).__name__}: {str(e)[:160]}"))
-            ok = [r for r in results if "ms" in r]
-            best = min(ok, key=lambda r: r["ms"]) if ok else None
-            if best and m == 1:
-                best_cfg = best["config"]
-            row = dict(shape=name, n=n, k=k, m=m, bytes=nbytes, torch_ms=t_torch,
-                       torch_tbps=nbytes / t_torch / 1e9, torch_frac=nbytes / (t_torch * 1e-3) / read_bw,
-                       ours_ms=best and best["ms"], ours_tbps=best and nbytes / best["ms"] / 1e9,
-                       ours_frac=best and nbytes / (best["ms"] * 1e-3) / read_bw,
-                       ours_config=best and best["config"], ours_rel_err=best and best["rel_err"],
-                       speedup=best and t_torch / best["ms"], candidates=results)
-            log(f"gemv {name:>8} M={m:>2}: F.linear {row['torch_tbps']:5.2f} TB/s ({row['torch_frac']:.2f})  "
-                f"ours {row['ours_tbps'] or float('nan'):5.2f} TB/s ({row['ours_frac'] or float('nan'):.2f})  "
-                f"x{row['speedup'] or float('nan'):.2f}  {row['ours_config']}")
-            rows.append(row)
-        w = None  # free before the next shape
-        torch.cuda.empty_cache()
-    return rows
 
 
 def bench_ops(read_bw: float, log) -> list[dict]:
@@ -135,7 +82,7 @@ def main() -> int:
     ap.add_argument("--no-tests", action="store_true")
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--quick", action="store_true", help="fewer attention points")
-    ap.add_argument("--no-gemv", action="store_true", help="skip the GEMV and fused-op measurements")
+    ap.add_argument("--no-ops", action="store_true", help="skip the fused-op measurements")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -163,25 +110,20 @@ def main() -> int:
     run_attention_bench(p.parse_args(argv))
     log(f"attention bench: {time.time() - t0:.0f} s")
 
-    if a.no_gemv:
+    if a.no_ops:
         print(f"\n==== summary ====\ntests: {summary.get('tests', {}).get('summary')}")
         return 0
     bw = measure_read_bandwidth_cuda()["read_bytes_per_s"]
     t0 = time.time()
-    gemv = bench_gemv(bw, log)
     ops = bench_ops(bw, log)
-    log(f"gemv+ops: {time.time() - t0:.0f} s")
-    (out / "gemv.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                                                   read_bytes_per_s=bw, gemv=gemv, ops=ops), indent=1, default=str))
+    log(f"ops: {time.time() - t0:.0f} s")
+    (out / "ops.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                                  read_bytes_per_s=bw, ops=ops), indent=1, default=str))
     (out / "gpu_kernels.log").write_text("\n".join(lines))
 
     print("\n==== summary ====")
     print(f"tests: {summary.get('tests', {}).get('summary')}")
     print(f"read bandwidth {bw / 1e12:.2f} TB/s")
-    print(f"{'gemv':>8} " + " ".join(f"{'M=' + str(m):>14}" for m in GEMV_MS) + "   (F.linear -> ours, TB/s)")
-    for name in GEMV_SHAPES:
-        cells = [r for r in gemv if r["shape"] == name]
-        print(f"{name:>8} " + " ".join(f"{r['torch_tbps']:5.2f}->{r['ours_tbps'] or 0:5.2f}  " for r in cells))
     return 0
 
 

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import Any
 
-from roofline.engine.args import EngineArgs
+from roofline.args import EngineArgs
 
 
 def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128) -> None:

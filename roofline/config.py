@@ -1,7 +1,7 @@
 """Frozen, validated configuration for the engine.
 
 Every config is a frozen dataclass validated once in ``__post_init__``; errors name the offending
-value and the allowed range. The CLI maps flags onto these in one place (``roofline.engine.args``).
+value and the allowed range. The CLI maps flags onto these in one place (``roofline.args``).
 """
 
 from __future__ import annotations
@@ -224,7 +224,7 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes
     gpu_memory_utilization: float = 0.9
-    kv_cache_dtype: str = "auto"  # "auto" = the model dtype
+    kv_cache_dtype: str = "float32"  # a torch dtype name; EngineArgs resolves "auto" to the model dtype
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -245,6 +245,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 2048
     max_model_len: int = 2048
     enable_chunked_prefill: bool = True
+    # True when the user set no budget on a CPU: the engine measures the prefill cost per token once the
+    # model is loaded and lowers max_num_batched_tokens so one step stays under about half a second.
+    budget_from_profile: bool = False
 
     def __post_init__(self) -> None:
         _check_positive("max_num_seqs", self.max_num_seqs)
@@ -259,28 +262,63 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
+    """Tensor-parallel layout. Only size 1 runs today; layers already shard by the parallel state."""
+
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size must be 1 (parallelism is not built yet), got "
+            raise ValueError(f"tensor_parallel_size must be 1 (parallel workers are not built yet), got "
                              f"{self.tensor_parallel_size}")
+
+
+DTYPES = ("float32", "float16", "bfloat16")
+ATTENTION_BACKENDS = ("torch", "triton")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
+    """The whole engine's configuration, every value resolved (``EngineArgs.create_engine_config``).
+
+    ``device`` is ``cpu``, ``cuda`` or ``cuda:N``; ``dtype`` and ``cache_config.kv_cache_dtype`` are torch
+    dtype names; ``attention_backend`` is a registered backend; ``use_triton_kernels`` says whether norms and
+    activations run the fused Triton kernels; ``enforce_eager`` is True where CUDA graphs are off (always
+    on CPU). Two values are measured once the model is loaded, as vLLM does: the KV pool's block count
+    (from free memory) and, on CPU without an explicit ``--max-num-batched-tokens``, the step budget
+    (``scheduler_config.budget_from_profile``).
+    """
+
     model_config: ModelConfig
     cache_config: CacheConfig = field(default_factory=CacheConfig)
     scheduler_config: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel_config: ParallelConfig = field(default_factory=ParallelConfig)
-    dtype: str = "auto"  # auto -> float32 on CPU, bfloat16 on CUDA
-    device: str = "auto"  # auto -> cuda if available else cpu
+    dtype: str = "float32"
+    device: str = "cpu"
     seed: int = 0
-    attention_backend: str = "auto"  # "torch" | "triton" | auto
-    enforce_eager: bool = False
+    attention_backend: str = "torch"
+    use_triton_kernels: bool = False
+    enforce_eager: bool = True
 
     def __post_init__(self) -> None:
-        if self.dtype not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError(f"dtype must be one of auto, float32, float16, bfloat16; got {self.dtype!r}")
-        if self.attention_backend not in ("auto", "torch", "triton"):
-            raise ValueError(f"attention_backend must be one of auto, torch, triton; got {self.attention_backend!r}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(DTYPES)} once resolved; got {self.dtype!r}")
+        if self.cache_config.kv_cache_dtype not in DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(DTYPES)} once resolved; got "
+                             f"{self.cache_config.kv_cache_dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKENDS:
+            raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} once resolved; "
+                             f"got {self.attention_backend!r}")
+        on_cuda = self.device.startswith("cuda")
+        if not on_cuda and self.device != "cpu":
+            raise ValueError(f"device must be cpu, cuda or cuda:N once resolved; got {self.device!r}")
+        if self.attention_backend == "triton" and not on_cuda:
+            raise ValueError(f"attention_backend 'triton' needs a CUDA device, got device {self.device!r}; "
+                             f"use attention_backend 'torch' on CPU")
+        if self.use_triton_kernels and not on_cuda:
+            raise ValueError(f"use_triton_kernels=True needs a CUDA device, got device {self.device!r}")
+        if not on_cuda and not self.enforce_eager:
+            raise ValueError(f"CUDA graphs (enforce_eager=False) need a CUDA device, got device {self.device!r}")
+
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        return not self.enforce_eager

@@ -171,6 +171,12 @@ def kv_bytes_per_sequence(num_layers: int, num_kv_heads: int, head_dim: int,
     return 2 * num_layers * num_kv_heads * head_dim * kv_bytes_per_element * context_tokens
 
 
+def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> float:
+    """Bytes one token adds to the KV cache across all layers (K and V): ``kv_bytes_per_sequence`` at one
+    token for the named ``kv_dtype``. The engine's KV pool sizes itself with this very function."""
+    return kv_bytes_per_sequence(num_layers, num_kv_heads, head_dim, 1, kv_dtype_bytes(kv_dtype))
+
+
 # --------------------------------------------------------------------------------------------------
 # Time lower bounds
 # --------------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 from typing import Any
 
-from roofline.engine.args import EngineArgs
+from roofline.args import EngineArgs
 from roofline.engine.llm_engine import LLMEngine
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
@@ -52,7 +52,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.engine_args = EngineArgs(model=model, **kwargs)
         ea = self.engine_args
-        self.engine = LLMEngine.from_config(ea.model, ea.engine_config, load_format=ea.load_format)
+        self.engine = LLMEngine.from_config(ea.model, ea.create_engine_config, load_format=ea.load_format)
         self.last_run_stats: RunStats | None = None
 
     @property

@@ -16,7 +16,7 @@ def decode_floor(llm: Any, hardware: str | None = None) -> dict[str, Any] | None
     from roofline import hardware as hw
 
     engine = llm.engine
-    runner = engine.runner
+    worker = engine.worker
     stats = llm.last_run_stats
     if stats is None or stats.mean_decode_step_s is None:
         return None
@@ -25,20 +25,20 @@ def decode_floor(llm: Any, hardware: str | None = None) -> dict[str, Any] | None
     if hardware:
         spec = hw.load_hardware(hardware)
         bandwidth = spec.memory_bandwidth
-        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[str(runner.dtype).removeprefix("torch.")]
+        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[str(worker.dtype).removeprefix("torch.")]
         try:
             peak = spec.peak(dtype)
         except ValueError:
             peak = None
         source = f"{spec.name} ({spec.source})"
     else:
-        bandwidth = hw.measure_read_bandwidth(str(runner.device))
-        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[str(runner.dtype).removeprefix("torch.")]
-        peak = hw.measure_gemm_flops(str(runner.device), dtype)
-        source = f"read bandwidth and {dtype} GEMM rate measured in-process on {runner.device}"
+        bandwidth = hw.measure_read_bandwidth(str(worker.device))
+        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[str(worker.dtype).removeprefix("torch.")]
+        peak = hw.measure_gemm_flops(str(worker.device), dtype)
+        source = f"read bandwidth and {dtype} GEMM rate measured in-process on {worker.device}"
     report = costmodel.decode_floor_report(
-        weight_bytes=runner.weight_bytes,
-        kv_bytes_read=mean_ctx * runner.kv_bytes_per_token,
+        weight_bytes=worker.weight_bytes,
+        kv_bytes_read=mean_ctx * worker.kv_bytes_per_token,
         flops=2.0 * engine.model_config.num_params * mean_batch,
         bandwidth_bytes_per_s=bandwidth,
         peak_flops=peak,

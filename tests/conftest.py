@@ -17,7 +17,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 def default_llm():
     from roofline import LLM
 
-    return LLM(max_model_len=1024, dtype="float32", device="cpu", attention_backend="torch")
+    return LLM(max_model_len=1024, dtype="float32", device="cpu", attention_backend="torch", max_num_batched_tokens=2048)
 
 
 @pytest.fixture(scope="session")

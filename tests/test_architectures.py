@@ -111,7 +111,7 @@ def test_config_features_are_read(case):
     for key, value in expected.items():
         assert getattr(mc, key) == value, key
     if name == "llama-tied":
-        model = llm.engine.runner.model
+        model = llm.engine.worker.model
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
 
 

@@ -127,17 +127,17 @@ def test_prompt_of_wrong_type_is_a_per_request_error(default_llm):
 def test_failure_mid_run_leaves_engine_clean(default_llm, monkeypatch):
     """An exception during the run (here from the model runner on the second step) propagates, and the
     call's requests are aborted: no request stays queued and no block stays taken."""
-    runner = default_llm.engine.runner
-    real_execute = runner.execute
+    executor = default_llm.engine.executor
+    real_execute = executor.execute_model
     calls = []
 
-    def failing_execute(out):
-        calls.append(out)
+    def failing_execute(step):
+        calls.append(step)
         if len(calls) == 2:
             raise RuntimeError("injected failure")
-        return real_execute(out)
+        return real_execute(step)
 
-    monkeypatch.setattr(runner, "execute", failing_execute)
+    monkeypatch.setattr(executor, "execute_model", failing_execute)
     with pytest.raises(RuntimeError, match="injected failure"):
         default_llm.generate(["The capital of France is", "def fibonacci(n):"], GREEDY8, use_tqdm=False)
     assert len(calls) == 2
@@ -371,7 +371,7 @@ def test_chat_message_without_content_is_a_clear_error(default_llm):
 def test_cuda_device_without_gpu_is_a_clear_error():
     import torch
 
-    from roofline.engine.model_runner import resolve_device
+    from roofline.args import resolve_device
 
     if torch.cuda.is_available():
         pytest.skip("this machine has a GPU")

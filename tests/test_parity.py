@@ -41,15 +41,18 @@ def prefill_logits(llm, ids: list[int]) -> torch.Tensor:
     engine = llm.engine
     seq = Sequence("probe", list(ids), SamplingParams(max_tokens=1))
     engine.block_manager.allocate(seq, len(ids))
+    worker = engine.worker
     try:
-        runner = engine.runner
-        out = SchedulerOutput([ScheduledSequence(seq, len(ids))])
-        input_ids, positions, meta, _ = runner.prepare_inputs(out)
+        step = engine._step_input(SchedulerOutput([ScheduledSequence(seq, len(ids))]))
+        worker.update_states(step)
+        input_ids, positions, meta, _, _ = worker.prepare_inputs(step)
         with torch.inference_mode():
-            hidden = runner.model(input_ids, positions, meta)
-            return runner.model.compute_logits(hidden)
+            hidden = worker.model(input_ids, positions, meta)
+            return worker.model.compute_logits(hidden)
     finally:
         engine.block_manager.free(seq)
+        engine._release(seq)
+        worker.input_batch.remove(seq.seq_id)
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +102,7 @@ def test_safetensors_dir_parity(default_llm, tokenized, hf_outputs, tmp_path_fac
     from roofline.models.export import save_hf_checkpoint
 
     path = tmp_path_factory.mktemp("smollm2-hf")
-    save_hf_checkpoint(default_llm.engine.runner.model, default_llm.engine.model_config, path,
+    save_hf_checkpoint(default_llm.engine.worker.model, default_llm.engine.model_config, path,
                        tokenizer=default_llm.tokenizer, num_shards=2)
     assert (path / "model.safetensors.index.json").is_file()
     llm = LLM(str(path), max_model_len=512, device="cpu", attention_backend="torch")

@@ -1,6 +1,6 @@
 """``roofline bench decode``: decode-step time at named shapes with dummy weights, beside its floor.
 
-For each (batch, context) the runner executes real engine decode steps (scheduler -> runner -> update,
+For each (batch, context) the runner executes real engine decode steps (scheduler -> worker -> update,
 CUDA graphs where enabled) on sequences whose first ``context - 1`` tokens are already in the paged cache
 (their values do not change the speed). The floor of a step is the bound model's:
 
@@ -22,8 +22,8 @@ from typing import Any
 
 
 def build_engine(args: argparse.Namespace, max_batch: int, max_context: int):
+    from roofline.args import EngineArgs
     from roofline.config import model_preset
-    from roofline.engine.args import EngineArgs
     from roofline.engine.llm_engine import LLMEngine
     from roofline.models.loader import ModelSource
 
@@ -37,7 +37,7 @@ def build_engine(args: argparse.Namespace, max_batch: int, max_context: int):
                     gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                     kv_cache_memory=args.kv_cache_memory, attention_backend=args.attention_backend,
                     device=args.device)
-    return LLMEngine(ea.engine_config(mc), ModelSource("dummy", None, args.model), mc, tokenizer=None)
+    return LLMEngine(ea.create_engine_config(mc), ModelSource("dummy", None, args.model), mc, tokenizer=None)
 
 
 def time_decode(engine: Any, batch: int, context: int, steps: int, warmup: int, seed: int = 0) -> list[float]:
@@ -47,7 +47,7 @@ def time_decode(engine: Any, batch: int, context: int, steps: int, warmup: int, 
 
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
-    sched, bm, runner = engine.scheduler, engine.block_manager, engine.runner
+    sched, bm = engine.scheduler, engine.block_manager
     params = SamplingParams(temperature=0.0, max_tokens=steps + warmup + 1, ignore_eos=True)
     seqs = []
     for i in range(batch):
@@ -63,14 +63,15 @@ def time_decode(engine: Any, batch: int, context: int, steps: int, warmup: int, 
             out = sched.schedule()
             assert out.is_decode_only and len(out.scheduled) == batch, "benchmark batch did not fit"
             t0 = time.perf_counter()
-            result = runner.execute(out)  # ends with the sampled ids' device->host copy (a sync)
+            result = engine.executor.execute_model(engine._step_input(out))  # ends with the ids' sync
             elapsed = time.perf_counter() - t0
-            sched.update(out, result.sampled)
+            sched.update(out, dict(zip(result.seq_ids, result.sampled_token_ids, strict=True)))
             if i >= warmup:
                 times.append(elapsed)
     finally:
         for seq in seqs:
             sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            engine._release(seq)
     return times
 
 
@@ -82,14 +83,14 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     batches = parse_sizes(args.batch_sizes)
     contexts = parse_sizes(args.contexts)
     engine = build_engine(args, max(batches), max(contexts))
-    runner = engine.runner
-    device = str(runner.device)
+    worker = engine.worker
+    device = str(worker.device)
     bandwidth = measure_read_bandwidth(device)
     peak = measure_gemm_flops(device, n=8192 if device.startswith("cuda") else 1024, rounds=10)
     capacity = engine.block_manager.num_blocks * engine.block_manager.block_size
-    print(f"model {args.model} (dummy weights, {runner.dtype}), {runner.weight_bytes / 1e9:.2f} GB of weights, "
-          f"KV {runner.kv_bytes_per_token} B/token, pool {capacity} tokens, "
-          f"CUDA graphs {'on' if runner.graphs is not None else 'off'}")
+    print(f"model {args.model} (dummy weights, {worker.dtype}), {worker.weight_bytes / 1e9:.2f} GB of weights, "
+          f"KV {worker.kv_bytes_per_token} B/token, pool {capacity} tokens, "
+          f"CUDA graphs {'on' if worker.graphs is not None else 'off'}")
     print(f"measured in this process: read {bandwidth / 1e12:.3f} TB/s, dense GEMM {peak / 1e12:.1f} TFLOP/s")
     rows = []
     header = f"{'batch':>6} {'context':>8} {'ms/step':>9} {'tok/s':>10} {'floor ms':>9} {'floor tok/s':>12} {'of floor':>9}"
@@ -104,8 +105,8 @@ def run_decode_bench(args: argparse.Namespace) -> int:
             step = statistics.median(times)
             mean_ctx = context + args.warmup + args.steps / 2
             rep = costmodel.decode_floor_report(
-                weight_bytes=runner.weight_bytes,
-                kv_bytes_read=batch * mean_ctx * runner.kv_bytes_per_token,
+                weight_bytes=worker.weight_bytes,
+                kv_bytes_read=batch * mean_ctx * worker.kv_bytes_per_token,
                 flops=2.0 * engine.model_config.num_params * batch,
                 bandwidth_bytes_per_s=bandwidth, peak_flops=peak, measured_step_s=step,
             )
@@ -118,9 +119,9 @@ def run_decode_bench(args: argparse.Namespace) -> int:
             print(f"{batch:>6} {context:>8} {row['step_ms']:>9.3f} {row['tok_per_s']:>10.1f} {row['floor_ms']:>9.3f} "
                   f"{row['floor_tok_per_s']:>12.1f} {row['fraction_of_floor']:>9.3f}", flush=True)
     path = write_result(args.out_dir, f"decode-{args.model}", dict(
-        model=args.model, dtype=str(runner.dtype), weight_bytes=runner.weight_bytes,
-        kv_bytes_per_token=runner.kv_bytes_per_token, read_bandwidth_bytes_per_s=bandwidth,
-        peak_flops=peak, cuda_graphs=runner.graphs is not None, attention_backend=runner.backend_name,
+        model=args.model, dtype=str(worker.dtype), weight_bytes=worker.weight_bytes,
+        kv_bytes_per_token=worker.kv_bytes_per_token, read_bandwidth_bytes_per_s=bandwidth,
+        peak_flops=peak, cuda_graphs=worker.graphs is not None, attention_backend=worker.config.attention_backend,
         steps=args.steps, warmup=args.warmup, rows=rows,
     ))
     print(f"wrote {path}")

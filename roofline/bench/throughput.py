@@ -43,8 +43,8 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
                                                          "requests": reqs}))
         print(f"wrote {len(reqs)} tokenized requests to {args.export_dataset}")
         return 0
+    from roofline.args import EngineArgs
     from roofline.config import model_preset
-    from roofline.engine.args import EngineArgs
     from roofline.engine.llm_engine import LLMEngine
     from roofline.llm import LLM
     from roofline.models.loader import ModelSource
@@ -59,7 +59,7 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
             mc = dataclasses.replace(mc, max_position_embeddings=args.max_model_len)
         llm = LLM.__new__(LLM)
         llm.engine_args = ea
-        llm.engine = LLMEngine(ea.engine_config(mc), ModelSource("dummy", None, args.model), mc, tokenizer=None)
+        llm.engine = LLMEngine(ea.create_engine_config(mc), ModelSource("dummy", None, args.model), mc, tokenizer=None)
         llm.last_run_stats = None
     else:
         llm = LLM(**ea.to_dict())
@@ -84,8 +84,8 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
                   total_tok_per_s=(n_in + n_out) / elapsed, num_preemptions=stats.num_preemptions if stats else None,
                   mean_decode_step_ms=(stats.mean_decode_step_s or 0) * 1e3 if stats else None,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                  cuda_graphs=llm.engine.runner.graphs is not None, num_kv_blocks=llm.engine.runner.num_blocks,
-                  block_size=llm.engine.runner.block_size)
+                  cuda_graphs=llm.engine.worker.graphs is not None, num_kv_blocks=llm.engine.worker.num_blocks,
+                  block_size=llm.engine.worker.block_size)
     print(f"requests {len(reqs)}, prompt tokens {n_in}, output tokens {n_out} (expected {expected})")
     print(f"elapsed {elapsed:.2f} s: {result['requests_per_s']:.2f} req/s, "
           f"output {result['output_tok_per_s']:.1f} tok/s, total {result['total_tok_per_s']:.1f} tok/s, "

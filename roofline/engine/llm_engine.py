@@ -1,14 +1,18 @@
 """LLMEngine: validates and queues requests, runs schedule -> execute -> update, detokenizes, stops.
 
 One engine step:
-    SchedulerOutput = scheduler.schedule()      pure Python
-    StepResult      = runner.execute(output)    tensors live only here
-    scheduler.update(output, sampled)           append tokens
-    stop checks + detokenizer                   finish sequences, free their blocks at once
+    SchedulerOutput = scheduler.schedule()            pure Python
+    StepInput       = self._step_input(output)        ids and counts: what the worker does not know yet
+    StepOutput      = executor.execute_model(input)   tensors live only in the worker
+    scheduler.update(output, sampled)                 append tokens
+    stop checks + detokenizer                         finish sequences, free their blocks at once
+
+This module imports no torch: the executor (``roofline.worker``) is imported where the engine is built.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 import time
@@ -20,9 +24,9 @@ from typing import Any
 from roofline.config import EngineConfig, ModelConfig
 from roofline.engine.block_manager import BlockManager
 from roofline.engine.detokenizer import Detokenizer, emittable_text, find_stop_string
-from roofline.engine.model_runner import ModelRunner
-from roofline.engine.scheduler import Scheduler
+from roofline.engine.scheduler import Scheduler, SchedulerOutput
 from roofline.engine.sequence import Sequence, SequenceStatus
+from roofline.engine.step import CachedRequest, NewRequest, StepInput
 from roofline.models import loader
 from roofline.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from roofline.sampling_params import SamplingParams
@@ -91,20 +95,31 @@ class _Request:
 class LLMEngine:
     def __init__(self, config: EngineConfig, source: loader.ModelSource, model_config: ModelConfig,
                  tokenizer: Any = None):
-        self.config = config
+        from roofline.worker.executor import UniProcExecutor
+
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.runner = ModelRunner(config, source, model_config)
+        self.executor = UniProcExecutor(config, source, model_config)
         sc = config.scheduler_config
+        if sc.budget_from_profile:
+            budget = self.executor.profile_budget()
+            sc = dataclasses.replace(sc, max_num_batched_tokens=budget, budget_from_profile=False)
+            config = dataclasses.replace(config, scheduler_config=sc)
+        self.config = config
         cc = config.cache_config
-        capacity = self.runner.num_blocks * cc.block_size
+        num_blocks = self.executor.num_kv_blocks
+        capacity = num_blocks * cc.block_size
         if capacity < sc.max_model_len:
             raise ValueError(
-                f"the KV cache holds {capacity} tokens ({self.runner.num_blocks} blocks of {cc.block_size}), "
+                f"the KV cache holds {capacity} tokens ({num_blocks} blocks of {cc.block_size}), "
                 f"less than max_model_len ({sc.max_model_len}); raise the KV-cache memory or lower "
                 f"--max-model-len"
             )
-        self.block_manager = BlockManager(self.runner.num_blocks, cc.block_size)
+        worker = self.worker
+        logger.info("KV cache: %d tokens (%d blocks of %d, %s, %d bytes/token, %.2f GiB); per-step token "
+                    "budget %d", capacity, num_blocks, cc.block_size, cc.kv_cache_dtype, worker.kv_bytes_per_token,
+                    capacity * worker.kv_bytes_per_token / 2**30, sc.max_num_batched_tokens)
+        self.block_manager = BlockManager(num_blocks, cc.block_size)
         self.scheduler = Scheduler(sc, self.block_manager)
         self.detokenizer = Detokenizer(tokenizer)
         self.requests: dict[str, _Request] = {}
@@ -113,6 +128,16 @@ class LLMEngine:
         if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(int(tokenizer.eos_token_id))
         self._ids = itertools.count()
+        # What the worker knows: blocks sent per live sequence, every sequence it holds state for, and the
+        # sequences to tell it to forget at the next step.
+        self._worker_blocks: dict[int, int] = {}
+        self._worker_seqs: set[int] = set()
+        self._finished_seq_ids: list[int] = []
+
+    @property
+    def worker(self) -> Any:
+        """The in-process worker (model, KV pool, device): for reports and benchmarks."""
+        return self.executor.worker
 
     @classmethod
     def from_config(cls, model: str | None, config_factory: Any = None, load_format: str = "auto",
@@ -152,9 +177,7 @@ class LLMEngine:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
-        for t in params.stop_token_ids or []:
-            if t >= vocab:
-                raise ValueError(f"stop token id {t} is out of range [0, {vocab})")
+        params.verify_for_model(vocab)
         if params.n > self.config.scheduler_config.max_num_seqs:
             raise ValueError(f"n must be <= max_num_seqs ({self.config.scheduler_config.max_num_seqs}), "
                              f"got {params.n}")
@@ -200,7 +223,7 @@ class LLMEngine:
         for seq in req.seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
-                self.runner.release(seq)
+                self._release(seq)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -236,7 +259,15 @@ class LLMEngine:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        result = self.runner.execute(out)
+        step_input = self._step_input(out)
+        try:
+            result = self.executor.execute_model(step_input)
+        except BaseException:
+            # The worker may not have seen this step: resend these sequences whole next time.
+            for sid, _ in step_input.scheduled:
+                self._worker_blocks.pop(sid, None)
+            self._finished_seq_ids.extend(step_input.finished_seq_ids)
+            raise
         self.stats.record(StepRecord(
             duration_s=result.duration_s,
             num_seqs=len(out.scheduled),
@@ -245,12 +276,14 @@ class LLMEngine:
             context_tokens=sum(s.start_position + s.num_scheduled_tokens for s in out.scheduled),
         ))
         self.stats.num_preemptions = self.scheduler.num_preemptions
-        changed = self.scheduler.update(out, result.sampled)
+        sampled = dict(zip(result.seq_ids, result.sampled_token_ids, strict=True))
+        logprobs = {sid: lps[-1] for sid, lps in zip(result.seq_ids, result.logprobs, strict=True) if lps}
+        changed = self.scheduler.update(out, sampled)
         touched: dict[str, _Request] = {}
         for seq in changed:
             token = seq.output_token_ids[-1]
-            if seq.seq_id in result.logprobs:
-                lp = result.logprobs[seq.seq_id]
+            if seq.seq_id in logprobs:
+                lp = logprobs[seq.seq_id]
                 if self.tokenizer is not None:
                     for tid, entry in lp.items():
                         entry.decoded_token = self.tokenizer.decode([tid])
@@ -269,7 +302,7 @@ class LLMEngine:
                 status = self._check_length(seq)
             if status is not None:
                 self.scheduler.finish(seq, status)
-                self.runner.release(seq)
+                self._release(seq)
             req = self.requests.get(seq.request_id)
             if req is not None:
                 touched[req.request_id] = req
@@ -282,6 +315,36 @@ class LLMEngine:
             if ro.finished:
                 del self.requests[req.request_id]
         return outputs
+
+    def _step_input(self, out: SchedulerOutput) -> StepInput:
+        """Tell the worker only what it does not know: new (or resumed) sequences whole, running ones'
+        new blocks and progress, and the sequences to forget."""
+        step = StepInput(finished_seq_ids=self._finished_seq_ids,
+                         preempted_seq_ids=[s.seq_id for s in out.preempted])
+        self._finished_seq_ids = []
+        for seq in out.preempted:
+            self._worker_blocks.pop(seq.seq_id, None)
+        for s in out.scheduled:
+            seq = s.seq
+            known = self._worker_blocks.get(seq.seq_id)
+            if known is None:
+                step.new_requests.append(NewRequest(
+                    seq.seq_id, seq.token_ids, seq.num_prompt_tokens, seq.sampling_params, seq.index,
+                    list(seq.block_table), seq.num_computed_tokens))
+                self._worker_seqs.add(seq.seq_id)
+            else:
+                step.cached_requests.append(CachedRequest(seq.seq_id, seq.block_table[known:],
+                                                          seq.num_computed_tokens))
+            self._worker_blocks[seq.seq_id] = len(seq.block_table)
+            step.scheduled.append((seq.seq_id, s.num_scheduled_tokens))
+        return step
+
+    def _release(self, seq: Sequence) -> None:
+        """The worker forgets a finished sequence (its row and generator) at the next step."""
+        self._worker_blocks.pop(seq.seq_id, None)
+        if seq.seq_id in self._worker_seqs:
+            self._worker_seqs.discard(seq.seq_id)
+            self._finished_seq_ids.append(seq.seq_id)
 
     def _make_output(self, req: _Request) -> RequestOutput:
         completions = []

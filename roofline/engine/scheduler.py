@@ -160,11 +160,12 @@ class Scheduler:
                 budget -= num_new
         return out
 
-    def update(self, out: SchedulerOutput, sampled: dict[int, int], now: float | None = None) -> list[Sequence]:
-        """Advance progress after the runner executed ``out``.
+    def update(self, out: SchedulerOutput, sampled: dict[int, list[int]], now: float | None = None) -> list[Sequence]:
+        """Advance progress after the worker executed ``out``.
 
         Args:
-            sampled: seq_id -> new token id, for every scheduled sequence whose chunk samples.
+            sampled: seq_id -> new token ids (one per step today), for every scheduled sequence whose
+                chunk samples.
         Returns:
             the sequences that received a new token (the engine checks stops on them).
         """
@@ -177,6 +178,7 @@ class Scheduler:
             samples = s.samples
             seq.num_computed_tokens += s.num_scheduled_tokens
             if samples:
-                seq.append_token(sampled[seq.seq_id], now)
+                for token in sampled[seq.seq_id]:
+                    seq.append_token(token, now)
                 got_token.append(seq)
         return got_token

@@ -2,7 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
+
+
+class PagedBatch(Protocol):
+    """What the paged attention kernels read of a step's attention metadata (device tensors + one host int)."""
+
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    seq_lens: torch.Tensor  # [num_seqs] int32
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    max_query_len: int
 
 
 def check_paged_attention_inputs(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:

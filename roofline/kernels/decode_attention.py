@@ -29,6 +29,7 @@ import math
 import torch
 
 from roofline.kernels.common import check_paged_attention_inputs
+from roofline.kernels.prefill_attention import ref_paged_attention
 
 try:
     import triton
@@ -48,23 +49,10 @@ def ref_decode_attention(
 ) -> torch.Tensor:
     """Pure-torch twin: q [num_seqs, H, D]; the single query of sequence i sees keys [0, seq_lens[i]).
 
-    Computes in ``compute_dtype`` (fp32, or fp64 for a tighter reference) and returns q's dtype.
+    The paged reference with one query per sequence; computes in ``compute_dtype``, returns q's dtype.
     """
-    num_seqs, num_heads, head_dim = q.shape
-    num_kv_heads = k_cache.shape[2]
-    block_size = k_cache.shape[1]
-    group = num_heads // num_kv_heads
-    out = torch.empty_like(q)
-    for i, seq_len in enumerate(seq_lens.tolist()):
-        nb = (seq_len + block_size - 1) // block_size
-        blocks = block_tables[i, :nb].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(compute_dtype)
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(compute_dtype)
-        k = k.repeat_interleave(group, dim=1)  # [seq_len, H, D]
-        v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("hd,khd->hk", q[i].to(compute_dtype), k) * scale  # [H, seq_len]
-        out[i] = torch.einsum("hk,khd->hd", torch.softmax(scores, dim=-1), v).to(q.dtype)
-    return out
+    query_start_loc = torch.arange(q.shape[0] + 1, device=q.device)
+    return ref_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, compute_dtype)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int = 132,

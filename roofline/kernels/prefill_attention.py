@@ -20,8 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from roofline.kernels.common import check_paged_attention_inputs
-from roofline.layers.attention import AttentionMetadata, ref_paged_attention
+from roofline.kernels.common import PagedBatch, check_paged_attention_inputs
 
 try:
     import triton
@@ -32,11 +31,58 @@ except ImportError:  # pragma: no cover
 LOG2E = 1.4426950408889634
 
 
-def ref_prefill_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: AttentionMetadata, scale: float
+def ref_paged_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """Pure-torch twin of :func:`paged_prefill_attention` (delegates to the exact paged reference)."""
-    return ref_paged_attention(q, k_cache, v_cache, meta, scale)
+    """Exact paged causal attention in plain torch: the one reference every attention kernel is checked against.
+
+    Args:
+        q: [num_tokens, H, D], rows of sequence i at query_start_loc[i]:query_start_loc[i+1].
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D], holding each sequence's seq_lens[i] keys.
+        query_start_loc: [num_seqs + 1] int; seq_lens: [num_seqs] int; block_tables: [num_seqs, W] int.
+        scale: softmax scale. compute_dtype: fp32, or fp64 for a tighter reference.
+
+    Returns:
+        [num_tokens, H, D] in q's dtype. Query j of a chunk of q_len sits at position seq_len - q_len + j
+        and sees keys 0..seq_len - q_len + j. A sequence with seq_len 0 (padding) gets zeros.
+    """
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    out = torch.zeros_like(q)
+    starts = query_start_loc.tolist()
+    for i, seq_len in enumerate(seq_lens.tolist()):
+        start, q_len = starts[i], starts[i + 1] - starts[i]
+        if q_len == 0 or seq_len == 0:
+            continue
+        nb = (seq_len + block_size - 1) // block_size
+        blocks = block_tables[i, :nb].long()
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(compute_dtype)
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(compute_dtype)
+        k = k.repeat_interleave(group, dim=1)  # [seq_len, H, D]
+        v = v.repeat_interleave(group, dim=1)
+        qi = q[start:start + q_len].to(compute_dtype)
+        scores = torch.einsum("qhd,khd->hqk", qi, k) * scale  # [H, q_len, seq_len]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        k_pos = torch.arange(seq_len, device=q.device)
+        scores.masked_fill_((k_pos[None, :] > q_pos[:, None])[None], float("-inf"))
+        probs = torch.softmax(scores, dim=-1)
+        out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
+    return out
+
+
+def ref_prefill_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedBatch, scale: float
+) -> torch.Tensor:
+    """Pure-torch twin of :func:`paged_prefill_attention` (same arguments)."""
+    return ref_paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
 
 
 if triton is not None:
@@ -200,7 +246,7 @@ def paged_prefill_attention(
     q: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
-    meta: AttentionMetadata,
+    meta: PagedBatch,
     scale: float,
     out: torch.Tensor | None = None,
     config: dict | None = None,

@@ -24,6 +24,32 @@ except ImportError:  # pragma: no cover
     triton = None
 
 
+def ref_rotary(
+    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate-half RoPE of q [T, H, D] and k [T, H_kv, D] at ``positions`` [T]; fp32 math, returns new
+    tensors in the inputs' dtypes."""
+    half = q.shape[-1] // 2
+    cs = cos_sin_cache[positions.long()].float()  # [T, D]
+    cos, sin = cs[:, None, :half], cs[:, None, half:]  # [T, 1, D/2]
+
+    def rot(x: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        x1, x2 = xf[..., :half], xf[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+
+    return rot(q), rot(k)
+
+
+def ref_store_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+    """Pure-torch twin of :func:`store_kv_cache`: rows with a negative slot (padding) are not written."""
+    valid = slot_mapping >= 0
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    slots = slot_mapping[valid]
+    k_cache.view(num_slots, *k_cache.shape[2:])[slots] = k[valid].to(k_cache.dtype)
+    v_cache.view(num_slots, *v_cache.shape[2:])[slots] = v[valid].to(v_cache.dtype)
+
+
 def ref_rope_and_cache(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -34,27 +60,11 @@ def ref_rope_and_cache(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Pure-torch twin of :func:`rope_and_cache` (same in-place effects)."""
-    half = q.shape[-1] // 2
-    cs = cos_sin_cache[positions.long()].float()  # [T, D]
-    cos, sin = cs[:, None, :half], cs[:, None, half:]  # [T, 1, D/2]
-    for x in (q, k):
-        xf = x.float()
-        x1, x2 = xf[..., :half], xf[..., half:]
-        x.copy_(torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1))
-    valid = slot_mapping >= 0
-    slots = slot_mapping[valid]
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    k_cache.view(num_slots, *k_cache.shape[2:])[slots] = k[valid].to(k_cache.dtype)
-    v_cache.view(num_slots, *v_cache.shape[2:])[slots] = v[valid].to(v_cache.dtype)
-
-
-def ref_store_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
-    """Pure-torch twin of :func:`store_kv_cache`."""
-    valid = slot_mapping >= 0
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    k_cache.view(num_slots, *k_cache.shape[2:])[slot_mapping[valid]] = k[valid].to(k_cache.dtype)
-    v_cache.view(num_slots, *v_cache.shape[2:])[slot_mapping[valid]] = v[valid].to(v_cache.dtype)
+    """Pure-torch twin of :func:`rope_and_cache` (same in-place effects on q, k and the caches)."""
+    q_rot, k_rot = ref_rotary(positions, q, k, cos_sin_cache)
+    q.copy_(q_rot)
+    k.copy_(k_rot)
+    ref_store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
 
 
 if triton is not None:

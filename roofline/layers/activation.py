@@ -3,18 +3,13 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
+from roofline.kernels.activation import ref_silu_and_mul
 from roofline.layers import dispatch
 
 
-def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """x: [num_tokens, 2 * intermediate] -> [num_tokens, intermediate]."""
-    gate, up = x.chunk(2, dim=-1)
-    return F.silu(gate) * up
-
-
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """x: [num_tokens, 2 * intermediate] -> [num_tokens, intermediate]."""
     kernels = dispatch.kernels_for(x)
     if kernels is not None:
         return kernels.silu_and_mul(x)

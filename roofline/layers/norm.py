@@ -1,7 +1,8 @@
 """RMSNorm (Zhang & Sennrich 2019), with the residual add fused in as in vLLM.
 
-Numerics follow Hugging Face ``LlamaRMSNorm``: normalize in fp32, cast back, then scale by the weight.
-On CUDA with Triton available, the fused kernel in ``roofline.kernels.rmsnorm`` is used.
+Numerics follow Hugging Face ``LlamaRMSNorm`` (see ``roofline.kernels.rmsnorm``): normalize in fp32, cast
+back, then scale by the weight. With kernels enabled on CUDA the fused Triton kernel runs, else its
+``ref_`` twin.
 """
 
 from __future__ import annotations
@@ -9,21 +10,15 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from roofline.kernels.rmsnorm import ref_fused_add_rmsnorm, ref_rmsnorm
 from roofline.layers import dispatch
-
-
-def ref_rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    dtype = x.dtype
-    h = x.float()
-    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * h.to(dtype)
 
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6):
         super().__init__()
         self.eps = eps
-        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
@@ -36,5 +31,4 @@ class RMSNorm(nn.Module):
             return ref_rmsnorm(x, self.weight, self.eps)
         if kernels is not None and x.dim() == 2:
             return kernels.fused_add_rmsnorm(x, residual, self.weight, self.eps)
-        residual = x + residual
-        return ref_rmsnorm(residual, self.weight, self.eps), residual
+        return ref_fused_add_rmsnorm(x, residual, self.weight, self.eps)

@@ -10,7 +10,6 @@ import math
 from typing import Any
 
 import torch
-from torch import nn
 
 
 def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -29,36 +28,25 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Te
     return torch.where(is_medium, smoothed, scaled)
 
 
-class RotaryEmbedding(nn.Module):
-    """Holds ``cos_sin_cache`` [max_positions, head_dim] = cat(cos, sin), each [max_positions, head_dim/2], fp32."""
+class RotaryEmbedding:
+    """The angle table of one model: ``cos_sin_cache`` [max_positions, head_dim] fp32 = cat(cos, sin), each
+    [max_positions, head_dim / 2]. The attention backend applies it (fused with the KV-cache store where it
+    has a kernel for that; ``roofline.kernels.rope_cache``)."""
 
-    def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None = None):
-        super().__init__()
+    def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None = None,
+                 device: torch.device | str | None = None):
         self.head_dim = head_dim
-        inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-        if scaling is not None:
-            inv_freq = llama3_inv_freq(inv_freq, scaling)
-        t = torch.arange(max_positions, dtype=torch.float32)
-        freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim/2]
-        self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
+        self.max_positions = max_positions
+        with torch.device(device or "cpu"):  # computed where it is used (cos/sin round differently per device)
+            inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+            if scaling is not None:
+                inv_freq = llama3_inv_freq(inv_freq, scaling)
+            t = torch.arange(max_positions, dtype=torch.float32)
+            freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim/2]
+            self.cos_sin_cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
 
-    def forward(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """positions: [T] int; q: [T, H, D]; k: [T, H_kv, D]. Returns rotated (q, k) in their dtypes."""
-        return ref_rotary(positions, q, k, self.cos_sin_cache)
-
-
-def ref_rotary(
-    positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_sin_cache: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    cos, sin = cos_sin_cache[positions].chunk(2, dim=-1)  # [T, D/2] each
-    cos = torch.cat([cos, cos], dim=-1)[:, None, :]  # [T, 1, D]
-    sin = torch.cat([sin, sin], dim=-1)[:, None, :]
-
-    def rot(x: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        x1, x2 = xf.chunk(2, dim=-1)
-        return (xf * cos + torch.cat([-x2, x1], dim=-1) * sin).to(x.dtype)
-
-    return rot(q), rot(k)
+    @classmethod
+    def from_config(cls, config: Any, device: torch.device | str | None = None) -> RotaryEmbedding:
+        """From a ``ModelConfig`` (head_dim, max_position_embeddings, rope_theta, rope_scaling)."""
+        return cls(config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling_dict,
+                   device)

@@ -16,19 +16,23 @@ from roofline.config import ModelConfig
 
 
 def hf_state_dict(model: torch.nn.Module, config: ModelConfig) -> dict[str, torch.Tensor]:
-    """Our fused parameters split back into Hugging Face tensor names (contiguous CPU copies)."""
+    """Our fused parameters split back into Hugging Face tensor names (contiguous CPU copies).
+
+    Only for unquantized, unsharded models (tensor-parallel size 1).
+    """
     out: dict[str, torch.Tensor] = {}
+    packed = getattr(model, "packed_modules_mapping", {})
     for name, p in model.named_parameters():
         if name == "lm_head.weight" and config.tie_word_embeddings:
             continue
         module_name, kind = name.rsplit(".", 1)
-        module = model.get_submodule(module_name)
-        shards = getattr(module, "shard_offsets", None)
-        if shards:
-            parent = module_name.rsplit(".", 1)[0]
-            for shard, (start, size) in shards.items():
-                proj = {"q": "q_proj", "k": "k_proj", "v": "v_proj", "gate": "gate_proj", "up": "up_proj"}[shard]
-                out[f"{parent}.{proj}.{kind}"] = p.detach().narrow(0, start, size).cpu().contiguous().clone()
+        parent, leaf = module_name.rsplit(".", 1) if "." in module_name else ("", module_name)
+        if leaf in packed:
+            sizes = model.get_submodule(module_name).output_partition_sizes
+            start = 0
+            for hf_leaf, size in zip(packed[leaf], sizes, strict=True):
+                out[f"{parent}.{hf_leaf}.{kind}"] = p.detach().narrow(0, start, size).cpu().contiguous().clone()
+                start += size
         else:
             out[name] = p.detach().cpu().contiguous().clone()
     return out

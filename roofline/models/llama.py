@@ -2,8 +2,9 @@
 SmolLM2 (tied embeddings). GQA and any head_dim.
 
 Module names match Hugging Face checkpoints (``model.layers.0.self_attn.qkv_proj`` holds HF's q/k/v), so
-loading is a name mapping. The model holds no kernel code: attention goes through an
-``AttentionBackend``, and norms/activations through ``roofline.layers``.
+loading is a name mapping plus each parameter's ``weight_loader``. The model holds no kernel code and no
+device branch: attention (RoPE, the KV store and the kernels) is the backend's, linear layers delegate to
+their ``LinearMethod`` (the weight format), and norms/activations choose their kernel in ``layers``.
 """
 
 from __future__ import annotations
@@ -11,36 +12,32 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from roofline.attention import Attention, AttentionBackend, AttentionMetadata
 from roofline.config import ModelConfig
-from roofline.layers import dispatch
 from roofline.layers.activation import silu_and_mul
-from roofline.layers.attention import AttentionBackend, AttentionMetadata
-from roofline.layers.linear import Linear, MergedLinear
+from roofline.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from roofline.layers.norm import RMSNorm
-from roofline.layers.rotary import RotaryEmbedding
+from roofline.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from roofline.quant.base import QuantConfig
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer_id: int,
+                 quant_config: QuantConfig | None, prefix: str):
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_size, self.kv_size = config.q_size, config.kv_size
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": self.q_size, "k": self.kv_size, "v": self.kv_size},
-            bias=config.attention_bias,
-        )
-        self.o_proj = Linear(self.q_size, config.hidden_size, bias=False)
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim, config.num_attention_heads,
+                                          config.num_key_value_heads, bias=config.attention_bias,
+                                          quant_config=quant_config, prefix=f"{prefix}.qkv_proj")
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads  # this rank's
+        self.q_size, self.kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(config.num_attention_heads * config.head_dim, config.hidden_size,
+                                        bias=False, quant_config=quant_config, prefix=f"{prefix}.o_proj")
+        self.qk_norm = config.qk_norm
         if config.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.qk_norm = config.qk_norm
-        self.rotary = rotary
-        self.backend = backend
-        # Bound by the ModelRunner to this layer's cache: [num_blocks, block_size, num_kv_heads, head_dim].
-        self.k_cache = torch.empty(0)
-        self.v_cache = torch.empty(0)
+        self.attn = Attention(backend, layer_id)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -52,35 +49,29 @@ class LlamaAttention(nn.Module):
         if self.qk_norm:
             q = self.q_norm(q)
             k = self.k_norm(k)
-        kernels = dispatch.kernels_for(x)
-        if kernels is not None:
-            # One fused kernel rotates q/k in place and stores k/v at their slots.
-            kernels.rope_and_cache(q, k, v, positions, self.rotary.cos_sin_cache, self.k_cache, self.v_cache,
-                                   meta.slot_mapping)
-            out = self.backend.attend(q, self.k_cache, self.v_cache, meta)  # [T, H, D]
-        else:
-            q, k = self.rotary(positions, q, k)
-            out = self.backend.forward(q, k, v, self.k_cache, self.v_cache, meta)  # [T, H, D]
+        out = self.attn(q, k, v, positions, meta)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str):
         super().__init__()
-        self.gate_up_proj = MergedLinear(
-            config.hidden_size, {"gate": config.intermediate_size, "up": config.intermediate_size}
-        )
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear(
+            config.hidden_size, [config.intermediate_size] * 2, bias=False, quant_config=quant_config,
+            prefix=f"{prefix}.gate_up_proj")
+        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False,
+                                           quant_config=quant_config, prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend, rotary: RotaryEmbedding):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, layer_id: int,
+                 quant_config: QuantConfig | None, prefix: str):
         super().__init__()
-        self.self_attn = LlamaAttention(config, backend, rotary)
-        self.mlp = LlamaMLP(config)
+        self.self_attn = LlamaAttention(config, backend, layer_id, quant_config, f"{prefix}.self_attn")
+        self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -98,15 +89,15 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, quant_config: QuantConfig | None,
+                 prefix: str = "model"):
         super().__init__()
-        rotary = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling_dict
-        )
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            [LlamaDecoderLayer(config, backend, rotary) for _ in range(config.num_hidden_layers)]
-        )
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                   prefix=f"{prefix}.embed_tokens")
+        self.layers = nn.ModuleList([
+            LlamaDecoderLayer(config, backend, i, quant_config, f"{prefix}.layers.{i}")
+            for i in range(config.num_hidden_layers)
+        ])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -119,13 +110,29 @@ class LlamaModel(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    """forward: input_ids [T] int64, positions [T] int64 -> hidden states [T, hidden_size]."""
+    """forward: input_ids [T] int64, positions [T] int64 -> hidden states [T, hidden_size].
 
-    def __init__(self, config: ModelConfig, backend: AttentionBackend):
+    Args:
+        backend: the attention backend (it owns the KV cache); shared by every layer.
+        quant_config: the weight format of the linear layers (None: 16-bit weights).
+    """
+
+    # Our fused module -> the Hugging Face modules it holds, in shard order (vLLM's name for this map).
+    packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
+    # Hugging Face name -> (our module, shard id) for the fused projections.
+    stacked_params = (
+        ("q_proj", "qkv_proj", "q"),
+        ("k_proj", "qkv_proj", "k"),
+        ("v_proj", "qkv_proj", "v"),
+        ("gate_proj", "gate_up_proj", 0),
+        ("up_proj", "gate_up_proj", 1),
+    )
+
+    def __init__(self, config: ModelConfig, backend: AttentionBackend, quant_config: QuantConfig | None = None):
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, backend)
-        self.lm_head = Linear(config.hidden_size, config.vocab_size)
+        self.model = LlamaModel(config, backend, quant_config)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
@@ -134,16 +141,4 @@ class LlamaForCausalLM(nn.Module):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden_size] -> logits [N, vocab_size] in fp32."""
-        return self.lm_head(hidden).float()
-
-    def attention_layers(self) -> list[LlamaAttention]:
-        return [layer.self_attn for layer in self.model.layers]
-
-    # Hugging Face name -> (our parameter name, shard) for the fused projections.
-    stacked_params = (
-        ("q_proj", "qkv_proj", "q"),
-        ("k_proj", "qkv_proj", "k"),
-        ("v_proj", "qkv_proj", "v"),
-        ("gate_proj", "gate_up_proj", "gate"),
-        ("up_proj", "gate_up_proj", "up"),
-    )
+        return self.lm_head.compute_logits(hidden)

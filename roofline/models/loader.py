@@ -266,8 +266,35 @@ def iter_gguf(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tens
             raise ValueError(f"unexpected GGUF tensor {name!r}")
 
 
+def default_weight_loader(param: torch.nn.Parameter, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    """Copy a whole tensor (parameters without a layer-specific loader: norms)."""
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"checkpoint has {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+def _expected_shards(model: torch.nn.Module, params: dict[str, torch.nn.Parameter]) -> set[tuple[str, Any]]:
+    """(parameter, shard id) pairs a complete checkpoint fills: one per shard of a fused projection."""
+    shards_of = {}
+    for _, our_part, shard in getattr(model, "stacked_params", ()):
+        shards_of.setdefault(our_part, []).append(shard)
+    expected = set()
+    for name in params:
+        if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
+            continue
+        module_name = name.rsplit(".", 1)[0]
+        shards = shards_of.get(module_name.rsplit(".", 1)[-1])
+        expected.update((name, s) for s in shards) if shards else expected.add((name, None))
+    return expected
+
+
 def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
-    """Copy Hugging Face-named tensors into ``model``, filling fused projections shard by shard.
+    """Map Hugging Face-named tensors onto ``model``'s parameters and hand each to its ``weight_loader``.
+
+    The name mapping (``model.stacked_params``: HF ``q_proj`` -> our ``qkv_proj`` shard ``"q"``) is the only
+    knowledge here; where a tensor goes within a parameter, and which slice this tensor-parallel rank
+    keeps, is the parameter's ``weight_loader``'s (``roofline.layers.linear``). After loading, each linear
+    layer's ``LinearMethod.process_weights_after_loading`` runs once.
 
     Raises:
         ValueError: a shape mismatch (names the tensor and both shapes), an unexpected tensor, or
@@ -275,60 +302,59 @@ def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tens
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     stacked = getattr(model, "stacked_params", ())
-    loaded: set[str] = set()
+    tied = getattr(model.config, "tie_word_embeddings", False)
+    loaded: set[tuple[str, Any]] = set()
     for hf_name, tensor in weights:
-        if "rotary_emb.inv_freq" in hf_name:
-            continue
-        if hf_name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
+        if "rotary_emb.inv_freq" in hf_name or (hf_name == "lm_head.weight" and tied):
             continue
         target, shard = hf_name, None
-        for hf_part, our_part, shard_name in stacked:
+        for hf_part, our_part, shard_id in stacked:
             if f".{hf_part}." in hf_name:
-                target, shard = hf_name.replace(f".{hf_part}.", f".{our_part}."), shard_name
+                target, shard = hf_name.replace(f".{hf_part}.", f".{our_part}."), shard_id
                 break
         if target not in params:
             raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in the model")
         param = params[target]
-        if shard is None:
-            dest = param.data
-        else:
-            module = model.get_submodule(target.rsplit(".", 1)[0])
-            start, size = module.shard_offsets[shard]
-            dest = param.data.narrow(0, start, size)
-        if tuple(dest.shape) != tuple(tensor.shape):
-            raise ValueError(
-                f"shape mismatch for {hf_name!r}: checkpoint has {tuple(tensor.shape)}, "
-                f"model expects {tuple(dest.shape)}"
-            )
-        dest.copy_(tensor)
-        loaded.add(f"{target}:{shard}")
-    expected = set()
-    for name in params:
-        if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
-            continue
-        module = model.get_submodule(name.rsplit(".", 1)[0])
-        shards = getattr(module, "shard_offsets", None)
-        if shards:
-            expected.update(f"{name}:{s}" for s in shards)
-        else:
-            expected.add(f"{name}:None")
-    missing = sorted(expected - loaded)
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        try:
+            if shard is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard)
+        except ValueError as e:
+            raise ValueError(f"shape mismatch for {hf_name!r}: {e}") from e
+        loaded.add((target, shard))
+    missing = sorted(f"{n}:{s}" if s is not None else n for n, s in _expected_shards(model, params) - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+    process_weights_after_loading(model)
+
+
+def process_weights_after_loading(model: torch.nn.Module) -> None:
+    """Let every linear layer's ``LinearMethod`` turn loaded weights into what its kernel reads."""
+    for module in model.modules():
+        method = getattr(module, "quant_method", None)
+        if method is not None:
+            method.process_weights_after_loading(module)
 
 
 def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
-    """Random weights at real shapes (speed does not depend on values); norms set to 1."""
+    """Random weights at real shapes (speed does not depend on values), each in its parameter's dtype:
+    floats uniform in [-0.02, 0.02] (norms 1), integer (packed) parameters uniform over their range."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if "norm" in name:
                 p.fill_(1.0)
+            elif not p.dtype.is_floating_point:
+                info = torch.iinfo(p.dtype)
+                p.copy_(torch.randint(info.min, info.max, p.shape, dtype=torch.int64, generator=gen).to(p.dtype))
             elif p.is_cuda:
                 p.uniform_(-0.02, 0.02)
             else:
                 p.copy_(torch.empty(p.shape, dtype=torch.float32).uniform_(-0.02, 0.02, generator=gen))
+    process_weights_after_loading(model)
 
 
 def load_tokenizer(source: ModelSource) -> Any:

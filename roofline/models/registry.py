@@ -4,11 +4,12 @@ from __future__ import annotations
 
 from torch import nn
 
+from roofline.attention.backend import AttentionBackend
 from roofline.config import SUPPORTED_ARCHITECTURES, ModelConfig
-from roofline.layers.attention import AttentionBackend
+from roofline.quant.base import QuantConfig
 
 
-def build_model(config: ModelConfig, backend: AttentionBackend) -> nn.Module:
+def build_model(config: ModelConfig, backend: AttentionBackend, quant_config: QuantConfig | None = None) -> nn.Module:
     """Instantiate the model class for ``config.architecture``.
 
     Raises:
@@ -18,7 +19,7 @@ def build_model(config: ModelConfig, backend: AttentionBackend) -> nn.Module:
     if family == "llama":
         from roofline.models.llama import LlamaForCausalLM
 
-        return LlamaForCausalLM(config, backend)
+        return LlamaForCausalLM(config, backend, quant_config)
     raise ValueError(
         f"unsupported architecture {config.architecture!r}; supported: {', '.join(sorted(SUPPORTED_ARCHITECTURES))}"
     )

@@ -36,7 +36,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from roofline.engine.args import EngineArgs
+from roofline.args import EngineArgs
 from roofline.engine.llm_engine import LLMEngine
 from roofline.server import protocol as P
 from roofline.server.async_engine import AsyncLLMEngine

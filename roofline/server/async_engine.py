@@ -183,7 +183,7 @@ class AsyncLLMEngine:
         """Build the engine from ``EngineArgs`` (loads weights: seconds to minutes)."""
         from roofline.models import loader
 
-        engine = LLMEngine.from_config(engine_args.model, engine_args.engine_config,
+        engine = LLMEngine.from_config(engine_args.model, engine_args.create_engine_config,
                                        load_format=engine_args.load_format)
         return cls(engine, model_name=loader.resolve_model(engine_args.model, engine_args.load_format).name)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
-from roofline.engine.args import EngineArgs
+from roofline.args import EngineArgs
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~250k tokens of JSON token ids, far above any context we serve
 

@@ -98,7 +98,7 @@ def server(request):
         llm = request.getfixturevalue("default_llm")  # shared LLM(max_model_len=1024) of tests/conftest.py
         async_engine = AsyncLLMEngine(llm.engine, model_name="SmolLM2-135M-Instruct")
     except pytest.FixtureLookupError:
-        from roofline.engine.args import EngineArgs
+        from roofline.args import EngineArgs
 
         async_engine = AsyncLLMEngine.from_engine_args(EngineArgs(max_model_len=1024, device="cpu"))
     assert async_engine.engine.config.scheduler_config.max_model_len >= 1024

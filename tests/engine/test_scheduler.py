@@ -36,7 +36,7 @@ def step(sched: Scheduler, token: int = 7) -> Plan:
     out = sched.schedule()
     p = plan(out)  # before update: ``samples`` depends on num_computed_tokens
     assert out.num_batched_tokens <= sched.config.max_num_batched_tokens
-    sampled = {s.seq.seq_id: token for s in out.scheduled if s.samples}
+    sampled = {s.seq.seq_id: [token] for s in out.scheduled if s.samples}
     got = sched.update(out, sampled, now=1.0)
     assert [s.request_id for s in got] == [name for name, _, samples in p if samples]
     return p
@@ -176,7 +176,7 @@ def test_preemption_evicts_the_latest_arrival_and_it_later_resumes():
     assert (d.num_preemptions, sched.num_preemptions) == (1, 1)
     assert [s.block_table for s in (a, b, c)] == [[0, 1, 6], [2, 3, 7], [4, 5, 8]]
     assert free_list(sched) == [9]
-    sched.update(out, {s.seq_id: 2 for s in (a, b, c)}, now=1.0)
+    sched.update(out, {s.seq_id: [2] for s in (a, b, c)}, now=1.0)
 
     # D needs 5 blocks for its 17 tokens (prompt + its sampled token); only block 9 is free.
     assert step(sched, token=3) == [("A", 1, True), ("B", 1, True), ("C", 1, True)]
@@ -208,7 +208,7 @@ def test_a_sequence_that_is_the_latest_arrival_preempts_itself():
     assert a.block_table == [0, 1, 2]
     assert (b.block_table, b.num_computed_tokens, b.status) == ([], 0, SequenceStatus.PREEMPTED)
     assert free_list(sched) == [3]
-    sched.update(out, {a.seq_id: 5}, now=1.0)
+    sched.update(out, {a.seq_id: [5]}, now=1.0)
 
 
 def test_preempted_sequence_goes_ahead_of_later_waiting_requests():
@@ -279,7 +279,7 @@ def test_update_skips_a_sequence_aborted_while_the_step_ran():
     sched.add(b)
     out = sched.schedule()
     sched.finish(a, SequenceStatus.FINISHED_ABORTED)
-    got = sched.update(out, {b.seq_id: 5}, now=2.0)
+    got = sched.update(out, {b.seq_id: [5]}, now=2.0)
     assert got == [b]
     assert (a.num_computed_tokens, a.output_token_ids) == (0, [])
     assert (b.num_computed_tokens, b.output_token_ids) == (3, [5])

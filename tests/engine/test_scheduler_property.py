@@ -86,13 +86,13 @@ class SchedulerMachine(RuleBasedStateMachine):
         if data is not None and out.scheduled and data.draw(st.booleans(), label="abort mid-step"):
             i = data.draw(st.integers(0, len(out.scheduled) - 1), label="abort which")
             self.sched.finish(out.scheduled[i].seq, SequenceStatus.FINISHED_ABORTED)
-        sampled = {sid: (data.draw(st.integers(0, 99), label="token") if data is not None else 0)
+        sampled = {sid: [data.draw(st.integers(0, 99), label="token") if data is not None else 0]
                    for sid, smp in samples.items() if smp}
         got = self.sched.update(out, sampled, now=self.clock)
         assert {s.seq_id for s in got} == {s.seq.seq_id for s in out.scheduled
                                            if samples[s.seq.seq_id] and not s.seq.is_finished}
         for seq in got:
-            assert seq.output_token_ids[-1] == sampled[seq.seq_id]
+            assert seq.output_token_ids[-1:] == sampled[seq.seq_id]
             status = self.stop_status(seq)
             if status is None and data is not None and data.draw(st.integers(0, 9), label="stop") == 0:
                 status = SequenceStatus.FINISHED_STOPPED  # e.g. EOS or a stop string

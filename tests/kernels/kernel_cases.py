@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from roofline.layers.attention import AttentionMetadata
+from roofline.attention.backend import AttentionMetadata
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # Relative-error bounds ||out - ref|| / ||ref|| by operand dtype (issue 5).
@@ -54,11 +54,29 @@ def make_paged_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_s
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=DEVICE),
         block_tables=tables.to(DEVICE),
         max_query_len=max(q_lens),
-        max_seq_len=max(seq_lens),
         seq_lens_cpu=list(seq_lens),
         query_lens_cpu=list(q_lens),
     )
     return q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), meta
+
+
+def positions_of(meta) -> torch.Tensor:
+    """[T] int64 absolute position of each new token of ``meta``'s flat batch."""
+    pos = [p for q_len, s in zip(meta.query_lens_cpu, meta.seq_lens_cpu, strict=True) for p in range(s - q_len, s)]
+    return torch.tensor(pos, dtype=torch.int64, device=meta.slot_mapping.device)
+
+
+def backend_with_cache(name, num_heads, num_kv_heads, head_dim, k_cache, v_cache, rope_base=10000.0):
+    """An attention backend whose one-layer KV pool holds a copy of ``k_cache``/``v_cache``."""
+    from roofline.attention.backend import get_attention_backend
+    from roofline.layers.rotary import RotaryEmbedding
+
+    rotary = RotaryEmbedding(head_dim, 4096, rope_base, device=k_cache.device)
+    backend = get_attention_backend(name)(num_heads, num_kv_heads, head_dim, rotary)
+    pool = backend.allocate_kv_cache(1, k_cache.shape[0], k_cache.shape[1], k_cache.dtype, k_cache.device)
+    pool[0].k.copy_(k_cache)
+    pool[0].v.copy_(v_cache)
+    return backend
 
 
 def attention_f64(q, k_cache, v_cache, meta, scale) -> torch.Tensor:

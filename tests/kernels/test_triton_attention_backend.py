@@ -1,4 +1,4 @@
-"""TritonAttentionBackend against the exact TorchAttentionBackend: cache contents and outputs."""
+"""TritonAttentionBackend against the exact TorchAttentionBackend: RoPE, cache contents and outputs."""
 
 from __future__ import annotations
 
@@ -9,9 +9,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import DEVICE, DTYPES, TOL, make_paged_case, rel_err  # noqa: E402
-
-from roofline.layers.attention import TorchAttentionBackend, get_attention_backend  # noqa: E402
+from kernel_cases import DEVICE, DTYPES, TOL, backend_with_cache, make_paged_case, positions_of, rel_err  # noqa: E402
 
 
 def _run_both(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed):
@@ -19,13 +17,15 @@ def _run_both(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, d
     g = torch.Generator().manual_seed(seed + 1)
     k = torch.randn(q.shape[0], num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
     v = torch.randn(q.shape[0], num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
-    backend = get_attention_backend("triton")(num_heads, num_kv_heads, head_dim)
-    assert backend.name == "triton" and backend.scale == 1.0 / math.sqrt(head_dim)
-    kc_t, vc_t = kc.clone(), vc.clone()
-    out = backend.forward(q, k, v, kc_t, vc_t, meta)
-    ref_backend = TorchAttentionBackend(num_heads, num_kv_heads, head_dim)
-    ref = ref_backend.forward(q, k, v, kc, vc, meta)
-    assert torch.equal(kc_t, kc) and torch.equal(vc_t, vc)  # same cache writes, bit for bit
+    pos = positions_of(meta)
+    triton_b = backend_with_cache("triton", num_heads, num_kv_heads, head_dim, kc, vc)
+    torch_b = backend_with_cache("torch", num_heads, num_kv_heads, head_dim, kc, vc)
+    assert triton_b.name == "triton" and triton_b.scale == 1.0 / math.sqrt(head_dim)
+    out = triton_b.forward(q.clone(), k.clone(), v, pos, triton_b.kv_cache(0), triton_b.build_metadata(meta))
+    ref = torch_b.forward(q.clone(), k.clone(), v, pos, torch_b.kv_cache(0), torch_b.build_metadata(meta))
+    # Same cache writes: bit for bit for v (a copy), within rounding for the rotated k.
+    assert torch.equal(triton_b.kv_cache(0).v, torch_b.kv_cache(0).v)
+    assert rel_err(triton_b.kv_cache(0).k, torch_b.kv_cache(0).k) < TOL[dtype]
     assert rel_err(out, ref) < TOL[dtype]
 
 

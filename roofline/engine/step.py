@@ -1,0 +1,71 @@
+"""What crosses the boundary between the engine (pure Python) and the worker (tensors), once per step.
+
+Both are small and serializable (ids and counts, no tensors, no request histories), so a later executor
+can send them to worker processes (tensor parallelism) or pipeline stages unchanged.
+
+The worker keeps a persistent batch: it learns a request's prompt and parameters once (``NewRequest``),
+and afterwards only what changed (``CachedRequest``: new blocks, progress). It appends the tokens it
+samples to its own copy of each request's token ids, so the engine never resends them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from roofline.engine.sequence import Logprob
+from roofline.sampling_params import SamplingParams
+
+
+@dataclass
+class NewRequest:
+    """A sequence the worker has not seen (or sees again after a preemption freed it)."""
+
+    seq_id: int
+    token_ids: list[int]  # prompt + output so far (a resumed sequence recomputes its output tokens)
+    num_prompt_tokens: int
+    sampling_params: SamplingParams
+    seed_offset: int  # sample index within the request: its generator is seeded with seed + seed_offset
+    block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class CachedRequest:
+    """A sequence the worker already holds: blocks appended since the last step, and its progress."""
+
+    seq_id: int
+    new_block_ids: list[int]
+    num_computed_tokens: int
+
+
+@dataclass
+class StepInput:
+    """One step for the worker. ``scheduled`` lists (seq_id, number of tokens to compute) in batch order
+    (decodes first); ``finished_seq_ids`` are sequences to forget (finished or aborted), and
+    ``preempted_seq_ids`` leave the batch until they come back as ``NewRequest``."""
+
+    new_requests: list[NewRequest] = field(default_factory=list)
+    cached_requests: list[CachedRequest] = field(default_factory=list)
+    scheduled: list[tuple[int, int]] = field(default_factory=list)
+    finished_seq_ids: list[int] = field(default_factory=list)
+    preempted_seq_ids: list[int] = field(default_factory=list)  # leave the batch, keep their generators
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+@dataclass
+class StepOutput:
+    """What the worker sampled: for each sampling sequence, a list of tokens (one today; several once a
+    step verifies speculative drafts), and optionally their logprobs."""
+
+    seq_ids: list[int] = field(default_factory=list)
+    sampled_token_ids: list[list[int]] = field(default_factory=list)
+    # Per sampling sequence, one {token id: Logprob} dict per sampled token (sampled + top-k), or None.
+    logprobs: list[list[dict[int, Logprob]] | None] = field(default_factory=list)
+    duration_s: float = 0.0

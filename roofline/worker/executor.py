@@ -1,0 +1,50 @@
+"""Executors drive workers. The engine talks only to an ``Executor``: a ``StepInput`` in, a ``StepOutput``
+back. ``UniProcExecutor`` runs one worker in this process; a tensor-parallel executor will broadcast the
+same ``StepInput`` to one worker process per GPU, and a pipeline executor will chain stages, without any
+change to the scheduler.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+from roofline.config import EngineConfig, ModelConfig
+from roofline.engine.step import StepInput, StepOutput
+from roofline.models import loader
+
+
+class Executor(ABC):
+    @abstractmethod
+    def execute_model(self, step: StepInput) -> StepOutput:
+        """Run one step on every worker; returns the sampled tokens (identical on every rank)."""
+
+    @property
+    @abstractmethod
+    def num_kv_blocks(self) -> int:
+        """KV blocks every worker can hold (the minimum over workers)."""
+
+    @abstractmethod
+    def profile_budget(self) -> int:
+        """Per-step token budget measured on the workers (see ``Worker.profile_budget``)."""
+
+    def shutdown(self) -> None:  # noqa: B027 - nothing to release in-process
+        """Stop worker processes, if any."""
+
+
+class UniProcExecutor(Executor):
+    """One worker, in this process."""
+
+    def __init__(self, config: EngineConfig, source: loader.ModelSource, model_config: ModelConfig):
+        from roofline.worker.worker import Worker
+
+        self.worker = Worker(config, source, model_config)
+
+    def execute_model(self, step: StepInput) -> StepOutput:
+        return self.worker.execute_model(step)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self.worker.num_blocks
+
+    def profile_budget(self) -> int:
+        return self.worker.profile_budget()

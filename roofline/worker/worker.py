@@ -1,0 +1,341 @@
+"""The worker: owns the model, the attention backend (and through it the KV pool), the sampler, the
+persistent input batch and the CUDA graphs. ``execute_model(StepInput) -> StepOutput`` is one step.
+
+Per step:
+1. ``update_states``: forget finished/preempted sequences, add new ones, append new blocks.
+2. ``prepare_inputs``: vectorized gathers over the persistent batch give input_ids, positions,
+   slot_mapping, block tables and query_start_loc; they go to the device from pinned host buffers with
+   non-blocking copies, and the backend builds its metadata once.
+3. forward (a CUDA graph for decode-only steps that fit one, else eager), logits of the rows that sample,
+   the sampler, and one device->host copy of the sampled ids: the step's only host sync.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import torch
+
+from roofline.attention.backend import AttentionMetadata, get_attention_backend
+from roofline.attention.kv_cache import kv_bytes_per_token
+from roofline.config import EngineConfig, ModelConfig
+from roofline.distributed.parallel_state import divide, get_tp_size
+from roofline.engine.sequence import Logprob
+from roofline.engine.step import StepInput, StepOutput
+from roofline.layers import dispatch
+from roofline.layers.rotary import RotaryEmbedding
+from roofline.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from roofline.models import loader
+from roofline.models.registry import build_model
+from roofline.worker.cuda_graph import CUDAGraphRunner
+from roofline.worker.input_batch import InputBatch
+
+logger = logging.getLogger(__name__)
+
+_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+CPU_DEFAULT_KV_CACHE_BYTES = 2 << 30
+CPU_STEP_TARGET_S = 0.5  # a CPU step's token budget aims below this (see Worker.profile_budget)
+
+
+class Worker:
+    def __init__(self, config: EngineConfig, source: loader.ModelSource, model_config: ModelConfig):
+        self.config = config
+        self.model_config = mc = model_config
+        self.device = torch.device(config.device)
+        self.dtype = _DTYPES[config.dtype]
+        self.kv_dtype = _DTYPES[config.cache_config.kv_cache_dtype]
+        self.block_size = config.cache_config.block_size
+        dispatch.set_kernels_enabled(config.use_triton_kernels)
+        tp = get_tp_size()
+        num_heads = divide(mc.num_attention_heads, tp, "num_attention_heads")
+        num_kv_heads = max(1, mc.num_key_value_heads // tp)
+        rotary = RotaryEmbedding.from_config(mc, self.device)
+        self.backend = get_attention_backend(config.attention_backend)(num_heads, num_kv_heads, mc.head_dim, rotary)
+        torch.manual_seed(config.seed)
+        # Build directly on the device in the model dtype.
+        prev_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = build_model(mc, self.backend)
+        finally:
+            torch.set_default_dtype(prev_dtype)
+        if source.format == "dummy":
+            loader.init_dummy_weights(model, config.seed)
+        elif source.format == "gguf":
+            assert source.path is not None
+            loader.load_weights(model, loader.iter_gguf(source.path, mc))
+        else:
+            assert source.path is not None
+            loader.load_weights(model, loader.iter_safetensors(source.path))
+        self.model = model.eval()
+        self.kv_bytes_per_token = kv_bytes_per_token(mc.num_hidden_layers, num_kv_heads, mc.head_dim, self.kv_dtype)
+        self.num_blocks = self._num_kv_blocks()
+        self.kv_pool = self.backend.allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
+                                                      self.kv_dtype, self.device)
+        sc = config.scheduler_config
+        self.max_blocks_per_seq = -(-sc.max_model_len // self.block_size)
+        self.input_batch = InputBatch(sc.max_num_seqs, sc.max_model_len, self.max_blocks_per_seq, mc.vocab_size,
+                                      self.device)
+        self._pin = self.device.type == "cuda"
+        self._staging: dict[str, torch.Tensor] = {}
+        self.sampler = Sampler()
+        self._generators: dict[int, torch.Generator] = {}
+        self.graphs: CUDAGraphRunner | None = None
+        if config.uses_cuda_graphs:
+            if self.backend.supports_cuda_graphs:
+                self.graphs = CUDAGraphRunner(self.model, self.backend, sc.max_num_seqs, self.max_blocks_per_seq,
+                                              self.device, mc.hidden_size, self.dtype)
+                self.graphs.capture()
+            else:
+                logger.warning("the %s attention backend cannot be captured in CUDA graphs; running eager",
+                               self.backend.name)
+
+    # ------------------------------------------------------------------------------ sizing
+
+    @property
+    def weight_bytes(self) -> int:
+        """Bytes of the model's parameters (each tied tensor once): what one forward pass reads."""
+        seen: set[int] = set()
+        total = 0
+        for p in self.model.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        return total
+
+    def _num_kv_blocks(self) -> int:
+        cc = self.config.cache_config
+        if cc.num_blocks is not None:
+            return cc.num_blocks
+        per_block = self.kv_bytes_per_token * self.block_size
+        if cc.kv_cache_memory is not None:
+            budget = cc.kv_cache_memory
+        elif self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            used = total - free
+            # Reserve room for activations: logits and the largest step's intermediates.
+            sc, mc = self.config.scheduler_config, self.model_config
+            act = sc.max_num_batched_tokens * (mc.hidden_size * 8 + mc.intermediate_size * 6) * 4
+            act += sc.max_num_seqs * mc.vocab_size * 4 * 4
+            budget = int(total * cc.gpu_memory_utilization) - used - act
+        else:
+            budget = CPU_DEFAULT_KV_CACHE_BYTES
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(
+                f"no room for the KV cache: budget {budget / 2**20:.1f} MiB < one block "
+                f"({per_block / 2**20:.3f} MiB); raise --kv-cache-memory or --gpu-memory-utilization"
+            )
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def profile_budget(self, probe_tokens: int = 256) -> int:
+        """The per-step token budget whose prefill stays under ``CPU_STEP_TARGET_S``.
+
+        Rule: time one forward pass of a ``probe_tokens``-token prefill (after one warm-up), scale linearly
+        to ``CPU_STEP_TARGET_S`` and round down to a multiple of 16, within [64, 2048]. Nothing is written to
+        the KV cache (every slot is -1). Measured once per model shape, device and dtype in a process.
+        """
+        key = (self.model_config, str(self.device), self.dtype, self.config.attention_backend)
+        return _profiled_budget(key, lambda: self._time_prefill(probe_tokens), probe_tokens)
+
+    def _time_prefill(self, n: int) -> float:
+        n = min(n, self.config.scheduler_config.max_model_len, self.num_blocks * self.block_size)
+        nb = -(-n // self.block_size)
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.full((n,), -1, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor([n], dtype=torch.int32, device=dev),
+            block_tables=torch.arange(nb, dtype=torch.int32, device=dev)[None, :],
+            max_query_len=n, query_lens_cpu=[n], seq_lens_cpu=[n],
+        )
+        ids = torch.zeros(n, dtype=torch.int64, device=dev)
+        pos = torch.arange(n, dtype=torch.int64, device=dev)
+        times = []
+        for _ in range(2):
+            t0 = time.perf_counter()
+            self.model(ids, pos, self.backend.build_metadata(meta))
+            times.append(time.perf_counter() - t0)
+        return times[-1] / n
+
+    # ------------------------------------------------------------------------------ the step
+
+    def update_states(self, step: StepInput) -> None:
+        batch = self.input_batch
+        for sid in step.finished_seq_ids:
+            batch.remove(sid)
+            self._generators.pop(sid, None)
+        for sid in step.preempted_seq_ids:
+            batch.remove(sid)
+        for req in step.new_requests:
+            batch.add(req)
+            seed = req.sampling_params.seed
+            if seed is not None and req.seq_id not in self._generators:
+                g = torch.Generator(device=self.device)
+                g.manual_seed(seed + req.seed_offset)
+                self._generators[req.seq_id] = g
+        for c in step.cached_requests:
+            row = batch.row_of[c.seq_id]
+            batch.append_blocks(row, c.new_block_ids)
+            batch.num_computed_tokens[row] = c.num_computed_tokens
+
+    def _to_device(self, name: str, array: np.ndarray) -> torch.Tensor:
+        """Copy a host array to the device: through a pinned staging buffer and a non-blocking copy on CUDA.
+
+        A staging buffer is reused next step; the step's final sync (sampled ids) orders the two.
+        """
+        t = torch.from_numpy(array)
+        if not self._pin:
+            return t
+        buf = self._staging.get(name)
+        if buf is None or buf.numel() < t.numel():
+            buf = torch.empty(max(t.numel(), 1024), dtype=t.dtype, pin_memory=True)
+            self._staging[name] = buf
+        staged = buf[:t.numel()].view(t.shape)
+        staged.copy_(t)
+        return staged.to(self.device, non_blocking=True)
+
+    def prepare_inputs(
+        self, step: StepInput
+    ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray, np.ndarray]:
+        """The step's flat batch. Returns input_ids [T], positions [T], the backend's metadata, the batch
+        rows of the sequences that sample this step (in batch order), and the flat index of each one's last
+        token (``logits_indices``)."""
+        batch = self.input_batch
+        rows = np.fromiter((batch.row_of[sid] for sid, _ in step.scheduled), dtype=np.int64,
+                           count=len(step.scheduled))
+        counts = np.fromiter((n for _, n in step.scheduled), dtype=np.int64, count=len(step.scheduled))
+        query_start = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=query_start[1:])
+        total = int(query_start[-1])
+        start = batch.num_computed_tokens[rows]  # [S] first position of each chunk
+        token_rows = np.repeat(rows, counts)  # [T]
+        positions = np.repeat(start - query_start[:-1], counts) + np.arange(total)  # [T]
+        input_ids = batch.token_ids[token_rows, positions]
+        bs = self.block_size
+        slot_mapping = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
+        seq_lens = start + counts
+        max_blocks = int(batch.num_blocks[rows].max())
+        block_tables = batch.block_table[rows, :max_blocks]
+        samples = seq_lens == batch.num_tokens[rows]
+        meta = AttentionMetadata(
+            slot_mapping=self._to_device("slot_mapping", slot_mapping),
+            query_start_loc=self._to_device("query_start_loc", query_start.astype(np.int32)),
+            seq_lens=self._to_device("seq_lens", seq_lens.astype(np.int32)),
+            block_tables=self._to_device("block_tables", np.ascontiguousarray(block_tables)),
+            max_query_len=int(counts.max()),
+            query_lens_cpu=counts.tolist(),
+            seq_lens_cpu=seq_lens.tolist(),
+        )
+        ids = self._to_device("input_ids", input_ids)
+        pos = self._to_device("positions", positions)
+        return ids, pos, self.backend.build_metadata(meta), rows[samples], query_start[1:][samples] - 1
+
+    def prepare_sampling(self, rows: np.ndarray) -> SamplingMetadata:
+        """Sampling inputs for logits rows ``i`` = sequence rows ``rows[i]`` (the row -> request index)."""
+        batch = self.input_batch
+        temps = batch.temperature[rows]
+        need_rep, need_pres, need_freq = batch.uses_penalties(rows)
+        idx = None
+        if need_rep or need_pres or need_freq or batch.min_tokens_rows:
+            idx = torch.from_numpy(rows).to(self.device)
+
+        def col(name: str, values: np.ndarray) -> torch.Tensor:
+            return self._to_device(name, np.ascontiguousarray(values))
+
+        banned = None
+        below = [i for i, r in enumerate(rows.tolist()) if r in batch.min_tokens_rows]
+        if below:
+            banned = torch.zeros(len(rows), self.model_config.vocab_size, dtype=torch.bool, device=self.device)
+            for i in below:
+                p = batch.params[int(rows[i])]
+                assert p is not None
+                stop_ids = set(p.stop_token_ids or [])
+                if not p.ignore_eos:
+                    stop_ids |= p._all_stop_token_ids
+                if stop_ids:
+                    banned[i, torch.tensor(sorted(stop_ids), dtype=torch.int64, device=self.device)] = True
+        params = [batch.params[int(r)] for r in rows]
+        logprob_counts = [p.logprobs for p in params if p is not None and p.logprobs is not None]
+        penalties = need_rep or need_pres or need_freq
+        return SamplingMetadata(
+            temperatures=col("temperature", temps),
+            top_ks=col("top_k", batch.top_k[rows]) if (batch.top_k[rows] < self.model_config.vocab_size).any() else None,
+            top_ps=col("top_p", batch.top_p[rows]) if (batch.top_p[rows] < 1.0).any() else None,
+            min_ps=col("min_p", batch.min_p[rows]) if (batch.min_p[rows] > 0).any() else None,
+            repetition_penalties=col("rep", batch.repetition_penalty[rows]) if need_rep else None,
+            presence_penalties=col("pres", batch.presence_penalty[rows]) if need_pres else None,
+            frequency_penalties=col("freq", batch.frequency_penalty[rows]) if need_freq else None,
+            prompt_mask=batch.prompt_mask[idx] if need_rep and batch.prompt_mask is not None else None,
+            output_counts=batch.output_counts[idx] if penalties and batch.output_counts is not None else None,
+            banned_mask=banned,
+            generators=[self._generators.get(batch.seq_ids[int(r)]) for r in rows],  # type: ignore[arg-type]
+            all_greedy=bool((temps == 0.0).all()),
+            max_num_logprobs=max(logprob_counts) if logprob_counts else -1,
+        )
+
+    @torch.inference_mode()
+    def execute_model(self, step: StepInput) -> StepOutput:
+        t0 = time.perf_counter()
+        self.update_states(step)
+        input_ids, positions, meta, sample_rows, logits_indices = self.prepare_inputs(step)
+        if (self.graphs is not None and meta.is_decode_only
+                and self.graphs.can_run(meta.num_seqs, meta.block_tables.shape[1])):
+            hidden = self.graphs.run(input_ids, positions, meta)
+        else:
+            hidden = self.model(input_ids, positions, meta)
+        batch = self.input_batch
+        out = StepOutput()
+        for row, n in zip(np.fromiter((batch.row_of[s] for s, _ in step.scheduled), dtype=np.int64),
+                          (n for _, n in step.scheduled), strict=True):
+            batch.num_computed_tokens[row] += n
+        if len(sample_rows):
+            idx = self._to_device("logits_indices", logits_indices)
+            logits = self.model.compute_logits(hidden[idx])  # [N, V] fp32
+            so = self.sampler(logits, self.prepare_sampling(sample_rows))
+            sampled = so.token_ids.tolist()  # the step's one device -> host sync
+            rows = sample_rows.tolist()
+            batch.append_sampled(rows, sampled, so.token_ids)
+            out.seq_ids = [batch.seq_ids[r] for r in rows]  # type: ignore[misc]
+            out.sampled_token_ids = [[t] for t in sampled]
+            out.logprobs = self._collect_logprobs(rows, so) if so.logprobs is not None else [None] * len(rows)
+        elif self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        out.duration_s = time.perf_counter() - t0
+        return out
+
+    def _collect_logprobs(self, rows: list[int], so: SamplerOutput) -> list[list[dict[int, Logprob]] | None]:
+        assert so.logprobs is not None and so.ranks is not None
+        assert so.top_ids is not None and so.top_logprobs is not None
+        chosen, ranks, token_ids = so.logprobs.tolist(), so.ranks.tolist(), so.token_ids.tolist()
+        top_ids, top_lps = so.top_ids.tolist(), so.top_logprobs.tolist()
+        result: list[list[dict[int, Logprob]] | None] = []
+        for i, row in enumerate(rows):
+            p = self.input_batch.params[row]
+            k = p.logprobs if p is not None else None
+            if k is None:
+                result.append(None)
+                continue
+            entry = {token_ids[i]: Logprob(chosen[i], ranks[i])}
+            for r, (tid, lp) in enumerate(zip(top_ids[i][:k], top_lps[i][:k], strict=True)):
+                if tid not in entry:
+                    entry[tid] = Logprob(lp, r + 1)
+            result.append([entry])
+        return result
+
+
+_BUDGETS: dict[object, int] = {}
+
+
+def _profiled_budget(key: object, seconds_per_token, probe_tokens: int) -> int:
+    if key not in _BUDGETS:
+        per_token = seconds_per_token()
+        budget = int(CPU_STEP_TARGET_S / max(per_token, 1e-9)) // 16 * 16
+        _BUDGETS[key] = max(64, min(2048, budget))
+        logger.info("measured prefill %.2f ms/token at %d tokens: per-step token budget %d (target %.1f s)",
+                    per_token * 1e3, probe_tokens, _BUDGETS[key], CPU_STEP_TARGET_S)
+    return _BUDGETS[key]
