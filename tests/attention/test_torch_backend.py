@@ -11,11 +11,10 @@ identity here (cos 1, sin 0) so the comparison is with plain attention; RoPE is 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
-
-from types import SimpleNamespace
 
 from roofline.attention.backend import AttentionMetadata
 from roofline.attention.torch_backend import TorchAttentionBackend
