@@ -18,7 +18,7 @@ import torch
 
 from roofline.attention.backend import AttentionBackend, AttentionMetadata
 from roofline.attention.kv_cache import KVCache
-from roofline.kernels.rope_cache import ref_rope_and_cache
+from roofline.kernels.rope_cache import ref_rope_and_cache, ref_rotary
 
 
 @dataclass
@@ -40,6 +40,8 @@ class PrefillChunk:
 class TorchAttentionMetadata(AttentionMetadata):
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # Every row has a cache slot (no -1 padding), checked on the host: the store can skip the masked gather.
+    all_slots_valid: bool = False
 
 
 def _block_slots(block_tables: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
@@ -62,6 +64,8 @@ class TorchAttentionBackend(AttentionBackend):
         for n in qlens:
             first_row.append(first_row[-1] + n)
         out = TorchAttentionMetadata(**{f: getattr(meta, f) for f in AttentionMetadata.__dataclass_fields__})
+        # Free on CPU; on a GPU it would sync, and the triton backend handles the store there.
+        out.all_slots_valid = dev.type == "cpu" and bool((meta.slot_mapping >= 0).all())
         decode_rows = sorted((i for i, n in enumerate(qlens) if n == 1), key=lambda i: slens[i])
         groups: list[list[int]] = []
         for i in decode_rows:
@@ -89,13 +93,18 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def forward(self, q, k, v, positions, cache: KVCache, meta):
-        ref_rope_and_cache(q, k, v, positions, self.rotary.cos_sin_cache, cache.k, cache.v, meta.slot_mapping)
         if not isinstance(meta, TorchAttentionMetadata):
             meta = self.build_metadata(meta)
         num_kv_heads, head_dim = self.num_kv_heads, self.head_dim
         group = self.num_heads // num_kv_heads
         k_flat = cache.k.view(-1, num_kv_heads, head_dim)  # [num_slots, H_kv, D]
         v_flat = cache.v.view(-1, num_kv_heads, head_dim)
+        if meta.all_slots_valid:  # same values as ref_rope_and_cache, without its boolean-mask gathers
+            q, k = ref_rotary(positions, q, k, self.rotary.cos_sin_cache)
+            k_flat[meta.slot_mapping] = k.to(k_flat.dtype)
+            v_flat[meta.slot_mapping] = v.to(v_flat.dtype)
+        else:
+            ref_rope_and_cache(q, k, v, positions, self.rotary.cos_sin_cache, cache.k, cache.v, meta.slot_mapping)
         out = torch.empty_like(q)
         for g in meta.decode_groups:
             n = g.rows.shape[0]
