@@ -1,0 +1,149 @@
+"""EngineArgs -> EngineConfig: every "auto" resolved once on this (CPU) machine, invalid combinations
+refused with both values named, and the CPU step budget's profiling rule."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from roofline.args import EngineArgs
+from roofline.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from roofline.worker import worker
+
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks how auto resolves without a GPU")
+
+MODEL = ModelConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+
+
+def test_auto_resolves_on_cpu_with_profiled_budget():
+    cfg = EngineArgs().create_engine_config(MODEL)
+    assert cfg.device == "cpu"
+    assert cfg.dtype == "float32"
+    assert cfg.cache_config.kv_cache_dtype == "float32"
+    assert cfg.attention_backend == "torch"
+    assert cfg.use_triton_kernels is False
+    assert cfg.enforce_eager is True and cfg.uses_cuda_graphs is False
+    sched = cfg.scheduler_config
+    assert sched.budget_from_profile is True
+    assert sched.max_num_batched_tokens == 2048  # the placeholder the profile lowers
+    assert sched.max_model_len == 512  # min(max_position_embeddings, 8192)
+    # Nothing "auto" is left anywhere in the resolved config.
+    values = [cfg.device, cfg.dtype, cfg.attention_backend, cfg.cache_config.kv_cache_dtype]
+    assert "auto" not in values
+
+
+def test_explicit_budget_is_kept_and_not_profiled():
+    cfg = EngineArgs(max_num_batched_tokens=256).create_engine_config(MODEL)
+    assert cfg.scheduler_config.max_num_batched_tokens == 256
+    assert cfg.scheduler_config.budget_from_profile is False
+
+
+def test_no_chunked_prefill_is_not_profiled_and_fits_a_whole_prompt():
+    long_model = dataclasses.replace(MODEL, max_position_embeddings=4096)
+    cfg = EngineArgs(enable_chunked_prefill=False, max_model_len=3000).create_engine_config(long_model)
+    assert cfg.scheduler_config.budget_from_profile is False
+    assert cfg.scheduler_config.max_num_batched_tokens == 3000  # max(2048, max_model_len)
+
+
+@pytest.mark.parametrize("dtype, kv, want_kv", [("float16", "auto", "float16"), ("bfloat16", "auto", "bfloat16"),
+                                                ("auto", "bfloat16", "bfloat16"), ("float16", "float32", "float32")])
+def test_kv_cache_dtype_defaults_to_the_model_dtype(dtype, kv, want_kv):
+    cfg = EngineArgs(dtype=dtype, kv_cache_dtype=kv).create_engine_config(MODEL)
+    assert cfg.dtype == (dtype if dtype != "auto" else "float32")
+    assert cfg.cache_config.kv_cache_dtype == want_kv
+
+
+def test_explicit_cpu_device_and_torch_backend():
+    cfg = EngineArgs(device="cpu", attention_backend="torch", disable_triton_kernels=True).create_engine_config(MODEL)
+    assert (cfg.device, cfg.attention_backend, cfg.use_triton_kernels, cfg.enforce_eager) == ("cpu", "torch", False,
+                                                                                             True)
+
+
+def test_triton_backend_on_cpu_names_both():
+    with pytest.raises(ValueError) as info:
+        EngineArgs(attention_backend="triton").create_engine_config(MODEL)
+    msg = str(info.value)
+    assert "'triton'" in msg and "'cpu'" in msg, msg
+
+
+@pytest.mark.parametrize("field, value", [("dtype", "float64"), ("kv_cache_dtype", "fp8"),
+                                          ("attention_backend", "flash")])
+def test_bad_engine_args_name_the_value(field, value):
+    with pytest.raises(ValueError) as info:
+        EngineArgs(**{field: value}).create_engine_config(MODEL)
+    msg = str(info.value)
+    assert field in msg and repr(value) in msg, msg
+
+
+@pytest.mark.parametrize("change", [
+    dict(dtype="auto"),
+    dict(device="auto"),
+    dict(attention_backend="auto"),
+    dict(cache_config=CacheConfig(kv_cache_dtype="auto")),
+], ids=["dtype", "device", "backend", "kv-dtype"])
+def test_engine_config_refuses_unresolved_auto(change):
+    with pytest.raises(ValueError) as info:
+        EngineConfig(model_config=MODEL, **change)
+    assert "'auto'" in str(info.value) and "resolved" in str(info.value)
+
+
+@pytest.mark.parametrize("change, words", [
+    (dict(dtype="float64"), ["dtype", "'float64'"]),
+    (dict(cache_config=CacheConfig(kv_cache_dtype="int8")), ["kv_cache_dtype", "'int8'"]),
+    (dict(device="tpu"), ["device", "'tpu'"]),
+    (dict(attention_backend="triton"), ["'triton'", "'cpu'"]),
+    (dict(use_triton_kernels=True), ["use_triton_kernels", "'cpu'"]),
+    (dict(enforce_eager=False), ["enforce_eager", "'cpu'"]),
+], ids=["dtype", "kv-dtype", "device", "triton-on-cpu", "kernels-on-cpu", "graphs-on-cpu"])
+def test_engine_config_refuses_invalid_values_naming_them(change, words):
+    with pytest.raises(ValueError) as info:
+        EngineConfig(model_config=MODEL, **change)
+    for word in words:
+        assert word in str(info.value), (word, str(info.value))
+
+
+def test_engine_config_defaults_are_resolved_cpu_values():
+    cfg = EngineConfig(model_config=MODEL, scheduler_config=SchedulerConfig(max_model_len=512))
+    assert (cfg.device, cfg.dtype, cfg.cache_config.kv_cache_dtype, cfg.attention_backend,
+            cfg.use_triton_kernels, cfg.enforce_eager) == ("cpu", "float32", "float32", "torch", False, True)
+    assert dataclasses.replace(cfg, dtype="bfloat16").dtype == "bfloat16"
+
+
+# ---------------------------------------------------------------------------------------------- CPU budget
+
+
+@pytest.fixture
+def clean_budgets():
+    saved = dict(worker._BUDGETS)
+    worker._BUDGETS.clear()
+    yield worker._BUDGETS
+    worker._BUDGETS.clear()
+    worker._BUDGETS.update(saved)
+
+
+@pytest.mark.parametrize("per_token, want", [
+    (2e-3, 240),      # 0.5 / 2e-3 = 250 -> 240 (multiple of 16, rounded down)
+    (1e-3, 496),      # 500 -> 496
+    (3e-4, 1664),     # 1666.7 -> 1664
+    (1e-5, 2048),     # 50000 -> clamped to 2048
+    (1e-2, 64),       # 50 -> 48 -> clamped to 64
+    (1.0, 64),        # slower than the target per token: still 64
+])
+def test_profiled_budget_rule(clean_budgets, per_token, want):
+    assert worker.CPU_STEP_TARGET_S == 0.5
+    calls = []
+
+    def seconds_per_token():
+        calls.append(1)
+        return per_token
+
+    got = worker._profiled_budget(("key", per_token), seconds_per_token, 256)
+    assert got == want
+    assert got % 16 == 0 and 64 <= got <= 2048
+    # Measured once per key: a second call reuses it without timing again.
+    assert worker._profiled_budget(("key", per_token), lambda: 1.0, 256) == want
+    assert len(calls) == 1
+    assert clean_budgets == {("key", per_token): want}
