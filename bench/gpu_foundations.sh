@@ -57,3 +57,19 @@ if [ "${1:-}" = rerun ]; then
       --out-dir "$OUT/$who" 2>&1 | grep -E "^(elapsed|wrote)" | tee -a "$OUT/log"
   done
 fi
+# async: the same commit with async scheduling on (default on GPUs) and off, and the host share with it on.
+if [ "${1:-}" = async ]; then
+  mkdir -p "$OUT/async" "$OUT/sync"
+  for mode in async sync async; do
+    flag=--async-scheduling; [ $mode = sync ] && flag=--no-async-scheduling
+    echo "== throughput $mode" | tee -a "$OUT/log"
+    after bench throughput --model llama-3-8b --dataset-file "$DATA" --num-prompts 1000 --no-progress $flag \
+      --out-dir "$OUT/$mode" 2>&1 | grep -E "^(elapsed|wrote)|Error" | tee -a "$OUT/log"
+  done
+  PYTHONPATH=$ROOT:/tmp/site python3 bench/gpu_host_share.py "$OUT/async/host-share.json" -- --model llama-3-8b \
+    --dataset-file "$DATA" --num-prompts 1000 --no-progress --out-dir "$OUT/async/hs" 2>&1 | grep -E "HOSTSHARE|Error" \
+    | tee -a "$OUT/log"
+  echo "== decode" | tee -a "$OUT/log"
+  after bench decode --model llama-3-8b --batch-sizes 1,64 --contexts 128,1k --steps 50 --out-dir "$OUT/async" 2>&1 \
+    | tail -6 | tee -a "$OUT/log"
+fi

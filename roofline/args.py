@@ -95,6 +95,7 @@ class EngineArgs:
     attention_backend: str = "auto"
     enforce_eager: bool = False
     disable_triton_kernels: bool = False  # pure-torch norms/activations on CUDA (the attention backend aside)
+    async_scheduling: bool | None = None  # None: on with a CUDA device, off on CPU (where nothing overlaps)
 
     def create_engine_config(self, model_config: ModelConfig) -> EngineConfig:
         """Resolve every option against this machine and the model.
@@ -160,6 +161,7 @@ class EngineArgs:
             attention_backend=backend,
             use_triton_kernels=triton_ok and not self.disable_triton_kernels,
             enforce_eager=self.enforce_eager or not on_cuda,
+            async_scheduling=on_cuda if self.async_scheduling is None else self.async_scheduling,
         )
 
     @staticmethod
@@ -189,6 +191,8 @@ class EngineArgs:
                             help="KV cache element type (auto = the model dtype)")
         parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
         parser.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
+        parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                            help="schedule step N+1 while step N runs (default: on with a GPU, off on CPU)")
         parser.add_argument("--disable-triton-kernels", action="store_true",
                             help="pure-torch RMSNorm/SiLU on CUDA (was ROOFLINE_DISABLE_KERNELS=1)")
 

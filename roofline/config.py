@@ -298,6 +298,8 @@ class EngineConfig:
     attention_backend: str = "torch"
     use_triton_kernels: bool = False
     enforce_eager: bool = True
+    # Schedule and prepare step N+1 while step N runs (vLLM's async scheduling, SGLang's overlap scheduler).
+    async_scheduling: bool = False
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

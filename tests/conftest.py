@@ -13,6 +13,18 @@ import pytest
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Without CUDA the Triton kernels run under the CPU interpreter. TRITON_INTERPRET must be set before any
+# kernel module is imported (the ref_ twins live beside the kernels, so CPU tests import them too).
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 @pytest.fixture(scope="session")
 def default_llm():
     from roofline import LLM

@@ -128,7 +128,7 @@ def test_failure_mid_run_leaves_engine_clean(default_llm, monkeypatch):
     """An exception during the run (here from the model runner on the second step) propagates, and the
     call's requests are aborted: no request stays queued and no block stays taken."""
     executor = default_llm.engine.executor
-    real_execute = executor.execute_model
+    real_execute = executor.execute_model_async
     calls = []
 
     def failing_execute(step):
@@ -137,7 +137,7 @@ def test_failure_mid_run_leaves_engine_clean(default_llm, monkeypatch):
             raise RuntimeError("injected failure")
         return real_execute(step)
 
-    monkeypatch.setattr(executor, "execute_model", failing_execute)
+    monkeypatch.setattr(executor, "execute_model_async", failing_execute)
     with pytest.raises(RuntimeError, match="injected failure"):
         default_llm.generate(["The capital of France is", "def fibonacci(n):"], GREEDY8, use_tqdm=False)
     assert len(calls) == 2

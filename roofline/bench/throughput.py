@@ -52,7 +52,8 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
     ea = EngineArgs(model=args.model, load_format=args.load_format, dtype=args.dtype, max_model_len=args.max_model_len,
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
-                    device=args.device, kv_cache_memory=args.kv_cache_memory)
+                    device=args.device, kv_cache_memory=args.kv_cache_memory,
+                    async_scheduling=args.async_scheduling)
     if args.load_format == "dummy":
         mc = model_preset(args.model)
         if mc.max_position_embeddings < args.max_model_len:
@@ -84,6 +85,7 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
                   total_tok_per_s=(n_in + n_out) / elapsed, num_preemptions=stats.num_preemptions if stats else None,
                   mean_decode_step_ms=(stats.mean_decode_step_s or 0) * 1e3 if stats else None,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                  async_scheduling=llm.engine.config.async_scheduling,
                   cuda_graphs=llm.engine.worker.graphs is not None, num_kv_blocks=llm.engine.worker.num_blocks,
                   block_size=llm.engine.worker.block_size)
     print(f"requests {len(reqs)}, prompt tokens {n_in}, output tokens {n_out} (expected {expected})")
@@ -111,6 +113,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-memory", default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="overlap step N+1's scheduling with step N (default: on with a GPU)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out-dir", default="bench/results")

@@ -19,7 +19,7 @@ import time
 from collections import deque
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from roofline.config import EngineConfig, ModelConfig
 from roofline.engine.block_manager import BlockManager
@@ -27,9 +27,11 @@ from roofline.engine.detokenizer import Detokenizer, emittable_text, find_stop_s
 from roofline.engine.scheduler import Scheduler, SchedulerOutput
 from roofline.engine.sequence import Sequence, SequenceStatus
 from roofline.engine.step import CachedRequest, NewRequest, StepInput
-from roofline.models import loader
 from roofline.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from roofline.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from roofline.models import loader
 
 logger = logging.getLogger(__name__)
 
@@ -133,6 +135,7 @@ class LLMEngine:
         self._worker_blocks: dict[int, int] = {}
         self._worker_seqs: set[int] = set()
         self._finished_seq_ids: list[int] = []
+        self._inflight: tuple[SchedulerOutput, Any] | None = None  # the launched step not yet processed
 
     @property
     def worker(self) -> Any:
@@ -146,6 +149,8 @@ class LLMEngine:
 
         ``config_factory(model_config) -> EngineConfig`` lets callers (the CLI, ``LLM``) fill the rest.
         """
+        from roofline.models import loader
+
         source = loader.resolve_model(model, load_format)
         model_config = loader.load_config(source)
         config = config_factory(model_config) if config_factory else EngineConfig(model_config=model_config)
@@ -227,7 +232,7 @@ class LLMEngine:
         return True
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     @property
     def num_unfinished_requests(self) -> int:
@@ -255,18 +260,43 @@ class LLMEngine:
         return None
 
     def step(self) -> list[RequestOutput]:
-        """Run one engine iteration; returns an output for every request that changed."""
+        """Run one engine iteration; returns an output for every request that changed.
+
+        With async scheduling (``EngineConfig.async_scheduling``, the default on GPUs) the step launched here is processed by the next
+        call: this call schedules and launches step N+1, then waits for step N's sampled ids and processes
+        them, so the host's scheduling and input preparation hide behind the GPU's work.
+        """
         out = self.scheduler.schedule()
-        if out.is_empty:
-            return []
+        pending = self._launch(out) if not out.is_empty else None
+        if not self.config.async_scheduling and pending is not None:
+            return self._process(out, pending)
+        prev, self._inflight = self._inflight, ((out, pending) if pending is not None else None)
+        return self._process(*prev) if prev is not None else []
+
+    def _launch(self, out: SchedulerOutput) -> Any:
         step_input = self._step_input(out)
         try:
-            result = self.executor.execute_model(step_input)
+            return self.executor.execute_model_async(step_input)
         except BaseException:
-            # The worker may not have seen this step: resend these sequences whole next time.
-            for sid, _ in step_input.scheduled:
-                self._worker_blocks.pop(sid, None)
-            self._finished_seq_ids.extend(step_input.finished_seq_ids)
+            self._rollback(out, step_input)
+            raise
+
+    def _rollback(self, out: SchedulerOutput, step_input: StepInput) -> None:
+        """A step that failed: undo its progress, and resend its sequences whole to the worker."""
+        for s in out.scheduled:
+            s.seq.num_computed_tokens = s.start_position
+            if s.samples:
+                s.seq.num_placeholders -= 1
+        for sid, _ in step_input.scheduled:
+            self._worker_blocks.pop(sid, None)
+        self._finished_seq_ids.extend(step_input.finished_seq_ids)
+
+    def _process(self, out: SchedulerOutput, pending: Any) -> list[RequestOutput]:
+        """Wait for a launched step's sampled ids, append them, check stops, build outputs."""
+        try:
+            result = pending.result()
+        except BaseException:
+            self._rollback(out, pending.step_input)
             raise
         self.stats.record(StepRecord(
             duration_s=result.duration_s,
@@ -330,11 +360,10 @@ class LLMEngine:
             if known is None:
                 step.new_requests.append(NewRequest(
                     seq.seq_id, seq.token_ids, seq.num_prompt_tokens, seq.sampling_params, seq.index,
-                    list(seq.block_table), seq.num_computed_tokens))
+                    list(seq.block_table), s.start_position))
                 self._worker_seqs.add(seq.seq_id)
             else:
-                step.cached_requests.append(CachedRequest(seq.seq_id, seq.block_table[known:],
-                                                          seq.num_computed_tokens))
+                step.cached_requests.append(CachedRequest(seq.seq_id, seq.block_table[known:], s.start_position))
             self._worker_blocks[seq.seq_id] = len(seq.block_table)
             step.scheduled.append((seq.seq_id, s.num_scheduled_tokens))
         return step

@@ -11,6 +11,11 @@ recompute after preemption in one loop. Order within a step:
 
 When a running sequence cannot get a block, the most recently arrived running sequence is preempted by
 recompute: its blocks are freed, its progress reset, and it goes back to the front of the queue.
+
+Overlapped scheduling: ``schedule`` advances ``num_computed_tokens`` at once and counts each sampling
+chunk's coming token as a placeholder, so step N+1 can be scheduled while step N runs; ``update`` appends
+the real token later. A sequence whose in-flight token will end it by length is not scheduled again; one
+that ends on a stop token has computed one token too many, which is dropped.
 """
 
 from __future__ import annotations
@@ -26,17 +31,22 @@ from roofline.engine.sequence import Sequence, SequenceStatus
 
 @dataclass
 class ScheduledSequence:
+    """One sequence's chunk in a step, fixed when scheduled.
+
+    ``start_position``: the chunk's first position (``num_computed_tokens`` before this step).
+    ``samples``: the chunk reaches the end of the known tokens (placeholders included), so its last logits
+    pick the next token.
+    """
+
     seq: Sequence
     num_scheduled_tokens: int
+    start_position: int = -1
+    samples: bool = False
 
-    @property
-    def start_position(self) -> int:
-        return self.seq.num_computed_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this chunk reaches the end of the known tokens, so its last logits pick the next one."""
-        return self.seq.num_computed_tokens + self.num_scheduled_tokens == self.seq.num_tokens
+    def __post_init__(self) -> None:
+        if self.start_position < 0:
+            self.start_position = self.seq.num_computed_tokens
+            self.samples = self.num_scheduled_tokens == self.seq.num_uncomputed_tokens
 
 
 @dataclass
@@ -120,7 +130,7 @@ class Scheduler:
         for seq in order:
             if budget == 0:
                 break
-            if seq.seq_id in preempted_ids:  # preempted earlier in this loop
+            if seq.seq_id in preempted_ids or self._finishes_in_flight(seq):
                 continue
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self.config.enable_chunked_prefill and num_new < seq.num_uncomputed_tokens:
@@ -158,10 +168,26 @@ class Scheduler:
                 self.running.append(seq)
                 out.scheduled.append(ScheduledSequence(seq, num_new))
                 budget -= num_new
+        # Progress advances now, so the next step can be scheduled before this one's tokens arrive.
+        for s in out.scheduled:
+            s.seq.num_computed_tokens += s.num_scheduled_tokens
+            if s.samples:
+                s.seq.num_placeholders += 1
         return out
 
+    def _finishes_in_flight(self, seq: Sequence) -> bool:
+        """A token in flight will end ``seq`` by length (max_tokens or max_model_len): do not schedule it."""
+        if not seq.num_placeholders:
+            return False
+        total = seq.num_tokens + seq.num_placeholders
+        max_tokens = seq.sampling_params.max_tokens
+        return total >= self.config.max_model_len or (
+            max_tokens is not None and seq.num_output_tokens + seq.num_placeholders >= max_tokens)
+
     def update(self, out: SchedulerOutput, sampled: dict[int, list[int]], now: float | None = None) -> list[Sequence]:
-        """Advance progress after the worker executed ``out``.
+        """Append the tokens a step sampled (``num_computed_tokens`` already advanced in ``schedule``).
+
+        A sequence preempted after ``out`` was scheduled still gets its token (it recomputes from it).
 
         Args:
             sampled: seq_id -> new token ids (one per step today), for every scheduled sequence whose
@@ -173,12 +199,12 @@ class Scheduler:
         got_token = []
         for s in out.scheduled:
             seq = s.seq
-            if seq.is_finished:  # aborted while the step ran
+            if not s.samples:
                 continue
-            samples = s.samples
-            seq.num_computed_tokens += s.num_scheduled_tokens
-            if samples:
-                for token in sampled[seq.seq_id]:
-                    seq.append_token(token, now)
-                got_token.append(seq)
+            seq.num_placeholders -= 1
+            if seq.is_finished:  # finished (stop, abort) while the step ran: the token is dropped
+                continue
+            for token in sampled[seq.seq_id]:
+                seq.append_token(token, now)
+            got_token.append(seq)
         return got_token

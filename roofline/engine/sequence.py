@@ -47,8 +47,10 @@ _seq_counter = itertools.count()
 class Sequence:
     """Token ids, progress and KV blocks of one sample stream.
 
-    Invariant: ``num_computed_tokens <= num_tokens``. A step that brings ``num_computed_tokens`` up to
-    ``num_tokens`` produces logits for the next token, so the sequence samples in that step.
+    Invariant: ``num_computed_tokens <= num_tokens + num_placeholders``. A step that brings
+    ``num_computed_tokens`` up to that total produces logits for the next token, so the sequence samples
+    in that step. The scheduler advances ``num_computed_tokens`` when it schedules a chunk (so the next step
+    can be scheduled while this one runs) and the engine appends the sampled tokens when they arrive.
     """
 
     request_id: str
@@ -62,6 +64,9 @@ class Sequence:
     status: SequenceStatus = SequenceStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
+    # Tokens being sampled by a step in flight (overlapped scheduling): counted as known for scheduling, and
+    # appended when that step's result arrives.
+    num_placeholders: int = 0
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
     stop_reason: int | str | None = None
@@ -104,7 +109,7 @@ class Sequence:
 
     @property
     def num_uncomputed_tokens(self) -> int:
-        return self.num_tokens - self.num_computed_tokens
+        return self.num_tokens + self.num_placeholders - self.num_computed_tokens
 
     @property
     def is_finished(self) -> bool:

@@ -10,7 +10,7 @@ them (qkv column / o row, gate_up column / down row), so each block all-reduces 
     ColumnParallelLinear        rows split: rank r holds rows [r * out/tp, (r + 1) * out/tp)
     MergedColumnParallelLinear  several column-parallel outputs in one weight (gate/up -> gate_up_proj)
     QKVParallelLinear           q/k/v in one weight; KV heads replicated when tp > num_kv_heads
-    RowParallelLinear           columns split, then an all-reduce; the bias is added once, after it
+    RowParallelLinear           columns split, then an all-reduce; rank 0 alone adds the bias
 """
 
 from __future__ import annotations
@@ -156,8 +156,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim = head_dim
         self.num_heads = divide(num_heads, tp, f"{prefix or 'qkv'} num_heads")
         if tp >= num_kv_heads:
+            if tp % num_kv_heads:
+                raise ValueError(f"{prefix or 'qkv'}: num_kv_heads {num_kv_heads} must divide the tensor-parallel "
+                                 f"size {tp} to replicate KV heads")
             self.num_kv_heads = 1
-            self.num_kv_replicas = divide(tp, num_kv_heads, f"tensor-parallel size {tp} over num_kv_heads")
+            self.num_kv_replicas = tp // num_kv_heads
         else:
             self.num_kv_heads = divide(num_kv_heads, tp, f"{prefix or 'qkv'} num_kv_heads")
             self.num_kv_replicas = 1
@@ -189,7 +192,7 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 class RowParallelLinear(LinearBase):
     """Input columns split across ranks (the input is already this rank's slice); partial products are
-    all-reduced and the bias is added once, after the reduction."""
+    all-reduced; the bias is added by rank 0 only, so the reduced sum counts it once."""
 
     def __init__(self, input_size: int, output_size: int, bias: bool = False, prefix: str = "",
                  quant_config: QuantConfig | None = None, params_dtype: torch.dtype | None = None,
@@ -209,9 +212,8 @@ class RowParallelLinear(LinearBase):
         _copy_checked(param.data, loaded.narrow(dim, self.tp_rank * size, size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
-            return self.quant_method.apply(self, x, self.bias)
-        out = self.quant_method.apply(self, x, None)
-        if self.reduce_results:
+        # Rank 0 alone adds the bias, so the (possibly deferred) sum over ranks counts it once.
+        out = self.quant_method.apply(self, x, self.bias if self.tp_rank == 0 else None)
+        if self.reduce_results and self.tp_size > 1:
             out = tensor_parallel_all_reduce(out)
-        return out + self.bias if self.bias is not None else out
+        return out

@@ -27,7 +27,7 @@ class VocabParallelEmbedding(nn.Module):
         self.prefix = prefix
         self.tp_rank, self.tp_size = get_tp_rank(), get_tp_size()
         self.num_embeddings_per_partition = -(-num_embeddings // self.tp_size)
-        self.vocab_start = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_start = min(num_embeddings, self.tp_rank * self.num_embeddings_per_partition)
         self.vocab_end = min(num_embeddings, self.vocab_start + self.num_embeddings_per_partition)
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim,
                                                dtype=params_dtype or torch.get_default_dtype()),

@@ -7,6 +7,7 @@ change to the scheduler.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from typing import Any
 
 from roofline.config import EngineConfig, ModelConfig
 from roofline.engine.step import StepInput, StepOutput
@@ -15,8 +16,13 @@ from roofline.models import loader
 
 class Executor(ABC):
     @abstractmethod
+    def execute_model_async(self, step: StepInput) -> Any:
+        """Launch one step on every worker; the returned handle's ``result()`` gives the ``StepOutput``
+        (sampled tokens, identical on every rank) and its ``step_input`` is ``step``."""
+
     def execute_model(self, step: StepInput) -> StepOutput:
-        """Run one step on every worker; returns the sampled tokens (identical on every rank)."""
+        """Run one step and wait for it."""
+        return self.execute_model_async(step).result()
 
     @property
     @abstractmethod
@@ -39,8 +45,8 @@ class UniProcExecutor(Executor):
 
         self.worker = Worker(config, source, model_config)
 
-    def execute_model(self, step: StepInput) -> StepOutput:
-        return self.worker.execute_model(step)
+    def execute_model_async(self, step: StepInput) -> Any:
+        return self.worker.execute_model_async(step)
 
     @property
     def num_kv_blocks(self) -> int:

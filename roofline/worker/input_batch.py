@@ -56,6 +56,10 @@ class InputBatch:
         self.output_counts: torch.Tensor | None = None  # [R, V] fp32, lazily
         self.prompt_mask: torch.Tensor | None = None  # [R, V] bool, lazily
         self.min_tokens_rows: set[int] = set()  # rows still below their min_tokens
+        # Async scheduling: a row whose newest token is still on the device holds its index in the sampled
+        # ids of step ``pending_step`` (-1: none pending).
+        self.pending_src = np.full(r, -1, dtype=np.int64)
+        self.pending_step = np.full(r, -1, dtype=np.int64)
 
     def __len__(self) -> int:
         return len(self.row_of)
@@ -81,6 +85,8 @@ class InputBatch:
         self.num_prompt_tokens[row] = req.num_prompt_tokens
         self.num_computed_tokens[row] = req.num_computed_tokens
         self.num_blocks[row] = 0
+        self.pending_src[row] = -1
+        self.pending_step[row] = -1
         self.append_blocks(row, req.block_ids)
         p = req.sampling_params
         self.params[row] = p
@@ -134,16 +140,28 @@ class InputBatch:
         return (bool((self.repetition_penalty[rows] != 1.0).any()), bool((self.presence_penalty[rows] != 0.0).any()),
                 bool((self.frequency_penalty[rows] != 0.0).any()))
 
-    def append_sampled(self, rows: list[int], token_ids: list[int], token_ids_device: torch.Tensor) -> None:
-        """Append each row's sampled token (host arrays, and the device penalty counts)."""
-        for row, tok in zip(rows, token_ids, strict=True):
-            self.token_ids[row, self.num_tokens[row]] = tok
-            self.num_tokens[row] += 1
+    def mark_sampled(self, rows: np.ndarray, token_ids: torch.Tensor, rows_device: torch.Tensor, step_id: int) -> None:
+        """At launch: each row of ``rows`` gains one token, known only on the device for now (``token_ids``
+        [N] int64, row ``rows[i]``'s at index i); penalty counts are updated on the device."""
+        for row in rows.tolist():
             p = self.params[row]
             if row in self.min_tokens_rows and p is not None \
-                    and self.num_tokens[row] - self.num_prompt_tokens[row] >= p.min_tokens:
+                    and self.num_tokens[row] + 1 - self.num_prompt_tokens[row] >= p.min_tokens:
                 self.min_tokens_rows.discard(row)
-        if self.output_counts is not None and rows:
-            idx = torch.tensor(rows, dtype=torch.int64, device=self.device)
-            self.output_counts.index_put_((idx, token_ids_device), torch.ones(len(rows), device=self.device),
-                                          accumulate=True)
+        self.num_tokens[rows] += 1
+        self.pending_src[rows] = np.arange(len(rows))
+        self.pending_step[rows] = step_id
+        if self.output_counts is not None:
+            self.output_counts.index_put_((rows_device, token_ids),
+                                          torch.ones(len(rows), device=self.device), accumulate=True)
+
+    def write_sampled(self, rows: list[int], seq_ids: list[int], positions: list[int], token_ids: list[int],
+                      step_id: int) -> None:
+        """When step ``step_id``'s ids arrive: write them into rows still held by the same sequences."""
+        for row, sid, pos, tok in zip(rows, seq_ids, positions, token_ids, strict=True):
+            if self.seq_ids[row] != sid:
+                continue  # finished or preempted meanwhile
+            self.token_ids[row, pos] = tok
+            if self.pending_step[row] == step_id:
+                self.pending_src[row] = -1
+                self.pending_step[row] = -1

@@ -26,7 +26,7 @@ from roofline.engine.sequence import Logprob
 from roofline.engine.step import StepInput, StepOutput
 from roofline.layers import dispatch
 from roofline.layers.rotary import RotaryEmbedding
-from roofline.layers.sampler import Sampler, SamplerOutput, SamplingMetadata
+from roofline.layers.sampler import Sampler, SamplingMetadata
 from roofline.models import loader
 from roofline.models.registry import build_model
 from roofline.worker.cuda_graph import CUDAGraphRunner
@@ -80,7 +80,9 @@ class Worker:
         self.input_batch = InputBatch(sc.max_num_seqs, sc.max_model_len, self.max_blocks_per_seq, mc.vocab_size,
                                       self.device)
         self._pin = self.device.type == "cuda"
-        self._staging: dict[str, torch.Tensor] = {}
+        self._staging: dict[tuple[str, int], torch.Tensor] = {}
+        self._step_id = 0
+        self._prev_sampled: torch.Tensor | None = None  # the last launched step's sampled ids (device)
         self.sampler = Sampler()
         self._generators: dict[int, torch.Generator] = {}
         self.graphs: CUDAGraphRunner | None = None
@@ -186,15 +188,17 @@ class Worker:
     def _to_device(self, name: str, array: np.ndarray) -> torch.Tensor:
         """Copy a host array to the device: through a pinned staging buffer and a non-blocking copy on CUDA.
 
-        A staging buffer is reused next step; the step's final sync (sampled ids) orders the two.
+        Staging buffers alternate between two sets by step parity: with at most one step in flight behind
+        the one being prepared, the set written now was last read by a step that has finished.
         """
         t = torch.from_numpy(array)
         if not self._pin:
             return t
-        buf = self._staging.get(name)
+        key = (name, self._step_id % 2)
+        buf = self._staging.get(key)
         if buf is None or buf.numel() < t.numel():
             buf = torch.empty(max(t.numel(), 1024), dtype=t.dtype, pin_memory=True)
-            self._staging[name] = buf
+            self._staging[key] = buf
         staged = buf[:t.numel()].view(t.shape)
         staged.copy_(t)
         return staged.to(self.device, non_blocking=True)
@@ -233,6 +237,14 @@ class Worker:
         )
         ids = self._to_device("input_ids", input_ids)
         pos = self._to_device("positions", positions)
+        # A sequence's newest token may still be on its way from the previous step (async scheduling): read
+        # it on the device from that step's sampled ids.
+        pending = samples & (batch.pending_src[rows] >= 0) & (batch.pending_step[rows] == self._step_id - 1)
+        if pending.any():
+            assert self._prev_sampled is not None
+            dst = self._to_device("pending_dst", query_start[1:][pending] - 1)
+            src = self._to_device("pending_src", batch.pending_src[rows][pending])
+            ids[dst] = self._prev_sampled[src]
         return ids, pos, self.backend.build_metadata(meta), rows[samples], query_start[1:][samples] - 1
 
     def prepare_sampling(self, rows: np.ndarray) -> SamplingMetadata:
@@ -240,28 +252,28 @@ class Worker:
         batch = self.input_batch
         temps = batch.temperature[rows]
         need_rep, need_pres, need_freq = batch.uses_penalties(rows)
-        idx = None
-        if need_rep or need_pres or need_freq or batch.min_tokens_rows:
-            idx = torch.from_numpy(rows).to(self.device)
+        penalties = need_rep or need_pres or need_freq
+        idx = self._to_device("sampling_rows", rows) if penalties else None
 
         def col(name: str, values: np.ndarray) -> torch.Tensor:
             return self._to_device(name, np.ascontiguousarray(values))
 
         banned = None
-        below = [i for i, r in enumerate(rows.tolist()) if r in batch.min_tokens_rows]
-        if below:
-            banned = torch.zeros(len(rows), self.model_config.vocab_size, dtype=torch.bool, device=self.device)
-            for i in below:
-                p = batch.params[int(rows[i])]
+        ban_rows: list[int] = []
+        ban_ids: list[int] = []
+        for i, r in enumerate(rows.tolist()):
+            if r in batch.min_tokens_rows:  # below min_tokens: EOS and stop ids may not be sampled yet
+                p = batch.params[r]
                 assert p is not None
-                stop_ids = set(p.stop_token_ids or [])
-                if not p.ignore_eos:
-                    stop_ids |= p._all_stop_token_ids
-                if stop_ids:
-                    banned[i, torch.tensor(sorted(stop_ids), dtype=torch.int64, device=self.device)] = True
+                stop_ids = set(p.stop_token_ids or []) | (set() if p.ignore_eos else p._all_stop_token_ids)
+                ban_rows += [i] * len(stop_ids)
+                ban_ids += sorted(stop_ids)
+        if ban_rows:
+            banned = torch.zeros(len(rows), self.model_config.vocab_size, dtype=torch.bool, device=self.device)
+            banned[self._to_device("ban_rows", np.array(ban_rows, dtype=np.int64)),
+                   self._to_device("ban_ids", np.array(ban_ids, dtype=np.int64))] = True
         params = [batch.params[int(r)] for r in rows]
         logprob_counts = [p.logprobs for p in params if p is not None and p.logprobs is not None]
-        penalties = need_rep or need_pres or need_freq
         return SamplingMetadata(
             temperatures=col("temperature", temps),
             top_ks=col("top_k", batch.top_k[rows]) if (batch.top_k[rows] < self.model_config.vocab_size).any() else None,
@@ -278,9 +290,21 @@ class Worker:
             max_num_logprobs=max(logprob_counts) if logprob_counts else -1,
         )
 
-    @torch.inference_mode()
     def execute_model(self, step: StepInput) -> StepOutput:
+        """One step, synchronously: launch, then wait for the sampled ids."""
+        return self.execute_model_async(step).result()
+
+    @torch.inference_mode()
+    def execute_model_async(self, step: StepInput) -> PendingStep:
+        """Launch one step; the returned ``PendingStep.result()`` waits for its sampled ids.
+
+        Nothing here waits for the device: inputs go up with non-blocking copies from pinned buffers, the
+        sampled ids come back the same way, and a sampling sequence's next input token, not yet known on
+        the host, is read on the device from this step's sampled ids (``pending_src``). So the engine can
+        schedule and launch step N+1 before step N finishes.
+        """
         t0 = time.perf_counter()
+        self._step_id += 1
         self.update_states(step)
         input_ids, positions, meta, sample_rows, logits_indices = self.prepare_inputs(step)
         if (self.graphs is not None and meta.is_decode_only
@@ -289,30 +313,40 @@ class Worker:
         else:
             hidden = self.model(input_ids, positions, meta)
         batch = self.input_batch
-        out = StepOutput()
-        for row, n in zip(np.fromiter((batch.row_of[s] for s, _ in step.scheduled), dtype=np.int64),
-                          (n for _, n in step.scheduled), strict=True):
-            batch.num_computed_tokens[row] += n
+        for (sid, n) in step.scheduled:
+            batch.num_computed_tokens[batch.row_of[sid]] += n
+        pending = PendingStep(self, step, t0)
         if len(sample_rows):
             idx = self._to_device("logits_indices", logits_indices)
             logits = self.model.compute_logits(hidden[idx])  # [N, V] fp32
             so = self.sampler(logits, self.prepare_sampling(sample_rows))
-            sampled = so.token_ids.tolist()  # the step's one device -> host sync
             rows = sample_rows.tolist()
-            batch.append_sampled(rows, sampled, so.token_ids)
-            out.seq_ids = [batch.seq_ids[r] for r in rows]  # type: ignore[misc]
-            out.sampled_token_ids = [[t] for t in sampled]
-            out.logprobs = self._collect_logprobs(rows, so) if so.logprobs is not None else [None] * len(rows)
-        elif self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        out.duration_s = time.perf_counter() - t0
+            pending.rows = rows
+            pending.seq_ids = [batch.seq_ids[r] for r in rows]  # type: ignore[misc]
+            pending.positions = batch.num_tokens[sample_rows].tolist()  # where each sampled token goes
+            batch.mark_sampled(sample_rows, so.token_ids, self._to_device("sample_rows", sample_rows), self._step_id)
+            self._prev_sampled = so.token_ids
+            pending.host = {"token_ids": self._to_host(so.token_ids)}
+            if so.logprobs is not None:
+                assert so.ranks is not None and so.top_ids is not None and so.top_logprobs is not None
+                pending.host.update(logprobs=self._to_host(so.logprobs), ranks=self._to_host(so.ranks),
+                                    top_ids=self._to_host(so.top_ids), top_logprobs=self._to_host(so.top_logprobs))
+        if self.device.type == "cuda":
+            pending.event = torch.cuda.Event()
+            pending.event.record()
+        return pending
+
+    def _to_host(self, t: torch.Tensor) -> torch.Tensor:
+        """A non-blocking device -> host copy into pinned memory (a plain reference on CPU)."""
+        if not self._pin:
+            return t
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
         return out
 
-    def _collect_logprobs(self, rows: list[int], so: SamplerOutput) -> list[list[dict[int, Logprob]] | None]:
-        assert so.logprobs is not None and so.ranks is not None
-        assert so.top_ids is not None and so.top_logprobs is not None
-        chosen, ranks, token_ids = so.logprobs.tolist(), so.ranks.tolist(), so.token_ids.tolist()
-        top_ids, top_lps = so.top_ids.tolist(), so.top_logprobs.tolist()
+    def _collect_logprobs(self, rows: list[int], host: dict[str, torch.Tensor]) -> list[list[dict[int, Logprob]] | None]:
+        chosen, ranks, token_ids = host["logprobs"].tolist(), host["ranks"].tolist(), host["token_ids"].tolist()
+        top_ids, top_lps = host["top_ids"].tolist(), host["top_logprobs"].tolist()
         result: list[list[dict[int, Logprob]] | None] = []
         for i, row in enumerate(rows):
             p = self.input_batch.params[row]
@@ -326,6 +360,36 @@ class Worker:
                     entry[tid] = Logprob(lp, r + 1)
             result.append([entry])
         return result
+
+
+class PendingStep:
+    """A launched step. ``result()`` waits for its sampled ids (the one host sync of a step), writes them
+    into the persistent batch, and returns the ``StepOutput``."""
+
+    def __init__(self, worker: Worker, step_input: StepInput, t0: float):
+        self.worker = worker
+        self.step_input = step_input
+        self.step_id = worker._step_id
+        self.t0 = t0
+        self.rows: list[int] = []
+        self.seq_ids: list[int] = []
+        self.positions: list[int] = []
+        self.host: dict[str, torch.Tensor] = {}
+        self.event: torch.cuda.Event | None = None
+
+    def result(self) -> StepOutput:
+        if self.event is not None:
+            self.event.synchronize()
+        out = StepOutput()
+        if self.rows:
+            sampled = self.host["token_ids"].tolist()
+            self.worker.input_batch.write_sampled(self.rows, self.seq_ids, self.positions, sampled, self.step_id)
+            out.seq_ids = list(self.seq_ids)
+            out.sampled_token_ids = [[t] for t in sampled]
+            out.logprobs = (self.worker._collect_logprobs(self.rows, self.host) if "logprobs" in self.host
+                            else [None] * len(self.rows))
+        out.duration_s = time.perf_counter() - self.t0
+        return out
 
 
 _BUDGETS: dict[object, int] = {}

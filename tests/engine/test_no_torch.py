@@ -31,10 +31,7 @@ def _imports_torch(module: str) -> tuple[bool, str]:
     "roofline.engine.sequence",
     "roofline.engine.step",
     "roofline.engine.detokenizer",
-    pytest.param("roofline.engine.llm_engine", marks=pytest.mark.xfail(strict=True, reason=(
-        "llm_engine.py imports roofline.models.loader at module level, and loader.py imports torch "
-        "at module level; loader is only used in LLMEngine.__init__'s annotation and LLMEngine.from_config, so a "
-        "function-level import (and a TYPE_CHECKING import for the annotation) would keep torch out"))),
+    "roofline.engine.llm_engine",
 ])
 def test_engine_module_does_not_import_torch(module):
     imports, out = _imports_torch(module)

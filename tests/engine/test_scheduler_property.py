@@ -68,9 +68,11 @@ class SchedulerMachine(RuleBasedStateMachine):
             seq = s.seq
             assert seq in self.sched.running
             assert seq not in out.preempted
-            # The chunk's KV slots are allocated before the runner writes them.
-            end = seq.num_computed_tokens + s.num_scheduled_tokens
-            assert end <= seq.num_tokens
+            # Progress advances at scheduling; the chunk's KV slots are allocated before the worker writes them.
+            end = s.start_position + s.num_scheduled_tokens
+            assert end == seq.num_computed_tokens
+            assert end <= seq.num_tokens + seq.num_placeholders
+            assert seq.num_placeholders == (1 if s.samples else 0)  # one step in flight at most here
             assert len(seq.block_table) * self.bm.block_size >= end
             if not self.config.enable_chunked_prefill:
                 assert s.samples, "without chunked prefill every chunk reaches the end"
@@ -89,6 +91,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         sampled = {sid: [data.draw(st.integers(0, 99), label="token") if data is not None else 0]
                    for sid, smp in samples.items() if smp}
         got = self.sched.update(out, sampled, now=self.clock)
+        assert all(s.seq.num_placeholders == 0 for s in out.scheduled)
         assert {s.seq_id for s in got} == {s.seq.seq_id for s in out.scheduled
                                            if samples[s.seq.seq_id] and not s.seq.is_finished}
         for seq in got:

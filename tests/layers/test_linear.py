@@ -208,10 +208,6 @@ def test_row_parallel_tp2_splits_columns_and_partial_sums_add_up():
     torch.testing.assert_close(partials[0] + partials[1] + b, full(x), rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "RowParallelLinear.forward with reduce_results=False adds the bias on every rank "
-    "(linear.py, RowParallelLinear.forward: `out + self.bias`), so the caller's later reduction adds it "
-    "tp_size times; vLLM adds it on rank 0 only"))
 def test_row_parallel_without_reduce_sums_to_the_full_output():
     w, b, x = _randn(6, HIDDEN, seed=33), _randn(6, seed=34), _randn(4, HIDDEN, seed=35)
     ranks = _ranks(2, RowParallelLinear, HIDDEN, 6, bias=True, reduce_results=False)
@@ -239,10 +235,6 @@ def test_indivisible_sizes_raise_naming_the_value(build, value):
     assert re.search(rf"\b{value} is not divisible by the tensor-parallel size 4\b", msg), msg
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "QKVParallelLinear with tp_size > num_kv_heads and tp_size % num_kv_heads != 0 (tp 4, 3 KV heads) "
-    "calls divide(tp, num_kv_heads, 'tensor-parallel size 4 over num_kv_heads'), whose message reads "
-    "'... num_kv_heads 4 is not divisible by the tensor-parallel size 3': both numbers mislabelled"))
 def test_kv_heads_not_dividing_tp_names_num_kv_heads():
     with tensor_parallel_state(0, 4), pytest.raises(ValueError) as info:
         QKVParallelLinear(HIDDEN, HEAD_DIM, 12, 3)
@@ -323,10 +315,6 @@ def test_vocab_parallel_rejects_a_wrong_shaped_table():
     assert str((8, HIDDEN)) in str(info.value) and str((7, HIDDEN)) in str(info.value)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "VocabParallelEmbedding: when a rank's vocab_start is past the vocabulary (vocab 5, tp 4: 2 rows per "
-    "rank, rank 3 starts at 6), vocab_end - vocab_start is -1 and weight_loader copies loaded[6:5] into "
-    "param.data[:-1] (vocab_embedding.py weight_loader), a shape error instead of an all-padding shard"))
 def test_vocab_parallel_rank_past_the_vocabulary_is_all_padding():
     table = _randn(5, HIDDEN, seed=42)
     ranks = _ranks(4, VocabParallelEmbedding, 5, HIDDEN)
