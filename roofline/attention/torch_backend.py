@@ -24,7 +24,8 @@ from roofline.kernels.rope_cache import ref_rope_and_cache, ref_rotary
 @dataclass
 class DecodeGroup:
     rows: torch.Tensor  # [n] int64, the group's rows in the flat batch
-    slots: torch.Tensor  # [n, L] int64, flat cache slots of each row's keys (L = the group's blocks x block_size)
+    slots: torch.Tensor  # [n, L] int64, flat cache slots of each row's keys (L = the group's blocks x block_size;
+    # padding positions repeat the row's first slot)
     pad: torch.Tensor  # [n, L] bool, True past the row's context (masked)
 
 
@@ -80,6 +81,10 @@ class TorchAttentionBackend(AttentionBackend):
             slots = _block_slots(meta.block_tables[sel], num_blocks, bs)
             lens = meta.seq_lens[sel]
             pad = torch.arange(slots.shape[1], device=dev)[None, :] >= lens[:, None]
+            # Padded keys read the row's first slot (written, so finite) instead of stale slots that may
+            # hold inf/NaN from a freed request: their probability is exactly 0, so the sum is unchanged and
+            # V needs no masking (0 * NaN would be NaN).
+            slots = torch.where(pad, slots[:, :1], slots)
             rows = torch.tensor([first_row[i] for i in g], dtype=torch.long, device=dev)
             out.decode_groups.append(DecodeGroup(rows, slots, pad))
         for i, (q_len, seq_len) in enumerate(zip(qlens, slens, strict=True)):
@@ -114,8 +119,6 @@ class TorchAttentionBackend(AttentionBackend):
             scores = torch.einsum("nhgd,nlhd->nhgl", qg, kg.float()) * self.scale  # [n, H_kv, G, L]
             scores.masked_fill_(g.pad[:, None, None, :], float("-inf"))
             probs = torch.softmax(scores, dim=-1)
-            # Slots past the context may hold stale values (even inf/NaN from a freed request); 0 * NaN is NaN.
-            vg = vg.masked_fill(g.pad[:, :, None, None], 0.0)
             o = torch.einsum("nhgl,nlhd->nhgd", probs, vg.float())
             out[g.rows] = o.reshape(n, self.num_heads, head_dim).to(q.dtype)
         for p in meta.prefills:
