@@ -94,6 +94,7 @@ def run_generate(args: argparse.Namespace) -> int:
 
         load_hardware(args.hardware)  # fail now, not after the run
     llm = LLM(**engine_args.to_dict())
+    print(llm.engine.kv_cache_summary, flush=True)
     params_list = None
     if args.prompt:
         prompts: list[Any] = list(args.prompt)

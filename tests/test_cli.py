@@ -33,6 +33,11 @@ def test_generate_prints_output_and_summary():
     m = re.search(r"^output throughput:\s+([0-9.]+) tok/s$", out, re.M)
     assert m and float(m.group(1)) > 0
     assert re.search(r"^preemptions:\s+0$", out, re.M)
+    # The KV pool at start-up: 2 GiB of fp32 KV at 46,080 bytes/token (2 x 30 layers x 3 KV heads x 64 x 4 B) on CPU.
+    m = re.search(r"^KV cache: (\d+) tokens \((\d+) blocks of 16, float32, 46080 bytes/token, ([0-9.]+) GiB\); "
+                  r"per-step token budget (\d+)$", out, re.M)
+    assert m and int(m.group(1)) == 16 * int(m.group(2)) == 16 * ((2 << 30) // (46080 * 16))
+    assert 64 <= int(m.group(4)) <= 2048 and int(m.group(4)) % 16 == 0
     assert "bandwidth:" not in out  # --floor none: no probe
     assert "Processed prompts" not in r.stderr  # --no-progress
 

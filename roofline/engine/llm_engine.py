@@ -117,10 +117,12 @@ class LLMEngine:
                 f"less than max_model_len ({sc.max_model_len}); raise the KV-cache memory or lower "
                 f"--max-model-len"
             )
-        worker = self.worker
-        logger.info("KV cache: %d tokens (%d blocks of %d, %s, %d bytes/token, %.2f GiB); per-step token "
-                    "budget %d", capacity, num_blocks, cc.block_size, cc.kv_cache_dtype, worker.kv_bytes_per_token,
-                    capacity * worker.kv_bytes_per_token / 2**30, sc.max_num_batched_tokens)
+        per_token = self.worker.kv_bytes_per_token
+        self.kv_cache_summary = (
+            f"KV cache: {capacity} tokens ({num_blocks} blocks of {cc.block_size}, {cc.kv_cache_dtype}, "
+            f"{per_token} bytes/token, {capacity * per_token / 2**30:.2f} GiB); per-step token budget "
+            f"{sc.max_num_batched_tokens}")
+        logger.info("%s", self.kv_cache_summary)
         self.block_manager = BlockManager(num_blocks, cc.block_size)
         self.scheduler = Scheduler(sc, self.block_manager)
         self.detokenizer = Detokenizer(tokenizer)
