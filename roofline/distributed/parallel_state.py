@@ -27,10 +27,6 @@ class ParallelState:
 _STATE = ParallelState()
 
 
-def get_parallel_state() -> ParallelState:
-    return _STATE
-
-
 def get_tp_rank() -> int:
     return _STATE.tp_rank
 

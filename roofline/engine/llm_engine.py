@@ -3,7 +3,7 @@
 One engine step:
     SchedulerOutput = scheduler.schedule()            pure Python
     StepInput       = self._step_input(output)        ids and counts: what the worker does not know yet
-    StepOutput      = executor.execute_model(input)   tensors live only in the worker
+    StepOutput      = executor.execute_model_async(input).result()   tensors live only in the worker
     scheduler.update(output, sampled)                 append tokens
     stop checks + detokenizer                         finish sequences, free their blocks at once
 
@@ -264,9 +264,11 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine iteration; returns an output for every request that changed.
 
-        With async scheduling (``EngineConfig.async_scheduling``, the default on GPUs) the step launched here is processed by the next
-        call: this call schedules and launches step N+1, then waits for step N's sampled ids and processes
-        them, so the host's scheduling and input preparation hide behind the GPU's work.
+        With async scheduling (``EngineConfig.async_scheduling``, the default on GPUs) the step launched here
+        is processed by the next call: this call schedules and launches step N+1, then waits for step N's
+        sampled ids and processes them, so the host's scheduling and input preparation hide behind the GPU's
+        work. If a step fails, its error propagates and the caller aborts the affected requests (``LLM``
+        does); a step still in flight is processed, its finished sequences dropping their tokens.
         """
         out = self.scheduler.schedule()
         pending = self._launch(out) if not out.is_empty else None

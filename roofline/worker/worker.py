@@ -1,5 +1,5 @@
 """The worker: owns the model, the attention backend (and through it the KV pool), the sampler, the
-persistent input batch and the CUDA graphs. ``execute_model(StepInput) -> StepOutput`` is one step.
+persistent input batch and the CUDA graphs. ``execute_model_async(StepInput).result() -> StepOutput`` is one step.
 
 Per step:
 1. ``update_states``: forget finished/preempted sequences, add new ones, append new blocks.
@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from roofline.attention.backend import AttentionMetadata, get_attention_backend
-from roofline.attention.kv_cache import kv_bytes_per_token
+from roofline.attention.kv_cache import KVCachePool, kv_bytes_per_token
 from roofline.config import EngineConfig, ModelConfig
 from roofline.distributed.parallel_state import divide, get_tp_size
 from roofline.engine.sequence import Logprob
@@ -125,7 +125,7 @@ class Worker:
             budget = int(total * cc.gpu_memory_utilization) - used - act
         else:
             budget = CPU_DEFAULT_KV_CACHE_BYTES
-        num_blocks = budget // per_block
+        num_blocks = KVCachePool.num_blocks_for(budget, self.kv_bytes_per_token, self.block_size)
         if num_blocks < 1:
             raise ValueError(
                 f"no room for the KV cache: budget {budget / 2**20:.1f} MiB < one block "
@@ -289,10 +289,6 @@ class Worker:
             all_greedy=bool((temps == 0.0).all()),
             max_num_logprobs=max(logprob_counts) if logprob_counts else -1,
         )
-
-    def execute_model(self, step: StepInput) -> StepOutput:
-        """One step, synchronously: launch, then wait for the sampled ids."""
-        return self.execute_model_async(step).result()
 
     @torch.inference_mode()
     def execute_model_async(self, step: StepInput) -> PendingStep:
