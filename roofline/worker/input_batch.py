@@ -49,6 +49,7 @@ class InputBatch:
         self.repetition_penalty = np.ones(r, dtype=np.float32)
         self.presence_penalty = np.zeros(r, dtype=np.float32)
         self.frequency_penalty = np.zeros(r, dtype=np.float32)
+        self.num_logprobs = np.full(r, -1, dtype=np.int64)  # -1: the request wants no logprobs
         self.params: list[SamplingParams | None] = [None] * r
         self.seq_ids: list[int | None] = [None] * r
         self.row_of: dict[int, int] = {}
@@ -97,6 +98,7 @@ class InputBatch:
         self.repetition_penalty[row] = p.repetition_penalty
         self.presence_penalty[row] = p.presence_penalty
         self.frequency_penalty[row] = p.frequency_penalty
+        self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         if p.min_tokens > 0:
             self.min_tokens_rows.add(row)
         if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
@@ -140,18 +142,19 @@ class InputBatch:
         return (bool((self.repetition_penalty[rows] != 1.0).any()), bool((self.presence_penalty[rows] != 0.0).any()),
                 bool((self.frequency_penalty[rows] != 0.0).any()))
 
-    def mark_sampled(self, rows: np.ndarray, token_ids: torch.Tensor, rows_device: torch.Tensor, step_id: int) -> None:
+    def mark_sampled(self, rows: np.ndarray, token_ids: torch.Tensor, rows_device: torch.Tensor | None,
+                     step_id: int) -> None:
         """At launch: each row of ``rows`` gains one token, known only on the device for now (``token_ids``
         [N] int64, row ``rows[i]``'s at index i); penalty counts are updated on the device."""
-        for row in rows.tolist():
+        for row in self.min_tokens_rows.intersection(rows.tolist()):
             p = self.params[row]
-            if row in self.min_tokens_rows and p is not None \
-                    and self.num_tokens[row] + 1 - self.num_prompt_tokens[row] >= p.min_tokens:
+            if p is not None and self.num_tokens[row] + 1 - self.num_prompt_tokens[row] >= p.min_tokens:
                 self.min_tokens_rows.discard(row)
         self.num_tokens[rows] += 1
         self.pending_src[rows] = np.arange(len(rows))
         self.pending_step[rows] = step_id
         if self.output_counts is not None:
+            assert rows_device is not None
             self.output_counts.index_put_((rows_device, token_ids),
                                           torch.ones(len(rows), device=self.device), accumulate=True)
 

@@ -261,8 +261,9 @@ class Worker:
         banned = None
         ban_rows: list[int] = []
         ban_ids: list[int] = []
-        for i, r in enumerate(rows.tolist()):
-            if r in batch.min_tokens_rows:  # below min_tokens: EOS and stop ids may not be sampled yet
+        below = batch.min_tokens_rows.intersection(rows.tolist()) if batch.min_tokens_rows else ()
+        for i, r in enumerate(rows.tolist() if below else ()):
+            if r in below:  # below min_tokens: EOS and stop ids may not be sampled yet
                 p = batch.params[r]
                 assert p is not None
                 stop_ids = set(p.stop_token_ids or []) | (set() if p.ignore_eos else p._all_stop_token_ids)
@@ -272,8 +273,6 @@ class Worker:
             banned = torch.zeros(len(rows), self.model_config.vocab_size, dtype=torch.bool, device=self.device)
             banned[self._to_device("ban_rows", np.array(ban_rows, dtype=np.int64)),
                    self._to_device("ban_ids", np.array(ban_ids, dtype=np.int64))] = True
-        params = [batch.params[int(r)] for r in rows]
-        logprob_counts = [p.logprobs for p in params if p is not None and p.logprobs is not None]
         return SamplingMetadata(
             temperatures=col("temperature", temps),
             top_ks=col("top_k", batch.top_k[rows]) if (batch.top_k[rows] < self.model_config.vocab_size).any() else None,
@@ -285,9 +284,10 @@ class Worker:
             prompt_mask=batch.prompt_mask[idx] if need_rep and batch.prompt_mask is not None else None,
             output_counts=batch.output_counts[idx] if penalties and batch.output_counts is not None else None,
             banned_mask=banned,
-            generators=[self._generators.get(batch.seq_ids[int(r)]) for r in rows],  # type: ignore[arg-type]
+            generators=([self._generators.get(batch.seq_ids[r]) for r in rows.tolist()]  # type: ignore[arg-type]
+                        if self._generators else [None] * len(rows)),
             all_greedy=bool((temps == 0.0).all()),
-            max_num_logprobs=max(logprob_counts) if logprob_counts else -1,
+            max_num_logprobs=int(batch.num_logprobs[rows].max()),
         )
 
     @torch.inference_mode()
@@ -320,7 +320,8 @@ class Worker:
             pending.rows = rows
             pending.seq_ids = [batch.seq_ids[r] for r in rows]  # type: ignore[misc]
             pending.positions = batch.num_tokens[sample_rows].tolist()  # where each sampled token goes
-            batch.mark_sampled(sample_rows, so.token_ids, self._to_device("sample_rows", sample_rows), self._step_id)
+            rows_device = self._to_device("sample_rows", sample_rows) if batch.output_counts is not None else None
+            batch.mark_sampled(sample_rows, so.token_ids, rows_device, self._step_id)
             self._prev_sampled = so.token_ids
             pending.host = {"token_ids": self._to_host(so.token_ids)}
             if so.logprobs is not None:
