@@ -147,3 +147,21 @@ def test_profiled_budget_rule(clean_budgets, per_token, want):
     assert worker._profiled_budget(("key", per_token), lambda: 1.0, 256) == want
     assert len(calls) == 1
     assert clean_budgets == {("key", per_token): want}
+
+
+def test_block_size_auto_is_16_on_the_torch_backend_and_explicit_values_are_kept():
+    assert EngineArgs().create_engine_config(MODEL).cache_config.block_size == 16
+    assert EngineArgs(block_size=32).create_engine_config(MODEL).cache_config.block_size == 32
+    with pytest.raises(ValueError, match=r"block_size must be in \[1, 1024\], got 0"):
+        EngineArgs(block_size=0).create_engine_config(MODEL)
+
+
+def test_block_size_auto_is_64_with_the_triton_backend(monkeypatch):
+    import roofline.args as args_mod
+
+    monkeypatch.setattr(args_mod, "resolve_device", lambda device: "cuda")
+    monkeypatch.setattr(args_mod, "_triton_importable", lambda: True)
+    cfg = EngineArgs().create_engine_config(MODEL)
+    assert (cfg.attention_backend, cfg.cache_config.block_size) == ("triton", 64)
+    assert EngineArgs(attention_backend="torch").create_engine_config(MODEL).cache_config.block_size == 16
+    assert EngineArgs(block_size=16).create_engine_config(MODEL).cache_config.block_size == 16

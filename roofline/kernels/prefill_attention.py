@@ -227,7 +227,9 @@ def default_prefill_config(head_dim: int, dtype: torch.dtype, on_cuda: bool, blo
 
     H200, bf16, D 128, 32/8 heads (bench/results/attention-*.json): with block_size 16 (per-key block-table
     gather) BLOCK 128x128 / 8 warps is best from 8k up (350 TFLOP/s at 8k) and 64x64 / 4 warps below 4k;
-    with block_size a multiple of 64 the tensor-descriptor (TMA) path at 128x64 / 4 warps reaches 463.
+    with block_size a multiple of 64 the tensor-descriptor (TMA) path at 128x64 / 4 warps / 2 stages reaches
+    451/482/507 TFLOP/s at 4k/8k/16k (0.86-0.89x cuDNN SDPA; bench/results/attention-blocksize-20261201.json),
+    3 stages 1-3% less, 256-row tiles (8 warps) and 128x32 less still.
     """
     if not on_cuda:
         return dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=1)
@@ -236,7 +238,7 @@ def default_prefill_config(head_dim: int, dtype: torch.dtype, on_cuda: bool, blo
     if head_dim <= 64:
         return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3)
     if block_size % 64 == 0 and head_dim == 128:
-        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, USE_TMA=True)
+        return dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, USE_TMA=True)
     if max_query_len <= 4096:
         return dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)
     return dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
