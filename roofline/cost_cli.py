@@ -445,7 +445,9 @@ def add_cost_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--format", action="append", default=None,
                    help=f"weight format, repeatable (default {' '.join(cm.DEFAULT_FORMATS)}); also int4_g64 "
                         "or bits per weight")
-    p.add_argument("--kv-dtype", default=None, help=f"KV cache dtype ({', '.join(cm.KV_DTYPE_BYTES)}); default bf16")
+    p.add_argument("--kv-dtype", default=None,
+                   help=f"KV cache dtype ({', '.join(cm.KV_DTYPE_BYTES)}); default bf16. int8 also counts its "
+                        "float32 scale per token and KV head, as the engine's pool does")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default 32)")
     p.add_argument("--context", type=int, default=None, help="tokens of KV per sequence (default 2048)")
     p.add_argument("--alpha", type=float, default=DEFAULTS["alpha"], help="acceptance rate in [0, 1)")

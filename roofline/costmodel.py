@@ -47,6 +47,10 @@ KV_DTYPE_BYTES: dict[str, float] = {
     "fp8": 1.0,
     "int8": 1.0,
 }
+# Scale bytes per token per KV head, for K and again for V (roofline.attention.kv_cache):
+# int8 keeps one float32 scale per token and KV head (symmetric, amax / 127); fp8_e4m3 keeps one static
+# scale per (layer, KV head), a constant [layers, H_kv] table that adds nothing per token.
+KV_SCALE_BYTES: dict[str, float] = {"int8": 4.0}
 
 MAX_GAMMA = 8
 DEFAULT_RESERVE_FRACTION = 0.10  # of device memory, for activations, CUDA context and fragmentation
@@ -160,21 +164,43 @@ def kv_dtype_bytes(kv_dtype: str) -> float:
     return KV_DTYPE_BYTES[kv_dtype]
 
 
+def kv_scale_bytes(kv_dtype: str) -> float:
+    """Scale bytes per token per KV head (for each of K and V) of ``kv_dtype``: 4 for int8, else 0.
+
+    Raises:
+        ValueError: an unknown ``kv_dtype`` (lists the known ones).
+    """
+    kv_dtype_bytes(kv_dtype)
+    return KV_SCALE_BYTES.get(kv_dtype, 0.0)
+
+
 def kv_bytes_per_sequence(num_layers: int, num_kv_heads: int, head_dim: int,
-                          context_tokens: int, kv_bytes_per_element: float = 2.0) -> float:
-    """KV-cache bytes of one sequence: ``2 (K and V) x layers x kv_heads x head_dim x bytes x tokens``
-    (Pope et al. 2022, section 3.3)."""
+                          context_tokens: int, kv_bytes_per_element: float = 2.0,
+                          scale_bytes_per_head: float = 0.0) -> float:
+    """KV-cache bytes of one sequence:
+    ``2 (K and V) x layers x kv_heads x (head_dim x bytes + scale bytes) x tokens`` (Pope et al. 2022,
+    section 3.3; the per-token, per-head scale of a quantized cache is counted too)."""
     for name, v in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads), ("head_dim", head_dim),
                     ("kv_bytes_per_element", kv_bytes_per_element)):
         _check_positive(name, v)
     _check_non_negative("context_tokens", context_tokens)
-    return 2 * num_layers * num_kv_heads * head_dim * kv_bytes_per_element * context_tokens
+    _check_non_negative("scale_bytes_per_head", scale_bytes_per_head)
+    return 2 * num_layers * num_kv_heads * (head_dim * kv_bytes_per_element + scale_bytes_per_head) * context_tokens
 
 
 def kv_cache_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, kv_dtype: str) -> float:
-    """Bytes one token adds to the KV cache across all layers (K and V): ``kv_bytes_per_sequence`` at one
-    token for the named ``kv_dtype``. The engine's KV pool sizes itself with this very function."""
-    return kv_bytes_per_sequence(num_layers, num_kv_heads, head_dim, 1, kv_dtype_bytes(kv_dtype))
+    """Bytes one token adds to the KV cache across all layers (K and V), scales included:
+    ``kv_bytes_per_sequence`` at one token for the named ``kv_dtype``. The engine's KV pool sizes itself
+    with this very function, so ``roofline cost --kv-dtype`` and the pool agree.
+
+    E.g. SmolLM2-135M (30 layers, 3 KV heads, D 64): fp32 46,080; bf16 23,040; fp8_e4m3 11,520;
+    int8 12,240 (= 2 x 30 x 3 x (64 + 4)).
+
+    Raises:
+        ValueError: an unknown ``kv_dtype`` (lists the known ones).
+    """
+    return kv_bytes_per_sequence(num_layers, num_kv_heads, head_dim, 1, kv_dtype_bytes(kv_dtype),
+                                 kv_scale_bytes(kv_dtype))
 
 
 # --------------------------------------------------------------------------------------------------
@@ -465,8 +491,9 @@ class ModelShape:
                    num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size)
 
     def kv_bytes_per_sequence(self, context_tokens: int, kv_dtype: str = "bf16") -> float:
+        """KV bytes of one sequence of ``context_tokens`` in ``kv_dtype`` (scales included)."""
         return kv_bytes_per_sequence(self.num_layers, self.num_kv_heads, self.head_dim, context_tokens,
-                                     kv_dtype_bytes(kv_dtype))
+                                     kv_dtype_bytes(kv_dtype), kv_scale_bytes(kv_dtype))
 
 
 # The published worksheet's fixture: a dense 70B model (Llama-2/3-70B-like KV geometry), BF16 KV,

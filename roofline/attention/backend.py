@@ -14,7 +14,14 @@ Python work. Per layer, ``forward(q, k, v, positions, cache, meta)`` applies RoP
 CUDA graphs: a backend that can be captured sets ``supports_cuda_graphs`` and implements
 ``init_capture`` (static metadata buffers), ``capture_metadata`` (the metadata a captured graph reads)
 and ``prepare_replay`` (copy a step's metadata into those buffers). The worker runs eager, with a log
-line, for a backend that cannot be captured.
+line, for a backend that cannot be captured. A quantized cache's scale tensors are allocated once with
+the pool (and fp8's are filled in place by calibration before capture), so graphs read them like k/v.
+
+KV quantization (``--kv-cache-dtype int8 | fp8_e4m3``) lives in the backend: the store quantizes and the
+attention dequantizes (formats in ``roofline.kernels.common``). fp8's static per-head scales come from
+``calibrate_kv_scales``: one calibration forward during which every layer's ``forward`` records the
+amax of its post-RoPE K and of V per KV head and attends to the fresh k/v (``calibration_forward``),
+storing nothing.
 """
 
 from __future__ import annotations
@@ -22,12 +29,19 @@ from __future__ import annotations
 import importlib
 import math
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from roofline.attention.kv_cache import KVCache, KVCachePool
+from roofline.kernels.common import FP8_E4M3_MAX
+from roofline.kernels.rope_cache import ref_rotary
 from roofline.layers.rotary import RotaryEmbedding
+
+# fp8 scale = headroom x calibration amax / 448: values up to 2x the calibration amax still fit without
+# saturating, while the smallest normal E4M3 value (2^-6 x scale) stays ~14,000x below that amax.
+FP8_CALIBRATION_HEADROOM = 2.0
 
 
 @dataclass
@@ -87,6 +101,8 @@ class AttentionBackend(ABC):
         self.rotary = rotary
         self.scale = scale if scale is not None else 1.0 / math.sqrt(head_dim)
         self.kv_pool: KVCachePool | None = None
+        # id(layer cache) -> [k_amax, v_amax] per KV head, while a calibration forward runs (else None)
+        self._calib_amax: dict[int, list[torch.Tensor]] | None = None
 
     # ------------------------------------------------------------------------------ the KV cache
 
@@ -119,6 +135,76 @@ class AttentionBackend(ABC):
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
         """Rotate q/k, store k/v at ``meta.slot_mapping`` in ``cache``, then attend. May modify q and k."""
+
+    # ------------------------------------------------------------------------------ fp8 scale calibration
+
+    @property
+    def is_calibrating(self) -> bool:
+        return self._calib_amax is not None
+
+    def calibrate_kv_scales(self, run_forward: Callable[[], object],
+                            headroom: float = FP8_CALIBRATION_HEADROOM) -> dict[str, float]:
+        """Set every layer's static fp8 per-head scales from one calibration forward.
+
+        ``run_forward`` runs the model once over a prefill of one or more whole sequences (no cached prefix);
+        meanwhile each layer's ``forward`` calls :meth:`calibration_forward`. Afterwards
+        ``k_scale = max(headroom * amax(post-RoPE K) / 448, 2^-100)`` per (layer, KV head), and likewise V.
+        Runs before CUDA graphs are captured; the scale tensors are updated in place.
+
+        Returns:
+            min/max of the K and V scales set, for the start-up log.
+
+        Raises:
+            RuntimeError: the pool is not fp8, or the forward did not reach every layer.
+        """
+        pool = self.kv_pool
+        if pool is None or pool.dtype != torch.float8_e4m3fn:
+            raise RuntimeError(f"calibrate_kv_scales needs an allocated fp8_e4m3 KV cache, got "
+                               f"{None if pool is None else pool.dtype}")
+        self._calib_amax = {}
+        try:
+            run_forward()
+            amax = self._calib_amax
+        finally:
+            self._calib_amax = None
+        missing = [i for i, c in enumerate(pool.caches) if id(c) not in amax]
+        if missing:
+            raise RuntimeError(f"the calibration forward did not reach layers {missing}")
+        for c in pool.caches:
+            for scale, a in zip((c.k_scale, c.v_scale), amax[id(c)], strict=True):
+                assert scale is not None
+                scale.copy_((a * (headroom / FP8_E4M3_MAX)).clamp_min(2.0 ** -100))
+        ks = torch.stack([c.k_scale for c in pool.caches])  # type: ignore[misc]
+        vs = torch.stack([c.v_scale for c in pool.caches])  # type: ignore[misc]
+        return dict(k_min=float(ks.min()), k_max=float(ks.max()), v_min=float(vs.min()), v_max=float(vs.max()))
+
+    def calibration_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                            cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+        """One layer during calibration: record the per-KV-head amax of post-RoPE k and of v for ``cache``'s
+        layer, and attend causally to the fresh k/v of each sequence (exact, pure torch; nothing is stored).
+
+        Raises:
+            ValueError: a sequence with a cached prefix (calibration runs whole prompts only).
+        """
+        assert self._calib_amax is not None
+        if meta.query_lens_cpu != meta.seq_lens_cpu:
+            raise ValueError("a calibration forward runs whole sequences (query_lens == seq_lens), got "
+                             f"query_lens {meta.query_lens_cpu}, seq_lens {meta.seq_lens_cpu}")
+        q, k = ref_rotary(positions, q, k, self.rotary.cos_sin_cache)
+        seen = [k.float().abs().amax(dim=(0, 2)), v.float().abs().amax(dim=(0, 2))]  # [H_kv] each
+        prev = self._calib_amax.get(id(cache))
+        self._calib_amax[id(cache)] = seen if prev is None else [torch.maximum(a, b) for a, b in zip(prev, seen)]
+        group = self.num_heads // self.num_kv_heads
+        out = torch.empty_like(q)
+        start = 0
+        for n in meta.query_lens_cpu:
+            qi = q[start:start + n].transpose(0, 1)  # [H, n, D]
+            ki = k[start:start + n].transpose(0, 1).repeat_interleave(group, dim=0)  # [H, n, D]
+            vi = v[start:start + n].transpose(0, 1).repeat_interleave(group, dim=0)
+            o = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, is_causal=True, scale=self.scale)
+            out[start:start + n] = o.transpose(0, 1)
+            start += n
+        return out
 
     # ------------------------------------------------------------------------------ CUDA graphs
 

@@ -2,12 +2,16 @@
 
 Layout (per layer, shared by every backend and kernel):
     k, v: [num_blocks, block_size, num_kv_heads, head_dim]
-    k_scale, v_scale: optional scale tensors of a quantized cache (None in 16/32-bit caches)
+    k_scale, v_scale: float32 scale tensors of a quantized cache (None in 16/32-bit caches):
+        int8:      [num_blocks, block_size, num_kv_heads], one per slot and KV head, written with the token;
+        fp8_e4m3:  [num_kv_heads], the layer's static per-head scales (1.0 until calibrated at start-up).
+    The formats, and why float32 scales, are in ``roofline.kernels.common``.
 A token's *slot* is ``block_id * block_size + offset_in_block``. The engine's block manager hands out
 block ids; the pool only owns the memory.
 
 Bytes per token come from ``roofline.costmodel.kv_cache_bytes_per_token``, the same function the bound
-model uses, so the pool size and the floor can never disagree.
+model uses, so the pool size and the floor can never disagree (int8's per-token scales are counted; fp8's
+per-head scales are a constant 2 x layers x H_kv x 4 bytes, not per token).
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ import torch
 from roofline import costmodel
 
 # torch dtype -> the bound model's KV dtype name
-KV_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+KV_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "int8",
+                  torch.float8_e4m3fn: "fp8_e4m3"}
+QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 @dataclass
 class KVCache:
-    """One layer's cache. ``k``/``v``: [num_blocks, block_size, num_kv_heads, head_dim]."""
+    """One layer's cache. ``k``/``v``: [num_blocks, block_size, num_kv_heads, head_dim]; ``k_scale``/``v_scale``
+    as in the module docstring."""
 
     k: torch.Tensor
     v: torch.Tensor
@@ -34,6 +41,10 @@ class KVCache:
     @property
     def block_size(self) -> int:
         return self.k.shape[1]
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.k.dtype in QUANTIZED_KV_DTYPES
 
 
 def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
@@ -52,7 +63,11 @@ class KVCachePool:
 
     Args:
         num_kv_heads: KV heads on this rank (after tensor-parallel sharding).
-        dtype: element dtype of k and v.
+        dtype: element dtype of k and v: float32/float16/bfloat16, or int8 / float8_e4m3fn (quantized,
+            with float32 scales; see the module docstring).
+
+    Raises:
+        ValueError: num_blocks < 1 or an unsupported dtype.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int, head_dim: int,
@@ -64,13 +79,26 @@ class KVCachePool:
         self.dtype = dtype
         self.bytes_per_token = kv_bytes_per_token(num_layers, num_kv_heads, head_dim, dtype)
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
+
+        def scales() -> torch.Tensor | None:
+            if dtype == torch.int8:  # per slot and head; 0 until a token is stored (dequantizes to 0)
+                return torch.zeros(shape[:3], dtype=torch.float32, device=device)
+            if dtype == torch.float8_e4m3fn:  # per head, static: 1.0 until calibrated
+                return torch.ones(num_kv_heads, dtype=torch.float32, device=device)
+            return None
+
         self.caches = [KVCache(torch.zeros(shape, dtype=dtype, device=device),
-                               torch.zeros(shape, dtype=dtype, device=device)) for _ in range(num_layers)]
+                               torch.zeros(shape, dtype=dtype, device=device), scales(), scales())
+                       for _ in range(num_layers)]
 
     @property
     def num_tokens(self) -> int:
         """Token capacity: every block full."""
         return self.num_blocks * self.block_size
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.dtype in QUANTIZED_KV_DTYPES
 
     def __getitem__(self, layer_id: int) -> KVCache:
         return self.caches[layer_id]

@@ -8,6 +8,12 @@
   (the chunk sees its cached prefix and itself, causally).
 Per layer, ``forward`` rotates q/k and stores k/v (``ref_rope_and_cache``), then runs one batched
 softmax(QK^T)V per decode group and one ``scaled_dot_product_attention`` per prefill chunk.
+
+Quantized caches (int8, fp8_e4m3; ``roofline.kernels.common``): the store quantizes with the ref twins of
+the Triton store kernel, and both decode and prefill read K/V back from the cache and dequantize the rows
+they gather (a prefill chunk attends to its own tokens as stored, not to the fresh k/v), so CPU and GPU
+attend to the same values and quality figures measured here reflect the cache. On CPU, fp8 is emulated:
+torch's float8_e4m3fn casts (round to nearest even, as the GPU's cvt.rn.satfinite), fp32 arithmetic.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ import torch
 
 from roofline.attention.backend import AttentionBackend, AttentionMetadata
 from roofline.attention.kv_cache import KVCache
-from roofline.kernels.rope_cache import ref_rope_and_cache, ref_rotary
+from roofline.kernels.common import ref_dequantize
+from roofline.kernels.rope_cache import ref_rope_and_cache, ref_rotary, ref_write_kv_rows
 
 
 @dataclass
@@ -98,6 +105,8 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def forward(self, q, k, v, positions, cache: KVCache, meta):
+        if self.is_calibrating:
+            return self.calibration_forward(q, k, v, positions, cache, meta)
         if not isinstance(meta, TorchAttentionMetadata):
             meta = self.build_metadata(meta)
         num_kv_heads, head_dim = self.num_kv_heads, self.head_dim
@@ -106,30 +115,41 @@ class TorchAttentionBackend(AttentionBackend):
         v_flat = cache.v.view(-1, num_kv_heads, head_dim)
         if meta.all_slots_valid:  # same values as ref_rope_and_cache, without its boolean-mask gathers
             q, k = ref_rotary(positions, q, k, self.rotary.cos_sin_cache)
-            k_flat[meta.slot_mapping] = k.to(k_flat.dtype)
-            v_flat[meta.slot_mapping] = v.to(v_flat.dtype)
+            if cache.is_quantized:
+                ref_write_kv_rows(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
+            else:
+                k_flat[meta.slot_mapping] = k.to(k_flat.dtype)
+                v_flat[meta.slot_mapping] = v.to(v_flat.dtype)
         else:
-            ref_rope_and_cache(q, k, v, positions, self.rotary.cos_sin_cache, cache.k, cache.v, meta.slot_mapping)
+            ref_rope_and_cache(q, k, v, positions, self.rotary.cos_sin_cache, cache.k, cache.v, meta.slot_mapping,
+                               cache.k_scale, cache.v_scale)
+        # int8: per-slot scales viewed [num_slots, H_kv] (gathered with the rows); fp8: per-head [H_kv].
+        per_slot = cache.k_scale is not None and cache.k_scale.dim() == 3
+        ks_flat = cache.k_scale.view(-1, num_kv_heads) if per_slot else cache.k_scale
+        vs_flat = cache.v_scale.view(-1, num_kv_heads) if per_slot else cache.v_scale
+
+        def gather(flat: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype):
+            """Cache rows at ``slots`` (any shape), dequantized to ``dtype``: [*slots.shape, H_kv, D]."""
+            return ref_dequantize(flat[slots], scales[slots] if per_slot else scales, dtype)
+
         out = torch.empty_like(q)
         for g in meta.decode_groups:
             n = g.rows.shape[0]
             qg = q[g.rows].float().reshape(n, num_kv_heads, group, head_dim)  # query heads by KV head
-            kg = k_flat[g.slots]  # [n, L, H_kv, D]
-            vg = v_flat[g.slots]
-            scores = torch.einsum("nhgd,nlhd->nhgl", qg, kg.float()) * self.scale  # [n, H_kv, G, L]
+            kg = gather(k_flat, ks_flat, g.slots, torch.float32)  # [n, L, H_kv, D]
+            vg = gather(v_flat, vs_flat, g.slots, torch.float32)
+            scores = torch.einsum("nhgd,nlhd->nhgl", qg, kg) * self.scale  # [n, H_kv, G, L]
             scores.masked_fill_(g.pad[:, None, None, :], float("-inf"))
             probs = torch.softmax(scores, dim=-1)
-            o = torch.einsum("nhgl,nlhd->nhgd", probs, vg.float())
+            o = torch.einsum("nhgl,nlhd->nhgd", probs, vg)
             out[g.rows] = o.reshape(n, self.num_heads, head_dim).to(q.dtype)
         for p in meta.prefills:
             qi = q[p.start:p.start + p.num_rows].transpose(0, 1)  # [H, q_len, D]
-            ki = k_flat[p.slots].transpose(0, 1)  # [H_kv, L, D]
-            vi = v_flat[p.slots].transpose(0, 1)
+            ki = gather(k_flat, ks_flat, p.slots, q.dtype).transpose(0, 1)  # [H_kv, L, D], read back from the cache
+            vi = gather(v_flat, vs_flat, p.slots, q.dtype).transpose(0, 1)
             if group > 1:
                 ki = ki.repeat_interleave(group, dim=0)
                 vi = vi.repeat_interleave(group, dim=0)
-            o = torch.nn.functional.scaled_dot_product_attention(
-                qi, ki.to(q.dtype), vi.to(q.dtype), attn_mask=p.mask, scale=self.scale
-            )
+            o = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=p.mask, scale=self.scale)
             out[p.start:p.start + p.num_rows] = o.transpose(0, 1)
         return out

@@ -8,6 +8,10 @@ block_tables are device tensors; ``num_splits`` is fixed by static sizes: the ba
 heads, the block table's width times block_size (the longest context a captured graph can serve: the
 static block table has a fixed width) and the SM count. Each split's length is computed in-kernel from
 the true seq_len, so one graph serves every context up to that width.
+
+Quantized caches: the cache's scale tensors go to the store kernel (which quantizes) and to both attention
+kernels (which dequantize in registers); they are allocated once with the pool, so captured graphs read
+them like k/v.
 """
 
 from __future__ import annotations
@@ -58,13 +62,16 @@ class TritonAttentionBackend(AttentionBackend):
         return out
 
     def forward(self, q, k, v, positions, cache: KVCache, meta):
-        rope_and_cache(q, k, v, positions, self.rotary.cos_sin_cache, cache.k, cache.v, meta.slot_mapping)
+        if self.is_calibrating:
+            return self.calibration_forward(q, k, v, positions, cache, meta)
+        ks, vs = cache.k_scale, cache.v_scale
+        rope_and_cache(q, k, v, positions, self.rotary.cos_sin_cache, cache.k, cache.v, meta.slot_mapping, ks, vs)
         if meta.max_query_len == 1:
             # Decode: one query per sequence, q rows are sequences in order.
             num_splits = meta.num_splits if isinstance(meta, TritonAttentionMetadata) else None
             return paged_decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, self.scale,
-                                          num_splits=num_splits)
-        return paged_prefill_attention(q, cache.k, cache.v, meta, self.scale)
+                                          num_splits=num_splits, k_scale=ks, v_scale=vs)
+        return paged_prefill_attention(q, cache.k, cache.v, meta, self.scale, k_scale=ks, v_scale=vs)
 
     # ------------------------------------------------------------------------------ CUDA graphs
 

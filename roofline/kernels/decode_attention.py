@@ -11,9 +11,15 @@ at small batch. Each sequence's context is cut into ``num_splits`` chunks handle
       log-sum-exp lse_s (base 2).
   stage 2, grid (num_seqs, H): out = sum_s 2^(lse_s - lse) o_s with lse = log2 sum_s 2^lse_s.
 
-Bytes: 2 * seq_len * H_kv * D * itemsize per sequence (K and V once); q, out and the fp32 partials are
-O(H * D * num_splits), negligible at long context. So the kernel is HBM-bound and its figure of merit is
-achieved bandwidth on KV reads against the device's measured read bandwidth.
+Bytes: 2 * seq_len * H_kv * (D * itemsize + scale bytes) per sequence (K and V once); q, out and the
+fp32 partials are O(H * D * num_splits), negligible at long context. So the kernel is HBM-bound and its
+figure of merit is achieved bandwidth on KV reads against the device's measured read bandwidth.
+
+Quantized caches (formats in ``roofline.kernels.common``): int8 codes are read with their per-key float32
+scales, the codes cast to q's dtype in registers, ``qk *= k_scale[None, :]`` after the QK dot and
+``p * v_scale[None, :]`` before the PV dot (the softmax sum uses p itself); fp8 e4m3 codes use the
+layer's per-head scales, folded into the softmax scale (K) and the split's output (V). No dequantized
+copy of the cache is ever written.
 
 CUDA graphs: the kernels read seq_lens and block_tables only as device tensors; ``num_splits`` is a launch
 constant. A captured graph therefore fixes num_splits; :func:`choose_num_splits` picks it from static
@@ -28,7 +34,7 @@ import math
 
 import torch
 
-from roofline.kernels.common import check_paged_attention_inputs
+from roofline.kernels.common import KV_QUANT_PER_TOKEN, check_paged_attention_inputs, kv_quant_mode
 from roofline.kernels.prefill_attention import ref_paged_attention
 
 try:
@@ -46,13 +52,17 @@ def ref_decode_attention(
     seq_lens: torch.Tensor,
     scale: float,
     compute_dtype: torch.dtype = torch.float32,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch twin: q [num_seqs, H, D]; the single query of sequence i sees keys [0, seq_lens[i]).
 
     The paged reference with one query per sequence; computes in ``compute_dtype``, returns q's dtype.
+    ``k_scale``/``v_scale``: the scales of an int8/fp8 cache (dequantized before attending).
     """
     query_start_loc = torch.arange(q.shape[0] + 1, device=q.device)
-    return ref_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, compute_dtype)
+    return ref_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, compute_dtype,
+                               k_scale, v_scale)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int = 132,
@@ -77,17 +87,18 @@ if triton is not None:
 
     @triton.jit
     def _decode_split_kernel(
-        Q, KC, VC, BlockTables, SeqLens, MidO, MidLse,
+        Q, KC, VC, KS, VS, BlockTables, SeqLens, MidO, MidLse,
         scale_log2e,
         stride_qs, stride_qh,
         stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh,
+        stride_s_slot,  # int8 scales viewed as [num_slots, H_kv]: H_kv
         stride_bt,
         stride_ms, stride_mh, stride_msp,  # MidO [num_seqs, H, num_splits, D] (MidLse has no D dim)
         stride_ls, stride_lh,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -112,33 +123,46 @@ if triton is not None:
         bt_row = BlockTables + seq.to(tl.int64) * stride_bt
         k_base = KC + kv_head * stride_kh
         v_base = VC + kv_head * stride_vh
+        if QUANT == 2:  # fp8: the layer's static per-head K scale joins the softmax scale
+            scale_log2e = scale_log2e * tl.load(KS + kv_head)
         for n in range(start, end, BLOCK_N):
             offs_n = n + tl.arange(0, BLOCK_N)
             nmask = offs_n < end
             if PAGE % BLOCK_N == 0:
                 # The whole tile lies in one cache block: one block-table read, contiguous rows.
                 page = tl.load(bt_row + n // PAGE).to(tl.int64)
-                k_row = page * stride_kb + (offs_n % PAGE) * stride_ks
-                v_row = page * stride_vb + (offs_n % PAGE) * stride_vs
             else:
                 page = tl.load(bt_row + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)  # [BLOCK_N]
-                k_row = page * stride_kb + (offs_n % PAGE) * stride_ks
-                v_row = page * stride_vb + (offs_n % PAGE) * stride_vs
+            k_row = page * stride_kb + (offs_n % PAGE) * stride_ks
+            v_row = page * stride_vb + (offs_n % PAGE) * stride_vs
             kv_mask = nmask[:, None] & dmask[None, :]
             k = tl.load(k_base + k_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
             v = tl.load(v_base + v_row[:, None] + offs_d[None, :], mask=kv_mask, other=0.0)
+            if QUANT != 0:
+                k = k.to(q.dtype)  # int8 / e4m3 codes are exact in fp16, bf16 and fp32
+                v = v.to(q.dtype)
             qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2e  # [BLOCK_H, BLOCK_N]
+            if QUANT == 1:
+                # Per-key scales, masked loads (a stale slot's scale may be NaN): 0 there, and qk -> -inf below.
+                s_row = (page * PAGE + offs_n % PAGE) * stride_s_slot + kv_head
+                ks = tl.load(KS + s_row, mask=nmask, other=0.0)
+                vs = tl.load(VS + s_row, mask=nmask, other=0.0)
+                qk = qk * ks[None, :]
             qk = tl.where(nmask[None, :], qk, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(qk - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
+            if QUANT == 1:
+                p = p * vs[None, :]  # the V scale rides on p; l_i above sums the unscaled p
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
             m_i = m_new
 
         # Empty split (start >= end): l_i = 0, m_i = -inf -> lse = -inf, o = 0; the reduction gives it weight 0.
         safe_l = tl.where(l_i > 0, l_i, 1.0)
         o = acc / safe_l[:, None]
+        if QUANT == 2:  # fp8: the per-head V scale, once per split
+            o = o * tl.load(VS + kv_head)
         lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
         mid = MidO + seq.to(tl.int64) * stride_ms + heads[:, None] * stride_mh + split * stride_msp + offs_d[None, :]
         tl.store(mid, o, mask=gmask[:, None] & dmask[None, :])
@@ -182,13 +206,17 @@ def paged_decode_attention(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step of paged attention, split-KV.
 
     Args:
         q: [num_seqs, H, D] fp32/fp16/bf16, one query per sequence (already RoPE'd).
         k_cache, v_cache: [num_blocks, block_size, H_kv, D], holding each sequence's first seq_lens[i]
-            keys (this step's key included) at the slots given by its block table.
+            keys (this step's key included) at the slots given by its block table. q's dtype, or int8 /
+            float8_e4m3fn codes with ``k_scale``/``v_scale`` (float32; int8 [num_blocks, block_size, H_kv],
+            fp8 [H_kv]; see ``roofline.kernels.common``).
         block_tables: [num_seqs, max_blocks] int32.
         seq_lens: [num_seqs] int32 context lengths (0 gives a zero output row: padding).
         scale: softmax scale, usually 1/sqrt(D).
@@ -200,13 +228,15 @@ def paged_decode_attention(
         [num_seqs, H, D] in q's dtype. Softmax and accumulation in fp32.
 
     Raises:
-        ValueError: H not a multiple of H_kv, or shapes disagree. RuntimeError: triton missing.
+        ValueError: H not a multiple of H_kv, shapes disagree, or scales that do not fit the cache dtype.
+            RuntimeError: triton missing.
     """
     if triton is None:
         raise RuntimeError("triton is not installed; use ref_decode_attention on this machine")
     num_seqs, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_paged_attention_inputs(q, k_cache, v_cache)
+    quant = kv_quant_mode(k_cache, k_scale, v_scale)
     group = num_heads // num_kv_heads
     if block_n is None:
         block_n = 64 if head_dim <= 128 else 32
@@ -221,17 +251,20 @@ def paged_decode_attention(
     mid_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_tables, seq_lens, mid_o, mid_lse,
+        q, k_cache, v_cache,
+        k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,  # unused unless quantized
+        block_tables, seq_lens, mid_o, mid_lse,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_kv_heads if quant == KV_QUANT_PER_TOKEN else 0,
         block_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), PAGE=block_size,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
         num_warps=num_warps, num_stages=num_stages,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](

@@ -14,13 +14,25 @@ The key range splits in two loops, as in FlashAttention-2: keys every row of the
 issued last-first so the longest (most keys) programs start first and the tail is short.
 
 FLOPs: 4 * sum_i q_len_i * (ctx_i + (q_len_i + 1) / 2) * H * D (2 GEMMs, causal half of the chunk).
+
+Quantized caches (``QUANT``; formats in ``roofline.kernels.common``): the int8/e4m3 tile is cast to q's
+dtype in registers; int8's per-key scales multiply qk after the QK dot and p before the PV dot (the row
+sum l uses the unscaled p); fp8's per-head scales fold into the softmax scale (K) and the output (V).
+The TMA path loads the code tiles with tensor descriptors as for 16-bit caches (1-byte elements, the same
+[num_slots, H_kv * D] view) and the int8 scales with pointer loads.
 """
 
 from __future__ import annotations
 
 import torch
 
-from roofline.kernels.common import PagedBatch, check_paged_attention_inputs
+from roofline.kernels.common import (
+    KV_QUANT_PER_TOKEN,
+    PagedBatch,
+    check_paged_attention_inputs,
+    kv_quant_mode,
+    ref_dequantize,
+)
 
 try:
     import triton
@@ -40,6 +52,8 @@ def ref_paged_attention(
     block_tables: torch.Tensor,
     scale: float,
     compute_dtype: torch.dtype = torch.float32,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact paged causal attention in plain torch: the one reference every attention kernel is checked against.
 
@@ -48,6 +62,8 @@ def ref_paged_attention(
         k_cache, v_cache: [num_blocks, block_size, H_kv, D], holding each sequence's seq_lens[i] keys.
         query_start_loc: [num_seqs + 1] int; seq_lens: [num_seqs] int; block_tables: [num_seqs, W] int.
         scale: softmax scale. compute_dtype: fp32, or fp64 for a tighter reference.
+        k_scale, v_scale: scales of an int8 ([num_blocks, block_size, H_kv]) or fp8 ([H_kv]) cache; the
+            sequence's keys are dequantized (``ref_dequantize``) before attending.
 
     Returns:
         [num_tokens, H, D] in q's dtype. Query j of a chunk of q_len sits at position seq_len - q_len + j
@@ -56,6 +72,7 @@ def ref_paged_attention(
     num_heads, head_dim = q.shape[1], q.shape[2]
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
+    quant = kv_quant_mode(k_cache, k_scale, v_scale)
     out = torch.zeros_like(q)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -64,8 +81,15 @@ def ref_paged_attention(
             continue
         nb = (seq_len + block_size - 1) // block_size
         blocks = block_tables[i, :nb].long()
-        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(compute_dtype)
-        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len].to(compute_dtype)
+        k = k_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        v = v_cache[blocks].reshape(-1, num_kv_heads, head_dim)[:seq_len]
+        ks, vs = k_scale, v_scale
+        if quant == KV_QUANT_PER_TOKEN:
+            assert k_scale is not None and v_scale is not None
+            ks = k_scale[blocks].reshape(-1, num_kv_heads)[:seq_len]
+            vs = v_scale[blocks].reshape(-1, num_kv_heads)[:seq_len]
+        k = ref_dequantize(k, ks, compute_dtype)
+        v = ref_dequantize(v, vs, compute_dtype)
         k = k.repeat_interleave(group, dim=1)  # [seq_len, H, D]
         v = v.repeat_interleave(group, dim=1)
         qi = q[start:start + q_len].to(compute_dtype)
@@ -79,10 +103,12 @@ def ref_paged_attention(
 
 
 def ref_prefill_attention(
-    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedBatch, scale: float
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedBatch, scale: float,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch twin of :func:`paged_prefill_attention` (same arguments)."""
-    return ref_paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale)
+    return ref_paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+                               k_scale=k_scale, v_scale=v_scale)
 
 
 if triton is not None:
@@ -91,8 +117,10 @@ if triton is not None:
     def _attend_tile(
         acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_col, bt_row, start_n, offs_m_pos, seq_len,
         scale_log2e, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
+        ks_base, vs_base, stride_s_slot,
         MASKED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
+        QUANT: tl.constexpr,
     ):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         nmask = offs_n < seq_len
@@ -102,6 +130,7 @@ if triton is not None:
             page = tl.load(bt_row + start_n // PAGE)
             row = page * PAGE + start_n % PAGE
             kt = k_desc.load([row, kv_col]).T  # [BLOCK_D, BLOCK_N]
+            s_rows = (row + tl.arange(0, BLOCK_N)).to(tl.int64) * stride_s_slot  # int8 scales of these slots
         else:
             if PAGE % BLOCK_N == 0:
                 # The whole tile lies inside one cache block: one block-table read, strided rows.
@@ -112,6 +141,7 @@ if triton is not None:
                 page = tl.load(bt_row + offs_n // PAGE).to(tl.int64)  # [BLOCK_N] one entry per key
             k_rows = page * stride_kb + (offs_n % PAGE) * stride_ks
             v_rows = page * stride_vb + (offs_n % PAGE) * stride_vs
+            s_rows = (page * PAGE + offs_n % PAGE) * stride_s_slot
             # K^T tile [BLOCK_D, BLOCK_N] (loaded transposed so the dot needs no register shuffle)
             kt_ptrs = k_base + k_rows[None, :] + offs_d[:, None]
             v_ptrs = v_base + v_rows[:, None] + offs_d[None, :]
@@ -121,9 +151,20 @@ if triton is not None:
                 kt = tl.load(kt_ptrs, mask=dmask[:, None], other=0.0)
             else:
                 kt = tl.load(kt_ptrs)
+        if QUANT != 0:
+            kt = kt.to(q.dtype)  # int8 / e4m3 codes are exact in fp16, bf16 and fp32
         # Scores in log2 units: scale*log2(e) is applied in fp32 after the dot (exact q operands), fused
         # with the max subtraction into one FMA, and the softmax uses exp2 (one MUFU op) instead of exp.
         qk = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
+        if QUANT == 1:
+            # Per-key int8 scales; a stale slot's scale may be NaN: masked tiles load 0 there (qk -> -inf below).
+            if MASKED:
+                ks = tl.load(ks_base + s_rows, mask=nmask, other=0.0)
+                vs = tl.load(vs_base + s_rows, mask=nmask, other=0.0)
+            else:
+                ks = tl.load(ks_base + s_rows)
+                vs = tl.load(vs_base + s_rows)
+            qk = qk * ks[None, :]
         if MASKED:
             causal = (offs_n[None, :] <= offs_m_pos[:, None]) & nmask[None, :]
             qk = tl.where(causal, qk * scale_log2e, float("-inf"))
@@ -138,6 +179,8 @@ if triton is not None:
         acc = acc * alpha[:, None]
         if USE_TMA:
             v = v_desc.load([row, kv_col])  # [BLOCK_N, BLOCK_D]
+            if QUANT != 0:
+                v = v.to(q.dtype)
             if MASKED:  # rows past seq_len are stale cache slots (maybe NaN): p = 0 there, v must be finite
                 v = tl.where(nmask[:, None], v, 0.0)
         elif MASKED:
@@ -146,22 +189,27 @@ if triton is not None:
             v = tl.load(v_ptrs, mask=dmask[None, :], other=0.0)
         else:
             v = tl.load(v_ptrs)
+        if QUANT != 0 and not USE_TMA:
+            v = v.to(q.dtype)
+        if QUANT == 1:
+            p = p * vs[None, :]  # the V scale rides on p; l_i above summed the unscaled p
         # Accumulate in place (the MMA's C operand is acc): no second [BLOCK_M, D] register tile.
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         return acc, l_i, m_new
 
     @triton.jit
     def _prefill_kernel(
-        Q, KC, VC, Out, BlockTables, QueryStartLoc, SeqLens, KDesc, VDesc,
+        Q, KC, VC, Out, BlockTables, QueryStartLoc, SeqLens, KDesc, VDesc, KS, VS,
         scale_log2e,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh,
+        stride_s_slot,  # int8 scales viewed as [num_slots, H_kv]: H_kv
         stride_bt,
         GROUP: tl.constexpr, PAGE: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr,
+        USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, QUANT: tl.constexpr,
     ):
         seq = tl.program_id(1)
         head = tl.program_id(2)
@@ -188,6 +236,10 @@ if triton is not None:
         kv_col = kv_head * HEAD_DIM  # column of this kv head in the [num_slots, H_kv * D] view (TMA)
         bt_row = BlockTables + seq.to(tl.int64) * stride_bt
         offs_m_pos = ctx + offs_m  # absolute positions of this tile's queries
+        ks_base = KS + kv_head  # int8: + slot * stride_s_slot; fp8: the per-head scale itself
+        vs_base = VS + kv_head
+        if QUANT == 2:  # fp8: the layer's static per-head K scale joins the softmax scale
+            scale_log2e = scale_log2e * tl.load(ks_base)
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -200,23 +252,28 @@ if triton is not None:
                 acc, l_i, m_i = _attend_tile(
                     acc, l_i, m_i, q, k_base, v_base, KDesc, VDesc, kv_col, bt_row, start_n, offs_m_pos,
                     seq_len, scale_log2e, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
-                    False, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, USE_TMA)
+                    ks_base, vs_base, stride_s_slot,
+                    False, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, USE_TMA, QUANT)
         else:
             for start_n in range(0, full_end, BLOCK_N):
                 acc, l_i, m_i = _attend_tile(
                     acc, l_i, m_i, q, k_base, v_base, KDesc, VDesc, kv_col, bt_row, start_n, offs_m_pos,
                     seq_len, scale_log2e, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
-                    False, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, USE_TMA)
+                    ks_base, vs_base, stride_s_slot,
+                    False, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, USE_TMA, QUANT)
         # Diagonal band: keys up to the tile's last row (or the sequence end), causal mask.
         band_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
         for start_n in range(full_end, band_end, BLOCK_N):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, k_base, v_base, KDesc, VDesc, kv_col, bt_row, start_n, offs_m_pos,
                 seq_len, scale_log2e, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
-                True, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, USE_TMA)
+                ks_base, vs_base, stride_s_slot,
+                True, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, USE_TMA, QUANT)
 
         # Every valid row saw key 0 at least, so l_i > 0 there; padded rows are not stored.
         out = acc / l_i[:, None]
+        if QUANT == 2:  # fp8: the per-head V scale, once per output tile
+            out = out * tl.load(vs_base)
         tl.store(Out + q_rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :],
                  out.to(Out.dtype.element_ty), mask=mmask[:, None] & dmask[None, :])
 
@@ -252,13 +309,17 @@ def paged_prefill_attention(
     scale: float,
     out: torch.Tensor | None = None,
     config: dict | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal varlen attention of new tokens over their paged context (prefill, chunked prefill, extend).
 
     Args:
         q: [num_tokens, H, D] fp32/fp16/bf16 (RoPE'd), rows of sequence i at
             query_start_loc[i]:query_start_loc[i+1]. D any size (padded to a power of two inside).
-        k_cache, v_cache: [num_blocks, block_size, H_kv, D], already holding this step's k/v.
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D], already holding this step's k/v: q's dtype, or
+            int8 / float8_e4m3fn codes with ``k_scale``/``v_scale`` (float32; int8 [num_blocks, block_size,
+            H_kv], fp8 [H_kv]; see ``roofline.kernels.common``).
         meta: uses query_start_loc [num_seqs+1] int32, seq_lens [num_seqs] int32, block_tables
             [num_seqs, max_blocks] int32, max_query_len (host int, sizes the grid).
         scale: softmax scale, usually 1/sqrt(D).
@@ -271,13 +332,15 @@ def paged_prefill_attention(
         [num_tokens, H, D] in q's dtype; softmax statistics and accumulation in fp32.
 
     Raises:
-        ValueError: H not a multiple of H_kv, or shapes disagree. RuntimeError: triton missing.
+        ValueError: H not a multiple of H_kv, shapes disagree, or scales that do not fit the cache dtype.
+            RuntimeError: triton missing.
     """
     if triton is None:
         raise RuntimeError("triton is not installed; use ref_prefill_attention on this machine")
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_paged_attention_inputs(q, k_cache, v_cache)
+    quant = kv_quant_mode(k_cache, k_scale, v_scale)
     if out is None:
         out = torch.empty_like(q)
     num_seqs = meta.query_start_loc.shape[0] - 1
@@ -298,16 +361,18 @@ def paged_prefill_attention(
     grid = (triton.cdiv(meta.max_query_len, cfg["BLOCK_M"]), num_seqs, num_heads)
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens, k_desc, v_desc,
+        k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,  # unused unless quantized
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        num_kv_heads if quant == KV_QUANT_PER_TOKEN else 0,
         meta.block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, PAGE=block_size,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        USE_TMA=use_tma, WARP_SPEC=bool(cfg.get("WARP_SPEC", False)),
+        USE_TMA=use_tma, WARP_SPEC=bool(cfg.get("WARP_SPEC", False)), QUANT=quant,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

@@ -11,11 +11,26 @@ The rotation runs in fp32 and rounds once to the input dtype.
 One program handles one token: all H query heads, all H_kv key heads, and the k/v rows it writes to the
 cache at ``slot_mapping[t]`` (layout [num_blocks, block_size, H_kv, D], slot = block*block_size + off).
 A negative slot (a padded token of a CUDA-graph batch) rotates q/k but writes nothing to the cache.
+
+Quantized caches (int8, float8_e4m3fn; formats in ``roofline.kernels.common``) are quantized here, from
+the rotated k (rounded to k's dtype, as written back to k) and from v: int8 computes each (token, KV head)
+amax over D in registers and writes the codes and the float32 scale; fp8 divides by the layer's static
+per-head scale and saturates to +-448. Divisions are IEEE (``tl.div_rn``) so codes equal the ref's.
 """
 
 from __future__ import annotations
 
 import torch
+
+from roofline.kernels.common import (
+    FP8_E4M3_MAX,
+    INT8_MAX,
+    KV_QUANT_NONE,
+    KV_QUANT_PER_TOKEN,
+    kv_quant_mode,
+    ref_quantize_fp8,
+    ref_quantize_int8,
+)
 
 try:
     import triton
@@ -41,13 +56,32 @@ def ref_rotary(
     return rot(q), rot(k)
 
 
-def ref_store_kv_cache(k, v, k_cache, v_cache, slot_mapping) -> None:
+def ref_write_kv_rows(k, v, k_cache, v_cache, slots, k_scale=None, v_scale=None) -> None:
+    """Write k, v [N, H_kv, D] at ``slots`` [N] (all valid), quantizing for an int8/fp8 cache (formats in
+    ``roofline.kernels.common``; int8 also writes the per-slot scales)."""
+    mode = kv_quant_mode(k_cache, k_scale, v_scale)
+    num_slots = k_cache.shape[0] * k_cache.shape[1]
+    kc = k_cache.view(num_slots, *k_cache.shape[2:])
+    vc = v_cache.view(num_slots, *v_cache.shape[2:])
+    if mode == KV_QUANT_NONE:
+        kc[slots] = k.to(k_cache.dtype)
+        vc[slots] = v.to(v_cache.dtype)
+    elif mode == KV_QUANT_PER_TOKEN:
+        assert k_scale is not None and v_scale is not None
+        for x, cache, sc in ((k, kc, k_scale), (v, vc, v_scale)):
+            codes, scale = ref_quantize_int8(x)
+            cache[slots] = codes
+            sc.view(num_slots, -1)[slots] = scale
+    else:
+        assert k_scale is not None and v_scale is not None
+        kc[slots] = ref_quantize_fp8(k, k_scale)
+        vc[slots] = ref_quantize_fp8(v, v_scale)
+
+
+def ref_store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale=None, v_scale=None) -> None:
     """Pure-torch twin of :func:`store_kv_cache`: rows with a negative slot (padding) are not written."""
     valid = slot_mapping >= 0
-    num_slots = k_cache.shape[0] * k_cache.shape[1]
-    slots = slot_mapping[valid]
-    k_cache.view(num_slots, *k_cache.shape[2:])[slots] = k[valid].to(k_cache.dtype)
-    v_cache.view(num_slots, *v_cache.shape[2:])[slots] = v[valid].to(v_cache.dtype)
+    ref_write_kv_rows(k[valid], v[valid], k_cache, v_cache, slot_mapping[valid], k_scale, v_scale)
 
 
 def ref_rope_and_cache(
@@ -59,25 +93,42 @@ def ref_rope_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Pure-torch twin of :func:`rope_and_cache` (same in-place effects on q, k and the caches)."""
+    """Pure-torch twin of :func:`rope_and_cache` (same in-place effects on q, k, the caches and scales)."""
     q_rot, k_rot = ref_rotary(positions, q, k, cos_sin_cache)
     q.copy_(q_rot)
     k.copy_(k_rot)
-    ref_store_kv_cache(k, v, k_cache, v_cache, slot_mapping)
+    ref_store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 if triton is not None:
+    INT8_MAX_C = tl.constexpr(INT8_MAX)
+    FP8_MAX_C = tl.constexpr(FP8_E4M3_MAX)
+
+    @triton.jit
+    def _quantize(x, scale, QUANT: tl.constexpr, CODE_T: tl.constexpr):
+        """x [BLOCK_HKV, N] fp32 / scale [BLOCK_HKV] fp32 -> codes (int8: round half up, clamp +-127;
+        fp8: clamp +-448, round to nearest even). A zero scale (all-zero int8 row, masked head) gives 0."""
+        s = scale[:, None]
+        y = tl.where(s > 0, tl.div_rn(x, tl.where(s > 0, s, 1.0)), 0.0)
+        if QUANT == 1:
+            y = tl.floor(y + 0.5)
+            y = tl.minimum(tl.maximum(y, -INT8_MAX_C), INT8_MAX_C)
+        else:
+            y = tl.minimum(tl.maximum(y, -FP8_MAX_C), FP8_MAX_C)
+        return y.to(CODE_T)
 
     @triton.jit
     def _rope_cache_kernel(
-        Q, K, V, Pos, CosSin, KC, VC, Slots,
+        Q, K, V, Pos, CosSin, KC, VC, Slots, KS, VS,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
-        stride_cs, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h,
+        stride_cs, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h, stride_s_slot,
         num_heads, num_kv_heads,
         HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
-        APPLY_ROPE: tl.constexpr,
+        APPLY_ROPE: tl.constexpr, QUANT: tl.constexpr,
     ):
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(Slots + t).to(tl.int64)
@@ -112,13 +163,33 @@ if triton is not None:
             tl.store(k_ptr + HALF, k2, mask=kmask)
         if slot >= 0:
             kc_ptr = KC + slot * stride_kc_slot + offs_kh[:, None] * stride_kc_h + offs_half[None, :]
-            tl.store(kc_ptr, k1.to(KC.dtype.element_ty), mask=kmask)
-            tl.store(kc_ptr + HALF, k2.to(KC.dtype.element_ty), mask=kmask)
             offs_d = tl.arange(0, BLOCK_D)
             vmask = (offs_kh < num_kv_heads)[:, None] & (offs_d < HEAD_DIM)[None, :]
-            v = tl.load(V + t * stride_vt + offs_kh[:, None] * stride_vh + offs_d[None, :], mask=vmask)
-            tl.store(VC + slot * stride_vc_slot + offs_kh[:, None] * stride_vc_h + offs_d[None, :],
-                     v.to(VC.dtype.element_ty), mask=vmask)
+            v = tl.load(V + t * stride_vt + offs_kh[:, None] * stride_vh + offs_d[None, :], mask=vmask, other=0.0)
+            vc_ptr = VC + slot * stride_vc_slot + offs_kh[:, None] * stride_vc_h + offs_d[None, :]
+            if QUANT == 0:
+                tl.store(kc_ptr, k1.to(KC.dtype.element_ty), mask=kmask)
+                tl.store(kc_ptr + HALF, k2.to(KC.dtype.element_ty), mask=kmask)
+                tl.store(vc_ptr, v.to(VC.dtype.element_ty), mask=vmask)
+            else:
+                hmask = offs_kh < num_kv_heads
+                f1 = k1.to(tl.float32)  # the rotated k as written back to K (rounded to its dtype)
+                f2 = k2.to(tl.float32)
+                fv = v.to(tl.float32)
+                if QUANT == 1:
+                    # int8, per token and KV head: scale = amax / 127 over D (masked lanes are 0).
+                    k_amax = tl.maximum(tl.max(tl.abs(f1), axis=1), tl.max(tl.abs(f2), axis=1))
+                    ks = tl.div_rn(k_amax, INT8_MAX_C)
+                    vs = tl.div_rn(tl.max(tl.abs(fv), axis=1), INT8_MAX_C)
+                    tl.store(KS + slot * stride_s_slot + offs_kh, ks, mask=hmask)
+                    tl.store(VS + slot * stride_s_slot + offs_kh, vs, mask=hmask)
+                else:
+                    # fp8 e4m3, the layer's static per-head scales.
+                    ks = tl.load(KS + offs_kh, mask=hmask, other=0.0)
+                    vs = tl.load(VS + offs_kh, mask=hmask, other=0.0)
+                tl.store(kc_ptr, _quantize(f1, ks, QUANT, KC.dtype.element_ty), mask=kmask)
+                tl.store(kc_ptr + HALF, _quantize(f2, ks, QUANT, KC.dtype.element_ty), mask=kmask)
+                tl.store(vc_ptr, _quantize(fv, vs, QUANT, VC.dtype.element_ty), mask=vmask)
 
 
 def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
@@ -132,10 +203,12 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache/v_cache last dim must be contiguous")
 
 
-def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, apply_rope: bool) -> None:
+def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, apply_rope: bool,
+            k_scale=None, v_scale=None) -> None:
     if triton is None:
         raise RuntimeError("triton is not installed; use the ref_ twin on this machine")
     _check_cache(k_cache, v_cache)
+    quant = kv_quant_mode(k_cache, k_scale, v_scale)
     num_tokens, num_kv_heads, head_dim = k.shape
     if v.shape != k.shape or k_cache.shape[2:] != (num_kv_heads, head_dim):
         raise ValueError(f"k {tuple(k.shape)}, v {tuple(v.shape)} and cache {tuple(k_cache.shape)} disagree")
@@ -158,14 +231,16 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, a
         positions if apply_rope else slot_mapping,
         cos_sin_cache if apply_rope else k,
         k_cache, v_cache, slot_mapping,
+        k_scale if k_scale is not None else k, v_scale if v_scale is not None else v,
         q.stride(0) if apply_rope else 0, q.stride(1) if apply_rope else 0,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0) if apply_rope else 0,
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
+        num_kv_heads if quant == KV_QUANT_PER_TOKEN else 0,  # scale slot stride ([num_slots, H_kv] view)
         num_heads, num_kv_heads,
         HEAD_DIM=head_dim, HALF=half, HALF_P2=triton.next_power_of_2(max(half, 1)),
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), APPLY_ROPE=apply_rope, num_warps=4,
+        BLOCK_D=triton.next_power_of_2(head_dim), APPLY_ROPE=apply_rope, QUANT=quant, num_warps=4,
     )
 
 
@@ -178,6 +253,8 @@ def rope_and_cache(
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Rotate q and k in place (rotate-half RoPE) and store rotated k and v at their cache slots.
 
@@ -186,17 +263,23 @@ def rope_and_cache(
             fp32/fp16/bf16, last dim contiguous.
         positions: [T] int32/int64 absolute token positions (< max_positions).
         cos_sin_cache: [max_positions, D] fp32, row = cat(cos(pos*inv_freq), sin(pos*inv_freq)).
-        k_cache, v_cache: [num_blocks, block_size, H_kv, D]; slot s is (s // block_size, s % block_size).
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D] fp32/fp16/bf16, int8 or float8_e4m3fn;
+            slot s is (s // block_size, s % block_size).
         slot_mapping: [T] int64 cache slot per token; negative = padding, not written.
+        k_scale, v_scale: float32 scales of a quantized cache (``roofline.kernels.common``): int8
+            [num_blocks, block_size, H_kv], written here per stored token; fp8 [H_kv], read.
 
     Raises:
-        ValueError: shapes disagree, D odd, or non-contiguous last dims. RuntimeError: triton missing.
+        ValueError: shapes disagree, D odd, non-contiguous last dims, or scales that do not fit the cache
+            dtype. RuntimeError: triton missing.
     """
-    _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, apply_rope=True)
+    _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, True, k_scale, v_scale)
 
 
 def store_kv_cache(
-    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor
+    k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
 ) -> None:
-    """Write k, v ([T, H_kv, D]) into the paged cache at ``slot_mapping`` ([T] int64; negative = skip)."""
-    _launch(None, k, v, None, None, k_cache, v_cache, slot_mapping, apply_rope=False)
+    """Write k, v ([T, H_kv, D]) into the paged cache at ``slot_mapping`` ([T] int64; negative = skip),
+    quantizing for an int8/fp8 cache as :func:`rope_and_cache` does."""
+    _launch(None, k, v, None, None, k_cache, v_cache, slot_mapping, False, k_scale, v_scale)
