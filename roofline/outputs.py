@@ -60,3 +60,7 @@ class RequestOutput:
     finished: bool
     metrics: RequestMetrics | None = None
     error: str | None = None  # set when the request was rejected (no outputs then)
+    # With SamplingParams.prompt_logprobs: one entry per prompt token, the first None (nothing predicts it),
+    # each {token id: Logprob} with the actual prompt token and the top-k (vLLM's layout). Complete once any
+    # sample has a token; a token the worker did not compute (a prefix-cache hit) is None too.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None

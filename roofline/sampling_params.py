@@ -55,7 +55,10 @@ class SamplingParams:
         seed: per-request seed in [-2**63, 2**63 - n]; sample i is seeded with ``seed + i``, which must fit
             torch's 64-bit generator seed without two seeds aliasing. The same seed gives the same tokens
             whatever else is in the batch.
-        max_tokens: in [1, 2**63 - 1] new tokens (None: until the context limit).
+        max_tokens: None (until the context limit) or in [1, 2**63 - 1] new tokens. 0 is refused, as in
+            vLLM: a request for its prompt's logprobs alone uses max_tokens=1 (the token is sampled from the
+            last prefill position in the same step, so no decode step runs); the server's ``echo`` with
+            ``max_tokens: 0`` does exactly that and returns the prompt only.
         min_tokens: in [0, 2**63 - 1] and <= max_tokens; EOS and stop token ids are suppressed before this
             many tokens.
         stop: stop strings; the stop string is not included in the output text.
@@ -64,7 +67,11 @@ class SamplingParams:
         ignore_eos: bool; keep generating past EOS.
         logprobs: None, or the number in [0, 20] (as OpenAI's ``top_logprobs``; <= vocab_size,
             ``verify_for_model``) of top alternatives to return with each sampled token.
-        prompt_logprobs: not supported yet (must be None).
+        prompt_logprobs: None, or the number in [0, 20] (<= vocab_size, ``verify_for_model``) of top
+            alternatives to return for each prompt token, as vLLM: ``RequestOutput.prompt_logprobs`` holds one
+            entry per prompt token, the first None (nothing predicts it), each a {token id: Logprob} dict with
+            the actual prompt token (its rank may exceed k) and the k most likely tokens. Computed in fp32 from
+            the raw logits, like ``logprobs``.
         include_stop_str_in_output: bool; keep the matched stop string in the text.
         skip_special_tokens: bool; drop special tokens from the text.
 
@@ -140,7 +147,7 @@ class SamplingParams:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int):
                 raise ValueError(f"{name} must be an integer, got {value!r} of type {type(value).__name__}")
-        for name in ("max_tokens", "logprobs"):
+        for name in ("max_tokens", "logprobs", "prompt_logprobs"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
                 raise ValueError(f"{name} must be an integer or None, got {value!r} of type {type(value).__name__}")
@@ -189,8 +196,8 @@ class SamplingParams:
             raise bad("min_tokens", self.min_tokens, f"<= max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", self.logprobs, f"None or in [0, {MAX_LOGPROBS}]")
-        if self.prompt_logprobs is not None:
-            raise ValueError(f"prompt_logprobs is not supported yet, got {self.prompt_logprobs!r}; use None")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad("prompt_logprobs", self.prompt_logprobs, f"None or in [0, {MAX_LOGPROBS}]")
         if self.seed is not None and not INT64_MIN <= self.seed <= INT64_MAX - (self.n - 1):
             # Sample i is seeded with seed + i (ModelRunner._generator); keep every one in int64.
             raise bad("seed", self.seed,
@@ -206,8 +213,8 @@ class SamplingParams:
         Raises:
             ValueError: any construction check (re-run: fields may have been assigned since), ``top_k`` >
                 vocab_size, a ``stop_token_ids`` entry outside [0, vocab_size), or
-                ``logprobs`` > vocab_size (the sampler's top-k of the log-softmax would fail for the whole
-                batch); the message names the field, the value and the range for this model.
+                ``logprobs`` or ``prompt_logprobs`` > vocab_size (the top-k of the log-softmax would fail for
+                the whole batch); the message names the field, the value and the range for this model.
         """
         if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
             raise ValueError(f"vocab_size must be an integer >= 1, got {vocab_size!r}")
@@ -220,9 +227,11 @@ class SamplingParams:
         for t in self.stop_token_ids or []:
             if not 0 <= t < vocab_size:
                 raise ValueError(f"stop_token_ids entry {t!r} is out of range [0, {vocab_size})")
-        if self.logprobs is not None and self.logprobs > vocab_size:
-            raise ValueError(f"logprobs must be None or in [0, {min(MAX_LOGPROBS, vocab_size)}] for this model "
-                             f"(vocab_size {vocab_size}), got {self.logprobs!r}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and value > vocab_size:
+                raise ValueError(f"{name} must be None or in [0, {min(MAX_LOGPROBS, vocab_size)}] for this model "
+                                 f"(vocab_size {vocab_size}), got {value!r}")
 
     @property
     def sampling_type(self) -> SamplingType:

@@ -68,4 +68,7 @@ class StepOutput:
     sampled_token_ids: list[list[int]] = field(default_factory=list)
     # Per sampling sequence, one {token id: Logprob} dict per sampled token (sampled + top-k), or None.
     logprobs: list[list[dict[int, Logprob]] | None] = field(default_factory=list)
+    # Prompt logprobs scored this step, per sequence that asks (sampling or not): seq_id -> (index of the
+    # first prompt token scored, one {token id: Logprob} dict per consecutive prompt token, actual + top-k).
+    prompt_logprobs: dict[int, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
     duration_s: float = 0.0

@@ -126,9 +126,26 @@ class Sampler:
             token_ids = torch.where(md.temperatures < 1e-5, greedy_ids, random_ids)
         if md.max_num_logprobs < 0:
             return SamplerOutput(token_ids, None, None, None, None)
-        logprobs = raw.float().log_softmax(dim=-1)
-        chosen = logprobs.gather(1, token_ids[:, None])  # [N, 1]
-        ranks = (logprobs > chosen).sum(dim=-1) + 1
-        top_lp, top_ids = (logprobs.topk(md.max_num_logprobs, dim=-1) if md.max_num_logprobs > 0
-                           else (logprobs[:, :0], token_ids[:, None][:, :0]))
-        return SamplerOutput(token_ids, chosen[:, 0], ranks, top_ids, top_lp)
+        return token_logprobs(raw, token_ids, md.max_num_logprobs)
+
+
+def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> SamplerOutput:
+    """Each row's log-softmax at ``token_ids``, its rank, and the row's ``k`` most likely tokens.
+
+    Used for sampled tokens (``Sampler``) and for prompt tokens (prompt logprobs: row ``i`` holds the logits
+    at prompt position ``p``, and ``token_ids[i]`` is the prompt token at ``p + 1``).
+
+    Args:
+        logits: [N, V] raw model logits, any float dtype; the log-softmax is taken in fp32.
+        token_ids: [N] int64, each in [0, V).
+        k: number of top alternatives, in [0, V].
+    Returns:
+        ``SamplerOutput`` with ``token_ids`` as given, ``logprobs`` [N] fp32 (log-probability of each token),
+        ``ranks`` [N] int64 (1 + the number of tokens strictly more likely), ``top_ids`` [N, k] int64 and
+        ``top_logprobs`` [N, k] fp32, in descending order.
+    """
+    logprobs = logits.float().log_softmax(dim=-1)  # [N, V]
+    chosen = logprobs.gather(1, token_ids[:, None])  # [N, 1]
+    ranks = (logprobs > chosen).sum(dim=-1) + 1
+    top_lp, top_ids = (logprobs.topk(k, dim=-1) if k > 0 else (logprobs[:, :0], token_ids[:, None][:, :0]))
+    return SamplerOutput(token_ids, chosen[:, 0], ranks, top_ids, top_lp)

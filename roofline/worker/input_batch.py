@@ -57,6 +57,8 @@ class InputBatch:
         self.output_counts: torch.Tensor | None = None  # [R, V] fp32, lazily
         self.prompt_mask: torch.Tensor | None = None  # [R, V] bool, lazily
         self.min_tokens_rows: set[int] = set()  # rows still below their min_tokens
+        # Rows whose prompt still has positions to score for prompt logprobs -> their k (worker/prompt_logprobs.py).
+        self.prompt_logprobs_rows: dict[int, int] = {}
         # Async scheduling: a row whose newest token is still on the device holds its index in the sampled
         # ids of step ``pending_step`` (-1: none pending).
         self.pending_src = np.full(r, -1, dtype=np.int64)
@@ -101,6 +103,8 @@ class InputBatch:
         self.num_logprobs[row] = -1 if p.logprobs is None else p.logprobs
         if p.min_tokens > 0:
             self.min_tokens_rows.add(row)
+        if p.prompt_logprobs is not None and req.num_computed_tokens < req.num_prompt_tokens - 1:
+            self.prompt_logprobs_rows[row] = p.prompt_logprobs
         if p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0:
             self._init_penalty_state(row, req)
         return row
@@ -112,6 +116,7 @@ class InputBatch:
         self.seq_ids[row] = None
         self.params[row] = None
         self.min_tokens_rows.discard(row)
+        self.prompt_logprobs_rows.pop(row, None)
         heapq.heappush(self._free_rows, row)
 
     def append_blocks(self, row: int, block_ids: list[int]) -> None:

@@ -7,7 +7,8 @@ Per step:
    slot_mapping, block tables and query_start_loc; they go to the device from pinned host buffers with
    non-blocking copies, and the backend builds its metadata once.
 3. forward (a CUDA graph for decode-only steps that fit one, else eager), logits of the rows that sample,
-   the sampler, and one device->host copy of the sampled ids: the step's only host sync.
+   the sampler, and one device->host copy of the sampled ids: the step's only host sync. Requests with
+   prompt logprobs also get logits at their prompt positions (``prompt_logprobs.py``), copied back alike.
 """
 
 from __future__ import annotations
@@ -31,10 +32,17 @@ from roofline.models import loader
 from roofline.models.registry import build_model
 from roofline.worker.cuda_graph import CUDAGraphRunner
 from roofline.worker.input_batch import InputBatch
+from roofline.worker.prompt_logprobs import (
+    PromptLogprobsPlan,
+    collect_prompt_logprobs,
+    compute_prompt_logprobs,
+    plan_prompt_logprobs,
+)
 
 logger = logging.getLogger(__name__)
 
 _DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_KV_DTYPES = {**_DTYPES, "int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 CPU_DEFAULT_KV_CACHE_BYTES = 2 << 30
 CPU_STEP_TARGET_S = 0.5  # a CPU step's token budget aims below this (see Worker.profile_budget)
 
@@ -45,7 +53,7 @@ class Worker:
         self.model_config = mc = model_config
         self.device = torch.device(config.device)
         self.dtype = _DTYPES[config.dtype]
-        self.kv_dtype = _DTYPES[config.cache_config.kv_cache_dtype]
+        self.kv_dtype = _KV_DTYPES[config.cache_config.kv_cache_dtype]
         self.block_size = config.cache_config.block_size
         dispatch.set_kernels_enabled(config.use_triton_kernels)
         tp = get_tp_size()
@@ -75,6 +83,8 @@ class Worker:
         self.num_blocks = self._num_kv_blocks()
         self.kv_pool = self.backend.allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
                                                       self.kv_dtype, self.device)
+        if self.kv_dtype == torch.float8_e4m3fn:  # static per-head scales, before any graph is captured
+            self._calibrate_fp8_kv_scales()
         sc = config.scheduler_config
         self.max_blocks_per_seq = -(-sc.max_model_len // self.block_size)
         self.input_batch = InputBatch(sc.max_num_seqs, sc.max_model_len, self.max_blocks_per_seq, mc.vocab_size,
@@ -94,6 +104,25 @@ class Worker:
             else:
                 logger.warning("the %s attention backend cannot be captured in CUDA graphs; running eager",
                                self.backend.name)
+
+    def _calibrate_fp8_kv_scales(self) -> None:
+        """One calibration forward sets the fp8 KV cache's per-(layer, KV head) scales (kv_calibration.py)."""
+        from roofline.attention.kv_calibration import (
+            CALIBRATION_NUM_TOKENS,
+            calibrate_fp8_kv_scales,
+            calibration_token_ids,
+        )
+
+        mc = self.model_config
+        n = min(CALIBRATION_NUM_TOKENS, self.config.scheduler_config.max_model_len,
+                self.backend.rotary.cos_sin_cache.shape[0])
+        stats = calibrate_fp8_kv_scales(self.backend, self.model,
+                                        calibration_token_ids(mc.vocab_size, mc.bos_token_id, n), self.device)
+        logger.info("fp8_e4m3 KV cache: static per-(layer, KV head) scales calibrated on %d tokens: K %.3g..%.3g, "
+                    "V %.3g..%.3g", n, stats["k_min"], stats["k_max"], stats["v_min"], stats["v_max"])
+        if self.device.type == "cpu":
+            logger.warning("fp8_e4m3 KV cache on CPU is the emulated path: torch float8_e4m3fn casts for the "
+                           "store, dequantized to fp32 inside the torch attention backend (no fp8 arithmetic)")
 
     # ------------------------------------------------------------------------------ sizing
 
@@ -163,6 +192,69 @@ class Worker:
             self.model(ids, pos, self.backend.build_metadata(meta))
             times.append(time.perf_counter() - t0)
         return times[-1] / n
+
+    # ------------------------------------------------------------------------------ scoring (roofline eval)
+
+    @torch.inference_mode()
+    def score(self, token_ids: list[int], block_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+        """Next-token log-probabilities at every position of one sequence: the evaluation path.
+
+        The sequence runs as a chunked prefill outside the step loop: chunks of ``chunk_size`` tokens (default:
+        the step's token budget, ``max_num_batched_tokens``) store their K/V in ``block_ids`` and attend to
+        the earlier chunks through the KV cache, so each score sees the cache's format exactly as generation
+        does (a quantized cache is read back through attention, prefill included). Only the slots of
+        ``block_ids`` are written; the persistent batch, the sampler and the step counter are untouched, so
+        requests in flight are not disturbed as long as the caller owns ``block_ids`` (``LLM.score_logprobs``
+        takes them from the engine's block allocator).
+
+        Args:
+            token_ids: [T] ids in [0, vocab_size), 1 <= T <= max_model_len.
+            block_ids: >= ceil(T / block_size) KV block ids reserved for this call, each in [0, num_blocks).
+            chunk_size: tokens per forward pass, >= 1.
+
+        Returns:
+            [T, vocab_size] fp32 log-probabilities on the worker's device. Row t is the distribution of token
+            t+1 given tokens 0..t (the last row predicts past the sequence).
+
+        Raises:
+            ValueError: an empty or too long sequence, an id out of range, too few or out-of-range blocks,
+                or chunk_size < 1.
+        """
+        n_tokens = len(token_ids)
+        max_len = self.config.scheduler_config.max_model_len
+        if not 1 <= n_tokens <= max_len:
+            raise ValueError(f"score needs 1 <= len(token_ids) <= max_model_len ({max_len}), got {n_tokens}")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]!r} is out of range [0, {vocab})")
+        bs = self.block_size
+        need = -(-n_tokens // bs)
+        if len(block_ids) < need or any(not 0 <= b < self.num_blocks for b in block_ids[:need]):
+            raise ValueError(f"score of {n_tokens} tokens needs {need} block ids in [0, {self.num_blocks}), "
+                             f"got {list(block_ids[:need + 1])}")
+        chunk = chunk_size if chunk_size is not None else self.config.scheduler_config.max_num_batched_tokens
+        if chunk < 1:
+            raise ValueError(f"chunk_size must be >= 1, got {chunk}")
+        dev = self.device
+        table = torch.tensor(list(block_ids[:need]), dtype=torch.int64)  # [need]
+        positions = torch.arange(n_tokens, dtype=torch.int64)  # [T]
+        slots = (table[positions // bs] * bs + positions % bs).to(dev)  # [T] flat cache slots
+        ids, positions = torch.tensor(token_ids, dtype=torch.int64, device=dev), positions.to(dev)
+        block_tables = table.to(torch.int32)[None, :].to(dev)  # [1, need]
+        out = torch.empty(n_tokens, vocab, dtype=torch.float32, device=dev)
+        for start in range(0, n_tokens, chunk):
+            end = min(n_tokens, start + chunk)
+            n = end - start
+            meta = AttentionMetadata(
+                slot_mapping=slots[start:end],
+                query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=dev),
+                seq_lens=torch.tensor([end], dtype=torch.int32, device=dev),
+                block_tables=block_tables, max_query_len=n, query_lens_cpu=[n], seq_lens_cpu=[end],
+            )
+            hidden = self.model(ids[start:end], positions[start:end], self.backend.build_metadata(meta))
+            out[start:end] = torch.log_softmax(self.model.compute_logits(hidden), dim=-1)  # [n, V] fp32
+        return out
 
     # ------------------------------------------------------------------------------ the step
 
@@ -303,6 +395,7 @@ class Worker:
         self._step_id += 1
         self.update_states(step)
         input_ids, positions, meta, sample_rows, logits_indices = self.prepare_inputs(step)
+        prompt_plan = plan_prompt_logprobs(self.input_batch, step)  # None unless a scheduled request asks
         if (self.graphs is not None and meta.is_decode_only
                 and self.graphs.can_run(meta.num_seqs, meta.block_tables.shape[1])):
             hidden = self.graphs.run(input_ids, positions, meta)
@@ -312,6 +405,10 @@ class Worker:
         for (sid, n) in step.scheduled:
             batch.num_computed_tokens[batch.row_of[sid]] += n
         pending = PendingStep(self, step, t0)
+        if prompt_plan is not None:  # logits at the prompt positions of the requests that ask, and no others
+            lps = compute_prompt_logprobs(prompt_plan, hidden, self.model.compute_logits, self._to_device)
+            pending.prompt_plan = prompt_plan
+            pending.prompt_host = {name: self._to_host(t) for name, t in lps.items()}
         if len(sample_rows):
             idx = self._to_device("logits_indices", logits_indices)
             logits = self.model.compute_logits(hidden[idx])  # [N, V] fp32
@@ -373,6 +470,8 @@ class PendingStep:
         self.positions: list[int] = []
         self.host: dict[str, torch.Tensor] = {}
         self.event: torch.cuda.Event | None = None
+        self.prompt_plan: PromptLogprobsPlan | None = None
+        self.prompt_host: dict[str, torch.Tensor] = {}
 
     def result(self) -> StepOutput:
         if self.event is not None:
@@ -385,6 +484,8 @@ class PendingStep:
             out.sampled_token_ids = [[t] for t in sampled]
             out.logprobs = (self.worker._collect_logprobs(self.rows, self.host) if "logprobs" in self.host
                             else [None] * len(self.rows))
+        if self.prompt_plan is not None:
+            out.prompt_logprobs = collect_prompt_logprobs(self.prompt_plan, self.prompt_host)
         out.duration_s = time.perf_counter() - self.t0
         return out
 

@@ -47,7 +47,10 @@ from roofline.sampling_params import SamplingParams, SamplingType
         (dict(stop_token_ids=[3, -1]), "stop_token_ids must contain non-negative ints, got -1"),
         (dict(stop_token_ids=["2"]), "stop_token_ids must contain non-negative ints, got '2'"),
         (dict(stop_token_ids=7), "stop_token_ids must be a list of ints, got 7 of type int"),
-        (dict(prompt_logprobs=1), "prompt_logprobs is not supported yet, got 1; use None"),
+        (dict(prompt_logprobs=21), "prompt_logprobs must be None or in [0, 20], got 21"),
+        (dict(prompt_logprobs=-1), "prompt_logprobs must be None or in [0, 20], got -1"),
+        (dict(prompt_logprobs=2.0), "prompt_logprobs must be an integer or None, got 2.0 of type float"),
+        (dict(prompt_logprobs=True), "prompt_logprobs must be an integer or None, got True of type bool"),
         (dict(seed="42"), "seed must be an int or None, got '42'"),
     ],
 )
@@ -62,6 +65,7 @@ def test_bad_value_names_field_value_and_range(kwargs, message):
         dict(max_tokens=1), dict(max_tokens=None), dict(temperature=0.0), dict(top_p=1.0), dict(top_p=1e-6),
         dict(top_k=1), dict(top_k=-1), dict(min_p=0.0), dict(min_p=1.0), dict(repetition_penalty=1e-3),
         dict(presence_penalty=-2.0), dict(frequency_penalty=2.0), dict(logprobs=0), dict(logprobs=20),
+        dict(prompt_logprobs=0), dict(prompt_logprobs=20), dict(prompt_logprobs=5, logprobs=2, max_tokens=1),
         dict(min_tokens=4, max_tokens=4), dict(min_tokens=100, max_tokens=None), dict(seed=0),
         dict(stop_token_ids=(0, 5)),
     ],
@@ -210,6 +214,8 @@ def test_accepted_seeds_are_valid_distinct_torch_seeds():
         (dict(stop_token_ids=[3, 16]), 16, "stop_token_ids entry 16 is out of range [0, 16)"),
         (dict(stop_token_ids=[2**63 - 1]), 49152, "stop_token_ids entry 9223372036854775807 is out of range [0, 49152)"),
         (dict(logprobs=20), 16, "logprobs must be None or in [0, 16] for this model (vocab_size 16), got 20"),
+        (dict(prompt_logprobs=17), 16,
+         "prompt_logprobs must be None or in [0, 16] for this model (vocab_size 16), got 17"),
     ],
 )
 def test_verify_for_model_rejects(kwargs, vocab_size, message):
@@ -222,7 +228,7 @@ def test_verify_for_model_rejects(kwargs, vocab_size, message):
     ("kwargs", "vocab_size"),
     [
         (dict(top_k=16), 16), (dict(top_k=-1), 16), (dict(top_k=0), 16), (dict(stop_token_ids=[0, 15]), 16),
-        (dict(logprobs=16), 16), (dict(logprobs=20), 49152), (dict(), 1),
+        (dict(logprobs=16), 16), (dict(logprobs=20), 49152), (dict(), 1), (dict(prompt_logprobs=16), 16),
     ],
 )
 def test_verify_for_model_accepts(kwargs, vocab_size):

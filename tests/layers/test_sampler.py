@@ -9,7 +9,13 @@ import math
 import pytest
 import torch
 
-from roofline.layers.sampler import Sampler, SamplingMetadata, apply_penalties, apply_top_k_top_p_min_p
+from roofline.layers.sampler import (
+    Sampler,
+    SamplingMetadata,
+    apply_penalties,
+    apply_top_k_top_p_min_p,
+    token_logprobs,
+)
 
 
 def make_md(n: int, temperatures: list[float] | None = None, *, top_ks=None, top_ps=None, min_ps=None,
@@ -372,3 +378,26 @@ def test_logprobs_zero_and_none():
     assert out.top_ids.shape == (1, 0) and out.top_logprobs.shape == (1, 0)
     out = Sampler()(logits, make_md(1, [0.0], max_num_logprobs=-1))
     assert out.logprobs is None and out.ranks is None and out.top_ids is None and out.top_logprobs is None
+
+
+def test_token_logprobs_match_float64_for_given_tokens():
+    """Prompt logprobs: the log-softmax at given (not sampled) tokens, their ranks and the top-k, against a
+    float64 reference on random fp32 logits (no ties). Bound: 1e-5 abs (fp32 log-softmax of values ~N(0, 4))."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(37, 300, generator=g) * 4  # [N, V]
+    targets = torch.randint(0, 300, (37,), generator=g)
+    targets[0] = logits[0].argmax()  # rank 1
+    targets[1] = logits[1].argmin()  # rank V
+    out = token_logprobs(logits, targets, 5)
+    ref = logits.double().log_softmax(-1)
+    want = ref.gather(1, targets[:, None])[:, 0]
+    assert out.token_ids is targets
+    assert (out.logprobs - want).abs().max().item() < 1e-5
+    assert out.ranks.tolist() == ((ref > want[:, None]).sum(-1) + 1).tolist()
+    assert out.ranks[0].item() == 1 and out.ranks[1].item() == 300
+    top = ref.topk(5, dim=-1)
+    assert out.top_ids.tolist() == top.indices.tolist()
+    assert (out.top_logprobs - top.values).abs().max().item() < 1e-5
+    assert (out.top_logprobs[:, :-1] >= out.top_logprobs[:, 1:]).all()  # descending
+    empty = token_logprobs(logits.half(), targets, 0)  # any float dtype in; fp32 out
+    assert empty.top_ids.shape == (37, 0) and empty.logprobs.dtype == torch.float32
