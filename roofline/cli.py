@@ -1,4 +1,4 @@
-"""``roofline {generate, chat, serve, bench, cost, probe}``.
+"""``roofline {generate, chat, serve, bench, cost, probe, eval}``.
 
 Subcommands live beside what they drive and register themselves through ``add_parser(subparsers)``;
 each module is imported only when its parser is built, and heavy imports happen inside handlers.
@@ -17,12 +17,14 @@ _COMMANDS = [
     ("roofline.server.cli", "add_parser"),
     ("roofline.cost_cli", "add_cost_parser"),
     ("roofline.cost_cli", "add_probe_parser"),
+    ("roofline.eval.cli", "add_eval_parser"),
 ]
 _BENCH_COMMANDS = [
     ("roofline.bench.serve", "add_parser"),
     ("roofline.bench.decode", "add_parser"),
     ("roofline.bench.throughput", "add_parser"),
     ("roofline.bench.attention", "add_parser"),
+    ("roofline.bench.prefix", "add_parser"),
 ]
 
 
