@@ -25,7 +25,7 @@ from roofline.config import EngineConfig, ModelConfig
 from roofline.engine.block_manager import BlockManager
 from roofline.engine.detokenizer import Detokenizer, emittable_text, find_stop_string
 from roofline.engine.scheduler import Scheduler, SchedulerOutput
-from roofline.engine.sequence import Sequence, SequenceStatus
+from roofline.engine.sequence import Logprob, Sequence, SequenceStatus
 from roofline.engine.step import CachedRequest, NewRequest, StepInput
 from roofline.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from roofline.sampling_params import SamplingParams
@@ -92,6 +92,8 @@ class _Request:
     seqs: list[Sequence]
     arrival_time: float
     stream: bool = True  # report every step (servers); False: only the final output (offline batches)
+    # SamplingParams.prompt_logprobs: entry i scores prompt token i (entry 0 stays None); filled as chunks run.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
 
 class LLMEngine:
@@ -219,7 +221,8 @@ class LLMEngine:
         for seq in seqs:
             self.detokenizer.start(seq)
             self.scheduler.add(seq)
-        self.requests[request_id] = _Request(request_id, text, token_ids, seqs, now, stream)
+        self.requests[request_id] = _Request(request_id, text, token_ids, seqs, now, stream,
+                                             [None] if params.prompt_logprobs is not None else None)
         return request_id
 
     def abort_request(self, request_id: str) -> bool:
@@ -312,6 +315,8 @@ class LLMEngine:
         self.stats.num_preemptions = self.scheduler.num_preemptions
         sampled = dict(zip(result.seq_ids, result.sampled_token_ids, strict=True))
         logprobs = {sid: lps[-1] for sid, lps in zip(result.seq_ids, result.logprobs, strict=True) if lps}
+        if result.prompt_logprobs:
+            self._add_prompt_logprobs(out, result.prompt_logprobs)
         changed = self.scheduler.update(out, sampled)
         touched: dict[str, _Request] = {}
         for seq in changed:
@@ -349,6 +354,35 @@ class LLMEngine:
             if ro.finished:
                 del self.requests[req.request_id]
         return outputs
+
+    def _add_prompt_logprobs(self, out: SchedulerOutput,
+                             scored: dict[int, tuple[int, list[dict[int, Logprob]]]]) -> None:
+        """Place a step's prompt-logprob entries at their token indices in their request's list.
+
+        Every sample of a request scores the prompt it computes, and a resumed sequence scores it again: an
+        index already filled keeps its first entry, so the list is complete once any sample has a token.
+        """
+        seqs = {s.seq.seq_id: s.seq for s in out.scheduled}
+        decoded: dict[int, str] = {}
+        for sid, (first, entries) in scored.items():
+            req = self.requests.get(seqs[sid].request_id)
+            if req is None or req.prompt_logprobs is None:
+                continue  # aborted meanwhile
+            lps = req.prompt_logprobs
+            if len(lps) < first:
+                lps.extend([None] * (first - len(lps)))  # tokens this request's sequences did not compute
+            for i, entry in enumerate(entries, start=first):
+                if i < len(lps) and lps[i] is not None:
+                    continue  # a repeat (another sample, or a resumed sequence)
+                if self.tokenizer is not None:
+                    for tid, lp in entry.items():
+                        if tid not in decoded:
+                            decoded[tid] = self.tokenizer.decode([tid])
+                        lp.decoded_token = decoded[tid]
+                if i < len(lps):
+                    lps[i] = entry
+                else:
+                    lps.append(entry)
 
     def _step_input(self, out: SchedulerOutput) -> StepInput:
         """Tell the worker only what it does not know: new (or resumed) sequences whole, running ones'
@@ -404,7 +438,8 @@ class LLMEngine:
             token_times=list(first.token_times),
         )
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
-                             finished=all(s.is_finished for s in req.seqs), metrics=metrics)
+                             finished=all(s.is_finished for s in req.seqs), metrics=metrics,
+                             prompt_logprobs=req.prompt_logprobs)
 
     # ------------------------------------------------------------------------------ helpers
 

@@ -89,12 +89,18 @@ class _SamplingFields(BaseModel):
 
 
 class CompletionRequest(_SamplingFields):
-    """POST /v1/completions. ``prompt``: a string, token ids, or a list of either (one choice set each)."""
+    """POST /v1/completions. ``prompt``: a string, token ids, or a list of either (one choice set each).
+
+    ``echo`` with ``logprobs`` returns logprobs for the prompt tokens too (the first null), and ``echo`` with
+    ``max_tokens: 0`` returns the prompt alone (the scoring request of lm-eval-harness). ``prompt_logprobs``
+    (vLLM extension) returns each choice's ``prompt_logprobs`` in vLLM's layout.
+    """
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None
+    prompt_logprobs: int | None = None  # extension (vLLM)
     best_of: int | None = None
     suffix: str | None = None
 
@@ -108,12 +114,27 @@ class CompletionLogprobs(BaseModel):
     text_offset: list[int] = Field(default_factory=list)
 
 
+class PromptLogprob(BaseModel):
+    """One token of a ``prompt_logprobs`` entry (vLLM's ``Logprob``): rank 1 is the most likely token."""
+
+    logprob: float
+    rank: int | None = None
+    decoded_token: str | None = None
+
+
+def _is_none(value: Any) -> bool:
+    return value is None
+
+
 class CompletionChoice(BaseModel):
     index: int
     text: str
     logprobs: CompletionLogprobs | None = None
     finish_reason: Literal["stop", "length", "abort"] | None = None
     stop_reason: int | str | None = None  # extension: the stop string or token id that matched
+    # Extension (vLLM), only when the request sets prompt_logprobs: one entry per prompt token, the first
+    # null, each {token id: PromptLogprob} with the actual prompt token and the top prompt_logprobs.
+    prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = Field(default=None, exclude_if=_is_none)
 
 
 class CompletionResponse(BaseModel):
@@ -194,10 +215,6 @@ class ChatCompletionResponse(BaseModel):
     model: str
     choices: list[ChatCompletionChoice]
     usage: UsageInfo
-
-
-def _is_none(value: Any) -> bool:
-    return value is None
 
 
 class DeltaMessage(BaseModel):

@@ -130,8 +130,12 @@ class OpenAIServing:
         return self.tokenizer.decode(token_ids) if self.tokenizer is not None else ""
 
     def check_context(self, num_prompt_tokens: int, max_tokens: int | None, prompt_param: str,
-                      max_tokens_param: str) -> int:
-        """Check the prompt and ``max_tokens`` against ``max_model_len``; returns the max_tokens to use."""
+                      max_tokens_param: str, allow_zero: bool = False) -> int:
+        """Check the prompt and ``max_tokens`` against ``max_model_len``; returns the max_tokens to use.
+
+        ``allow_zero``: 0 is accepted (the completions endpoint's ``echo`` with ``max_tokens: 0``: the prompt
+        alone), and returned as 0; the caller runs such a request with max_tokens=1 and drops the token.
+        """
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
             raise bad_request(
@@ -140,8 +144,11 @@ class OpenAIServing:
                 f"generated token", param=prompt_param, code="context_length_exceeded")
         if max_tokens is None:
             return limit - num_prompt_tokens
+        if max_tokens == 0 and allow_zero:
+            return 0
         if max_tokens < 1:
-            raise bad_request(f"{max_tokens_param} must be >= 1, got {max_tokens}", param=max_tokens_param)
+            allowed = ">= 0 (0 returns the prompt alone)" if allow_zero else ">= 1"
+            raise bad_request(f"{max_tokens_param} must be {allowed}, got {max_tokens}", param=max_tokens_param)
         if num_prompt_tokens + max_tokens > limit:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens, but {num_prompt_tokens + max_tokens} "
@@ -167,7 +174,7 @@ class OpenAIServing:
                               param="stop_token_ids")
 
     def sampling_params(self, req: P._SamplingFields, max_tokens: int, logprobs: int | None,
-                        names: dict[str, str]) -> SamplingParams:
+                        names: dict[str, str], prompt_logprobs: int | None = None) -> SamplingParams:
         """Build SamplingParams; a range error becomes a 400 naming the field and the allowed range."""
         try:
             return SamplingParams(
@@ -186,6 +193,7 @@ class OpenAIServing:
                 stop_token_ids=req.stop_token_ids,
                 ignore_eos=req.ignore_eos,
                 logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
                 skip_special_tokens=req.skip_special_tokens,
                 include_stop_str_in_output=req.include_stop_str_in_output,
             )

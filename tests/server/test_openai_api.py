@@ -7,6 +7,7 @@ Expected greedy texts come from the offline engine on the same weights (checked 
 from __future__ import annotations
 
 import asyncio
+import json
 
 import httpx
 import openai
@@ -98,6 +99,89 @@ def test_completion_logprobs_legacy_format(client):
         assert len(top) == 2  # greedy: the sampled token is the top-1, so no extra entry
         assert top[token] == logprob == max(top.values())  # greedy picks the most likely token
     assert lp.token_logprobs[0] == pytest.approx(-0.258, abs=0.01)  # P(" Paris") ~ 0.77
+
+
+def _offsets(tokens: list[str], start: int = 0) -> list[int]:
+    out = []
+    for t in tokens:
+        out.append(start)
+        start += len(t)
+    return out
+
+
+def test_completion_echo_max_tokens_0_scores_the_prompt(server, client, tokenizer):
+    """lm-eval-harness's loglikelihood request: the prompt alone, one legacy entry per prompt token, the
+    first null; the values equal the sampled-token logprobs of the same positions (another code path)."""
+    ids = tokenizer(PARIS).input_ids
+    r = client.completions.create(model=MODEL, prompt=ids + [PARIS_8_IDS[0]], max_tokens=0, echo=True, logprobs=5,
+                                  temperature=0)
+    c = r.choices[0]
+    assert c.text == PARIS + " Paris" and c.finish_reason == "length"
+    assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (6, 0)
+    lp = c.logprobs
+    assert lp.tokens == ["The", " capital", " of", " France", " is", " Paris"]
+    assert lp.text_offset == _offsets(lp.tokens) and "".join(lp.tokens) == c.text
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    for token, logprob, top in zip(lp.tokens[1:], lp.token_logprobs[1:], lp.top_logprobs[1:], strict=True):
+        assert logprob < 0 and top[token] == logprob
+        assert len(top) in (5, 6)  # the top 5, and the prompt token when it is not among them
+        assert max(top.values()) >= logprob
+    assert len(lp.top_logprobs[-1]) == 5 and max(lp.top_logprobs[-1].values()) == lp.token_logprobs[-1]
+    # " Paris" after the prompt, as the first sampled token of a plain request (test above: ~ -0.258).
+    sampled = client.completions.create(model=MODEL, prompt=PARIS, max_tokens=1, temperature=0, logprobs=5)
+    assert lp.token_logprobs[-1] == pytest.approx(sampled.choices[0].logprobs.token_logprobs[0], abs=1e-4)
+    assert lp.top_logprobs[-1] == pytest.approx(sampled.choices[0].logprobs.top_logprobs[0], abs=1e-4)
+    # Raw JSON: the first entries are null, no vLLM prompt_logprobs unless asked.
+    raw = httpx.post(server.url + "/v1/completions", json={"prompt": PARIS, "max_tokens": 0, "echo": True,
+                                                           "logprobs": 1}, timeout=60).json()
+    choice = raw["choices"][0]
+    assert choice["logprobs"]["token_logprobs"][0] is None and choice["logprobs"]["top_logprobs"][0] is None
+    assert "prompt_logprobs" not in choice and choice["text"] == PARIS
+
+
+def test_completion_echo_with_generation_returns_prompt_then_completion_logprobs(client):
+    plain = client.completions.create(model=MODEL, prompt=PARIS, max_tokens=8, temperature=0, logprobs=2)
+    r = client.completions.create(model=MODEL, prompt=PARIS, max_tokens=8, temperature=0, logprobs=2, echo=True)
+    c, lp, want = r.choices[0], r.choices[0].logprobs, plain.choices[0].logprobs
+    assert c.text == PARIS + PARIS_8 and r.usage.completion_tokens == 8
+    assert lp.tokens == ["The", " capital", " of", " France", " is"] + want.tokens
+    assert lp.token_logprobs[0] is None and all(x is not None for x in lp.token_logprobs[1:])
+    assert lp.token_logprobs[5:] == pytest.approx(want.token_logprobs, abs=1e-4)
+    assert lp.text_offset == _offsets(lp.tokens[:5]) + _offsets(want.tokens, len(PARIS))
+    assert all(len(top) == 2 for top in lp.top_logprobs[5:])  # greedy: the token is the top-1
+    # Streamed: the first chunk carries the prompt and its logprobs; the concatenation is the same.
+    chunks = [ch for ch in client.completions.create(model=MODEL, prompt=PARIS, max_tokens=8, temperature=0,
+                                                     logprobs=2, echo=True, stream=True) if ch.choices]
+    assert chunks[0].choices[0].text.startswith(PARIS) and chunks[0].choices[0].logprobs.tokens[:5] == lp.tokens[:5]
+    assert "".join(ch.choices[0].text for ch in chunks) == c.text
+    streamed = {field: [x for ch in chunks for x in getattr(ch.choices[0].logprobs, field)]
+                for field in ("tokens", "token_logprobs", "text_offset")}
+    assert streamed["tokens"] == lp.tokens and streamed["text_offset"] == lp.text_offset
+    assert streamed["token_logprobs"][0] is None
+    assert streamed["token_logprobs"][1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    # Streamed echo with max_tokens 0: one chunk, the prompt, finish "length".
+    only = [ch for ch in client.completions.create(model=MODEL, prompt=PARIS, max_tokens=0, echo=True, logprobs=1,
+                                                   stream=True) if ch.choices]
+    assert [(ch.choices[0].text, ch.choices[0].finish_reason) for ch in only] == [(PARIS, "length")]
+    assert only[0].choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1:5], abs=1e-4)
+
+
+def test_completion_prompt_logprobs_extension_vllm_layout(server, tokenizer):
+    ids = tokenizer(PARIS).input_ids
+    body = {"prompt": PARIS, "max_tokens": 2, "temperature": 0, "prompt_logprobs": 3}
+    choice = httpx.post(server.url + "/v1/completions", json=body, timeout=60).json()["choices"][0]
+    plps = choice["prompt_logprobs"]
+    assert choice["text"] == " Paris." and choice["logprobs"] is None
+    assert len(plps) == len(ids) and plps[0] is None
+    for i in range(1, len(ids)):
+        entry = plps[i]
+        actual = entry[str(ids[i])]
+        assert actual["decoded_token"] == tokenizer.decode([ids[i]]) and actual["logprob"] < 0
+        ranks = sorted(e["rank"] for e in entry.values())
+        assert ranks[:3] == [1, 2, 3] and len(entry) == 3 + (actual["rank"] > 3)
+    streamed = httpx.post(server.url + "/v1/completions", json=body | {"stream": True}, timeout=60).text
+    first = json.loads(streamed.split("\n\n")[0].removeprefix("data: "))["choices"][0]
+    assert first["prompt_logprobs"] == plps
 
 
 def test_completion_stream_matches_and_include_usage(client):
