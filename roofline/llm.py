@@ -30,10 +30,20 @@ class RunStats:
     mean_decode_batch: float | None = None  # sequences per decode-only step
     mean_decode_kv_tokens: float | None = None  # keys read per decode-only step, summed over sequences
     decode_floor: dict[str, Any] | None = None  # filled by the bound model (roofline.costmodel)
+    # Prefix cache: prompt tokens looked up at admission and those found cached (None: prefix caching off).
+    num_prefix_cache_queries: int | None = None
+    num_prefix_cache_hits: int | None = None
 
     @property
     def output_tok_per_s(self) -> float:
         return self.num_output_tokens / self.wall_time_s if self.wall_time_s > 0 else 0.0
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """Cached prompt tokens over prompt tokens looked up, in [0, 1]; None without lookups."""
+        if not self.num_prefix_cache_queries or self.num_prefix_cache_hits is None:
+            return None
+        return self.num_prefix_cache_hits / self.num_prefix_cache_queries
 
 
 class LLM:
@@ -47,6 +57,9 @@ class LLM:
 
     Keyword arguments are those of ``EngineArgs`` (``max_model_len``, ``block_size``, ``max_num_seqs``,
     ``max_num_batched_tokens``, ``kv_cache_memory``, ``dtype``, ``seed``, ``load_format``...).
+    ``kv_cache_dtype``: "auto" (the model dtype), "float32"/"float16"/"bfloat16", or a quantized cache, "int8"
+    or "fp8_e4m3" (alias "fp8"), about twice the tokens of a 16-bit cache in the same memory. Raises
+    ``ValueError`` for a bad value, naming it and the choices.
     """
 
     def __init__(self, model: str | None = None, **kwargs: Any):
@@ -120,6 +133,35 @@ class LLM:
             ids = ids["input_ids"]
         return list(ids)
 
+    def score_logprobs(self, token_ids: Seq[int], chunk_size: int | None = None) -> Any:
+        """Evaluation API (``roofline eval``): next-token log-probabilities of one token sequence under this
+        engine's configuration (weights, dtype, KV-cache format, attention backend).
+
+        The sequence runs as a chunked prefill through the KV cache (``Worker.score``), in scratch blocks taken
+        from the engine's block allocator and given back on return, so requests in flight keep their blocks.
+        Call it from the thread that steps the engine (between ``generate`` calls, or from a step loop).
+        ``chunk_size``: tokens per forward pass (default: the engine's per-step token budget).
+
+        Returns:
+            torch.Tensor [T, vocab_size] fp32 on the engine's device; row t is log p(token t+1 | tokens 0..t).
+
+        Raises:
+            ValueError: an empty sequence, longer than max_model_len, or an id out of [0, vocab_size).
+            RuntimeError: fewer free KV blocks than the sequence needs.
+        """
+        token_ids = list(token_ids)
+        bm = self.engine.block_pool
+        holder = _ScratchBlocks()
+        if token_ids and not bm.can_allocate(holder, len(token_ids)):
+            raise RuntimeError(f"scoring {len(token_ids)} tokens needs {bm.num_blocks_needed(len(token_ids))} "
+                               f"free KV blocks, {bm.num_free_blocks} are free")
+        if token_ids:
+            bm.allocate(holder, len(token_ids))
+        try:
+            return self.engine.worker.score(token_ids, holder.block_table, chunk_size)
+        finally:
+            bm.free(holder)
+
     def decode_floor(self, hardware: str | None = None) -> dict[str, Any] | None:
         """The last run's mean decode step beside its bound (``roofline.costmodel``), also stored in
         ``last_run_stats.decode_floor``. Keys include ``floor_s``, ``measured_s``, ``fraction_of_floor`` and
@@ -183,7 +225,9 @@ class LLM:
         done = [r for r in results if r is not None and r.error is None]
         ttfts = [r.metrics.ttft for r in done if r.metrics and r.metrics.ttft is not None]
         tpots = [r.metrics.tpot for r in done if r.metrics and r.metrics.tpot is not None]
-        n_dec, t_dec, seqs_dec, kv_dec, preempt = (a - b for a, b in zip(engine.stats.snapshot(), before, strict=True))
+        n_dec, t_dec, seqs_dec, kv_dec, preempt, pc_queries, pc_hits = (
+            a - b for a, b in zip(engine.stats.snapshot(), before, strict=True))
+        caching = engine.prefix_cache is not None
         self.last_run_stats = RunStats(
             num_requests=len(done),
             num_prompt_tokens=sum(len(r.prompt_token_ids) for r in done),
@@ -195,5 +239,15 @@ class LLM:
             mean_decode_step_s=t_dec / n_dec if n_dec else None,
             mean_decode_batch=seqs_dec / n_dec if n_dec else None,
             mean_decode_kv_tokens=kv_dec / n_dec if n_dec else None,
+            num_prefix_cache_queries=int(pc_queries) if caching else None,
+            num_prefix_cache_hits=int(pc_hits) if caching else None,
         )
         return [r for r in results if r is not None]
+
+
+class _ScratchBlocks:
+    """What the block allocator reads and writes of a sequence: scratch blocks for ``LLM.score_logprobs``."""
+
+    def __init__(self) -> None:
+        self.block_table: list[int] = []
+        self.num_computed_tokens = 0

@@ -1,0 +1,120 @@
+"""Passkey retrieval: a five-digit key hidden at a given depth in repeated filler text, asked for at the end.
+
+The prompt follows Mohtashami & Jaggi 2023 ("Landmark Attention", arXiv:2305.16300), as used by most
+long-context evaluations: an instruction, the filler "The grass is green. The sky is blue. ..." repeated,
+the line "The pass key is NNNNN. Remember it. NNNNN is the pass key." inserted at a sentence boundary,
+more filler, and "What is the pass key? The pass key is" for the model to complete. It is a plain prompt
+(no chat template): the completion is the key itself. Decoding is greedy; a trial passes when the
+generated text contains the key.
+
+Depth d in [0, 1] is the fraction of the filler (the haystack) before the key line, as in
+needle-in-a-haystack tests: 0 puts the key right after the instruction, 1 right before the question. The
+key line starts at the filler sentence boundary nearest ``d * num_filler_tokens`` (within half a sentence,
+at most 4 tokens, of the target).
+Pieces are tokenized separately and concatenated; each piece starts with its own space or newline, so the
+ids are the ones the joined text tokenizes to.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
+               "I will quiz you about the important information there.")
+FILLER = (" The grass is green.", " The sky is blue.", " The sun is yellow.", " Here we go.",
+          " There and back again.")
+KEY_LINE = " The pass key is {key}. Remember it. {key} is the pass key."
+QUESTION = "\n\nWhat is the pass key? The pass key is"
+DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
+ANSWER_MAX_TOKENS = 12  # " " + 5 digits + "." and room for a space or a repeat
+
+
+@dataclass(frozen=True)
+class PasskeyPrompt:
+    token_ids: list[int]
+    key: str
+    depth: float  # requested
+    key_position: int  # token index where the key line starts
+    filler_start: int  # token index of the first filler token
+    num_filler_tokens: int
+
+    @property
+    def actual_depth(self) -> float:
+        """Fraction of the filler tokens before the key line."""
+        return (self.key_position - self.filler_start) / self.num_filler_tokens
+
+
+def _ids(tokenizer: Any, text: str) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=False).input_ids)
+
+
+def build_passkey_prompt(tokenizer: Any, num_tokens: int, depth: float, key: str) -> PasskeyPrompt:
+    """A prompt of at most ``num_tokens`` tokens (the most filler sentences that fit) with ``key`` at ``depth``.
+
+    Raises:
+        ValueError: depth outside [0, 1], a key that is not 5 digits, or num_tokens too small to hold the
+            instruction, the key line, the question and one filler sentence.
+    """
+    if not 0.0 <= depth <= 1.0:
+        raise ValueError(f"passkey depth must be in [0, 1], got {depth}")
+    if not (len(key) == 5 and key.isdigit()):
+        raise ValueError(f"passkey must be 5 digits, got {key!r}")
+    head, key_ids, tail = _ids(tokenizer, INSTRUCTION), _ids(tokenizer, KEY_LINE.format(key=key)), \
+        _ids(tokenizer, QUESTION)
+    sentences = [_ids(tokenizer, s) for s in FILLER]
+    budget = num_tokens - len(head) - len(key_ids) - len(tail)
+    filler: list[list[int]] = []
+    used = 0
+    while used + len(sentences[len(filler) % len(sentences)]) <= budget:
+        s = sentences[len(filler) % len(sentences)]
+        filler.append(s)
+        used += len(s)
+    if not filler:
+        raise ValueError(f"passkey length {num_tokens} is too short: the instruction, key line and question "
+                         f"alone take {num_tokens - budget} tokens")
+    target = depth * used
+    # Boundary k: the key goes after k filler sentences; pick the k nearest the target.
+    best_k, best_err, pos = 0, target, 0
+    for k, s in enumerate(filler, start=1):
+        pos += len(s)
+        if abs(pos - target) < best_err:
+            best_k, best_err = k, abs(pos - target)
+    before = [t for s in filler[:best_k] for t in s]
+    after = [t for s in filler[best_k:] for t in s]
+    ids = head + before + key_ids + after + tail
+    return PasskeyPrompt(ids, key, depth, len(head) + len(before), len(head), used)
+
+
+def passkey_keys(num: int, seed: int = 0) -> list[str]:
+    """``num`` five-digit keys from ``random.Random(seed)`` (10000..99999, so no leading zero)."""
+    rng = random.Random(seed)
+    return [str(rng.randint(10000, 99999)) for _ in range(num)]
+
+
+def build_trials(tokenizer: Any, lengths: list[int], depths: list[float], seed: int = 0) -> list[PasskeyPrompt]:
+    """One prompt per (length, depth), each with its own key (the same keys for every configuration)."""
+    keys = passkey_keys(len(lengths) * len(depths), seed)
+    return [build_passkey_prompt(tokenizer, n, d, keys[i * len(depths) + j])
+            for i, n in enumerate(lengths) for j, d in enumerate(depths)]
+
+
+def run_passkey(llm: Any, trials: list[PasskeyPrompt]) -> list[dict[str, Any]]:
+    """Greedy answers for every trial; returns one record per trial (length, depth, key, answer, passed).
+
+    Trials run one at a time: a long prompt is prefill-bound, so batching them gains little, and one at a
+    time a pool sized for one ``max_model_len`` sequence never preempts.
+    """
+    from roofline.sampling_params import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=ANSWER_MAX_TOKENS)
+    records = []
+    for t in trials:
+        ro = llm.generate({"prompt_token_ids": t.token_ids}, params, use_tqdm=False)[0]
+        if ro.error:
+            raise ValueError(f"passkey prompt of {len(t.token_ids)} tokens was rejected: {ro.error}")
+        answer = ro.outputs[0].text
+        records.append({"length": len(t.token_ids), "depth": t.depth, "actual_depth": round(t.actual_depth, 4),
+                        "key": t.key, "answer": answer, "passed": t.key in answer})
+    return records

@@ -1,0 +1,214 @@
+"""``roofline eval`` on the default model, on a tiny slice: the scoring path, the metrics, passkey prompts, the CLI.
+
+Tolerances: the engine's fp32 log-probs against the transformers oracle's full-sequence forward agree to
+2e-3 absolute per entry (the parity tests' fp32 level, over 49,152 x 300 entries); the perplexities, being
+exp of a mean of ~300 such terms, to 1e-4 relative.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+
+import pytest
+import torch
+
+from roofline.eval import data, passkey, runner
+from roofline.eval.metrics import QualityAccumulator, kl_per_position
+
+NUM_TOKENS = 300  # a tiny slice: one window of 200 and one of 100
+
+
+@pytest.fixture(scope="module")
+def fp16_kv_llm():
+    from roofline import LLM
+
+    return LLM(max_model_len=1024, dtype="float32", device="cpu", attention_backend="torch",
+               max_num_batched_tokens=2048, kv_cache_dtype="float16", num_kv_blocks=160)
+
+
+@pytest.fixture(scope="module")
+def heldout(default_llm):
+    return data.load_heldout_text(default_llm.tokenizer, NUM_TOKENS)
+
+
+@pytest.fixture()
+def builder(monkeypatch, default_llm, fp16_kv_llm):
+    """``runner._build_llm`` returning the session's LLMs instead of loading new ones."""
+    built = []
+
+    def build(args, min_tokens):
+        llm = {"auto": default_llm, "float16": fp16_kv_llm}[args.kv_cache_dtype]
+        built.append(args)
+        return llm
+
+    monkeypatch.setattr(runner, "_build_llm", build)
+    return built
+
+
+TINY = runner.EvalConfig(num_eval_tokens=NUM_TOKENS, window=200, passkey_lengths=(300,), passkey_depths=(0.5,))
+
+
+def test_make_windows_scores_each_target_at_most_once():
+    for n, window, stride in [(300, 200, None), (1000, 128, 64), (1025, 1024, 1024), (50, 7, 3), (2, 2, 1),
+                              (51_200, 1024, None)]:
+        windows = data.make_windows(n, window, stride)
+        seen: list[int] = []
+        for w in windows:
+            assert w.end - w.start <= window and w.start < w.first_target <= w.end
+            seen += range(w.first_target, w.end)
+        starts = set(range(0, n, window)) if stride in (None, window) else set()
+        assert seen == [t for t in range(1, n) if t not in starts], (n, window, stride)
+    assert len(data.make_windows(51_200, 1024)) == 50 and sum(w.num_targets for w in windows) == 51_150
+    with pytest.raises(ValueError, match=r"stride must be in \[1, window=8\], got 9"):
+        data.make_windows(100, 8, 9)
+
+
+def test_heldout_slice_is_disjoint_from_default_benchmark_prompts(default_llm, heldout):
+    from roofline.bench.datasets import load_sharegpt_conversations, sample_sharegpt
+
+    pairs = load_sharegpt_conversations()
+    assert len(heldout.token_ids) == NUM_TOKENS and heldout.pair_indices
+    counts = Counter(p[0] for p in pairs)
+    order = [i for i in data.heldout_pair_indices(len(pairs)) if counts[pairs[i][0]] == 1]
+    assert heldout.pair_indices == order[:len(heldout.pair_indices)]
+    # `bench throughput` draws 1000 prompts with seed 0 by default (bench serve 100, generate 32).
+    bench_prompts = {r.prompt for r in sample_sharegpt(default_llm.tokenizer, 1000, seed=0)}
+    held = data.load_heldout_text(default_llm.tokenizer, 51_200)
+    assert not bench_prompts & {pairs[i][0] for i in held.pair_indices}
+    first = pairs[heldout.pair_indices[0]]
+    expect = default_llm.tokenizer(data.conversation_text(*first), add_special_tokens=False).input_ids
+    assert heldout.token_ids[:len(expect)] == expect[:NUM_TOKENS]
+
+
+def test_score_matches_a_full_sequence_forward(default_llm, hf_oracle, heldout):
+    """Chunked scoring through the paged cache (chunks of 64) equals the oracle's one-shot forward; so does
+    the perplexity the eval reports, computed from it."""
+    ids = heldout.token_ids
+    ours = default_llm.score_logprobs(ids, chunk_size=64)  # [T, V]
+    with torch.no_grad():
+        logits = hf_oracle(torch.tensor([ids])).logits[0].float()
+    ref = torch.log_softmax(logits, dim=-1)
+    assert ours.shape == ref.shape == (len(ids), 49152) and ours.dtype == torch.float32
+    assert (ours - ref).abs().max().item() < 2e-3
+    targets = torch.tensor(ids[1:])
+    ref_ppl = math.exp(-ref[:-1].double().gather(1, targets[:, None]).mean().item())
+    acc = QualityAccumulator()
+    acc.add(ours[:-1], None, targets)
+    assert acc.summary()["perplexity"] == pytest.approx(ref_ppl, rel=1e-4)
+    # Scoring in one chunk or in 64-token chunks reads the same cache: same values up to fp32 reassociation.
+    assert (default_llm.score_logprobs(ids) - ours).abs().max().item() < 1e-4
+    assert default_llm.engine.block_pool.num_free_blocks == default_llm.engine.block_pool.num_blocks
+
+
+def test_score_rejects_bad_input(default_llm):
+    with pytest.raises(ValueError, match=r"1 <= len\(token_ids\) <= max_model_len \(1024\), got 0"):
+        default_llm.score_logprobs([])
+    with pytest.raises(ValueError, match=r"token id 49152 is out of range \[0, 49152\)"):
+        default_llm.score_logprobs([1, 49152])
+    with pytest.raises(ValueError, match="got 1025"):
+        default_llm.score_logprobs([1] * 1025)
+
+
+def test_baseline_against_itself(builder, default_llm):
+    res = runner.run_eval(runner.EngineArgs(), [runner.Candidate("same", {"kv_cache_dtype": "auto"})], TINY,
+                          log=None)
+    base, same = res["rows"]
+    assert same["kl_mean"] == 0.0 and same["kl_p99"] == 0.0 and same["kl_max"] == 0.0
+    assert same["top1_agreement"] == 1.0
+    assert same["perplexity"] == base["perplexity"] and same["mean_nll"] == base["mean_nll"]
+    assert base["num_scored_tokens"] == NUM_TOKENS - 2 == res["dataset"]["num_scored_tokens"]  # 199 + 99
+    assert base["passkey_trials"] == same["passkey_trials"]
+
+
+def test_float16_kv_gives_small_positive_kl(builder):
+    res = runner.run_eval(runner.EngineArgs(), [runner.parse_candidate("kv_cache_dtype=float16")], TINY, log=None)
+    base, fp16 = res["rows"]
+    assert fp16["kv_cache_dtype"] == "float16" and base["kv_cache_dtype"] == "float32"
+    assert fp16["kv_bytes_per_token"] * 2 == base["kv_bytes_per_token"] == 30 * 3 * 64 * 2 * 4
+    assert fp16["pool_tokens_at_budget"] == (2**30 // (16 * 23040)) * 16
+    assert 0.0 < fp16["kl_mean"] < 1e-4 and fp16["kl_mean"] <= fp16["kl_p99"] <= fp16["kl_max"] < 1e-2
+    assert fp16["top1_agreement"] >= 0.98
+    assert fp16["perplexity"] == pytest.approx(base["perplexity"], rel=1e-3) and fp16["perplexity"] != base["perplexity"]
+
+
+def test_kl_is_the_float64_sum():
+    g = torch.Generator().manual_seed(0)
+    b = torch.log_softmax(torch.randn(5, 40, generator=g), -1)
+    c = torch.log_softmax(torch.randn(5, 40, generator=g), -1)
+    ref = (b.double().exp() * (b.double() - c.double())).sum(-1)
+    assert torch.equal(kl_per_position(b, c), ref) and (ref > 0).all()
+    assert torch.equal(kl_per_position(b, b), torch.zeros(5, dtype=torch.float64))
+
+
+@pytest.mark.parametrize("length", [1024, 6144])
+def test_passkey_prompt_places_the_key_at_the_depth(default_llm, length):
+    tok = default_llm.tokenizer
+    for depth in (0.0, 0.25, 0.5, 0.75, 1.0):
+        p = passkey.build_passkey_prompt(tok, length, depth, "40615")
+        assert length - 8 <= len(p.token_ids) <= length
+        key_ids = tok(passkey.KEY_LINE.format(key="40615"), add_special_tokens=False).input_ids
+        found = [i for i in range(len(p.token_ids)) if p.token_ids[i:i + len(key_ids)] == key_ids]
+        assert found == [p.key_position]
+        assert abs(p.actual_depth - depth) <= 0.01, (length, depth, p.actual_depth)
+        text = tok.decode(p.token_ids)
+        assert text.startswith(passkey.INSTRUCTION) and text.endswith(passkey.QUESTION)
+        assert tok(text, add_special_tokens=False).input_ids == p.token_ids  # the canonical tokenization
+    with pytest.raises(ValueError, match="passkey depth must be in"):
+        passkey.build_passkey_prompt(tok, length, 1.5, "40615")
+
+
+def test_candidates_parse_and_bad_overrides_name_the_field():
+    c = runner.parse_candidate("kv-cache-dtype=float16,max_num_batched_tokens=512,enforce_eager=true")
+    assert c.overrides == {"kv_cache_dtype": "float16", "max_num_batched_tokens": 512, "enforce_eager": True}
+    with pytest.raises(ValueError, match=r"kv_cache_dtype must be one of auto, float32, float16, bfloat16"):
+        runner.parse_candidate("kv_cache_dtype=int9")
+    with pytest.raises(ValueError, match=r"'kv_cash_dtype' is not an engine argument; allowed fields: .*kv_cache_dtype"):
+        runner.parse_candidate("kv_cash_dtype=float16")
+    with pytest.raises(ValueError, match="max_num_batched_tokens must be int"):
+        runner.parse_candidate("max_num_batched_tokens=many")
+    with pytest.raises(ValueError, match="must be FIELD=VALUE"):
+        runner.parse_candidate("float16")
+    flagged = runner.candidates_from_args(runner.EngineArgs(kv_cache_dtype="float16"), ["kv_cache_dtype=bfloat16"])
+    assert [x.overrides for x in flagged] == [{"kv_cache_dtype": "float16"}, {"kv_cache_dtype": "bfloat16"}]
+    assert runner.baseline_args(runner.EngineArgs(kv_cache_dtype="float16", seed=3)) == runner.EngineArgs(seed=3)
+    assert [x.name for x in runner.default_candidates("float32")] == ["kv_cache_dtype=int8",
+                                                                      "kv_cache_dtype=fp8_e4m3"]
+
+
+def test_cli_rejects_a_bad_override_before_loading(capsys):
+    from roofline.cli import main
+
+    assert main(["eval", "--candidates", "kv_cache_dtype=float16", "kv_cache_dtype=int9"]) == 2
+    err = capsys.readouterr().err
+    assert "kv_cache_dtype must be one of" in err and "'int9'" in err
+
+
+def test_cli_prints_the_table_and_writes_the_json(builder, tmp_path, capsys):
+    from roofline.cli import main
+
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--device", "cpu", "--candidates", "kv_cache_dtype=float16", "--num-eval-tokens",
+                 str(NUM_TOKENS), "--window", "200", "--passkey-lengths", "300", "--passkey-depths", "0,1",
+                 "--output-json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    lines = printed.splitlines()
+    assert lines[0].split()[:3] == ["config", "format", "KV"] and "tokens @ 1 GiB" in lines[0]
+    assert lines[1].startswith("baseline") and lines[2].startswith("kv_cache_dtype=float16")
+    doc = json.loads(out.read_text())
+    for key in ("benchmark", "date", "git_commit", "device", "model", "dataset", "passkey", "kv_budget_bytes",
+                "wall_time_s", "rows"):
+        assert key in doc, key
+    for key in ("slice", "pair_indices", "num_stream_tokens", "window", "stride", "num_windows", "num_scored_tokens"):
+        assert key in doc["dataset"], key
+    assert [r["name"] for r in doc["rows"]] == ["baseline", "kv_cache_dtype=float16"]
+    for row in doc["rows"]:
+        for key in ("overrides", "format", "kv_bytes_per_token", "pool_tokens_at_budget", "perplexity", "mean_nll",
+                    "kl_mean", "kl_p99", "kl_max", "top1_agreement", "num_scored_tokens", "passkey_pass_rate",
+                    "passkey_trials"):
+            assert key in row, key
+        assert len(row["passkey_trials"]) == 2 and {"length", "depth", "key", "answer", "passed"} <= set(
+            row["passkey_trials"][0])
+    assert doc["rows"][1]["kl_mean"] > 0 and doc["rows"][0]["kl_mean"] == 0
+    assert [a.kv_cache_dtype for a in builder] == ["auto", "float16"]
