@@ -14,6 +14,8 @@ from dataclasses import asdict, dataclass, fields
 from roofline.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 _DTYPE_CHOICES = ["auto", "float32", "float16", "bfloat16"]
+# As vLLM: auto (= the model dtype), a float dtype, or a quantized cache; "fp8" is an alias of "fp8_e4m3".
+_KV_CACHE_DTYPE_CHOICES = [*_DTYPE_CHOICES, "fp8", "fp8_e4m3", "int8"]
 
 
 def resolve_device(device: str) -> str:
@@ -96,6 +98,8 @@ class EngineArgs:
     enforce_eager: bool = False
     disable_triton_kernels: bool = False  # pure-torch norms/activations on CUDA (the attention backend aside)
     async_scheduling: bool | None = None  # None: on with a CUDA device, off on CPU (where nothing overlaps)
+    enable_prefix_caching: bool = True  # reuse cached KV blocks of common prefixes (RadixAttention)
+    schedule_policy: str = "fcfs"  # fcfs, or lpm (longest prefix match first; needs prefix caching)
 
     def create_engine_config(self, model_config: ModelConfig) -> EngineConfig:
         """Resolve every option against this machine and the model.
@@ -112,15 +116,15 @@ class EngineArgs:
                 f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
                 f"({model_config.max_position_embeddings})"
             )
-        for name in ("dtype", "kv_cache_dtype"):
-            if getattr(self, name) not in _DTYPE_CHOICES:
-                raise ValueError(f"{name} must be one of {', '.join(_DTYPE_CHOICES)}; got {getattr(self, name)!r}")
+        for name, choices in (("dtype", _DTYPE_CHOICES), ("kv_cache_dtype", _KV_CACHE_DTYPE_CHOICES)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be one of auto, torch, triton; got {self.attention_backend!r}")
         device = resolve_device(self.device)
         on_cuda = device.startswith("cuda")
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
-        kv_dtype = self.kv_cache_dtype if self.kv_cache_dtype != "auto" else dtype
+        kv_dtype = {"auto": dtype, "fp8": "fp8_e4m3"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
         triton_ok = on_cuda and _triton_importable()
         backend = self.attention_backend
         if backend == "auto":
@@ -153,6 +157,7 @@ class EngineArgs:
                 kv_cache_memory=kv_bytes,
                 gpu_memory_utilization=fraction if fraction is not None else self.gpu_memory_utilization,
                 kv_cache_dtype=kv_dtype,
+                enable_prefix_caching=self.enable_prefix_caching,
             ),
             scheduler_config=SchedulerConfig(
                 max_num_seqs=self.max_num_seqs,
@@ -161,6 +166,7 @@ class EngineArgs:
                 enable_chunked_prefill=self.enable_chunked_prefill,
                 budget_from_profile=(self.max_num_batched_tokens is None and not on_cuda
                                      and self.enable_chunked_prefill),
+                schedule_policy=self.schedule_policy,
             ),
             dtype=dtype,
             device=device,
@@ -195,12 +201,19 @@ class EngineArgs:
         parser.add_argument("--kv-cache-memory", default=None,
                             help="KV cache size: bytes with unit (4GiB) or a fraction of device memory (0.5)")
         parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
-        parser.add_argument("--kv-cache-dtype", default="auto", choices=_DTYPE_CHOICES,
-                            help="KV cache element type (auto = the model dtype)")
+        parser.add_argument("--kv-cache-dtype", default="auto", choices=_KV_CACHE_DTYPE_CHOICES,
+                            help="KV cache element type (auto = the model dtype); int8 (per token and KV head "
+                                 "scales) or fp8_e4m3 (alias fp8; static per-head scales calibrated at "
+                                 "start-up) hold about twice the tokens of a 16-bit cache")
         parser.add_argument("--attention-backend", default="auto", choices=["auto", "torch", "triton"])
         parser.add_argument("--enforce-eager", action="store_true", help="never capture CUDA graphs")
         parser.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                             help="schedule step N+1 while step N runs (default: on with a GPU, off on CPU)")
+        parser.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                            help="reuse the KV blocks of cached prompt prefixes (RadixAttention; default: on)")
+        parser.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
+                            help="admission order: fcfs, or lpm (longest cached prefix first, with a "
+                                 "starvation bound; needs prefix caching)")
         parser.add_argument("--disable-triton-kernels", action="store_true",
                             help="pure-torch RMSNorm/SiLU on CUDA (was ROOFLINE_DISABLE_KERNELS=1)")
 

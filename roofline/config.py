@@ -224,7 +224,11 @@ class CacheConfig:
     num_blocks: int | None = None
     kv_cache_memory: int | None = None  # bytes
     gpu_memory_utilization: float = 0.9
-    kv_cache_dtype: str = "float32"  # a torch dtype name; EngineArgs resolves "auto" to the model dtype
+    # A torch dtype name, or a quantized format: "int8" (per token and KV head scales) or "fp8_e4m3" (static
+    # per-head scales); EngineArgs resolves "auto" to the model dtype and "fp8" to "fp8_e4m3".
+    kv_cache_dtype: str = "float32"
+    # Automatic prefix caching (RadixAttention): reuse the KV blocks of earlier requests' common prefixes.
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size > 1024:
@@ -235,6 +239,9 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be > 0 bytes, got {self.kv_cache_memory}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+
+
+SCHEDULE_POLICIES = ("fcfs", "lpm")
 
 
 @dataclass(frozen=True)
@@ -248,8 +255,17 @@ class SchedulerConfig:
     # True when the user set no budget on a CPU: the engine measures the prefill cost per token once the
     # model is loaded and lowers max_num_batched_tokens so one step stays under about half a second.
     budget_from_profile: bool = False
+    # Order of admission from the waiting queue: "fcfs", or "lpm" (longest cached prefix first, SGLang's name;
+    # needs prefix caching). Under lpm a sequence passed over by later ones in ``lpm_starvation_rounds``
+    # scheduling rounds is admitted ahead of all others.
+    schedule_policy: str = "fcfs"
+    lpm_starvation_rounds: int = 16
 
     def __post_init__(self) -> None:
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ValueError(f"schedule_policy must be one of {', '.join(SCHEDULE_POLICIES)}, got "
+                             f"{self.schedule_policy!r}")
+        _check_positive("lpm_starvation_rounds", self.lpm_starvation_rounds)
         _check_positive("max_num_seqs", self.max_num_seqs)
         _check_positive("max_num_batched_tokens", self.max_num_batched_tokens)
         _check_positive("max_model_len", self.max_model_len)
@@ -273,6 +289,7 @@ class ParallelConfig:
 
 
 DTYPES = ("float32", "float16", "bfloat16")
+KV_CACHE_DTYPES = (*DTYPES, "fp8_e4m3", "int8")  # resolved values (vLLM's names; "fp8" is an alias)
 ATTENTION_BACKENDS = ("torch", "triton")
 
 
@@ -304,8 +321,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} once resolved; got {self.dtype!r}")
-        if self.cache_config.kv_cache_dtype not in DTYPES:
-            raise ValueError(f"kv_cache_dtype must be one of {', '.join(DTYPES)} once resolved; got "
+        if self.cache_config.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)} once resolved; got "
                              f"{self.cache_config.kv_cache_dtype!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {', '.join(ATTENTION_BACKENDS)} once resolved; "
@@ -318,6 +335,9 @@ class EngineConfig:
                              f"use attention_backend 'torch' on CPU")
         if self.use_triton_kernels and not on_cuda:
             raise ValueError(f"use_triton_kernels=True needs a CUDA device, got device {self.device!r}")
+        if self.scheduler_config.schedule_policy == "lpm" and not self.cache_config.enable_prefix_caching:
+            raise ValueError("schedule_policy 'lpm' (longest prefix match) needs prefix caching, but "
+                             "enable_prefix_caching is False; use schedule_policy 'fcfs' or enable prefix caching")
         if not on_cuda and not self.enforce_eager:
             raise ValueError(f"CUDA graphs (enforce_eager=False) need a CUDA device, got device {self.device!r}")
 

@@ -50,6 +50,29 @@ def test_kv_bytes_per_sequence_worksheet():
     assert cm.kv_bytes_per_sequence(80, 8, 128, 2048, cm.kv_dtype_bytes("fp8_e4m3")) == KV / 2
 
 
+def test_kv_cache_bytes_per_token_counts_int8_scales():
+    # int8: one float32 scale per token and KV head, for K and for V; fp8 e4m3: static per-head scales only.
+    assert cm.kv_cache_bytes_per_token(80, 8, 128, "int8") == 2 * 80 * 8 * (128 + 4) == 168_960
+    assert cm.kv_cache_bytes_per_token(80, 8, 128, "fp8_e4m3") == cm.kv_cache_bytes_per_token(80, 8, 128, "fp8") \
+        == 2 * 80 * 8 * 128 == KV / 2048 / 2
+    assert cm.kv_cache_bytes_per_token(30, 3, 64, "int8") == 12_240  # SmolLM2-135M, the engine's pool
+    assert FIX.kv_bytes_per_sequence(2048, "int8") == 2048 * 168_960
+    # 16-bit over int8 at the same bytes: 1.94x the tokens at D 128, 1.88x at D 64 (the scales' share).
+    assert cm.kv_cache_bytes_per_token(80, 8, 128, "bf16") / cm.kv_cache_bytes_per_token(80, 8, 128, "int8") \
+        == pytest.approx(256 / 132)
+    assert cm.kv_scale_bytes("int8") == 4.0 and cm.kv_scale_bytes("bf16") == 0.0
+    with pytest.raises(ValueError, match=r"unknown KV dtype 'int4'; known: fp32, bf16, fp16, fp8_e4m3, fp8, int8"):
+        cm.kv_scale_bytes("int4")
+
+
+def test_cli_kv_dtype_int8_counts_scales(capsys):
+    assert run_cli(["cost", "--model", "dense-70b-fixture-r1", "--hardware", "worksheet", "--kv-dtype", "int8",
+                    "--json"]) == 0
+    r = json.loads(capsys.readouterr().out)
+    assert r["workload"]["kv_dtype"] == "int8"
+    assert r["workload"]["kv_bytes_per_sequence"] == 2048 * 168_960
+
+
 @pytest.mark.parametrize(
     "fmt, gb, gib, b1_ms, b32_ms, ratio",
     [

@@ -69,7 +69,7 @@ def test_triton_backend_on_cpu_names_both():
     assert "'triton'" in msg and "'cpu'" in msg, msg
 
 
-@pytest.mark.parametrize("field, value", [("dtype", "float64"), ("kv_cache_dtype", "fp8"),
+@pytest.mark.parametrize("field, value", [("dtype", "float64"), ("kv_cache_dtype", "int4"),
                                           ("attention_backend", "flash")])
 def test_bad_engine_args_name_the_value(field, value):
     with pytest.raises(ValueError) as info:
@@ -92,7 +92,7 @@ def test_engine_config_refuses_unresolved_auto(change):
 
 @pytest.mark.parametrize("change, words", [
     (dict(dtype="float64"), ["dtype", "'float64'"]),
-    (dict(cache_config=CacheConfig(kv_cache_dtype="int8")), ["kv_cache_dtype", "'int8'"]),
+    (dict(cache_config=CacheConfig(kv_cache_dtype="fp8")), ["kv_cache_dtype", "'fp8'", "fp8_e4m3, int8"]),
     (dict(device="tpu"), ["device", "'tpu'"]),
     (dict(attention_backend="triton"), ["'triton'", "'cpu'"]),
     (dict(use_triton_kernels=True), ["use_triton_kernels", "'cpu'"]),

@@ -193,7 +193,8 @@ class AttentionBackend(ABC):
         q, k = ref_rotary(positions, q, k, self.rotary.cos_sin_cache)
         seen = [k.float().abs().amax(dim=(0, 2)), v.float().abs().amax(dim=(0, 2))]  # [H_kv] each
         prev = self._calib_amax.get(id(cache))
-        self._calib_amax[id(cache)] = seen if prev is None else [torch.maximum(a, b) for a, b in zip(prev, seen)]
+        self._calib_amax[id(cache)] = seen if prev is None else [torch.maximum(a, b)
+                                                                  for a, b in zip(prev, seen, strict=True)]
         group = self.num_heads // self.num_kv_heads
         out = torch.empty_like(q)
         start = 0

@@ -5,9 +5,15 @@
     with causal FLOPs = 4 * S^2 * H * D / 2 per sequence (QK^T and PV, half the square).
     32 query heads, 8 kv heads (SDPA gets k/v repeated to 32 heads, its fastest MHA path; the GQA
     ``enable_gqa`` variant is timed too where it runs), head_dim 128, bf16, batch so tokens ~ 16k.
-(b) Decode: ``paged_decode_attention`` achieved bandwidth on KV reads,
-    bytes = 2 (K and V) * ctx * H_kv * D * 2 bytes * batch, against the read bandwidth of a large
-    ``x.sum()`` measured in the same process (llama-3-8b shape: 32/8 heads, D 128, bf16).
+(b) Decode: ``paged_decode_attention`` achieved bandwidth on KV reads against the read bandwidth of a
+    large ``x.sum()`` measured in the same process (llama-3-8b shape: 32/8 heads, D 128, bf16 q), for each
+    KV-cache format of ``--kv-cache-dtype`` in the same run (default bf16, int8, fp8_e4m3). Bytes are those
+    the kernel actually reads: ctx * batch * ``kv_cache_bytes_per_token`` of one layer, i.e.
+    2 (K and V) * H_kv * (D * element bytes + scale bytes): int8 adds its float32 scale per token and KV
+    head; fp8's per-head scales are one float per (kv head, split) program and are not counted. Each
+    quantized row also reports its time against the bf16 row of the same (batch, ctx).
+    Quantized caches are made from the bf16 random cache with the store's ref twins (fp8 scales from the
+    engine's calibration rule, 2 x amax / 448), so the spot check against the torch twin is meaningful.
 All times are ``triton.testing.do_bench`` medians (it flushes L2 between calls).
 Writes ``<out-dir>/attention-<date>-<gitsha>.json`` with device, versions, commit, date and all figures.
 """
@@ -29,7 +35,7 @@ def _paged_prefill_inputs(batch: int, seq: int, heads: int, kv_heads: int, head_
     """q [B*S, H, D], shuffled paged caches holding each sequence's S keys, metadata for full prefill."""
     import torch
 
-    from roofline.layers.attention import AttentionMetadata
+    from roofline.attention.backend import AttentionMetadata
 
     nb = math.ceil(seq / block_size)
     total = batch * nb
@@ -44,7 +50,7 @@ def _paged_prefill_inputs(batch: int, seq: int, heads: int, kv_heads: int, head_
         slot_mapping=slots,
         query_start_loc=torch.arange(batch + 1, device=device, dtype=torch.int32) * seq,
         seq_lens=torch.full((batch,), seq, device=device, dtype=torch.int32),
-        block_tables=tables, max_query_len=seq, max_seq_len=seq,
+        block_tables=tables, max_query_len=seq,
         seq_lens_cpu=[seq] * batch, query_lens_cpu=[seq] * batch)
     return q, kc, vc, meta
 
@@ -128,33 +134,91 @@ def measure_read_bandwidth_cuda(nbytes: int = 4 << 30) -> dict[str, float]:
     return dict(read_bytes_per_s=nbytes / t_read, copy_bytes_per_s=2 * nbytes / t_copy)
 
 
-def _decode_inputs(batch, ctx, heads, kv_heads, head_dim, block_size, dtype):
+# --kv-cache-dtype names (the engine's) -> the bound model's names, whose bytes per token the bench counts.
+KV_FORMATS = {"bfloat16": "bf16", "float16": "fp16", "int8": "int8", "fp8_e4m3": "fp8_e4m3", "fp8": "fp8_e4m3"}
+
+
+def decode_kv_bytes(batch: int, ctx: int, kv_heads: int, head_dim: int, kv_cache_dtype: str) -> int:
+    """KV bytes one decode call reads (values + per-token scales): ``batch * ctx * kv_cache_bytes_per_token``
+    of one layer (module docstring).
+
+    Raises:
+        ValueError: an unknown ``kv_cache_dtype`` (lists the known ones).
+    """
+    from roofline.costmodel import kv_cache_bytes_per_token
+
+    if kv_cache_dtype not in KV_FORMATS:
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; known: {', '.join(KV_FORMATS)}")
+    return int(batch * ctx * kv_cache_bytes_per_token(1, kv_heads, head_dim, KV_FORMATS[kv_cache_dtype]))
+
+
+def _decode_inputs(batch, ctx, heads, kv_heads, head_dim, block_size, dtype, kv_cache_dtype="bfloat16",
+                   device="cuda"):
+    """q [B, H, D] in ``dtype``; a shuffled paged cache holding ``ctx`` keys per sequence in ``kv_cache_dtype``
+    (quantized from a random ``dtype`` cache with the ref twins); block tables; seq_lens; k/v scales (None
+    for 16-bit caches). Returns (q, k_cache, v_cache, tables, seq_lens, k_scale, v_scale)."""
     import torch
 
+    from roofline.attention.backend import FP8_CALIBRATION_HEADROOM
+    from roofline.kernels.common import FP8_E4M3_MAX, ref_quantize_fp8, ref_quantize_int8
+
+    fmt = KV_FORMATS[kv_cache_dtype]
     nb = math.ceil(ctx / block_size)
-    kc = torch.randn(batch * nb, block_size, kv_heads, head_dim, device="cuda", dtype=dtype)
+    kc = torch.randn(batch * nb, block_size, kv_heads, head_dim, device=device, dtype=dtype)
     vc = torch.randn_like(kc)
-    tables = torch.randperm(batch * nb, device="cuda").to(torch.int32).view(batch, nb)
-    seq_lens = torch.full((batch,), ctx, device="cuda", dtype=torch.int32)
-    q = torch.randn(batch, heads, head_dim, device="cuda", dtype=dtype)
-    return q, kc, vc, tables, seq_lens
+    tables = torch.randperm(batch * nb, device=device).to(torch.int32).view(batch, nb)
+    seq_lens = torch.full((batch,), ctx, device=device, dtype=torch.int32)
+    q = torch.randn(batch, heads, head_dim, device=device, dtype=dtype)
+    def quantize(cache):  # in slices of blocks: the fp32 temporaries of a whole 20 GiB cache would not fit
+        step = 1024
+        if fmt == "int8":
+            codes = torch.empty(cache.shape, dtype=torch.int8, device=device)
+            scales = torch.empty(cache.shape[:3], dtype=torch.float32, device=device)
+            for i in range(0, cache.shape[0], step):
+                codes[i:i + step], scales[i:i + step] = ref_quantize_int8(cache[i:i + step])
+            return codes, scales
+        amax = torch.stack([cache[i:i + step].float().abs().amax(dim=(0, 1, 3))
+                            for i in range(0, cache.shape[0], step)]).amax(0)
+        scales = amax * (FP8_CALIBRATION_HEADROOM / FP8_E4M3_MAX)  # the engine's calibration rule, per head
+        codes = torch.empty(cache.shape, dtype=torch.float8_e4m3fn, device=device)
+        for i in range(0, cache.shape[0], step):
+            codes[i:i + step] = ref_quantize_fp8(cache[i:i + step], scales)
+        return codes, scales
+
+    ks = vs = None
+    if fmt in ("int8", "fp8_e4m3"):
+        (kc, ks), (vc, vs) = quantize(kc), quantize(vc)
+    elif fmt == "fp16":
+        kc, vc = kc.half(), vc.half()
+    return q, kc, vc, tables, seq_lens, ks, vs
 
 
-def bench_decode(batches, ctxs, heads, kv_heads, head_dim, block_size, read_bw, max_bytes, sweep, log):
+def bench_decode(batches, ctxs, heads, kv_heads, head_dim, block_size, read_bw, max_bytes, sweep, log,
+                 kv_cache_dtypes=("bfloat16",)):
     import torch
 
     rows = []
     for batch in batches:
         for ctx in ctxs:
-            if 2 * ctx * kv_heads * head_dim * 2 * batch > max_bytes:
+            if 2 * ctx * kv_heads * head_dim * 2 * batch > max_bytes:  # the bf16 size, so every format runs alike
                 continue
-            variants = [dict()] + list((sweep or {}).get((batch, ctx), []))
-            rows.append(_decode_point(batch, ctx, heads, kv_heads, head_dim, block_size, read_bw, variants, log))
-            torch.cuda.empty_cache()
+            base = None
+            for kv_dtype in kv_cache_dtypes:
+                variants = [dict()] + list((sweep or {}).get((batch, ctx), []) if kv_dtype == kv_cache_dtypes[0]
+                                           else [])
+                row = _decode_point(batch, ctx, heads, kv_heads, head_dim, block_size, read_bw, variants, log,
+                                    kv_dtype)
+                if base is None:
+                    base = row
+                elif base.get("ms") and row.get("ms"):
+                    row["time_vs_" + base["kv_cache_dtype"]] = row["ms"] / base["ms"]
+                rows.append(row)
+                torch.cuda.empty_cache()
     return rows
 
 
-def _decode_point(batch, ctx, heads, kv_heads, head_dim, block_size, read_bw, variants, log) -> dict[str, Any]:
+def _decode_point(batch, ctx, heads, kv_heads, head_dim, block_size, read_bw, variants, log,
+                  kv_cache_dtype="bfloat16") -> dict[str, Any]:
     import torch
     from triton.testing import do_bench
 
@@ -162,14 +226,16 @@ def _decode_point(batch, ctx, heads, kv_heads, head_dim, block_size, read_bw, va
 
     dtype = torch.bfloat16
     scale = 1.0 / math.sqrt(head_dim)
-    kv_bytes = 2 * ctx * kv_heads * head_dim * 2 * batch
-    q, kc, vc, tables, seq_lens = _decode_inputs(batch, ctx, heads, kv_heads, head_dim, block_size, dtype)
+    kv_bytes = decode_kv_bytes(batch, ctx, kv_heads, head_dim, kv_cache_dtype)
+    q, kc, vc, tables, seq_lens, ks, vs = _decode_inputs(batch, ctx, heads, kv_heads, head_dim, block_size, dtype,
+                                                         kv_cache_dtype)
     out = torch.empty_like(q)
-    row = dict(batch=batch, ctx=ctx, block_size=block_size, kv_bytes=kv_bytes, variants=[])
+    row = dict(batch=batch, ctx=ctx, block_size=block_size, kv_cache_dtype=kv_cache_dtype, kv_bytes=kv_bytes,
+               variants=[])
     best = None
     for var in variants:
         def fn(var=var):
-            return paged_decode_attention(q, kc, vc, tables, seq_lens, scale, out=out, **var)
+            return paged_decode_attention(q, kc, vc, tables, seq_lens, scale, out=out, k_scale=ks, v_scale=vs, **var)
         try:
             t = do_bench(fn, return_mode="median")
             bps = kv_bytes / (t * 1e-3)
@@ -179,15 +245,15 @@ def _decode_point(batch, ctx, heads, kv_heads, head_dim, block_size, read_bw, va
         row["variants"].append(v)
         if "ms" in v and (best is None or v["ms"] < best["ms"]):
             best = v
-    if batch <= 8 and ctx <= 8192:  # spot check against the torch twin
-        ref = ref_decode_attention(q, kc, vc, tables, seq_lens, scale)
-        paged_decode_attention(q, kc, vc, tables, seq_lens, scale, out=out)
+    if batch <= 8 and ctx <= 32768:  # spot check against the torch twin (on the same quantized cache)
+        ref = ref_decode_attention(q, kc, vc, tables, seq_lens, scale, k_scale=ks, v_scale=vs)
+        paged_decode_attention(q, kc, vc, tables, seq_lens, scale, out=out, k_scale=ks, v_scale=vs)
         row["rel_err_vs_ref"] = float((out.float() - ref.float()).norm() / ref.float().norm())
     default = row["variants"][0]
     row.update(ms=default.get("ms"), bytes_per_s=default.get("bytes_per_s"),
                frac_of_read=default.get("frac_of_read"), best=best)
-    log(f"decode B={batch:>3} ctx={ctx:>6}: {default.get('bytes_per_s', float('nan')) / 1e12:5.2f} TB/s "
-        f"= {default.get('frac_of_read', float('nan')):.3f} of read"
+    log(f"decode B={batch:>3} ctx={ctx:>6} {kv_cache_dtype:>9}: {default.get('bytes_per_s', float('nan')) / 1e12:5.2f} "
+        f"TB/s = {default.get('frac_of_read', float('nan')):.3f} of read, {default.get('ms', float('nan')):.3f} ms"
         + (f"  best {best['frac_of_read']:.3f} {best['params']}" if best and len(variants) > 1 else ""))
     return row
 
@@ -231,8 +297,12 @@ def run_attention_bench(args: argparse.Namespace) -> int:
                     [(32, 4, 3), (64, 4, 3), (64, 8, 3), (128, 4, 2), (128, 8, 3), (64, 4, 4)]],
                  (1, 32768): [dict(num_splits=s) for s in (16, 32, 64, 128)],
                  (1, 131072): [dict(num_splits=s) for s in (32, 64, 128)]}
+    kv_dtypes = tuple(x for x in args.kv_cache_dtype.split(",") if x)
+    for name in kv_dtypes:
+        if name not in KV_FORMATS:
+            raise ValueError(f"unknown --kv-cache-dtype {name!r}; known: {', '.join(KV_FORMATS)}")
     decode = bench_decode(_parse_ints(args.batches), _parse_ints(args.ctxs), 32, 8, 128, args.block_size,
-                          bw["read_bytes_per_s"], args.max_gib * 2**30, sweep, log)
+                          bw["read_bytes_per_s"], args.max_gib * 2**30, sweep, log, kv_dtypes)
 
     log("")
     log(f"{'prefill S':>10} {'B':>3} {'ours TF/s':>10} {'SDPA TF/s':>10} {'ratio':>6}")
@@ -240,10 +310,12 @@ def run_attention_bench(args: argparse.Namespace) -> int:
         log(f"{r['seq']:>10} {r['batch']:>3} {r.get('ours_tflops', float('nan')):>10.1f} {r['sdpa_tflops']:>10.1f} "
             f"{r.get('ratio_vs_sdpa', float('nan')):>6.3f}" + ("" if r["block_size"] == args.block_size
                                                                else f"  (block_size {r['block_size']})"))
-    log(f"{'decode B':>10} {'ctx':>7} {'TB/s':>6} {'of read':>8}")
+    log(f"{'decode B':>10} {'ctx':>7} {'KV':>9} {'TB/s':>6} {'of read':>8} {'ms':>8} {'time vs first':>13}")
     for r in decode:
-        log(f"{r['batch']:>10} {r['ctx']:>7} {(r['bytes_per_s'] or float('nan')) / 1e12:>6.2f} "
-            f"{r['frac_of_read'] or float('nan'):>8.3f}")
+        ratio = next((v for k, v in r.items() if k.startswith("time_vs_")), None)
+        log(f"{r['batch']:>10} {r['ctx']:>7} {r['kv_cache_dtype']:>9} {(r['bytes_per_s'] or float('nan')) / 1e12:>6.2f} "
+            f"{r['frac_of_read'] or float('nan'):>8.3f} {r['ms'] or float('nan'):>8.3f} "
+            f"{'' if ratio is None else f'{ratio:.3f}':>13}")
 
     sha = git_sha()
     now = _dt.datetime.now(_dt.UTC)
@@ -252,6 +324,7 @@ def run_attention_bench(args: argparse.Namespace) -> int:
         device=torch.cuda.get_device_name(), num_sms=torch.cuda.get_device_properties(0).multi_processor_count,
         torch=torch.__version__, triton=triton.__version__, cuda=torch.version.cuda,
         bandwidth=bw, prefill=prefill, decode=decode,
+        kv_cache_dtypes=list(kv_dtypes),
         targets=dict(prefill_ratio_vs_sdpa_8k=1.0, decode_frac_of_read_b8_32k=0.85),
     )
     out_dir = Path(args.out_dir)
@@ -269,7 +342,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--batches", default="1,8,32,64", help="decode batch sizes")
     p.add_argument("--ctxs", default="1k,4k,16k,32k,64k,128k", help="decode context lengths")
     p.add_argument("--block-size", type=int, default=16, help="KV cache block size (tokens)")
-    p.add_argument("--max-gib", type=float, default=40.0, help="skip decode points whose KV exceeds this")
+    p.add_argument("--max-gib", type=float, default=40.0, help="skip decode points whose bf16 KV exceeds this")
+    p.add_argument("--kv-cache-dtype", default="bfloat16,int8,fp8_e4m3",
+                   help=f"comma-separated KV-cache formats the decode part runs, each in the same run "
+                        f"({', '.join(KV_FORMATS)}); the first is the baseline of 'time vs first'")
     p.add_argument("--sweep", action="store_true", help="also sweep kernel tile configs / split counts")
     p.add_argument("--out-dir", default="bench/results")
     p.set_defaults(func=run_attention_bench)

@@ -51,5 +51,6 @@ def run_serve(args: argparse.Namespace) -> int:
     serving = app.state.serving
     print(f"roofline serve: model {serving.model_names[0]!r}, max_model_len {serving.max_model_len}, "
           f"on http://{args.host}:{args.port} (auth {'on' if config.api_key else 'off'})", flush=True)
+    print(app.state.async_engine.engine.kv_cache_summary, flush=True)  # the KV pool, as `generate` prints it
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

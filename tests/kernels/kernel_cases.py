@@ -114,3 +114,48 @@ def poison_stale_slots(kc, vc, meta):
     dead = (~live).to(kc.device)
     kc.view(-1, *kc.shape[2:])[dead] = float("nan")
     vc.view(-1, *vc.shape[2:])[dead] = float("nan")
+
+
+# ---------------------------------------------------------------------------------------- quantized caches
+
+KV_FORMATS = ["int8", "fp8_e4m3"]
+# Loose bounds on ||ref on the quantized cache - attention_f64 on the unquantized one|| / ||.||: the format's
+# quantization error, not the kernels'. int8: |error| <= scale / 2 = amax / 254 per element (amax ~ 3 sigma
+# of a Gaussian row of 64: <= 0.6% of sigma), measured 0.6-0.8% on outputs; fp8 e4m3: relative rounding
+# error <= 2^-4 per element, measured 3.0-3.4%. The kernels themselves are held to TOL against the ref on
+# the SAME quantized cache.
+QUANT_TOL = {"int8": 0.02, "fp8_e4m3": 2.0 ** -4}
+
+
+def quantize_cache(kc, vc, fmt):
+    """(k codes, v codes, k_scale, v_scale) of float caches [num_blocks, block_size, H_kv, D] via the ref twins:
+    int8 per slot and head; fp8 per head with the engine's calibration rule (2 x amax / 448)."""
+    from roofline.attention.backend import FP8_CALIBRATION_HEADROOM
+    from roofline.kernels.common import FP8_E4M3_MAX, ref_quantize_fp8, ref_quantize_int8
+
+    kf, vf = kc.float(), vc.float()
+    if fmt == "int8":
+        (kq, ks), (vq, vs) = ref_quantize_int8(kf), ref_quantize_int8(vf)
+        return kq, vq, ks.contiguous(), vs.contiguous()
+    ks = kf.abs().amax(dim=(0, 1, 3)) * FP8_CALIBRATION_HEADROOM / FP8_E4M3_MAX
+    vs = vf.abs().amax(dim=(0, 1, 3)) * FP8_CALIBRATION_HEADROOM / FP8_E4M3_MAX
+    return ref_quantize_fp8(kf, ks), ref_quantize_fp8(vf, vs), ks, vs
+
+
+def poison_stale_quantized(kq, vq, meta, k_scale, v_scale):
+    """Poison every slot no sequence owns in a quantized cache: fp8 codes NaN; int8 codes 127 (the largest)
+    with NaN scales. Reading one would show (NaN, or a huge wrong value)."""
+    block_size = kq.shape[1]
+    live = torch.zeros(kq.shape[0] * block_size, dtype=torch.bool)
+    tables = meta.block_tables.cpu().long()
+    for i, s in enumerate(meta.seq_lens_cpu):
+        pos = torch.arange(s)
+        live[tables[i, pos // block_size] * block_size + pos % block_size] = True
+    dead = (~live).to(kq.device)
+    for codes, scale in ((kq, k_scale), (vq, v_scale)):
+        flat = codes.view(-1, *codes.shape[2:])
+        if codes.dtype == torch.int8:
+            flat[dead] = 127
+            scale.view(-1, scale.shape[-1])[dead] = float("nan")
+        else:
+            flat.view(torch.uint8)[dead] = 0x7F  # the e4m3fn NaN code (torch has no masked_fill for fp8)
