@@ -111,7 +111,7 @@ if triton is not None:
     def _quantize(x, scale, QUANT: tl.constexpr, CODE_T: tl.constexpr):
         """x [BLOCK_HKV, N] fp32 / scale [BLOCK_HKV] fp32 -> codes (int8: round half up, clamp +-127;
         fp8: clamp +-448, round to nearest even). A zero scale (all-zero int8 row, masked head) gives 0."""
-        s = scale[:, None]
+        s = scale[:, None] + tl.zeros_like(x)  # explicit broadcast: div_rn takes equal shapes
         y = tl.where(s > 0, tl.div_rn(x, tl.where(s > 0, s, 1.0)), 0.0)
         if QUANT == 1:
             y = tl.floor(y + 0.5)
@@ -179,8 +179,9 @@ if triton is not None:
                 if QUANT == 1:
                     # int8, per token and KV head: scale = amax / 127 over D (masked lanes are 0).
                     k_amax = tl.maximum(tl.max(tl.abs(f1), axis=1), tl.max(tl.abs(f2), axis=1))
-                    ks = tl.div_rn(k_amax, INT8_MAX_C)
-                    vs = tl.div_rn(tl.max(tl.abs(fv), axis=1), INT8_MAX_C)
+                    qmax = tl.full([BLOCK_HKV], INT8_MAX_C, tl.float32)
+                    ks = tl.div_rn(k_amax, qmax)
+                    vs = tl.div_rn(tl.max(tl.abs(fv), axis=1), qmax)
                     tl.store(KS + slot * stride_s_slot + offs_kh, ks, mask=hmask)
                     tl.store(VS + slot * stride_s_slot + offs_kh, vs, mask=hmask)
                 else:
