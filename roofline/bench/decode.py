@@ -21,7 +21,7 @@ import time
 from typing import Any
 
 
-def build_engine(args: argparse.Namespace, max_batch: int, max_context: int):
+def build_engine(args: argparse.Namespace, max_batch: int, max_context: int, kv_cache_dtype: str = "auto"):
     from roofline.args import EngineArgs
     from roofline.config import model_preset
     from roofline.engine.llm_engine import LLMEngine
@@ -36,7 +36,7 @@ def build_engine(args: argparse.Namespace, max_batch: int, max_context: int):
                     max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch),
                     gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                     kv_cache_memory=args.kv_cache_memory, attention_backend=args.attention_backend,
-                    device=args.device)
+                    device=args.device, kv_cache_dtype=kv_cache_dtype, block_size=args.block_size)
     return LLMEngine(ea.create_engine_config(mc), ModelSource("dummy", None, args.model), mc, tokenizer=None)
 
 
@@ -76,25 +76,71 @@ def time_decode(engine: Any, batch: int, context: int, steps: int, warmup: int, 
 
 
 def run_decode_bench(args: argparse.Namespace) -> int:
-    from roofline import costmodel
+    """Decode steps at each (batch, context) for each KV-cache format, in one process, against the bound.
+
+    With several ``--kv-cache-dtype`` formats, each gets its own engine (the previous one is freed first) and
+    the table ends with each format's tok/s over the first format's at the same point.
+    """
+    import gc
+
     from roofline.bench.common import parse_sizes, write_result
     from roofline.hardware import measure_gemm_flops, measure_read_bandwidth
 
     batches = parse_sizes(args.batch_sizes)
     contexts = parse_sizes(args.contexts)
-    engine = build_engine(args, max(batches), max(contexts))
+    formats = [f for f in args.kv_cache_dtype.split(",") if f]
+    rows, meta, bandwidth, peak = [], {}, None, None
+    for fmt in formats:
+        engine = build_engine(args, max(batches), max(contexts), kv_cache_dtype=fmt)
+        worker = engine.worker
+        device = str(worker.device)
+        if bandwidth is None:
+            bandwidth = measure_read_bandwidth(device)
+            peak = measure_gemm_flops(device, n=8192 if device.startswith("cuda") else 1024, rounds=10)
+            print(f"measured in this process: read {bandwidth / 1e12:.3f} TB/s, dense GEMM {peak / 1e12:.1f} TFLOP/s")
+        rows += _decode_points(args, engine, fmt, batches, contexts, bandwidth, peak)
+        meta[fmt] = dict(kv_bytes_per_token=worker.kv_bytes_per_token,
+                         pool_tokens=engine.block_manager.num_blocks * engine.block_manager.block_size)
+        info = dict(model=args.model, dtype=str(worker.dtype), weight_bytes=worker.weight_bytes,
+                    cuda_graphs=worker.graphs is not None, attention_backend=worker.config.attention_backend,
+                    block_size=engine.block_manager.block_size)
+        del engine, worker
+        gc.collect()
+        _empty_device_cache()
+    if len(formats) > 1:
+        base = {(r["batch"], r["context"]): r["tok_per_s"] for r in rows if r["kv_cache_dtype"] == formats[0]}
+        print(f"tok/s vs {formats[0]} at the same point:")
+        for r in rows:
+            if (r["batch"], r["context"]) in base:
+                r["speedup_vs_first"] = r["tok_per_s"] / base[(r["batch"], r["context"])]
+                print(f"  {r['kv_cache_dtype']:>9} batch {r['batch']:>4} context {r['context']:>6}: "
+                      f"{r['speedup_vs_first']:.3f}x")
+    path = write_result(args.out_dir, f"decode-{args.model}", dict(
+        **info, kv_bytes_per_token=meta[formats[0]]["kv_bytes_per_token"], kv_formats=meta, read_bandwidth_bytes_per_s=bandwidth, peak_flops=peak,
+        steps=args.steps, warmup=args.warmup, rows=rows,
+    ))
+    print(f"wrote {path}")
+    return 0
+
+
+def _empty_device_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _decode_points(args, engine, fmt, batches, contexts, bandwidth, peak) -> list[dict]:
+    from roofline import costmodel
+
     worker = engine.worker
-    device = str(worker.device)
-    bandwidth = measure_read_bandwidth(device)
-    peak = measure_gemm_flops(device, n=8192 if device.startswith("cuda") else 1024, rounds=10)
     capacity = engine.block_manager.num_blocks * engine.block_manager.block_size
     print(f"model {args.model} (dummy weights, {worker.dtype}), {worker.weight_bytes / 1e9:.2f} GB of weights, "
-          f"KV {worker.kv_bytes_per_token} B/token, pool {capacity} tokens, "
+          f"KV {fmt} {worker.kv_bytes_per_token} B/token, pool {capacity} tokens, "
           f"CUDA graphs {'on' if worker.graphs is not None else 'off'}")
-    print(f"measured in this process: read {bandwidth / 1e12:.3f} TB/s, dense GEMM {peak / 1e12:.1f} TFLOP/s")
-    rows = []
     header = f"{'batch':>6} {'context':>8} {'ms/step':>9} {'tok/s':>10} {'floor ms':>9} {'floor tok/s':>12} {'of floor':>9}"
     print(header)
+    rows = []
     for context in contexts:
         for batch in batches:
             need = batch * (context + args.steps + args.warmup + engine.block_manager.block_size)
@@ -110,7 +156,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
                 flops=2.0 * engine.model_config.num_params * batch,
                 bandwidth_bytes_per_s=bandwidth, peak_flops=peak, measured_step_s=step,
             )
-            row = dict(batch=batch, context=context, step_ms=step * 1e3, tok_per_s=batch / step,
+            row = dict(kv_cache_dtype=fmt, batch=batch, context=context, step_ms=step * 1e3, tok_per_s=batch / step,
                        floor_ms=rep["floor_s"] * 1e3, floor_tok_per_s=batch / rep["floor_s"],
                        fraction_of_floor=rep["fraction_of_floor"], bound_by=rep["bound_by"],
                        step_ms_p10=sorted(times)[len(times) // 10] * 1e3,
@@ -118,14 +164,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
             rows.append(row)
             print(f"{batch:>6} {context:>8} {row['step_ms']:>9.3f} {row['tok_per_s']:>10.1f} {row['floor_ms']:>9.3f} "
                   f"{row['floor_tok_per_s']:>12.1f} {row['fraction_of_floor']:>9.3f}", flush=True)
-    path = write_result(args.out_dir, f"decode-{args.model}", dict(
-        model=args.model, dtype=str(worker.dtype), weight_bytes=worker.weight_bytes,
-        kv_bytes_per_token=worker.kv_bytes_per_token, read_bandwidth_bytes_per_s=bandwidth,
-        peak_flops=peak, cuda_graphs=worker.graphs is not None, attention_backend=worker.config.attention_backend,
-        steps=args.steps, warmup=args.warmup, rows=rows,
-    ))
-    print(f"wrote {path}")
-    return 0
+    return rows
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
@@ -141,6 +180,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-memory", default=None)
     p.add_argument("--enforce-eager", action="store_true")
+    p.add_argument("--kv-cache-dtype", default="auto",
+                   help="KV-cache format, or a comma-separated list run one after another in this process "
+                        "(auto, bfloat16, float16, float32, int8, fp8_e4m3, fp8); the first is the baseline")
+    p.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's)")
     p.add_argument("--out-dir", default="bench/results")
     p.set_defaults(func=run_decode_bench)
     return p

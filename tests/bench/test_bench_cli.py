@@ -40,3 +40,21 @@ def test_bench_throughput_generates_exact_output_lengths(tmp_path):
     assert result["output_tokens"] == result["expected_output_tokens"] == 3 + 4 + 5
     assert result["prompt_tokens"] == 9
     assert abs(result["output_tok_per_s"] - 12 / result["elapsed_s"]) < 1e-6 * result["output_tok_per_s"]
+
+
+def test_bench_decode_compares_kv_formats_in_one_process(tmp_path):
+    rc = main(["bench", "decode", "--model", "smollm2-135m", "--batch-sizes", "2", "--contexts", "16",
+               "--steps", "2", "--warmup", "1", "--kv-cache-memory", "64MiB", "--kv-cache-dtype", "auto,int8",
+               "--out-dir", str(tmp_path)])
+    assert rc == 0
+    [path] = tmp_path.glob("decode-smollm2-135m-*.json")
+    result = json.loads(path.read_text())
+    # int8 codes plus one fp32 scale per token and KV head, for K and V in each of 30 layers (3 KV heads, D 64)
+    assert result["kv_formats"]["int8"]["kv_bytes_per_token"] == 2 * 30 * 3 * (64 + 4)
+    assert result["kv_formats"]["auto"]["kv_bytes_per_token"] == result["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4
+    # the same 64 MiB holds more int8 tokens (whole blocks)
+    assert result["kv_formats"]["int8"]["pool_tokens"] > 3.5 * result["kv_formats"]["auto"]["pool_tokens"]
+    assert [r["kv_cache_dtype"] for r in result["rows"]] == ["auto", "int8"]
+    first, second = result["rows"]
+    assert first["speedup_vs_first"] == 1.0
+    assert abs(second["speedup_vs_first"] - second["tok_per_s"] / first["tok_per_s"]) < 1e-9
