@@ -124,17 +124,19 @@ def test_mixed_batch_keeps_other_requests_unchanged(chunked_llm, prompt_ids, ref
     assert [set(e) for e in outs[0].outputs[0].logprobs] == [set(e) for e in alone[0].outputs[0].logprobs]
 
 
-def test_preemption_and_n_samples_give_one_complete_list(chunked_llm, prompt_ids, reference):
-    """Four sequences of 70 + 4 tokens need 5 blocks each of an 8-block pool: the second is preempted
-    mid-prefill (after its first chunk was scored) and recomputes their prompts (the repeats are dropped), and n=2 scores the prompt twice; each request
-    still has one entry per prompt token, equal to the reference (a causal model: the prefix's rows)."""
+def test_preemption_and_n_samples_give_one_complete_list(chunked_llm, prompt_ids, hf_oracle):
+    """Three 70-token prompts (four sequences, 70 + 4 tokens: 5 blocks each) in an 8-block pool: a sequence
+    is preempted mid-prefill, after its first chunk was scored, and scores its prompt again (the repeats
+    are dropped); n=2 scores the prompt twice. Each request still has one entry per prompt token, equal to
+    its reference. The prompts are slices not seen before, so no earlier run's cached blocks relieve the pool."""
     set_async(chunked_llm, True)
-    prefix = prompt_ids[:70]
+    prompts = [prompt_ids[s:s + 70] for s in (1, 5, 9)]
+    with torch.no_grad():
+        refs = hf_oracle(torch.tensor(prompts)).logits[:, :-1].double().log_softmax(-1)
     params = [WITH_PROMPT_LPS, dataclasses.replace(WITH_PROMPT_LPS, n=2, prompt_logprobs=2), WITH_PROMPT_LPS]
-    outs = chunked_llm.generate([{"prompt_token_ids": prefix}] * 3, params, use_tqdm=False)
+    outs = chunked_llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
     assert chunked_llm.last_run_stats.num_preemptions > 0
-    for out, p in zip(outs, params, strict=True):
-        assert_matches_reference(out.prompt_logprobs, prefix, reference[:69], k=p.prompt_logprobs)
-    tokens = [c.token_ids for out in outs for c in out.outputs]
-    assert len(tokens) == 4 and all(t == tokens[0] for t in tokens)  # greedy, one prompt
+    for out, prompt, ref, p in zip(outs, prompts, refs, params, strict=True):
+        assert_matches_reference(out.prompt_logprobs, prompt, ref, k=p.prompt_logprobs)
+    assert outs[1].outputs[0].token_ids == outs[1].outputs[1].token_ids  # greedy, one prompt
     assert not chunked_llm.engine.has_unfinished_requests() and chunked_llm.engine._inflight is None
