@@ -6,6 +6,7 @@ import itertools
 import time
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
 
 from roofline.sampling_params import SamplingParams
 
@@ -69,6 +70,17 @@ class Sequence:
     num_placeholders: int = 0
     block_table: list[int] = field(default_factory=list)
     num_preemptions: int = 0
+    # Prefix caching (see Scheduler): tokens whose KV a completed step has written into this sequence's blocks
+    # (<= num_computed_tokens, which also counts chunks in flight; reset by preemption), the radix-tree node
+    # this sequence holds locked, the prompt tokens found in the cache when first admitted, whether the prompt
+    # has been offered to the cache, the sample whose cached prompt this one waits for (n > 1), and (policy
+    # lpm) the scheduling rounds in which sequences queued behind this one were admitted before it.
+    num_completed_tokens: int = 0
+    cache_node: Any = field(default=None, repr=False)
+    num_cached_tokens: int = 0
+    prompt_cached: bool = False
+    fork_of: Sequence | None = field(default=None, repr=False)
+    num_bypassed_rounds: int = 0
     stop_reason: int | str | None = None
 
     # Detokenization state (owned by the Detokenizer).

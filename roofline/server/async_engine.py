@@ -73,6 +73,10 @@ class EngineSnapshot:
     num_preemptions: int = 0  # since the engine started
     num_unfinished_requests: int = 0
     num_steps: int = 0  # engine steps run by this AsyncLLMEngine
+    # Prefix cache, since the engine started: prompt tokens looked up and found, blocks evicted.
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    prefix_cache_evictions: int = 0
 
 
 @dataclass(frozen=True)
@@ -400,6 +404,9 @@ class AsyncLLMEngine:
             num_preemptions=sched.num_preemptions,
             num_unfinished_requests=self.engine.num_unfinished_requests,
             num_steps=self._num_steps,
+            prefix_cache_queries=self.engine.stats.num_prefix_cache_queries,
+            prefix_cache_hits=self.engine.stats.num_prefix_cache_hits,
+            prefix_cache_evictions=self.engine.stats.num_prefix_cache_evictions,
         )
 
     def _publish(self) -> None:

@@ -21,6 +21,9 @@ scrape never reads it; a step can take seconds on a CPU, and what is known while
     roofline:num_requests_running            gauge (requests, not sequences)
     roofline:kv_cache_usage_perc             gauge, fraction of KV blocks in use, in [0, 1]
     roofline:num_preemptions_total           counter
+    roofline:prefix_cache_queries_total      counter, prompt tokens looked up in the prefix cache
+    roofline:prefix_cache_hits_total         counter, prompt tokens found there (hit rate = hits / queries)
+    roofline:prefix_cache_evictions_total    counter, KV blocks evicted from the prefix cache
 
 Each app gets its own ``CollectorRegistry`` so several apps (tests) can live in one process.
 """
@@ -49,7 +52,7 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 
 class _EngineCollector(Collector):
-    """Gauges and the preemption counter, read from ``AsyncLLMEngine.state()`` on every scrape."""
+    """Gauges and the engine's counters (preemptions, prefix cache), read from ``AsyncLLMEngine.state()`` on every scrape."""
 
     def __init__(self, state: Callable[[], EngineState], model_name: str):
         self._state = state
@@ -75,10 +78,18 @@ class _EngineCollector(Collector):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric(values, float(value))
             yield g
-        c = CounterMetricFamily("roofline:num_preemptions", "Sequences preempted (KV blocks reclaimed).",
-                                labels=labels)
-        c.add_metric(values, float(snap.num_preemptions))
-        yield c
+        for name, doc, value in (
+            ("roofline:num_preemptions", "Sequences preempted (KV blocks reclaimed).", snap.num_preemptions),
+            ("roofline:prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
+             snap.prefix_cache_queries),
+            ("roofline:prefix_cache_hits", "Prompt tokens found in the prefix cache (not computed again).",
+             snap.prefix_cache_hits),
+            ("roofline:prefix_cache_evictions", "KV blocks evicted from the prefix cache.",
+             snap.prefix_cache_evictions),
+        ):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, float(value))
+            yield c
 
 
 class ServerMetrics:

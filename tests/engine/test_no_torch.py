@@ -27,7 +27,8 @@ def _imports_torch(module: str) -> tuple[bool, str]:
 
 @pytest.mark.parametrize("module", [
     "roofline.engine.scheduler",
-    "roofline.engine.block_manager",
+    "roofline.engine.block_pool",
+    "roofline.engine.radix_cache",
     "roofline.engine.sequence",
     "roofline.engine.step",
     "roofline.engine.detokenizer",

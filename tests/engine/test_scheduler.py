@@ -7,7 +7,7 @@ the runner's output, and asserts the plan of every step as ``(request_id, num_to
 from __future__ import annotations
 
 from roofline.config import SchedulerConfig
-from roofline.engine.block_manager import BlockManager
+from roofline.engine.block_pool import BlockPool
 from roofline.engine.scheduler import Scheduler, SchedulerOutput
 from roofline.engine.sequence import Sequence, SequenceStatus
 from roofline.sampling_params import SamplingParams
@@ -19,7 +19,7 @@ def make_scheduler(num_blocks: int = 10, block_size: int = 4, budget: int = 8, m
                    chunked: bool = True, max_model_len: int = 40) -> Scheduler:
     config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
                              max_model_len=max_model_len, enable_chunked_prefill=chunked)
-    return Scheduler(config, BlockManager(num_blocks, block_size))
+    return Scheduler(config, BlockPool(num_blocks, block_size))
 
 
 def make_seq(name: str, num_prompt_tokens: int, arrival: float) -> Sequence:
@@ -43,7 +43,7 @@ def step(sched: Scheduler, token: int = 7) -> Plan:
 
 
 def free_list(sched: Scheduler) -> list[int]:
-    return list(sched.block_manager.free_block_ids)
+    return list(sched.block_pool.free_block_ids)
 
 
 def test_prefill_then_decode_one_token_per_step():
@@ -191,7 +191,7 @@ def test_preemption_evicts_the_latest_arrival_and_it_later_resumes():
     assert d.block_table == [9, 0, 1, 6, 2]
     assert (d.num_computed_tokens, d.output_token_ids) == (17, [1, 4])
     assert free_list(sched) == [3, 7]
-    sched.block_manager.check_invariants([c, d])
+    sched.block_pool.check_invariants([c, d])
 
 
 def test_a_sequence_that_is_the_latest_arrival_preempts_itself():

@@ -3,8 +3,14 @@
 A hypothesis state machine drives a Scheduler on a small pool (often too small, so preemption happens)
 the way the engine does: schedule, run (fake sampled tokens), update, finish on max_tokens /
 max_model_len or at random, and abort at random, also between schedule and update. After every
-operation the block manager's books must match the live block tables exactly, and at the end, once
-every sequence has finished, every block must be free again.
+operation the block pool's books must match the live block tables (and the prefix cache) exactly, and at
+the end, once every sequence has finished, every block must be free again (or evictable from the cache).
+
+Half the runs turn the prefix cache on (some with policy lpm): prompts share heads, so sequences hit cached
+blocks at admission, ``n = 2`` samples fork, and cached blocks are evicted and sequences preempted on the
+small pool. A model of the KV cache records, for every slot a chunk writes, the token prefix that produced it
+(the KV of position p depends on tokens 0..p): every chunk must read exactly its own prefix at positions
+before it, and write only blocks that no one else holds (never a cached or shared block).
 """
 
 from __future__ import annotations
@@ -14,7 +20,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from roofline.config import SchedulerConfig
-from roofline.engine.block_manager import BlockManager
+from roofline.engine.block_pool import BlockPool
+from roofline.engine.radix_cache import RadixCache
 from roofline.engine.scheduler import Scheduler
 from roofline.engine.sequence import Sequence, SequenceStatus
 from roofline.sampling_params import SamplingParams
@@ -30,16 +37,22 @@ class SchedulerMachine(RuleBasedStateMachine):
         budget=st.integers(1, 16),
         max_num_seqs=st.integers(1, 4),
         chunked=st.booleans(),
+        prefix_caching=st.booleans(),
+        lpm=st.booleans(),
     )
-    def setup(self, block_size, max_model_len, extra_blocks, budget, max_num_seqs, chunked):
+    def setup(self, block_size, max_model_len, extra_blocks, budget, max_num_seqs, chunked, prefix_caching, lpm):
         if not chunked:
             budget = max(budget, max_model_len)  # SchedulerConfig requires it
         # The engine guarantees the pool holds at least one sequence of max_model_len tokens.
         num_blocks = -(-max_model_len // block_size) + extra_blocks
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=budget,
-                                      max_model_len=max_model_len, enable_chunked_prefill=chunked)
-        self.bm = BlockManager(num_blocks, block_size)
-        self.sched = Scheduler(self.config, self.bm)
+                                      max_model_len=max_model_len, enable_chunked_prefill=chunked,
+                                      schedule_policy="lpm" if prefix_caching and lpm else "fcfs",
+                                      lpm_starvation_rounds=2)
+        self.bm = BlockPool(num_blocks, block_size)
+        self.cache = RadixCache(self.bm) if prefix_caching else None
+        self.sched = Scheduler(self.config, self.bm, self.cache)
+        self.kv: dict[tuple[int, int], tuple[int, ...]] = {}  # (block, offset) -> token prefix written there
         self.seqs: list[Sequence] = []
         self.clock = 0.0
 
@@ -59,6 +72,7 @@ class SchedulerMachine(RuleBasedStateMachine):
     def one_step(self, data: st.DataObject | None) -> None:
         before = {s.seq_id: (s.num_computed_tokens, s.num_tokens) for s in self.sched.running}
         out = self.sched.schedule()
+        self.run_attention(out)
         assert out.num_batched_tokens <= self.config.max_num_batched_tokens
         assert len(self.sched.running) <= self.config.max_num_seqs
         ids = [s.seq.seq_id for s in out.scheduled]
@@ -102,15 +116,36 @@ class SchedulerMachine(RuleBasedStateMachine):
             if status is not None:
                 self.sched.finish(seq, status)
 
+    def run_attention(self, out) -> None:
+        """The KV model: each chunk reads its own prefix before ``start_position`` and writes its positions."""
+        bs = self.bm.block_size
+        cached = set(self.cache.all_block_ids()) if self.cache is not None else set()
+        for s in out.scheduled:
+            seq, tokens = s.seq, s.seq.token_ids
+            end = s.start_position + s.num_scheduled_tokens
+            assert end <= len(tokens), "a chunk computes a token the host does not know (no step is in flight)"
+            for pos in range(s.start_position):
+                assert self.kv.get((seq.block_table[pos // bs], pos % bs)) == tuple(tokens[:pos + 1]), \
+                    f"{seq.request_id}/{seq.index} reads the wrong KV at position {pos}"
+            for pos in range(s.start_position, end):
+                block = seq.block_table[pos // bs]
+                assert self.bm.ref_counts[block] == 1 and block not in cached, f"writes shared block {block}"
+                self.kv[(block, pos % bs)] = tuple(tokens[:pos + 1])
+
     # ------------------------------------------------------------------------------ rules
 
-    @rule(num_prompt_tokens=st.integers(1, 23), max_tokens=st.integers(1, 8), n=st.integers(1, 2))
-    def add(self, num_prompt_tokens, max_tokens, n):
+    @rule(num_prompt_tokens=st.integers(1, 23), max_tokens=st.integers(1, 8), n=st.integers(1, 2),
+          head=st.integers(0, 1))
+    def add(self, num_prompt_tokens, max_tokens, n, head):
         num_prompt_tokens = min(num_prompt_tokens, self.config.max_model_len - 1)  # engine validation
         self.clock += 1.0
-        for index in range(n):  # n samples of one request share the arrival time
-            seq = Sequence(f"r{len(self.seqs)}", list(range(1, num_prompt_tokens + 1)),
-                           SamplingParams(max_tokens=max_tokens), index=index, arrival_time=self.clock)
+        prompt = [head * 1000 + i for i in range(1, num_prompt_tokens + 1)]  # two families of shared prefixes
+        seqs = [Sequence(f"r{len(self.seqs)}", list(prompt), SamplingParams(max_tokens=max_tokens), index=index,
+                         arrival_time=self.clock) for index in range(n)]  # n samples share the arrival time
+        if self.cache is not None and n > 1 and (num_prompt_tokens - 1) // self.bm.block_size >= 1:
+            for seq in seqs[1:]:
+                seq.fork_of = seqs[0]  # as LLMEngine.add_request links them
+        for seq in seqs:
             self.sched.add(seq)
             self.seqs.append(seq)
 
@@ -131,6 +166,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     @invariant()
     def books_balance(self):
         self.bm.check_invariants(self.live())
+        if self.cache is not None:
+            self.cache.check_invariants()
 
     @invariant()
     def queues_are_consistent(self):
@@ -163,7 +200,10 @@ class SchedulerMachine(RuleBasedStateMachine):
             self.bm.check_invariants(self.live())
         assert not self.sched.has_unfinished(), "sequences never finished"
         assert all(s.is_finished and s.block_table == [] for s in self.seqs)
-        assert self.bm.num_free_blocks == self.bm.num_blocks
+        assert self.bm.num_free_blocks == self.bm.num_blocks  # free, or evictable from the prefix cache
+        if self.cache is not None:
+            self.cache.evict(self.bm.num_blocks)
+            assert self.cache.num_cached_blocks == 0
         assert sorted(self.bm.free_block_ids) == list(range(self.bm.num_blocks))
         assert self.bm.ref_counts == [0] * self.bm.num_blocks
 

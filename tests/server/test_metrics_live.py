@@ -35,6 +35,8 @@ class BlockingEngine:
         self.config = SimpleNamespace(scheduler_config=SimpleNamespace(max_model_len=64, max_num_seqs=8))
         self.scheduler = SimpleNamespace(waiting=deque(), running=[], num_preemptions=0)
         self.block_manager = SimpleNamespace(num_free_blocks=10, num_blocks=10, usage=0.0)
+        self.stats = SimpleNamespace(num_prefix_cache_queries=0, num_prefix_cache_hits=0,
+                                     num_prefix_cache_evictions=0)
         self.prompts: dict[str, list[int]] = {}
         self.in_step = threading.Event()
         self.release = threading.Event()

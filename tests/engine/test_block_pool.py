@@ -1,4 +1,4 @@
-"""BlockManager: exact block ids for allocate / free / reuse, can_allocate edges, errors and usage.
+"""BlockPool: exact block ids for allocate / free / reuse, can_allocate edges, errors and usage.
 
 The free list hands blocks out from its front and takes freed blocks back at its back, so every id
 below is determined by the order of calls.
@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from roofline.engine.block_manager import BlockManager
+from roofline.engine.block_pool import BlockPool
 from roofline.engine.sequence import Sequence
 from roofline.sampling_params import SamplingParams
 
@@ -20,7 +20,7 @@ def make_seq(num_prompt_tokens: int, num_computed_tokens: int = 0) -> Sequence:
 
 
 def test_allocate_hands_out_ids_from_the_front_in_order():
-    bm = BlockManager(num_blocks=10, block_size=4)
+    bm = BlockPool(num_blocks=10, block_size=4)
     a, b = make_seq(9), make_seq(4)
     assert bm.allocate(a, 9) == [0, 1, 2]  # ceil(9 / 4) = 3 blocks
     assert bm.allocate(b, 4) == [3]  # exactly one full block
@@ -32,7 +32,7 @@ def test_allocate_hands_out_ids_from_the_front_in_order():
 
 
 def test_allocate_extends_only_past_the_last_partial_block():
-    bm = BlockManager(num_blocks=10, block_size=4)
+    bm = BlockPool(num_blocks=10, block_size=4)
     seq = make_seq(5)
     assert bm.allocate(seq, 5) == [0, 1]  # slots 0..7, tokens 0..4 used
     seq.num_computed_tokens = 5
@@ -51,7 +51,7 @@ def test_allocate_extends_only_past_the_last_partial_block():
 
 
 def test_freed_blocks_go_to_the_back_and_are_reused_last():
-    bm = BlockManager(num_blocks=6, block_size=4)
+    bm = BlockPool(num_blocks=6, block_size=4)
     a, b, c = make_seq(8), make_seq(4), make_seq(4)
     assert bm.allocate(a, 8) == [0, 1]
     assert bm.allocate(b, 4) == [2]
@@ -72,7 +72,7 @@ def test_freed_blocks_go_to_the_back_and_are_reused_last():
 
 
 def test_free_order_of_a_table_is_preserved():
-    bm = BlockManager(num_blocks=4, block_size=2)
+    bm = BlockPool(num_blocks=4, block_size=2)
     a, b = make_seq(4), make_seq(4)
     bm.allocate(a, 4)  # [0, 1]
     bm.allocate(b, 4)  # [2, 3]
@@ -84,7 +84,7 @@ def test_free_order_of_a_table_is_preserved():
 
 
 def test_can_allocate_edges():
-    bm = BlockManager(num_blocks=3, block_size=4)
+    bm = BlockPool(num_blocks=3, block_size=4)
     seq = make_seq(12)
     assert bm.can_allocate(seq, 12)  # exactly the whole pool
     assert not bm.can_allocate(seq, 13)  # one token over
@@ -100,7 +100,7 @@ def test_can_allocate_edges():
 
 
 def test_allocate_without_room_raises_and_changes_nothing():
-    bm = BlockManager(num_blocks=3, block_size=4)
+    bm = BlockPool(num_blocks=3, block_size=4)
     a, b = make_seq(8), make_seq(8)
     bm.allocate(a, 8)
     with pytest.raises(RuntimeError, match=r"need 2 blocks, only 1 free"):
@@ -111,7 +111,7 @@ def test_allocate_without_room_raises_and_changes_nothing():
 
 
 def test_double_free_raises():
-    bm = BlockManager(num_blocks=4, block_size=4)
+    bm = BlockPool(num_blocks=4, block_size=4)
     seq = make_seq(8)
     bm.allocate(seq, 8)
     table = list(seq.block_table)
@@ -125,7 +125,7 @@ def test_double_free_raises():
 
 
 def test_double_free_of_a_later_block_changes_nothing():
-    bm = BlockManager(num_blocks=4, block_size=4)
+    bm = BlockPool(num_blocks=4, block_size=4)
     a = make_seq(8)
     bm.allocate(a, 8)  # [0, 1]
     stale = make_seq(8)
@@ -138,14 +138,14 @@ def test_double_free_of_a_later_block_changes_nothing():
 
 
 def test_free_of_an_empty_table_is_a_no_op():
-    bm = BlockManager(num_blocks=2, block_size=4)
+    bm = BlockPool(num_blocks=2, block_size=4)
     seq = make_seq(3)
     bm.free(seq)
     assert list(bm.free_block_ids) == [0, 1]
 
 
 def test_usage_and_num_free_blocks():
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = BlockPool(num_blocks=8, block_size=4)
     assert bm.usage == 0.0
     a = make_seq(12)
     bm.allocate(a, 12)
@@ -159,7 +159,7 @@ def test_usage_and_num_free_blocks():
 
 
 def test_slot_mapping():
-    bm = BlockManager(num_blocks=8, block_size=4)
+    bm = BlockPool(num_blocks=8, block_size=4)
     a, b = make_seq(4), make_seq(6)
     bm.allocate(a, 4)  # [0]
     bm.allocate(b, 6)  # [1, 2]
@@ -173,7 +173,7 @@ def test_slot_mapping():
 
 
 def test_num_blocks_needed():
-    bm = BlockManager(num_blocks=1, block_size=16)
+    bm = BlockPool(num_blocks=1, block_size=16)
     assert [bm.num_blocks_needed(n) for n in (0, 1, 15, 16, 17, 32, 33)] == [0, 1, 1, 1, 2, 2, 3]
 
 
@@ -183,11 +183,11 @@ def test_num_blocks_needed():
 )
 def test_bad_sizes_raise(num_blocks, block_size, message):
     with pytest.raises(ValueError, match=message):
-        BlockManager(num_blocks, block_size)
+        BlockPool(num_blocks, block_size)
 
 
 def test_check_invariants_catches_a_leak_and_a_foreign_reference():
-    bm = BlockManager(num_blocks=4, block_size=4)
+    bm = BlockPool(num_blocks=4, block_size=4)
     a = make_seq(8)
     bm.allocate(a, 8)
     with pytest.raises(AssertionError, match="block 0: 0 holders, ref count 1"):
