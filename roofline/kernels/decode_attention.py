@@ -98,7 +98,7 @@ if triton is not None:
         stride_ls, stride_lh,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr,
+        NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, DOT_F16: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -116,6 +116,8 @@ if triton is not None:
         dmask = offs_d < HEAD_DIM
         q = tl.load(Q + seq.to(tl.int64) * stride_qs + heads[:, None] * stride_qh + offs_d[None, :],
                     mask=gmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_H, BLOCK_D]
+        if DOT_F16:  # bf16 q with a quantized cache: both dots in fp16 (codes exact, 3 more mantissa bits)
+            q = q.to(tl.float16)
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
@@ -265,6 +267,9 @@ def paged_decode_attention(
         GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), PAGE=block_size,
         HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
+        # H200, batch 8 x 32k / 64 x 4k (bench/results/attention-20261201/decode-quant-*.json): fp8 codes -> fp16
+        # (one packed cvt on sm_90) with fp16 dots runs 1.15-1.23x bf16 KV, codes -> bf16 0.94-1.15x.
+        DOT_F16=bool(quant) and q.dtype == torch.bfloat16,
         num_warps=num_warps, num_stages=num_stages,
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
