@@ -66,7 +66,7 @@ def test_quantized_kv_cache_backends_and_graphs(kv_cache_dtype):
     tokens = {}
     for backend, eager in (("torch", True), ("triton", True), ("triton", False)):
         llm = LLM(_model(), dtype="float32", kv_cache_dtype=kv_cache_dtype, attention_backend=backend,
-                  enforce_eager=eager, max_model_len=512, max_num_seqs=8, gpu_memory_utilization=0.2)
+                  enforce_eager=eager, max_model_len=512, max_num_seqs=8, kv_cache_memory="512MiB")
         worker = llm.engine.worker
         assert worker.kv_pool.is_quantized and worker.kv_pool[0].k_scale is not None
         if kv_cache_dtype == "fp8_e4m3":  # calibrated: not the 1.0 placeholder, and per head

@@ -106,7 +106,10 @@ def ref_quantize_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     -127, 127)``. fp32 arithmetic; the store kernel computes the same ops (IEEE division) in the same order.
     """
     xf = x.float()
-    scale = xf.abs().amax(dim=-1) / INT8_MAX
+    amax = xf.abs().amax(dim=-1)
+    # A tensor divisor, not the Python scalar: CUDA torch computes ``t / scalar`` as ``t * (1 / scalar)``,
+    # one ulp off the kernel's IEEE division in some rows (seen on the H200 as flipped codes at ties).
+    scale = amax / torch.full_like(amax, INT8_MAX)
     s = scale.unsqueeze(-1)
     y = torch.where(s > 0, xf / torch.where(s > 0, s, 1.0), 0.0)
     return torch.floor(y + 0.5).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8), scale

@@ -269,7 +269,8 @@ def test_prefill_quantized_gpu_large(fmt, head_dim, block_size, group, dtype):
 @pytest.mark.parametrize("fmt", KV_FORMATS)
 @pytest.mark.parametrize("config", [dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=2, USE_TMA=True),
                                     dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, USE_TMA=True),
-                                    dict(BLOCK_M=128, BLOCK_N=64, num_warps=4, num_stages=3, WARP_SPEC=True),
+                                    # 4-warp warp specialization does not compile in triton 3.6 (PassManager)
+                                    dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3, WARP_SPEC=True),
                                     dict(BLOCK_M=64, BLOCK_N=64, num_warps=4, num_stages=3)],
                          ids=["tma-128x64", "tma-128x128", "warp-spec", "pointer-64x64"])
 def test_prefill_quantized_gpu_configs_ignore_stale_slots(fmt, config):
