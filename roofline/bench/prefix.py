@@ -27,9 +27,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import random
+import shlex
 import time
 from collections import defaultdict
 from collections.abc import Callable
@@ -50,6 +52,9 @@ _DEFAULTS: dict[str, tuple[Any, Any]] = {
     "fewshot_prefix_len": (768, 1536),
     "sc_prompt_len": (256, 1024),
     "max_tokens": (16, 64),
+    # The per-step token budget. None: the engine's default (2048 on a GPU). A fixed one on the CPU, where the
+    # engine would otherwise measure one at start-up (timing-dependent, and tiny on a busy machine).
+    "max_num_batched_tokens": (512, None),
 }
 
 
@@ -117,19 +122,21 @@ def engine_kwargs(args: argparse.Namespace, enable_prefix_caching: bool) -> dict
 
 def build_engine(args: argparse.Namespace, enable_prefix_caching: bool) -> Any:
     """An ``LLMEngine`` with or without prefix caching (dummy weights at a preset shape with ``--load-format
-    dummy``, whose ``max_position_embeddings`` is raised to ``--max-model-len`` if smaller)."""
+    dummy``, whose ``max_position_embeddings`` is raised to ``--max-model-len`` if smaller, and no tokenizer, as
+    ``bench throughput``'s). The model's tokenizer is loaded once per process (``model_tokenizer``)."""
     from roofline.args import EngineArgs
     from roofline.engine.llm_engine import LLMEngine
     from roofline.models.loader import load_config, resolve_model
 
     ea = EngineArgs(**engine_kwargs(args, enable_prefix_caching))
+    source = resolve_model(args.model, args.load_format)
+    mc = load_config(source)
     if args.load_format == "dummy":
-        source = resolve_model(args.model, "dummy")
-        mc = load_config(source)
         if args.max_model_len and mc.max_position_embeddings < args.max_model_len:
             mc = dataclasses.replace(mc, max_position_embeddings=args.max_model_len)
         return LLMEngine(ea.create_engine_config(mc), source, mc, tokenizer=None)
-    return LLMEngine.from_config(ea.model, ea.create_engine_config, load_format=ea.load_format)
+    return LLMEngine(ea.create_engine_config(mc), source, mc,
+                     tokenizer=model_tokenizer(args.model, args.load_format))
 
 
 def reset_prefix_cache(engine: Any) -> None:
@@ -148,7 +155,7 @@ def reset_prefix_cache(engine: Any) -> None:
 
 class StepMeter:
     """Counts, from every step the scheduler plans, the prompt tokens computed per request, and the peak of KV
-    blocks held by sequences (``BlockPool``: blocks not free; evictable cached blocks count as free).
+    blocks held by sequences (``engine.block_manager``: blocks not free; evictable cached blocks count as free).
 
     Installs itself in front of ``engine.scheduler.schedule`` (an instance attribute; ``close`` removes it). A
     scheduled chunk covering positions [start, start + n) computes the prompt positions among them, so a prefix
@@ -157,7 +164,7 @@ class StepMeter:
 
     def __init__(self, engine: Any):
         self.engine = engine
-        self.pool = engine.block_pool
+        self.pool = engine.block_manager
         self.prompt_tokens_computed: dict[str, int] = defaultdict(int)  # request id -> tokens
         self.peak_blocks_used = 0
         scheduler = engine.scheduler
@@ -184,9 +191,10 @@ class StepMeter:
 
 
 def _cache_counters(engine: Any) -> tuple[int, int]:
-    """(prompt tokens looked up, tokens found cached) so far; (0, 0) without a prefix cache."""
-    cache = getattr(engine, "prefix_cache", None)
-    return (cache.num_query_tokens, cache.num_hit_tokens) if cache is not None else (0, 0)
+    """(prompt tokens looked up at admission, tokens found cached) so far: the engine's cumulative counters
+    (``EngineStats.num_prefix_cache_queries`` / ``num_prefix_cache_hits``); (0, 0) without a prefix cache."""
+    stats = engine.stats
+    return (getattr(stats, "num_prefix_cache_queries", 0), getattr(stats, "num_prefix_cache_hits", 0))
 
 
 def _warmup(engine: Any, seed: int) -> None:
@@ -350,7 +358,7 @@ def run_self_consistency(engine: Any, meter: StepMeter, prompt: list[int], n: in
     result = run.finish(n * len(prompt))
     result.update(num_samples=len(ro.outputs), prompt_len=len(prompt),
                   output_tokens=sum(len(c.token_ids) for c in ro.outputs),
-                  block_size=engine.block_pool.block_size,
+                  block_size=engine.block_manager.block_size,
                   ttft_ms=1e3 * ro.metrics.ttft if ro.metrics and ro.metrics.ttft is not None else None,
                   _outputs={c.index: list(c.token_ids) for c in ro.outputs})
     return result
@@ -381,13 +389,20 @@ def self_consistency_prompt(tokenizer: Any, min_len: int, seed: int = 0) -> list
     raise ValueError(f"no ShareGPT question has a prompt of {min_len} to {2 * min_len} tokens")
 
 
-def _prompt_tokenizer(args: argparse.Namespace) -> Any:
-    """The model's tokenizer, or the default model's where the model has none (dummy weights): prompts are real
-    token ids either way."""
+@functools.cache
+def model_tokenizer(model: str | None = None, load_format: str = "auto") -> Any:
+    """The model's own tokenizer (None for dummy weights without tokenizer files), loaded once per process: a
+    GGUF tokenizer takes seconds to build, and both engines of a comparison and the prompts share it."""
     from roofline.models.loader import load_tokenizer, resolve_model
 
-    tok = load_tokenizer(resolve_model(args.model, args.load_format))
-    return tok if tok is not None else load_tokenizer(resolve_model(None))
+    return load_tokenizer(resolve_model(model, load_format))
+
+
+def prompt_tokenizer(model: str | None = None, load_format: str = "auto") -> Any:
+    """The tokenizer that builds the prompts: the model's, or the default model's where the model has none
+    (dummy weights), so prompts are real token ids either way."""
+    tok = model_tokenizer(model, load_format)
+    return tok if tok is not None else model_tokenizer(None)
 
 
 def _resolve_defaults(args: argparse.Namespace) -> str:
@@ -397,7 +412,7 @@ def _resolve_defaults(args: argparse.Namespace) -> str:
     device = resolve_device(args.device)
     column = 1 if device.startswith("cuda") else 0
     for name, values in _DEFAULTS.items():
-        if getattr(args, name) is None:
+        if getattr(args, name) is None:  # an explicit --max-num-batched-tokens is kept
             setattr(args, name, values[column])
     for name in ("num_conversations", "concurrency", "num_turns", "max_prompt_len", "num_questions",
                  "num_shots", "fewshot_prefix_len", "sc_prompt_len", "max_tokens", "n"):
@@ -413,10 +428,16 @@ def _command(args: argparse.Namespace) -> str:
     """The command line that reproduces this run (every option, with the resolved sizes)."""
     parts = ["roofline", "bench", "prefix"]
     for key, value in vars(args).items():
-        if key in ("func", "command", "bench_command") or value is None or value is False:
+        if key in ("func", "command", "bench_command") or value is None:
             continue
-        flag = "--" + key.replace("_", "-")
-        parts.append(flag if value is True else f"{flag} {value}")
+        if key == "warmup":
+            parts += [] if value else ["--no-warmup"]
+        elif key == "async_scheduling":
+            parts.append("--async-scheduling" if value else "--no-async-scheduling")
+        elif isinstance(value, bool):
+            parts += [f"--{key.replace('_', '-')}"] if value else []
+        else:
+            parts.append(f"--{key.replace('_', '-')} {shlex.quote(str(value))}")
     return " ".join(parts)
 
 
@@ -496,7 +517,7 @@ def run_prefix_bench(args: argparse.Namespace) -> int:
     modes = _MODES[args.prefix_caching]
     for caching in modes:  # fail before loading anything if the comparison cannot run here
         engine_kwargs(args, caching)
-    tok = _prompt_tokenizer(args)
+    tok = prompt_tokenizer(args.model, args.load_format)
     inputs: dict[str, Any] = {}
     if "multiturn" in workloads:
         inputs["multiturn"] = sample_sharegpt_multiturn(
@@ -521,10 +542,10 @@ def run_prefix_bench(args: argparse.Namespace) -> int:
                 _warmup(engine, args.seed)
             budget = engine.config.scheduler_config.max_num_batched_tokens
             if args.max_num_batched_tokens is None:
-                # A CPU budget is measured at start-up; the second engine takes the first one's, so both
+                # A budget left to the engine (measured at start-up on a CPU): the second engine takes the first's, so both
                 # settings chunk prefills alike (and the second skips the measurement).
                 args.max_num_batched_tokens = budget
-            engine_info = dict(block_size=engine.block_pool.block_size, num_kv_blocks=engine.block_pool.num_blocks,
+            engine_info = dict(block_size=engine.block_manager.block_size, num_kv_blocks=engine.block_manager.num_blocks,
                                max_num_batched_tokens=budget,
                                async_scheduling=engine.config.async_scheduling,
                                cuda_graphs=engine.worker.graphs is not None)
@@ -604,7 +625,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--block-size", type=int, default=None, help="KV block size (default: 64 triton, 16 torch)")
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="per-step token budget; default 512 CPU, the engine's (2048) GPU")
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--kv-cache-memory", default=None)
     p.add_argument("--enforce-eager", action="store_true")

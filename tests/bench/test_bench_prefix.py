@@ -5,6 +5,7 @@ checked against counts derived from the prompts (speed itself is not asserted: b
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 
@@ -13,15 +14,13 @@ from roofline.bench.datasets import (
     sample_sharegpt_fewshot,
     sample_sharegpt_multiturn,
 )
-from roofline.bench.prefix import latency_summary_ms, percentile, prefix_caching_available
-from roofline.cli import main
+from roofline.bench.prefix import latency_summary_ms, percentile, prefix_caching_available, prompt_tokenizer
+from roofline.cli import build_parser, main
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from roofline.models.loader import load_tokenizer, resolve_model
-
-    return load_tokenizer(resolve_model(None))
+    return prompt_tokenizer()  # cached: the end-to-end run below reuses it
 
 
 def test_multiturn_loader_keeps_alternating_conversations_of_three_turns_or_more():
@@ -87,7 +86,7 @@ def test_percentiles_interpolate_like_numpy():
 _TINY = ["--num-conversations", "2", "--concurrency", "2", "--num-turns", "3", "--max-prompt-len", "200",
          "--num-questions", "3", "--fewshot-prefix-len", "160", "--n", "3", "--sc-prompt-len", "40",
          "--max-tokens", "2", "--max-model-len", "512", "--kv-cache-memory", "128MiB",
-         "--max-num-batched-tokens", "256", "--seed", "0"]
+         "--max-num-batched-tokens", "256", "--seed", "0", "--no-warmup"]
 
 
 @pytest.mark.skipif(not prefix_caching_available(), reason="the prefix cache is not built into this checkout")
@@ -100,6 +99,9 @@ def test_bench_prefix_all_workloads_cache_on_vs_off(tmp_path, tokenizer):
         assert result[key], key
     assert result["device"] == "cpu"
     assert result["command"].startswith("roofline bench prefix --workload all")
+    again = build_parser().parse_args(shlex.split(result["command"])[1:])  # the command reproduces the run
+    assert (again.num_conversations, again.n, again.kv_cache_memory, again.warmup) == (2, 3, "128MiB", False)
+    assert again.max_num_batched_tokens == 256 and again.output_json == str(out)
     bs = result["block_size"]
     assert bs == 16  # the torch backend on CPU
     w = result["workloads"]
