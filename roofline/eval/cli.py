@@ -54,6 +54,8 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                    help="passkey prompt lengths in tokens, comma-separated, k = x1024 (default 6144; 0: skip)")
     g.add_argument("--passkey-depths", type=_depths, default=[0.0, 0.25, 0.5, 0.75, 1.0],
                    help="key depths as fractions of the filler (default 0,0.25,0.5,0.75,1)")
+    g.add_argument("--passkey-prompt", choices=["chat", "plain"], default="chat",
+                   help="the passkey question in the model's chat template (default) or as a plain completion")
     g.add_argument("--kv-budget", default=runner.DEFAULT_KV_BUDGET,
                    help="KV memory at which the table's pool token counts are given (default 1GiB)")
     g.add_argument("--output-json", default=None, help="write the full results here")
@@ -70,7 +72,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
     cfg = runner.EvalConfig(
         num_eval_tokens=args.num_eval_tokens, window=args.window, stride=args.stride,
         passkey_lengths=tuple(args.passkey_lengths), passkey_depths=tuple(args.passkey_depths),
-        kv_budget_bytes=budget)
+        passkey_form=args.passkey_prompt, kv_budget_bytes=budget)
     candidates = runner.candidates_from_args(base, args.candidates)
     if not candidates:
         baseline = runner.baseline_args(base)

