@@ -53,7 +53,8 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
                     max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                     gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                     device=args.device, kv_cache_memory=args.kv_cache_memory,
-                    async_scheduling=args.async_scheduling)
+                    async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
+                    block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching)
     if args.load_format == "dummy":
         mc = model_preset(args.model)
         if mc.max_position_embeddings < args.max_model_len:
@@ -87,7 +88,11 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   async_scheduling=llm.engine.config.async_scheduling,
                   cuda_graphs=llm.engine.worker.graphs is not None, num_kv_blocks=llm.engine.worker.num_blocks,
-                  block_size=llm.engine.worker.block_size)
+                  block_size=llm.engine.worker.block_size, kv_cache_dtype=llm.engine.config.cache_config.kv_cache_dtype,
+                  kv_bytes_per_token=llm.engine.worker.kv_bytes_per_token,
+                  pool_tokens=llm.engine.worker.num_blocks * llm.engine.worker.block_size,
+                  enable_prefix_caching=args.enable_prefix_caching)
+    print(f"KV {result['kv_cache_dtype']}: {result['kv_bytes_per_token']} B/token, pool {result['pool_tokens']} tokens")
     print(f"requests {len(reqs)}, prompt tokens {n_in}, output tokens {n_out} (expected {expected})")
     print(f"elapsed {elapsed:.2f} s: {result['requests_per_s']:.2f} req/s, "
           f"output {result['output_tok_per_s']:.1f} tok/s, total {result['total_tok_per_s']:.1f} tok/s, "
@@ -115,6 +120,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--enforce-eager", action="store_true")
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
                    help="overlap step N+1's scheduling with step N (default: on with a GPU)")
+    p.add_argument("--kv-cache-dtype", default="auto", help="auto, bfloat16, float16, float32, int8, fp8_e4m3, fp8")
+    p.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's)")
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+                   help="prefix caching (default on, as in the engine)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out-dir", default="bench/results")
