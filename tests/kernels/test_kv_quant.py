@@ -99,7 +99,7 @@ def test_int8_store_matches_ref_and_round_trips(num_tokens, num_heads, num_kv_he
     flat = lambda t: t.view(-1, *t.shape[2:])  # noqa: E731
     assert torch.equal(flat(kc)[slots[valid]], ref_kq[valid]) and torch.equal(flat(vc)[slots[valid]], ref_vq[valid])
     assert torch.equal(flat(ks)[slots[valid]], ref_ks[valid]) and torch.equal(flat(vs)[slots[valid]], ref_vs[valid])
-    if dtype == torch.float32:  # same rotation too: the whole caches agree with the ref's
+    if dtype == torch.float32 and not ON_GPU:  # same rotation (no FMA contraction in the interpreter): whole caches agree
         assert torch.equal(kc, rkc) and torch.equal(vc, rvc)
         assert torch.equal(ks.nan_to_num(-1.0), rks.nan_to_num(-1.0))
     # Scale values: amax / 127 per (token, head), against float64.
