@@ -189,3 +189,25 @@ def test_flags_reach_the_config():
     with pytest.raises(ValueError, match="schedule_policy 'lpm' .* needs prefix caching, but enable_prefix_caching "
                                          "is False"):
         off.create_engine_config(mc)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_graphs_with_the_prefix_cache():
+    """Decode steps replay CUDA graphs; a cache hit only changes which blocks a block table starts with, so the
+    captured graphs serve cached and uncached sequences alike (fp32, where the kernels agree to rounding)."""
+    kw = dict(max_model_len=512, dtype="float32", device="cuda", block_size=BS, kv_cache_memory="1GiB",
+              enforce_eager=False)
+    names = list(SHARED)
+    outs = {}
+    for caching in (False, True):
+        llm = LLM(enable_prefix_caching=caching, **kw)
+        assert llm.engine.config.uses_cuda_graphs
+        head = _run(llm, [HEAD], HEAD_PARAMS)[0][0]
+        outs[caching] = (head, _run(llm, [SHARED[n] for n in names]))
+        if caching:
+            assert llm.last_run_stats.num_prefix_cache_hits == sum(EXPECTED_HITS.values())
+            _assert_no_leak(llm)
+        del llm
+        torch.cuda.empty_cache()
+    assert outs[True] == outs[False]
