@@ -7,6 +7,11 @@ One engine step:
     scheduler.update(output, sampled)                 append tokens
     stop checks + detokenizer                         finish sequences, free their blocks at once
 
+Prefix caching (``CacheConfig.enable_prefix_caching``, on by default): a ``RadixCache`` over the
+``BlockPool``, driven by the Scheduler (match at admission, insert as steps complete, evict before
+preempting). ``add_request`` links the samples of an ``n > 1`` request so that they share sample 0's cached
+prompt blocks; a request asking for prompt logprobs computes its whole prompt (no match) but is cached.
+
 This module imports no torch: the executor (``roofline.worker``) is imported where the engine is built.
 """
 
