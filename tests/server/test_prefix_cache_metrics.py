@@ -73,4 +73,4 @@ def test_exposition_of_a_snapshot():
     assert 'roofline:prefix_cache_queries_total{model_name="m"} 120.0' in text
     assert 'roofline:prefix_cache_hits_total{model_name="m"} 96.0' in text
     assert 'roofline:prefix_cache_evictions_total{model_name="m"} 7.0' in text
-    assert "# TYPE roofline:prefix_cache_hits counter" in text
+    assert "# TYPE roofline:prefix_cache_hits_total counter" in text
