@@ -84,7 +84,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
     d = result["dataset"]
     print(f"{d['num_scored_tokens']:,} tokens scored in {d['num_windows']} windows of {d['window']} "
           f"(stride {d['stride']}); {d['slice']}")
-    print(f"wall time {result['wall_time_s']:.1f} s")
+    print(f"wall time {result['wall_time_s']:.1f} s (scoring {result['score_time_s']:.1f} s, passkey "
+          f"{result['passkey_time_s']:.1f} s, the rest loading)")
     if args.output_json:
         from roofline.bench.common import environment
 

@@ -169,7 +169,8 @@ def _build_llm(args: EngineArgs, min_tokens: int) -> Any:
     kw = args.to_dict()
     if args.kv_cache_memory is None and args.num_kv_blocks is None:
         max_len = args.max_model_len or 8192
-        kw["num_kv_blocks"] = 2 * -(-max(min_tokens, max_len) // args.block_size)
+        block_size = args.block_size or 16  # the smallest default: a larger resolved block only over-provisions
+        kw["num_kv_blocks"] = 2 * -(-max(min_tokens, max_len) // block_size)
     return LLM(**kw)
 
 
@@ -196,8 +197,8 @@ def run_eval(base: EngineArgs, candidates: list[Candidate], cfg: EvalConfig = Ev
              log: TextIO | None = sys.stderr) -> dict[str, Any]:
     """Evaluate the baseline (``base`` with the quality axes reset) and each candidate.
 
-    Returns the JSON-ready result: ``dataset``, ``passkey``, ``kv_budget_bytes``, ``wall_time_s`` and
-    ``rows`` (baseline first), each row with ``name``, ``overrides``, ``format``, ``kv_bytes_per_token``,
+    Returns the JSON-ready result: ``model``, ``dataset``, ``passkey``, ``kv_budget_bytes``, ``wall_time_s``
+    (loading included), ``score_time_s``, ``passkey_time_s`` and ``rows`` (baseline first), each row with ``name``, ``overrides``, ``format``, ``kv_bytes_per_token``,
     ``pool_tokens_at_budget``, ``perplexity``, ``mean_nll``, ``kl_mean``, ``kl_p99``, ``kl_max``,
     ``top1_agreement``, ``num_scored_tokens``, ``passkey_pass_rate`` (None without passkey lengths) and
     ``passkey_trials``.
@@ -235,8 +236,15 @@ def run_eval(base: EngineArgs, candidates: list[Candidate], cfg: EvalConfig = Ev
     max_len = min(llm.engine.config.scheduler_config.max_model_len for llm in llms)
     if cfg.window > max_len:
         raise ValueError(f"window ({cfg.window}) exceeds max_model_len ({max_len})")
+    trials = build_trials(tok, list(cfg.passkey_lengths), list(cfg.passkey_depths), cfg.passkey_seed,
+                          cfg.passkey_form)
+    for t in trials:
+        if len(t.token_ids) + ANSWER_MAX_TOKENS > max_len:
+            raise ValueError(f"passkey prompt of {len(t.token_ids)} tokens + {ANSWER_MAX_TOKENS} answer tokens "
+                             f"exceeds max_model_len ({max_len})")
     text = load_heldout_text(tok, cfg.num_eval_tokens)
     windows = make_windows(len(text.token_ids), cfg.window, cfg.stride)
+    t_score = time.monotonic()
     stream = torch.tensor(text.token_ids, dtype=torch.int64)
     accs = [QualityAccumulator() for _ in llms]
     for i, w in enumerate(windows):
@@ -249,12 +257,8 @@ def run_eval(base: EngineArgs, candidates: list[Candidate], cfg: EvalConfig = Ev
             acc.add(base_lp, llm.score_logprobs(ids)[rows], targets)
         if (i + 1) % 10 == 0 or i + 1 == len(windows):
             say(f"window {i + 1}/{len(windows)}: baseline ppl {math.exp(accs[0].nll_sum / accs[0].num_scored):.3f}")
-    trials = build_trials(tok, list(cfg.passkey_lengths), list(cfg.passkey_depths), cfg.passkey_seed,
-                          cfg.passkey_form)
-    for t in trials:
-        if len(t.token_ids) + ANSWER_MAX_TOKENS > max_len:
-            raise ValueError(f"passkey prompt of {len(t.token_ids)} tokens + {ANSWER_MAX_TOKENS} answer tokens "
-                             f"exceeds max_model_len ({max_len})")
+    score_time = time.monotonic() - t_score
+    t_passkey = time.monotonic()
     rows_out = []
     for name, c_over, llm, acc in zip(names, [{}] + [c.overrides for c in candidates], llms, accs, strict=True):
         row = _describe(name, c_over, llm, cfg.kv_budget_bytes)
@@ -282,6 +286,8 @@ def run_eval(base: EngineArgs, candidates: list[Candidate], cfg: EvalConfig = Ev
                     "prompt": cfg.passkey_form, "decoding": "greedy", "answer_max_tokens": ANSWER_MAX_TOKENS},
         "kv_budget_bytes": cfg.kv_budget_bytes,
         "wall_time_s": time.monotonic() - t0,
+        "score_time_s": score_time,  # every configuration's windows, KL included
+        "passkey_time_s": time.monotonic() - t_passkey,
         "rows": rows_out,
     }
 
