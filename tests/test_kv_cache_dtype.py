@@ -190,3 +190,20 @@ def test_serve_prints_the_kv_pool_at_start_up(monkeypatch, capsys):
     assert run_serve(build_parser().parse_args(["serve", "--kv-cache-dtype", "int8"])) == 0
     assert summary in capsys.readouterr().out.splitlines()
     assert seen["args"].kv_cache_dtype == "int8"
+
+
+@pytest.mark.parametrize("which", ["int8", "fp8"])
+def test_quantized_cache_composes_with_the_prefix_cache(which, int8_llm, fp8_llm):
+    """Blocks matched from the prefix cache hold the same codes and scales as recomputed ones: a second run of
+    prompts sharing a long head (hits) gives the tokens of a run that computes every prompt token
+    (``prompt_logprobs`` skips the match) and of the first run."""
+    llm = int8_llm if which == "int8" else fp8_llm[0]
+    shared = "You are a careful assistant. Answer briefly, precisely and politely. " * 3
+    prompts = [shared + q for q in ("What is two plus two?", "Name a primary color.", "Say hello in French.")]
+    first = _tokens(llm, prompts)
+    hits_before = llm.engine.stats.num_prefix_cache_hits
+    again = _tokens(llm, prompts)
+    assert llm.engine.stats.num_prefix_cache_hits - hits_before >= 3 * 32  # every prompt matched whole blocks
+    full = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True, prompt_logprobs=0),
+                        use_tqdm=False)
+    assert again == [o.outputs[0].token_ids for o in full] == first
