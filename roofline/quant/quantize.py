@@ -1,0 +1,138 @@
+"""Round-to-nearest quantizers and the canonical (unpacked) forms every other part of ``roofline.quant``
+exchanges: calibration (AWQ, GPTQ, SmoothQuant) produces them, checkpoint formats pack and unpack them,
+and each ``LinearMethod`` turns them into what its kernel reads.
+
+Conventions (Hugging Face orientation: a weight is ``[N, K]`` = ``[out_features, in_features]``):
+
+- INT4, asymmetric, in groups of ``group_size`` input channels (the GPTQ/AWQ scheme)::
+
+      W[n, k] ~= (q[n, k] - zeros[n, g(k)]) * scales[n, g(k)],   q, zeros in [0, 15]
+
+  with ``g(k) = g_idx[k]`` (GPTQ act-order) or ``k // group_size``.
+- INT8 weights: symmetric per output channel, ``W[n, k] ~= q[n, k] * scales[n]``, q in [-127, 127].
+- FP8 weights: E4M3 (OCP FP8, max 448) per output channel, ``W[n, k] ~= float(q[n, k]) * scales[n]``.
+- Activations (W8A8): dynamic per token (per row of ``x``), the same two element formats.
+
+Scales are float32 here; a method casts them to what its kernel wants.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+FP8_E4M3_MAX = 448.0  # largest finite float8_e4m3fn (OCP 8-bit floating point spec, 2023)
+INT8_MAX = 127
+INT4_MAX = 15
+# Keeps a scale positive for an all-zero row or group (its values then quantize to the zero point).
+_MIN_SCALE = 1e-10
+
+
+@dataclass
+class Int4Weight:
+    """A weight in canonical INT4 form.
+
+    Attributes:
+        q: uint8 ``[N, K]``, values in [0, 15] (one per byte, unpacked).
+        scales: float32 ``[N, K // group_size]``.
+        zeros: uint8 ``[N, K // group_size]``, values in [0, 15].
+        group_size: input channels per group (32, 64 or 128 in practice).
+        g_idx: int32 ``[K]``, the group of each input channel (GPTQ act-order), or None for
+            ``k // group_size``.
+    """
+
+    q: torch.Tensor
+    scales: torch.Tensor
+    zeros: torch.Tensor
+    group_size: int
+    g_idx: torch.Tensor | None = None
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)  # type: ignore[return-value]
+
+    def group_index(self) -> torch.Tensor:
+        """int64 ``[K]``: the group of each input channel."""
+        k = self.q.shape[1]
+        if self.g_idx is not None:
+            return self.g_idx.long()
+        return torch.arange(k, device=self.q.device) // self.group_size
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[N, K]`` in ``dtype``: ``(q - zeros[:, g]) * scales[:, g]`` computed in float32."""
+        g = self.group_index()
+        w = (self.q.float() - self.zeros.float()[:, g]) * self.scales.float()[:, g]
+        return w.to(dtype)
+
+
+def check_group_size(k: int, group_size: int, name: str = "layer") -> None:
+    """Raises ValueError naming the layer, K and the group size when the group size does not divide K."""
+    if group_size <= 0 or k % group_size:
+        raise ValueError(f"{name}: group size {group_size} does not divide its input size K={k}; "
+                         f"use a group size that divides {k} (32, 64 or 128 in the published formats)")
+
+
+def int4_params(w: torch.Tensor, group_size: int, name: str = "layer") -> tuple[torch.Tensor, torch.Tensor]:
+    """Asymmetric min/max RTN parameters for each group of ``w`` ``[N, K]``.
+
+    Returns:
+        (scales float32 ``[N, K // group_size]``, zeros float32 (integer-valued, in [0, 15]) of the same
+        shape). The range always includes 0, so zero is exactly representable.
+    """
+    n, k = w.shape
+    check_group_size(k, group_size, name)
+    g = w.float().reshape(n, k // group_size, group_size)
+    lo = g.amin(dim=-1).clamp(max=0.0)
+    hi = g.amax(dim=-1).clamp(min=0.0)
+    scales = ((hi - lo) / INT4_MAX).clamp(min=_MIN_SCALE)
+    zeros = torch.round(-lo / scales).clamp(0, INT4_MAX)
+    return scales, zeros
+
+
+def quantize_int4(w: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                  g_idx: torch.Tensor | None = None) -> Int4Weight:
+    """Round ``w`` ``[N, K]`` onto given per-group scales and zeros ``[N, num_groups]``."""
+    k = w.shape[1]
+    g = g_idx.long() if g_idx is not None else torch.arange(k, device=w.device) // group_size
+    q = torch.round(w.float() / scales[:, g] + zeros[:, g]).clamp(0, INT4_MAX)
+    return Int4Weight(q.to(torch.uint8), scales.float().contiguous(), zeros.to(torch.uint8).contiguous(),
+                      group_size, None if g_idx is None else g_idx.to(torch.int32))
+
+
+def quantize_int4_rtn(w: torch.Tensor, group_size: int = 128, name: str = "layer") -> Int4Weight:
+    """Round-to-nearest INT4 (the ``rtn`` calibration): min/max scales per group, no data.
+
+    Raises:
+        ValueError: ``group_size`` does not divide K (names the layer, K and the group size).
+    """
+    scales, zeros = int4_params(w, group_size, name)
+    return quantize_int4(w, scales, zeros, group_size)
+
+
+def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric INT8 per output channel: (q int8 ``[N, K]``, scales float32 ``[N]``), ``W ~= q * s``."""
+    scales = (w.float().abs().amax(dim=1) / INT8_MAX).clamp(min=_MIN_SCALE)
+    q = torch.round(w.float() / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scales
+
+
+def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E4M3 per output channel: (q float8_e4m3fn ``[N, K]``, scales float32 ``[N]``), amax maps to 448."""
+    scales = (w.float().abs().amax(dim=1) / FP8_E4M3_MAX).clamp(min=_MIN_SCALE)
+    q = (w.float() / scales[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scales
+
+
+def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric INT8 per row of ``x`` ``[M, K]``: (q int8 ``[M, K]``, scales float32 ``[M, 1]``)."""
+    scales = (x.float().abs().amax(dim=-1, keepdim=True) / INT8_MAX).clamp(min=_MIN_SCALE)
+    q = torch.round(x.float() / scales).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    return q, scales
+
+
+def quantize_per_token_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic E4M3 per row of ``x`` ``[M, K]``: (q float8_e4m3fn ``[M, K]``, scales float32 ``[M, 1]``)."""
+    scales = (x.float().abs().amax(dim=-1, keepdim=True) / FP8_E4M3_MAX).clamp(min=_MIN_SCALE)
+    q = (x.float() / scales).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return q, scales
