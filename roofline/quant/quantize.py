@@ -66,6 +66,26 @@ class Int4Weight:
         return w.to(dtype)
 
 
+@dataclass
+class ChannelWeight:
+    """A weight quantized per output channel (INT8 or FP8 E4M3), in canonical form.
+
+    Attributes:
+        q: int8 or float8_e4m3fn ``[N, K]``.
+        scales: float32 ``[N]``; ``W[n, k] ~= float(q[n, k]) * scales[n]``.
+    """
+
+    q: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)  # type: ignore[return-value]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return (self.q.float() * self.scales.float()[:, None]).to(dtype)
+
+
 def check_group_size(k: int, group_size: int, name: str = "layer") -> None:
     """Raises ValueError naming the layer, K and the group size when the group size does not divide K."""
     if group_size <= 0 or k % group_size:
@@ -110,18 +130,18 @@ def quantize_int4_rtn(w: torch.Tensor, group_size: int = 128, name: str = "layer
     return quantize_int4(w, scales, zeros, group_size)
 
 
-def quantize_int8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Symmetric INT8 per output channel: (q int8 ``[N, K]``, scales float32 ``[N]``), ``W ~= q * s``."""
+def quantize_int8_per_channel(w: torch.Tensor) -> ChannelWeight:
+    """Symmetric INT8 per output channel of ``w`` ``[N, K]``: amax maps to 127, ``W ~= q * s``."""
     scales = (w.float().abs().amax(dim=1) / INT8_MAX).clamp(min=_MIN_SCALE)
     q = torch.round(w.float() / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
-    return q, scales
+    return ChannelWeight(q, scales)
 
 
-def quantize_fp8_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """E4M3 per output channel: (q float8_e4m3fn ``[N, K]``, scales float32 ``[N]``), amax maps to 448."""
+def quantize_fp8_per_channel(w: torch.Tensor) -> ChannelWeight:
+    """E4M3 per output channel of ``w`` ``[N, K]``: amax maps to 448 (round-to-nearest-even cast)."""
     scales = (w.float().abs().amax(dim=1) / FP8_E4M3_MAX).clamp(min=_MIN_SCALE)
     q = (w.float() / scales[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return q, scales
+    return ChannelWeight(q, scales)
 
 
 def quantize_per_token_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
