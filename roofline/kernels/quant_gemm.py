@@ -1,0 +1,745 @@
+"""GEMMs for quantized linear layers in Triton: weight-only INT4 / INT8 (w4a16, w8a16), INT8 W8A8
+(SmoothQuant-style, per-token activation scales), the per-token INT8 activation quantizer, dequantize
+kernels for the "dequantize, then dense cuBLAS GEMM" path, and a dense split-K small-M GEMV.
+
+Every GEMM computes ``out [M, N] = x [M, K] @ W^T`` with ``W`` the logical ``[N, K]`` weight
+(``out_features, in_features``), fp32 accumulation (int32 for INT8 x INT8), output in the activation dtype.
+Each public kernel has a pure-torch ``ref_`` twin on the same layouts (fp32 math, one cast at the end).
+
+Kernel weight layouts (made once at load time by ``prepare_*`` from the canonical forms of
+``roofline.quant.quantize``; CPU or CUDA tensors):
+
+- INT4 (:class:`Int4Packed`, from ``Int4Weight``), GPTQ-style packing along K:
+
+  - ``qweight`` int32 ``[K // 8, N]``: bits ``4i .. 4i+3`` of word ``[r, n]`` hold ``q[n, 8r + i]`` (0..15).
+  - ``scales`` ``[K // G, N]`` in the activation dtype (rounded once from the canonical float32).
+  - ``zeros`` ``[K // G, N]`` in the activation dtype (the integer zero points 0..15, exact in any float).
+
+  ``W[n, k] = (q - zeros[k // G, n]) * scales[k // G, n]``; groups are contiguous (``k // G``). Act-order
+  (GPTQ ``g_idx``) weights are handled by the caller permuting input channels first (``prepare_int4``
+  refuses a non-trivial ``g_idx``). Bytes: ``K*N/2 + 2 * (K/G) * N * itemsize`` (:func:`int4_weight_bytes`;
+  Llama-3-8B gate_up at G=128, bf16: 58.7 MB + 1.8 MB).
+- INT8 (:class:`Int8Packed`, from ``ChannelWeight``): the canonical ``q`` int8 ``[N, K]`` (K contiguous)
+  and ``scales`` float32 ``[N]``, ``W[n, k] = q[n, k] * scales[n]``. The same tensor serves w8a16, the
+  W8A8 ``int8_gemm`` (int8 tensor-core dots want K-major B, i.e. ``[N, K]``), ``torch._int_mm`` (as the
+  column-major ``q.t()``) and the CPU path ``torch._weight_int8pack_mm``. Bytes: ``N*K + 4*N``.
+
+Variants, picked by M from an explicit table (:data:`CONFIGS`; no autotuning, so a CUDA-graph capture
+at a new M never benchmarks):
+
+- small M (M <= 16): a bandwidth-bound stream over the weight. Rows of x are padded to 16 for ``tl.dot``
+  (the tensor cores have throughput to spare), BLOCK_N is narrow so there are many programs, and K is
+  split (``SPLIT_K``, :func:`choose_split_k`) when the N tiles alone give fewer than ~4 programs per SM.
+  Split-K partials are fp32 ``[SPLIT_K, M, N]``; the last program of a tile to finish (a per-tile arrival
+  counter, atomics with acquire-release semantics) sums them in split order and writes the output, so the
+  reduction is deterministic and there is one launch. The counters are reset by that program, so they
+  stay zero between calls (CUDA-graph safe; kernels that share them must be stream-ordered). For INT4 the
+  group scale is applied after each tile's dot (``acc += dot(x, q - z) * s``, BLOCK_K divides G), so
+  the per-element work is a shift, a mask/or (``q | 0x4B000000`` is the float ``2^23 + q``, no int->float
+  convert), a subtract and a cast.
+- larger M: a tiled ``tl.dot`` GEMM (grouped tile order for L2 reuse), dequantizing each [BLOCK_K,
+  BLOCK_N] weight tile in registers (``(q - z) * s`` rounded once to the activation dtype, as
+  ``Int4Weight.dequantize(dtype)`` with the prepared scales).
+
+References: GPTQ packing (Frantar et al. 2022, "GPTQ", and the AutoGPTQ/GPTQ-for-LLaMa kernels); split-K
+for skinny W4A16 GEMMs (Hoque, Wright et al., PyTorch blog 2024, "Accelerating a Triton fused kernel for
+W4A16 quantized inference with SplitK work decomposition"); SmoothQuant W8A8 with per-token activation
+and per-channel weight scales (Xiao et al. 2023); the float magic-number conversion (``2^23 + i`` has i in
+its low mantissa bits, IEEE 754 binary32) as in FasterTransformer's int4 converters.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+from roofline.quant.quantize import INT8_MAX, ChannelWeight, Int4Weight
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover
+    triton = None
+
+# Weight formats, a constexpr of the GEMM kernel.
+FMT_DENSE = 0  # W [N, K] in the activation dtype
+FMT_INT4 = 1  # qweight int32 [K // 8, N], scales/zeros [K // G, N]
+FMT_INT8 = 2  # q int8 [N, K], scales float32 [N]; activations float
+FMT_INT8_INT8 = 3  # activations int8 too, x_scale float32 [M]
+_MIN_SCALE = 1e-10  # = roofline.quant.quantize._MIN_SCALE: an all-zero row quantizes to zeros
+_MAGIC = 8388608.0  # 2^23: the float32 with bits 0x4B000000
+
+
+@dataclass(frozen=True)
+class GemmConfig:
+    """One tile configuration. ``split_k`` None: chosen per shape by :func:`choose_split_k`."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    split_k: int | None = None
+    unpack: int = 0  # INT4 only: 0 = word per row (GPTQ-triton style loads), 1 = one load per word + reshape
+
+
+# (largest M, config) per format, first match wins. Initial values: the small-M row follows the split-K
+# W4A16 blog (BM 16, BN 32, BK 128, 4 warps, 4 stages) and our earlier dense GEMV sweep on the H200
+# (BN 32, BK 256: docs/kernels.md); the tiled rows are common Hopper GEMM tiles. bench/gpu_quant_gemm.py
+# sweeps alternatives; replace these with its measurements.
+CONFIGS: dict[str, list[tuple[int, GemmConfig]]] = {
+    "int4": [
+        (16, GemmConfig(16, 32, 128, 4, 4)),
+        (64, GemmConfig(64, 64, 64, 4, 4)),
+        (256, GemmConfig(64, 128, 64, 4, 4)),
+        (1 << 62, GemmConfig(128, 128, 64, 8, 3)),
+    ],
+    "int8": [
+        (16, GemmConfig(16, 32, 128, 4, 4)),
+        (64, GemmConfig(64, 64, 64, 4, 4)),
+        (256, GemmConfig(64, 128, 64, 4, 4)),
+        (1 << 62, GemmConfig(128, 128, 64, 8, 3)),
+    ],
+    "int8_int8": [
+        (16, GemmConfig(16, 64, 128, 4, 4)),
+        (64, GemmConfig(64, 64, 128, 4, 4)),
+        (256, GemmConfig(64, 128, 128, 4, 3)),
+        (1 << 62, GemmConfig(128, 128, 128, 8, 3)),
+    ],
+    "dense": [
+        (16, GemmConfig(16, 32, 256, 4, 4)),
+        (64, GemmConfig(64, 64, 64, 4, 4)),
+        (256, GemmConfig(64, 128, 64, 4, 4)),
+        (1 << 62, GemmConfig(128, 128, 64, 8, 3)),
+    ],
+}
+SMALL_M = 16  # M <= SMALL_M: the weight-streaming variant (split-K allowed, INT4 scales after the dot)
+
+
+def pick_config(fmt: str, m: int) -> GemmConfig:
+    """The :data:`CONFIGS` row for ``fmt`` ('int4', 'int8', 'int8_int8', 'dense') at ``m`` rows."""
+    for max_m, cfg in CONFIGS[fmt]:
+        if m <= max_m:
+            return cfg
+    raise AssertionError("unreachable: the last row covers every M")
+
+
+# ---------------------------------------------------------------------------------------- weight layouts
+
+@dataclass
+class Int4Packed:
+    """An INT4 weight in the kernel layout (module docstring). ``shape`` is the logical ``(N, K)``."""
+
+    qweight: torch.Tensor  # int32 [K // 8, N]
+    scales: torch.Tensor  # [K // G, N], activation dtype
+    zeros: torch.Tensor  # [K // G, N], activation dtype, integer values 0..15
+    group_size: int
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qweight.shape[1], self.qweight.shape[0] * 8
+
+    def weight_bytes(self) -> int:
+        """Bytes a GEMM reads for this weight (packed codes, scales, zeros)."""
+        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
+
+
+@dataclass
+class Int8Packed:
+    """An INT8 per-output-channel weight in the kernel layout: q int8 ``[N, K]``, scales float32 ``[N]``."""
+
+    q: torch.Tensor
+    scales: torch.Tensor
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.q.shape)  # type: ignore[return-value]
+
+    def weight_bytes(self) -> int:
+        """Bytes a GEMM reads for this weight (codes and scales)."""
+        return self.q.numel() * self.q.element_size() + self.scales.numel() * self.scales.element_size()
+
+
+def int4_weight_bytes(n: int, k: int, group_size: int, dtype: torch.dtype = torch.bfloat16) -> int:
+    """Bytes of an :class:`Int4Packed` ``[N, K]`` weight: ``N*K/2`` codes + scales and zeros ``[K/G, N]``."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    return n * k // 2 + 2 * (k // group_size) * n * itemsize
+
+
+def int8_weight_bytes(n: int, k: int) -> int:
+    """Bytes of an :class:`Int8Packed` ``[N, K]`` weight: ``N*K`` codes + float32 scales ``[N]``."""
+    return n * k + 4 * n
+
+
+def pack_int4(q: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[N, K]`` codes in [0, 15] -> int32 ``[K // 8, N]``, ``word[r, n] = sum_i q[n, 8r+i] << 4i``.
+
+    Raises:
+        ValueError: K not a multiple of 8, or codes outside [0, 15].
+    """
+    n, k = q.shape
+    if k % 8:
+        raise ValueError(f"INT4 packing needs K % 8 == 0, got K={k}")
+    qi = q.to(torch.int64)
+    if qi.numel() and (int(qi.min()) < 0 or int(qi.max()) > 15):
+        raise ValueError(f"INT4 codes must lie in [0, 15], got [{int(qi.min())}, {int(qi.max())}]")
+    shifts = torch.arange(8, device=q.device, dtype=torch.int64) * 4
+    words = (qi.t().reshape(k // 8, 8, n) << shifts[None, :, None]).sum(dim=1)  # [K // 8, N], < 2^32
+    words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement: nibble 7 >= 8 sets the sign
+    return words.to(torch.int32).contiguous()
+
+
+def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_int4`: int32 ``[K // 8, N]`` -> uint8 ``[N, K]`` codes."""
+    k8, n = qweight.shape
+    shifts = torch.arange(8, device=qweight.device, dtype=torch.int32) * 4
+    q = (qweight[:, None, :] >> shifts[None, :, None]) & 0xF  # [K // 8, 8, N]
+    return q.reshape(k8 * 8, n).t().to(torch.uint8).contiguous()
+
+
+def prepare_int4(w: Int4Weight, dtype: torch.dtype = torch.bfloat16) -> Int4Packed:
+    """Canonical INT4 -> the kernel layout (module docstring), scales and zeros in ``dtype``.
+
+    Raises:
+        ValueError: an act-order ``g_idx`` other than ``k // group_size`` (permute the input channels
+            first), K not a multiple of 8 or of the group size.
+    """
+    n, k = w.q.shape
+    g = w.group_size
+    if g <= 0 or k % g:
+        raise ValueError(f"group size {g} does not divide K={k}")
+    if w.g_idx is not None:
+        plain = torch.arange(k, device=w.g_idx.device) // g
+        if not torch.equal(w.g_idx.long(), plain):
+            raise ValueError("act-order g_idx is not supported by the kernels: permute the weight's input "
+                             "channels (and the activations) so that groups are contiguous first")
+    return Int4Packed(
+        qweight=pack_int4(w.q),
+        scales=w.scales.t().to(dtype).contiguous(),
+        zeros=w.zeros.t().to(dtype).contiguous(),
+        group_size=g,
+    )
+
+
+def prepare_int8(w: ChannelWeight) -> Int8Packed:
+    """Canonical per-channel INT8 -> the kernel layout (the same ``[N, K]`` codes, float32 scales).
+
+    Raises:
+        ValueError: codes that are not int8 (FP8 weights use ``torch._scaled_mm``).
+    """
+    if w.q.dtype != torch.int8:
+        raise ValueError(f"prepare_int8 takes int8 codes, got {w.q.dtype}")
+    return Int8Packed(w.q.contiguous(), w.scales.float().reshape(-1).contiguous())
+
+
+# ---------------------------------------------------------------------------------------- pure-torch twins
+
+def ref_dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                        dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Twin of :func:`dequantize_int4`: ``[N, K]`` = ``(q - z) * s`` in fp32, cast once to ``dtype``
+    (default: the scales' dtype)."""
+    q = unpack_int4(qweight).float()  # [N, K]
+    g = torch.arange(q.shape[1], device=q.device) // group_size
+    w = (q - zeros.float().t()[:, g]) * scales.float().t()[:, g]
+    return w.to(dtype or scales.dtype)
+
+
+def ref_dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Twin of :func:`dequantize_int8`: ``[N, K]`` = ``q * scales[:, None]`` in fp32, cast to ``dtype``."""
+    return (q.float() * scales.float()[:, None]).to(dtype)
+
+
+def ref_w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                   group_size: int) -> torch.Tensor:
+    """Twin of :func:`w4a16_gemm`: fp32 ``x @ W^T`` with W dequantized in fp32, cast to x's dtype."""
+    w = ref_dequantize_int4(qweight, scales, zeros, group_size, torch.float32)
+    return (x.float() @ w.t()).to(x.dtype)
+
+
+def ref_w8a16_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Twin of :func:`w8a16_gemm`: fp32 ``(x @ q^T) * scales``, cast to x's dtype."""
+    return ((x.float() @ q.float().t()) * scales.float()[None, :]).to(x.dtype)
+
+
+def ref_int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """Twin of :func:`int8_gemm`: exact integer ``xq @ wq^T`` (int64), then ``* x_scale * w_scale`` in fp32."""
+    acc = (xq.long() @ wq.long().t()).float()
+    return (acc * x_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)).to(out_dtype)
+
+
+def ref_per_token_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of :func:`per_token_quant_int8` (bit-exact): ``scale = max(amax / 127, 1e-10)`` (IEEE division),
+    ``q = clamp(round_half_even(x / scale), -127, 127)``. Returns (int8 ``[M, K]``, float32 ``[M, 1]``)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    # A tensor divisor: CUDA torch computes ``t / scalar`` as ``t * (1 / scalar)`` (see kernels/common.py).
+    scale = (amax / torch.full_like(amax, INT8_MAX)).clamp(min=_MIN_SCALE)
+    return torch.round(xf / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
+
+
+def ref_dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Twin of :func:`dense_gemv`: fp32 ``x @ weight^T``, cast to x's dtype."""
+    return (x.float() @ weight.float().t()).to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------- Triton kernels
+
+if triton is not None:
+
+    @triton.jit
+    def _qgemm_kernel(
+        X, W, S, Z, XS, Out, Partials, Counters,
+        M, N, K, k_tiles_per_split,
+        stride_xm, stride_wr, stride_sg, stride_om,
+        FMT: tl.constexpr, GROUP: tl.constexpr, SCALE_AFTER_DOT: tl.constexpr, UNPACK: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ):
+        # Grouped tile order: GROUP_M row tiles sweep N together, so their weight tiles are reused from L2.
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        num_pid_m = tl.cdiv(M, BLOCK_M)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        width = GROUP_M * num_pid_n
+        first_m = (pid // width) * GROUP_M
+        group_rows = tl.minimum(num_pid_m - first_m, GROUP_M)
+        pid_m = first_m + (pid % width) % group_rows
+        pid_n = (pid % width) // group_rows
+
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        mmask = offs_m < M
+        nmask = offs_n < N
+        x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm
+        if FMT == 3:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+        else:
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        kt_start = split * k_tiles_per_split
+        kt_end = tl.minimum(kt_start + k_tiles_per_split, k_tiles)
+        for kt in range(kt_start, kt_end):
+            ks = kt * BLOCK_K + offs_k  # [BLOCK_K] input channels of this tile
+            if EVEN_K:
+                x = tl.load(x_rows + ks[None, :], mask=mmask[:, None], other=0)  # [BLOCK_M, BLOCK_K]
+            else:
+                kmask = ks < K
+                x = tl.load(x_rows + ks[None, :], mask=mmask[:, None] & kmask[None, :], other=0)
+            if FMT == 1:
+                # INT4: codes of [BLOCK_K, BLOCK_N] from int32 words [K // 8, N] (8 consecutive k per word).
+                # (K % 8 == 0, so rows past K are whole words: a K-tail tile masks them with ks < K.)
+                if UNPACK == 0:
+                    # Each row k loads word k // 8 (8 rows share a word: the repeats hit L1).
+                    wmask = nmask[None, :] if EVEN_K else nmask[None, :] & kmask[:, None]
+                    words = tl.load(W + (ks // 8)[:, None].to(tl.int64) * stride_wr + offs_n[None, :],
+                                    mask=wmask, other=0)
+                    qi = (words >> ((ks % 8) * 4)[:, None]) & 0xF
+                else:
+                    # One load per word, [BLOCK_K // 8, BLOCK_N], split into 8 nibbles and reshaped
+                    # (row-major: word r, nibble i -> row 8r + i).
+                    rows = kt * (BLOCK_K // 8) + tl.arange(0, BLOCK_K // 8)
+                    rmask = nmask[None, :] if EVEN_K else nmask[None, :] & (rows < K // 8)[:, None]
+                    words = tl.load(W + rows[:, None].to(tl.int64) * stride_wr + offs_n[None, :],
+                                    mask=rmask, other=0)
+                    shifts = tl.arange(0, 8) * 4
+                    qi = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, [BLOCK_K, BLOCK_N])
+                # q | 0x4B000000 is the float 2^23 + q exactly: an int->float conversion without I2F.
+                qf = (qi | 0x4B000000).to(tl.float32, bitcast=True)
+                if SCALE_AFTER_DOT:
+                    # BLOCK_K divides GROUP: the tile lies in one group; q - z is an exact small integer.
+                    g = (kt * BLOCK_K) // GROUP
+                    s = tl.load(S + g * stride_sg + offs_n, mask=nmask, other=0.0).to(tl.float32)
+                    z = tl.load(Z + g * stride_sg + offs_n, mask=nmask, other=0.0).to(tl.float32) + 8388608.0
+                    w = (qf - z[None, :]).to(x.dtype)
+                    acc += tl.dot(x, w, input_precision=DOT_PRECISION) * s[None, :]
+                else:
+                    sg = (ks // GROUP)[:, None] * stride_sg + offs_n[None, :]  # [BLOCK_K, BLOCK_N]
+                    smask = nmask[None, :] if EVEN_K else nmask[None, :] & kmask[:, None]
+                    s = tl.load(S + sg, mask=smask, other=0.0).to(tl.float32)
+                    z = tl.load(Z + sg, mask=smask, other=0.0).to(tl.float32) + 8388608.0
+                    w = ((qf - z) * s).to(x.dtype)
+                    acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+            else:
+                # [N, K] weights (dense, int8): the [BLOCK_K, BLOCK_N] tile of W^T, K contiguous.
+                w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wr + ks[:, None]
+                if EVEN_K:
+                    w = tl.load(w_ptrs, mask=nmask[None, :], other=0)
+                else:
+                    w = tl.load(w_ptrs, mask=nmask[None, :] & kmask[:, None], other=0)
+                if FMT == 0:
+                    acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+                elif FMT == 2:
+                    # int8 -> float: 0x4B000080 + q is the float 2^23 + 128 + q (q in [-128, 127]).
+                    wf = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+                    acc = tl.dot(x, wf.to(x.dtype), acc, input_precision=DOT_PRECISION)
+                else:
+                    acc = tl.dot(x, w, acc, out_dtype=tl.int32)
+
+        # Epilogue: per-channel (and per-token) scales, then store or split-K reduce.
+        if FMT == 2:
+            acc = acc * tl.load(S + offs_n, mask=nmask, other=0.0)[None, :]
+        if FMT == 3:
+            xs = tl.load(XS + offs_m, mask=mmask, other=0.0)
+            ws = tl.load(S + offs_n, mask=nmask, other=0.0)
+            acc = acc.to(tl.float32) * xs[:, None] * ws[None, :]
+        omask = mmask[:, None] & nmask[None, :]
+        out_ptrs = Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=omask)
+        else:
+            # Partials [SPLIT_K, M, N] fp32. The last program of this tile to arrive sums them in split
+            # order (deterministic) and re-arms the tile's counter for the next call.
+            mn = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+            tl.store(Partials + split.to(tl.int64) * M * N + mn, acc, mask=omask)
+            tl.debug_barrier()  # every thread's partial is issued before the release below
+            arrived = tl.atomic_add(Counters + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for sp in tl.static_range(SPLIT_K):
+                    total += tl.load(Partials + sp * M * N + mn, mask=omask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptrs, total.to(Out.dtype.element_ty), mask=omask)
+                tl.atomic_xchg(Counters + pid, 0)
+
+    @triton.jit
+    def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        amax = tl.zeros([BLOCK], tl.float32)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(X + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        amax_row = tl.max(amax, axis=0)
+        scale = tl.maximum(tl.div_rn(amax_row, 127.0), 1e-10)  # IEEE division, as the ref
+        scale_v = tl.zeros([BLOCK], tl.float32) + scale  # div_rn takes equal shapes
+        for k0 in range(0, K, BLOCK):
+            kmask = k0 + offs < K
+            x = tl.load(X + row * stride_x + k0 + offs, mask=kmask, other=0.0).to(tl.float32)
+            y = tl.div_rn(x, scale_v)
+            # Round half to even (torch.round): adding 1.5 * 2^23 leaves no fraction bits, and IEEE
+            # round-to-nearest-even does the rounding; exact for |y| < 2^22 (here |y| <= 127).
+            y = (y + 12582912.0) - 12582912.0
+            y = tl.minimum(tl.maximum(y, -127.0), 127.0)
+            tl.store(Q + row * stride_q + k0 + offs, y.to(tl.int8), mask=kmask)
+        tl.store(S + row, scale)
+
+    @triton.jit
+    def _dequant_kernel(
+        W, S, Z, Out, N, K, stride_wr, stride_sg, stride_on,
+        FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):
+        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+        mask = (ks[:, None] < K) & (offs_n[None, :] < N)  # [BLOCK_K, BLOCK_N]
+        if FMT == 1:
+            words = tl.load(W + (ks // 8)[:, None].to(tl.int64) * stride_wr + offs_n[None, :], mask=mask, other=0)
+            qf = (((words >> ((ks % 8) * 4)[:, None]) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
+            sg = (ks // GROUP)[:, None] * stride_sg + offs_n[None, :]
+            s = tl.load(S + sg, mask=mask, other=0.0).to(tl.float32)
+            z = tl.load(Z + sg, mask=mask, other=0.0).to(tl.float32) + 8388608.0
+            w = (qf - z) * s
+        else:
+            q = tl.load(W + offs_n[None, :].to(tl.int64) * stride_wr + ks[:, None], mask=mask, other=0)
+            w = q.to(tl.float32) * tl.load(S + offs_n, mask=offs_n < N, other=0.0)[None, :]
+        tl.store(Out + offs_n[None, :].to(tl.int64) * stride_on + ks[:, None], w.to(Out.dtype.element_ty), mask=mask)
+
+
+# ---------------------------------------------------------------------------------------- launchers
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4  # the CPU interpreter: small splits still get exercised
+
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def _counters(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of >= n split-K arrival counters for ``device``; the kernel leaves it zeroed."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 16384), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
+
+def choose_split_k(tiles_mn: int, k_tiles: int, num_sms: int, programs_per_sm: int = 4,
+                   max_split: int = 16) -> int:
+    """K splits so the grid has about ``programs_per_sm`` programs per SM (a power of two, >= 2 K tiles
+    per split, <= ``max_split``); 1 when the output tiles alone fill the GPU.
+
+    Llama-3-8B at M=1, BLOCK_N 32, 132 SMs: qkv (192 tiles) 2, o and down (128) 4, gate_up (896) 1.
+    """
+    want = math.ceil(programs_per_sm * num_sms / max(1, tiles_mn))
+    cap = min(max_split, max(1, k_tiles // 2), want)
+    return 1 << (max(1, cap).bit_length() - 1)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
+
+
+def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
+                 xs: torch.Tensor | None, n: int, group: int, out_dtype: torch.dtype,
+                 config: GemmConfig | None) -> torch.Tensor:
+    if triton is None:
+        raise RuntimeError("triton is not installed; use the ref_ twins on this machine")
+    m, k = x.shape
+    out = torch.empty((m, n), dtype=out_dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    if k == 0:
+        return out.zero_()
+    cfg = config or pick_config(table, m)
+    block_k = cfg.block_k
+    scale_after_dot = False
+    if fmt == FMT_INT4:
+        # Small M: the group scale after each tile's dot needs BLOCK_K | GROUP (and BLOCK_K >= 16 for tl.dot).
+        bk = min(block_k, group)
+        if cfg.block_m <= SMALL_M and bk >= 16 and group % bk == 0 and bk & (bk - 1) == 0:
+            block_k, scale_after_dot = bk, True
+        if cfg.unpack == 1 and block_k % 8:
+            raise ValueError(f"unpack=1 needs BLOCK_K % 8 == 0, got {block_k}")
+    k_tiles = triton.cdiv(k, block_k)
+    tiles_mn = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
+    split = cfg.split_k or choose_split_k(tiles_mn, k_tiles, _num_sms(x.device))
+    split = max(1, min(split, k_tiles))
+    per_split = triton.cdiv(k_tiles, split)
+    split = triton.cdiv(k_tiles, per_split)  # no empty trailing splits
+    if split > 1:
+        partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counters = _counters(x.device, tiles_mn)
+    else:
+        partials = counters = out  # unused
+    _qgemm_kernel[(tiles_mn, split)](
+        x, w, s, z if z is not None else s, xs if xs is not None else s, out, partials, counters,
+        m, n, k, per_split,
+        x.stride(0), w.stride(0), z.stride(0) if z is not None else 0, out.stride(0),
+        FMT=fmt, GROUP=group, SCALE_AFTER_DOT=scale_after_dot, UNPACK=cfg.unpack,
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8,
+        SPLIT_K=split, EVEN_K=k % block_k == 0, DOT_PRECISION=_dot_precision(x.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return out
+
+
+def _as_rows(x: torch.Tensor, k: int, name: str) -> torch.Tensor:
+    if x.shape[-1] != k:
+        raise ValueError(f"{name}: x has {x.shape[-1]} input channels, the weight K={k}")
+    x2 = x.reshape(-1, k)
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
+
+
+def _check_float_act(x: torch.Tensor, name: str) -> None:
+    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        raise ValueError(f"{name}: activations must be float16, bfloat16 or float32, got {x.dtype}")
+
+
+def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+               group_size: int, config: GemmConfig | None = None) -> torch.Tensor:
+    """``x @ W^T`` for an INT4 weight in the kernel layout, dequantized in registers.
+
+    Args:
+        x: [..., K] float16/bfloat16 (float32 for tests), last dim contiguous.
+        qweight: int32 [K // 8, N] (nibble i of word r = code of input channel 8r + i).
+        scales, zeros: [K // G, N] in x's dtype, contiguous (zeros: integer values 0..15).
+        group_size: G, input channels per group; divides K.
+        config: a tile configuration (tests and benchmarks); default by M from :data:`CONFIGS`.
+
+    Returns:
+        [..., N] in x's dtype; fp32 accumulation.
+
+    Raises:
+        ValueError: shapes, dtypes or group size that disagree. RuntimeError: triton missing.
+    """
+    k8, n = qweight.shape
+    k = k8 * 8
+    _check_float_act(x, "w4a16_gemm")
+    if qweight.dtype != torch.int32 or k % group_size or scales.shape != (k // group_size, n):
+        raise ValueError(f"w4a16_gemm: qweight {tuple(qweight.shape)} {qweight.dtype}, scales "
+                         f"{tuple(scales.shape)} and group size {group_size} disagree (want int32 [K/8, N], "
+                         f"[K/G, N])")
+    if zeros.shape != scales.shape or scales.dtype != x.dtype or zeros.dtype != x.dtype:
+        raise ValueError(f"w4a16_gemm: scales/zeros must be {x.dtype} {tuple(scales.shape)}, got "
+                         f"{scales.dtype} {tuple(scales.shape)} / {zeros.dtype} {tuple(zeros.shape)}")
+    x2 = _as_rows(x, k, "w4a16_gemm")
+    out = _launch_gemm(FMT_INT4, "int4", x2, qweight.contiguous(), scales.contiguous(), zeros.contiguous(), None,
+                       n, group_size, x.dtype, config)
+    return out.view(*x.shape[:-1], n)
+
+
+def w8a16_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+               config: GemmConfig | None = None) -> torch.Tensor:
+    """``x @ W^T`` for a per-channel INT8 weight (``W = q * scales[:, None]``), dequantized in registers.
+
+    Args:
+        x: [..., K] float16/bfloat16 (float32 for tests).
+        q: int8 [N, K], K contiguous.
+        scales: float32 [N] (applied to the fp32 accumulator).
+        config: optional tile configuration; default by M.
+
+    Returns:
+        [..., N] in x's dtype.
+
+    Raises:
+        ValueError: shapes or dtypes that disagree. RuntimeError: triton missing.
+    """
+    n, k = q.shape
+    _check_float_act(x, "w8a16_gemm")
+    if q.dtype != torch.int8 or scales.numel() != n:
+        raise ValueError(f"w8a16_gemm: want int8 q [N, K] and scales [N], got {q.dtype} {tuple(q.shape)} / "
+                         f"{tuple(scales.shape)}")
+    x2 = _as_rows(x, k, "w8a16_gemm")
+    out = _launch_gemm(FMT_INT8, "int8", x2, q.contiguous(), scales.float().reshape(-1).contiguous(), None, None,
+                       n, 1, x.dtype, config)
+    return out.view(*x.shape[:-1], n)
+
+
+def int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
+              out_dtype: torch.dtype = torch.bfloat16, config: GemmConfig | None = None) -> torch.Tensor:
+    """W8A8: INT8 x INT8 tensor-core GEMM with int32 accumulation and a scaled epilogue
+    ``out[m, n] = float(sum_k xq[m, k] * wq[n, k]) * x_scale[m] * w_scale[n]`` (SmoothQuant, Xiao et al. 2023).
+
+    Args:
+        xq: int8 [M, K] (from :func:`per_token_quant_int8`).
+        x_scale: float32 [M, 1] or [M].
+        wq: int8 [N, K] (:class:`Int8Packed` ``q``).
+        w_scale: float32 [N].
+        out_dtype: float16, bfloat16 or float32.
+
+    Returns:
+        [M, N] in ``out_dtype``. With split-K (small M) each split's exact int32 sum is scaled in fp32
+        and the splits are added in fp32.
+
+    Raises:
+        ValueError: shapes or dtypes that disagree. RuntimeError: triton missing.
+    """
+    n, k = wq.shape
+    if xq.dtype != torch.int8 or wq.dtype != torch.int8:
+        raise ValueError(f"int8_gemm: want int8 xq and wq, got {xq.dtype} / {wq.dtype}")
+    if xq.dim() != 2 or xq.shape[1] != k or x_scale.numel() != xq.shape[0] or w_scale.numel() != n:
+        raise ValueError(f"int8_gemm: xq {tuple(xq.shape)}, x_scale {tuple(x_scale.shape)}, wq {tuple(wq.shape)}, "
+                         f"w_scale {tuple(w_scale.shape)} disagree")
+    xs = x_scale.float().reshape(-1).contiguous()
+    ws = w_scale.float().reshape(-1).contiguous()
+    return _launch_gemm(FMT_INT8_INT8, "int8_int8", _as_rows(xq, k, "int8_gemm"), wq.contiguous(), ws, None, xs,
+                        n, 1, out_dtype, config)
+
+
+def dense_gemv(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:
+    """``x @ weight^T`` for a dense weight at small M (decode), split-K when N gives too few programs.
+
+    cuBLAS at M = 1 streams the small Llama-3-8B projections at 0.41-0.54 of read bandwidth on the H200
+    (docs/kernels.md); splitting K gives them several programs per SM. Any M works (the tiled rows of
+    :data:`CONFIGS` take over above 16), but for M > 16 ``F.linear`` is the one to use.
+
+    Args:
+        x: [..., K] float16/bfloat16 (float32 for tests).
+        weight: [N, K] in x's dtype, K contiguous.
+
+    Returns:
+        [..., N] in x's dtype; fp32 accumulation.
+
+    Raises:
+        ValueError: shapes or dtypes that disagree. RuntimeError: triton missing.
+    """
+    n, k = weight.shape
+    _check_float_act(x, "dense_gemv")
+    if weight.dtype != x.dtype:
+        raise ValueError(f"dense_gemv: weight {weight.dtype} and x {x.dtype} differ")
+    x2 = _as_rows(x, k, "dense_gemv")
+    out = _launch_gemm(FMT_DENSE, "dense", x2, weight.contiguous(), weight, None, None, n, 1, x.dtype, config)
+    return out.view(*x.shape[:-1], n)
+
+
+def per_token_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric INT8 per row: ``scale = max(amax / 127, 1e-10)``, ``q = clamp(round(x / scale), +-127)``.
+
+    Bit-exact with :func:`ref_per_token_quant_int8` (IEEE division, round half to even). Against
+    ``roofline.quant.quantize.quantize_per_token_int8`` the codes agree within 1 LSB: that function
+    divides amax by the Python scalar 127, which CUDA torch computes as ``amax * (1/127)``, so its scale
+    can differ by one ulp and flip a code that sits at a rounding tie.
+
+    Args:
+        x: [..., K] float16/bfloat16/float32.
+
+    Returns:
+        (q int8 [M, K], scale float32 [M, 1]) with M = prod of x's leading dims.
+
+    Raises:
+        RuntimeError: triton missing.
+    """
+    if triton is None:
+        raise RuntimeError("triton is not installed; use ref_per_token_quant_int8 on this machine")
+    k = x.shape[-1]
+    x2 = _as_rows(x, k, "per_token_quant_int8")
+    m = x2.shape[0]
+    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block = min(4096, triton.next_power_of_2(max(k, 16)))
+        _per_token_quant_kernel[(m,)](x2, q, scale, k, x2.stride(0), q.stride(0), BLOCK=block,
+                                      num_warps=4 if block <= 1024 else 8)
+    return q, scale
+
+
+def _launch_dequant(fmt: int, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, n: int, k: int,
+                    group: int, dtype: torch.dtype) -> torch.Tensor:
+    if triton is None:
+        raise RuntimeError("triton is not installed; use the ref_ twins on this machine")
+    out = torch.empty((n, k), dtype=dtype, device=w.device)
+    if n and k:
+        block_n, block_k = 64, 64
+        _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
+            w, s, z if z is not None else s, out, n, k, w.stride(0), z.stride(0) if z is not None else 0,
+            out.stride(0), FMT=fmt, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        )
+    return out
+
+
+def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
+                    dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The dense ``[N, K]`` weight of an INT4 weight in the kernel layout, for a following dense GEMM.
+
+    Args:
+        qweight: int32 [K // 8, N]; scales, zeros: [K // G, N]; group_size: G.
+        dtype: output dtype (default: the scales' dtype).
+
+    Returns:
+        [N, K] ``(q - z) * s`` computed in fp32 and rounded once (equal to ``Int4Weight.dequantize(dtype)``
+        when the canonical scales are representable in the scales' dtype).
+
+    Raises:
+        ValueError: shapes that disagree. RuntimeError: triton missing.
+    """
+    k8, n = qweight.shape
+    if qweight.dtype != torch.int32 or (k8 * 8) % group_size or scales.shape != (k8 * 8 // group_size, n) \
+            or zeros.shape != scales.shape:
+        raise ValueError(f"dequantize_int4: qweight {tuple(qweight.shape)} {qweight.dtype}, scales "
+                         f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)}, group size {group_size} disagree")
+    return _launch_dequant(FMT_INT4, qweight.contiguous(), scales.contiguous(), zeros.contiguous(), n, k8 * 8,
+                           group_size, dtype or scales.dtype)
+
+
+def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The dense ``[N, K]`` weight ``q * scales[:, None]`` (fp32 product, rounded once to ``dtype``).
+
+    Args:
+        q: int8 [N, K]; scales: float32 [N].
+
+    Raises:
+        ValueError: shapes or dtypes that disagree. RuntimeError: triton missing.
+    """
+    n, k = q.shape
+    if q.dtype != torch.int8 or scales.numel() != n:
+        raise ValueError(f"dequantize_int8: want int8 q [N, K] and scales [N], got {q.dtype} {tuple(q.shape)} / "
+                         f"{tuple(scales.shape)}")
+    return _launch_dequant(FMT_INT8, q.contiguous(), scales.float().reshape(-1).contiguous(), None, n, k, 1, dtype)
+

@@ -1,0 +1,288 @@
+"""Quantized GEMM kernels (Triton) against float64 references computed from the canonical forms.
+
+Tolerances: ||out - ref64|| / ||ref64|| < TOL[dtype] (fp32 1e-5, fp16 1e-3, bf16 1e-2; kernel_cases.py).
+The canonical scales are pre-rounded to the activation dtype (as ``prepare_int4`` stores them), so the
+float64 reference and the kernel see the same weight and the error left is accumulation and output
+rounding (plus, for the tiled INT4 variant, one rounding of each dequantized weight to the dtype).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from kernel_cases import DEVICE, DTYPES, TOL, rel_err  # noqa: E402
+
+from roofline.kernels import quant_gemm as qg  # noqa: E402
+from roofline.kernels.quant_gemm import GemmConfig  # noqa: E402
+from roofline.quant.quantize import (  # noqa: E402
+    Int4Weight,
+    quantize_int4_rtn,
+    quantize_int8_per_channel,
+    quantize_per_token_int8,
+)
+
+# Small tiles so the CPU interpreter covers several tiles, N/M tails and split-K with few programs.
+SMALL_SPLIT = GemmConfig(16, 32, 64, 4, 1, split_k=3)  # weight-streaming variant, 3 K splits
+SMALL_UNPACK = GemmConfig(16, 32, 64, 4, 1, split_k=2, unpack=1)  # INT4: one load per word + reshape
+TILED = GemmConfig(32, 32, 64, 4, 1)  # tiled variant (INT4: per-element scales)
+TILED_BK128 = GemmConfig(32, 32, 128, 4, 1)  # BLOCK_K > G for G = 32/64: scales gathered per row
+CONFIGS = {"default": None, "split3": SMALL_SPLIT, "unpack": SMALL_UNPACK, "tiled": TILED, "bk128": TILED_BK128}
+
+
+def _int4_case(n, k, group_size, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g)
+    cw = quantize_int4_rtn(w, group_size)
+    cw.scales = cw.scales.to(dtype).float()  # the scales the kernel reads (see module docstring)
+    return cw
+
+
+def _int4_f64(cw: Int4Weight) -> torch.Tensor:
+    """float64 [N, K] from the canonical form, independent of the packing code."""
+    g = torch.arange(cw.q.shape[1]) // cw.group_size
+    return (cw.q.double() - cw.zeros.double()[:, g]) * cw.scales.double()[:, g]
+
+
+def _to(p: qg.Int4Packed | qg.Int8Packed, device: str):
+    if isinstance(p, qg.Int4Packed):
+        return qg.Int4Packed(p.qweight.to(device), p.scales.to(device), p.zeros.to(device), p.group_size)
+    return qg.Int8Packed(p.q.to(device), p.scales.to(device))
+
+
+# ---------------------------------------------------------------------------------------- packing
+
+def test_pack_int4_known_words():
+    q = torch.tensor([[0, 1, 2, 3, 4, 5, 6, 7], [8, 9, 10, 11, 12, 13, 14, 15], [15] * 8], dtype=torch.uint8)
+    words = qg.pack_int4(q)  # [1, 3]: one word per output channel
+    assert words.dtype == torch.int32 and words.shape == (1, 3)
+    # nibble i (bits 4i..4i+3) holds k = i: 0x76543210; 0xFEDCBA98 and 0xFFFFFFFF as two's complement int32
+    assert words.tolist() == [[0x76543210, 0xFEDCBA98 - 2**32, -1]]
+    assert torch.equal(qg.unpack_int4(words), q)
+
+
+@pytest.mark.parametrize("n,k,group_size", [(1, 8, 8), (37, 96, 32), (64, 256, 128)])
+def test_prepare_int4_round_trip(n, k, group_size):
+    cw = _int4_case(n, k, group_size, torch.float16, seed=n)
+    p = qg.prepare_int4(cw, torch.float16)
+    assert p.qweight.shape == (k // 8, n) and p.scales.shape == (k // group_size, n) == p.zeros.shape
+    assert p.shape == (n, k)
+    assert torch.equal(qg.unpack_int4(p.qweight), cw.q)  # exact
+    assert torch.equal(p.zeros.t().to(torch.uint8), cw.zeros)
+    assert torch.equal(p.scales.t().float(), cw.scales)
+    assert p.weight_bytes() == qg.int4_weight_bytes(n, k, group_size, torch.float16) == n * k // 2 + 4 * n * k // group_size
+
+
+def test_prepare_int8_and_bytes():
+    cw = quantize_int8_per_channel(torch.randn(10, 24))
+    p = qg.prepare_int8(cw)
+    assert torch.equal(p.q, cw.q) and p.scales.dtype == torch.float32 and p.shape == (10, 24)
+    assert p.weight_bytes() == qg.int8_weight_bytes(10, 24) == 10 * 24 + 40
+
+
+def test_packing_errors():
+    with pytest.raises(ValueError, match="K % 8"):
+        qg.pack_int4(torch.zeros(2, 12, dtype=torch.uint8))
+    with pytest.raises(ValueError, match=r"\[0, 15\]"):
+        qg.pack_int4(torch.full((2, 8), 16, dtype=torch.uint8))
+    cw = _int4_case(8, 64, 32, torch.float32)
+    cw.g_idx = torch.arange(64, dtype=torch.int32) // 32  # trivial act-order: accepted
+    qg.prepare_int4(cw)
+    cw.g_idx = cw.g_idx.flip(0)
+    with pytest.raises(ValueError, match="permute"):
+        qg.prepare_int4(cw)
+
+
+def test_choose_split_k():
+    # Llama-3-8B at M=1, BLOCK_N 32, 132 SMs (the docstring's figures).
+    assert qg.choose_split_k(6144 // 32, 4096 // 128, 132) == 2
+    assert qg.choose_split_k(4096 // 32, 4096 // 128, 132) == 4
+    assert qg.choose_split_k(28672 // 32, 4096 // 128, 132) == 1
+    assert qg.choose_split_k(4096 // 32, 14336 // 128, 132) == 4
+    assert qg.choose_split_k(1, 3, 132) == 1  # never fewer than 2 K tiles per split
+
+
+# ---------------------------------------------------------------------------------------- w4a16
+
+W4_SHAPES = [(1, 64, 256, 32), (5, 80, 256, 64), (19, 48, 384, 128)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,group_size", W4_SHAPES)
+@pytest.mark.parametrize("cfg", ["default", "split3", "unpack", "tiled", "bk128"])
+def test_w4a16_matches_f64(m, n, k, group_size, cfg, dtype):
+    cw = _int4_case(n, k, group_size, dtype, seed=m + n)
+    p = _to(qg.prepare_int4(cw, dtype), DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEVICE)
+    out = qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, group_size, config=CONFIGS[cfg])
+    assert out.shape == (m, n) and out.dtype == dtype
+    ref64 = x.cpu().double() @ _int4_f64(cw).t()
+    assert rel_err(out.cpu(), ref64) < TOL[dtype]
+    twin = qg.ref_w4a16_gemm(x, p.qweight, p.scales, p.zeros, group_size)
+    assert rel_err(out, twin) < TOL[dtype]
+
+
+def test_w4a16_k_tail_and_batch_dims():
+    # K = 96 with BLOCK_K 64: the last tile is half outside K (masked words, scales and zeros).
+    cw = _int4_case(40, 96, 32, torch.float32, seed=4)
+    p = qg.prepare_int4(cw, torch.float32)
+    x = torch.randn(2, 10, 96)
+    out = qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, 32, config=TILED)
+    assert out.shape == (2, 10, 40)
+    assert rel_err(out, x.double() @ _int4_f64(cw).t()) < TOL[torch.float32]
+
+
+def test_w4a16_rejects_mismatched_scales():
+    p = qg.prepare_int4(_int4_case(16, 64, 32, torch.float32), torch.float32)
+    with pytest.raises(ValueError, match="scales/zeros must be torch.float16"):
+        qg.w4a16_gemm(torch.randn(1, 64).half(), p.qweight, p.scales, p.zeros, 32)
+    with pytest.raises(ValueError, match="group size"):
+        qg.w4a16_gemm(torch.randn(1, 64), p.qweight, p.scales, p.zeros, 64)
+
+
+def test_split_k_is_deterministic_and_rearms_counters():
+    cw = _int4_case(64, 512, 64, torch.float32, seed=9)
+    p = qg.prepare_int4(cw, torch.float32)
+    x = torch.randn(2, 512)
+    cfg = GemmConfig(16, 32, 64, 4, 1, split_k=8)
+    a = qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, 64, config=cfg)
+    b = qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, 64, config=cfg)
+    assert torch.equal(a, b)
+    assert int(qg._COUNTERS[x.device].abs().sum()) == 0  # every tile's arrival counter is back at 0
+    assert rel_err(a, x.double() @ _int4_f64(cw).t()) < TOL[torch.float32]
+
+
+# ---------------------------------------------------------------------------------------- w8a16, dense
+
+W8_SHAPES = [(1, 64, 256), (7, 70, 200), (33, 40, 128)]  # K = 200: a K tail in every config
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", W8_SHAPES)
+@pytest.mark.parametrize("cfg", ["default", "split3", "tiled"])
+def test_w8a16_matches_f64(m, n, k, cfg, dtype):
+    cw = quantize_int8_per_channel(torch.randn(n, k, generator=torch.Generator().manual_seed(n)))
+    p = _to(qg.prepare_int8(cw), DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEVICE)
+    out = qg.w8a16_gemm(x, p.q, p.scales, config=CONFIGS[cfg])
+    assert out.shape == (m, n) and out.dtype == dtype
+    ref64 = x.cpu().double() @ (cw.q.double() * cw.scales.double()[:, None]).t()
+    assert rel_err(out.cpu(), ref64) < TOL[dtype]
+    assert rel_err(out, qg.ref_w8a16_gemm(x, p.q, p.scales)) < TOL[dtype]
+
+
+def test_w8a16_extreme_codes():
+    # -128 and 127 through the 0x4B000080 conversion (canonical codes stop at -127; the kernel takes any int8).
+    q = torch.tensor([[-128, 127, -1, 0] * 8, [1, -127, 5, -5] * 8], dtype=torch.int8)
+    s = torch.tensor([0.5, 2.0])
+    x = torch.eye(32)[:3]
+    out = qg.w8a16_gemm(x, q, s, config=TILED)
+    assert torch.equal(out, (q.float() * s[:, None]).t()[:3])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 96, 512), (4, 50, 136)])
+@pytest.mark.parametrize("cfg", ["default", "split3"])
+def test_dense_gemv_matches_f64(m, n, k, cfg, dtype):
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    out = qg.dense_gemv(x.to(DEVICE), w.to(DEVICE), config=CONFIGS[cfg])
+    assert rel_err(out.cpu(), x.double() @ w.double().t()) < TOL[dtype]
+
+
+# ---------------------------------------------------------------------------------------- W8A8
+
+@pytest.mark.parametrize("out_dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 64, 256), (6, 72, 192), (40, 48, 200)])
+@pytest.mark.parametrize("cfg", ["default", "split3", "tiled"])
+def test_int8_gemm_matches_f64(m, n, k, cfg, out_dtype):
+    g = torch.Generator().manual_seed(m * n)
+    cw = quantize_int8_per_channel(torch.randn(n, k, generator=g))
+    xq, xs = quantize_per_token_int8(torch.randn(m, k, generator=g) * 3)
+    out = qg.int8_gemm(xq.to(DEVICE), xs.to(DEVICE), cw.q.to(DEVICE), cw.scales.to(DEVICE), out_dtype,
+                       config=CONFIGS[cfg])
+    assert out.shape == (m, n) and out.dtype == out_dtype
+    ref64 = (xq.double() * xs.double()) @ (cw.q.double() * cw.scales.double()[:, None]).t()
+    assert rel_err(out.cpu(), ref64) < TOL[out_dtype]
+    assert rel_err(out, qg.ref_int8_gemm(xq.to(DEVICE), xs.to(DEVICE), cw.q.to(DEVICE), cw.scales.to(DEVICE),
+                                         out_dtype)) < TOL[out_dtype]
+
+
+def test_int8_gemm_integer_accumulation_is_exact():
+    # Scales 1: every output is an integer sum of products (|sum| < 2^24), exact in fp32.
+    g = torch.Generator().manual_seed(5)
+    xq = torch.randint(-127, 128, (3, 256), generator=g, dtype=torch.int8)
+    wq = torch.randint(-127, 128, (40, 256), generator=g, dtype=torch.int8)
+    one_m, one_n = torch.ones(3, 1), torch.ones(40)
+    out = qg.int8_gemm(xq, one_m, wq, one_n, torch.float32, config=TILED)
+    assert torch.equal(out, (xq.long() @ wq.long().t()).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,k", [(1, 64), (5, 300), (2, 5000)])  # 5000 > the 4096-wide block: two passes
+def test_per_token_quant_int8(m, k, dtype):
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 4).to(dtype)
+    q, s = qg.per_token_quant_int8(x)
+    rq, rs = qg.ref_per_token_quant_int8(x)
+    assert q.dtype == torch.int8 and s.shape == (m, 1) and s.dtype == torch.float32
+    assert torch.equal(q, rq) and torch.equal(s, rs)  # bit-exact with the twin
+    cq, cs = quantize_per_token_int8(x)  # the canonical quantizer: within 1 LSB, scales within 1 ulp
+    assert int((q.int() - cq.int()).abs().max()) <= 1
+    assert torch.allclose(s, cs, rtol=2.0**-23, atol=0)
+
+
+def test_per_token_quant_int8_known_answer():
+    # amax 127 -> scale exactly 1: ties round half to even (torch.round), -0.5 -> 0; an all-zero row.
+    x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -2.5, -127.0, 3.49], [0.0] * 8])
+    q, s = qg.per_token_quant_int8(x)
+    assert q.tolist() == [[127, 0, 2, 2, 0, -2, -127, 3], [0] * 8]
+    assert s.flatten().tolist() == [1.0, pytest.approx(1e-10)]
+
+
+# ---------------------------------------------------------------------------------------- dequantize
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("n,k,group_size", [(70, 96, 32), (33, 256, 64), (64, 384, 128)])
+def test_dequantize_int4_exact(n, k, group_size, dtype):
+    cw = _int4_case(n, k, group_size, dtype, seed=k)
+    p = qg.prepare_int4(cw, dtype)
+    w = qg.dequantize_int4(p.qweight, p.scales, p.zeros, group_size)
+    assert w.shape == (n, k) and w.dtype == dtype
+    assert torch.equal(w, cw.dequantize(dtype))  # same fp32 products, one rounding
+    assert torch.equal(w, qg.ref_dequantize_int4(p.qweight, p.scales, p.zeros, group_size))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dequantize_int8_exact(dtype):
+    cw = quantize_int8_per_channel(torch.randn(70, 100))
+    w = qg.dequantize_int8(cw.q, cw.scales, dtype)
+    assert torch.equal(w, cw.dequantize(dtype))
+    assert torch.equal(w, qg.ref_dequantize_int8(cw.q, cw.scales, dtype))
+
+
+# ---------------------------------------------------------------------------------------- GPU, bf16
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("m", [1, 4, 16, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_gpu_default_configs_at_model_sizes(m, dtype):
+    # The CONFIGS rows on the GPU (split-K with real atomics, every M bucket) at a Llama-sized K.
+    n, k, group_size = 1000, 4096, 128
+    cw = _int4_case(n, k, group_size, dtype, seed=m)
+    p = _to(qg.prepare_int4(cw, dtype), "cuda")
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).cuda()
+    out = qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, group_size)
+    assert rel_err(out.cpu(), x.cpu().double() @ _int4_f64(cw).t()) < TOL[dtype]
+    c8 = quantize_int8_per_channel(torch.randn(n, k))
+    p8 = _to(qg.prepare_int8(c8), "cuda")
+    w8 = (c8.q.double() * c8.scales.double()[:, None]).t()
+    assert rel_err(qg.w8a16_gemm(x, p8.q, p8.scales).cpu(), x.cpu().double() @ w8) < TOL[dtype]
+    xq, xs = qg.per_token_quant_int8(x)
+    out8 = qg.int8_gemm(xq, xs, p8.q, p8.scales, dtype)
+    assert rel_err(out8.cpu(), (xq.cpu().double() * xs.cpu().double()) @ w8) < TOL[dtype]
+    wd = torch.randn(n, k, dtype=dtype, device="cuda")
+    assert rel_err(qg.dense_gemv(x, wd).cpu(), x.cpu().double() @ wd.cpu().double().t()) < TOL[dtype]
