@@ -549,6 +549,10 @@ def parse_quantization_config(cfg: Mapping) -> QuantSpec:
     ``group_size``/``q_group_size`` both accepted) and compressed-tensors with one scheme: FP8 W8A8 dynamic,
     INT8 W8A8 dynamic per token, INT8 W8A16 per channel (pack-quantized).
 
+    Defaults where the reference tools have one: GPTQ ``sym`` true and ``checkpoint_format`` "gptq"
+    (AutoGPTQ ``BaseQuantizeConfig``), ``lm_head`` false; AWQ ``version`` "gemm". GPTQ ``desc_act`` with
+    ``group_size`` -1 reads as False (one group per row, as vLLM's gptq_marlin treats it).
+
     Raises:
         ValueError: a missing or malformed field, named by its path (``quantization_config.group_size:
             expected a positive int or -1, got 'abc'``); an unsupported quant_method (lists the supported
