@@ -89,16 +89,20 @@ class ChannelWeight:
 def check_group_size(k: int, group_size: int, name: str = "layer") -> None:
     """Raises ValueError naming the layer, K and the group size when the group size does not divide K."""
     if group_size <= 0 or k % group_size:
-        raise ValueError(f"{name}: group size {group_size} does not divide its input size K={k}; "
-                         f"use a group size that divides {k} (32, 64 or 128 in the published formats)")
+        fits = [str(g) for g in (32, 64, 128) if k % g == 0]
+        hint = f"one of {', '.join(fits)} divides it" if fits else "none of 32, 64, 128 divides it"
+        raise ValueError(f"{name}: group size {group_size} does not divide its input size K={k} ({hint})")
 
 
 def int4_params(w: torch.Tensor, group_size: int, name: str = "layer") -> tuple[torch.Tensor, torch.Tensor]:
     """Asymmetric min/max RTN parameters for each group of ``w`` ``[N, K]``.
 
     Returns:
-        (scales float32 ``[N, K // group_size]``, zeros float32 (integer-valued, in [0, 15]) of the same
-        shape). The range always includes 0, so zero is exactly representable.
+        (scales float32 ``[N, K // group_size]``, zeros float32 (integer-valued, in [1, 15]) of the same
+        shape). The range always includes 0, so zero is exactly representable. Zeros are kept >= 1 because
+        the GPTQ v1 checkpoint format stores ``zero - 1`` in 4 bits (AutoGPTQ's long-standing quirk) and
+        cannot hold a zero of 0: a group with no value below ``-scale / 2`` spreads its maximum over 14
+        levels instead of 15 (a group of 32+ weights that are all >= 0 is rare).
     """
     n, k = w.shape
     check_group_size(k, group_size, name)
@@ -107,6 +111,9 @@ def int4_params(w: torch.Tensor, group_size: int, name: str = "layer") -> tuple[
     hi = g.amax(dim=-1).clamp(min=0.0)
     scales = ((hi - lo) / INT4_MAX).clamp(min=_MIN_SCALE)
     zeros = torch.round(-lo / scales).clamp(0, INT4_MAX)
+    low = zeros < 1
+    scales = torch.where(low, (hi / (INT4_MAX - 1)).clamp(min=_MIN_SCALE), scales)
+    zeros = torch.where(low, torch.ones_like(zeros), zeros)
     return scales, zeros
 
 
