@@ -290,7 +290,8 @@ def ref_dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 
 if triton is not None:
 
-    @triton.jit
+    # M and the split length are not specialized (no recompile per batch size inside one M bucket).
+    @triton.jit(do_not_specialize=["M", "k_tiles_per_split"])
     def _qgemm_kernel(
         X, W, S, Z, XS, Out, Partials, Counters,
         M, N, K, k_tiles_per_split,

@@ -286,3 +286,34 @@ def test_gpu_default_configs_at_model_sizes(m, dtype):
     assert rel_err(out8.cpu(), (xq.cpu().double() * xs.cpu().double()) @ w8) < TOL[dtype]
     wd = torch.randn(n, k, dtype=dtype, device="cuda")
     assert rel_err(qg.dense_gemv(x, wd).cpu(), x.cpu().double() @ wd.cpu().double().t()) < TOL[dtype]
+
+
+# ---------------------------------------------------------------------------------------- bench script
+
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "gpu_quant_gemm.py"
+    spec = importlib.util.spec_from_file_location("gpu_quant_gemm", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_args_and_dispatch_table():
+    b = _bench_module()
+    args = b.parse_args(["--out", "/tmp/x.json"])
+    assert args.shape_list == ["qkv", "o", "gate_up", "down"] and args.m_list == [1, 4, 16, 64, 256, 1024, 4096]
+    args = b.parse_args(["--dry-run", "--shapes", "o,down", "--m", "1,3"])
+    assert args.dry_run and args.shape_list == ["o", "down"] and args.m_list == [1, 3]
+    with pytest.raises(SystemExit):
+        b.parse_args(["--shapes", "lm_head"])
+    rows = [dict(method=meth, n=4, k=8, m=m, ms=ms) for meth, m, ms in [
+        ("w4a16 fused", 1, 1.0), ("w4 dequant+F.linear", 1, 2.0), ("w4a16 fused", 64, 3.0),
+        ("w4 dequant+F.linear", 64, 2.0), ("dense_gemv", 1, 0.5), ("bf16 F.linear", 1, 0.4)]]
+    rows.append(dict(method="w8a16 fused", n=4, k=8, m=1, error="boom"))  # rows without a time are ignored
+    table = {d["method"]: d for d in b.dispatch_table(rows)}
+    assert table["w4"]["fused_wins_at_m"] == [1] and table["w4"]["m_measured"] == [1, 64]
+    assert table["w4"]["speedup"] == {1: 2.0, 64: 2.0 / 3.0}
+    assert table["dense"]["fused_wins_at_m"] == [] and table["w8"]["m_measured"] == []

@@ -1,0 +1,405 @@
+"""Quantized linear-layer GEMMs on the GPU: correctness at the Llama-3-8B shapes, then timing against
+the read bound, and the M at which each fused kernel stops beating "dequantize, then cuBLAS".
+
+Usage (on the H200, from the repo root, PYTHONPATH=.):
+    python bench/gpu_quant_gemm.py --out $OUT/quant_gemm.json
+    TRITON_INTERPRET=1 python bench/gpu_quant_gemm.py --dry-run --out /tmp/q.json   # CPU, tiny shapes
+
+(a) Correctness, bf16 (fp16 in --dry-run): every kernel of roofline/kernels/quant_gemm.py against a float64
+    reference from the canonical quantized form, at each shape and one M per config bucket; prints the max
+    relative error. A failure exits non-zero (after the JSON is written).
+(b) Timing, median of --reps calls timed with CUDA events (L2 flushed before each call), for qkv / o / gate_up / down at
+    M in {1, 4, 16, 64, 256, 1024, 4096}: bf16 F.linear (cuBLAS), dense_gemv (M <= 16), w4a16 fused,
+    w4 dequantize + F.linear, w8a16 fused, w8 dequantize + F.linear, int8_gemm alone and with
+    per_token_quant_int8, torch._int_mm (M > 16, int32 out), fp8 torch._scaled_mm alone and with a
+    per-token quantization (E4M3, rowwise scales). Each row: time, TFLOP/s, and the fraction of the read
+    bound = (weight bytes of the format + activation bytes in and out) / copy bandwidth measured in this
+    process (2 x bytes of a 1 GiB device-to-device copy per second).
+(c) A small config sweep at M = 1 and 16 (w4a16, w8a16, dense_gemv) to retune CONFIGS, if time is left.
+The JSON holds every row, the sweep, the correctness checks and a ``dispatch`` table: for each method
+(w4, w8: fused vs dequant + F.linear; dense: dense_gemv vs F.linear) and (N, K), the M where fused wins.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+M_VALUES = [1, 4, 16, 64, 256, 1024, 4096]
+CHECK_M = [1, 48, 200, 300]  # one M per CONFIGS bucket (<=16, <=64, <=256, larger)
+DRY_SHAPES = {"qkv": (96, 128), "o": (64, 128), "gate_up": (160, 128), "down": (64, 256)}
+DRY_M = [1, 4, 20]
+GROUP_SIZE = 128
+TOL = 1e-2  # ||out - ref64|| / ||ref64||, bf16 (fp16 in --dry-run: same bound, it is looser there)
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default=os.path.join(os.environ.get("OUT", "bench/results"), "quant_gemm.json"),
+                    help="JSON output path (default $OUT/quant_gemm.json)")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU under TRITON_INTERPRET=1 at tiny shapes, fp16 (checks the script, not speed)")
+    ap.add_argument("--shapes", default=",".join(SHAPES), help=f"comma list of {sorted(SHAPES)}")
+    ap.add_argument("--m", default=None, help="comma list of M (default 1,4,16,64,256,1024,4096)")
+    ap.add_argument("--group-size", type=int, default=GROUP_SIZE)
+    ap.add_argument("--reps", type=int, default=30, help="timed calls per row (median reported)")
+    ap.add_argument("--no-sweep", action="store_true", help="skip the M = 1/16 config sweep")
+    ap.add_argument("--budget-s", type=float, default=200.0,
+                    help="wall-clock budget: timing rows past it are skipped (recorded), the sweep runs only "
+                         "before 60%% of it")
+    args = ap.parse_args(argv)
+    bad = [s for s in args.shapes.split(",") if s not in SHAPES]
+    if bad:
+        ap.error(f"unknown shape(s) {bad}; choose from {sorted(SHAPES)}")
+    args.shape_list = args.shapes.split(",")
+    args.m_list = [int(v) for v in args.m.split(",")] if args.m else (DRY_M if args.dry_run else M_VALUES)
+    if any(m < 1 for m in args.m_list):
+        ap.error("M values must be >= 1")
+    return args
+
+
+class Bench:
+    def __init__(self, args: argparse.Namespace):
+        import torch
+
+        self.args = args
+        self.torch = torch
+        self.dev = "cpu" if args.dry_run else "cuda"
+        self.dtype = torch.float16 if args.dry_run else torch.bfloat16
+        self.t0 = time.time()
+        self.failures: list[str] = []
+        self.checks: list[dict] = []
+        self.rows: list[dict] = []
+        self.sweep: list[dict] = []
+        self._flush = None
+
+    def elapsed(self) -> float:
+        return time.time() - self.t0
+
+    def time_ms(self, fn) -> float:
+        """Median ms of ``--reps`` calls, each after a 256 MiB write that evicts L2 (50 MiB on the H200), timed
+        with CUDA events around the call alone (what triton.testing.do_bench does, with a fixed count so
+        that a 5 us kernel does not run thousands of times). One untimed call first (compile, warm-up)."""
+        torch = self.torch
+        fn()
+        reps = self.args.reps
+        if self.dev != "cuda":
+            samples = []
+            for _ in range(min(reps, 2)):
+                t = time.perf_counter()
+                fn()
+                samples.append((time.perf_counter() - t) * 1e3)
+            return statistics.median(samples)
+        if self._flush is None:
+            self._flush = torch.empty(256 * 2**20, dtype=torch.int8, device="cuda")
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+        for _ in range(2):
+            fn()
+        for i in range(reps):
+            self._flush.zero_()
+            starts[i].record()
+            fn()
+            ends[i].record()
+        torch.cuda.synchronize()
+        return statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends, strict=True))
+
+    def bandwidth(self) -> dict:
+        torch = self.torch
+        nbytes = (2**30) if self.dev == "cuda" else (2**22)
+        src = torch.ones(nbytes // 4, dtype=torch.float32, device=self.dev)
+        dst = torch.empty_like(src)
+        copy_ms = self.time_ms(lambda: dst.copy_(src))
+        read_ms = self.time_ms(lambda: src.sum())
+        return dict(copy_bytes_per_s=2 * nbytes / (copy_ms * 1e-3), read_bytes_per_s=nbytes / (read_ms * 1e-3))
+
+    # ------------------------------------------------------------------------------------ weights
+
+    def make_weights(self, n: int, k: int) -> dict:
+        from roofline.kernels import quant_gemm as qg
+        from roofline.quant.quantize import (
+            quantize_fp8_per_channel,
+            quantize_int4_rtn,
+            quantize_int8_per_channel,
+        )
+
+        torch = self.torch
+        g = torch.Generator(device=self.dev).manual_seed(n * 7 + k)
+        w = torch.randn(n, k, device=self.dev, generator=g) * 0.02
+        c4 = quantize_int4_rtn(w, self.args.group_size)
+        c4.scales = c4.scales.to(self.dtype).float()  # what the kernel stores, so ref64 sees the same weight
+        c8 = quantize_int8_per_channel(w)
+        cf8 = quantize_fp8_per_channel(w)
+        return dict(
+            dense=w.to(self.dtype), c4=c4, p4=qg.prepare_int4(c4, self.dtype), c8=c8, p8=qg.prepare_int8(c8),
+            fp8_t=cf8.q.t(), fp8_scale=cf8.scales.reshape(1, -1).float(),  # [K, N] column-major, [1, N]
+        )
+
+    # ------------------------------------------------------------------------------------ (a) correctness
+
+    def check(self, name: str, shape: str, m: int, out, ref64) -> None:
+        torch = self.torch
+        out64 = out.double()
+        err = float("inf") if not torch.isfinite(out64).all() else \
+            float((out64 - ref64).norm() / ref64.norm().clamp_min(1e-30))
+        ok = err < TOL
+        self.checks.append(dict(kernel=name, shape=shape, m=m, rel_err=err, tol=TOL, ok=ok))
+        if not ok:
+            self.failures.append(f"{name} {shape} M={m}: rel err {err:.3e} >= {TOL}")
+
+    def check_exact(self, name: str, shape: str, m: int, ok: bool, detail: str = "") -> None:
+        self.checks.append(dict(kernel=name, shape=shape, m=m, exact=True, ok=bool(ok), detail=detail))
+        if not ok:
+            self.failures.append(f"{name} {shape} M={m}: not exact {detail}")
+
+    def correctness(self, shape: str, n: int, k: int, wts: dict) -> None:
+        from roofline.kernels import quant_gemm as qg
+        from roofline.quant.quantize import quantize_per_token_fp8, quantize_per_token_int8
+
+        torch = self.torch
+        c4, p4, c8, p8 = wts["c4"], wts["p4"], wts["c8"], wts["p8"]
+        grp = torch.arange(k, device=self.dev) // c4.group_size
+        w4_64 = (c4.q.double() - c4.zeros.double()[:, grp]) * c4.scales.double()[:, grp]
+        w8_64 = c8.q.double() * c8.scales.double()[:, None]
+        wd_64 = wts["dense"].double()
+        d4 = qg.dequantize_int4(p4.qweight, p4.scales, p4.zeros, c4.group_size)
+        self.check_exact("dequantize_int4", shape, 0, torch.equal(d4, c4.dequantize(self.dtype)))
+        d8 = qg.dequantize_int8(p8.q, p8.scales, self.dtype)
+        self.check_exact("dequantize_int8", shape, 0, torch.equal(d8, c8.dequantize(self.dtype)))
+        del d4, d8
+        for m in DRY_M if self.args.dry_run else CHECK_M:
+            x = (torch.randn(m, k, device=self.dev) * 0.5).to(self.dtype)
+            x64 = x.double()
+            self.check("w4a16_gemm", shape, m, qg.w4a16_gemm(x, p4.qweight, p4.scales, p4.zeros, c4.group_size),
+                       x64 @ w4_64.t())
+            self.check("w8a16_gemm", shape, m, qg.w8a16_gemm(x, p8.q, p8.scales), x64 @ w8_64.t())
+            self.check("dense_gemv", shape, m, qg.dense_gemv(x, wts["dense"]), x64 @ wd_64.t())
+            xq, xs = qg.per_token_quant_int8(x)
+            rq, rs = qg.ref_per_token_quant_int8(x)
+            cq, _ = quantize_per_token_int8(x)
+            lsb = int((xq.int() - cq.int()).abs().max())
+            self.check_exact("per_token_quant_int8", shape, m, torch.equal(xq, rq) and torch.equal(xs, rs) and lsb <= 1,
+                             f"max |q - quantize_per_token_int8| = {lsb} LSB")
+            xq64 = xq.double() * xs.double()
+            self.check("int8_gemm", shape, m, qg.int8_gemm(xq, xs, p8.q, p8.scales, self.dtype), xq64 @ w8_64.t())
+            if m > 16:  # torch._int_mm needs M > 16
+                try:
+                    acc = torch._int_mm(xq, p8.q.t())  # exact int32; float64 sums of int products are exact too
+                    self.check_exact("torch._int_mm", shape, m, torch.equal(acc.double(),
+                                                                            xq.double() @ p8.q.double().t()))
+                except RuntimeError as e:
+                    self.checks.append(dict(kernel="torch._int_mm", shape=shape, m=m, error=str(e)[:200]))
+            try:
+                fq, fs = quantize_per_token_fp8(x)
+                out = torch._scaled_mm(fq, wts["fp8_t"], scale_a=fs, scale_b=wts["fp8_scale"], out_dtype=self.dtype)
+                ref = (fq.double() * fs.double()) @ (wts["fp8_t"].double() * wts["fp8_scale"].double())
+                self.check("fp8 _scaled_mm", shape, m, out, ref)
+            except (RuntimeError, NotImplementedError) as e:  # CPU builds may lack fp8 _scaled_mm
+                self.checks.append(dict(kernel="fp8 _scaled_mm", shape=shape, m=m, error=str(e)[:200]))
+        worst = {}
+        for c in self.checks:
+            if c.get("shape") == shape and "rel_err" in c:
+                worst[c["kernel"]] = max(worst.get(c["kernel"], 0.0), c["rel_err"])
+        print(f"[check] {shape:>8} N={n} K={k}: " + "  ".join(f"{kk} {v:.1e}" for kk, v in worst.items()), flush=True)
+
+    # ------------------------------------------------------------------------------------ (b) timing
+
+    def methods(self, m: int, wts: dict, x) -> dict:
+        """name -> (callable, bytes of the format's weights)."""
+        import torch.nn.functional as F
+
+        from roofline.kernels import quant_gemm as qg
+        from roofline.quant.quantize import quantize_per_token_fp8
+
+        torch = self.torch
+        p4, p8, g = wts["p4"], wts["p8"], wts["c4"].group_size
+        dense = wts["dense"]
+        b16 = dense.numel() * dense.element_size()
+        b4, b8 = p4.weight_bytes(), p8.weight_bytes()
+        bf8 = wts["fp8_t"].numel() + 4 * wts["fp8_t"].shape[1]
+        xq, xs = qg.per_token_quant_int8(x)
+        fq, fs = quantize_per_token_fp8(x)
+        out: dict = {"bf16 F.linear": (lambda: F.linear(x, dense), b16)}
+        if m <= 16:
+            out["dense_gemv"] = (lambda: qg.dense_gemv(x, dense), b16)
+        out.update({
+            "w4a16 fused": (lambda: qg.w4a16_gemm(x, p4.qweight, p4.scales, p4.zeros, g), b4),
+            "w4 dequant+F.linear": (lambda: F.linear(x, qg.dequantize_int4(p4.qweight, p4.scales, p4.zeros, g)), b4),
+            "w8a16 fused": (lambda: qg.w8a16_gemm(x, p8.q, p8.scales), b8),
+            "w8 dequant+F.linear": (lambda: F.linear(x, qg.dequantize_int8(p8.q, p8.scales, self.dtype)), b8),
+            "int8_gemm": (lambda: qg.int8_gemm(xq, xs, p8.q, p8.scales, self.dtype), b8),
+            "int8 quant+int8_gemm": (lambda: qg.int8_gemm(*qg.per_token_quant_int8(x), p8.q, p8.scales, self.dtype), b8),
+        })
+        if m > 16:
+            out["torch._int_mm"] = (lambda: torch._int_mm(xq, p8.q.t()), b8)
+        out["fp8 _scaled_mm"] = (lambda: torch._scaled_mm(fq, wts["fp8_t"], scale_a=fs, scale_b=wts["fp8_scale"],
+                                                          out_dtype=self.dtype), bf8)
+
+        def fp8_quant_mm():
+            q, s = quantize_per_token_fp8(x)
+            return torch._scaled_mm(q, wts["fp8_t"], scale_a=s, scale_b=wts["fp8_scale"], out_dtype=self.dtype)
+
+        out["fp8 quant+_scaled_mm"] = (fp8_quant_mm, bf8)
+        return out
+
+    def timing(self, shape: str, n: int, k: int, wts: dict, bw: float) -> None:
+        torch = self.torch
+        for m in self.args.m_list:
+            x = (torch.randn(m, k, device=self.dev) * 0.5).to(self.dtype)
+            act_bytes = m * k * x.element_size() + m * n * x.element_size()
+            for name, (fn, wbytes) in self.methods(m, wts, x).items():
+                row = dict(shape=shape, n=n, k=k, m=m, method=name, weight_bytes=wbytes, act_bytes=act_bytes)
+                if self.elapsed() > self.args.budget_s:
+                    row["skipped"] = "time budget"
+                    self.rows.append(row)
+                    continue
+                try:
+                    ms = self.time_ms(fn)
+                except (RuntimeError, NotImplementedError, ValueError) as e:
+                    row["error"] = str(e).splitlines()[0][:200]
+                    self.rows.append(row)
+                    print(f"  {shape:>8} M={m:<5} {name:<22} error: {row['error']}", flush=True)
+                    continue
+                bound_ms = (wbytes + act_bytes) / bw * 1e3
+                row.update(ms=ms, tflops=2 * m * n * k / (ms * 1e-3) / 1e12, bound_ms=bound_ms,
+                           frac_of_read_bound=bound_ms / ms)
+                self.rows.append(row)
+                print(f"  {shape:>8} M={m:<5} {name:<22} {ms * 1e3:9.1f} us {row['tflops']:8.1f} TFLOP/s "
+                      f"{row['frac_of_read_bound']:6.3f} of read bound", flush=True)
+
+    # ------------------------------------------------------------------------------------ (c) sweep
+
+    def config_sweep(self, shape: str, n: int, k: int, wts: dict, bw: float) -> None:
+        from roofline.kernels import quant_gemm as qg
+
+        C = qg.GemmConfig
+        torch = self.torch
+        p4, p8, g = wts["p4"], wts["p8"], wts["c4"].group_size
+        # Few candidates: each new (config, split) pair is a compile (~1-3 s). split_k None = choose_split_k.
+        cands = {
+            "int4": [C(16, bn, bk, 4, st, split_k=sk, unpack=u) for bn, bk, st in ((32, 128, 4), (64, 128, 3))
+                     for sk in (None, 1, 8) for u in (0, 1)],
+            "int8": [C(16, bn, bk, 4, st, split_k=sk) for bn, bk, st in ((32, 128, 4), (64, 128, 3)) for sk in (None, 8)],
+            "dense": [C(16, bn, bk, 4, st, split_k=sk) for bn, bk, st in ((32, 256, 4), (64, 128, 4)) for sk in (None, 8)],
+        }
+        for m in (1, 16):
+            x = (torch.randn(m, k, device=self.dev) * 0.5).to(self.dtype)
+            for fmt, cfgs in cands.items():
+                for cfg in cfgs:
+                    if self.elapsed() > self.args.budget_s:
+                        return
+                    if fmt == "int4":
+                        fn, wb = (lambda c=cfg, x=x: qg.w4a16_gemm(x, p4.qweight, p4.scales, p4.zeros, g, config=c)), \
+                            p4.weight_bytes()
+                    elif fmt == "int8":
+                        fn, wb = (lambda c=cfg, x=x: qg.w8a16_gemm(x, p8.q, p8.scales, config=c)), p8.weight_bytes()
+                    else:
+                        fn, wb = (lambda c=cfg, x=x: qg.dense_gemv(x, wts["dense"], config=c)), wts["dense"].numel() * 2
+                    ms = self.time_ms(fn)
+                    frac = (wb + 2 * m * (n + k)) / bw / (ms * 1e-3)
+                    self.sweep.append(dict(shape=shape, n=n, k=k, m=m, format=fmt, config=cfg.__dict__, ms=ms,
+                                           frac_of_read_bound=frac))
+            for fmt in cands:
+                best = min((r for r in self.sweep if r["shape"] == shape and r["m"] == m and r["format"] == fmt),
+                           key=lambda r: r["ms"])
+                print(f"[sweep] {shape:>8} M={m:<3} {fmt:<6} best {best['ms'] * 1e3:7.1f} us "
+                      f"({best['frac_of_read_bound']:.3f} of read bound) {best['config']}", flush=True)
+
+
+def dispatch_table(rows: list[dict]) -> list[dict]:
+    """For each (method, N, K): the M values where the fused kernel beats the dense path at the same M."""
+    pairs = {"w4": ("w4a16 fused", "w4 dequant+F.linear"), "w8": ("w8a16 fused", "w8 dequant+F.linear"),
+             "dense": ("dense_gemv", "bf16 F.linear")}
+    out = []
+    t = {(r["method"], r["n"], r["k"], r["m"]): r["ms"] for r in rows if "ms" in r}
+    for method, (fused, other) in pairs.items():
+        for n, k in sorted({(r["n"], r["k"]) for r in rows}):
+            ms_all = sorted({m for (meth, nn, kk, m) in t if meth == fused and (nn, kk) == (n, k)})
+            wins = [m for m in ms_all if (other, n, k, m) in t and t[(fused, n, k, m)] < t[(other, n, k, m)]]
+            both = [m for m in ms_all if (other, n, k, m) in t]
+            out.append(dict(method=method, fused=fused, dense_path=other, n=n, k=k, m_measured=both,
+                            fused_wins_at_m=wins, speedup={m: t[(other, n, k, m)] / t[(fused, n, k, m)] for m in both}))
+    return out
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.dry_run:
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton compiles anything
+    import torch
+    import triton
+
+    if not args.dry_run and not torch.cuda.is_available():
+        print("no CUDA device: run with --dry-run (TRITON_INTERPRET=1) on a CPU", file=sys.stderr)
+        return 2
+    b = Bench(args)
+    shapes = DRY_SHAPES if args.dry_run else SHAPES
+    bw = b.bandwidth()
+    print(f"copy {bw['copy_bytes_per_s'] / 1e12:.2f} TB/s, read {bw['read_bytes_per_s'] / 1e12:.2f} TB/s "
+          f"(the read bound uses copy)", flush=True)
+    for shape in args.shape_list:
+        n, k = shapes[shape]
+        wts = b.make_weights(n, k)
+        b.correctness(shape, n, k, wts)
+        b.timing(shape, n, k, wts, bw["copy_bytes_per_s"])
+        del wts
+        if b.dev == "cuda":
+            torch.cuda.empty_cache()
+    if not args.no_sweep and b.elapsed() < 0.6 * args.budget_s:
+        for shape in args.shape_list:
+            n, k = shapes[shape]
+            wts = b.make_weights(n, k)
+            b.config_sweep(shape, n, k, wts, bw["copy_bytes_per_s"])
+            del wts
+    result = dict(
+        bench="quant_gemm", device=torch.cuda.get_device_name() if b.dev == "cuda" else "cpu (interpreter)",
+        dry_run=args.dry_run, torch=torch.__version__, triton=triton.__version__, commit=_git_commit(),
+        date=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        dtype=str(b.dtype), group_size=args.group_size, shapes={s: shapes[s] for s in args.shape_list},
+        bandwidth=bw, configs=_configs(),
+        correctness=b.checks, failures=b.failures, rows=b.rows, sweep=b.sweep, dispatch=dispatch_table(b.rows),
+        elapsed_s=b.elapsed(),
+    )
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=1, default=_json_default))
+    print(f"wrote {out} ({len(b.rows)} rows, {len(b.sweep)} sweep rows) in {b.elapsed():.0f} s")
+    for d in result["dispatch"]:
+        print(f"[dispatch] {d['method']:<5} N={d['n']:<6} K={d['k']:<6} fused wins at M {d['fused_wins_at_m']}")
+    if b.failures:
+        print("CORRECTNESS FAILURES:\n  " + "\n  ".join(b.failures), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _configs():
+    """CONFIGS as JSON: (largest M or None for the last row, the config's fields)."""
+    from roofline.kernels.quant_gemm import CONFIGS
+
+    return {f: [(m if m < 2**31 else None, c.__dict__) for m, c in rows] for f, rows in CONFIGS.items()}
+
+
+def _json_default(o):
+    return str(o)  # torch dtypes and anything else without a JSON form
+
+
+if __name__ == "__main__":
+    sys.exit(main())
