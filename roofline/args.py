@@ -11,7 +11,7 @@ import argparse
 import re
 from dataclasses import asdict, dataclass, fields
 
-from roofline.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from roofline.config import QUANTIZATION_METHODS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 
 _DTYPE_CHOICES = ["auto", "float32", "float16", "bfloat16"]
 # As vLLM: auto (= the model dtype), a float dtype, or a quantized cache; "fp8" is an alias of "fp8_e4m3".
@@ -100,6 +100,8 @@ class EngineArgs:
     async_scheduling: bool | None = None  # None: on with a CUDA device, off on CPU (where nothing overlaps)
     enable_prefix_caching: bool = True  # reuse cached KV blocks of common prefixes (RadixAttention)
     schedule_policy: str = "fcfs"  # fcfs, or lpm (longest prefix match first; needs prefix caching)
+    quantization: str | None = None  # roofline.quant.QUANTIZATION_METHODS; None: the checkpoint's own
+    quantization_group_size: int = 128  # INT4 group size for load-time int4 (32, 64, 128)
 
     def create_engine_config(self, model_config: ModelConfig) -> EngineConfig:
         """Resolve every option against this machine and the model.
@@ -119,6 +121,11 @@ class EngineArgs:
         for name, choices in (("dtype", _DTYPE_CHOICES), ("kv_cache_dtype", _KV_CACHE_DTYPE_CHOICES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), "
+                             f"got {self.quantization!r}")
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ValueError(f"quantization_group_size must be one of 32, 64, 128, got {self.quantization_group_size!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be one of auto, torch, triton; got {self.attention_backend!r}")
         device = resolve_device(self.device)
@@ -175,6 +182,8 @@ class EngineArgs:
             use_triton_kernels=triton_ok and not self.disable_triton_kernels,
             enforce_eager=self.enforce_eager or not on_cuda,
             async_scheduling=on_cuda if self.async_scheduling is None else self.async_scheduling,
+            quantization=self.quantization,
+            quantization_group_size=self.quantization_group_size,
         )
 
     @staticmethod
@@ -214,6 +223,13 @@ class EngineArgs:
         parser.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
                             help="admission order: fcfs, or lpm (longest cached prefix first, with a "
                                  "starvation bound; needs prefix caching)")
+        parser.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
+                            help="weight format: int8 (W8A16), int4 (W4A16, groups with zero points), fp8 (E4M3 "
+                                 "W8A8, dynamic per token), smoothquant (INT8 W8A8) quantize an unquantized model "
+                                 "at load (round to nearest); gptq, awq, compressed-tensors name a quantized "
+                                 "checkpoint's format (read from its config.json without this flag)")
+        parser.add_argument("--quantization-group-size", type=int, default=128, choices=[32, 64, 128],
+                            help="input channels per INT4 scale for load-time int4 (default 128)")
         parser.add_argument("--disable-triton-kernels", action="store_true",
                             help="pure-torch RMSNorm/SiLU on CUDA (was ROOFLINE_DISABLE_KERNELS=1)")
 

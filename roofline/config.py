@@ -23,6 +23,9 @@ def _check_positive(name: str, value: int | float) -> None:
         raise ValueError(f"{name} must be > 0, got {value}")
 
 
+# --quantization: methods that quantize an unquantized model at load, then checkpoint formats (roofline.quant).
+QUANTIZATION_METHODS = ("int8", "int4", "fp8", "smoothquant", "gptq", "awq", "compressed-tensors")
+
 @dataclass(frozen=True)
 class ModelConfig:
     """Architecture of a Llama-family decoder (Llama 2/3/3.1, Mistral, Qwen2/2.5, Qwen3, SmolLM2).
@@ -317,6 +320,9 @@ class EngineConfig:
     enforce_eager: bool = True
     # Schedule and prepare step N+1 while step N runs (vLLM's async scheduling, SGLang's overlap scheduler).
     async_scheduling: bool = False
+    # Weight format (roofline.quant): None, or a method quantized at load / the checkpoint format's name.
+    quantization: str | None = None
+    quantization_group_size: int = 128
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

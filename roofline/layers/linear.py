@@ -37,6 +37,18 @@ def _check_full_shape(loaded: torch.Tensor, shard_shape: torch.Size, dim: int, f
         raise ValueError(f"checkpoint has {tuple(loaded.shape)}, the model expects {tuple(want)}")
 
 
+def _packed(param: torch.Tensor, dim: int, start: int, size: int, prefix: str) -> tuple[int, int]:
+    """A shard's (start, size) along ``dim`` in rows, divided by the pack factor when ``dim`` is packed
+    (AWQ and GPTQ hold 8 INT4 values per int32 word along N: ``packed_dim`` / ``pack_factor`` attributes)."""
+    factor = getattr(param, "pack_factor", 1)
+    if getattr(param, "packed_dim", None) != dim or factor == 1:
+        return start, size
+    if start % factor or size % factor:
+        raise ValueError(f"{prefix or 'layer'}: a shard of {size} rows at row {start} does not fall on the "
+                         f"{factor}-row boundaries of the packed checkpoint tensor")
+    return start // factor, size // factor
+
+
 class LinearBase(nn.Module):
     """Common constructor: sizes on this rank, the quantization method, and an optional bias.
 
@@ -134,7 +146,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         if shard_id is None:
             raise ValueError(f"{self.prefix}: a merged layer needs a shard id for each checkpoint tensor")
         dim = getattr(param, "output_dim", 0)
-        start, size = self.shard_range(int(shard_id))
+        start, size = _packed(param, dim, *self.shard_range(int(shard_id)), self.prefix)
         dest = param.data.narrow(dim, start, size)
         _check_full_shape(loaded, dest.shape, dim, size * self.tp_size)
         _copy_checked(param.data.narrow(dim, start, size), loaded.narrow(dim, self.tp_rank * size, size))
@@ -181,7 +193,7 @@ class QKVParallelLinear(ColumnParallelLinear):
             raise ValueError(f"{self.prefix}: shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
         dim = getattr(param, "output_dim", 0)
         q, kv = self.q_size, self.kv_size
-        start, size = {"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id]
+        start, size = _packed(param, dim, *{"q": (0, q), "k": (q, kv), "v": (q + kv, kv)}[shard_id], self.prefix)
         # Which slice of the checkpoint tensor this rank holds: its own query heads, and the KV heads
         # of its replica group.
         src_rank = self.tp_rank if shard_id == "q" else self.tp_rank // self.num_kv_replicas

@@ -95,6 +95,20 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
 # ---------------------------------------------------------------------------------------------- configs
 
 
+def checkpoint_quantization_config(source: ModelSource) -> dict[str, Any] | None:
+    """The ``quantization_config`` of an HF checkpoint's config.json (None for GGUF, dummy, unquantized).
+
+    Raises:
+        ValueError: ``quantization_config`` present but not a JSON object.
+    """
+    if source.format != "hf" or source.path is None:
+        return None
+    cfg = json.loads((source.path / "config.json").read_text()).get("quantization_config")
+    if cfg is not None and not isinstance(cfg, dict):
+        raise ValueError(f"{source.path / 'config.json'}: quantization_config must be an object, got {cfg!r}")
+    return cfg
+
+
 def load_config(source: ModelSource) -> ModelConfig:
     if source.format == "hf":
         assert source.path is not None

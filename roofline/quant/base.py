@@ -13,6 +13,7 @@ A ``QuantConfig`` picks the method per layer (by its Hugging Face ``prefix``), s
 
 from __future__ import annotations
 
+import re
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from typing import Any
@@ -61,16 +62,22 @@ class LinearMethod(ABC):
         return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))
 
 
+def create_dense_weight(layer: nn.Module, input_size_per_partition: int, output_partition_sizes: list[int],
+                        params_dtype: torch.dtype, weight_loader: WeightLoader) -> None:
+    """Register a dense ``weight`` [sum(output_partition_sizes), input_size_per_partition] on ``layer``."""
+    weight = nn.Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition, dtype=params_dtype),
+                          requires_grad=False)
+    set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, "weight_loader": weight_loader})
+    layer.register_parameter("weight", weight)
+
+
 class UnquantizedLinearMethod(LinearMethod):
     """A dense ``weight`` [out, in] in the model dtype; ``apply`` is one GEMM (cuBLAS on GPUs, whose M = 1
     streaming was measured as fast as our Triton GEMV, see docs/kernels.md)."""
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, params_dtype,
                        weight_loader):
-        weight = nn.Parameter(torch.empty(sum(output_partition_sizes), input_size_per_partition,
-                                          dtype=params_dtype), requires_grad=False)
-        set_weight_attrs(weight, {"input_dim": 1, "output_dim": 0, "weight_loader": weight_loader})
-        layer.register_parameter("weight", weight)
+        create_dense_weight(layer, input_size_per_partition, output_partition_sizes, params_dtype, weight_loader)
 
     def apply(self, layer, x, bias=None):
         return F.linear(x, layer.weight, bias)
@@ -85,3 +92,142 @@ class QuantConfig(ABC):
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         """The method for the linear layer at ``prefix`` (e.g. ``model.layers.0.self_attn.qkv_proj``);
         return ``UnquantizedLinearMethod()`` for layers the format leaves in 16 bits (``lm_head``)."""
+
+
+class QuantizedLinearMethod(LinearMethod):
+    """Shared life cycle of the quantized formats.
+
+    A layer's weight arrives in one of two ways:
+    - quantize at load (``checkpoint is None``): ``create_weights`` registers a dense ``weight`` [N, K] in the
+      model dtype, the loader fills it (checkpoint, GGUF or dummy values), and
+      ``process_weights_after_loading`` quantizes it with ``quantize`` (round-to-nearest, or FP8 dynamic), as
+      vLLM's ``--quantization fp8`` does on an unquantized model;
+    - a pre-quantized checkpoint: ``create_checkpoint_weights`` registers the tensors of the published layout
+      (GPTQ, AWQ, compressed-tensors) and ``unpack`` turns them into the canonical form.
+
+    Either way the canonical form (``roofline.quant.quantize``) goes to ``set_weights``, which registers what
+    ``apply`` reads and drops everything else, so ``weight_bytes`` counts only the bytes a forward pass reads.
+    """
+
+    def __init__(self, checkpoint: Any = None):
+        self.checkpoint = checkpoint
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, params_dtype,
+                       weight_loader):
+        if self.checkpoint is None:
+            create_dense_weight(layer, input_size_per_partition, output_partition_sizes, params_dtype,
+                                weight_loader)
+        else:
+            self.create_checkpoint_weights(layer, input_size_per_partition, output_partition_sizes,
+                                           params_dtype, weight_loader)
+
+    def create_checkpoint_weights(self, layer: nn.Module, input_size_per_partition: int,
+                                  output_partition_sizes: list[int], params_dtype: torch.dtype,
+                                  weight_loader: WeightLoader) -> None:
+        create_layout_weights(layer, self.layout, input_size_per_partition, output_partition_sizes,
+                              self.checkpoint.group_size, weight_loader)
+
+    @property
+    def layout(self) -> str:
+        """The checkpoint layout this method reads (a ``formats.TENSOR_LAYOUTS`` key)."""
+        raise ValueError(f"{type(self).__name__} cannot load a pre-quantized checkpoint")
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        names = [n for n, _ in layer.named_parameters(recurse=False) if n != "bias"]
+        if self.checkpoint is None:
+            canonical = self.quantize(layer.weight.data, layer)
+        else:
+            canonical = self.unpack(layer)
+        for name in names:
+            delattr(layer, name)
+        self.set_weights(layer, canonical)
+
+    def quantize(self, weight: torch.Tensor, layer: nn.Module) -> Any:
+        """Dense ``weight`` [N, K] -> the canonical quantized form (load-time quantization)."""
+        raise NotImplementedError
+
+    def unpack(self, layer: nn.Module) -> Any:
+        """The checkpoint tensors registered by ``create_checkpoint_weights`` -> the canonical form."""
+        from roofline.quant import formats
+
+        tensors = {name: p.data for name, p in layer.named_parameters(recurse=False) if name != "bias"}
+        name = getattr(layer, "prefix", "") or "layer"
+        spec = self.checkpoint
+        if spec.format == "gptq":
+            return formats.unpack_gptq(tensors, spec.group_size, checkpoint_format=spec.checkpoint_format,
+                                       name=name)
+        if spec.format == "awq":
+            return formats.unpack_awq(tensors, spec.group_size, name=name)
+        return formats.unpack_compressed_tensors(tensors, spec.scheme, name=name)
+
+    @abstractmethod
+    def set_weights(self, layer: nn.Module, canonical: Any) -> None:
+        """Register on ``layer`` the tensors ``apply`` reads (as frozen parameters), from the canonical form."""
+
+
+def register_frozen(layer: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    """``tensor`` as a frozen parameter of ``layer`` (moves with the module, counted by ``weight_bytes``)."""
+    layer.register_parameter(name, nn.Parameter(tensor, requires_grad=False))
+
+
+def create_layout_weights(layer: nn.Module, layout: str, input_size: int, output_partition_sizes: list[int],
+                          group_size: int | None, weight_loader: WeightLoader) -> None:
+    """Register the tensors of a published checkpoint layout (``roofline.quant.formats.TENSOR_LAYOUTS``) for
+    a linear of ``sum(output_partition_sizes)`` x ``input_size``, named as the checkpoint names them
+    (``qweight``, ``qzeros``, ``scales``, ``g_idx``; ``weight``, ``weight_scale``; ``weight_packed``...).
+
+    Each parameter carries ``output_dim`` / ``input_dim`` / ``packed_dim`` / ``pack_factor`` so the layer's
+    ``weight_loader`` can place the shards of fused q/k/v and gate/up inside packed tensors. Tensors with no
+    output dim (``g_idx``, ``weight_shape``) are the same for every shard and are loaded whole. Float tensors
+    (scales) are held in float32, so fp16, bf16 or fp32 checkpoint scales load exactly.
+    """
+    from roofline.quant.formats import TENSOR_LAYOUTS
+
+    n = sum(output_partition_sizes)
+    gs = input_size if group_size in (None, -1) else group_size
+    for t in TENSOR_LAYOUTS[layout]:
+        dtype = torch.float32 if t.dtype.is_floating_point and t.dtype.itemsize > 1 else t.dtype
+        param = nn.Parameter(torch.zeros(t.shape(n, input_size, gs), dtype=dtype), requires_grad=False)
+        attrs: dict[str, Any] = {"pack_factor": t.pack_factor, "packed_dim": t.packed_dim}
+        if t.output_dim is not None:
+            attrs.update(output_dim=t.output_dim, weight_loader=weight_loader)
+            if t.input_dim is not None:
+                attrs["input_dim"] = t.input_dim
+        else:
+            attrs["weight_loader"] = _load_whole
+        set_weight_attrs(param, attrs)
+        layer.register_parameter(t.suffix, param)
+
+
+def _load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    """A tensor every shard of a fused layer shares (GPTQ ``g_idx``): each shard's copy must be the same."""
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"checkpoint has {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
+    param.data.copy_(loaded)
+
+
+# Our fused modules and the Hugging Face modules they hold (a checkpoint's ignore list names the latter).
+_FUSED_PARTS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+
+
+def _matches(name: str, pattern: str) -> bool:
+    if pattern.startswith("re:"):
+        return re.fullmatch(pattern[3:], name) is not None
+    return name == pattern or name.endswith("." + pattern)
+
+
+def is_ignored(spec: Any, prefix: str) -> bool:
+    """Whether the checkpoint leaves the linear at ``prefix`` (our module name) unquantized: its
+    ``ignore`` list (names or compressed-tensors ``re:`` patterns) names every HF module the layer fuses.
+
+    Raises:
+        ValueError: the list names some but not all of a fused layer's parts (q/k/v or gate/up), which one
+            fused weight cannot represent.
+    """
+    parent, _, leaf = prefix.rpartition(".")
+    parts = [f"{parent}.{p}" if parent else p for p in _FUSED_PARTS.get(leaf, (leaf,))]
+    hits = [any(_matches(p, pat) for pat in spec.ignore) for p in parts]
+    if any(hits) and not all(hits):
+        raise ValueError(f"quantization_config.ignore leaves {[p for p, h in zip(parts, hits) if h]} unquantized "
+                         f"but not {[p for p, h in zip(parts, hits) if not h]}; roofline fuses them into {prefix}")
+    return all(hits)

@@ -30,6 +30,7 @@ from roofline.layers.rotary import RotaryEmbedding
 from roofline.layers.sampler import Sampler, SamplingMetadata
 from roofline.models import loader
 from roofline.models.registry import build_model
+from roofline.quant import get_quant_config
 from roofline.worker.cuda_graph import CUDAGraphRunner
 from roofline.worker.input_batch import InputBatch
 from roofline.worker.prompt_logprobs import (
@@ -62,12 +63,14 @@ class Worker:
         rotary = RotaryEmbedding.from_config(mc, self.device)
         self.backend = get_attention_backend(config.attention_backend)(num_heads, num_kv_heads, mc.head_dim, rotary)
         torch.manual_seed(config.seed)
+        self.quant_config = get_quant_config(config.quantization, loader.checkpoint_quantization_config(source),
+                                             config.quantization_group_size)
         # Build directly on the device in the model dtype.
         prev_dtype = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
             with torch.device(self.device):
-                model = build_model(mc, self.backend)
+                model = build_model(mc, self.backend, self.quant_config)
         finally:
             torch.set_default_dtype(prev_dtype)
         if source.format == "dummy":

@@ -1,0 +1,114 @@
+"""``--quantization int4`` (and GPTQ / AWQ checkpoints): INT4 weights, 16-bit activations (W4A16).
+
+Asymmetric with zero points, in groups of ``group_size`` input channels (128 by default; 32 and 64 allowed):
+``W[n, k] ~= (q[n, k] - z[n, g]) * s[n, g]`` with ``g = k // group_size`` (GPTQ act-order: ``g = g_idx[k]``,
+handled here by permuting the input channels once at load so that groups are contiguous, and the
+activations' columns by the same permutation at run time, as exllama does). The weights come from
+round-to-nearest at load (``--quantization int4``) or from a calibrated checkpoint (``roofline quantize
+--method awq|gptq``, or any AutoAWQ/GPTQ checkpoint).
+
+Where the matmul runs: see ``roofline.quant.gemm.w4a16``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from roofline.quant.base import (
+    QuantConfig,
+    QuantizedLinearMethod,
+    UnquantizedLinearMethod,
+    is_ignored,
+    register_frozen,
+)
+from roofline.quant.quantize import Int4Weight, quantize_int4_rtn
+
+INT4_GROUP_SIZES = (32, 64, 128)
+
+
+def contiguous_groups(w: Int4Weight) -> tuple[Int4Weight, torch.Tensor | None]:
+    """An act-order weight (``g_idx``) with its input channels permuted so groups are contiguous.
+
+    Returns:
+        (the permuted weight with ``g_idx`` None, the int64 [K] permutation ``perm`` such that
+        ``x[:, perm] @ W_perm.T == x @ W.T``), or (``w``, None) when ``g_idx`` is already ``k // group_size``.
+
+    Raises:
+        ValueError: a group that does not hold exactly ``group_size`` channels (not a GPTQ assignment).
+    """
+    k = w.q.shape[1]
+    if w.g_idx is None:
+        return w, None
+    g = w.g_idx.long()
+    if torch.equal(g, torch.arange(k, device=g.device) // w.group_size):
+        return Int4Weight(w.q, w.scales, w.zeros, w.group_size), None
+    counts = torch.bincount(g, minlength=k // w.group_size)
+    if counts.numel() != k // w.group_size or bool((counts != w.group_size).any()):
+        raise ValueError(f"g_idx assigns {counts.tolist()} channels to its groups; every group needs exactly "
+                         f"group_size={w.group_size}")
+    perm = torch.sort(g, stable=True).indices
+    return Int4Weight(w.q[:, perm].contiguous(), w.scales, w.zeros, w.group_size), perm
+
+
+class Int4LinearMethod(QuantizedLinearMethod):
+    """W4A16 with per-group scales and zero points.
+
+    What ``apply`` reads depends on the device (built once by ``set_weights``):
+    - CPU: torch's int4 weight-packed layout (``qweight`` from ``_convert_weight_to_int4pack_for_cpu``) and
+      ``scales_and_zeros`` float32 [K / G, N, 2] holding ``s`` and ``(8 - z) * s`` (its kernel computes
+      ``(q - 8) * s + zf``, which equals ``(q - z) * s``);
+    - GPU: the Triton kernel's layout (``roofline.kernels.quant_gemm``).
+    ``input_perm`` (int64 [K]) is present only for act-order checkpoints.
+    """
+
+    def __init__(self, group_size: int, checkpoint=None):
+        super().__init__(checkpoint)
+        self.group_size = group_size
+
+    @property
+    def layout(self) -> str:
+        return self.checkpoint.format  # "gptq" or "awq"
+
+    def quantize(self, weight: torch.Tensor, layer: nn.Module) -> Int4Weight:
+        return quantize_int4_rtn(weight, self.group_size, getattr(layer, "prefix", "layer") or "layer")
+
+    def set_weights(self, layer: nn.Module, canonical: Int4Weight) -> None:
+        from roofline.quant import gemm
+
+        w, perm = contiguous_groups(canonical)
+        if perm is not None:
+            register_frozen(layer, "input_perm", perm.to(w.q.device))
+        layer.int4_group_size = w.group_size
+        for name, tensor in gemm.prepare_w4a16(w, layer.params_dtype).items():
+            register_frozen(layer, name, tensor)
+
+    def apply(self, layer, x, bias=None):
+        from roofline.quant import gemm
+
+        perm = getattr(layer, "input_perm", None)
+        if perm is not None:
+            x = x.index_select(-1, perm)
+        return gemm.w4a16(x, layer, bias)
+
+
+class Int4Config(QuantConfig):
+    """INT4 weight-only for every linear layer (lm_head and embeddings stay 16-bit).
+
+    Raises:
+        ValueError: a group size other than 32, 64 or 128.
+    """
+
+    name = "int4"
+
+    def __init__(self, group_size: int = 128, checkpoint=None):
+        if checkpoint is None and group_size not in INT4_GROUP_SIZES:
+            raise ValueError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
+                             f"got {group_size!r}")
+        self.group_size = group_size
+        self.checkpoint = checkpoint
+
+    def get_linear_method(self, layer: nn.Module, prefix: str):
+        if self.checkpoint is not None and is_ignored(self.checkpoint, prefix):
+            return UnquantizedLinearMethod()
+        return Int4LinearMethod(self.group_size, self.checkpoint)

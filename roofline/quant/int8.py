@@ -1,0 +1,56 @@
+"""``--quantization int8``: INT8 weights, 16-bit activations (W8A16), symmetric per output channel.
+
+``W[n, k] ~= q[n, k] * s[n]`` with ``s[n] = max_k |W[n, k]| / 127`` (round to nearest). Weight-only: the
+activations stay in the model dtype, the weight is dequantized in registers (GPU: the Triton W8A16 GEMM) or
+by torch's int8 weight-packed matmul (CPU: ``torch._weight_int8pack_mm``, the kernel gpt-fast's int8 path
+uses). Halves the bytes a decode step streams against bf16 (1 byte per weight + 4 bytes per row).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from roofline.quant.base import (
+    QuantConfig,
+    QuantizedLinearMethod,
+    UnquantizedLinearMethod,
+    is_ignored,
+    register_frozen,
+)
+from roofline.quant.quantize import ChannelWeight, quantize_int8_per_channel
+
+
+class Int8LinearMethod(QuantizedLinearMethod):
+    """W8A16. Stores ``qweight`` int8 [N, K] and ``weight_scale`` float32 [N]."""
+
+    layout = "w8a16-int8"  # compressed-tensors pack-quantized, the INT8 weight-only layout vLLM reads
+
+    def quantize(self, weight: torch.Tensor, layer: nn.Module) -> ChannelWeight:
+        return quantize_int8_per_channel(weight)
+
+    def set_weights(self, layer: nn.Module, canonical: ChannelWeight) -> None:
+        from roofline.quant import gemm
+
+        for name, tensor in gemm.prepare_w8a16(canonical).items():
+            register_frozen(layer, name, tensor)
+
+    def apply(self, layer, x, bias=None):
+        from roofline.quant import gemm
+
+        return gemm.w8a16(x, layer, bias)
+
+
+class Int8Config(QuantConfig):
+    """Weight-only INT8 for every linear layer (lm_head and embeddings stay 16-bit)."""
+
+    name = "int8"
+
+    def __init__(self, checkpoint=None):
+        self.checkpoint = checkpoint
+
+    def get_linear_method(self, layer: nn.Module, prefix: str):
+        if self.checkpoint is not None and is_ignored(self.checkpoint, prefix):
+            return UnquantizedLinearMethod()
+        return Int8LinearMethod(self.checkpoint)
+
