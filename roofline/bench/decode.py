@@ -21,7 +21,8 @@ import time
 from typing import Any
 
 
-def build_engine(args: argparse.Namespace, max_batch: int, max_context: int, kv_cache_dtype: str = "auto"):
+def build_engine(args: argparse.Namespace, max_batch: int, max_context: int, kv_cache_dtype: str = "auto",
+                 quantization: str | None = None):
     from roofline.args import EngineArgs
     from roofline.config import model_preset
     from roofline.engine.llm_engine import LLMEngine
@@ -36,7 +37,8 @@ def build_engine(args: argparse.Namespace, max_batch: int, max_context: int, kv_
                     max_num_seqs=max_batch, max_num_batched_tokens=max(2048, max_batch),
                     gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                     kv_cache_memory=args.kv_cache_memory, attention_backend=args.attention_backend,
-                    device=args.device, kv_cache_dtype=kv_cache_dtype, block_size=args.block_size)
+                    device=args.device, kv_cache_dtype=kv_cache_dtype, block_size=args.block_size,
+                    quantization=quantization, quantization_group_size=args.quantization_group_size)
     return LLMEngine(ea.create_engine_config(mc), ModelSource("dummy", None, args.model), mc, tokenizer=None)
 
 
@@ -76,10 +78,11 @@ def time_decode(engine: Any, batch: int, context: int, steps: int, warmup: int, 
 
 
 def run_decode_bench(args: argparse.Namespace) -> int:
-    """Decode steps at each (batch, context) for each KV-cache format, in one process, against the bound.
+    """Decode steps at each (batch, context) for each weight format x KV-cache format, in one process,
+    against the bound (each configuration's own weight and KV bytes over the bandwidth measured here).
 
-    With several ``--kv-cache-dtype`` formats, each gets its own engine (the previous one is freed first) and
-    the table ends with each format's tok/s over the first format's at the same point.
+    With several ``--quantization`` or ``--kv-cache-dtype`` values, each pair gets its own engine (the previous
+    one is freed first) and the table ends with each one's tok/s over the first one's at the same point.
     """
     import gc
 
@@ -88,10 +91,12 @@ def run_decode_bench(args: argparse.Namespace) -> int:
 
     batches = parse_sizes(args.batch_sizes)
     contexts = parse_sizes(args.contexts)
-    formats = [f for f in args.kv_cache_dtype.split(",") if f]
+    quants = [None if q in ("none", "") else q for q in args.quantization.split(",")]
+    configs = [(q, kv) for q in quants for kv in args.kv_cache_dtype.split(",") if kv]
+    formats = [_label(q, kv, len(quants) > 1) for q, kv in configs]
     rows, meta, bandwidth, peak = [], {}, None, None
-    for fmt in formats:
-        engine = build_engine(args, max(batches), max(contexts), kv_cache_dtype=fmt)
+    for (quant, kv), fmt in zip(configs, formats, strict=True):
+        engine = build_engine(args, max(batches), max(contexts), kv_cache_dtype=kv, quantization=quant)
         worker = engine.worker
         device = str(worker.device)
         if bandwidth is None:
@@ -99,7 +104,8 @@ def run_decode_bench(args: argparse.Namespace) -> int:
             peak = measure_gemm_flops(device, n=8192 if device.startswith("cuda") else 1024, rounds=10)
             print(f"measured in this process: read {bandwidth / 1e12:.3f} TB/s, dense GEMM {peak / 1e12:.1f} TFLOP/s")
         rows += _decode_points(args, engine, fmt, batches, contexts, bandwidth, peak)
-        meta[fmt] = dict(kv_bytes_per_token=worker.kv_bytes_per_token,
+        meta[fmt] = dict(kv_bytes_per_token=worker.kv_bytes_per_token, weight_bytes=worker.weight_bytes,
+                         quantization=quant, kv_cache_dtype=kv,
                          pool_tokens=engine.block_manager.num_blocks * engine.block_manager.block_size)
         info = dict(model=args.model, dtype=str(worker.dtype), weight_bytes=worker.weight_bytes,
                     cuda_graphs=worker.graphs is not None, attention_backend=worker.config.attention_backend,
@@ -121,6 +127,11 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     ))
     print(f"wrote {path}")
     return 0
+
+
+def _label(quant: str | None, kv: str, with_quant: bool) -> str:
+    """A configuration's name in the table: the KV format, prefixed by the weight format when several run."""
+    return f"{quant or 'unquantized'}/{kv}" if with_quant else kv
 
 
 def _empty_device_cache() -> None:
@@ -184,6 +195,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="KV-cache format, or a comma-separated list run one after another in this process "
                         "(auto, bfloat16, float16, float32, int8, fp8_e4m3, fp8); the first is the baseline")
     p.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's)")
+    p.add_argument("--quantization", default="none",
+                   help="weight format, or a comma-separated list (none, int8, int4, fp8, smoothquant), each "
+                        "quantized at load from the dummy weights; the first is the baseline")
+    p.add_argument("--quantization-group-size", type=int, default=128, choices=[32, 64, 128])
     p.add_argument("--out-dir", default="bench/results")
     p.set_defaults(func=run_decode_bench)
     return p

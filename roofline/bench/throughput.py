@@ -14,6 +14,8 @@ import json
 import time
 from pathlib import Path
 
+from roofline.config import QUANTIZATION_METHODS
+
 
 def load_requests(args: argparse.Namespace) -> list[dict]:
     """[{"prompt_token_ids": [...], "output_len": n}], ``num_prompts`` of them."""
@@ -54,7 +56,8 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
                     gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                     device=args.device, kv_cache_memory=args.kv_cache_memory,
                     async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
-                    block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching)
+                    block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
+                    quantization=args.quantization, quantization_group_size=args.quantization_group_size)
     if args.load_format == "dummy":
         mc = model_preset(args.model)
         if mc.max_position_embeddings < args.max_model_len:
@@ -91,7 +94,9 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
                   block_size=llm.engine.worker.block_size, kv_cache_dtype=llm.engine.config.cache_config.kv_cache_dtype,
                   kv_bytes_per_token=llm.engine.worker.kv_bytes_per_token,
                   pool_tokens=llm.engine.worker.num_blocks * llm.engine.worker.block_size,
-                  enable_prefix_caching=args.enable_prefix_caching)
+                  enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
+                  weight_bytes=llm.engine.worker.weight_bytes)
+    print(f"weights {args.quantization or 'unquantized'}: {result['weight_bytes'] / 1e9:.2f} GB")
     print(f"KV {result['kv_cache_dtype']}: {result['kv_bytes_per_token']} B/token, pool {result['pool_tokens']} tokens")
     print(f"requests {len(reqs)}, prompt tokens {n_in}, output tokens {n_out} (expected {expected})")
     print(f"elapsed {elapsed:.2f} s: {result['requests_per_s']:.2f} req/s, "
@@ -122,6 +127,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="overlap step N+1's scheduling with step N (default: on with a GPU)")
     p.add_argument("--kv-cache-dtype", default="auto", help="auto, bfloat16, float16, float32, int8, fp8_e4m3, fp8")
     p.add_argument("--block-size", type=int, default=None, help="KV block size (default: the engine's)")
+    p.add_argument("--quantization", default=None, choices=list(QUANTIZATION_METHODS),
+                   help="weight format (see `roofline generate --help`); dummy weights are quantized at load")
+    p.add_argument("--quantization-group-size", type=int, default=128, choices=[32, 64, 128])
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="prefix caching (default on, as in the engine)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
