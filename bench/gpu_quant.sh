@@ -13,10 +13,12 @@ R() { python3 -m roofline.cli "$@"; }
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/log"
 case "${1:-kernels}" in
 kernels)
-  timeout 150 python3 -m pytest -q --tb=line -rf -p no:cacheprovider tests/kernels/test_quant_gemm.py 2>&1 | tail -5 \
-    | tee -a "$OUT/log"
   timeout 60 python3 bench/gpu_quant_smoke.py 2>&1 | grep -v Warn | tail -12 | tee -a "$OUT/log"
   timeout 300 python3 bench/gpu_quant_gemm.py --out "$OUT/quant_gemm.json" 2>&1 | tail -80 | tee -a "$OUT/log"
+  ;;
+tests)
+  timeout 200 python3 -m pytest -q --tb=line -rf -p no:cacheprovider tests/kernels/test_quant_gemm.py 2>&1 | tail -8 \
+    | tee -a "$OUT/log"
   ;;
 decode)
   R bench decode --model llama-3-8b --batch-sizes 1,64,256 --contexts 1k --steps 32 \

@@ -358,8 +358,12 @@ def main(argv: list[str] | None = None) -> int:
     for shape in args.shape_list:
         n, k = shapes[shape]
         wts = b.make_weights(n, k)
-        b.correctness(shape, n, k, wts)
-        b.timing(shape, n, k, wts, bw["copy_bytes_per_s"])
+        for stage in (b.correctness, b.timing):
+            try:  # one kernel that fails to launch must not hide the others' figures
+                stage(shape, n, k, wts) if stage == b.correctness else stage(shape, n, k, wts, bw["copy_bytes_per_s"])
+            except Exception as e:  # noqa: BLE001 - recorded and reported, exit status 1
+                b.failures.append(f"{shape} {stage.__name__}: {type(e).__name__}: {str(e)[:200]}")
+                print(f"{shape} {stage.__name__} FAILED: {type(e).__name__}: {str(e)[:200]}", flush=True)
         del wts
         if b.dev == "cuda":
             torch.cuda.empty_cache()

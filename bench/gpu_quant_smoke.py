@@ -12,7 +12,8 @@ failed = False
 for q in ["int8", "int4", "fp8", "smoothquant"]:
     llm = LLM(model="smollm2-135m", load_format="dummy", quantization=q, quantization_group_size=64,
               max_model_len=1024, kv_cache_memory="1GiB")
-    out = llm.generate(["hello world"] * 3, SamplingParams(max_tokens=8, temperature=0))
+    out = llm.generate([{"prompt_token_ids": [1, 2, 3, 4 + i]} for i in range(3)],
+                       SamplingParams(max_tokens=8, temperature=0))
     layer = llm.engine.worker.model.model.layers[0].mlp.gate_up_proj
     errs = []
     for m in (1, 16, 200):

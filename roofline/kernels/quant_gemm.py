@@ -94,8 +94,10 @@ CONFIGS: dict[str, list[tuple[int, GemmConfig]]] = {
     "int4": [
         (16, GemmConfig(16, 32, 128, 4, 4)),
         (64, GemmConfig(64, 64, 64, 4, 4)),
-        (256, GemmConfig(64, 128, 64, 4, 4)),
-        (1 << 62, GemmConfig(128, 128, 64, 8, 3)),
+        # 2 stages: the tiled INT4 path stages [BK, BN] words, scales and zeros per k row (72-80 KB a stage
+        # at these tiles), so 3-4 stages exceed the H200's 227 KB of shared memory (measured: 240 KB asked).
+        (256, GemmConfig(64, 128, 64, 4, 2)),
+        (1 << 62, GemmConfig(128, 128, 64, 8, 2)),
     ],
     "int8": [
         (16, GemmConfig(16, 32, 128, 4, 4)),
@@ -266,8 +268,9 @@ def ref_w8a16_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> to
 
 def ref_int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,
                   out_dtype: torch.dtype) -> torch.Tensor:
-    """Twin of :func:`int8_gemm`: exact integer ``xq @ wq^T`` (int64), then ``* x_scale * w_scale`` in fp32."""
-    acc = (xq.long() @ wq.long().t()).float()
+    """Twin of :func:`int8_gemm`: exact integer ``xq @ wq^T`` (in float64, exact while K * 127^2 < 2^53; CUDA has
+    no integer matmul), then ``* x_scale * w_scale`` in fp32."""
+    acc = (xq.double() @ wq.double().t()).float()
     return (acc * x_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)).to(out_dtype)
 
 
