@@ -61,7 +61,7 @@ def dispatch_table(device_name: str) -> dict[str, list[dict]]:
     path = _TABLES / (device_name.replace(" ", "_") + ".json")
     if not path.is_file():
         return {}
-    return json.loads(path.read_text())
+    return {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
 
 
 def use_fused(fmt: str, m: int, n: int, k: int, device: torch.device) -> bool:
