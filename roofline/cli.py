@@ -1,4 +1,4 @@
-"""``roofline {generate, chat, serve, bench, cost, probe, eval}``.
+"""``roofline {generate, chat, serve, bench, cost, probe, eval, quantize}``.
 
 Subcommands live beside what they drive and register themselves through ``add_parser(subparsers)``;
 each module is imported only when its parser is built, and heavy imports happen inside handlers.
@@ -18,6 +18,7 @@ _COMMANDS = [
     ("roofline.cost_cli", "add_cost_parser"),
     ("roofline.cost_cli", "add_probe_parser"),
     ("roofline.eval.cli", "add_eval_parser"),
+    ("roofline.quant.cli", "add_quantize_parser"),
 ]
 _BENCH_COMMANDS = [
     ("roofline.bench.serve", "add_parser"),
