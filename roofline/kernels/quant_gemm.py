@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from roofline.quant.quantize import INT8_MAX, ChannelWeight, Int4Weight
+from roofline.quant.quantize import FP8_E4M3_MAX, INT8_MAX, ChannelWeight, Int4Weight
 
 try:
     import triton
@@ -84,6 +84,7 @@ class GemmConfig:
     num_stages: int
     split_k: int | None = None
     unpack: int = 0  # INT4 only: 0 = word per row (GPTQ-triton style loads), 1 = one load per word + reshape
+    gemv: bool = False  # the FMA stream without tl.dot (:func:`_gemv_kernel`); block_m = rows per program (<= 4)
 
 
 # (largest M, config) per format, first match wins. Initial values: the small-M row follows the split-K
@@ -92,6 +93,9 @@ class GemmConfig:
 # sweeps alternatives; replace these with its measurements.
 CONFIGS: dict[str, list[tuple[int, GemmConfig]]] = {
     "int4": [
+        (1, GemmConfig(1, 128, 128, 4, 3, gemv=True)),
+        (2, GemmConfig(2, 128, 128, 4, 3, gemv=True)),
+        (4, GemmConfig(4, 64, 128, 4, 3, gemv=True)),
         (16, GemmConfig(16, 32, 128, 4, 4)),
         (64, GemmConfig(64, 64, 64, 4, 4)),
         # 2 stages: the tiled INT4 path stages [BK, BN] words, scales and zeros per k row (72-80 KB a stage
@@ -100,24 +104,32 @@ CONFIGS: dict[str, list[tuple[int, GemmConfig]]] = {
         (1 << 62, GemmConfig(128, 128, 64, 8, 2)),
     ],
     "int8": [
+        (1, GemmConfig(1, 32, 256, 8, 3, gemv=True)),
+        (4, GemmConfig(4, 16, 128, 8, 3, gemv=True)),
         (16, GemmConfig(16, 32, 128, 4, 4)),
         (64, GemmConfig(64, 64, 64, 4, 4)),
         (256, GemmConfig(64, 128, 64, 4, 4)),
         (1 << 62, GemmConfig(128, 128, 64, 8, 3)),
     ],
     "int8_int8": [
+        (1, GemmConfig(1, 32, 256, 8, 3, gemv=True)),
+        (4, GemmConfig(4, 16, 128, 8, 3, gemv=True)),
         (16, GemmConfig(16, 64, 128, 4, 4)),
         (64, GemmConfig(64, 64, 128, 4, 4)),
         (256, GemmConfig(64, 128, 128, 4, 3)),
         (1 << 62, GemmConfig(128, 128, 128, 8, 3)),
     ],
     "dense": [
+        (1, GemmConfig(1, 16, 256, 4, 3, gemv=True)),
+        (4, GemmConfig(4, 8, 128, 4, 3, gemv=True)),
         (16, GemmConfig(16, 32, 256, 4, 4)),
         (64, GemmConfig(64, 64, 64, 4, 4)),
         (256, GemmConfig(64, 128, 64, 4, 4)),
         (1 << 62, GemmConfig(128, 128, 64, 8, 3)),
     ],
 }
+# INT4 with a group size that is not a multiple of 8 cannot use the GEMV (a word would span two groups).
+_GEMV_FALLBACK = GemmConfig(16, 32, 64, 4, 2)
 SMALL_M = 16  # M <= SMALL_M: the weight-streaming variant (split-K allowed, INT4 scales after the dot)
 
 
@@ -284,6 +296,16 @@ def ref_per_token_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return torch.round(xf / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
 
 
+def ref_per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of :func:`per_token_quant_fp8` (bit-exact on the GPU): ``scale = max(amax / 448, 1e-10)`` (IEEE
+    division by a tensor), ``q = clamp(x / scale, -448, 448)`` rounded to nearest-even E4M3.
+    Returns (float8_e4m3fn ``[M, K]``, float32 ``[M, 1]``)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True)
+    scale = (amax / torch.full_like(amax, FP8_E4M3_MAX)).clamp(min=_MIN_SCALE)
+    return (xf / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
+
+
 def ref_dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """Twin of :func:`dense_gemv`: fp32 ``x @ weight^T``, cast to x's dtype."""
     return (x.float() @ weight.float().t()).to(x.dtype)
@@ -433,6 +455,135 @@ if triton is not None:
         tl.store(S + row, scale)
 
     @triton.jit
+    def _splitk_epilogue(acc, offs_m, offs_n, mmask, nmask, Out, Partials, Counters, pid, split, M, N, stride_om,
+                         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        # acc: fp32 [BLOCK_M, BLOCK_N]. Store, or split-K reduce as in _qgemm_kernel (last arrival sums the
+        # partials in split order, deterministic, and re-arms the tile's counter).
+        omask = mmask[:, None] & nmask[None, :]
+        out_ptrs = Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
+        if SPLIT_K == 1:
+            tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=omask)
+        else:
+            mn = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
+            tl.store(Partials + split.to(tl.int64) * M * N + mn, acc, mask=omask)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(Counters + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for sp in tl.static_range(SPLIT_K):
+                    total += tl.load(Partials + sp * M * N + mn, mask=omask, other=0.0, cache_modifier=".cg")
+                tl.store(out_ptrs, total.to(Out.dtype.element_ty), mask=omask)
+                tl.atomic_xchg(Counters + pid, 0)
+
+    @triton.jit(do_not_specialize=["M", "k_tiles_per_split"])
+    def _gemv_kernel(
+        X, W, S, Z, XS, Out, Partials, Counters,
+        M, N, K, k_tiles_per_split,
+        stride_xm, stride_wr, stride_sg, stride_om,
+        FMT: tl.constexpr, GROUP: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
+    ):
+        # Small-M stream without tl.dot: FMAs in fp32 (int32 for W8A8), BLOCK_M (<= 4) rows of x per program,
+        # products accumulated element-wise in registers and reduced over K once, after the K loop.
+        pid = tl.program_id(0)
+        split = tl.program_id(1)
+        num_pid_n = tl.cdiv(N, BLOCK_N)
+        pid_m = pid // num_pid_n
+        pid_n = pid % num_pid_n
+        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mmask = offs_m < M
+        nmask = offs_n < N
+        x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm  # [BLOCK_M, 1]
+        k_tiles = tl.cdiv(K, BLOCK_K)
+        kt_start = split * k_tiles_per_split
+        kt_end = tl.minimum(kt_start + k_tiles_per_split, k_tiles)
+        if FMT == 1:
+            # INT4, words [K // 8, N] with lanes along N (coalesced). BLOCK_K divides GROUP (the launcher
+            # makes it so), hence K too: no K tail, and one (scale, zero) row per tile.
+            R: tl.constexpr = BLOCK_K // 8
+            offs_r = tl.arange(0, R)
+            acc = tl.zeros([BLOCK_M, R, BLOCK_N], tl.float32)  # sum over tiles of s_g * sum_i x * q
+            acc_z = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # sum over tiles of z_g * s_g * sum_k x
+            for kt in range(kt_start, kt_end):
+                words = tl.load(W + (kt * R + offs_r)[:, None].to(tl.int64) * stride_wr + offs_n[None, :],
+                                mask=nmask[None, :], other=0)  # [R, BLOCK_N] int32
+                hi = words >> 16
+                g = (kt * BLOCK_K) // GROUP
+                s = tl.load(S + g * stride_sg + offs_n, mask=nmask, other=0.0).to(tl.float32)
+                z = tl.load(Z + g * stride_sg + offs_n, mask=nmask, other=0.0).to(tl.float32)
+                part = tl.zeros([BLOCK_M, R, BLOCK_N], tl.float32)
+                x_sum = tl.zeros([BLOCK_M], tl.float32)
+                for i in tl.static_range(8):
+                    # Nibble i of each word, left in place: (bits & 0xF << 4j) | 1.0f is 1 + q * 2^(4j - 23)
+                    # exactly, so f = q * 2^(4j - 23) after one exact subtract (Sterbenz); x is pre-scaled by
+                    # 2^(23 - 4j) (a power of two, exact). Per weight: and+or (one LOP3), FADD, FFMA.
+                    sh: tl.constexpr = 4 * (i % 4)
+                    mask_i: tl.constexpr = 0xF << sh
+                    x_mul: tl.constexpr = 2.0 ** (23 - sh)
+                    if i < 4:
+                        bits = (words & mask_i) | 0x3F800000
+                    else:
+                        bits = (hi & mask_i) | 0x3F800000
+                    f = bits.to(tl.float32, bitcast=True) - 1.0
+                    xi = tl.load(x_rows + (kt * BLOCK_K + 8 * offs_r + i)[None, :], mask=mmask[:, None],
+                                 other=0.0).to(tl.float32)  # [BLOCK_M, R]: input channels 8r + i
+                    x_sum += tl.sum(xi, axis=1)
+                    part += (xi * x_mul)[:, :, None] * f[None, :, :]
+                acc += part * s[None, None, :]
+                acc_z += x_sum[:, None] * (z * s)[None, :]
+            out = tl.sum(acc, axis=1) - acc_z
+        else:
+            # [N, K] weights (dense, int8), K contiguous: lanes along K inside a row (coalesced).
+            offs_k = tl.arange(0, BLOCK_K)
+            w_rows = W + offs_n[:, None].to(tl.int64) * stride_wr  # [BLOCK_N, 1]
+            if FMT == 3:
+                acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.int32)
+            else:
+                acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+            for kt in range(kt_start, kt_end):
+                ks = kt * BLOCK_K + offs_k
+                if EVEN_K:
+                    w = tl.load(w_rows + ks[None, :], mask=nmask[:, None], other=0)
+                    x = tl.load(x_rows + ks[None, :], mask=mmask[:, None], other=0)
+                else:
+                    kmask = ks < K
+                    w = tl.load(w_rows + ks[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
+                    x = tl.load(x_rows + ks[None, :], mask=mmask[:, None] & kmask[None, :], other=0)
+                if FMT == 3:
+                    acc += x.to(tl.int32)[:, None, :] * w.to(tl.int32)[None, :, :]
+                else:
+                    acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            out = tl.sum(acc, axis=2)
+            if FMT == 2:
+                out = out * tl.load(S + offs_n, mask=nmask, other=0.0)[None, :]
+            if FMT == 3:
+                xs = tl.load(XS + offs_m, mask=mmask, other=0.0)
+                ws = tl.load(S + offs_n, mask=nmask, other=0.0)
+                out = out.to(tl.float32) * xs[:, None] * ws[None, :]
+        _splitk_epilogue(out, offs_m, offs_n, mmask, nmask, Out, Partials, Counters, pid, split, M, N, stride_om,
+                         SPLIT_K, BLOCK_M, BLOCK_N)
+
+    @triton.jit
+    def _per_token_quant_fp8_kernel(X, Q, S, K, stride_x, stride_q, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        offs = tl.arange(0, BLOCK)
+        amax = tl.zeros([BLOCK], tl.float32)
+        for k0 in range(0, K, BLOCK):
+            x = tl.load(X + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
+            amax = tl.maximum(amax, tl.abs(x))
+        amax_row = tl.max(amax, axis=0)
+        scale = tl.maximum(tl.div_rn(amax_row, 448.0), 1e-10)  # IEEE division, as the ref
+        scale_v = tl.zeros([BLOCK], tl.float32) + scale
+        for k0 in range(0, K, BLOCK):
+            kmask = k0 + offs < K
+            x = tl.load(X + row * stride_x + k0 + offs, mask=kmask, other=0.0).to(tl.float32)
+            y = tl.minimum(tl.maximum(tl.div_rn(x, scale_v), -448.0), 448.0)  # saturate: E4M3FN has no inf
+            tl.store(Q + row * stride_q + k0 + offs, y.to(Q.dtype.element_ty), mask=kmask)
+        tl.store(S + row, scale)
+
+    @triton.jit
     def _dequant_kernel(
         W, S, Z, Out, N, K, stride_wr, stride_sg, stride_on,
         FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -504,6 +655,11 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
     cfg = config or pick_config(table, m)
     block_k = cfg.block_k
     scale_after_dot = False
+    if cfg.gemv and fmt == FMT_INT4:
+        # One (scale, zero) row per K tile: BLOCK_K a power of two dividing G, and whole words (>= 8).
+        block_k = min(block_k, group & -group)
+        if block_k < 8:  # G not a multiple of 8 (a word spans two groups): the tl.dot variant takes it
+            cfg, block_k = _GEMV_FALLBACK, _GEMV_FALLBACK.block_k
     if fmt == FMT_INT4:
         # Small M: the group scale after each tile's dot needs BLOCK_K | GROUP (and BLOCK_K >= 16 for tl.dot).
         bk = min(block_k, group)
@@ -522,6 +678,15 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
         counters = _counters(x.device, tiles_mn)
     else:
         partials = counters = out  # unused
+    if cfg.gemv:
+        _gemv_kernel[(tiles_mn, split)](
+            x, w, s, z if z is not None else s, xs if xs is not None else s, out, partials, counters,
+            m, n, k, per_split,
+            x.stride(0), w.stride(0), z.stride(0) if z is not None else 0, out.stride(0),
+            FMT=fmt, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+            SPLIT_K=split, EVEN_K=k % block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
+        return out
     _qgemm_kernel[(tiles_mn, split)](
         x, w, s, z if z is not None else s, xs if xs is not None else s, out, partials, counters,
         m, n, k, per_split,
@@ -691,6 +856,40 @@ def per_token_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         block = min(4096, triton.next_power_of_2(max(k, 16)))
         _per_token_quant_kernel[(m,)](x2, q, scale, k, x2.stride(0), q.stride(0), BLOCK=block,
                                       num_warps=4 if block <= 1024 else 8)
+    return q, scale
+
+
+def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic E4M3 per row, one launch: ``scale = max(amax / 448, 1e-10)``, ``q = e4m3(clamp(x / scale, +-448))``
+    (round to nearest even, saturating; 448 is the largest finite float8_e4m3fn, OCP 8-bit FP spec 2023).
+
+    Bit-exact on the GPU with :func:`ref_per_token_quant_fp8` (IEEE division). Against
+    ``roofline.quant.quantize.quantize_per_token_fp8`` the scales may differ by 1 ulp (that function divides
+    amax by the Python scalar 448, which CUDA torch computes as ``amax * (1/448)``, as for the INT8
+    quantizer), so a code at a rounding tie may move by one E4M3 step. Under the Triton CPU interpreter the
+    scales are exact but the fp32 -> fp8 conversion is not (it drops the carry across a power of two).
+
+    Args:
+        x: [..., K] float16/bfloat16/float32.
+
+    Returns:
+        (q float8_e4m3fn [M, K], scale float32 [M, 1]) with M = prod of x's leading dims, the
+        ``scale_a`` layout of ``torch._scaled_mm``'s row-wise scaling.
+
+    Raises:
+        RuntimeError: triton missing.
+    """
+    if triton is None:
+        raise RuntimeError("triton is not installed; use ref_per_token_quant_fp8 on this machine")
+    k = x.shape[-1]
+    x2 = _as_rows(x, k, "per_token_quant_fp8")
+    m = x2.shape[0]
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        block = min(4096, triton.next_power_of_2(max(k, 16)))
+        _per_token_quant_fp8_kernel[(m,)](x2, q, scale, k, x2.stride(0), q.stride(0), BLOCK=block,
+                                          num_warps=4 if block <= 1024 else 8)
     return q, scale
 
 

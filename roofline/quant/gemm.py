@@ -187,7 +187,8 @@ def fp8_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: 
     float8_e4m3fn [N, K] with per-channel ``scale`` float32 [N], float32 accumulation -> [..., N] in x's dtype.
     ``dense``: the weight's E4M3 values as float32 [N, K] for the emulated path (saves the cast per call)."""
     x2 = _flat(x)
-    xq, xs = quantize_per_token_fp8(x2)
+    qk = _quant_kernels(x)
+    xq, xs = qk.per_token_quant_fp8(x2) if qk is not None else quantize_per_token_fp8(x2)
     if fp8_tensor_cores(x.device):
         out = torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype)
     else:

@@ -21,6 +21,7 @@ from roofline.quant.quantize import (  # noqa: E402
     Int4Weight,
     quantize_int4_rtn,
     quantize_int8_per_channel,
+    quantize_per_token_fp8,
     quantize_per_token_int8,
 )
 
@@ -29,7 +30,10 @@ SMALL_SPLIT = GemmConfig(16, 32, 64, 4, 1, split_k=3)  # weight-streaming varian
 SMALL_UNPACK = GemmConfig(16, 32, 64, 4, 1, split_k=2, unpack=1)  # INT4: one load per word + reshape
 TILED = GemmConfig(32, 32, 64, 4, 1)  # tiled variant (INT4: per-element scales)
 TILED_BK128 = GemmConfig(32, 32, 128, 4, 1)  # BLOCK_K > G for G = 32/64: scales gathered per row
-CONFIGS = {"default": None, "split3": SMALL_SPLIT, "unpack": SMALL_UNPACK, "tiled": TILED, "bk128": TILED_BK128}
+GEMV_SPLIT = GemmConfig(4, 16, 32, 4, 1, split_k=2, gemv=True)  # the FMA stream, 4 rows, 2 K splits
+GEMV_ONE = GemmConfig(1, 32, 64, 4, 1, gemv=True)  # one row per program (M programs along M)
+CONFIGS = {"default": None, "split3": SMALL_SPLIT, "unpack": SMALL_UNPACK, "tiled": TILED, "bk128": TILED_BK128,
+           "gemv": GEMV_SPLIT, "gemv1": GEMV_ONE}
 
 
 def _int4_case(n, k, group_size, dtype, seed=0):
@@ -127,31 +131,32 @@ def test_w4a16_matches_f64(m, n, k, group_size, cfg, dtype):
 def test_w4a16_k_tail_and_batch_dims():
     # K = 96 with BLOCK_K 64: the last tile is half outside K (masked words, scales and zeros).
     cw = _int4_case(40, 96, 32, torch.float32, seed=4)
-    p = qg.prepare_int4(cw, torch.float32)
+    p = _to(qg.prepare_int4(cw, torch.float32), DEVICE)
     x = torch.randn(2, 10, 96)
-    out = qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, 32, config=TILED)
+    out = qg.w4a16_gemm(x.to(DEVICE), p.qweight, p.scales, p.zeros, 32, config=TILED)
     assert out.shape == (2, 10, 40)
-    assert rel_err(out, x.double() @ _int4_f64(cw).t()) < TOL[torch.float32]
+    assert rel_err(out.cpu(), x.double() @ _int4_f64(cw).t()) < TOL[torch.float32]
 
 
 def test_w4a16_rejects_mismatched_scales():
-    p = qg.prepare_int4(_int4_case(16, 64, 32, torch.float32), torch.float32)
+    p = _to(qg.prepare_int4(_int4_case(16, 64, 32, torch.float32), torch.float32), DEVICE)
     with pytest.raises(ValueError, match="scales/zeros must be torch.float16"):
-        qg.w4a16_gemm(torch.randn(1, 64).half(), p.qweight, p.scales, p.zeros, 32)
+        qg.w4a16_gemm(torch.randn(1, 64, device=DEVICE).half(), p.qweight, p.scales, p.zeros, 32)
     with pytest.raises(ValueError, match="group size"):
-        qg.w4a16_gemm(torch.randn(1, 64), p.qweight, p.scales, p.zeros, 64)
+        qg.w4a16_gemm(torch.randn(1, 64, device=DEVICE), p.qweight, p.scales, p.zeros, 64)
 
 
 def test_split_k_is_deterministic_and_rearms_counters():
     cw = _int4_case(64, 512, 64, torch.float32, seed=9)
-    p = qg.prepare_int4(cw, torch.float32)
-    x = torch.randn(2, 512)
-    cfg = GemmConfig(16, 32, 64, 4, 1, split_k=8)
-    a = qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, 64, config=cfg)
-    b = qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, 64, config=cfg)
-    assert torch.equal(a, b)
-    assert int(qg._COUNTERS[x.device].abs().sum()) == 0  # every tile's arrival counter is back at 0
-    assert rel_err(a, x.double() @ _int4_f64(cw).t()) < TOL[torch.float32]
+    p = _to(qg.prepare_int4(cw, torch.float32), DEVICE)
+    x = torch.randn(2, 512, generator=torch.Generator().manual_seed(9))
+    xd = x.to(DEVICE)
+    for cfg in (GemmConfig(16, 32, 64, 4, 1, split_k=8), GemmConfig(2, 32, 64, 4, 1, split_k=8, gemv=True)):
+        a = qg.w4a16_gemm(xd, p.qweight, p.scales, p.zeros, 64, config=cfg)
+        b = qg.w4a16_gemm(xd, p.qweight, p.scales, p.zeros, 64, config=cfg)
+        assert torch.equal(a, b)
+        assert int(qg._COUNTERS[xd.device].abs().sum()) == 0  # every tile's arrival counter is back at 0
+        assert rel_err(a.cpu(), x.double() @ _int4_f64(cw).t()) < TOL[torch.float32]
 
 
 # ---------------------------------------------------------------------------------------- w8a16, dense
@@ -178,8 +183,9 @@ def test_w8a16_extreme_codes():
     q = torch.tensor([[-128, 127, -1, 0] * 8, [1, -127, 5, -5] * 8], dtype=torch.int8)
     s = torch.tensor([0.5, 2.0])
     x = torch.eye(32)[:3]
-    out = qg.w8a16_gemm(x, q, s, config=TILED)
-    assert torch.equal(out, (q.float() * s[:, None]).t()[:3])
+    for cfg in (TILED, GEMV_SPLIT):
+        out = qg.w8a16_gemm(x.to(DEVICE), q.to(DEVICE), s.to(DEVICE), config=cfg)
+        assert torch.equal(out.cpu(), (q.float() * s[:, None]).t()[:3])
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -191,6 +197,101 @@ def test_dense_gemv_matches_f64(m, n, k, cfg, dtype):
     x = torch.randn(m, k, generator=g).to(dtype)
     out = qg.dense_gemv(x.to(DEVICE), w.to(DEVICE), config=CONFIGS[cfg])
     assert rel_err(out.cpu(), x.double() @ w.double().t()) < TOL[dtype]
+
+
+# ---------------------------------------------------------------------------------------- GEMV (M <= 4, no tl.dot)
+
+# (M, N, K, G): N tails against BLOCK_N 16/32/64/128, 2-12 groups, a group that is not a power of two (96: the
+# kernel's BLOCK_K becomes 32), M = 1..4 (BLOCK_M 4 with masked rows at M = 3).
+GEMV_W4 = [(1, 72, 256, 32), (2, 40, 384, 128), (3, 130, 192, 64), (4, 33, 288, 96)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k,group_size", GEMV_W4)
+@pytest.mark.parametrize("cfg", ["default", "gemv"])
+def test_gemv_w4a16_matches_f64(m, n, k, group_size, cfg, dtype):
+    assert qg.pick_config("int4", m).gemv  # the CONFIGS rows for M <= 4 are the GEMV
+    cw = _int4_case(n, k, group_size, dtype, seed=m * n)
+    p = _to(qg.prepare_int4(cw, dtype), DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(k)).to(dtype)
+    out = qg.w4a16_gemm(x.to(DEVICE), p.qweight, p.scales, p.zeros, group_size, config=CONFIGS[cfg])
+    assert out.shape == (m, n) and out.dtype == dtype
+    assert rel_err(out.cpu(), x.double() @ _int4_f64(cw).t()) < TOL[dtype]
+
+
+def test_gemv_w4a16_extreme_codes_and_fallback():
+    # Codes 0 and 15 in every nibble position (bits 28..31 set the sign of the int32 word), zero points 0 and
+    # 15, x = one-hot rows: each output is one dequantized weight, exact in fp32.
+    n, k, g = 16, 64, 32
+    q = torch.zeros(n, k, dtype=torch.uint8)
+    q[::2] = 15
+    q[:, 7::8] = 15 - q[:, 7::8]
+    cw = Int4Weight(q=q, scales=torch.full((n, k // g), 0.5), zeros=torch.zeros(n, k // g, dtype=torch.uint8),
+                    group_size=g)
+    cw.zeros[:, 1] = 15
+    p = _to(qg.prepare_int4(cw, torch.float32), DEVICE)
+    x = torch.eye(k)[[0, 7, 39, 63]]
+    out = qg.w4a16_gemm(x.to(DEVICE), p.qweight, p.scales, p.zeros, g, config=GEMV_SPLIT)
+    assert torch.equal(out.cpu(), (x.double() @ _int4_f64(cw).t()).float())
+    # G = 4 (a word spans two groups): the GEMV config falls back to the tl.dot variant.
+    c4 = _int4_case(24, 64, 4, torch.float32, seed=3)
+    p4 = _to(qg.prepare_int4(c4, torch.float32), DEVICE)
+    xr = torch.randn(2, 64, generator=torch.Generator().manual_seed(4))
+    out = qg.w4a16_gemm(xr.to(DEVICE), p4.qweight, p4.scales, p4.zeros, 4, config=GEMV_ONE)
+    assert rel_err(out.cpu(), xr.double() @ _int4_f64(c4).t()) < TOL[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 70, 200), (3, 33, 136), (4, 40, 256)])  # K tails at BLOCK_K 32 / 64
+def test_gemv_w8a16_dense_int8_match_f64(m, n, k, dtype):
+    g = torch.Generator().manual_seed(m + k)
+    w = torch.randn(n, k, generator=g)
+    cw = quantize_int8_per_channel(w)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    w8 = cw.q.double() * cw.scales.double()[:, None]
+    xq, xs = quantize_per_token_int8(x.float())
+    for cfg in (None, GEMV_SPLIT, GEMV_ONE):
+        out = qg.w8a16_gemm(x.to(DEVICE), cw.q.to(DEVICE), cw.scales.to(DEVICE), config=cfg)
+        assert out.shape == (m, n) and rel_err(out.cpu(), x.double() @ w8.t()) < TOL[dtype]
+        wd = w.to(dtype)
+        out = qg.dense_gemv(x.to(DEVICE), wd.to(DEVICE), config=cfg)
+        assert rel_err(out.cpu(), x.double() @ wd.double().t()) < TOL[dtype]
+        out = qg.int8_gemm(xq.to(DEVICE), xs.to(DEVICE), cw.q.to(DEVICE), cw.scales.to(DEVICE), dtype, config=cfg)
+        assert rel_err(out.cpu(), (xq.double() * xs.double()) @ w8.t()) < TOL[dtype]
+
+
+# ---------------------------------------------------------------------------------------- FP8 quantizer
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("m,k", [(1, 64), (3, 300), (2, 5000)])  # 5000: two passes of the 4096-wide block
+def test_per_token_quant_fp8_scales(m, k, dtype):
+    # Shapes, dtypes and scales everywhere; the codes only on the GPU (test below): the Triton CPU
+    # interpreter's fp32 -> fp8 conversion drops the carry across a power of two.
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 4).to(dtype)
+    x[0, 5] = -1000.0  # amax from a negative value
+    q, s = qg.per_token_quant_fp8(x.to(DEVICE))
+    assert q.dtype == torch.float8_e4m3fn and q.shape == (m, k) and s.shape == (m, 1) and s.dtype == torch.float32
+    rq, rs = qg.ref_per_token_quant_fp8(x)
+    assert torch.equal(s.cpu(), rs)  # IEEE amax / 448, bit-exact
+    _, cs = quantize_per_token_fp8(x)  # the canonical quantizer: scales within 1 ulp
+    assert torch.allclose(s.cpu(), cs, rtol=2.0**-23, atol=0)
+    assert torch.isfinite(q.float()).all() and float(q.float().abs().max()) <= 448.0
+    assert float(q[0, 5].float()) == -448.0  # the amax element maps to -448 exactly
+    assert torch.equal(qg.per_token_quant_fp8(torch.zeros(2, 8, device=DEVICE))[1].cpu(), torch.full((2, 1), 1e-10))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the interpreter's fp8 cast is wrong)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("m,k", [(1, 4096), (7, 300), (2, 5000)])
+def test_gpu_per_token_quant_fp8_exact(m, k, dtype):
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 4).to(dtype).cuda()
+    q, s = qg.per_token_quant_fp8(x)
+    rq, rs = qg.ref_per_token_quant_fp8(x)
+    assert torch.equal(s, rs) and torch.equal(q.view(torch.uint8), rq.view(torch.uint8))  # bit-exact
+    cq, cs = quantize_per_token_fp8(x)  # 1-ulp scales: codes within one E4M3 step (1/8 relative)
+    assert torch.allclose(s, cs, rtol=2.0**-23, atol=0)
+    assert torch.allclose(q.float(), cq.float(), rtol=2.0**-3, atol=2.0**-9)
 
 
 # ---------------------------------------------------------------------------------------- W8A8
@@ -217,14 +318,17 @@ def test_int8_gemm_integer_accumulation_is_exact():
     xq = torch.randint(-127, 128, (3, 256), generator=g, dtype=torch.int8)
     wq = torch.randint(-127, 128, (40, 256), generator=g, dtype=torch.int8)
     one_m, one_n = torch.ones(3, 1), torch.ones(40)
-    out = qg.int8_gemm(xq, one_m, wq, one_n, torch.float32, config=TILED)
-    assert torch.equal(out, (xq.long() @ wq.long().t()).float())
+    exact = (xq.long() @ wq.long().t()).float()  # integer matmul on the CPU (CUDA has none)
+    for cfg in (TILED, GEMV_SPLIT):
+        out = qg.int8_gemm(xq.to(DEVICE), one_m.to(DEVICE), wq.to(DEVICE), one_n.to(DEVICE), torch.float32,
+                           config=cfg)
+        assert torch.equal(out.cpu(), exact)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("m,k", [(1, 64), (5, 300), (2, 5000)])  # 5000 > the 4096-wide block: two passes
 def test_per_token_quant_int8(m, k, dtype):
-    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 4).to(dtype)
+    x = (torch.randn(m, k, generator=torch.Generator().manual_seed(k)) * 4).to(dtype).to(DEVICE)
     q, s = qg.per_token_quant_int8(x)
     rq, rs = qg.ref_per_token_quant_int8(x)
     assert q.dtype == torch.int8 and s.shape == (m, 1) and s.dtype == torch.float32
@@ -236,7 +340,7 @@ def test_per_token_quant_int8(m, k, dtype):
 
 def test_per_token_quant_int8_known_answer():
     # amax 127 -> scale exactly 1: ties round half to even (torch.round), -0.5 -> 0; an all-zero row.
-    x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -2.5, -127.0, 3.49], [0.0] * 8])
+    x = torch.tensor([[127.0, 0.5, 1.5, 2.5, -0.5, -2.5, -127.0, 3.49], [0.0] * 8], device=DEVICE)
     q, s = qg.per_token_quant_int8(x)
     assert q.tolist() == [[127, 0, 2, 2, 0, -2, -127, 3], [0] * 8]
     assert s.flatten().tolist() == [1.0, pytest.approx(1e-10)]
@@ -248,19 +352,19 @@ def test_per_token_quant_int8_known_answer():
 @pytest.mark.parametrize("n,k,group_size", [(70, 96, 32), (33, 256, 64), (64, 384, 128)])
 def test_dequantize_int4_exact(n, k, group_size, dtype):
     cw = _int4_case(n, k, group_size, dtype, seed=k)
-    p = qg.prepare_int4(cw, dtype)
+    p = _to(qg.prepare_int4(cw, dtype), DEVICE)
     w = qg.dequantize_int4(p.qweight, p.scales, p.zeros, group_size)
     assert w.shape == (n, k) and w.dtype == dtype
-    assert torch.equal(w, cw.dequantize(dtype))  # same fp32 products, one rounding
+    assert torch.equal(w.cpu(), cw.dequantize(dtype))  # same fp32 products, one rounding
     assert torch.equal(w, qg.ref_dequantize_int4(p.qweight, p.scales, p.zeros, group_size))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_dequantize_int8_exact(dtype):
     cw = quantize_int8_per_channel(torch.randn(70, 100))
-    w = qg.dequantize_int8(cw.q, cw.scales, dtype)
-    assert torch.equal(w, cw.dequantize(dtype))
-    assert torch.equal(w, qg.ref_dequantize_int8(cw.q, cw.scales, dtype))
+    w = qg.dequantize_int8(cw.q.to(DEVICE), cw.scales.to(DEVICE), dtype)
+    assert torch.equal(w.cpu(), cw.dequantize(dtype))
+    assert torch.equal(w, qg.ref_dequantize_int8(cw.q.to(DEVICE), cw.scales.to(DEVICE), dtype))
 
 
 # ---------------------------------------------------------------------------------------- GPU, bf16
