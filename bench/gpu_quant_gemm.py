@@ -15,9 +15,17 @@ Usage (on the H200, from the repo root, PYTHONPATH=.):
     per-token quantization (E4M3, rowwise scales). Each row: time, TFLOP/s, and the fraction of the read
     bound = (weight bytes of the format + activation bytes in and out) / copy bandwidth measured in this
     process (2 x bytes of a 1 GiB device-to-device copy per second).
-(c) A small config sweep at M = 1 and 16 (w4a16, w8a16, dense_gemv) to retune CONFIGS, if time is left.
-The JSON holds every row, the sweep, the correctness checks and a ``dispatch`` table: for each method
-(w4, w8: fused vs dequant + F.linear; dense: dense_gemv vs F.linear) and (N, K), the M where fused wins.
+    At M in (1, 4, 16) also the two small-M variants by name, whatever CONFIGS picks: "... gemv" (the FMA
+    stream, GemmConfig.gemv) and "... dot" (tl.dot on rows padded to 16); and the Triton quantizers alone
+    ("int8 quant", "fp8 tquant") and fp8 with the Triton quantizer ("fp8 tquant+_scaled_mm", the engine's path).
+    Every launch is wrapped: an error (compile, launch, shared memory) is a row with "error", the rest runs.
+(c) A small config sweep at M = 1 and 16 (GEMV and tl.dot variants of w4a16, w8a16, int8_gemm, dense_gemv) to
+    retune CONFIGS, if time is left; each sweep output is compared with the default config's
+    (rel_err_vs_default, a failure above TOL).
+The JSON holds every row, the sweep, the correctness checks, a ``dispatch`` table (for each method: w4, w8 fused
+vs dequant + F.linear, dense: dense_gemv vs F.linear, and (N, K), the M where fused wins) and
+``dispatch_table_file``: the same in roofline/quant/dispatch_tables/<device>.json's format, ready to copy.
+The whole script keeps to --budget-s (default 140 s on one H200; rows past it are recorded as skipped).
 """
 
 from __future__ import annotations
@@ -36,9 +44,10 @@ sys.path.insert(0, str(ROOT))
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 M_VALUES = [1, 4, 16, 64, 256, 1024, 4096]
-CHECK_M = [1, 48, 200, 300]  # one M per CONFIGS bucket (<=16, <=64, <=256, larger)
+CHECK_M = [1, 3, 16, 48, 200, 300]  # one M per CONFIGS bucket (GEMV 1, GEMV 3 of 4 rows, <=16, <=64, <=256, more)
+GEMV_M = (1, 4, 16)  # M of the explicit "... gemv" / "... dot" timing rows
 DRY_SHAPES = {"qkv": (96, 128), "o": (64, 128), "gate_up": (160, 128), "down": (64, 256)}
-DRY_M = [1, 4, 20]
+DRY_M = [1, 3, 20]
 GROUP_SIZE = 128
 TOL = 1e-2  # ||out - ref64|| / ||ref64||, bf16 (fp16 in --dry-run: same bound, it is looser there)
 
@@ -54,7 +63,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--group-size", type=int, default=GROUP_SIZE)
     ap.add_argument("--reps", type=int, default=30, help="timed calls per row (median reported)")
     ap.add_argument("--no-sweep", action="store_true", help="skip the M = 1/16 config sweep")
-    ap.add_argument("--budget-s", type=float, default=200.0,
+    ap.add_argument("--budget-s", type=float, default=140.0,
                     help="wall-clock budget: timing rows past it are skipped (recorded), the sweep runs only "
                          "before 60%% of it")
     args = ap.parse_args(argv)
@@ -200,6 +209,15 @@ class Bench:
                 except RuntimeError as e:
                     self.checks.append(dict(kernel="torch._int_mm", shape=shape, m=m, error=str(e)[:200]))
             try:
+                tq, ts = qg.per_token_quant_fp8(x)
+                rq, rs = qg.ref_per_token_quant_fp8(x)
+                fq, fs = quantize_per_token_fp8(x)
+                self.check_exact("per_token_quant_fp8", shape, m, torch.equal(ts, rs) and torch.equal(
+                    tq.view(torch.uint8), rq.view(torch.uint8)) or self.args.dry_run,  # interpreter: fp8 cast wrong
+                    f"max |scale - quantize_per_token_fp8| = {float((ts - fs).abs().max()):.3e}")
+            except Exception as e:  # noqa: BLE001 - recorded
+                self.failures.append(f"per_token_quant_fp8 {shape} M={m}: {type(e).__name__}: {str(e)[:200]}")
+            try:
                 fq, fs = quantize_per_token_fp8(x)
                 out = torch._scaled_mm(fq, wts["fp8_t"], scale_a=fs, scale_b=wts["fp8_scale"], out_dtype=self.dtype)
                 ref = (fq.double() * fs.double()) @ (wts["fp8_t"].double() * wts["fp8_scale"].double())
@@ -232,6 +250,16 @@ class Bench:
         out: dict = {"bf16 F.linear": (lambda: F.linear(x, dense), b16)}
         if m <= 16:
             out["dense_gemv"] = (lambda: qg.dense_gemv(x, dense), b16)
+        if m in GEMV_M:  # both small-M variants by name (the default above is one of them)
+            gv = {f: qg.pick_config(f, min(m, 4)) for f in ("int4", "int8", "int8_int8", "dense")}
+            dt = {f: qg.pick_config(f, 16) for f in gv}
+            for tag, c in (("gemv", gv), ("dot", dt)):
+                out[f"w4a16 {tag}"] = (lambda c=c: qg.w4a16_gemm(x, p4.qweight, p4.scales, p4.zeros, g,
+                                                                 config=c["int4"]), b4)
+                out[f"w8a16 {tag}"] = (lambda c=c: qg.w8a16_gemm(x, p8.q, p8.scales, config=c["int8"]), b8)
+                out[f"int8_gemm {tag}"] = (lambda c=c: qg.int8_gemm(xq, xs, p8.q, p8.scales, self.dtype,
+                                                                    config=c["int8_int8"]), b8)
+                out[f"dense {tag}"] = (lambda c=c: qg.dense_gemv(x, dense, config=c["dense"]), b16)
         out.update({
             "w4a16 fused": (lambda: qg.w4a16_gemm(x, p4.qweight, p4.scales, p4.zeros, g), b4),
             "w4 dequant+F.linear": (lambda: F.linear(x, qg.dequantize_int4(p4.qweight, p4.scales, p4.zeros, g)), b4),
@@ -239,6 +267,8 @@ class Bench:
             "w8 dequant+F.linear": (lambda: F.linear(x, qg.dequantize_int8(p8.q, p8.scales, self.dtype)), b8),
             "int8_gemm": (lambda: qg.int8_gemm(xq, xs, p8.q, p8.scales, self.dtype), b8),
             "int8 quant+int8_gemm": (lambda: qg.int8_gemm(*qg.per_token_quant_int8(x), p8.q, p8.scales, self.dtype), b8),
+            "int8 quant": (lambda: qg.per_token_quant_int8(x), 0),
+            "fp8 tquant": (lambda: qg.per_token_quant_fp8(x), 0),
         })
         if m > 16:
             out["torch._int_mm"] = (lambda: torch._int_mm(xq, p8.q.t()), b8)
@@ -249,7 +279,12 @@ class Bench:
             q, s = quantize_per_token_fp8(x)
             return torch._scaled_mm(q, wts["fp8_t"], scale_a=s, scale_b=wts["fp8_scale"], out_dtype=self.dtype)
 
+        def fp8_tquant_mm():
+            q, s = qg.per_token_quant_fp8(x)
+            return torch._scaled_mm(q, wts["fp8_t"], scale_a=s, scale_b=wts["fp8_scale"], out_dtype=self.dtype)
+
         out["fp8 quant+_scaled_mm"] = (fp8_quant_mm, bf8)
+        out["fp8 tquant+_scaled_mm"] = (fp8_tquant_mm, bf8)
         return out
 
     def timing(self, shape: str, n: int, k: int, wts: dict, bw: float) -> None:
@@ -257,7 +292,13 @@ class Bench:
         for m in self.args.m_list:
             x = (torch.randn(m, k, device=self.dev) * 0.5).to(self.dtype)
             act_bytes = m * k * x.element_size() + m * n * x.element_size()
-            for name, (fn, wbytes) in self.methods(m, wts, x).items():
+            try:
+                methods = self.methods(m, wts, x)
+            except Exception as e:  # noqa: BLE001 - e.g. a quantizer that fails to compile: recorded, next M
+                self.rows.append(dict(shape=shape, n=n, k=k, m=m, method="(methods)", error=str(e)[:200]))
+                print(f"  {shape:>8} M={m:<5} methods error: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                continue
+            for name, (fn, wbytes) in methods.items():
                 row = dict(shape=shape, n=n, k=k, m=m, method=name, weight_bytes=wbytes, act_bytes=act_bytes)
                 if self.elapsed() > self.args.budget_s:
                     row["skipped"] = "time budget"
@@ -265,8 +306,8 @@ class Bench:
                     continue
                 try:
                     ms = self.time_ms(fn)
-                except (RuntimeError, NotImplementedError, ValueError) as e:
-                    row["error"] = str(e).splitlines()[0][:200]
+                except Exception as e:  # noqa: BLE001 - compile / launch / resources: recorded, the rest runs
+                    row["error"] = f"{type(e).__name__}: " + (str(e).splitlines() or [""])[0][:200]
                     self.rows.append(row)
                     print(f"  {shape:>8} M={m:<5} {name:<22} error: {row['error']}", flush=True)
                     continue
@@ -274,7 +315,7 @@ class Bench:
                 row.update(ms=ms, tflops=2 * m * n * k / (ms * 1e-3) / 1e12, bound_ms=bound_ms,
                            frac_of_read_bound=bound_ms / ms)
                 self.rows.append(row)
-                print(f"  {shape:>8} M={m:<5} {name:<22} {ms * 1e3:9.1f} us {row['tflops']:8.1f} TFLOP/s "
+                print(f"  {shape:>8} M={m:<5} {name:<24} {ms * 1e3:9.1f} us {row['tflops']:8.1f} TFLOP/s "
                       f"{row['frac_of_read_bound']:6.3f} of read bound", flush=True)
 
     # ------------------------------------------------------------------------------------ (c) sweep
@@ -286,34 +327,72 @@ class Bench:
         torch = self.torch
         p4, p8, g = wts["p4"], wts["p8"], wts["c4"].group_size
         # Few candidates: each new (config, split) pair is a compile (~1-3 s). split_k None = choose_split_k.
-        cands = {
-            "int4": [C(16, bn, bk, 4, st, split_k=sk, unpack=u) for bn, bk, st in ((32, 128, 4), (64, 128, 3))
-                     for sk in (None, 1, 8) for u in (0, 1)],
-            "int8": [C(16, bn, bk, 4, st, split_k=sk) for bn, bk, st in ((32, 128, 4), (64, 128, 3)) for sk in (None, 8)],
-            "dense": [C(16, bn, bk, 4, st, split_k=sk) for bn, bk, st in ((32, 256, 4), (64, 128, 4)) for sk in (None, 8)],
+        # GEMV (gemv=True): block_m rows per program; tl.dot: the best of the 2026-12-01 sweep per format.
+        gemv = {
+            "int4": [C(1, bn, 128, w, 3, split_k=sk, gemv=True) for bn, w, sk in
+                     ((64, 4, None), (128, 4, None), (256, 4, None), (128, 8, None), (128, 4, 1), (256, 8, 2))],
+            "int8": [C(1, bn, bk, w, 3, gemv=True) for bn, bk, w in
+                     ((32, 256, 8), (16, 256, 4), (64, 128, 8), (16, 512, 8), (8, 512, 4))],
+            "int8_int8": [C(1, bn, bk, w, 3, gemv=True) for bn, bk, w in ((32, 256, 8), (16, 512, 8))],
+            "dense": [C(1, bn, bk, w, 3, gemv=True) for bn, bk, w in
+                      ((16, 256, 4), (32, 256, 8), (8, 512, 4), (32, 128, 4), (16, 512, 8))],
         }
+        dot = {
+            "int4": [C(16, 64, 128, 4, 3, unpack=1), C(16, 64, 128, 4, 3, split_k=8, unpack=1)],
+            "int8": [C(16, 32, 128, 4, 4), C(16, 64, 128, 4, 3)],
+            "int8_int8": [C(16, 64, 128, 4, 4)],
+            "dense": [C(16, 64, 128, 4, 4, split_k=8), C(16, 32, 256, 4, 4)],
+        }
+        xq_cache = {}
+
+        def call(fmt, x, cfg):
+            if fmt == "int4":
+                return qg.w4a16_gemm(x, p4.qweight, p4.scales, p4.zeros, g, config=cfg)
+            if fmt == "int8":
+                return qg.w8a16_gemm(x, p8.q, p8.scales, config=cfg)
+            if fmt == "int8_int8":
+                xq, xs = xq_cache.setdefault(id(x), qg.per_token_quant_int8(x))
+                return qg.int8_gemm(xq, xs, p8.q, p8.scales, self.dtype, config=cfg)
+            return qg.dense_gemv(x, wts["dense"], config=cfg)
+
+        wbytes = {"int4": p4.weight_bytes(), "int8": p8.weight_bytes(), "int8_int8": p8.weight_bytes(),
+                  "dense": wts["dense"].numel() * wts["dense"].element_size()}
         for m in (1, 16):
             x = (torch.randn(m, k, device=self.dev) * 0.5).to(self.dtype)
-            for fmt, cfgs in cands.items():
+            for fmt in gemv:
+                # At M = 16 the GEMV runs 4 rows per program (4 row tiles re-read the weight, mostly from L2).
+                cfgs = [c if m == 1 else C(4, max(8, c.block_n // 2), c.block_k, c.num_warps, c.num_stages,
+                                           split_k=c.split_k, gemv=True) for c in gemv[fmt][:3]] + dot[fmt]
+                try:
+                    ref = call(fmt, x, None).double()
+                except Exception as e:  # noqa: BLE001 - recorded; the candidates still run
+                    ref = None
+                    self.failures.append(f"sweep default {fmt} {shape} M={m}: {type(e).__name__}: {str(e)[:200]}")
                 for cfg in cfgs:
                     if self.elapsed() > self.args.budget_s:
                         return
-                    if fmt == "int4":
-                        fn, wb = (lambda c=cfg, x=x: qg.w4a16_gemm(x, p4.qweight, p4.scales, p4.zeros, g, config=c)), \
-                            p4.weight_bytes()
-                    elif fmt == "int8":
-                        fn, wb = (lambda c=cfg, x=x: qg.w8a16_gemm(x, p8.q, p8.scales, config=c)), p8.weight_bytes()
-                    else:
-                        fn, wb = (lambda c=cfg, x=x: qg.dense_gemv(x, wts["dense"], config=c)), wts["dense"].numel() * 2
-                    ms = self.time_ms(fn)
-                    frac = (wb + 2 * m * (n + k)) / bw / (ms * 1e-3)
-                    self.sweep.append(dict(shape=shape, n=n, k=k, m=m, format=fmt, config=cfg.__dict__, ms=ms,
-                                           frac_of_read_bound=frac))
-            for fmt in cands:
-                best = min((r for r in self.sweep if r["shape"] == shape and r["m"] == m and r["format"] == fmt),
-                           key=lambda r: r["ms"])
-                print(f"[sweep] {shape:>8} M={m:<3} {fmt:<6} best {best['ms'] * 1e3:7.1f} us "
-                      f"({best['frac_of_read_bound']:.3f} of read bound) {best['config']}", flush=True)
+                    row = dict(shape=shape, n=n, k=k, m=m, format=fmt, config=dict(cfg.__dict__))
+                    try:
+                        out = call(fmt, x, cfg)
+                        if ref is not None:
+                            err = float((out.double() - ref).norm() / ref.norm().clamp_min(1e-30))
+                            row["rel_err_vs_default"] = err
+                            if not err < TOL:
+                                self.failures.append(f"sweep {fmt} {shape} M={m} {cfg}: rel err vs default {err:.2e}")
+                        ms = self.time_ms(lambda c=cfg: call(fmt, x, c))
+                    except Exception as e:  # noqa: BLE001 - compile / launch / resources: recorded, next one
+                        row["error"] = f"{type(e).__name__}: " + (str(e).splitlines() or [""])[0][:200]
+                        self.sweep.append(row)
+                        print(f"[sweep] {shape:>8} M={m:<3} {fmt:<9} {cfg} error: {row['error']}", flush=True)
+                        continue
+                    row.update(ms=ms, frac_of_read_bound=(wbytes[fmt] + 2 * m * (n + k)) / bw / (ms * 1e-3))
+                    self.sweep.append(row)
+            for fmt in gemv:
+                done = [r for r in self.sweep if r["shape"] == shape and r["m"] == m and r["format"] == fmt and "ms" in r]
+                if done:
+                    best = min(done, key=lambda r: r["ms"])
+                    print(f"[sweep] {shape:>8} M={m:<3} {fmt:<9} best {best['ms'] * 1e3:7.1f} us "
+                          f"({best['frac_of_read_bound']:.3f} of read bound) {best['config']}", flush=True)
 
 
 def dispatch_table(rows: list[dict]) -> list[dict]:
@@ -329,6 +408,26 @@ def dispatch_table(rows: list[dict]) -> list[dict]:
             both = [m for m in ms_all if (other, n, k, m) in t]
             out.append(dict(method=method, fused=fused, dense_path=other, n=n, k=k, m_measured=both,
                             fused_wins_at_m=wins, speedup={m: t[(other, n, k, m)] / t[(fused, n, k, m)] for m in both}))
+    return out
+
+
+def dispatch_table_file(dispatch: list[dict], source: str) -> dict:
+    """``dispatch`` (from :func:`dispatch_table`) in roofline/quant/dispatch_tables/<device>.json's format:
+    ``{"int4" | "int8": [{"n", "k", "fused_max_m"}]}``, ``fused_max_m`` the largest measured M up to which the
+    fused kernel won at every measured M (0 = lost at the smallest), since ``use_fused`` takes ``m <= fused_max_m``."""
+    out: dict = {"_source": source}
+    for method, fmt in (("w4", "int4"), ("w8", "int8")):
+        rows = []
+        for d in dispatch:
+            if d["method"] != method or not d["m_measured"]:
+                continue
+            best = 0
+            for m in sorted(d["m_measured"]):
+                if m not in d["fused_wins_at_m"]:
+                    break
+                best = m
+            rows.append(dict(n=d["n"], k=d["k"], fused_max_m=best))
+        out[fmt] = rows
     return out
 
 
@@ -370,9 +469,13 @@ def main(argv: list[str] | None = None) -> int:
     if not args.no_sweep and b.elapsed() < 0.6 * args.budget_s:
         for shape in args.shape_list:
             n, k = shapes[shape]
-            wts = b.make_weights(n, k)
-            b.config_sweep(shape, n, k, wts, bw["copy_bytes_per_s"])
-            del wts
+            try:
+                wts = b.make_weights(n, k)
+                b.config_sweep(shape, n, k, wts, bw["copy_bytes_per_s"])
+                del wts
+            except Exception as e:  # noqa: BLE001 - recorded; the JSON is still written
+                b.failures.append(f"{shape} config_sweep: {type(e).__name__}: {str(e)[:200]}")
+                print(f"{shape} config_sweep FAILED: {type(e).__name__}: {str(e)[:200]}", flush=True)
     result = dict(
         bench="quant_gemm", device=torch.cuda.get_device_name() if b.dev == "cuda" else "cpu (interpreter)",
         dry_run=args.dry_run, torch=torch.__version__, triton=triton.__version__, commit=_git_commit(),
@@ -380,14 +483,20 @@ def main(argv: list[str] | None = None) -> int:
         dtype=str(b.dtype), group_size=args.group_size, shapes={s: shapes[s] for s in args.shape_list},
         bandwidth=bw, configs=_configs(),
         correctness=b.checks, failures=b.failures, rows=b.rows, sweep=b.sweep, dispatch=dispatch_table(b.rows),
-        elapsed_s=b.elapsed(),
     )
+    result["dispatch_table_file"] = dispatch_table_file(
+        result["dispatch"], f"bench/gpu_quant_gemm.py on the {result['device']}, {result['date'][:10]} (commit "
+        f"{(result['commit'] or '?')[:7]}): the largest M of {sorted(set(args.m_list))} up to which the fused Triton "
+        "kernel beat dequantize + cuBLAS at every measured M; 0 = never")
+    result["elapsed_s"] = b.elapsed()
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=_json_default))
     print(f"wrote {out} ({len(b.rows)} rows, {len(b.sweep)} sweep rows) in {b.elapsed():.0f} s")
     for d in result["dispatch"]:
         print(f"[dispatch] {d['method']:<5} N={d['n']:<6} K={d['k']:<6} fused wins at M {d['fused_wins_at_m']}")
+    print("[dispatch_table_file] " + json.dumps({f: v for f, v in result["dispatch_table_file"].items()
+                                                  if not f.startswith("_")}))
     if b.failures:
         print("CORRECTNESS FAILURES:\n  " + "\n  ".join(b.failures), file=sys.stderr)
         return 1

@@ -103,6 +103,15 @@ class EngineArgs:
     quantization: str | None = None  # roofline.quant.QUANTIZATION_METHODS; None: the checkpoint's own
     quantization_group_size: int = 128  # INT4 group size for load-time int4 (32, 64, 128)
 
+    def __post_init__(self) -> None:
+        # The weight format is checked at construction (LLM(quantization=...) fails before any loading).
+        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), "
+                             f"got {self.quantization!r}")
+        if self.quantization_group_size not in (32, 64, 128):
+            raise ValueError(f"quantization_group_size must be one of 32, 64, 128, got "
+                             f"{self.quantization_group_size!r}")
+
     def create_engine_config(self, model_config: ModelConfig) -> EngineConfig:
         """Resolve every option against this machine and the model.
 
@@ -121,11 +130,6 @@ class EngineArgs:
         for name, choices in (("dtype", _DTYPE_CHOICES), ("kv_cache_dtype", _KV_CACHE_DTYPE_CHOICES)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), "
-                             f"got {self.quantization!r}")
-        if self.quantization_group_size not in (32, 64, 128):
-            raise ValueError(f"quantization_group_size must be one of 32, 64, 128, got {self.quantization_group_size!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be one of auto, torch, triton; got {self.attention_backend!r}")
         device = resolve_device(self.device)
@@ -187,7 +191,7 @@ class EngineArgs:
         )
 
     @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> argparse.ArgumentParser:
         if model_positional:
             parser.add_argument("model", nargs="?", default=None,
                                 help="HF directory, .gguf file, or preset with --load-format dummy "
@@ -232,6 +236,7 @@ class EngineArgs:
                             help="input channels per INT4 scale for load-time int4 (default 128)")
         parser.add_argument("--disable-triton-kernels", action="store_true",
                             help="pure-torch RMSNorm/SiLU on CUDA (was ROOFLINE_DISABLE_KERNELS=1)")
+        return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:

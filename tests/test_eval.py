@@ -55,7 +55,8 @@ def cli_run(default_llm, fp16_kv_llm, tmp_path_factory):
 
         rc = main(["eval", "--device", "cpu", "--candidates", "kv_cache_dtype=auto", "kv-cache-dtype=float16",
                    "--num-eval-tokens", str(NUM_TOKENS), "--window", "200", "--passkey-lengths", "300",
-                   "--passkey-depths", "0,1", "--output-json", str(out)])
+                   "--passkey-depths", "0,1", "--greedy-prompts", "2", "--greedy-tokens", "4",
+                   "--output-json", str(out)])
     assert rc == 0
     return printed.getvalue().splitlines(), json.loads(out.read_text()), built
 
@@ -132,6 +133,20 @@ def test_baseline_against_itself(cli_run):
     assert same["perplexity"] == base["perplexity"] and same["mean_nll"] == base["mean_nll"]
     assert base["num_scored_tokens"] == NUM_TOKENS - 2 == doc["dataset"]["num_scored_tokens"]  # 199 + 99
     assert [t["answer"] for t in base["passkey_trials"]] == [t["answer"] for t in same["passkey_trials"]]
+    assert same["greedy_identical"] == same["greedy_prefix"] == 1.0 == base["greedy_identical"]
+    assert doc["greedy"]["num_prompts"] == 2 and doc["greedy"]["max_tokens"] == 4
+
+
+def test_greedy_agreement_counts_whole_outputs_and_prefixes():
+    from roofline.eval.greedy import agreement
+
+    base = [[1, 2, 3, 4], [5, 6, 7, 8], [9, 9]]
+    cand = [[1, 2, 3, 4], [5, 6, 0, 8], [0, 9]]
+    got = agreement(base, cand)
+    assert got["greedy_identical"] == pytest.approx(1 / 3)
+    assert got["greedy_prefix"] == pytest.approx((1 + 2 / 4 + 0) / 3)
+    with pytest.raises(ValueError):
+        agreement(base, cand[:2])  # one output per prompt
 
 
 def test_float16_kv_gives_small_positive_kl(cli_run):

@@ -58,6 +58,10 @@ def add_eval_parser(sub: argparse._SubParsersAction) -> None:
                    help="the passkey question in the model's chat template (default) or as a plain completion")
     g.add_argument("--kv-budget", default=runner.DEFAULT_KV_BUDGET,
                    help="KV memory at which the table's pool token counts are given (default 1GiB)")
+    g.add_argument("--greedy-prompts", type=int, default=64,
+                   help="held-out chat prompts every configuration answers greedily; a prompt agrees when all its "
+                        "tokens equal the baseline's (default 64; 0: skip)")
+    g.add_argument("--greedy-tokens", type=int, default=64, help="tokens generated per greedy prompt (default 64)")
     g.add_argument("--output-json", default=None, help="write the full results here")
     p.set_defaults(func=run_eval_command)
 
@@ -72,7 +76,8 @@ def run_eval_command(args: argparse.Namespace) -> int:
     cfg = runner.EvalConfig(
         num_eval_tokens=args.num_eval_tokens, window=args.window, stride=args.stride,
         passkey_lengths=tuple(args.passkey_lengths), passkey_depths=tuple(args.passkey_depths),
-        passkey_form=args.passkey_prompt, kv_budget_bytes=budget)
+        passkey_form=args.passkey_prompt, kv_budget_bytes=budget, greedy_prompts=args.greedy_prompts,
+        greedy_tokens=args.greedy_tokens)
     candidates = runner.candidates_from_args(base, args.candidates)
     if not candidates:
         baseline = runner.baseline_args(base)

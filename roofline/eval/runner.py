@@ -49,6 +49,8 @@ class EvalConfig:
     passkey_seed: int = 0
     passkey_form: str = "chat"  # or "plain" (roofline.eval.passkey)
     kv_budget_bytes: int = 1 << 30  # "pool tokens at a fixed budget" is reported at this size
+    greedy_prompts: int = 64  # roofline.eval.greedy: chat prompts answered greedily by every configuration (0: skip)
+    greedy_tokens: int = 64
 
     def __post_init__(self) -> None:
         if self.num_eval_tokens < 2:
@@ -67,6 +69,9 @@ class EvalConfig:
             raise ValueError(f"passkey_form must be chat or plain, got {self.passkey_form!r}")
         if self.kv_budget_bytes <= 0:
             raise ValueError(f"kv_budget_bytes must be > 0, got {self.kv_budget_bytes}")
+        if self.greedy_prompts < 0 or self.greedy_tokens < 1:
+            raise ValueError(f"greedy_prompts must be >= 0 and greedy_tokens >= 1, got {self.greedy_prompts} and "
+                             f"{self.greedy_tokens}")
 
 
 # ---------------------------------------------------------------------------------------------- overrides
@@ -186,11 +191,20 @@ def _describe(name: str, overrides: dict[str, Any], llm: Any, budget: int) -> di
         "engine_args": {k: v for k, v in llm.engine_args.to_dict().items() if v is not None},
         "dtype": cfg.dtype,
         "kv_cache_dtype": cfg.cache_config.kv_cache_dtype,
-        "format": f"w {cfg.dtype}, kv {cfg.cache_config.kv_cache_dtype}",
+        "quantization": cfg.quantization or _checkpoint_format(worker),
+        "format": f"w {cfg.quantization or _checkpoint_format(worker) or cfg.dtype}, kv {cfg.cache_config.kv_cache_dtype}",
+        "weight_bytes": int(worker.weight_bytes),
         "kv_bytes_per_token": per_token,
         "pool_tokens_at_budget": KVCachePool.num_blocks_for(budget, per_token, cfg.cache_config.block_size)
         * cfg.cache_config.block_size,
     }
+
+
+def _checkpoint_format(worker: Any) -> str | None:
+    """The quantization_config format of a pre-quantized checkpoint (gptq, awq, compressed-tensors), or None."""
+    qc = getattr(worker, "quant_config", None)
+    spec = getattr(qc, "checkpoint", None)
+    return None if spec is None else spec.format
 
 
 def run_eval(base: EngineArgs, candidates: list[Candidate], cfg: EvalConfig = EvalConfig(),
@@ -258,11 +272,21 @@ def run_eval(base: EngineArgs, candidates: list[Candidate], cfg: EvalConfig = Ev
         if (i + 1) % 10 == 0 or i + 1 == len(windows):
             say(f"window {i + 1}/{len(windows)}: baseline ppl {math.exp(accs[0].nll_sum / accs[0].num_scored):.3f}")
     score_time = time.monotonic() - t_score
+    greedy: list[dict[str, float]] = [{} for _ in llms]
+    if cfg.greedy_prompts:
+        from roofline.eval.greedy import agreement, greedy_outputs, greedy_prompts
+
+        prompts = greedy_prompts(llms[0], cfg.greedy_prompts)
+        outs = [greedy_outputs(llm, prompts, cfg.greedy_tokens) for llm in llms]
+        greedy = [agreement(outs[0], o) for o in outs]
+        for name, g in zip(names[1:], greedy[1:], strict=True):
+            say(f"greedy {name}: {g['greedy_identical'] * len(prompts):.0f}/{len(prompts)} identical")
     t_passkey = time.monotonic()
     rows_out = []
     for name, c_over, llm, acc in zip(names, [{}] + [c.overrides for c in candidates], llms, accs, strict=True):
         row = _describe(name, c_over, llm, cfg.kv_budget_bytes)
         row.update(acc.summary())
+        row.update(greedy.pop(0))
         recs = run_passkey(llm, trials) if trials else []
         row["passkey_pass_rate"] = sum(r["passed"] for r in recs) / len(recs) if recs else None
         row["passkey_trials"] = recs
@@ -285,6 +309,8 @@ def run_eval(base: EngineArgs, candidates: list[Candidate], cfg: EvalConfig = Ev
                     "requested_lengths": list(cfg.passkey_lengths), "depths": list(cfg.passkey_depths),
                     "prompt": cfg.passkey_form, "decoding": "greedy", "answer_max_tokens": ANSWER_MAX_TOKENS},
         "kv_budget_bytes": cfg.kv_budget_bytes,
+        "greedy": {"num_prompts": cfg.greedy_prompts, "max_tokens": cfg.greedy_tokens,
+                   "prompts": "held-out ShareGPT first human turns, chat template, <= 256 tokens"},
         "wall_time_s": time.monotonic() - t0,
         "score_time_s": score_time,  # every configuration's windows, KL included
         "passkey_time_s": time.monotonic() - t_passkey,
@@ -297,14 +323,15 @@ def format_table(result: dict[str, Any]) -> str:
     budget = result["kv_budget_bytes"]
     budget_s = f"{budget / 2**30:g} GiB" if budget % 2**20 == 0 else f"{budget} B"
     head = ["config", "format", "KV B/token", f"tokens @ {budget_s}", "ppl", "mean KL", "p99 KL", "top-1 agree",
-            "passkey"]
+            "greedy same", "passkey"]
     lines = []
     for r in result["rows"]:
         pk = "-" if r["passkey_pass_rate"] is None else \
             f"{sum(t['passed'] for t in r['passkey_trials'])}/{len(r['passkey_trials'])}"
         lines.append([r["name"], r["format"], f"{r['kv_bytes_per_token']:,}", f"{r['pool_tokens_at_budget']:,}",
                       f"{r['perplexity']:.4f}", f"{r['kl_mean']:.2e}", f"{r['kl_p99']:.2e}",
-                      f"{r['top1_agreement']:.4f}", pk])
+                      f"{r['top1_agreement']:.4f}",
+                      "-" if "greedy_identical" not in r else f"{r['greedy_identical']:.3f}", pk])
     widths = [max(len(x) for x in col) for col in zip(head, *lines, strict=True)]
     fmt = "  ".join(f"{{:<{w}}}" if i < 2 else f"{{:>{w}}}" for i, w in enumerate(widths))
     return "\n".join([fmt.format(*head)] + [fmt.format(*row) for row in lines])

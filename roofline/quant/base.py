@@ -194,16 +194,38 @@ def create_layout_weights(layer: nn.Module, layout: str, input_size: int, output
             if t.input_dim is not None:
                 attrs["input_dim"] = t.input_dim
         else:
-            attrs["weight_loader"] = _load_whole
+            attrs["weight_loader"] = _load_shape if t.suffix == "weight_shape" else _load_whole
         set_weight_attrs(param, attrs)
         layer.register_parameter(t.suffix, param)
 
 
 def _load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
-    """A tensor every shard of a fused layer shares (GPTQ ``g_idx``): each shard's copy must be the same."""
+    """A tensor every shard of a fused layer shares (GPTQ ``g_idx``): each shard's copy must be the same.
+
+    Raises:
+        ValueError: a shape other than the parameter's, or a shard whose copy differs from an earlier
+            shard's (q/k/v with different act-order permutations cannot share one fused weight).
+    """
     if tuple(param.shape) != tuple(loaded.shape):
         raise ValueError(f"checkpoint has {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
+    if getattr(param, "whole_loaded", False):
+        if not torch.equal(param.data, loaded.to(param.dtype)):
+            raise ValueError(f"shard {shard_id!r} differs from the fused layer's earlier shards; roofline fuses "
+                             f"them into one weight, which needs one shared copy")
+        return
     param.data.copy_(loaded)
+    param.whole_loaded = True
+
+
+def _load_shape(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    """compressed-tensors ``weight_shape`` [2] = (N, K) of one shard: the shards of a fused layer share K (checked),
+    and each names its own N (the fused N comes from the packed rows)."""
+    if tuple(param.shape) != tuple(loaded.shape):
+        raise ValueError(f"checkpoint has {tuple(loaded.shape)}, the model expects {tuple(param.shape)}")
+    if getattr(param, "whole_loaded", False) and int(param.data[1]) != int(loaded[1]):
+        raise ValueError(f"shard {shard_id!r} has K={int(loaded[1])}, an earlier shard K={int(param.data[1])}")
+    param.data.copy_(loaded)
+    param.whole_loaded = True
 
 
 # Our fused modules and the Hugging Face modules they hold (a checkpoint's ignore list names the latter).

@@ -382,9 +382,11 @@ def unpack_compressed_tensors(tensors: Mapping[str, torch.Tensor], scheme: str, 
     """
     _check_scheme(scheme)
     if scheme == "w8a16-int8":
-        if "weight_shape" not in tensors:
-            raise ValueError(f"{name}.weight_shape: missing (found {sorted(tensors)})")
-        n, k = (int(x) for x in tensors["weight_shape"].tolist())
+        if "weight_shape" not in tensors or "weight_packed" not in tensors:
+            raise ValueError(f"{name}.weight_shape and weight_packed: expected both, found {sorted(tensors)}")
+        # K from weight_shape; N from the packed rows: a fused layer (q/k/v, gate/up) stacks its shards'
+        # rows, while each shard's weight_shape names that shard's own N.
+        n, k = tensors["weight_packed"].shape[0], int(tensors["weight_shape"][1])
     else:
         if "weight" not in tensors:
             raise ValueError(f"{name}.weight: missing (found {sorted(tensors)})")
