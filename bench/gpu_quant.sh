@@ -7,7 +7,8 @@
 # at most 64 MiB), joined and checked by sha256 by `model`.
 #
 # Usage: ROOFLINE_GIT_SHA=<sha> bash bench/gpu_quant.sh STEP [STEP...]
-#   kernels     quant GEMM kernel tests on the GPU + bench/gpu_quant_gemm.py (timing, sweep, dispatch table)
+#   kernels     quant GEMM kernel tests on the GPU + bench/gpu_quant_sweep.py (checks, GEMV config sweep, the
+#               dispatch table, written into roofline/quant/dispatch_tables/ for the later steps and to $OUT)
 #   decode      bench decode, every method vs bf16 at batch 1, 64, 256 (context 1k)
 #   model       join the default model's halves (needs .model/a from an earlier call and .model/b now)
 #   modeltests  GPU tests that load the default model (quantized KV + graphs, prefix cache + graphs) + smoke
@@ -25,9 +26,11 @@ for step in "$@"; do
   kernels)
     timeout 240 python3 -m pytest -q --tb=short -rf -p no:cacheprovider tests/kernels/test_quant_gemm.py 2>&1 \
       | tail -25 | tee -a "$OUT/log"
-    timeout 330 python3 bench/gpu_quant_gemm.py --budget-s 240 --out "$OUT/quant_gemm.json" > "$OUT/quant_gemm.log" 2>&1
-    echo "gpu_quant_gemm rc $?" | tee -a "$OUT/log"
-    grep -E "^\[dispatch|^copy|FAIL|error" "$OUT/quant_gemm.log" | head -40 | tee -a "$OUT/log"
+    timeout 420 python3 bench/gpu_quant_sweep.py --out "$OUT/quant_sweep.json" \
+      --table roofline/quant/dispatch_tables/NVIDIA_H200.json > "$OUT/quant_sweep.log" 2>&1
+    echo "gpu_quant_sweep rc $?" | tee -a "$OUT/log"
+    cp roofline/quant/dispatch_tables/NVIDIA_H200.json "$OUT/" 2>/dev/null
+    grep -E "^\[gemv|^\[fused|^\[layer|^copy|FAIL|rel err" "$OUT/quant_sweep.log" | head -70 | tee -a "$OUT/log"
     ;;
   decode)
     timeout 420 python3 -m roofline.cli bench decode --model llama-3-8b --batch-sizes 1,64,256 --contexts 1k \

@@ -69,6 +69,7 @@ FMT_DENSE = 0  # W [N, K] in the activation dtype
 FMT_INT4 = 1  # qweight int32 [K // 8, N], scales/zeros [K // G, N]
 FMT_INT8 = 2  # q int8 [N, K], scales float32 [N]; activations float
 FMT_INT8_INT8 = 3  # activations int8 too, x_scale float32 [M]
+FMT_FP8 = 4  # q float8_e4m3fn [N, K], scales float32 [N]; activations rounded to E4M3 per token (GEMV only)
 _MIN_SCALE = 1e-10  # = roofline.quant.quantize._MIN_SCALE: an all-zero row quantizes to zeros
 _MAGIC = 8388608.0  # 2^23: the float32 with bits 0x4B000000
 
@@ -93,15 +94,15 @@ class GemmConfig:
 # sweeps alternatives; replace these with its measurements.
 CONFIGS: dict[str, list[tuple[int, GemmConfig]]] = {
     "int4": [
-        (1, GemmConfig(1, 128, 128, 4, 3, gemv=True)),
-        (2, GemmConfig(2, 128, 128, 4, 3, gemv=True)),
-        (4, GemmConfig(4, 64, 128, 4, 3, gemv=True)),
-        (16, GemmConfig(16, 32, 128, 4, 4)),
-        (64, GemmConfig(64, 64, 64, 4, 4)),
+        (1, GemmConfig(1, 64, 128, 4, 1, gemv=True)),
+        (2, GemmConfig(2, 64, 128, 4, 1, gemv=True)),
+        (4, GemmConfig(4, 32, 128, 4, 1, gemv=True)),
+        (16, GemmConfig(16, 32, 128, 4, 4, unpack=1)),
+        (64, GemmConfig(64, 64, 64, 4, 3, unpack=1)),
         # 2 stages: the tiled INT4 path stages [BK, BN] words, scales and zeros per k row (72-80 KB a stage
         # at these tiles), so 3-4 stages exceed the H200's 227 KB of shared memory (measured: 240 KB asked).
-        (256, GemmConfig(64, 128, 64, 4, 2)),
-        (1 << 62, GemmConfig(128, 128, 64, 8, 2)),
+        (256, GemmConfig(64, 128, 64, 4, 2, unpack=1)),
+        (1 << 62, GemmConfig(128, 128, 64, 8, 2, unpack=1)),
     ],
     "int8": [
         (1, GemmConfig(1, 32, 256, 8, 3, gemv=True)),
@@ -321,7 +322,7 @@ if triton is not None:
         X, W, S, Z, XS, Out, Partials, Counters,
         M, N, K, k_tiles_per_split,
         stride_xm, stride_wr, stride_sg, stride_om,
-        FMT: tl.constexpr, GROUP: tl.constexpr, SCALE_AFTER_DOT: tl.constexpr, UNPACK: tl.constexpr,
+        FMT: tl.constexpr, GROUP: tl.constexpr, SCALES: tl.constexpr, UNPACK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ):
@@ -377,13 +378,21 @@ if triton is not None:
                     qi = tl.reshape((words[:, None, :] >> shifts[None, :, None]) & 0xF, [BLOCK_K, BLOCK_N])
                 # q | 0x4B000000 is the float 2^23 + q exactly: an int->float conversion without I2F.
                 qf = (qi | 0x4B000000).to(tl.float32, bitcast=True)
-                if SCALE_AFTER_DOT:
+                if SCALES == 2:
                     # BLOCK_K divides GROUP: the tile lies in one group; q - z is an exact small integer.
                     g = (kt * BLOCK_K) // GROUP
                     s = tl.load(S + g * stride_sg + offs_n, mask=nmask, other=0.0).to(tl.float32)
                     z = tl.load(Z + g * stride_sg + offs_n, mask=nmask, other=0.0).to(tl.float32) + 8388608.0
                     w = (qf - z[None, :]).to(x.dtype)
                     acc += tl.dot(x, w, input_precision=DOT_PRECISION) * s[None, :]
+                elif SCALES == 1:
+                    # BLOCK_K divides GROUP: one (scale, zero) row for the tile, dequantized before the dot
+                    # (``(q - z) * s`` rounded once to x's dtype, as Int4Weight.dequantize).
+                    g = (kt * BLOCK_K) // GROUP
+                    s = tl.load(S + g * stride_sg + offs_n, mask=nmask, other=0.0).to(tl.float32)
+                    z = tl.load(Z + g * stride_sg + offs_n, mask=nmask, other=0.0).to(tl.float32) + 8388608.0
+                    w = ((qf - z[None, :]) * s[None, :]).to(x.dtype)
+                    acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
                 else:
                     sg = (ks // GROUP)[:, None] * stride_sg + offs_n[None, :]  # [BLOCK_K, BLOCK_N]
                     smask = nmask[None, :] if EVEN_K else nmask[None, :] & kmask[:, None]
@@ -456,9 +465,10 @@ if triton is not None:
 
     @triton.jit
     def _splitk_epilogue(acc, offs_m, offs_n, mmask, nmask, Out, Partials, Counters, pid, split, M, N, stride_om,
-                         SPLIT_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                         SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         # acc: fp32 [BLOCK_M, BLOCK_N]. Store, or split-K reduce as in _qgemm_kernel (last arrival sums the
-        # partials in split order, deterministic, and re-arms the tile's counter).
+        # partials in split order, deterministic, and re-arms the tile's counter). SPLIT_K is a run-time value
+        # (one compiled GEMV serves every split count).
         omask = mmask[:, None] & nmask[None, :]
         out_ptrs = Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
         if SPLIT_K == 1:
@@ -470,100 +480,10 @@ if triton is not None:
             arrived = tl.atomic_add(Counters + pid, 1, sem="acq_rel", scope="gpu")
             if arrived == SPLIT_K - 1:
                 total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for sp in tl.static_range(SPLIT_K):
+                for sp in range(SPLIT_K):
                     total += tl.load(Partials + sp * M * N + mn, mask=omask, other=0.0, cache_modifier=".cg")
                 tl.store(out_ptrs, total.to(Out.dtype.element_ty), mask=omask)
                 tl.atomic_xchg(Counters + pid, 0)
-
-    @triton.jit(do_not_specialize=["M", "k_tiles_per_split"])
-    def _gemv_kernel(
-        X, W, S, Z, XS, Out, Partials, Counters,
-        M, N, K, k_tiles_per_split,
-        stride_xm, stride_wr, stride_sg, stride_om,
-        FMT: tl.constexpr, GROUP: tl.constexpr,
-        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr,
-    ):
-        # Small-M stream without tl.dot: FMAs in fp32 (int32 for W8A8), BLOCK_M (<= 4) rows of x per program,
-        # products accumulated element-wise in registers and reduced over K once, after the K loop.
-        pid = tl.program_id(0)
-        split = tl.program_id(1)
-        num_pid_n = tl.cdiv(N, BLOCK_N)
-        pid_m = pid // num_pid_n
-        pid_n = pid % num_pid_n
-        offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        mmask = offs_m < M
-        nmask = offs_n < N
-        x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm  # [BLOCK_M, 1]
-        k_tiles = tl.cdiv(K, BLOCK_K)
-        kt_start = split * k_tiles_per_split
-        kt_end = tl.minimum(kt_start + k_tiles_per_split, k_tiles)
-        if FMT == 1:
-            # INT4, words [K // 8, N] with lanes along N (coalesced). BLOCK_K divides GROUP (the launcher
-            # makes it so), hence K too: no K tail, and one (scale, zero) row per tile.
-            R: tl.constexpr = BLOCK_K // 8
-            offs_r = tl.arange(0, R)
-            acc = tl.zeros([BLOCK_M, R, BLOCK_N], tl.float32)  # sum over tiles of s_g * sum_i x * q
-            acc_z = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)  # sum over tiles of z_g * s_g * sum_k x
-            for kt in range(kt_start, kt_end):
-                words = tl.load(W + (kt * R + offs_r)[:, None].to(tl.int64) * stride_wr + offs_n[None, :],
-                                mask=nmask[None, :], other=0)  # [R, BLOCK_N] int32
-                hi = words >> 16
-                g = (kt * BLOCK_K) // GROUP
-                s = tl.load(S + g * stride_sg + offs_n, mask=nmask, other=0.0).to(tl.float32)
-                z = tl.load(Z + g * stride_sg + offs_n, mask=nmask, other=0.0).to(tl.float32)
-                part = tl.zeros([BLOCK_M, R, BLOCK_N], tl.float32)
-                x_sum = tl.zeros([BLOCK_M], tl.float32)
-                for i in tl.static_range(8):
-                    # Nibble i of each word, left in place: (bits & 0xF << 4j) | 1.0f is 1 + q * 2^(4j - 23)
-                    # exactly, so f = q * 2^(4j - 23) after one exact subtract (Sterbenz); x is pre-scaled by
-                    # 2^(23 - 4j) (a power of two, exact). Per weight: and+or (one LOP3), FADD, FFMA.
-                    sh: tl.constexpr = 4 * (i % 4)
-                    mask_i: tl.constexpr = 0xF << sh
-                    x_mul: tl.constexpr = 2.0 ** (23 - sh)
-                    if i < 4:
-                        bits = (words & mask_i) | 0x3F800000
-                    else:
-                        bits = (hi & mask_i) | 0x3F800000
-                    f = bits.to(tl.float32, bitcast=True) - 1.0
-                    xi = tl.load(x_rows + (kt * BLOCK_K + 8 * offs_r + i)[None, :], mask=mmask[:, None],
-                                 other=0.0).to(tl.float32)  # [BLOCK_M, R]: input channels 8r + i
-                    x_sum += tl.sum(xi, axis=1)
-                    part += (xi * x_mul)[:, :, None] * f[None, :, :]
-                acc += part * s[None, None, :]
-                acc_z += x_sum[:, None] * (z * s)[None, :]
-            out = tl.sum(acc, axis=1) - acc_z
-        else:
-            # [N, K] weights (dense, int8), K contiguous: lanes along K inside a row (coalesced).
-            offs_k = tl.arange(0, BLOCK_K)
-            w_rows = W + offs_n[:, None].to(tl.int64) * stride_wr  # [BLOCK_N, 1]
-            if FMT == 3:
-                acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.int32)
-            else:
-                acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-            for kt in range(kt_start, kt_end):
-                ks = kt * BLOCK_K + offs_k
-                if EVEN_K:
-                    w = tl.load(w_rows + ks[None, :], mask=nmask[:, None], other=0)
-                    x = tl.load(x_rows + ks[None, :], mask=mmask[:, None], other=0)
-                else:
-                    kmask = ks < K
-                    w = tl.load(w_rows + ks[None, :], mask=nmask[:, None] & kmask[None, :], other=0)
-                    x = tl.load(x_rows + ks[None, :], mask=mmask[:, None] & kmask[None, :], other=0)
-                if FMT == 3:
-                    acc += x.to(tl.int32)[:, None, :] * w.to(tl.int32)[None, :, :]
-                else:
-                    acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
-            out = tl.sum(acc, axis=2)
-            if FMT == 2:
-                out = out * tl.load(S + offs_n, mask=nmask, other=0.0)[None, :]
-            if FMT == 3:
-                xs = tl.load(XS + offs_m, mask=mmask, other=0.0)
-                ws = tl.load(S + offs_n, mask=nmask, other=0.0)
-                out = out.to(tl.float32) * xs[:, None] * ws[None, :]
-        _splitk_epilogue(out, offs_m, offs_n, mmask, nmask, Out, Partials, Counters, pid, split, M, N, stride_om,
-                         SPLIT_K, BLOCK_M, BLOCK_N)
 
     @triton.jit
     def _per_token_quant_fp8_kernel(X, Q, S, K, stride_x, stride_q, BLOCK: tl.constexpr):
@@ -643,7 +563,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None,
                  xs: torch.Tensor | None, n: int, group: int, out_dtype: torch.dtype,
-                 config: GemmConfig | None) -> torch.Tensor:
+                 config: GemmConfig | None, quant_x: bool = False) -> torch.Tensor:
     if triton is None:
         raise RuntimeError("triton is not installed; use the ref_ twins on this machine")
     m, k = x.shape
@@ -654,7 +574,7 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
         return out.zero_()
     cfg = config or pick_config(table, m)
     block_k = cfg.block_k
-    scale_after_dot = False
+    scales_mode = 0  # INT4 scales: 0 gathered per element, 1 one row per tile, 2 one row after the dot
     if cfg.gemv and fmt == FMT_INT4:
         # One (scale, zero) row per K tile: BLOCK_K a power of two dividing G, and whole words (>= 8).
         block_k = min(block_k, group & -group)
@@ -663,8 +583,8 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
     if fmt == FMT_INT4:
         # Small M: the group scale after each tile's dot needs BLOCK_K | GROUP (and BLOCK_K >= 16 for tl.dot).
         bk = min(block_k, group)
-        if cfg.block_m <= SMALL_M and bk >= 16 and group % bk == 0 and bk & (bk - 1) == 0:
-            block_k, scale_after_dot = bk, True
+        if bk >= 16 and group % bk == 0 and bk & (bk - 1) == 0:
+            block_k, scales_mode = bk, (2 if cfg.block_m <= SMALL_M else 1)
         if cfg.unpack == 1 and block_k % 8:
             raise ValueError(f"unpack=1 needs BLOCK_K % 8 == 0, got {block_k}")
     k_tiles = triton.cdiv(k, block_k)
@@ -679,19 +599,23 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
     else:
         partials = counters = out  # unused
     if cfg.gemv:
+        from roofline.kernels.quant_gemv import _gemv_kernel
+
         _gemv_kernel[(tiles_mn, split)](
             x, w, s, z if z is not None else s, xs if xs is not None else s, out, partials, counters,
             m, n, k, per_split,
             x.stride(0), w.stride(0), z.stride(0) if z is not None else 0, out.stride(0),
-            FMT=fmt, GROUP=group, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
+            FMT=fmt, GROUP=group, QUANT_X=quant_x, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
             SPLIT_K=split, EVEN_K=k % block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )
         return out
+    if quant_x:
+        raise ValueError(f"fused activation quantization is a GEMV config only, got {cfg}")
     _qgemm_kernel[(tiles_mn, split)](
         x, w, s, z if z is not None else s, xs if xs is not None else s, out, partials, counters,
         m, n, k, per_split,
         x.stride(0), w.stride(0), z.stride(0) if z is not None else 0, out.stride(0),
-        FMT=fmt, GROUP=group, SCALE_AFTER_DOT=scale_after_dot, UNPACK=cfg.unpack,
+        FMT=fmt, GROUP=group, SCALES=scales_mode, UNPACK=cfg.unpack,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8,
         SPLIT_K=split, EVEN_K=k % block_k == 0, DOT_PRECISION=_dot_precision(x.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -800,6 +724,54 @@ def int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale
     ws = w_scale.float().reshape(-1).contiguous()
     return _launch_gemm(FMT_INT8_INT8, "int8_int8", _as_rows(xq, k, "int8_gemm"), wq.contiguous(), ws, None, xs,
                         n, 1, out_dtype, config)
+
+
+def w8a8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor, config: GemmConfig | None = None
+              ) -> torch.Tensor:
+    """W8A8 at decode sizes in one launch: ``x`` is quantized per token inside the kernel (INT8 for an int8
+    ``wq``, E4M3 for a float8_e4m3fn one; the arithmetic of :func:`per_token_quant_int8` /
+    :func:`per_token_quant_fp8`), multiplied exactly (INT8: int32; FP8: fp32 FMAs of E4M3 values), and
+    scaled by ``x_scale[m] * w_scale[n]``. Equals quantize-then-GEMM (``int8_gemm``, ``torch._scaled_mm``)
+    up to the fp32 summation order. Twin: :func:`ref_w8a8_gemv`.
+
+    Args:
+        x: [..., K] float16/bfloat16 (float32 for tests), M = prod of leading dims <= 4 for the default
+            config (any M works with a GEMV ``config``, but the tensor-core paths are faster above 4).
+        wq: int8 or float8_e4m3fn [N, K], K contiguous.
+        w_scale: float32 [N].
+
+    Returns:
+        [..., N] in x's dtype.
+
+    Raises:
+        ValueError: shapes or dtypes that disagree, or a non-GEMV config. RuntimeError: triton missing.
+    """
+    n, k = wq.shape
+    _check_float_act(x, "w8a8_gemv")
+    fmt = {torch.int8: FMT_INT8_INT8, torch.float8_e4m3fn: FMT_FP8}.get(wq.dtype)
+    if fmt is None or w_scale.numel() != n:
+        raise ValueError(f"w8a8_gemv: want int8 or float8_e4m3fn wq [N, K] and w_scale [N], got {wq.dtype} "
+                         f"{tuple(wq.shape)} / {tuple(w_scale.shape)}")
+    x2 = _as_rows(x, k, "w8a8_gemv")
+    cfg = config or pick_config("int8_int8", max(1, min(x2.shape[0], 4)))
+    if not cfg.gemv:
+        raise ValueError(f"w8a8_gemv needs a GEMV config (gemv=True), got {cfg}")
+    out = _launch_gemm(fmt, "int8_int8", x2, wq.contiguous(), w_scale.float().reshape(-1).contiguous(), None, None,
+                       n, 1, x.dtype, cfg, quant_x=True)
+    return out.view(*x.shape[:-1], n)
+
+
+def ref_w8a8_gemv(x: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor) -> torch.Tensor:
+    """Twin of :func:`w8a8_gemv`: the per-token quantizer's twin, then the exact product (float64, exact for
+    INT8 while K * 127^2 < 2^53, and for products of E4M3 values), scaled in fp32, cast to x's dtype."""
+    x2 = x.reshape(-1, x.shape[-1])
+    if wq.dtype == torch.int8:
+        xq, xs = ref_per_token_quant_int8(x2)
+    else:
+        xq, xs = ref_per_token_quant_fp8(x2)
+    acc = (xq.double() @ wq.double().t()).float()
+    out = acc * xs.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)
+    return out.to(x.dtype).view(*x.shape[:-1], wq.shape[0])
 
 
 def dense_gemv(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None) -> torch.Tensor:

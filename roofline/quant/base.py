@@ -72,15 +72,17 @@ def create_dense_weight(layer: nn.Module, input_size_per_partition: int, output_
 
 
 class UnquantizedLinearMethod(LinearMethod):
-    """A dense ``weight`` [out, in] in the model dtype; ``apply`` is one GEMM (cuBLAS on GPUs, whose M = 1
-    streaming was measured as fast as our Triton GEMV, see docs/kernels.md)."""
+    """A dense ``weight`` [out, in] in the model dtype; ``apply`` is one GEMM: cuBLAS, or on GPUs at decode sizes
+    our split-K GEMV where the measured dispatch table says it is faster (``roofline.quant.gemm.dense_linear``)."""
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, params_dtype,
                        weight_loader):
         create_dense_weight(layer, input_size_per_partition, output_partition_sizes, params_dtype, weight_loader)
 
     def apply(self, layer, x, bias=None):
-        return F.linear(x, layer.weight, bias)
+        from roofline.quant.gemm import dense_linear
+
+        return dense_linear(x, layer.weight, bias)
 
 
 class QuantConfig(ABC):

@@ -2,11 +2,14 @@
 
 Every function takes activations ``x`` [..., K] in the model dtype and returns [..., N] in that dtype.
 
-- GPU (Triton kernels on, ``roofline.layers.dispatch``): for weight-only INT4/INT8 either the fused kernel
-  (``roofline.kernels.quant_gemm``, dequantize in registers) or dequantize-then-cuBLAS, chosen per
-  (format, M, N, K) by ``use_fused`` from the table measured on the device; INT8 W8A8 is the Triton INT8
-  tensor-core GEMM after the Triton per-token quantizer; FP8 is ``torch._scaled_mm`` (FP8 tensor cores,
-  row-wise scales) on compute capability >= 8.9.
+- GPU (Triton kernels on, ``roofline.layers.dispatch``), chosen per (format, M, N, K) by ``use_fused`` and
+  ``gemv_config`` from the table ``bench/gpu_quant_sweep.py`` measured on the device:
+  - weight-only INT4/INT8: our kernel (``roofline.kernels.quant_gemm``: the GEMV at M <= 4, tiled tl.dot above,
+    dequantized in registers) or dequantize-then-cuBLAS;
+  - W8A8 (INT8 SmoothQuant, FP8): at M <= 4 the GEMV that quantizes x per token itself (one launch); above,
+    the Triton per-token quantizer then the Triton INT8 tensor-core GEMM or ``torch._scaled_mm`` (FP8 tensor
+    cores, row-wise scales, compute capability >= 8.9);
+  - 16-bit (``dense_linear``, the unquantized method): our split-K GEMV where it beat cuBLAS, else F.linear.
 - CPU: torch's own low-bit kernels (``torch._weight_int8pack_mm`` for W8A16, ``torch._weight_int4pack_mm_for_cpu``
   for W4A16, ``torch._int_mm`` for W8A8 INT8). FP8 on CPU, or on a GPU without FP8 tensor cores, is
   emulated: E4M3 values (activations rounded per token, weights per channel) multiplied in float32, the
@@ -28,12 +31,14 @@ from roofline.quant.quantize import ChannelWeight, Int4Weight, quantize_per_toke
 
 logger = logging.getLogger(__name__)
 
-# Measured fused-vs-dequantize tables (bench/gpu_quant_gemm.py's "dispatch"), by the device name torch reports.
+# Measured dispatch tables (bench/gpu_quant_sweep.py --table), by the device name torch reports.
 _TABLES = Path(__file__).with_name("dispatch_tables")
-# Without a measured table: the fused kernel up to this M. Weight-only decode (M <= batch) is bound by the
+# Without a measured table, our kernel up to this M, per format. Weight-only decode (M <= batch) is bound by the
 # weight bytes, which the fused kernel reads once in 4 or 8 bits; from here the GEMM is compute-bound and the
 # dequantize pass (read packed, write 16-bit, cuBLAS reads it) costs less than the fused kernel's slower tiles.
-DEFAULT_FUSED_MAX_M = 64
+# W8A8 at M <= 4: the GEMV that quantizes x itself (one launch instead of two). Dense: cuBLAS.
+DEFAULT_FUSED_MAX_M = {"int4": 64, "int8": 64, "int8_int8": 4, "fp8": 4, "dense": 0}
+GEMV_MAX_M = 4  # the GEMV kernels' range (roofline.kernels.quant_gemv)
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -56,23 +61,55 @@ def _quant_kernels(x: torch.Tensor):
 
 
 @functools.cache
-def dispatch_table(device_name: str) -> dict[str, list[dict]]:
-    """``{format: [{"n", "k", "fused_max_m"}...]}`` measured on ``device_name``, or {} if none is committed."""
+def dispatch_table(device_name: str) -> dict:
+    """``{"gemv": {fmt: [{"n", "k", "m", "config"}]}, "fused_max_m": {fmt: [{"n", "k", "fused_max_m"}]}}`` measured on
+    ``device_name`` (``roofline/quant/dispatch_tables/<name>.json``), or {} if none is committed."""
     path = _TABLES / (device_name.replace(" ", "_") + ".json")
     if not path.is_file():
         return {}
     return {k: v for k, v in json.loads(path.read_text()).items() if not k.startswith("_")}
 
 
+def _table(device: torch.device) -> dict:
+    return dispatch_table(torch.cuda.get_device_name(device)) if device.type == "cuda" else {}
+
+
+def _nearest(rows: list[dict], n: int, k: int) -> dict:
+    return min(rows, key=lambda r: (abs(r["k"] - k), abs(r["n"] - n)))
+
+
 def use_fused(fmt: str, m: int, n: int, k: int, device: torch.device) -> bool:
-    """Fused kernel (True) or dequantize-then-dense (False) for ``fmt`` ("int4" or "int8") at this shape:
-    the measured table's largest M at which the fused kernel won for this (N, K) (the nearest measured
-    shape by K, then N), else ``DEFAULT_FUSED_MAX_M``."""
-    rows = dispatch_table(torch.cuda.get_device_name(device)).get(fmt) if device.type == "cuda" else None
-    if not rows:
-        return m <= DEFAULT_FUSED_MAX_M
-    row = min(rows, key=lambda r: (abs(r["k"] - k), abs(r["n"] - n)))
-    return m <= row["fused_max_m"]
+    """Our kernel (True) or the other path (False) for ``fmt`` at this shape: dequantize-then-cuBLAS for "int4"
+    and "int8", quantize-then-tensor-core GEMM for "int8_int8" and "fp8", cuBLAS for "dense". The measured
+    table's largest winning M for the nearest measured (N, K) (by K, then N), else ``DEFAULT_FUSED_MAX_M``."""
+    rows = _table(device).get("fused_max_m", {}).get(fmt)
+    limit = _nearest(rows, n, k)["fused_max_m"] if rows else DEFAULT_FUSED_MAX_M[fmt]
+    if fmt in ("int8_int8", "fp8", "dense"):
+        limit = min(limit, GEMV_MAX_M)  # only the GEMV is ours for these
+    return m <= limit
+
+
+def gemv_config(fmt: str, m: int, n: int, k: int, device: torch.device):
+    """The measured fastest GEMV config for ``fmt`` at ``m <= GEMV_MAX_M`` rows and the nearest (N, K) (the
+    M = 1 row for m = 1, the M = 4 row otherwise), or None (``quant_gemm.CONFIGS``' default)."""
+    from roofline.kernels.quant_gemm import GemmConfig
+
+    rows = [r for r in _table(device).get("gemv", {}).get(fmt, []) if r["m"] == (1 if m == 1 else 4)]
+    if m > GEMV_MAX_M or not rows:
+        return None
+    return GemmConfig(**_nearest(rows, n, k)["config"])
+
+
+def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x`` [..., K] @ ``weight`` [N, K]^T (+ bias): our split-K GEMV where the measured table says it beats
+    cuBLAS at this M and shape (decode on small projections), else ``F.linear``."""
+    qk = _quant_kernels(x)
+    if qk is not None and x.dtype == weight.dtype:
+        x2 = _flat(x)
+        m, (n, k) = x2.shape[0], weight.shape
+        if use_fused("dense", m, n, k, x.device):
+            return _finish(qk.dense_gemv(x2, weight, config=gemv_config("dense", m, n, k, x.device)), x, bias)
+    return F.linear(x, weight, bias)
 
 
 # ------------------------------------------------------------------------------------------- W8A16
@@ -89,8 +126,9 @@ def w8a16(x: torch.Tensor, layer, bias: torch.Tensor | None = None) -> torch.Ten
     q, s = layer.qweight, layer.weight_scale
     qk = _quant_kernels(x)
     if qk is not None:
-        if use_fused("int8", x2.shape[0], q.shape[0], q.shape[1], x.device):
-            out = qk.w8a16_gemm(x2, q, s)
+        m, (n, k) = x2.shape[0], q.shape
+        if use_fused("int8", m, n, k, x.device):
+            out = qk.w8a16_gemm(x2, q, s, config=gemv_config("int8", m, n, k, x.device))
         else:
             out = F.linear(x2, qk.dequantize_int8(q, s, x.dtype))
     elif x.device.type == "cpu" and x.dtype == torch.float32:
@@ -137,7 +175,8 @@ def w4a16(x: torch.Tensor, layer, bias: torch.Tensor | None = None) -> torch.Ten
     if qk is None:
         out = quant_gemm.ref_w4a16_gemm(x2, qw, s, z, g)
     elif use_fused("int4", x2.shape[0], qw.shape[1], qw.shape[0] * 8, x.device):
-        out = qk.w4a16_gemm(x2, qw, s, z, g)
+        out = qk.w4a16_gemm(x2, qw, s, z, g, config=gemv_config("int4", x2.shape[0], qw.shape[1], qw.shape[0] * 8,
+                                                                x.device))
     else:
         out = F.linear(x2, qk.dequantize_int4(qw, s, z, g, x.dtype))
     return _finish(out, x, bias)
@@ -158,8 +197,14 @@ def int8_w8a8(x: torch.Tensor, layer, bias: torch.Tensor | None = None) -> torch
     x2 = _flat(x)
     qk = _quant_kernels(x)
     if qk is not None:
-        xq, xs = qk.per_token_quant_int8(x2)
-        out = qk.int8_gemm(xq, xs, layer.qweight, layer.weight_scale, x.dtype)
+        m, (n, k) = x2.shape[0], layer.qweight.shape
+        if use_fused("int8_int8", m, n, k, x.device):  # one launch: the GEMV quantizes x itself
+            out = qk.w8a8_gemv(x2, layer.qweight, layer.weight_scale,
+                               config=gemv_config("int8_int8", m, n, k, x.device))
+        else:
+            xq, xs = qk.per_token_quant_int8(x2)
+            out = qk.int8_gemm(xq, xs, layer.qweight, layer.weight_scale, x.dtype,
+                               config=qk.pick_config("int8_int8", max(m, qk.SMALL_M)))  # tensor cores
     else:
         xq, xs = quantize_per_token_int8(x2)
         acc = torch._int_mm(xq, layer.qweight.t())
@@ -188,6 +233,10 @@ def fp8_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: 
     ``dense``: the weight's E4M3 values as float32 [N, K] for the emulated path (saves the cast per call)."""
     x2 = _flat(x)
     qk = _quant_kernels(x)
+    m, (n, k) = x2.shape[0], qweight.shape
+    if qk is not None and fp8_tensor_cores(x.device) and use_fused("fp8", m, n, k, x.device):
+        # Decode sizes: one launch, x rounded to E4M3 per token inside the GEMV (the same arithmetic).
+        return _finish(qk.w8a8_gemv(x2, qweight, scale, config=gemv_config("fp8", m, n, k, x.device)), x, bias)
     xq, xs = qk.per_token_quant_fp8(x2) if qk is not None else quantize_per_token_fp8(x2)
     if fp8_tensor_cores(x.device):
         out = torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype)

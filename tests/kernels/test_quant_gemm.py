@@ -260,6 +260,65 @@ def test_gemv_w8a16_dense_int8_match_f64(m, n, k, dtype):
         assert rel_err(out.cpu(), (xq.double() * xs.double()) @ w8.t()) < TOL[dtype]
 
 
+# ---------------------------------------------------------------------------------------- W8A8 GEMV (fused quant)
+
+def _w8a8_case(m, n, k, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(m, k, generator=g) * 3).to(dtype)
+    x[0, k // 3] = -40.0  # an outlier sets row 0's scale (from a negative value)
+    w = torch.randn(n, k, generator=g)
+    return x, w
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 70, 200), (3, 33, 1500), (4, 40, 256)])  # K tails; 1500: two amax chunks
+def test_w8a8_gemv_int8_equals_quantize_then_exact_product(m, n, k, dtype):
+    x, w = _w8a8_case(m, n, k, dtype, seed=m * k)
+    cw = quantize_int8_per_channel(w)
+    xq, xs = qg.ref_per_token_quant_int8(x)
+    exact = (xq.double() @ cw.q.double().t()) * xs.double() * cw.scales.double()[None, :]  # float64, same codes
+    for cfg in (None, GEMV_SPLIT, GEMV_ONE):
+        out = qg.w8a8_gemv(x.to(DEVICE), cw.q.to(DEVICE), cw.scales.to(DEVICE), config=cfg)
+        assert out.shape == (m, n) and out.dtype == dtype
+        # The int32 sums are exact; what is left is the fp32 epilogue (and split sums) and the output rounding.
+        assert rel_err(out.cpu(), exact) < {torch.float32: 1e-6}.get(dtype, TOL[dtype])
+    ref = qg.ref_w8a8_gemv(x, cw.q, cw.scales)
+    assert rel_err(ref, exact) < {torch.float32: 1e-6}.get(dtype, TOL[dtype])
+    # And the activation quantization is real: the unquantized-x product differs by far more.
+    assert rel_err((x.double() @ (cw.q.double() * cw.scales.double()[:, None]).t()).float(), exact) > 1e-4
+
+
+def test_w8a8_gemv_rejects_bad_input():
+    q = torch.zeros(8, 32, dtype=torch.int8, device=DEVICE)
+    s = torch.ones(8, device=DEVICE)
+    with pytest.raises(ValueError, match="want int8 or float8_e4m3fn wq"):
+        qg.w8a8_gemv(torch.randn(1, 32, device=DEVICE), q.float(), s)
+    with pytest.raises(ValueError, match="GEMV config"):
+        qg.w8a8_gemv(torch.randn(1, 32, device=DEVICE), q, s, config=TILED)
+    with pytest.raises(ValueError, match="x has 16 input channels, the weight K=32"):
+        qg.w8a8_gemv(torch.randn(1, 16, device=DEVICE), q, s)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the interpreter's fp8 cast is wrong)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 70, 200), (3, 33, 1500), (4, 4096, 4096)])
+def test_gpu_w8a8_gemv_fp8_equals_quantize_then_scaled_mm(m, n, k, dtype):
+    from roofline.quant.quantize import quantize_fp8_per_channel
+
+    x, w = _w8a8_case(m, n, k, dtype, seed=m + k)
+    cw = quantize_fp8_per_channel(w)
+    q8, ws = cw.q.to(torch.float8_e4m3fn).cuda(), cw.scales.float().cuda()
+    xc = x.cuda()
+    out = qg.w8a8_gemv(xc, q8, ws)
+    xq, xs = qg.ref_per_token_quant_fp8(xc)  # bit-exact with the Triton quantizer on the GPU
+    exact = (xq.double() @ q8.double().t()) * xs.double() * ws.double()[None, :]
+    assert rel_err(out, exact) < {torch.float32: 1e-6}.get(dtype, TOL[dtype])
+    if k % 16 == 0 and n % 16 == 0:  # torch._scaled_mm's alignment
+        sm = torch._scaled_mm(xq, q8.t(), scale_a=xs, scale_b=ws[None, :], out_dtype=torch.bfloat16)
+        assert rel_err(sm, exact) < TOL[torch.bfloat16]
+
+
 # ---------------------------------------------------------------------------------------- FP8 quantizer
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
@@ -394,30 +453,46 @@ def test_gpu_default_configs_at_model_sizes(m, dtype):
 
 # ---------------------------------------------------------------------------------------- bench script
 
-def _bench_module():
+def _sweep_module():
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[2] / "bench" / "gpu_quant_gemm.py"
-    spec = importlib.util.spec_from_file_location("gpu_quant_gemm", path)
+    path = Path(__file__).resolve().parents[2] / "bench" / "gpu_quant_sweep.py"
+    spec = importlib.util.spec_from_file_location("gpu_quant_sweep", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def test_bench_args_and_dispatch_table():
-    b = _bench_module()
-    args = b.parse_args(["--out", "/tmp/x.json"])
-    assert args.shape_list == ["qkv", "o", "gate_up", "down"] and args.m_list == [1, 4, 16, 64, 256, 1024, 4096]
-    args = b.parse_args(["--dry-run", "--shapes", "o,down", "--m", "1,3"])
-    assert args.dry_run and args.shape_list == ["o", "down"] and args.m_list == [1, 3]
-    with pytest.raises(SystemExit):
-        b.parse_args(["--shapes", "lm_head"])
-    rows = [dict(method=meth, n=4, k=8, m=m, ms=ms) for meth, m, ms in [
-        ("w4a16 fused", 1, 1.0), ("w4 dequant+F.linear", 1, 2.0), ("w4a16 fused", 64, 3.0),
-        ("w4 dequant+F.linear", 64, 2.0), ("dense_gemv", 1, 0.5), ("bf16 F.linear", 1, 0.4)]]
-    rows.append(dict(method="w8a16 fused", n=4, k=8, m=1, error="boom"))  # rows without a time are ignored
-    table = {d["method"]: d for d in b.dispatch_table(rows)}
-    assert table["w4"]["fused_wins_at_m"] == [1] and table["w4"]["m_measured"] == [1, 64]
-    assert table["w4"]["speedup"] == {1: 2.0, 64: 2.0 / 3.0}
-    assert table["dense"]["fused_wins_at_m"] == [] and table["w8"]["m_measured"] == []
+def test_sweep_table_takes_the_largest_m_won_at_every_smaller_m():
+    sw = _sweep_module()
+    r = lambda fmt, m, path, us: dict(fmt=fmt, n=4, k=8, m=m, path=path, us=us)  # noqa: E731
+    rows = [r("int4", 1, "other", 9.0), r("int4", 1, "gemv", 3.0), r("int4", 1, "gemv", 2.0),
+            r("int4", 4, "other", 9.0), r("int4", 4, "gemv", 5.0),
+            r("int4", 64, "other", 4.0), r("int4", 64, "tiled", 6.0),  # lost at 64 ...
+            r("int4", 256, "other", 9.0), r("int4", 256, "tiled", 1.0),  # ... so 256 does not count
+            r("dense", 1, "other", 1.0), r("dense", 1, "gemv", 2.0),
+            dict(fmt="fp8", n=4, k=8, m=1, path="gemv", error="boom")]  # rows without a time are ignored
+    table, best = sw.fused_max_m(rows)
+    assert table == {"int4": [dict(n=4, k=8, fused_max_m=4)], "dense": [dict(n=4, k=8, fused_max_m=0)]}
+    assert best[("int4", 4, 8, 1, "gemv")] == 2.0
+
+
+def test_engine_reads_the_dispatch_table(monkeypatch):
+    from roofline.quant import gemm
+
+    table = {"gemv": {"int4": [dict(n=4096, k=4096, m=1, config=dict(block_m=1, block_n=64, block_k=128, num_warps=4,
+                                                                      num_stages=1, gemv=True)),
+                               dict(n=4096, k=4096, m=4, config=dict(block_m=2, block_n=32, block_k=64, num_warps=2,
+                                                                     num_stages=1, split_k=4, gemv=True))]},
+             "fused_max_m": {"int4": [dict(n=4096, k=4096, fused_max_m=16), dict(n=28672, k=4096, fused_max_m=256)],
+                             "dense": [dict(n=4096, k=4096, fused_max_m=64)]}}
+    monkeypatch.setattr(gemm, "_table", lambda device: table)
+    dev = torch.device("cuda")
+    assert gemm.use_fused("int4", 16, 4096, 4096, dev) and not gemm.use_fused("int4", 17, 4096, 4096, dev)
+    assert gemm.use_fused("int4", 256, 28000, 4096, dev)  # the nearest measured shape
+    assert gemm.use_fused("dense", 4, 4096, 4096, dev) and not gemm.use_fused("dense", 5, 4096, 4096, dev)  # GEMV only
+    assert gemm.use_fused("fp8", 4, 4096, 4096, dev) and not gemm.use_fused("fp8", 5, 4096, 4096, dev)  # default
+    assert gemm.gemv_config("int4", 1, 4096, 4096, dev) == GemmConfig(1, 64, 128, 4, 1, gemv=True)
+    assert gemm.gemv_config("int4", 3, 6144, 4096, dev) == GemmConfig(2, 32, 64, 2, 1, split_k=4, gemv=True)
+    assert gemm.gemv_config("int4", 5, 4096, 4096, dev) is None and gemm.gemv_config("int8", 1, 64, 64, dev) is None

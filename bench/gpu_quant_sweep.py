@@ -1,0 +1,295 @@
+"""Measure the quantized-GEMM dispatch table on this GPU: the best small-M GEMV config per (format, N, K, M) and,
+for each (format, N, K), the largest M up to which our kernel beats the other path; check every kernel against
+float64 on the way. Writes the JSON (every timing) and the table ``roofline/quant/dispatch_tables/<device>.json``
+reads (``--table``), which the engine uses from then on (``roofline.quant.gemm``).
+
+Usage (on the H200, repo root, PYTHONPATH=.): python bench/gpu_quant_sweep.py --out OUT.json --table TABLE.json
+``--dry-run`` runs it on the CPU under TRITON_INTERPRET=1 at tiny shapes (checks the script, not speed).
+
+Formats and the paths compared (weights of the Llama-3-8B projections, bf16 activations):
+
+=========  =====================================  ================================================
+format     ours                                   the other path
+=========  =====================================  ================================================
+dense      dense_gemv (M <= 4)                    F.linear (cuBLAS)
+int4       w4a16_gemm (GEMV M <= 4, tiled above)  dequantize_int4 + F.linear
+int8       w8a16_gemm (GEMV M <= 4, tiled above)  dequantize_int8 + F.linear
+int8_int8  w8a8_gemv (M <= 4, quantizes x)        per_token_quant_int8 + int8_gemm (tensor cores)
+fp8        w8a8_gemv (M <= 4, quantizes x)        per_token_quant_fp8 + torch._scaled_mm
+=========  =====================================  ================================================
+
+Every timing is the median of ``--reps`` calls, each after a 128 MiB write that evicts L2, with CUDA events around
+the call alone, beside the bound (weight bytes of the format + activations) / copy bandwidth measured here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+DRY_SHAPES = {"qkv": (96, 256), "down": (64, 512)}
+GROUP = 128
+TOL = 1e-2  # ||out - ref64|| / ||ref64|| in bf16
+# GEMV candidates (block_m, block_n, block_k, num_warps), chosen from sm_90 compiles without spills.
+GEMV_N_LANES = {1: [(1, 32, 128, 4), (1, 64, 128, 4), (1, 128, 128, 8), (1, 64, 64, 4), (1, 128, 64, 4), (1, 32, 64, 2)],
+                4: [(2, 32, 128, 4), (2, 64, 64, 4), (2, 32, 64, 2), (4, 32, 128, 4), (4, 32, 64, 2), (1, 64, 128, 4)]}
+GEMV_K_LANES = {1: [(1, 8, 256, 4), (1, 16, 256, 4), (1, 8, 512, 4), (1, 16, 512, 8), (1, 4, 512, 4), (1, 4, 1024, 8)],
+                4: [(2, 8, 256, 4), (2, 8, 512, 4), (2, 4, 1024, 8), (4, 8, 256, 4), (4, 4, 512, 4), (1, 8, 512, 4)]}
+W8A8_K_LANES = {1: [(1, 8, 256, 4), (1, 16, 256, 4), (1, 8, 512, 4), (1, 16, 512, 8)],
+                4: [(2, 8, 256, 4), (2, 8, 512, 4), (4, 8, 256, 4), (1, 8, 512, 4)]}
+SPLITS = [None, 1, 2, 4, 8, 16]
+TILED_M = [16, 64, 256, 4096]
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--table", default=None, help="write the dispatch table here")
+    ap.add_argument("--dry-run", action="store_true")
+    ap.add_argument("--reps", type=int, default=25)
+    ap.add_argument("--shapes", default=None)
+    return ap.parse_args(argv)
+
+
+class Sweep:
+    def __init__(self, args):
+        import torch
+
+        self.torch, self.args = torch, args
+        self.dev = "cpu" if args.dry_run else "cuda"
+        self.dtype = torch.float16 if args.dry_run else torch.bfloat16
+        self.rows: list[dict] = []
+        self.checks: list[dict] = []
+        self.failures: list[str] = []
+        self.t0 = time.time()
+        self.flush = torch.empty(128 * 2**20 if self.dev == "cuda" else 16, dtype=torch.int8, device=self.dev)
+
+    def time_us(self, fn) -> float:
+        torch = self.torch
+        fn()
+        if self.dev != "cuda":
+            t = time.perf_counter()
+            fn()
+            return (time.perf_counter() - t) * 1e6
+        fn()
+        reps = self.args.reps
+        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(reps)]
+        for a, b in ev:
+            self.flush.zero_()
+            a.record()
+            fn()
+            b.record()
+        torch.cuda.synchronize()
+        return 1e3 * statistics.median(a.elapsed_time(b) for a, b in ev)
+
+    def bandwidth(self) -> float:
+        torch = self.torch
+        n = 2**30 if self.dev == "cuda" else 2**20
+        src = torch.ones(n // 4, device=self.dev)
+        dst = torch.empty_like(src)
+        return 2 * n / (self.time_us(lambda: dst.copy_(src)) * 1e-6)
+
+    def rel(self, out, ref64) -> float:
+        o = out.double()
+        if not bool(self.torch.isfinite(o).all()):
+            return float("inf")
+        return float((o - ref64).norm() / ref64.norm().clamp_min(1e-30))
+
+    def record(self, **row):
+        self.rows.append(row)
+        if "error" in row:
+            print(f"  {row['shape']:>8} M={row['m']:<5} {row['path']:<24} {row.get('config', '')} error: {row['error']}",
+                  flush=True)
+
+
+def fused_max_m(rows: list[dict]) -> tuple[dict, dict]:
+    """Per format and (N, K): the largest measured M up to which our kernel (its GEMV or tiled rows, the fastest
+    config) beat the "other" path at every measured M (0 = lost at the smallest). Returns (that
+    ``{fmt: [{"n", "k", "fused_max_m"}]}``, and the best time per (fmt, n, k, m, path))."""
+    t: dict = {}
+    for r in rows:
+        if "us" in r:
+            key = (r["fmt"], r["n"], r["k"], r["m"], r["path"])
+            t[key] = min(t.get(key, float("inf")), r["us"])
+    out: dict = {}
+    for fmt in dict.fromkeys(key[0] for key in t):
+        for n, k in sorted({key[1:3] for key in t if key[0] == fmt}):
+            best_m = 0
+            for m in sorted({key[3] for key in t if key[0] == fmt and key[1:3] == (n, k)}):
+                mine = min(t.get((fmt, n, k, m, p), float("inf")) for p in ("gemv", "tiled"))
+                if (fmt, n, k, m, "other") in t and mine < t[(fmt, n, k, m, "other")]:
+                    best_m = m
+                elif mine != float("inf"):
+                    break
+            out.setdefault(fmt, []).append(dict(n=n, k=k, fused_max_m=best_m))
+    return out, t
+
+
+def main(argv=None) -> int:
+    import torch
+    import torch.nn.functional as F
+
+    import triton
+    from roofline.kernels import quant_gemm as qg
+    from roofline.quant.quantize import quantize_fp8_per_channel, quantize_int4_rtn, quantize_int8_per_channel
+
+    args = parse_args(argv)
+    sw = Sweep(args)
+    shapes = DRY_SHAPES if args.dry_run else SHAPES
+    if args.shapes:
+        shapes = {s: shapes[s] for s in args.shapes.split(",")}
+    bw = sw.bandwidth()
+    print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
+    dt = sw.dtype
+    C = qg.GemmConfig
+    best_gemv: dict = {}
+    for shape, (n, k) in shapes.items():
+        gen = torch.Generator(device=sw.dev).manual_seed(n + k)
+        w = torch.randn(n, k, device=sw.dev, generator=gen) * 0.02
+        c4 = quantize_int4_rtn(w, GROUP)
+        c4.scales = c4.scales.to(dt).float()
+        p4 = qg.prepare_int4(c4, dt)
+        c8 = quantize_int8_per_channel(w)
+        cf = quantize_fp8_per_channel(w)
+        f8, f8s = cf.q.to(torch.float8_e4m3fn), cf.scales.float()
+        dense = w.to(dt)
+        grp = torch.arange(k, device=sw.dev) // GROUP
+        ref_w = {"dense": dense.double(), "int4": (c4.q.double() - c4.zeros.double()[:, grp]) * c4.scales.double()[:, grp],
+                 "int8": c8.q.double() * c8.scales.double()[:, None]}
+        wbytes = {"dense": n * k * 2, "int4": p4.weight_bytes(), "int8": n * k + 4 * n, "int8_int8": n * k + 4 * n,
+                  "fp8": n * k + 4 * n}
+        del w
+
+        def ours(fmt, x, cfg=None):
+            if fmt == "dense":
+                return qg.dense_gemv(x, dense, config=cfg)
+            if fmt == "int4":
+                return qg.w4a16_gemm(x, p4.qweight, p4.scales, p4.zeros, GROUP, config=cfg)
+            if fmt == "int8":
+                return qg.w8a16_gemm(x, c8.q, c8.scales, config=cfg)
+            if fmt == "int8_int8":
+                return qg.w8a8_gemv(x, c8.q, c8.scales, config=cfg)
+            return qg.w8a8_gemv(x, f8, f8s, config=cfg)
+
+        def other(fmt, x):
+            if fmt == "dense":
+                return F.linear(x, dense)
+            if fmt == "int4":
+                return F.linear(x, qg.dequantize_int4(p4.qweight, p4.scales, p4.zeros, GROUP))
+            if fmt == "int8":
+                return F.linear(x, qg.dequantize_int8(c8.q, c8.scales, dt))
+            if fmt == "int8_int8":
+                return qg.int8_gemm(*qg.per_token_quant_int8(x), c8.q, c8.scales, dt, config=qg.pick_config("int8_int8", 16))
+            if sw.dev != "cuda":
+                return qg.ref_w8a8_gemv(x, f8, f8s)
+            xq, xs = qg.per_token_quant_fp8(x)
+            return torch._scaled_mm(xq, f8.t(), scale_a=xs, scale_b=f8s[None, :], out_dtype=dt)
+
+        def ref64(fmt, x):
+            if fmt in ref_w:
+                return x.double() @ ref_w[fmt].t()
+            wq = c8.q if fmt == "int8_int8" else f8
+            xq, xs = (qg.ref_per_token_quant_int8 if fmt == "int8_int8" else qg.ref_per_token_quant_fp8)(x)
+            return (xq.double() @ wq.double().t()) * xs.double() * (c8.scales if fmt == "int8_int8" else f8s).double()
+
+        def timed(fmt, m, path, fn, x, cfg=None, split=None, check=True):
+            row = dict(shape=shape, n=n, k=k, m=m, fmt=fmt, path=path)
+            if cfg is not None:
+                row["config"] = {kk: v for kk, v in asdict(cfg).items() if v is not None}
+            try:
+                out = fn()
+                if check and not (args.dry_run and fmt == "fp8"):  # the interpreter's fp8 cast is wrong
+                    err = sw.rel(out, ref64(fmt, x))
+                    row["rel_err"] = err
+                    if not err < TOL:
+                        sw.failures.append(f"{shape} M={m} {path} {row.get('config')}: rel err {err:.2e}")
+                us = sw.time_us(fn)
+            except Exception as e:  # noqa: BLE001 - compile / launch / resources: recorded, the sweep goes on
+                row["error"] = f"{type(e).__name__}: " + (str(e).splitlines() or [""])[0][:160]
+                sw.record(**row)
+                return None
+            act = m * (k + n) * 2
+            row.update(us=us, bound_us=(wbytes[fmt] + act) / bw * 1e6, frac_of_bound=(wbytes[fmt] + act) / bw * 1e6 / us)
+            sw.record(**row)
+            return us
+
+        # ---- small M: every GEMV candidate x split, against the other path
+        for m in (1, 4):
+            x = (torch.randn(m, k, device=sw.dev) * 0.5).to(dt)
+            for fmt in ("dense", "int4", "int8", "int8_int8", "fp8"):
+                cands = (GEMV_N_LANES if fmt == "int4" else W8A8_K_LANES if fmt in ("int8_int8", "fp8") else GEMV_K_LANES)[m]
+                if args.dry_run:
+                    cands = cands[:2]
+                base = timed(fmt, m, "other", lambda: other(fmt, x), x)
+                best = None
+                for bm, bn, bk, nw in cands:
+                    for split in SPLITS if not args.dry_run else (None, 2):
+                        cfg = C(bm, bn, bk, nw, 1, split_k=split, gemv=True)
+                        us = timed(fmt, m, "gemv", lambda cfg=cfg: ours(fmt, x, cfg), x, cfg)
+                        if us is not None and (best is None or us < best[0]):
+                            best = (us, cfg)
+                if best is not None:
+                    best_gemv.setdefault(fmt, []).append(dict(
+                        n=n, k=k, m=m, config={kk: v for kk, v in asdict(best[1]).items() if v is not None},
+                        us=best[0], other_us=base, frac_of_bound=(wbytes[fmt] + m * (k + n) * 2) / bw * 1e6 / best[0]))
+                    print(f"[gemv] {shape:>8} M={m} {fmt:<9} best {best[0]:7.1f} us "
+                          f"({(wbytes[fmt] + m * (k + n) * 2) / bw * 1e6 / best[0]:.2f} of bound) vs other "
+                          f"{base if base is None else round(base, 1)} us  {best[1]}", flush=True)
+        # ---- larger M: our tiled kernels (default config and neighbours) against the other paths
+        for m in ([20] if args.dry_run else TILED_M):
+            x = (torch.randn(m, k, device=sw.dev) * 0.5).to(dt)
+            for fmt in ("dense", "int8_int8", "fp8"):
+                timed(fmt, m, "other", lambda fmt=fmt: other(fmt, x), x)
+            for fmt in ("int4", "int8"):
+                timed(fmt, m, "other", lambda fmt=fmt: other(fmt, x), x)
+                default = qg.pick_config(fmt, m)
+                alts = [default]
+                if not args.dry_run:
+                    bm = min(128, max(16, triton.next_power_of_2(m)))
+                    alts += [C(bm, 64, 64, 4, 3, unpack=1), C(min(bm, 64), 128, 64, 4, 2, unpack=1),
+                             C(bm, 128, 128 if fmt == "int8" else 64, 8, 2, unpack=1)]
+                for cfg in dict.fromkeys(alts):
+                    timed(fmt, m, "tiled", lambda cfg=cfg: ours(fmt, x, cfg), x, cfg)
+        print(f"{shape} done at {time.time() - sw.t0:.0f} s", flush=True)
+
+    # ---- the table: best GEMV configs, and per (fmt, N, K) the largest M where ours beat the other path at every
+    # measured M up to it (GEMV formats at M <= 4; weight-only also the tiled kernel above).
+    fused_max, t = fused_max_m(sw.rows)
+    dev = torch.cuda.get_device_name() if sw.dev == "cuda" else "cpu (interpreter)"
+    table = {"_source": f"bench/gpu_quant_sweep.py on the {dev}, {time.strftime('%Y-%m-%d')}: gemv = the fastest GEMV "
+                        "config per (format, N, K, M); fused_max_m = the largest measured M up to which our kernel beat "
+                        "the other path at every measured M (0 = never)",
+             "gemv": best_gemv, "fused_max_m": fused_max}
+    result = dict(bench="quant_sweep", device=dev, torch=torch.__version__, triton=triton.__version__,
+                  date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), copy_bytes_per_s=bw, group_size=GROUP, shapes=shapes,
+                  rows=sw.rows, failures=sw.failures, table=table, elapsed_s=time.time() - sw.t0)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.table:
+        Path(args.table).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.table).write_text(json.dumps(table, indent=1))
+    print(f"wrote {args.out} ({len(sw.rows)} rows) in {time.time() - sw.t0:.0f} s")
+    for fmt, rows in fused_max.items():
+        print(f"[fused_max_m] {fmt:<9} " + " ".join(f"({r['n']},{r['k']}):{r['fused_max_m']}" for r in rows))
+    for m in TILED_M if not args.dry_run else [20]:
+        line = []
+        for fmt in ("dense", "int4", "int8", "int8_int8", "fp8"):
+            tot = sum(min(t.get((fmt, n, k, m, p), float("inf")) for p in ("other", "tiled")) for n, k in shapes.values())
+            line.append(f"{fmt} {tot:.0f}")
+        print(f"[layer sum] M={m}: " + ", ".join(line) + " us")
+    if sw.failures:
+        print("FAILURES:\n  " + "\n  ".join(sw.failures[:30]), file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
