@@ -24,15 +24,19 @@ for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
   case "$step" in
   kernels)
-    timeout 240 python3 -m pytest -q --tb=short -rf -p no:cacheprovider tests/kernels/test_quant_gemm.py 2>&1 \
-      | tail -25 | tee -a "$OUT/log"
     timeout 420 python3 bench/gpu_quant_sweep.py --out "$OUT/quant_sweep.json" \
       --table roofline/quant/dispatch_tables/NVIDIA_H200.json > "$OUT/quant_sweep.log" 2>&1
     echo "gpu_quant_sweep rc $?" | tee -a "$OUT/log"
     cp roofline/quant/dispatch_tables/NVIDIA_H200.json "$OUT/" 2>/dev/null
+    mkdir -p .devcarry && cp roofline/quant/dispatch_tables/NVIDIA_H200.json .devcarry/ 2>/dev/null
     grep -E "^\[gemv|^\[fused|^\[layer|^copy|FAIL|rel err" "$OUT/quant_sweep.log" | head -70 | tee -a "$OUT/log"
     ;;
+  kerneltests)
+    timeout 300 python3 -m pytest -q --tb=line -rf -p no:cacheprovider tests/kernels/test_quant_gemm.py 2>&1 \
+      | grep -E "^/|^E |assert|passed|failed" | tail -40 | tee -a "$OUT/log"
+    ;;
   decode)
+    [ -f .devcarry/NVIDIA_H200.json ] && cp .devcarry/NVIDIA_H200.json roofline/quant/dispatch_tables/
     timeout 420 python3 -m roofline.cli bench decode --model llama-3-8b --batch-sizes 1,64,256 --contexts 1k \
       --quantization none,int8,int4,fp8,smoothquant --out-dir "$OUT" > "$OUT/decode.log" 2>&1
     echo "decode rc $?" | tee -a "$OUT/log"

@@ -85,7 +85,9 @@ class GemmConfig:
     num_stages: int
     split_k: int | None = None
     unpack: int = 0  # INT4 only: 0 = word per row (GPTQ-triton style loads), 1 = one load per word + reshape
-    gemv: bool = False  # the FMA stream without tl.dot (:func:`_gemv_kernel`); block_m = rows per program (<= 4)
+    gemv: bool = False  # the FMA stream without tl.dot (quant_gemv._gemv_kernel); block_m = rows per program (<= 4).
+    # GEMV configs take num_stages=1: the kernel prefetches the next tile itself, and Triton's pipeliner on top of
+    # that gave wrong 16-bit results on the H200 (triton 3.6, 2026-12-01).
 
 
 # (largest M, config) per format, first match wins. Initial values: the small-M row follows the split-K
@@ -105,24 +107,24 @@ CONFIGS: dict[str, list[tuple[int, GemmConfig]]] = {
         (1 << 62, GemmConfig(128, 128, 64, 8, 2, unpack=1)),
     ],
     "int8": [
-        (1, GemmConfig(1, 32, 256, 8, 3, gemv=True)),
-        (4, GemmConfig(4, 16, 128, 8, 3, gemv=True)),
+        (1, GemmConfig(1, 32, 256, 8, 1, gemv=True)),
+        (4, GemmConfig(4, 16, 128, 8, 1, gemv=True)),
         (16, GemmConfig(16, 32, 128, 4, 4)),
         (64, GemmConfig(64, 64, 64, 4, 4)),
         (256, GemmConfig(64, 128, 64, 4, 4)),
         (1 << 62, GemmConfig(128, 128, 64, 8, 3)),
     ],
     "int8_int8": [
-        (1, GemmConfig(1, 32, 256, 8, 3, gemv=True)),
-        (4, GemmConfig(4, 16, 128, 8, 3, gemv=True)),
+        (1, GemmConfig(1, 32, 256, 8, 1, gemv=True)),
+        (4, GemmConfig(4, 16, 128, 8, 1, gemv=True)),
         (16, GemmConfig(16, 64, 128, 4, 4)),
         (64, GemmConfig(64, 64, 128, 4, 4)),
         (256, GemmConfig(64, 128, 128, 4, 3)),
         (1 << 62, GemmConfig(128, 128, 128, 8, 3)),
     ],
     "dense": [
-        (1, GemmConfig(1, 16, 256, 4, 3, gemv=True)),
-        (4, GemmConfig(4, 8, 128, 4, 3, gemv=True)),
+        (1, GemmConfig(1, 16, 256, 4, 1, gemv=True)),
+        (4, GemmConfig(4, 8, 128, 4, 1, gemv=True)),
         (16, GemmConfig(16, 32, 256, 4, 4)),
         (64, GemmConfig(64, 64, 64, 4, 4)),
         (256, GemmConfig(64, 128, 64, 4, 4)),
