@@ -58,6 +58,7 @@ def parse_args(argv=None):
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default=None)
+    ap.add_argument("--from-json", default=None, help="rebuild --table from an earlier run's --out JSON (no GPU)")
     return ap.parse_args(argv)
 
 
@@ -157,6 +158,32 @@ def fused_max_m(rows: list[dict]) -> tuple[dict, dict]:
     return out, t
 
 
+def build_table(rows: list[dict], source: str) -> dict:
+    """The dispatch table from the sweep's rows: ``gemv`` = per (format, N, K, M in {1, 4}) the fastest correct
+    config among the GEMV candidates and, for the weight-only formats, the tiled tl.dot default config timed at
+    M = 16 (rows past M are masked, so its M = 16 time bounds its time at M <= 4); ``fused_max_m`` as
+    :func:`fused_max_m`."""
+    from roofline.kernels import quant_gemm as qg
+
+    fused, _ = fused_max_m(rows)
+    gemv: dict = {}
+    for fmt in dict.fromkeys(r["fmt"] for r in rows):
+        for n, k in sorted({(r["n"], r["k"]) for r in rows if r["fmt"] == fmt}):
+            for m in (1, 4):
+                cands = [r for r in rows if "us" in r and r["fmt"] == fmt and (r["n"], r["k"]) == (n, k)
+                         and ((r["path"] == "gemv" and r["m"] == m) or (r["path"] == "tiled" and r["m"] == 16
+                              and r.get("config") == {kk: v for kk, v in asdict(qg.pick_config(fmt, 16)).items()
+                                                      if v is not None}))]
+                if not cands:
+                    continue
+                best = min(cands, key=lambda r: r["us"])
+                other = [r["us"] for r in rows if "us" in r and r["fmt"] == fmt and (r["n"], r["k"], r["m"]) == (n, k, m)
+                         and r["path"] == "other"]
+                gemv.setdefault(fmt, []).append(dict(n=n, k=k, m=m, config=best["config"], us=best["us"],
+                                                     timed_at_m=best["m"], other_us=min(other) if other else None))
+    return {"_source": source, "gemv": gemv, "fused_max_m": fused}
+
+
 def main(argv=None) -> int:
     import torch
     import torch.nn.functional as F
@@ -166,6 +193,15 @@ def main(argv=None) -> int:
     from roofline.quant.quantize import quantize_fp8_per_channel, quantize_int4_rtn, quantize_int8_per_channel
 
     args = parse_args(argv)
+    if args.from_json:
+        doc = json.loads(Path(args.from_json).read_text())
+        table = build_table(doc["rows"], f"bench/gpu_quant_sweep.py on the {doc['device']}, {doc['date'][:10]} (rebuilt "
+                            "from its JSON): gemv = the fastest correct small-M config per (format, N, K, M); "
+                            "fused_max_m = the largest measured M up to which our kernel beat the other path at every "
+                            "measured M (0 = never)")
+        Path(args.table).write_text(json.dumps(table, indent=1))
+        print(json.dumps(table["fused_max_m"]))
+        return 0
     sw = Sweep(args)
     shapes = DRY_SHAPES if args.dry_run else SHAPES
     if args.shapes:
@@ -291,10 +327,9 @@ def main(argv=None) -> int:
     # measured M up to it (GEMV formats at M <= 4; weight-only also the tiled kernel above).
     fused_max, t = fused_max_m(sw.rows)
     dev = torch.cuda.get_device_name() if sw.dev == "cuda" else "cpu (interpreter)"
-    table = {"_source": f"bench/gpu_quant_sweep.py on the {dev}, {time.strftime('%Y-%m-%d')}: gemv = the fastest GEMV "
-                        "config per (format, N, K, M); fused_max_m = the largest measured M up to which our kernel beat "
-                        "the other path at every measured M (0 = never)",
-             "gemv": best_gemv, "fused_max_m": fused_max}
+    table = build_table(sw.rows, f"bench/gpu_quant_sweep.py on the {dev}, {time.strftime('%Y-%m-%d')}: gemv = the "
+                        "fastest correct small-M config per (format, N, K, M); fused_max_m = the largest measured M up "
+                        "to which our kernel beat the other path at every measured M (0 = never)")
     result = dict(bench="quant_sweep", device=dev, torch=torch.__version__, triton=triton.__version__,
                   date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), copy_bytes_per_s=bw, group_size=GROUP, shapes=shapes,
                   rows=sw.rows, failures=sw.failures, table=table, elapsed_s=time.time() - sw.t0)
