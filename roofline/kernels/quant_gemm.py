@@ -598,8 +598,9 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
     if split > 1:
         partials = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
         counters = _counters(x.device, tiles_mn)
-    else:
-        partials = counters = out  # unused
+    else:  # unused, but typed: the GEMV's split-K branch is compiled for every split count (a run-time value)
+        partials = torch.empty(1, dtype=torch.float32, device=x.device)
+        counters = _counters(x.device, 1)
     if cfg.gemv:
         from roofline.kernels.quant_gemv import _gemv_kernel
 
