@@ -148,6 +148,9 @@ class Worker:
         if cc.kv_cache_memory is not None:
             budget = cc.kv_cache_memory
         elif self.device.type == "cuda":
+            # Hand cached blocks back first: quantizing at load frees the 16-bit weights into torch's caching
+            # allocator, and mem_get_info would count them as used (the pool would not grow by the freed memory).
+            torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
             # Reserve room for activations: logits and the largest step's intermediates.
