@@ -165,3 +165,23 @@ def test_block_size_auto_is_64_with_the_triton_backend(monkeypatch):
     assert (cfg.attention_backend, cfg.cache_config.block_size) == ("triton", 64)
     assert EngineArgs(attention_backend="torch").create_engine_config(MODEL).cache_config.block_size == 16
     assert EngineArgs(block_size=16).create_engine_config(MODEL).cache_config.block_size == 16
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_decode_floor_counts_the_embedding_table_only_when_it_is_the_lm_head(tmp_path, tied):
+    """A decode step reads its tokens' rows of an untied input embedding, not the table; a tied table is read
+    whole as the LM head. Worker.weight_bytes_per_step (the floor's weight term) counts exactly that."""
+    import json
+
+    from roofline import LLM
+
+    vocab, hidden = 256, 64
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": vocab, "hidden_size": hidden,
+              "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
+              "num_key_value_heads": 2, "max_position_embeddings": 512, "tie_word_embeddings": tied}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    w = LLM(str(tmp_path), load_format="dummy", device="cpu", attention_backend="torch", dtype="float32",
+            max_model_len=64, num_kv_blocks=8).engine.worker
+    table = vocab * hidden * 4
+    assert w.weight_bytes_per_step == w.weight_bytes - (0 if tied else table)
+    assert w.weight_bytes == sum(p.numel() * 4 for p in w.model.parameters())  # tied: one tensor, counted once

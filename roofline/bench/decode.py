@@ -105,6 +105,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
             print(f"measured in this process: read {bandwidth / 1e12:.3f} TB/s, dense GEMM {peak / 1e12:.1f} TFLOP/s")
         rows += _decode_points(args, engine, fmt, batches, contexts, bandwidth, peak)
         meta[fmt] = dict(kv_bytes_per_token=worker.kv_bytes_per_token, weight_bytes=worker.weight_bytes,
+                         weight_bytes_per_step=worker.weight_bytes_per_step,
                          quantization=quant, kv_cache_dtype=kv,
                          pool_tokens=engine.block_manager.num_blocks * engine.block_manager.block_size)
         info = dict(model=args.model, dtype=str(worker.dtype), weight_bytes=worker.weight_bytes,
@@ -146,7 +147,8 @@ def _decode_points(args, engine, fmt, batches, contexts, bandwidth, peak) -> lis
 
     worker = engine.worker
     capacity = engine.block_manager.num_blocks * engine.block_manager.block_size
-    print(f"model {args.model} (dummy weights, {worker.dtype}), {worker.weight_bytes / 1e9:.2f} GB of weights, "
+    print(f"model {args.model} (dummy weights, {worker.dtype}), {worker.weight_bytes / 1e9:.2f} GB of weights "
+          f"({worker.weight_bytes_per_step / 1e9:.2f} GB read per step), "
           f"KV {fmt} {worker.kv_bytes_per_token} B/token, pool {capacity} tokens, "
           f"CUDA graphs {'on' if worker.graphs is not None else 'off'}")
     header = f"{'batch':>6} {'context':>8} {'ms/step':>9} {'tok/s':>10} {'floor ms':>9} {'floor tok/s':>12} {'of floor':>9}"
@@ -162,7 +164,7 @@ def _decode_points(args, engine, fmt, batches, contexts, bandwidth, peak) -> lis
             step = statistics.median(times)
             mean_ctx = context + args.warmup + args.steps / 2
             rep = costmodel.decode_floor_report(
-                weight_bytes=worker.weight_bytes,
+                weight_bytes=worker.weight_bytes_per_step,
                 kv_bytes_read=batch * mean_ctx * worker.kv_bytes_per_token,
                 flops=2.0 * engine.model_config.num_params * batch,
                 bandwidth_bytes_per_s=bandwidth, peak_flops=peak, measured_step_s=step,

@@ -140,6 +140,25 @@ class Worker:
                 total += p.numel() * p.element_size()
         return total
 
+    @property
+    def weight_bytes_per_step(self) -> int:
+        """Bytes of weights one decode step reads: every parameter (tied tensors once) except an input embedding
+        table that is not also the LM head, of which a step reads only its tokens' rows (Llama-3-8B: 1.05 GB of
+        its 16.06 GB in bf16). This is the weight term of the decode floor."""
+        from roofline.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+
+        heads = {id(p) for m in self.model.modules() if isinstance(m, ParallelLMHead) for p in m.parameters()}
+        lookup_only = {id(p) for m in self.model.modules()
+                       if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
+                       for p in m.parameters() if id(p) not in heads}
+        seen: set[int] = set()
+        total = 0
+        for p in self.model.parameters():
+            if id(p) not in seen and id(p) not in lookup_only:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        return total
+
     def _num_kv_blocks(self) -> int:
         cc = self.config.cache_config
         if cc.num_blocks is not None:

@@ -40,7 +40,9 @@ from roofline.quant.quantize import (
 )
 
 GROUP = 64  # hidden 576 = 9 x 64 (128 does not divide it)
-ENGINE = dict(max_model_len=128, num_kv_blocks=48, dtype="float32", device="cpu", attention_backend="torch")
+# A fixed step budget: no start-up prefill timing (torch's CPU INT4 kernel takes ~30 s for that 256-token probe).
+ENGINE = dict(max_model_len=128, num_kv_blocks=48, dtype="float32", device="cpu", attention_backend="torch",
+              max_num_batched_tokens=64)
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Write a haiku about the sea.",
            "List three prime numbers:"]
 NUM_NEW = 8
@@ -300,7 +302,7 @@ def write_checkpoint(kind: str, path: Path, dense_dir: Path, state: dict[str, to
     quantized (RTN) and packed in ``kind``'s layout. Returns {HF module name: canonical weight}."""
     from safetensors.torch import save_file
 
-    shutil.copytree(dense_dir, path)
+    shutil.copytree(dense_dir, path, ignore=shutil.ignore_patterns("*.safetensors"))  # tokenizer and config only
     cfg = json.loads((path / "config.json").read_text())
     cfg["quantization_config"] = qconfig
     (path / "config.json").write_text(json.dumps(cfg, indent=2))
