@@ -160,14 +160,34 @@ def prepare_w4a16(w: Int4Weight, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {"qweight": p.qweight, "scales": p.scales, "zeros": p.zeros}
 
 
+# Above this M the CPU path dequantizes the layer and runs one fp32 GEMM: torch's int4 kernel costs time linear in
+# M (measured on the 2-core AVX-512 machine, N=3072 K=576 G=64: 13.6 ms at M=1, 47 at 4, 579 at 64, 2281 at 256,
+# against 46 / 48 / 40 / 69 ms for dequantize + F.linear).
+CPU_INT4_KERNEL_MAX_M = 4
+
+
+def prepare_w4a16_cpu_prefill(w: Int4Weight) -> dict[str, torch.Tensor]:
+    """The CPU prefill copy of an INT4 weight (``w4a16`` at M > ``CPU_INT4_KERNEL_MAX_M``): codes uint8 [N, K],
+    scales and zeros float32 [N, K / G]. Held as non-persistent buffers beside torch's packed layout (1 more byte
+    per weight in memory; a decode step reads only the packed 4-bit one, which ``weight_bytes`` counts)."""
+    return {"prefill_q": w.q.to(torch.uint8).contiguous(), "prefill_scales": w.scales.float().contiguous(),
+            "prefill_zeros": w.zeros.float().contiguous()}
+
+
 def w4a16(x: torch.Tensor, layer, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [..., K] @ the layer's INT4 weight (``prepare_w4a16``'s tensors on ``layer``).T -> [..., N]."""
     x2 = _flat(x)
     g = layer.int4_group_size
     if x.device.type == "cpu":
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.float().contiguous(), layer.qweight, g,
-                                                         layer.scales_and_zeros).to(x.dtype)
-        return _finish(out, x, bias)
+        if x2.shape[0] <= CPU_INT4_KERNEL_MAX_M or not hasattr(layer, "prefill_q"):
+            out = torch.ops.aten._weight_int4pack_mm_for_cpu(x2.float().contiguous(), layer.qweight, g,
+                                                             layer.scales_and_zeros)
+        else:
+            q, sc, zr = layer.prefill_q, layer.prefill_scales, layer.prefill_zeros
+            n, k = q.shape
+            w = ((q.view(n, k // g, g).float() - zr[:, :, None]) * sc[:, :, None]).view(n, k)
+            out = F.linear(x2.float(), w)
+        return _finish(out.to(x.dtype), x, bias)
     from roofline.kernels import quant_gemm
 
     qw, s, z = layer.qweight, layer.scales, layer.zeros

@@ -82,6 +82,9 @@ class Int4LinearMethod(QuantizedLinearMethod):
         layer.int4_group_size = w.group_size
         for name, tensor in gemm.prepare_w4a16(w, layer.params_dtype).items():
             register_frozen(layer, name, tensor)
+        if w.q.device.type == "cpu":
+            for name, tensor in gemm.prepare_w4a16_cpu_prefill(w).items():
+                layer.register_buffer(name, tensor, persistent=False)
 
     def apply(self, layer, x, bias=None):
         from roofline.quant import gemm
