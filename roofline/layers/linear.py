@@ -26,6 +26,9 @@ from roofline.quant.base import QuantConfig, UnquantizedLinearMethod, set_weight
 def _copy_checked(dest: torch.Tensor, loaded: torch.Tensor) -> None:
     if tuple(dest.shape) != tuple(loaded.shape):
         raise ValueError(f"checkpoint has {tuple(loaded.shape)}, this rank's parameter expects {tuple(dest.shape)}")
+    if dest.dtype.is_floating_point != loaded.dtype.is_floating_point:
+        # Packed integer codes (qweight, qzeros, g_idx) stored as floats, or the reverse, would be copied as values.
+        raise ValueError(f"checkpoint has dtype {loaded.dtype}, the parameter holds {dest.dtype}")
     dest.copy_(loaded)
 
 

@@ -230,7 +230,11 @@ def iter_safetensors(path: Path) -> Iterator[tuple[str, torch.Tensor]]:
     from safetensors import safe_open
 
     for file in _safetensors_files(path):
-        with safe_open(str(file), framework="pt") as f:
+        try:
+            f = safe_open(str(file), framework="pt")
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise ValueError(f"cannot read safetensors file {str(file)!r} (truncated or not safetensors?): {e}") from e
+        with f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
 
@@ -336,7 +340,7 @@ def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tens
             else:
                 loader(param, tensor, shard)
         except ValueError as e:
-            raise ValueError(f"shape mismatch for {hf_name!r}: {e}") from e
+            raise ValueError(f"cannot load {hf_name!r}: {e}") from e
         loaded.add((target, shard))
     missing = sorted(f"{n}:{s}" if s is not None else n for n, s in _expected_shards(model, params) - loaded)
     if missing:

@@ -48,6 +48,9 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--calib-samples", type=int, default=128, help="calibration windows (default 128)")
     p.add_argument("--calib-seq-len", type=int, default=512, help="tokens per calibration window (default 512)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
+    p.add_argument("--dtype", default=None, choices=["auto", "float32", "float16", "bfloat16"],
+                   help="dtype the model runs in while calibrating and the checkpoint's dense tensors are written in "
+                        "(default: float32 on CPU, the model's own dtype on GPUs)")
     p.add_argument("--output", "-o", required=True, help="directory to write (config.json, model.safetensors, "
                                                            "tokenizer)")
     p.set_defaults(func=run_quantize_command)
@@ -69,7 +72,7 @@ def run_quantize_command(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     summary = quantize_checkpoint(args.model, args.quantization, method, out, group_size=args.group_size,
                                   desc_act=args.desc_act, alpha=args.alpha, num_samples=args.calib_samples,
-                                  seq_len=args.calib_seq_len, device=args.device)
+                                  seq_len=args.calib_seq_len, device=args.device, dtype=args.dtype)
     print(f"wrote {out}: {summary['format']} ({summary['quant_method']}), {summary['num_quantized']} linear layers, "
           f"{summary['linear_bits_per_weight']:.3f} bits per linear weight (scales and zeros included), "
           f"{summary['file_bytes'] / 1e6:.1f} MB in {time.perf_counter() - t0:.0f} s")
@@ -78,7 +81,7 @@ def run_quantize_command(args: argparse.Namespace) -> int:
 
 def quantize_checkpoint(model: str | None, quantization: str, method: str, output: Path, *, group_size: int = 128,
                         desc_act: bool = False, alpha: float | None = None, num_samples: int = 128,
-                        seq_len: int = 512, device: str = "auto") -> dict[str, Any]:
+                        seq_len: int = 512, device: str = "auto", dtype: str | None = None) -> dict[str, Any]:
     """Quantize ``model`` and write an HF checkpoint directory at ``output``.
 
     Returns:
@@ -97,7 +100,9 @@ def quantize_checkpoint(model: str | None, quantization: str, method: str, outpu
     from roofline.quant.calibrate import calibrate_model
     from roofline.quant.quantize import ChannelWeight, Int4Weight, quantize_fp8_per_channel, quantize_int8_per_channel
 
-    llm = LLM(model=model, device=device, dtype="float32" if device in ("auto", "cpu") else "auto",
+    if dtype is None:
+        dtype = "float32" if device in ("auto", "cpu") else "auto"
+    llm = LLM(model=model, device=device, dtype=dtype,
               max_model_len=max(seq_len + 1, 256), num_kv_blocks=max(64, -(-(seq_len + 1) // 16) + 8),
               max_num_batched_tokens=max(256, seq_len), enable_prefix_caching=False, enforce_eager=True)
     if llm.engine.worker.quant_config is not None:

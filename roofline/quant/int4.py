@@ -27,7 +27,7 @@ from roofline.quant.quantize import Int4Weight, quantize_int4_rtn
 INT4_GROUP_SIZES = (32, 64, 128)
 
 
-def contiguous_groups(w: Int4Weight) -> tuple[Int4Weight, torch.Tensor | None]:
+def contiguous_groups(w: Int4Weight, name: str = "layer") -> tuple[Int4Weight, torch.Tensor | None]:
     """An act-order weight (``g_idx``) with its input channels permuted so groups are contiguous.
 
     Returns:
@@ -43,10 +43,16 @@ def contiguous_groups(w: Int4Weight) -> tuple[Int4Weight, torch.Tensor | None]:
     g = w.g_idx.long()
     if torch.equal(g, torch.arange(k, device=g.device) // w.group_size):
         return Int4Weight(w.q, w.scales, w.zeros, w.group_size), None
-    counts = torch.bincount(g, minlength=k // w.group_size)
-    if counts.numel() != k // w.group_size or bool((counts != w.group_size).any()):
-        raise ValueError(f"g_idx assigns {counts.tolist()} channels to its groups; every group needs exactly "
-                         f"group_size={w.group_size}")
+    groups = k // w.group_size
+    if bool((g < 0).any()) or bool((g >= groups).any()):
+        raise ValueError(f"{name}.g_idx: group ids must lie in [0, {groups}) (K={k}, group_size={w.group_size}), got "
+                         f"[{int(g.min())}, {int(g.max())}]")
+    counts = torch.bincount(g, minlength=groups)
+    bad = (counts != w.group_size).nonzero().flatten()
+    if bad.numel():
+        j = int(bad[0])
+        raise ValueError(f"{name}.g_idx assigns {int(counts[j])} input channels to group {j} ({bad.numel()} groups "
+                         f"are off); every group needs exactly group_size={w.group_size}")
     perm = torch.sort(g, stable=True).indices
     return Int4Weight(w.q[:, perm].contiguous(), w.scales, w.zeros, w.group_size), perm
 
@@ -76,7 +82,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
     def set_weights(self, layer: nn.Module, canonical: Int4Weight) -> None:
         from roofline.quant import gemm
 
-        w, perm = contiguous_groups(canonical)
+        w, perm = contiguous_groups(canonical, getattr(layer, "prefix", "") or "layer")
         if perm is not None:
             register_frozen(layer, "input_perm", perm.to(w.q.device))
         layer.int4_group_size = w.group_size

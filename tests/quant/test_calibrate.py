@@ -374,9 +374,9 @@ def test_calibrate_model_errors(tiny):
         calibrate_model(llm, "hqq")
     with pytest.raises(ValueError, match=r"model.layers.0.self_attn.q_proj: group size 48 does not divide its input size K=64"):
         calibrate_model(llm, "gptq", group_size=48, samples=[[1, 2]])
-    with pytest.raises(ValueError, match="alpha applies to awq and smoothquant, not gptq"):
+    with pytest.raises(ValueError, match=r"alpha \(--alpha\) applies to awq and smoothquant, not gptq"):
         calibrate_model(llm, "gptq", alpha=0.5)
-    with pytest.raises(ValueError, match=r"alpha must be in \[0, 1\], got 2"):
+    with pytest.raises(ValueError, match=r"alpha \(--alpha\) must be in \[0, 1\], got 2"):
         calibrate_model(llm, "smoothquant", alpha=2)
     with pytest.raises(ValueError, match="desc_act .* applies to gptq, not awq"):
         calibrate_model(llm, "awq", desc_act=True)

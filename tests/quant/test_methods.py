@@ -534,3 +534,38 @@ def test_serve_help_lists_quantization():
                        timeout=120)
     assert r.returncode == 0, r.stderr
     assert "--quantization" in r.stdout and "--quantization-group-size" in r.stdout
+
+
+# ------------------------------------------------------------------------------- 6. corrupted checkpoints
+
+
+def test_truncated_safetensors_file_is_a_clear_error(checkpoints, tmp_path):
+    path, _ = checkpoints("gptq")
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad, ignore=shutil.ignore_patterns("*.safetensors"))
+    data = (path / "model.safetensors").read_bytes()
+    (bad / "model.safetensors").write_bytes(data[: len(data) - 2**20])
+    with pytest.raises(ValueError, match="cannot read safetensors file .*model.safetensors.*truncated"):
+        _llm(str(bad))
+
+
+@pytest.mark.parametrize("edit", ["float_qweight", "g_idx_out_of_range"])
+def test_corrupted_int4_tensors_are_refused_naming_them(edit, checkpoints, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _ = checkpoints("gptq-act-order")
+    bad = tmp_path / "bad"
+    shutil.copytree(path, bad)
+    tensors = load_file(str(bad / "model.safetensors"))
+    if edit == "float_qweight":  # packed codes stored as floats would be copied as values
+        name = "model.layers.3.self_attn.q_proj.qweight"
+        tensors[name] = tensors[name].float()
+        want = [repr(name), "dtype torch.float32", "torch.int32"]
+    else:  # the same out-of-range g_idx on q, k and v (they must agree): refused with the layer's name
+        for p in ("q_proj", "k_proj", "v_proj"):
+            tensors[f"model.layers.3.self_attn.{p}.g_idx"][0] = 99
+        want = ["model.layers.3.self_attn.qkv_proj.g_idx", "[0, 9)", "[0, 99]"]
+    save_file(tensors, str(bad / "model.safetensors"))
+    with pytest.raises(ValueError) as e:
+        _llm(str(bad))
+    assert all(w in str(e.value) for w in want), str(e.value)

@@ -108,9 +108,9 @@ def calibrate_model(
         raise ValueError(f"unknown calibration method {method!r}; choose one of {', '.join(METHODS)}")
     if alpha is not None:
         if method not in ("awq", "smoothquant"):
-            raise ValueError(f"alpha applies to awq and smoothquant, not {method}")
+            raise ValueError(f"alpha (--alpha) applies to awq and smoothquant, not {method}")
         if not 0.0 <= alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+            raise ValueError(f"alpha (--alpha) must be in [0, 1], got {alpha}")
     if desc_act and method != "gptq":
         raise ValueError(f"desc_act (act-order) applies to gptq, not {method}")
     config = llm.engine.model_config
