@@ -11,7 +11,14 @@ import argparse
 import re
 from dataclasses import asdict, dataclass, fields
 
-from roofline.config import QUANTIZATION_METHODS, CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from roofline.config import (
+    QUANTIZATION_METHODS,
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 
 _DTYPE_CHOICES = ["auto", "float32", "float16", "bfloat16"]
 # As vLLM: auto (= the model dtype), a float dtype, or a quantized cache; "fp8" is an alias of "fp8_e4m3".
@@ -102,8 +109,12 @@ class EngineArgs:
     schedule_policy: str = "fcfs"  # fcfs, or lpm (longest prefix match first; needs prefix caching)
     quantization: str | None = None  # roofline.quant.QUANTIZATION_METHODS; None: the checkpoint's own
     quantization_group_size: int = 128  # INT4 group size for load-time int4 (32, 64, 128)
+    # Speculative decoding: vLLM's dict ({"method": "ngram", "num_speculative_tokens": 4, ...}) or its JSON.
+    speculative_config: dict | str | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
+            self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         # The weight format is checked at construction (LLM(quantization=...) fails before any loading).
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), "
@@ -160,6 +171,11 @@ class EngineArgs:
         else:
             batched = 2048
         kv_bytes, fraction = parse_kv_cache_memory(self.kv_cache_memory)
+        spec = self.speculative_config
+        assert spec is None or isinstance(spec, SpeculativeConfig)
+        if spec is not None and spec.num_layers is not None and spec.num_layers >= model_config.num_hidden_layers:
+            raise ValueError(f"speculative_config num_layers must be in [1, {model_config.num_hidden_layers - 1}] "
+                             f"(the target has {model_config.num_hidden_layers} layers), got {spec.num_layers}")
         return EngineConfig(
             model_config=model_config,
             cache_config=CacheConfig(
@@ -185,10 +201,19 @@ class EngineArgs:
             attention_backend=backend,
             use_triton_kernels=triton_ok and not self.disable_triton_kernels,
             enforce_eager=self.enforce_eager or not on_cuda,
-            async_scheduling=on_cuda if self.async_scheduling is None else self.async_scheduling,
+            async_scheduling=self._async_scheduling(on_cuda),
             quantization=self.quantization,
             quantization_group_size=self.quantization_group_size,
+            speculative_config=spec,
         )
+
+    def _async_scheduling(self, on_cuda: bool) -> bool:
+        if self.speculative_config is None:
+            return on_cuda if self.async_scheduling is None else self.async_scheduling
+        if self.async_scheduling:
+            raise ValueError("--async-scheduling cannot be combined with --speculative-config (the verify step's "
+                             "accepted tokens decide the next step's inputs); drop one")
+        return False
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> argparse.ArgumentParser:
@@ -234,6 +259,10 @@ class EngineArgs:
                                  "checkpoint's format (read from its config.json without this flag)")
         parser.add_argument("--quantization-group-size", type=int, default=128, choices=[32, 64, 128],
                             help="input channels per INT4 scale for load-time int4 (default 128)")
+        parser.add_argument("--speculative-config", default=None,
+                            help='speculative decoding, JSON as vLLM: {"method": "ngram", "num_speculative_tokens": '
+                                 '4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", '
+                                 '"num_layers": 8, "num_speculative_tokens": 4}; "adaptive": false pins gamma')
         parser.add_argument("--disable-triton-kernels", action="store_true",
                             help="pure-torch RMSNorm/SiLU on CUDA (was ROOFLINE_DISABLE_KERNELS=1)")
         return parser

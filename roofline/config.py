@@ -291,6 +291,91 @@ class ParallelConfig:
                              f"{self.tensor_parallel_size}")
 
 
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+              "quantization", "num_layers", "adaptive")
+MAX_SPECULATIVE_TOKENS = 16
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``--speculative-config``, vLLM's JSON shape).
+
+    ``method``: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of the last
+    ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens) or ``draft_model``. ``num_speculative_tokens`` is
+    gamma_max, the most drafts per request and step. ``adaptive`` (default True) lets the policy pick gamma in
+    [0, gamma_max] each step (``roofline.spec_decode.policy``); False pins gamma_max.
+
+    ``draft_model`` without ``model`` drafts with the target's own weights: ``num_layers`` k runs the target's
+    first k decoder layers, its final norm and LM head (a layer-truncated self, which shares the target's
+    KV cache for those layers). A separate draft checkpoint (``model``) and an int4 self (``quantization``)
+    are refused with that reason: they are not built yet.
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int = 2
+    prompt_lookup_max: int = 5
+    model: str | None = None
+    quantization: str | None = None
+    num_layers: int | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config adaptive must be true or false, got {self.adaptive!r}")
+        if self.method == "ngram":
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ValueError(f"speculative_config {name} must be an integer >= 1, got {v!r}")
+            if lo > hi:
+                raise ValueError(f"speculative_config prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+            for name in ("model", "quantization", "num_layers"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config {name} applies to method 'draft_model', not 'ngram'")
+            return
+        if self.model is not None:
+            raise ValueError(f"speculative_config model {self.model!r}: a separate draft checkpoint is not "
+                             f"supported yet; use the target's own layers with \"num_layers\": k")
+        if self.quantization is not None:
+            raise ValueError(f"speculative_config quantization {self.quantization!r}: an int4 self-draft is not "
+                             f"supported yet; use \"num_layers\": k")
+        if self.num_layers is None:
+            raise ValueError("speculative_config method 'draft_model' without \"model\" needs \"num_layers\" "
+                             "(a layer-truncated self); the target's own full weights would only repeat it")
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ValueError(f"speculative_config num_layers must be an integer >= 1, got {self.num_layers!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | str) -> SpeculativeConfig:
+        """From vLLM's dict (or its JSON text). Raises ValueError naming an unknown key or a bad value."""
+        if isinstance(d, str):
+            import json
+
+            try:
+                d = json.loads(d)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"--speculative-config is not valid JSON ({e.msg} at column {e.colno}): {d!r}") from e
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(_SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {', '.join(map(repr, unknown))}; allowed: "
+                             f"{', '.join(_SPEC_KEYS)}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in d:
+                raise ValueError(f"speculative_config needs {key!r}")
+        return cls(**d)
+
+
 DTYPES = ("float32", "float16", "bfloat16")
 KV_CACHE_DTYPES = (*DTYPES, "fp8_e4m3", "int8")  # resolved values (vLLM's names; "fp8" is an alias)
 ATTENTION_BACKENDS = ("torch", "triton")
@@ -323,8 +408,12 @@ class EngineConfig:
     # Weight format (roofline.quant): None, or a method quantized at load / the checkpoint format's name.
     quantization: str | None = None
     quantization_group_size: int = 128
+    speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        if self.speculative_config is not None and self.async_scheduling:
+            raise ValueError("speculative decoding needs async_scheduling off (the verify step's accepted "
+                             "tokens decide the next step's inputs)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} once resolved; got {self.dtype!r}")
         if self.cache_config.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -33,6 +33,8 @@ class RunStats:
     # Prefix cache: prompt tokens looked up at admission and those found cached (None: prefix caching off).
     num_prefix_cache_queries: int | None = None
     num_prefix_cache_hits: int | None = None
+    # Speculative decoding counters of this run (None: off): a roofline.spec_decode.stats.SpecDecodeStats.
+    spec_decode: Any = None
 
     @property
     def output_tok_per_s(self) -> float:
@@ -178,6 +180,7 @@ class LLM:
         engine = self.engine
         t0 = time.monotonic()
         before = engine.stats.snapshot()
+        spec_before = engine.spec_stats.copy()
         results: list[RequestOutput | None] = [None] * len(prompts)
         ids: list[str] = []
         order: dict[str, int] = {}
@@ -241,6 +244,7 @@ class LLM:
             mean_decode_kv_tokens=kv_dec / n_dec if n_dec else None,
             num_prefix_cache_queries=int(pc_queries) if caching else None,
             num_prefix_cache_hits=int(pc_hits) if caching else None,
+            spec_decode=engine.spec_stats.since(spec_before) if engine.spec_config is not None else None,
         )
         return [r for r in results if r is not None]
 

@@ -69,6 +69,15 @@ def print_run_summary(llm: Any, floor: str = "probe", hardware: str | None = Non
               f"({s.num_prefix_cache_hits} of {s.num_prefix_cache_queries} prompt tokens cached)")
     else:
         print("prefix cache:       off")
+    sd = s.spec_decode
+    if sd is not None:
+        rate, length = sd.acceptance_rate, sd.mean_acceptance_length
+        per_pos = ", ".join(f"{a / d:.2f}" for a, d in zip(sd.accepted_per_position, sd.drafted_per_position,
+                                                          strict=True) if d)
+        print(f"speculative decode: acceptance rate {'n/a' if rate is None else f'{rate:.3f}'}, mean acceptance "
+              f"length {'n/a' if length is None else f'{length:.2f}'} tokens per verify pass ({sd.num_drafts} "
+              f"passes, {sd.num_accepted_tokens} of {sd.num_draft_tokens} drafts accepted; per position "
+              f"[{per_pos}]); on in {sd.num_steps_on} steps, off (gamma 0) in {sd.num_steps_off}")
     if floor == "none" and not hardware:
         return
     rep = llm.decode_floor(hardware)

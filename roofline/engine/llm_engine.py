@@ -35,6 +35,9 @@ from roofline.engine.sequence import Logprob, Sequence, SequenceStatus
 from roofline.engine.step import CachedRequest, NewRequest, StepInput
 from roofline.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from roofline.sampling_params import SamplingParams
+from roofline.spec_decode.ngram import ngram_propose
+from roofline.spec_decode.policy import SpecPolicy
+from roofline.spec_decode.stats import SpecDecodeStats
 
 if TYPE_CHECKING:
     from roofline.models import loader
@@ -151,6 +154,91 @@ class LLMEngine:
         self._worker_seqs: set[int] = set()
         self._finished_seq_ids: list[int] = []
         self._inflight: tuple[SchedulerOutput, Any] | None = None  # the launched step not yet processed
+        self._host_draft_s = 0.0  # the n-gram proposer's host seconds per draft step, last step
+        self.spec_config = config.speculative_config
+        self.spec_stats = SpecDecodeStats()
+        self.spec_policy: SpecPolicy | None = None
+        if self.spec_config is not None:
+            self.spec_policy = self._make_spec_policy()
+
+    def _make_spec_policy(self) -> SpecPolicy:
+        """The gamma policy, with the bound model's verify ratio at this model's bytes and FLOPs and this
+        device's read bandwidth and GEMM rate, measured once here."""
+        from roofline import costmodel
+        from roofline import hardware as hw
+
+        spec = self.spec_config
+        assert spec is not None
+        worker = self.worker
+        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[str(worker.dtype).removeprefix("torch.")]
+        bandwidth = hw.measure_read_bandwidth(str(worker.device))
+        peak = hw.measure_gemm_flops(str(worker.device), dtype)
+        num_params = self.model_config.num_params
+        weight_bytes = worker.weight_bytes_per_step
+        kv_per_token = worker.kv_bytes_per_token
+        self._spec_context = 512  # keys per sequence assumed by the verify ratio; updated from the batch
+
+        def verify_ratio(batch: int, gamma: int) -> float:
+            return costmodel.verify_cost_ratio(num_params, weight_bytes, self._spec_context * kv_per_token, batch,
+                                               bandwidth, peak, gamma)
+
+        draft_cost = 0.0
+        if spec.method == "draft_model":
+            assert spec.num_layers is not None
+            draft_cost = spec.num_layers / self.model_config.num_hidden_layers
+        logger.info("speculative decoding: %s, gamma_max %d, %s; verify ratio from %.1f GB/s and %.2f TFLOP/s "
+                    "(%s, measured)", spec.method, spec.num_speculative_tokens,
+                    "adaptive gamma" if spec.adaptive else "fixed gamma", bandwidth / 1e9, peak / 1e12, dtype)
+        return SpecPolicy(spec.num_speculative_tokens, spec.adaptive, verify_ratio, draft_cost)
+
+    @staticmethod
+    def _may_speculate(seq: Sequence) -> bool:
+        """Requests with penalties (which depend on every earlier token) or still below min_tokens (whose
+        stop-token ban lifts mid-run) decode without drafts."""
+        p = seq.sampling_params
+        return (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
+                and seq.num_output_tokens >= p.min_tokens)
+
+    def _propose(self) -> None:
+        """Before scheduling: choose gamma for the decoding requests (the policy) and fill their drafts."""
+        spec, policy = self.spec_config, self.spec_policy
+        assert spec is not None and policy is not None
+        sc = self.config.scheduler_config
+        cands, caps, drafts = [], [], []
+        t0 = time.perf_counter()
+        for seq in self.scheduler.running:
+            seq.spec_token_ids = []
+            if seq.num_uncomputed_tokens != 1 or not self._may_speculate(seq):
+                continue
+            p = seq.sampling_params
+            room = sc.max_model_len - seq.num_tokens - 1
+            if p.max_tokens is not None:
+                room = min(room, p.max_tokens - seq.num_output_tokens - 1)
+            k = min(spec.num_speculative_tokens, room)
+            if k <= 0:
+                continue
+            if spec.method == "ngram":
+                d = ngram_propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
+            else:
+                d = [-1] * k
+            cands.append(seq)
+            caps.append(len(d))
+            drafts.append(d)
+        if not cands:
+            return
+        self._spec_context = max(1, sum(s.num_tokens for s in cands) // len(cands))
+        gamma = policy.choose([s.seq_id for s in cands], caps)
+        self.spec_stats.gamma = gamma
+        if gamma == 0:
+            self.spec_stats.num_steps_off += 1
+        for seq, d in zip(cands, drafts, strict=True):
+            p = seq.sampling_params
+            # A seeded random request drafts gamma_max (what it can): its draws then depend on its own tokens
+            # and seed only, not on the batch or on timings.
+            pinned = p.seed is not None and not p.is_greedy
+            seq.spec_token_ids = d if pinned else d[:gamma]
+        if spec.method == "ngram" and gamma > 0:
+            self._host_draft_s = (time.perf_counter() - t0) / gamma
 
     @property
     def block_manager(self) -> BlockPool:
@@ -295,6 +383,8 @@ class LLMEngine:
         work. If a step fails, its error propagates and the caller aborts the affected requests (``LLM``
         does); a step still in flight is processed, its finished sequences dropping their tokens.
         """
+        if self.spec_policy is not None:
+            self._propose()
         out = self.scheduler.schedule()
         pending = self._launch(out) if not out.is_empty else None
         if not self.config.async_scheduling and pending is not None:
@@ -340,34 +430,29 @@ class LLMEngine:
             self.stats.num_prefix_cache_hits = self.prefix_cache.num_hit_tokens
             self.stats.num_prefix_cache_evictions = self.prefix_cache.num_evicted_blocks
         sampled = dict(zip(result.seq_ids, result.sampled_token_ids, strict=True))
-        logprobs = {sid: lps[-1] for sid, lps in zip(result.seq_ids, result.logprobs, strict=True) if lps}
+        logprobs = {sid: lps for sid, lps in zip(result.seq_ids, result.logprobs, strict=True) if lps}
         if result.prompt_logprobs:
             self._add_prompt_logprobs(out, result.prompt_logprobs)
+        spec_seqs = {s.seq.seq_id: len(s.spec_token_ids) for s in out.scheduled if s.spec_token_ids}
+        if spec_seqs:
+            self._record_spec(spec_seqs, result)
         changed = self.scheduler.update(out, sampled)
         touched: dict[str, _Request] = {}
+        now = time.monotonic()
         for seq in changed:
-            token = seq.output_token_ids[-1]
-            if seq.seq_id in logprobs:
-                lp = logprobs[seq.seq_id]
-                if self.tokenizer is not None:
-                    for tid, entry in lp.items():
-                        entry.decoded_token = self.tokenizer.decode([tid])
-                seq.output_logprobs.append(lp)
-                seq.cumulative_logprob += lp[token].logprob
-            # Order as in vLLM: stop token, then stop string, then the length limits.
-            status = self._check_stop_token(seq, token)
-            before = len(seq.output_text)
-            self.detokenizer.decode_new(seq)
-            if status is None and seq.num_output_tokens >= seq.sampling_params.min_tokens:
-                stop = find_stop_string(seq, len(seq.output_text) - before)
-                if stop is not None:
-                    seq.stop_reason = stop
-                    status = SequenceStatus.FINISHED_STOPPED
-            if status is None:
-                status = self._check_length(seq)
-            if status is not None:
-                self.scheduler.finish(seq, status)
-                self._release(seq)
+            # A verify step's tokens are appended here one at a time, each checked as a step's single token is.
+            new = sampled[seq.seq_id] if seq.seq_id in spec_seqs else [seq.output_token_ids[-1]]
+            for i, token in enumerate(new):
+                if seq.seq_id in spec_seqs:
+                    seq.append_token(token, now)
+                lps = logprobs.get(seq.seq_id)
+                if lps is not None:
+                    self._add_logprob(seq, token, lps[i] if seq.seq_id in spec_seqs else lps[-1])
+                status = self._check_stops(seq, token)
+                if status is not None:
+                    self.scheduler.finish(seq, status)
+                    self._release(seq)
+                    break
             req = self.requests.get(seq.request_id)
             if req is not None:
                 touched[req.request_id] = req
@@ -380,6 +465,43 @@ class LLMEngine:
             if ro.finished:
                 del self.requests[req.request_id]
         return outputs
+
+    def _add_logprob(self, seq: Sequence, token: int, lp: dict[int, Logprob]) -> None:
+        if self.tokenizer is not None:
+            for tid, entry in lp.items():
+                entry.decoded_token = self.tokenizer.decode([tid])
+        seq.output_logprobs.append(lp)
+        seq.cumulative_logprob += lp[token].logprob
+
+    def _check_stops(self, seq: Sequence, token: int) -> SequenceStatus | None:
+        """After ``token`` was appended: in vLLM's order, stop token, stop string, then the length limits."""
+        status = self._check_stop_token(seq, token)
+        before = len(seq.output_text)
+        self.detokenizer.decode_new(seq)
+        if status is None and seq.num_output_tokens >= seq.sampling_params.min_tokens:
+            stop = find_stop_string(seq, len(seq.output_text) - before)
+            if stop is not None:
+                seq.stop_reason = stop
+                status = SequenceStatus.FINISHED_STOPPED
+        if status is None:
+            status = self._check_length(seq)
+        return status
+
+    def _record_spec(self, spec_seqs: dict[int, int], result: Any) -> None:
+        """Acceptance counters and the policy's estimates (alpha per request, the draft cost c)."""
+        policy = self.spec_policy
+        assert policy is not None
+        self.spec_stats.num_steps_on += 1
+        for sid, k in spec_seqs.items():
+            a = result.num_accepted.get(sid, 0)
+            self.spec_stats.record(k, a)
+            policy.record(sid, k, a)
+        gamma = max(spec_seqs.values())
+        verify_s = max(result.duration_s - result.draft_duration_s, 1e-9)
+        if result.draft_duration_s > 0:
+            policy.record_cost(result.draft_duration_s / gamma, verify_s)
+        elif self._host_draft_s:
+            policy.record_cost(self._host_draft_s, verify_s)
 
     def _add_prompt_logprobs(self, out: SchedulerOutput,
                              scored: dict[int, tuple[int, list[dict[int, Logprob]]]]) -> None:
@@ -427,7 +549,13 @@ class LLMEngine:
                     list(seq.block_table), s.start_position))
                 self._worker_seqs.add(seq.seq_id)
             else:
-                step.cached_requests.append(CachedRequest(seq.seq_id, seq.block_table[known:], s.start_position))
+                kept = -1
+                if known > len(seq.block_table):  # a verify step freed surplus blocks
+                    known = kept = len(seq.block_table)
+                step.cached_requests.append(CachedRequest(seq.seq_id, seq.block_table[known:], s.start_position,
+                                                          kept))
+            if s.spec_token_ids:
+                step.spec_token_ids[seq.seq_id] = list(s.spec_token_ids)
             self._worker_blocks[seq.seq_id] = len(seq.block_table)
             step.scheduled.append((seq.seq_id, s.num_scheduled_tokens))
         return step
@@ -435,6 +563,8 @@ class LLMEngine:
     def _release(self, seq: Sequence) -> None:
         """The worker forgets a finished sequence (its row and generator) at the next step."""
         self._worker_blocks.pop(seq.seq_id, None)
+        if self.spec_policy is not None:
+            self.spec_policy.forget(seq.seq_id)
         if seq.seq_id in self._worker_seqs:
             self._worker_seqs.discard(seq.seq_id)
             self._finished_seq_ids.append(seq.seq_id)

@@ -41,6 +41,13 @@ Prefix caching (a ``RadixCache`` over the block pool; on by default in the engin
   behind it in ``lpm_starvation_rounds`` scheduling rounds goes ahead of all others (FCFS among such), and
   admission stops at the first sequence that does not fit, so it is never passed over again. With more than
   ``LPM_MAX_WAITING`` sequences waiting, lpm falls back to FCFS (the matching would cost too much per step).
+
+Speculative decoding: a decoding sequence whose ``spec_token_ids`` the engine filled (its proposer and
+policy ran before ``schedule``) gets a chunk of ``1 + k`` tokens, its last known token and ``k`` drafts, with
+blocks for all of them; ``k`` shrinks to fit the token budget, and to 0 rather than preempt anything. When the
+step completes (``update``), ``num_computed_tokens`` rewinds to the accepted prefix (the KV of rejected drafts
+is garbage, overwritten later), blocks past what the next step needs are freed, and only verified tokens are
+ever inserted into the prefix cache. The engine appends the emitted tokens itself (checking stops per token).
 """
 
 from __future__ import annotations
@@ -73,11 +80,14 @@ class ScheduledSequence:
     start_position: int = -1
     samples: bool = False
     num_preemptions: int = -1
+    # Speculative decoding: the drafts this decode chunk verifies (it is 1 + len(spec_token_ids) tokens).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if self.start_position < 0:
             self.start_position = self.seq.num_computed_tokens
-            self.samples = self.num_scheduled_tokens == self.seq.num_uncomputed_tokens
+            self.samples = (self.num_scheduled_tokens - len(self.spec_token_ids)
+                            == self.seq.num_uncomputed_tokens)
         if self.num_preemptions < 0:
             self.num_preemptions = self.seq.num_preemptions
 
@@ -178,7 +188,8 @@ class Scheduler:
         """Give up ``seq``'s blocks: its verified prefix goes into the prefix cache first, then its lock and
         its block references are dropped (blocks the cache holds stay there, evictable)."""
         if self.prefix_cache is not None and seq.block_table:
-            self._cache_prefix(seq, seq.num_completed_tokens)
+            # A speculative run cut by a stop leaves fewer tokens than its verified KV covers.
+            self._cache_prefix(seq, min(seq.num_completed_tokens, seq.num_tokens))
         if seq.cache_node is not None:
             assert self.prefix_cache is not None
             self.prefix_cache.unlock(seq.cache_node)
@@ -233,6 +244,13 @@ class Scheduler:
             num_new = min(seq.num_uncomputed_tokens, budget)
             if not self.config.enable_chunked_prefill and num_new < seq.num_uncomputed_tokens:
                 continue
+            drafts: list[int] = []
+            if seq.spec_token_ids and not seq.is_prefill:
+                drafts = seq.spec_token_ids[:budget - 1]
+                if drafts and bm.can_allocate(seq, 1 + len(drafts)):
+                    num_new = 1 + len(drafts)
+                else:
+                    drafts = []  # never preempt for drafts
             while not bm.can_allocate(seq, num_new):
                 victim = max(
                     (s for s in self.running if s.seq_id not in scheduled_ids),
@@ -246,7 +264,7 @@ class Scheduler:
             if seq.seq_id in preempted_ids:
                 continue
             bm.allocate(seq, num_new)
-            out.scheduled.append(ScheduledSequence(seq, num_new))
+            out.scheduled.append(ScheduledSequence(seq, num_new, spec_token_ids=drafts))
             scheduled_ids.add(seq.seq_id)
             budget -= num_new
 
@@ -308,6 +326,17 @@ class Scheduler:
                 if seq.status != SequenceStatus.RUNNING and not self._waits_for_fork(seq):
                     seq.num_bypassed_rounds += 1
 
+    def _rewind(self, seq: Sequence, num_computed: int) -> None:
+        """After a verify step: KV is valid up to ``num_computed`` tokens (the last known one and the accepted
+        drafts); keep the blocks the next step needs (one more position) and free the rest."""
+        seq.num_computed_tokens = num_computed
+        seq.num_completed_tokens = max(seq.num_completed_tokens, num_computed)
+        keep = self.block_pool.num_blocks_needed(num_computed + 1)
+        if len(seq.block_table) > keep:
+            surplus = seq.block_table[keep:]
+            del seq.block_table[keep:]
+            self.block_pool.decref(surplus)
+
     def _finishes_in_flight(self, seq: Sequence) -> bool:
         """A token in flight will end ``seq`` by length (max_tokens or max_model_len): do not schedule it."""
         if not seq.num_placeholders:
@@ -332,6 +361,12 @@ class Scheduler:
         got_token = []
         for s in out.scheduled:
             seq = s.seq
+            if s.spec_token_ids:
+                seq.num_placeholders -= 1
+                if s.num_preemptions == seq.num_preemptions and not seq.is_finished:
+                    self._rewind(seq, s.start_position + len(sampled[seq.seq_id]))
+                    got_token.append(seq)  # the engine appends its tokens, checking stops one by one
+                continue
             if s.num_preemptions == seq.num_preemptions and not seq.is_finished:
                 # This chunk's KV is written: it may now be shared (prefill chunks go into the cache at once,
                 # so concurrent requests with the same prefix share it before this one finishes).

@@ -82,6 +82,9 @@ class Sequence:
     fork_of: Sequence | None = field(default=None, repr=False)
     num_bypassed_rounds: int = 0
     stop_reason: int | str | None = None
+    # Speculative decoding: drafts for the next step (set by the engine's proposer before scheduling; -1
+    # entries are drafted by the worker's draft model).
+    spec_token_ids: list[int] = field(default_factory=list)
 
     # Detokenization state (owned by the Detokenizer).
     output_text: str = ""

@@ -36,6 +36,9 @@ class CachedRequest:
     seq_id: int
     new_block_ids: list[int]
     num_computed_tokens: int
+    # >= 0: the row's block table was cut to this many blocks before new_block_ids (a speculative step's
+    # surplus blocks were freed after its rejected drafts); -1: unchanged.
+    num_kept_blocks: int = -1
 
 
 @dataclass
@@ -49,6 +52,9 @@ class StepInput:
     scheduled: list[tuple[int, int]] = field(default_factory=list)
     finished_seq_ids: list[int] = field(default_factory=list)
     preempted_seq_ids: list[int] = field(default_factory=list)  # leave the batch, keep their generators
+    # Speculative decoding: seq_id -> the drafts its chunk verifies (the chunk is 1 + len(drafts) tokens: the
+    # last known token, then the drafts). -1 entries are drafted by the worker's own draft model this step.
+    spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -61,8 +67,8 @@ class StepInput:
 
 @dataclass
 class StepOutput:
-    """What the worker sampled: for each sampling sequence, a list of tokens (one today; several once a
-    step verifies speculative drafts), and optionally their logprobs."""
+    """What the worker sampled: for each sampling sequence, a list of tokens (one, or the accepted drafts and
+    one more token when the step verifies drafts), and optionally their logprobs."""
 
     seq_ids: list[int] = field(default_factory=list)
     sampled_token_ids: list[list[int]] = field(default_factory=list)
@@ -72,3 +78,7 @@ class StepOutput:
     # first prompt token scored, one {token id: Logprob} dict per consecutive prompt token, actual + top-k).
     prompt_logprobs: dict[int, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
     duration_s: float = 0.0
+    # Speculative decoding: seq_id -> drafts accepted this step (its sampled tokens are those plus one), and
+    # the seconds the worker's draft model took (0 for host proposers).
+    num_accepted: dict[int, int] = field(default_factory=dict)
+    draft_duration_s: float = 0.0

@@ -101,6 +101,18 @@ def apply_top_k_top_p_min_p(
     return logits.masked_fill(mask.scatter(1, sorted_idx, mask), float("-inf"))
 
 
+def processed_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
+    """The distribution each row samples from: penalties, banned ids, temperature, then top-k / top-p / min-p,
+    softmaxed. logits: [N, V] raw; returns [N, V] fp32. A greedy row (temperature 0) comes out nearly one-hot
+    on its argmax (temperature clamped to 1e-5). Speculative decoding takes p and q from here, so both see the
+    same processing."""
+    logits = apply_penalties(logits.float(), md)
+    if md.banned_mask is not None:
+        logits = logits.masked_fill(md.banned_mask, float("-inf"))
+    temps = md.temperatures.clamp(min=1e-5)[:, None]
+    return apply_top_k_top_p_min_p(logits / temps, md.top_ks, md.top_ps, md.min_ps).softmax(dim=-1)
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
         """logits: [N, V] fp32 (raw model output). Returns sampled ids and, if asked, logprobs."""

@@ -77,6 +77,8 @@ class EngineSnapshot:
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
     prefix_cache_evictions: int = 0
+    # Speculative decoding counters (None when it is off): a SpecDecodeStats copy.
+    spec_decode: Any = None
 
 
 @dataclass(frozen=True)
@@ -407,6 +409,7 @@ class AsyncLLMEngine:
             prefix_cache_queries=self.engine.stats.num_prefix_cache_queries,
             prefix_cache_hits=self.engine.stats.num_prefix_cache_hits,
             prefix_cache_evictions=self.engine.stats.num_prefix_cache_evictions,
+            spec_decode=self.engine.spec_stats.copy() if self.engine.spec_config is not None else None,
         )
 
     def _publish(self) -> None:

@@ -25,6 +25,17 @@ scrape never reads it; a step can take seconds on a CPU, and what is known while
     roofline:prefix_cache_hits_total         counter, prompt tokens found there (hit rate = hits / queries)
     roofline:prefix_cache_evictions_total    counter, KV blocks evicted from the prefix cache
 
+With speculative decoding on (vLLM's names):
+
+    roofline:spec_decode_num_drafts_total            counter, verify passes (speculating request x step)
+    roofline:spec_decode_num_draft_tokens_total      counter, drafted tokens verified
+    roofline:spec_decode_num_accepted_tokens_total   counter, drafted tokens accepted
+    roofline:spec_decode_num_emitted_tokens_total    counter, tokens the verify passes produced
+    roofline:spec_decode_num_accepted_tokens_per_pos_total  counter, label position (0-based draft index)
+    roofline:spec_decode_draft_acceptance_rate       gauge, accepted / drafted since start, in [0, 1]
+    roofline:spec_decode_mean_acceptance_length      gauge, emitted tokens per verify pass
+    roofline:spec_decode_gamma                       gauge, the policy's latest gamma (0: off)
+
 Each app gets its own ``CollectorRegistry`` so several apps (tests) can live in one process.
 """
 
@@ -90,6 +101,36 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric(values, float(value))
             yield c
+        sd = snap.spec_decode
+        if sd is None:
+            return
+        for name, doc, value in (
+            ("roofline:spec_decode_num_drafts", "Speculative verify passes (a speculating request in a step).",
+             sd.num_drafts),
+            ("roofline:spec_decode_num_draft_tokens", "Drafted tokens verified by the target.", sd.num_draft_tokens),
+            ("roofline:spec_decode_num_accepted_tokens", "Drafted tokens accepted.", sd.num_accepted_tokens),
+            ("roofline:spec_decode_num_emitted_tokens", "Tokens produced by verify passes (accepted + 1 each).",
+             sd.num_emitted_tokens),
+        ):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, float(value))
+            yield c
+        c = CounterMetricFamily("roofline:spec_decode_num_accepted_tokens_per_pos",
+                                "Accepted drafts by position in the draft (0-based).", labels=labels + ["position"])
+        for j, n in enumerate(sd.accepted_per_position):
+            c.add_metric(values + [str(j)], float(n))
+        yield c
+        for name, doc, value in (
+            ("roofline:spec_decode_draft_acceptance_rate", "Accepted / drafted tokens since start, in [0, 1].",
+             sd.acceptance_rate or 0.0),
+            ("roofline:spec_decode_mean_acceptance_length", "Tokens emitted per verify pass since start.",
+             sd.mean_acceptance_length or 0.0),
+            ("roofline:spec_decode_gamma", "Drafts per request the policy chose for the latest step (0: off).",
+             sd.gamma),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, float(value))
+            yield g
 
 
 class ServerMetrics:

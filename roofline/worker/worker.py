@@ -98,6 +98,11 @@ class Worker:
         self._prev_sampled: torch.Tensor | None = None  # the last launched step's sampled ids (device)
         self.sampler = Sampler()
         self._generators: dict[int, torch.Generator] = {}
+        # Speculative decoding: drafts per row this step (0: the row does not speculate), and the draft model
+        # (a layer-truncated self: the target's first draft_num_layers layers, final norm and LM head).
+        spec = config.speculative_config
+        self._num_spec = np.zeros(sc.max_num_seqs, dtype=np.int64)
+        self.draft_num_layers = spec.num_layers if spec is not None and spec.method == "draft_model" else None
         self.graphs: CUDAGraphRunner | None = None
         if config.uses_cuda_graphs:
             if self.backend.supports_cuda_graphs:
@@ -299,6 +304,8 @@ class Worker:
                 self._generators[req.seq_id] = g
         for c in step.cached_requests:
             row = batch.row_of[c.seq_id]
+            if c.num_kept_blocks >= 0:
+                batch.num_blocks[row] = c.num_kept_blocks
             batch.append_blocks(row, c.new_block_ids)
             batch.num_computed_tokens[row] = c.num_computed_tokens
 
@@ -342,7 +349,7 @@ class Worker:
         seq_lens = start + counts
         max_blocks = int(batch.num_blocks[rows].max())
         block_tables = batch.block_table[rows, :max_blocks]
-        samples = seq_lens == batch.num_tokens[rows]
+        samples = seq_lens - self._num_spec[rows] == batch.num_tokens[rows]  # drafts sit past num_tokens
         meta = AttentionMetadata(
             slot_mapping=self._to_device("slot_mapping", slot_mapping),
             query_start_loc=self._to_device("query_start_loc", query_start.astype(np.int32)),
@@ -419,6 +426,7 @@ class Worker:
         t0 = time.perf_counter()
         self._step_id += 1
         self.update_states(step)
+        draft_s = self._place_drafts(step) if step.spec_token_ids else 0.0
         input_ids, positions, meta, sample_rows, logits_indices = self.prepare_inputs(step)
         prompt_plan = plan_prompt_logprobs(self.input_batch, step)  # None unless a scheduled request asks
         if (self.graphs is not None and meta.is_decode_only
@@ -430,6 +438,13 @@ class Worker:
         for (sid, n) in step.scheduled:
             batch.num_computed_tokens[batch.row_of[sid]] += n
         pending = PendingStep(self, step, t0)
+        pending.draft_duration_s = draft_s
+        if step.spec_token_ids and len(sample_rows):
+            ks = self._num_spec[sample_rows]
+            spec = ks > 0
+            self._verify(pending, hidden, sample_rows[spec], logits_indices[spec], ks[spec])
+            sample_rows, logits_indices = sample_rows[~spec], logits_indices[~spec]
+            self._num_spec[:] = 0
         if prompt_plan is not None:  # logits at the prompt positions of the requests that ask, and no others
             lps = compute_prompt_logprobs(prompt_plan, hidden, self.model.compute_logits, self._to_device)
             pending.prompt_plan = prompt_plan
@@ -454,6 +469,128 @@ class Worker:
             pending.event = torch.cuda.Event()
             pending.event.record()
         return pending
+
+    # ------------------------------------------------------------------------------ speculative decoding
+
+    def _place_drafts(self, step: StepInput) -> float:
+        """Write each speculating row's drafts after its known tokens (``token_ids[row, num_tokens:]``), where
+        ``prepare_inputs`` reads them as the chunk's inputs; ``-1`` drafts come from the draft model now.
+        Returns the draft model's seconds (0 without one)."""
+        batch = self.input_batch
+        self._num_spec[:] = 0
+        need_model = []
+        for sid, drafts in step.spec_token_ids.items():
+            row = batch.row_of[sid]
+            n = int(batch.num_tokens[row])
+            batch.token_ids[row, n:n + len(drafts)] = drafts
+            self._num_spec[row] = len(drafts)
+            if drafts and drafts[0] < 0:
+                need_model.append(row)
+        self._draft_probs: dict[int, torch.Tensor] = {}
+        if not need_model:
+            return 0.0
+        t0 = time.perf_counter()
+        self._run_draft_model(np.array(need_model, dtype=np.int64))
+        return time.perf_counter() - t0
+
+    def _forward_layers(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                        num_layers: int) -> torch.Tensor:
+        """The target's first ``num_layers`` decoder layers, then its final norm: the self-draft's forward.
+        Its attention layers write K/V into the target's own cache for those layers, at the drafted positions;
+        the verify pass overwrites them."""
+        m = self.model.model
+        x, residual = m.embed_tokens(input_ids), None
+        for layer in m.layers[:num_layers]:
+            x, residual = layer(positions, x, residual, meta)
+        x, _ = m.norm(x, residual)
+        return x
+
+    def _run_draft_model(self, rows: np.ndarray) -> None:
+        """k_r sequential one-token passes of the truncated model per row ``r``: pass j reads the token at
+        position ``num_tokens - 1 + j`` and samples draft j + 1 from q (the row's own sampling processing),
+        which it writes into ``token_ids``. Keeps each row's q [k_r, V] for the rejection sampler."""
+        from roofline.layers.sampler import processed_probs
+
+        batch, bs, dev = self.input_batch, self.block_size, self.device
+        assert self.draft_num_layers is not None
+        ks = self._num_spec[rows]
+        q = {int(r): [] for r in rows}
+        for j in range(int(ks.max())):
+            act = rows[ks > j]
+            pos = batch.num_tokens[act] - 1 + j  # [A]
+            slots = batch.block_table[act, pos // bs].astype(np.int64) * bs + pos % bs
+            seq_lens = pos + 1
+            max_blocks = int(((seq_lens + bs - 1) // bs).max())
+            meta = AttentionMetadata(
+                slot_mapping=torch.from_numpy(slots).to(dev),
+                query_start_loc=torch.arange(len(act) + 1, dtype=torch.int32, device=dev),
+                seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+                block_tables=torch.from_numpy(np.ascontiguousarray(batch.block_table[act, :max_blocks])).to(dev),
+                max_query_len=1, query_lens_cpu=[1] * len(act), seq_lens_cpu=seq_lens.tolist(),
+            )
+            ids = torch.from_numpy(batch.token_ids[act, pos]).to(dev)
+            hidden = self._forward_layers(ids, torch.from_numpy(pos).to(dev), self.backend.build_metadata(meta),
+                                          self.draft_num_layers)
+            md = self.prepare_sampling(act)
+            probs = processed_probs(self.model.compute_logits(hidden), md)  # [A, V]
+            noise = torch.empty_like(probs).exponential_()
+            for i, g in enumerate(md.generators):
+                if g is not None:
+                    noise[i].exponential_(generator=g)
+            tok = torch.where(md.temperatures < 1e-5, probs.argmax(dim=-1), (probs / noise).argmax(dim=-1))
+            batch.token_ids[act, pos + 1] = tok.cpu().numpy()
+            for i, r in enumerate(act.tolist()):
+                q[r].append(probs[i])
+        self._draft_probs = {r: torch.stack(v) for r, v in q.items()}
+
+    def _verify(self, pending: PendingStep, hidden: torch.Tensor, rows: np.ndarray, last_indices: np.ndarray,
+                ks: np.ndarray) -> None:
+        """Score each speculating row's 1 + k positions and accept or reject its drafts
+        (``roofline.spec_decode.rejection``); the emitted tokens come back to the host in ``result()``."""
+        from roofline.layers.sampler import processed_probs, token_logprobs
+        from roofline.spec_decode.rejection import rejection_sample
+
+        batch, dev = self.input_batch, self.device
+        s, kmax = len(rows), int(ks.max())
+        counts = ks + 1
+        offsets = np.repeat(np.cumsum(counts) - counts, counts)  # [F] start of each row's run
+        j = np.arange(int(counts.sum())) - offsets  # [F] position within the run
+        row_of_flat = np.repeat(np.arange(s), counts)  # [F]
+        flat_idx = np.repeat(last_indices - ks, counts) + j
+        logits = self.model.compute_logits(hidden[torch.from_numpy(flat_idx).to(dev)])  # [F, V] fp32
+        md = self.prepare_sampling(np.repeat(rows, counts))
+        probs = processed_probs(logits, md)
+        rof, jj = torch.from_numpy(row_of_flat).to(dev), torch.from_numpy(j).to(dev)
+        target = torch.zeros(s, kmax + 1, probs.shape[1], device=dev)
+        target[rof, jj] = probs
+        drafts = np.zeros((s, kmax), dtype=np.int64)
+        for i, (r, k) in enumerate(zip(rows.tolist(), ks.tolist(), strict=True)):
+            n = int(batch.num_tokens[r])
+            drafts[i, :k] = batch.token_ids[r, n:n + k]
+        draft_probs = None
+        if self._draft_probs:
+            draft_probs = torch.zeros(s, kmax, probs.shape[1], device=dev)
+            for i, r in enumerate(rows.tolist()):
+                qr = self._draft_probs.get(r)
+                if qr is not None:
+                    draft_probs[i, :len(qr)] = qr
+                else:  # a host-proposed row in the same step: one-hot q
+                    k = int(ks[i])
+                    draft_probs[i, torch.arange(k, device=dev), torch.from_numpy(drafts[i, :k]).to(dev)] = 1.0
+        first = np.cumsum(counts) - counts  # flat index of each row's first position
+        temps = md.temperatures[torch.from_numpy(first).to(dev)]
+        gens = [md.generators[f] for f in first.tolist()]
+        res = rejection_sample(target, torch.from_numpy(drafts).to(dev), torch.from_numpy(ks).to(dev),
+                               draft_probs, temps < 1e-5, gens)
+        pending.spec_rows = rows.tolist()
+        pending.spec_seq_ids = [batch.seq_ids[r] for r in pending.spec_rows]  # type: ignore[misc]
+        pending.spec_host = {"token_ids": self._to_host(res.token_ids), "num_accepted": self._to_host(res.num_accepted)}
+        if int(batch.num_logprobs[rows].max()) >= 0:
+            emitted = res.token_ids[rof, jj].clamp(min=0)  # [F] the token emitted at each position (or 0)
+            so = token_logprobs(logits, emitted, int(batch.num_logprobs[rows].max()))
+            pending.spec_host.update(logprobs=self._to_host(so.logprobs), ranks=self._to_host(so.ranks),
+                                     top_ids=self._to_host(so.top_ids), top_logprobs=self._to_host(so.top_logprobs))
+            pending.spec_counts = counts.tolist()
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         """A non-blocking device -> host copy into pinned memory (a plain reference on CPU)."""
@@ -497,6 +634,11 @@ class PendingStep:
         self.event: torch.cuda.Event | None = None
         self.prompt_plan: PromptLogprobsPlan | None = None
         self.prompt_host: dict[str, torch.Tensor] = {}
+        self.draft_duration_s = 0.0
+        self.spec_rows: list[int] = []
+        self.spec_seq_ids: list[int] = []
+        self.spec_host: dict[str, torch.Tensor] = {}
+        self.spec_counts: list[int] = []
 
     def result(self) -> StepOutput:
         if self.event is not None:
@@ -509,10 +651,48 @@ class PendingStep:
             out.sampled_token_ids = [[t] for t in sampled]
             out.logprobs = (self.worker._collect_logprobs(self.rows, self.host) if "logprobs" in self.host
                             else [None] * len(self.rows))
+        if self.spec_rows:
+            self._collect_spec(out)
         if self.prompt_plan is not None:
             out.prompt_logprobs = collect_prompt_logprobs(self.prompt_plan, self.prompt_host)
+        out.draft_duration_s = self.draft_duration_s
         out.duration_s = time.perf_counter() - self.t0
         return out
+
+
+    def _collect_spec(self, out: StepOutput) -> None:
+        """Speculating rows: their emitted tokens go into the batch (after the drafts' slots were used as
+        inputs) and into the output, with the target's logprobs of each emitted token when asked."""
+        batch = self.worker.input_batch
+        tokens = self.spec_host["token_ids"].tolist()
+        accepted = self.spec_host["num_accepted"].tolist()
+        lp = {k: v.tolist() for k, v in self.spec_host.items() if k in ("logprobs", "ranks", "top_ids", "top_logprobs")}
+        flat = 0
+        for i, (row, sid) in enumerate(zip(self.spec_rows, self.spec_seq_ids, strict=True)):
+            emitted = tokens[i][:accepted[i] + 1]
+            if batch.seq_ids[row] == sid:
+                n = int(batch.num_tokens[row])
+                batch.token_ids[row, n:n + len(emitted)] = emitted
+                batch.num_tokens[row] = n + len(emitted)
+            out.seq_ids.append(sid)
+            out.sampled_token_ids.append(emitted)
+            out.num_accepted[sid] = accepted[i]
+            p = batch.params[row]
+            k = p.logprobs if p is not None and batch.seq_ids[row] == sid else None
+            if not lp or k is None:
+                out.logprobs.append(None)
+            else:
+                entries = []
+                for t, tok in enumerate(emitted):
+                    f = flat + t
+                    entry = {tok: Logprob(lp["logprobs"][f], lp["ranks"][f])}
+                    for rank, (tid, v) in enumerate(zip(lp["top_ids"][f][:k], lp["top_logprobs"][f][:k], strict=True)):
+                        if tid not in entry:
+                            entry[tid] = Logprob(v, rank + 1)
+                    entries.append(entry)
+                out.logprobs.append(entries)
+            if self.spec_counts:
+                flat += self.spec_counts[i]
 
 
 _BUDGETS: dict[object, int] = {}

@@ -1,0 +1,138 @@
+"""When to speculate, and how far: gamma per step from the bound model and measured rates.
+
+Each step, for the batch of requests that may speculate (B of them), the policy picks the gamma in
+``0 .. gamma_max`` that maximizes predicted tokens per second,
+
+    sum_i E(alpha_i, min(gamma, cap_i))  /  (verify_ratio(B, gamma) + gamma * c)      [gamma = 0: B / 1]
+
+- ``E(alpha, gamma) = (1 - alpha^(gamma+1)) / (1 - alpha)``: expected tokens per verify pass with a per-token
+  acceptance rate alpha (Leviathan et al. 2023, eq. 1; ``costmodel.expected_tokens_per_step``);
+- ``alpha_i``: request i's acceptance, an exponential moving average of its verify passes (accepted drafts
+  over acceptance tests, where a pass that stops at a rejection counts one failed test); a request with no
+  pass yet takes its proposer's running average;
+- ``c``: one draft step's time over one target step's, from the engine's own step timings (an EMA);
+- ``verify_ratio(B, gamma)``: the bound model's step time at ``B x (gamma + 1)`` positions over
+  ``B x 1`` (``costmodel.verify_cost_ratio``), with the device's measured read bandwidth and GEMM rate:
+  1 while the step is memory-bound, growing once the verify pass turns compute-bound.
+
+gamma = 0 turns speculation off for the step. While it is off, every ``PROBE_INTERVAL``-th step still
+speculates with gamma 1 so the acceptance estimates keep up with the text (a copy-heavy request can start
+later). With ``adaptive`` False gamma is always gamma_max.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from roofline.costmodel import expected_tokens_per_step
+
+logger = logging.getLogger(__name__)
+
+ALPHA_PRIOR = 0.5  # a proposer's acceptance before its first verify pass
+ALPHA_EMA = 0.3  # weight of the newest verify pass in a request's acceptance estimate
+COST_EMA = 0.2  # weight of the newest measurement in the draft-cost estimate
+PROBE_INTERVAL = 16  # steps with gamma 0 between probes at gamma 1
+ALPHA_MAX = 0.999  # E(alpha) needs alpha < 1
+
+
+@dataclass
+class _Acceptance:
+    """EMA of accepted drafts and of acceptance tests; alpha = accepted / tests."""
+
+    accepted: float = 0.0
+    tests: float = 0.0
+
+    def update(self, num_draft: int, num_accepted: int, weight: float) -> None:
+        tests = num_accepted + (1 if num_accepted < num_draft else 0)
+        if self.tests == 0.0:
+            self.accepted, self.tests = float(num_accepted), float(tests)
+        else:
+            self.accepted = (1 - weight) * self.accepted + weight * num_accepted
+            self.tests = (1 - weight) * self.tests + weight * tests
+
+    @property
+    def alpha(self) -> float | None:
+        return None if self.tests <= 0 else min(self.accepted / self.tests, ALPHA_MAX)
+
+
+@dataclass
+class PolicyDecision:
+    gamma: int
+    predicted_speedup: float  # predicted tokens/s at gamma over gamma 0
+    batch: int
+    mean_alpha: float
+    draft_cost: float
+    verify_ratio: float
+
+
+@dataclass
+class SpecPolicy:
+    """Picks gamma per step (``choose``) and learns from verify passes (``record``) and timings (``record_cost``).
+
+    ``verify_ratio(batch, gamma)`` comes from the bound model (see the module docstring); ``draft_cost`` is the
+    starting estimate of c (0 for n-gram, k / num_layers for a k-layer self-draft).
+    """
+
+    gamma_max: int
+    adaptive: bool
+    verify_ratio: Callable[[int, int], float]
+    draft_cost: float = 0.0
+    proposer: _Acceptance = field(default_factory=_Acceptance)
+    requests: dict[int, _Acceptance] = field(default_factory=dict)
+    steps_off: int = 0
+    last: PolicyDecision | None = None
+
+    def alpha(self, seq_id: int) -> float:
+        own = self.requests.get(seq_id)
+        a = own.alpha if own is not None else None
+        if a is None:
+            a = self.proposer.alpha
+        return ALPHA_PRIOR if a is None else a
+
+    def choose(self, seq_ids: list[int], caps: list[int]) -> int:
+        """gamma for this step, given the requests that may speculate and each one's cap (drafts available,
+        room to max_tokens / max_model_len)."""
+        b = len(seq_ids)
+        if b == 0:
+            return 0
+        if not self.adaptive:
+            self.last = PolicyDecision(self.gamma_max, float("nan"), b, float("nan"), self.draft_cost,
+                                       float("nan"))
+            return self.gamma_max
+        alphas = [self.alpha(s) for s in seq_ids]
+        best = PolicyDecision(0, 1.0, b, sum(alphas) / b, self.draft_cost, 1.0)
+        for g in range(1, self.gamma_max + 1):
+            if max(caps) < 1:
+                break
+            ratio = self.verify_ratio(b, g)
+            tokens = sum(expected_tokens_per_step(a, min(g, cap)) for a, cap in zip(alphas, caps, strict=True))
+            speedup = tokens / b / (ratio + g * self.draft_cost)
+            if speedup > best.predicted_speedup:
+                best = PolicyDecision(g, speedup, b, best.mean_alpha, self.draft_cost, ratio)
+        if best.gamma == 0:
+            self.steps_off += 1
+            if self.steps_off >= PROBE_INTERVAL and max(caps) >= 1:
+                self.steps_off = 0
+                best = PolicyDecision(1, best.predicted_speedup, b, best.mean_alpha, self.draft_cost, 1.0)
+        else:
+            self.steps_off = 0
+        self.last = best
+        logger.debug("spec policy: gamma %d (predicted %.3fx; batch %d, mean alpha %.3f, c %.3f, verify ratio %.3f)",
+                     best.gamma, best.predicted_speedup, b, best.mean_alpha, best.draft_cost, best.verify_ratio)
+        return best.gamma
+
+    def record(self, seq_id: int, num_draft: int, num_accepted: int) -> None:
+        if num_draft <= 0:
+            return
+        self.requests.setdefault(seq_id, _Acceptance()).update(num_draft, num_accepted, ALPHA_EMA)
+        self.proposer.update(num_draft, num_accepted, ALPHA_EMA / 4)
+
+    def record_cost(self, draft_step_s: float, target_step_s: float) -> None:
+        """One draft step's seconds and one plain target step's (both measured by the engine)."""
+        if target_step_s > 0:
+            self.draft_cost = (1 - COST_EMA) * self.draft_cost + COST_EMA * draft_step_s / target_step_s
+
+    def forget(self, seq_id: int) -> None:
+        self.requests.pop(seq_id, None)

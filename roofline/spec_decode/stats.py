@@ -1,0 +1,78 @@
+"""Speculative-decoding counters (vLLM's ``spec_decode`` metrics): cumulative, diffed by callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class SpecDecodeStats:
+    """``num_drafts``: verify passes (one per speculating request and step); ``num_draft_tokens``: drafted
+    tokens verified; ``num_accepted_tokens``: drafts accepted; ``num_emitted_tokens``: tokens the passes
+    produced (accepted + one bonus or correction each, before stop truncation); ``accepted_per_position[j]``:
+    passes whose draft j + 1 was accepted; ``drafted_per_position[j]``: passes that drafted a token j + 1;
+    ``gamma``: the policy's latest choice."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    num_emitted_tokens: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+    gamma: int = 0
+    num_steps_on: int = 0  # engine steps in which at least one request speculated
+    num_steps_off: int = 0  # steps with decoding requests that may speculate, where gamma was 0
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        if not 0 <= num_accepted <= num_draft:
+            raise ValueError(f"accepted {num_accepted} of {num_draft} drafts")
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        self.num_emitted_tokens += num_accepted + 1
+        while len(self.drafted_per_position) < num_draft:
+            self.drafted_per_position.append(0)
+            self.accepted_per_position.append(0)
+        for j in range(num_draft):
+            self.drafted_per_position[j] += 1
+            if j < num_accepted:
+                self.accepted_per_position[j] += 1
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        """Accepted drafted tokens / drafted tokens, in [0, 1] (None before any draft)."""
+        return self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else None
+
+    @property
+    def mean_acceptance_length(self) -> float | None:
+        """Tokens emitted per verify pass (1 + accepted drafts), in [1, gamma_max + 1]."""
+        return self.num_emitted_tokens / self.num_drafts if self.num_drafts else None
+
+    def as_dict(self) -> dict:
+        return dict(num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
+                    num_accepted_tokens=self.num_accepted_tokens, num_emitted_tokens=self.num_emitted_tokens,
+                    acceptance_rate=self.acceptance_rate, mean_acceptance_length=self.mean_acceptance_length,
+                    accepted_per_position=list(self.accepted_per_position),
+                    drafted_per_position=list(self.drafted_per_position), gamma=self.gamma,
+                    num_steps_on=self.num_steps_on, num_steps_off=self.num_steps_off)
+
+    def copy(self) -> SpecDecodeStats:
+        return SpecDecodeStats(**{**self.as_dict_raw()})
+
+    def as_dict_raw(self) -> dict:
+        return dict(num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
+                    num_accepted_tokens=self.num_accepted_tokens, num_emitted_tokens=self.num_emitted_tokens,
+                    accepted_per_position=list(self.accepted_per_position),
+                    drafted_per_position=list(self.drafted_per_position), gamma=self.gamma,
+                    num_steps_on=self.num_steps_on, num_steps_off=self.num_steps_off)
+
+    def since(self, before: SpecDecodeStats) -> SpecDecodeStats:
+        """The counters accumulated after ``before`` (a ``copy()`` taken earlier)."""
+        def sub(a: list[int], b: list[int]) -> list[int]:
+            return [x - (b[i] if i < len(b) else 0) for i, x in enumerate(a)]
+        return SpecDecodeStats(
+            self.num_drafts - before.num_drafts, self.num_draft_tokens - before.num_draft_tokens,
+            self.num_accepted_tokens - before.num_accepted_tokens, self.num_emitted_tokens - before.num_emitted_tokens,
+            sub(self.accepted_per_position, before.accepted_per_position),
+            sub(self.drafted_per_position, before.drafted_per_position), self.gamma,
+            self.num_steps_on - before.num_steps_on, self.num_steps_off - before.num_steps_off)

@@ -1,0 +1,104 @@
+"""The n-gram proposer, the gamma policy and the counters (no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from roofline.config import SpeculativeConfig
+from roofline.spec_decode.ngram import ngram_propose
+from roofline.spec_decode.policy import PROBE_INTERVAL, SpecPolicy
+from roofline.spec_decode.stats import SpecDecodeStats
+
+
+def test_ngram_takes_the_longest_suffix_and_its_latest_occurrence():
+    #        0  1  2  3  4  5  6  7  8  9 10
+    toks = [5, 6, 7, 8, 1, 5, 6, 9, 2, 5, 6]
+    # suffix (5, 6) occurs at 0 and 5; the latest (5) is followed by 9, 2, 5
+    assert ngram_propose(toks, 3, 1, 3) == [9, 2, 5]
+    assert ngram_propose(toks, 10, 1, 3) == [9, 2, 5, 6]  # runs up to the end of the sequence
+    # a length-3 suffix (2, 5, 6) has no earlier occurrence; min 3 means no draft
+    assert ngram_propose(toks, 3, 3, 3) == []
+    assert ngram_propose([1, 2, 3], 2, 1, 2) == []  # no repeat at all
+    assert ngram_propose([4, 4], 3, 1, 1) == [4]
+    assert ngram_propose(toks, 0, 1, 3) == []
+    with pytest.raises(ValueError, match="lookup_min"):
+        ngram_propose(toks, 2, 3, 2)
+
+
+def _policy(adaptive=True, draft_cost=0.0, ratio=lambda b, g: 1.0):
+    return SpecPolicy(gamma_max=4, adaptive=adaptive, verify_ratio=ratio, draft_cost=draft_cost)
+
+
+def test_policy_turns_on_for_high_acceptance_and_off_for_low():
+    pol = _policy(draft_cost=0.3)
+    for _ in range(10):
+        pol.record(1, 4, 4)  # everything accepted
+    assert pol.choose([1], [4]) >= 3
+    pol2 = _policy(draft_cost=0.3)
+    for _ in range(10):
+        pol2.record(1, 4, 0)  # nothing accepted
+    assert pol2.choose([1], [4]) == 0
+    assert pol2.last is not None and pol2.last.predicted_speedup == 1.0
+
+
+def test_policy_turns_off_when_verification_is_compute_bound():
+    """At a batch where the verify pass costs gamma + 1 plain steps (compute-bound), nothing pays."""
+    pol = _policy(ratio=lambda b, g: float(g + 1))
+    for _ in range(10):
+        pol.record(1, 4, 3)
+    assert pol.choose([1], [4]) == 0
+    pol_mem = _policy(ratio=lambda b, g: 1.0)  # memory-bound: the same acceptance pays
+    for _ in range(10):
+        pol_mem.record(1, 4, 3)
+    assert pol_mem.choose([1], [4]) > 0
+
+
+def test_policy_probes_while_off_and_pins_without_adaptive():
+    pol = _policy(draft_cost=0.9)
+    for _ in range(5):
+        pol.record(1, 4, 0)
+    gammas = [pol.choose([1], [4]) for _ in range(PROBE_INTERVAL)]
+    assert gammas[:-1] == [0] * (PROBE_INTERVAL - 1) and gammas[-1] == 1
+    assert _policy(adaptive=False).choose([1, 2], [4, 0]) == 4
+
+
+def test_policy_alpha_estimate():
+    pol = _policy()
+    pol.record(7, 4, 2)  # 2 accepted, 3 tests
+    assert pol.alpha(7) == pytest.approx(2 / 3)
+    assert pol.alpha(8) == pytest.approx(2 / 3)  # a new request starts from its proposer's
+    pol.forget(7)
+    assert 7 not in pol.requests
+
+
+def test_stats_accounting():
+    st = SpecDecodeStats()
+    st.record(4, 2)
+    st.record(2, 2)
+    st.record(3, 0)
+    assert st.num_emitted_tokens == st.num_accepted_tokens + st.num_drafts == 7
+    assert st.acceptance_rate == pytest.approx(4 / 9)
+    assert st.mean_acceptance_length == pytest.approx(7 / 3)
+    assert st.accepted_per_position == [2, 2, 0, 0] and st.drafted_per_position == [3, 3, 2, 1]
+    before = st.copy()
+    st.record(1, 1)
+    assert st.since(before).num_drafts == 1 and st.since(before).accepted_per_position[0] == 1
+    with pytest.raises(ValueError, match="accepted 3 of 2"):
+        st.record(2, 3)
+
+
+@pytest.mark.parametrize("cfg, match", [
+    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, draft_model, got 'eagle'"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 16\], got 0"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
+     r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(2\)"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "num_layers": 3}, "num_layers applies to method 'draft_model'"),
+    ({"method": "draft_model", "num_speculative_tokens": 2}, "needs \"num_layers\""),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/x"}, "separate draft checkpoint is not supported"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "gamma": 3}, "unknown key.*'gamma'; allowed: method"),
+    ({"num_speculative_tokens": 2}, "needs 'method'"),
+    ("{not json", "not valid JSON"),
+])
+def test_config_errors_name_the_value(cfg, match):
+    with pytest.raises(ValueError, match=match):
+        SpeculativeConfig.from_dict(cfg)

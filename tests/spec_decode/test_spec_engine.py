@@ -1,0 +1,125 @@
+"""Speculative decoding in the batched engine, on the default model (CPU, fp32): greedy output token-identical
+to non-speculative decoding for both proposers, stops and limits inside an accepted run, logprobs, n > 1 with
+seeds, preemption, the acceptance accounting, and start-up errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from roofline import LLM, SamplingParams
+
+PROMPTS = [
+    "Rewrite this function with type hints and a docstring:\n\ndef area(width, height):\n    return width * height\n\n"
+    "def perimeter(width, height):\n    return 2 * (width + height)\n",
+    "Repeat the following sentence three times: the cat sat on the mat and looked at the dog.",
+    "Summarize: The city council met on Tuesday to discuss the new park. The council voted to build the park "
+    "next year. The park will have a playground, a pond and a garden.",
+    "What is 2 + 2?",
+]
+NGRAM = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
+         "adaptive": False}
+COMMON = dict(max_model_len=1024, dtype="float32", device="cpu", attention_backend="torch",
+              max_num_batched_tokens=2048)
+
+
+def _ids(outs):
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(default_llm):
+    sp = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    return _ids(default_llm.generate(PROMPTS, sp, use_tqdm=False))
+
+
+@pytest.fixture(scope="module")
+def ngram_llm():
+    return LLM(speculative_config=NGRAM, **COMMON)
+
+
+def test_ngram_greedy_is_token_identical(ngram_llm, greedy_ref):
+    sp = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    before = ngram_llm.engine.spec_stats.copy()
+    assert _ids(ngram_llm.generate(PROMPTS, sp, use_tqdm=False)) == greedy_ref
+    st = ngram_llm.engine.spec_stats.since(before)
+    assert st.num_drafts > 20 and st.num_accepted_tokens > 20, st.as_dict()
+    # Accounting: every verify pass emits its accepted drafts plus one token.
+    assert st.num_emitted_tokens == st.num_accepted_tokens + st.num_drafts
+    assert 0.0 <= st.acceptance_rate <= 1.0
+    assert sum(st.accepted_per_position) == st.num_accepted_tokens
+    # Output tokens = those emitted by verify passes + one per plain decode or prefill-ending step.
+    assert st.num_emitted_tokens <= 4 * 128
+
+
+def test_adaptive_ngram_greedy_is_token_identical(greedy_ref):
+    llm = LLM(speculative_config={**NGRAM, "adaptive": True}, **COMMON)
+    sp = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    assert _ids(llm.generate(PROMPTS, sp, use_tqdm=False)) == greedy_ref
+
+
+def test_draft_model_greedy_is_token_identical(greedy_ref):
+    """The layer-truncated self (first 20 of 30 layers) drafts 2 tokens per step."""
+    llm = LLM(speculative_config={"method": "draft_model", "num_layers": 20, "num_speculative_tokens": 2,
+                                  "adaptive": False}, **COMMON)
+    sp = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    assert _ids(llm.generate(PROMPTS[:2], sp, use_tqdm=False)) == greedy_ref[:2]
+    st = llm.engine.spec_stats
+    assert st.num_drafts > 0 and st.num_emitted_tokens == st.num_accepted_tokens + st.num_drafts
+
+
+def test_stops_and_limits_inside_an_accepted_run(default_llm, ngram_llm, greedy_ref):
+    """max_tokens, a stop string and a stop token id that fall inside accepted drafts truncate there."""
+    tok = default_llm.tokenizer
+    text = tok.decode(greedy_ref[1])
+    stop = text[len(text) // 2:len(text) // 2 + 6]
+    for sp in (SamplingParams(temperature=0.0, max_tokens=37),
+               SamplingParams(temperature=0.0, max_tokens=128, stop=[stop]),
+               SamplingParams(temperature=0.0, max_tokens=128, stop_token_ids=[greedy_ref[1][50]])):
+        ref = default_llm.generate(PROMPTS[1:2], sp, use_tqdm=False)[0].outputs[0]
+        got = ngram_llm.generate(PROMPTS[1:2], sp, use_tqdm=False)[0].outputs[0]
+        assert (got.token_ids, got.text, got.finish_reason) == (ref.token_ids, ref.text, ref.finish_reason)
+
+
+def test_logprobs_are_the_targets(default_llm, ngram_llm):
+    sp = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True, logprobs=2)
+    ref = default_llm.generate(PROMPTS[1:2], sp, use_tqdm=False)[0].outputs[0]
+    got = ngram_llm.generate(PROMPTS[1:2], sp, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == ref.token_ids and len(got.logprobs) == 40
+    for a, b in zip(got.logprobs, ref.logprobs, strict=True):
+        assert set(a) == set(b)
+        for t in a:
+            assert a[t].logprob == pytest.approx(b[t].logprob, abs=1e-4) and a[t].rank == b[t].rank
+
+
+def test_seeded_sampling_is_reproducible_with_n_2(ngram_llm):
+    sp = SamplingParams(temperature=0.8, top_p=0.95, max_tokens=48, ignore_eos=True, n=2, seed=11)
+    a = ngram_llm.generate(PROMPTS[:2], sp, use_tqdm=False)
+    b = ngram_llm.generate(PROMPTS[:2] + PROMPTS[2:3], sp, use_tqdm=False)  # other requests in the batch
+    for x, y in zip(a, b[:2], strict=True):
+        assert [c.token_ids for c in x.outputs] == [c.token_ids for c in y.outputs]
+        assert all(len(c.token_ids) == 48 for c in x.outputs)
+
+
+def test_preemption_with_speculation(greedy_ref):
+    """A pool of 16 blocks of 16 cannot hold four 128-token continuations at once: sequences are preempted
+    and recomputed, and greedy output still matches."""
+    llm = LLM(speculative_config=NGRAM, num_kv_blocks=16, **{**COMMON, "max_model_len": 256})
+    sp = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    assert _ids(llm.generate(PROMPTS, sp, use_tqdm=False)) == greedy_ref
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert llm.engine.block_pool.num_free_blocks == 16
+
+
+def test_penalties_decode_without_drafts(default_llm, ngram_llm):
+    sp = SamplingParams(temperature=0.0, max_tokens=24, repetition_penalty=1.3)
+    before = ngram_llm.engine.spec_stats.copy()
+    got = ngram_llm.generate(PROMPTS[1:2], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == default_llm.generate(PROMPTS[1:2], sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert ngram_llm.engine.spec_stats.since(before).num_drafts == 0
+
+
+def test_startup_errors():
+    with pytest.raises(ValueError, match=r"num_layers must be in \[1, 29\] \(the target has 30 layers\), got 30"):
+        LLM(speculative_config={"method": "draft_model", "num_layers": 30, "num_speculative_tokens": 2}, **COMMON)
+    with pytest.raises(ValueError, match="--async-scheduling cannot be combined with --speculative-config"):
+        LLM(speculative_config=NGRAM, async_scheduling=True, **COMMON)
