@@ -26,6 +26,7 @@ _BENCH_COMMANDS = [
     ("roofline.bench.throughput", "add_parser"),
     ("roofline.bench.attention", "add_parser"),
     ("roofline.bench.prefix", "add_parser"),
+    ("roofline.bench.spec", "add_parser"),
 ]
 
 

@@ -57,7 +57,8 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
                     device=args.device, kv_cache_memory=args.kv_cache_memory,
                     async_scheduling=args.async_scheduling, kv_cache_dtype=args.kv_cache_dtype,
                     block_size=args.block_size, enable_prefix_caching=args.enable_prefix_caching,
-                    quantization=args.quantization, quantization_group_size=args.quantization_group_size)
+                    quantization=args.quantization, quantization_group_size=args.quantization_group_size,
+                    speculative_config=args.speculative_config)
     if args.load_format == "dummy":
         mc = model_preset(args.model)
         if mc.max_position_embeddings < args.max_model_len:
@@ -95,14 +96,21 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
                   kv_bytes_per_token=llm.engine.worker.kv_bytes_per_token,
                   pool_tokens=llm.engine.worker.num_blocks * llm.engine.worker.block_size,
                   enable_prefix_caching=args.enable_prefix_caching, quantization=args.quantization,
-                  weight_bytes=llm.engine.worker.weight_bytes)
+                  weight_bytes=llm.engine.worker.weight_bytes, speculative_config=args.speculative_config,
+                  spec_decode=stats.spec_decode.as_dict() if stats and stats.spec_decode else None)
     print(f"weights {args.quantization or 'unquantized'}: {result['weight_bytes'] / 1e9:.2f} GB")
     print(f"KV {result['kv_cache_dtype']}: {result['kv_bytes_per_token']} B/token, pool {result['pool_tokens']} tokens")
     print(f"requests {len(reqs)}, prompt tokens {n_in}, output tokens {n_out} (expected {expected})")
     print(f"elapsed {elapsed:.2f} s: {result['requests_per_s']:.2f} req/s, "
           f"output {result['output_tok_per_s']:.1f} tok/s, total {result['total_tok_per_s']:.1f} tok/s, "
           f"preemptions {result['num_preemptions']}")
-    path = write_result(args.out_dir, f"throughput-{args.model}-seqs{args.max_num_seqs}", result)
+    if result["spec_decode"]:
+        sd = result["spec_decode"]
+        print(f"speculative: acceptance rate {sd['acceptance_rate']}, mean acceptance length "
+              f"{sd['mean_acceptance_length']}, on in {sd['num_steps_on']} steps, off in {sd['num_steps_off']}")
+    tag = f"-{args.quantization}" if args.quantization else ""
+    tag += "-spec" if args.speculative_config else ""
+    path = write_result(args.out_dir, f"throughput-{args.model}{tag}-seqs{args.max_num_seqs}", result)
     print(f"wrote {path}")
     return 0
 
@@ -132,6 +140,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--quantization-group-size", type=int, default=128, choices=[32, 64, 128])
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
                    help="prefix caching (default on, as in the engine)")
+    p.add_argument("--speculative-config", default=None,
+                   help="speculative decoding JSON, as `roofline generate` (speculation needs --no-async-scheduling, "
+                        "which it implies)")
     p.add_argument("--no-warmup", dest="warmup", action="store_false")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--out-dir", default="bench/results")

