@@ -42,8 +42,13 @@ def build_engine(args: argparse.Namespace, max_batch: int, max_context: int, kv_
     return LLMEngine(ea.create_engine_config(mc), ModelSource("dummy", None, args.model), mc, tokenizer=None)
 
 
-def time_decode(engine: Any, batch: int, context: int, steps: int, warmup: int, seed: int = 0) -> list[float]:
-    """Per-step wall times (s) of ``steps`` decode steps for ``batch`` sequences at ``context`` tokens."""
+def time_decode(engine: Any, batch: int, context: int, steps: int, warmup: int, seed: int = 0,
+                spec_tokens: int = 0, self_draft: bool = False, draft_times: list[float] | None = None) -> list[float]:
+    """Per-step wall times (s) of ``steps`` decode steps for ``batch`` sequences at ``context`` tokens.
+
+    With ``spec_tokens`` k > 0 every step is a verify step of k random drafts per sequence (1 + k positions
+    each; the engine needs a ``speculative_config``), drafted by the engine's self-draft model when
+    ``self_draft`` (its seconds per step go to ``draft_times``)."""
     from roofline.engine.sequence import Sequence, SequenceStatus
     from roofline.sampling_params import SamplingParams
 
@@ -62,14 +67,20 @@ def time_decode(engine: Any, batch: int, context: int, steps: int, warmup: int, 
     times = []
     try:
         for i in range(warmup + steps):
+            for seq in seqs:
+                seq.spec_token_ids = ([-1] * spec_tokens if self_draft
+                                      else [rng.randrange(vocab) for _ in range(spec_tokens)])
             out = sched.schedule()
-            assert out.is_decode_only and len(out.scheduled) == batch, "benchmark batch did not fit"
+            assert len(out.scheduled) == batch and all(
+                s.num_scheduled_tokens == 1 + spec_tokens for s in out.scheduled), "benchmark batch did not fit"
             t0 = time.perf_counter()
             result = engine.executor.execute_model(engine._step_input(out))  # ends with the ids' sync
             elapsed = time.perf_counter() - t0
             sched.update(out, dict(zip(result.seq_ids, result.sampled_token_ids, strict=True)))
             if i >= warmup:
                 times.append(elapsed)
+                if draft_times is not None:
+                    draft_times.append(result.draft_duration_s)
     finally:
         for seq in seqs:
             sched.finish(seq, SequenceStatus.FINISHED_ABORTED)

@@ -51,9 +51,18 @@ def workload_prompts(name: str, tokenizer: Any, n: int, seed: int = 0) -> list[s
         raise ValueError(f"unknown workload {name!r}; choose from {', '.join(WORKLOADS)}")
     pairs = list(load_sharegpt_conversations())
     random.Random(seed).shuffle(pairs)
+    def first(texts, lo: int, hi: int) -> list[str]:
+        out = []
+        for t in texts:
+            if len(out) == n:
+                break
+            if lo <= len(tokenizer(t).input_ids) <= hi:
+                out.append(t)
+        return out
+
     if name == "sharegpt":
-        return [h for h, _ in pairs if 8 <= len(tokenizer(h).input_ids) <= 512][:n]
-    texts = [g for _, g in pairs if 150 <= len(tokenizer(g).input_ids) <= 600][:n]
+        return first((h for h, _ in pairs), 8, 512)
+    texts = first((g for _, g in pairs), 150, 600)
     ask = ("Fix any spelling or grammar mistakes in the following text and return it in full:\n\n"
            if name == "sharegpt-edit" else "Summarize the following text:\n\n")
     return [ask + t for t in texts]
@@ -118,6 +127,70 @@ def run_spec_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_verify_ratio_bench(args: argparse.Namespace) -> int:
+    """Measured verify ratios r(B, gamma) = verify step / plain step and the self-draft's cost c at a named shape
+    (dummy weights), beside the bound model's r; then the projected batch-1.. speedups for given acceptance
+    rates (a projection: E(alpha, gamma) / (r + gamma c), Leviathan et al. 2023 eq. 1 and theorem 3.8)."""
+    import dataclasses
+
+    from roofline import costmodel
+    from roofline.args import EngineArgs
+    from roofline.bench.common import parse_sizes, write_result
+    from roofline.bench.decode import time_decode
+    from roofline.config import model_preset
+    from roofline.engine.llm_engine import LLMEngine
+    from roofline.hardware import measure_gemm_flops, measure_read_bandwidth
+    from roofline.models.loader import ModelSource
+
+    batches, gammas = parse_sizes(args.batch_sizes), parse_sizes(args.gammas)
+    context, steps, warmup = args.context, args.steps, 3
+    mc = model_preset(args.model)
+    max_len = context + (steps + warmup) * (max(gammas) + 1) + 64
+    mc = dataclasses.replace(mc, max_position_embeddings=max(mc.max_position_embeddings, max_len))
+    spec = {"method": "draft_model", "num_layers": args.draft_layers, "num_speculative_tokens": max(gammas),
+            "adaptive": False}
+    ea = EngineArgs(model=args.model, load_format="dummy", dtype=args.dtype, device=args.device,
+                    max_model_len=max_len, max_num_seqs=max(batches),
+                    max_num_batched_tokens=max(2048, max(batches) * (max(gammas) + 1)),
+                    quantization=args.quantization, speculative_config=spec, enforce_eager=args.enforce_eager)
+    engine = LLMEngine(ea.create_engine_config(mc), ModelSource("dummy", None, args.model), mc, tokenizer=None)
+    worker = engine.worker
+    dev = str(worker.device)
+    bandwidth = measure_read_bandwidth(dev)
+    peak = measure_gemm_flops(dev, n=8192 if dev.startswith("cuda") else 1024, rounds=10)
+    print(f"{args.model} ({args.quantization or 'unquantized'}), context {context}; measured read "
+          f"{bandwidth / 1e12:.3f} TB/s, dense GEMM {peak / 1e12:.1f} TFLOP/s")
+    kv_seq = context * worker.kv_bytes_per_token
+    rows = []
+    for b in batches:
+        med = lambda xs: sorted(xs)[len(xs) // 2]  # noqa: E731
+        plain = med(time_decode(engine, b, context, steps, warmup))
+        for g in gammas:
+            verify = med(time_decode(engine, b, context, steps, warmup, spec_tokens=g))
+            drafts: list[float] = []
+            with_draft = med(time_decode(engine, b, context, steps, warmup, spec_tokens=g, self_draft=True,
+                                         draft_times=drafts))
+            c = med(drafts) / g / plain
+            bound_r = costmodel.verify_cost_ratio(mc.num_params, worker.weight_bytes_per_step, kv_seq, b, bandwidth,
+                                                  peak, g)
+            row = dict(batch=b, gamma=g, plain_step_ms=plain * 1e3, verify_step_ms=verify * 1e3,
+                       verify_ratio=verify / plain, verify_ratio_bound=bound_r,
+                       self_draft_layers=args.draft_layers, draft_cost=c, self_draft_step_ms=with_draft * 1e3)
+            for a in args.alphas:
+                row[f"projected_speedup_ngram_alpha{a}"] = costmodel.expected_tokens_per_step(a, g) / (verify / plain)
+            rows.append(row)
+            print(f"batch {b:>3} gamma {g}: plain {plain * 1e3:7.2f} ms, verify {verify * 1e3:7.2f} ms, r = "
+                  f"{verify / plain:.3f} (bound model {bound_r:.3f}); {args.draft_layers}-layer self-draft c = {c:.3f}; "
+                  + ", ".join(f"projected n-gram speedup at alpha {a}: "
+                              f"{row[f'projected_speedup_ngram_alpha{a}']:.2f}x" for a in args.alphas), flush=True)
+    path = write_result(args.out_dir, f"spec-verify-{args.model}", dict(
+        model=args.model, context=context, quantization=args.quantization, read_bandwidth_bytes_per_s=bandwidth,
+        peak_flops=peak, alphas=args.alphas, rows=rows,
+        note="projection: E(alpha, gamma) / r with r measured here and alpha measured elsewhere (roofline bench spec)"))
+    print(f"wrote {path}")
+    return 0
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -137,5 +210,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--speculative-configs", nargs="+", default=None,
                    help="JSON configs to compare (default: adaptive n-gram, fixed n-gram, a 20-layer self-draft)")
     p.add_argument("--out-dir", default="bench/results")
-    p.set_defaults(func=run_spec_bench)
+    p.add_argument("--verify-ratios", action="store_true",
+                   help="instead: time verify steps and the self-draft at a named shape with dummy weights "
+                        "(--model llama-3-8b), against the bound model, and project speedups for --alphas")
+    p.add_argument("--batch-sizes", default="1,8,32,64")
+    p.add_argument("--gammas", default="1,2,4")
+    p.add_argument("--context", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--draft-layers", type=int, default=8)
+    p.add_argument("--alphas", type=float, nargs="+", default=[0.5, 0.8])
+    p.add_argument("--enforce-eager", action="store_true")
+    p.set_defaults(func=lambda a: run_verify_ratio_bench(a) if a.verify_ratios else run_spec_bench(a))
     return p

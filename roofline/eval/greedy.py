@@ -58,6 +58,6 @@ def agreement(baseline: list[list[int]], candidate: list[list[int]]) -> dict[str
     same = sum(b == c for b, c in zip(baseline, candidate, strict=True))
     prefix = []
     for b, c in zip(baseline, candidate, strict=True):
-        n = next((i for i, (x, y) in enumerate(zip(b, c)) if x != y), min(len(b), len(c)))
+        n = next((i for i, (x, y) in enumerate(zip(b, c, strict=False)) if x != y), min(len(b), len(c)))
         prefix.append(n / max(len(b), 1) if b != c else 1.0)
     return {"greedy_identical": same / len(baseline), "greedy_prefix": sum(prefix) / len(prefix)}

@@ -25,6 +25,7 @@ from typing import Any
 
 from roofline.config import QUANTIZATION_METHODS
 from roofline.quant.base import LinearMethod, QuantConfig, UnquantizedLinearMethod
+
 _CHECKPOINT_ONLY = ("gptq", "awq", "compressed-tensors")
 # The load-time method each checkpoint format reads into.
 _METHOD_OF_SCHEME = {"fp8-dynamic": "fp8", "int8-dynamic": "smoothquant", "w8a16-int8": "int8"}

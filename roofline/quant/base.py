@@ -19,7 +19,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 WeightLoader = Callable[..., None]
@@ -254,6 +253,6 @@ def is_ignored(spec: Any, prefix: str) -> bool:
     parts = [f"{parent}.{p}" if parent else p for p in _FUSED_PARTS.get(leaf, (leaf,))]
     hits = [any(_matches(p, pat) for pat in spec.ignore) for p in parts]
     if any(hits) and not all(hits):
-        raise ValueError(f"quantization_config.ignore leaves {[p for p, h in zip(parts, hits) if h]} unquantized "
-                         f"but not {[p for p, h in zip(parts, hits) if not h]}; roofline fuses them into {prefix}")
+        raise ValueError(f"quantization_config.ignore leaves {[p for p, h in zip(parts, hits, strict=False) if h]} unquantized "
+                         f"but not {[p for p, h in zip(parts, hits, strict=False) if not h]}; roofline fuses them into {prefix}")
     return all(hits)

@@ -98,7 +98,12 @@ def quantize_checkpoint(model: str | None, quantization: str, method: str, outpu
     from roofline.llm import LLM
     from roofline.quant import formats
     from roofline.quant.calibrate import calibrate_model
-    from roofline.quant.quantize import ChannelWeight, Int4Weight, quantize_fp8_per_channel, quantize_int8_per_channel
+    from roofline.quant.quantize import (
+        ChannelWeight,
+        Int4Weight,
+        quantize_fp8_per_channel,
+        quantize_int8_per_channel,
+    )
 
     if dtype is None:
         dtype = "float32" if device in ("auto", "cpu") else "auto"

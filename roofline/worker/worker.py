@@ -371,16 +371,19 @@ class Worker:
             ids[dst] = self._prev_sampled[src]
         return ids, pos, self.backend.build_metadata(meta), rows[samples], query_start[1:][samples] - 1
 
-    def prepare_sampling(self, rows: np.ndarray) -> SamplingMetadata:
-        """Sampling inputs for logits rows ``i`` = sequence rows ``rows[i]`` (the row -> request index)."""
+    def prepare_sampling(self, rows: np.ndarray, tag: str = "") -> SamplingMetadata:
+        """Sampling inputs for logits rows ``i`` = sequence rows ``rows[i]`` (the row -> request index).
+
+        ``tag`` prefixes the staging buffers' names: a second call in the same step (speculative decoding's
+        verify and draft passes) must not overwrite pinned buffers whose non-blocking copies may be pending."""
         batch = self.input_batch
         temps = batch.temperature[rows]
         need_rep, need_pres, need_freq = batch.uses_penalties(rows)
         penalties = need_rep or need_pres or need_freq
-        idx = self._to_device("sampling_rows", rows) if penalties else None
+        idx = self._to_device(tag + "sampling_rows", rows) if penalties else None
 
         def col(name: str, values: np.ndarray) -> torch.Tensor:
-            return self._to_device(name, np.ascontiguousarray(values))
+            return self._to_device(tag + name, np.ascontiguousarray(values))
 
         banned = None
         ban_rows: list[int] = []
@@ -395,8 +398,8 @@ class Worker:
                 ban_ids += sorted(stop_ids)
         if ban_rows:
             banned = torch.zeros(len(rows), self.model_config.vocab_size, dtype=torch.bool, device=self.device)
-            banned[self._to_device("ban_rows", np.array(ban_rows, dtype=np.int64)),
-                   self._to_device("ban_ids", np.array(ban_ids, dtype=np.int64))] = True
+            banned[self._to_device(tag + "ban_rows", np.array(ban_rows, dtype=np.int64)),
+                   self._to_device(tag + "ban_ids", np.array(ban_ids, dtype=np.int64))] = True
         return SamplingMetadata(
             temperatures=col("temperature", temps),
             top_ks=col("top_k", batch.top_k[rows]) if (batch.top_k[rows] < self.model_config.vocab_size).any() else None,
@@ -531,7 +534,7 @@ class Worker:
             ids = torch.from_numpy(batch.token_ids[act, pos]).to(dev)
             hidden = self._forward_layers(ids, torch.from_numpy(pos).to(dev), self.backend.build_metadata(meta),
                                           self.draft_num_layers)
-            md = self.prepare_sampling(act)
+            md = self.prepare_sampling(act, tag="draft_")
             probs = processed_probs(self.model.compute_logits(hidden), md)  # [A, V]
             noise = torch.empty_like(probs).exponential_()
             for i, g in enumerate(md.generators):
@@ -558,7 +561,7 @@ class Worker:
         row_of_flat = np.repeat(np.arange(s), counts)  # [F]
         flat_idx = np.repeat(last_indices - ks, counts) + j
         logits = self.model.compute_logits(hidden[torch.from_numpy(flat_idx).to(dev)])  # [F, V] fp32
-        md = self.prepare_sampling(np.repeat(rows, counts))
+        md = self.prepare_sampling(np.repeat(rows, counts), tag="spec_")
         probs = processed_probs(logits, md)
         rof, jj = torch.from_numpy(row_of_flat).to(dev), torch.from_numpy(j).to(dev)
         target = torch.zeros(s, kmax + 1, probs.shape[1], device=dev)

