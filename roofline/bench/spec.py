@@ -88,7 +88,7 @@ def run_spec_bench(args: argparse.Namespace) -> int:
     from roofline.llm import LLM
 
     common = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
-                  enable_prefix_caching=False, quantization=args.quantization)
+                  enable_prefix_caching=False, quantization=args.quantization, kv_cache_memory=args.kv_cache_memory)
     configs = [json.loads(c) for c in (args.speculative_configs or DEFAULT_CONFIGS)]
     base = LLM(**common)
     tok = base.tokenizer
@@ -205,6 +205,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--quantization", default=None)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated: {', '.join(WORKLOADS)}")
     p.add_argument("--num-prompts", type=int, default=8, help="requests per workload")
+    p.add_argument("--kv-cache-memory", default="1GiB", help="KV pool per engine (several engines share the device)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--speculative-configs", nargs="+", default=None,

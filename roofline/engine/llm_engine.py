@@ -436,6 +436,11 @@ class LLMEngine:
         spec_seqs = {s.seq.seq_id: len(s.spec_token_ids) for s in out.scheduled if s.spec_token_ids}
         if spec_seqs:
             self._record_spec(spec_seqs, result)
+        if self.spec_policy is not None and all(s.num_scheduled_tokens == 1 + len(s.spec_token_ids)
+                                                for s in out.scheduled):
+            # A step of decodes only (no prefill chunk): its time teaches the policy the measured verify ratio.
+            self.spec_policy.record_step(len(out.scheduled), max(spec_seqs.values(), default=0),
+                                         result.duration_s - result.draft_duration_s)
         changed = self.scheduler.update(out, sampled)
         touched: dict[str, _Request] = {}
         now = time.monotonic()

@@ -13,11 +13,16 @@ Each step, for the batch of requests that may speculate (B of them), the policy 
 - ``c``: one draft step's time over one target step's, from the engine's own step timings (an EMA);
 - ``verify_ratio(B, gamma)``: the bound model's step time at ``B x (gamma + 1)`` positions over
   ``B x 1`` (``costmodel.verify_cost_ratio``), with the device's measured read bandwidth and GEMM rate:
-  1 while the step is memory-bound, growing once the verify pass turns compute-bound.
+  1 while the step is memory-bound, growing once the verify pass turns compute-bound. The bound is a floor:
+  the engine also reports its measured plain-decode and verify step times (``record_step``, per batch-size
+  bucket), and once both are known at a bucket the ratio is the bound times the measured excess
+  ``(verify / plain) / bound`` (on the H200 a verify step runs eager while plain decode replays a CUDA graph:
+  measured r = 5.3 at batch 1 where the bound says 1.0).
 
-gamma = 0 turns speculation off for the step. While it is off, every ``PROBE_INTERVAL``-th step still
-speculates with gamma 1 so the acceptance estimates keep up with the text (a copy-heavy request can start
-later). With ``adaptive`` False gamma is always gamma_max.
+gamma = 0 turns speculation off for the step. While it is off, a probe step speculates with gamma 1 so the
+estimates keep up (a copy-heavy request can start later): after ``PROBE_INTERVAL`` steps off, and after twice
+as many each time a probe ends off again, up to ``MAX_PROBE_INTERVAL``. With ``adaptive`` False gamma is always
+gamma_max.
 """
 
 from __future__ import annotations
@@ -33,7 +38,8 @@ logger = logging.getLogger(__name__)
 ALPHA_PRIOR = 0.5  # a proposer's acceptance before its first verify pass
 ALPHA_EMA = 0.3  # weight of the newest verify pass in a request's acceptance estimate
 COST_EMA = 0.2  # weight of the newest measurement in the draft-cost estimate
-PROBE_INTERVAL = 16  # steps with gamma 0 between probes at gamma 1
+PROBE_INTERVAL = 16  # steps with gamma 0 before the first probe at gamma 1
+MAX_PROBE_INTERVAL = 1024  # the probe interval doubles while probes keep ending off, up to this
 ALPHA_MAX = 0.999  # E(alpha) needs alpha < 1
 
 
@@ -82,7 +88,41 @@ class SpecPolicy:
     proposer: _Acceptance = field(default_factory=_Acceptance)
     requests: dict[int, _Acceptance] = field(default_factory=dict)
     steps_off: int = 0
+    probe_interval: int = PROBE_INTERVAL
     last: PolicyDecision | None = None
+    # Measured step seconds (EMA) per batch bucket (next power of two): plain decode, and verify per gamma.
+    plain_s: dict[int, float] = field(default_factory=dict)
+    verify_s: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    @staticmethod
+    def _bucket(batch: int) -> int:
+        return 1 << max(0, (batch - 1).bit_length())
+
+    def record_step(self, batch: int, gamma: int, seconds: float) -> None:
+        """A step with ``batch`` decoding requests and no prefill: plain (gamma 0) or verify (its target
+        pass only, draft time excluded)."""
+        if seconds <= 0 or batch <= 0:
+            return
+        key: int | tuple[int, int] = self._bucket(batch)
+        table: dict = self.plain_s
+        if gamma > 0:
+            key, table = (self._bucket(batch), gamma), self.verify_s
+        old = table.get(key)
+        table[key] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+
+    def ratio(self, batch: int, gamma: int) -> float:
+        """The verify ratio used for decisions: the bound, scaled by the measured excess where measured."""
+        bound = self.verify_ratio(batch, gamma)
+        b = self._bucket(batch)
+        plain = self.plain_s.get(b)
+        if plain is None:
+            return bound
+        measured = [(abs(g - gamma), g, t) for (bb, g), t in self.verify_s.items() if bb == b]
+        if not measured:
+            return bound
+        _, g, t = min(measured)
+        excess = (t / plain) / self.verify_ratio(batch, g)
+        return bound * max(excess, 1.0)
 
     def alpha(self, seq_id: int) -> float:
         own = self.requests.get(seq_id)
@@ -106,18 +146,21 @@ class SpecPolicy:
         for g in range(1, self.gamma_max + 1):
             if max(caps) < 1:
                 break
-            ratio = self.verify_ratio(b, g)
+            ratio = self.ratio(b, g)
             tokens = sum(expected_tokens_per_step(a, min(g, cap)) for a, cap in zip(alphas, caps, strict=True))
             speedup = tokens / b / (ratio + g * self.draft_cost)
             if speedup > best.predicted_speedup:
                 best = PolicyDecision(g, speedup, b, best.mean_alpha, self.draft_cost, ratio)
         if best.gamma == 0:
             self.steps_off += 1
-            if self.steps_off >= PROBE_INTERVAL and max(caps) >= 1:
+            if self.steps_off >= self.probe_interval and max(caps) >= 1:
                 self.steps_off = 0
-                best = PolicyDecision(1, best.predicted_speedup, b, best.mean_alpha, self.draft_cost, 1.0)
+                self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+                best = PolicyDecision(1, best.predicted_speedup, b, best.mean_alpha, self.draft_cost, self.ratio(b, 1))
         else:
             self.steps_off = 0
+            if best.predicted_speedup > 1.0:
+                self.probe_interval = PROBE_INTERVAL
         self.last = best
         logger.debug("spec policy: gamma %d (predicted %.3fx; batch %d, mean alpha %.3f, c %.3f, verify ratio %.3f)",
                      best.gamma, best.predicted_speedup, b, best.mean_alpha, best.draft_cost, best.verify_ratio)

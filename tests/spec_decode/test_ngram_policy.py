@@ -102,3 +102,20 @@ def test_stats_accounting():
 def test_config_errors_name_the_value(cfg, match):
     with pytest.raises(ValueError, match=match):
         SpeculativeConfig.from_dict(cfg)
+
+
+def test_policy_learns_the_measured_verify_cost_and_backs_off():
+    """The bound says verification is free (memory-bound); measured steps say a verify pass costs 5 plain
+    steps (an eager verify against a CUDA-graph decode, as on the H200). After one measured verify step the
+    policy turns off, and its probes come at doubling intervals."""
+    pol = _policy(draft_cost=0.0)
+    for _ in range(10):
+        pol.record(1, 4, 3)
+    assert pol.choose([1], [4]) == 4  # bound only: on
+    pol.record_step(1, 0, 0.005)
+    pol.record_step(1, 4, 0.025)
+    assert pol.ratio(1, 4) == pytest.approx(5.0) and pol.ratio(1, 2) == pytest.approx(5.0)
+    assert pol.choose([1], [4]) == 0
+    gammas = [pol.choose([1], [4]) for _ in range(3 * PROBE_INTERVAL)]
+    probes = [i for i, g in enumerate(gammas) if g]
+    assert probes == [PROBE_INTERVAL - 2, 3 * PROBE_INTERVAL - 2], probes  # intervals 16, then 32
