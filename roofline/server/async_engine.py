@@ -409,7 +409,8 @@ class AsyncLLMEngine:
             prefix_cache_queries=self.engine.stats.num_prefix_cache_queries,
             prefix_cache_hits=self.engine.stats.num_prefix_cache_hits,
             prefix_cache_evictions=self.engine.stats.num_prefix_cache_evictions,
-            spec_decode=self.engine.spec_stats.copy() if self.engine.spec_config is not None else None,
+            spec_decode=(self.engine.spec_stats.copy() if getattr(self.engine, "spec_config", None) is not None
+                         else None),
         )
 
     def _publish(self) -> None:
