@@ -314,8 +314,8 @@ class SpeculativeConfig:
 
     method: str
     num_speculative_tokens: int
-    prompt_lookup_min: int = 2
-    prompt_lookup_max: int = 5
+    prompt_lookup_min: int | None = None  # ngram only; default 2
+    prompt_lookup_max: int | None = None  # ngram only; default 5
     model: str | None = None
     quantization: str | None = None
     num_layers: int | None = None
@@ -332,6 +332,10 @@ class SpeculativeConfig:
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config adaptive must be true or false, got {self.adaptive!r}")
         if self.method == "ngram":
+            if self.prompt_lookup_min is None:
+                object.__setattr__(self, "prompt_lookup_min", 2)
+            if self.prompt_lookup_max is None:
+                object.__setattr__(self, "prompt_lookup_max", max(5, self.prompt_lookup_min))
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
@@ -342,6 +346,9 @@ class SpeculativeConfig:
                 if getattr(self, name) is not None:
                     raise ValueError(f"speculative_config {name} applies to method 'draft_model', not 'ngram'")
             return
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"speculative_config {name} applies to method 'ngram', not 'draft_model'")
         if self.model is not None:
             raise ValueError(f"speculative_config model {self.model!r}: a separate draft checkpoint is not "
                              f"supported yet; use the target's own layers with \"num_layers\": k")

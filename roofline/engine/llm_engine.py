@@ -555,13 +555,15 @@ class LLMEngine:
                 self._worker_seqs.add(seq.seq_id)
             else:
                 kept = -1
-                if known > len(seq.block_table):  # a verify step freed surplus blocks
-                    known = kept = len(seq.block_table)
+                cut = seq.block_table_cut
+                if cut is not None and cut < known:  # a verify step freed surplus blocks (maybe reallocated since)
+                    known = kept = cut
                 step.cached_requests.append(CachedRequest(seq.seq_id, seq.block_table[known:], s.start_position,
                                                           kept))
             if s.spec_token_ids:
                 step.spec_token_ids[seq.seq_id] = list(s.spec_token_ids)
             self._worker_blocks[seq.seq_id] = len(seq.block_table)
+            seq.block_table_cut = None
             step.scheduled.append((seq.seq_id, s.num_scheduled_tokens))
         return step
 

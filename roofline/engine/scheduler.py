@@ -336,6 +336,9 @@ class Scheduler:
             surplus = seq.block_table[keep:]
             del seq.block_table[keep:]
             self.block_pool.decref(surplus)
+            # The worker's copy of the table must be cut here too, even if the next step allocates back to the
+            # same length (with other block ids): the engine sends the cut with the next step.
+            seq.block_table_cut = keep if seq.block_table_cut is None else min(seq.block_table_cut, keep)
 
     def _finishes_in_flight(self, seq: Sequence) -> bool:
         """A token in flight will end ``seq`` by length (max_tokens or max_model_len): do not schedule it."""

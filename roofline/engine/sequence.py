@@ -85,6 +85,9 @@ class Sequence:
     # Speculative decoding: drafts for the next step (set by the engine's proposer before scheduling; -1
     # entries are drafted by the worker's draft model).
     spec_token_ids: list[int] = field(default_factory=list)
+    # The shortest the block table was cut to (freed surplus blocks after a verify step) since the worker last
+    # heard of it; None: not cut.
+    block_table_cut: int | None = None
 
     # Detokenization state (owned by the Detokenizer).
     output_text: str = ""

@@ -119,3 +119,13 @@ def test_policy_learns_the_measured_verify_cost_and_backs_off():
     gammas = [pol.choose([1], [4]) for _ in range(3 * PROBE_INTERVAL)]
     probes = [i for i, g in enumerate(gammas) if g]
     assert probes == [PROBE_INTERVAL - 2, 3 * PROBE_INTERVAL - 2], probes  # intervals 16, then 32
+
+
+def test_lookup_defaults_and_draft_model_refuses_them():
+    cfg = SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3})
+    assert (cfg.prompt_lookup_min, cfg.prompt_lookup_max) == (2, 5)
+    assert SpeculativeConfig.from_dict({"method": "ngram", "num_speculative_tokens": 3,
+                                        "prompt_lookup_min": 7}).prompt_lookup_max == 7
+    with pytest.raises(ValueError, match="prompt_lookup_min applies to method 'ngram', not 'draft_model'"):
+        SpeculativeConfig.from_dict({"method": "draft_model", "num_layers": 4, "num_speculative_tokens": 2,
+                                     "prompt_lookup_min": 2})

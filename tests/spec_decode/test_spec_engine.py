@@ -123,3 +123,20 @@ def test_startup_errors():
         LLM(speculative_config={"method": "draft_model", "num_layers": 30, "num_speculative_tokens": 2}, **COMMON)
     with pytest.raises(ValueError, match="--async-scheduling cannot be combined with --speculative-config"):
         LLM(speculative_config=NGRAM, async_scheduling=True, **COMMON)
+
+
+def test_freed_and_reallocated_blocks_reach_the_worker():
+    """A tight pool (10 MiB: 14 blocks of 16), 4 requests at once: verify steps free surplus blocks that other
+    sequences (or this one, under another id) take at once. The worker's block tables must follow the cuts, or
+    a sequence writes KV into a block another one owns (greedy output then differs with no preemption)."""
+    t = "The quick brown fox jumps over the lazy dog near the old stone bridge."
+    p = f"Text: {t} Copy the text exactly. Text: {t} Copy the text exactly. Text:"
+    prompts = [p, "The history of Rome", p + " A", "Once upon a time"]
+    kw = {**COMMON, "max_model_len": 160, "kv_cache_memory": "10MiB"}
+    sp = SamplingParams(temperature=0.0, max_tokens=48)
+    ref = _ids(LLM(**kw).generate(prompts, sp, use_tqdm=False))
+    for cfg in ({"method": "draft_model", "num_layers": 12, "num_speculative_tokens": 2, "adaptive": False},
+                {**NGRAM, "num_speculative_tokens": 8}):
+        llm = LLM(speculative_config=cfg, **kw)
+        assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == ref, cfg
+        assert llm.engine.spec_stats.num_drafts > 0
