@@ -224,8 +224,8 @@ class LLMEngine:
             cands.append(seq)
             caps.append(len(d))
             drafts.append(d)
-        if not cands:
-            return
+        if not cands or max(caps) == 0:
+            return  # nothing to draft this step (no n-gram match): not a policy decision, not counted as off
         self._spec_context = max(1, sum(s.num_tokens for s in cands) // len(cands))
         gamma = policy.choose([s.seq_id for s in cands], caps)
         self.spec_stats.gamma = gamma
