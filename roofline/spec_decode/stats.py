@@ -48,23 +48,21 @@ class SpecDecodeStats:
         """Tokens emitted per verify pass (1 + accepted drafts), in [1, gamma_max + 1]."""
         return self.num_emitted_tokens / self.num_drafts if self.num_drafts else None
 
-    def as_dict(self) -> dict:
+    def as_dict_raw(self) -> dict:
+        """The counters alone (``SpecDecodeStats(**as_dict_raw())`` is a copy)."""
         return dict(num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
                     num_accepted_tokens=self.num_accepted_tokens, num_emitted_tokens=self.num_emitted_tokens,
-                    acceptance_rate=self.acceptance_rate, mean_acceptance_length=self.mean_acceptance_length,
                     accepted_per_position=list(self.accepted_per_position),
                     drafted_per_position=list(self.drafted_per_position), gamma=self.gamma,
                     num_steps_on=self.num_steps_on, num_steps_off=self.num_steps_off)
+
+    def as_dict(self) -> dict:
+        """The counters and the derived rates."""
+        return dict(self.as_dict_raw(), acceptance_rate=self.acceptance_rate,
+                    mean_acceptance_length=self.mean_acceptance_length)
 
     def copy(self) -> SpecDecodeStats:
-        return SpecDecodeStats(**{**self.as_dict_raw()})
-
-    def as_dict_raw(self) -> dict:
-        return dict(num_drafts=self.num_drafts, num_draft_tokens=self.num_draft_tokens,
-                    num_accepted_tokens=self.num_accepted_tokens, num_emitted_tokens=self.num_emitted_tokens,
-                    accepted_per_position=list(self.accepted_per_position),
-                    drafted_per_position=list(self.drafted_per_position), gamma=self.gamma,
-                    num_steps_on=self.num_steps_on, num_steps_off=self.num_steps_off)
+        return SpecDecodeStats(**self.as_dict_raw())
 
     def since(self, before: SpecDecodeStats) -> SpecDecodeStats:
         """The counters accumulated after ``before`` (a ``copy()`` taken earlier)."""

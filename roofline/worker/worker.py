@@ -566,10 +566,9 @@ class Worker:
         rof, jj = torch.from_numpy(row_of_flat).to(dev), torch.from_numpy(j).to(dev)
         target = torch.zeros(s, kmax + 1, probs.shape[1], device=dev)
         target[rof, jj] = probs
-        drafts = np.zeros((s, kmax), dtype=np.int64)
-        for i, (r, k) in enumerate(zip(rows.tolist(), ks.tolist(), strict=True)):
-            n = int(batch.num_tokens[r])
-            drafts[i, :k] = batch.token_ids[r, n:n + k]
+        cols = batch.num_tokens[rows][:, None] + np.arange(kmax)  # [S, K] the drafts' slots in token_ids
+        drafts = np.where(np.arange(kmax) < ks[:, None],
+                          batch.token_ids[rows[:, None], np.minimum(cols, batch.token_ids.shape[1] - 1)], 0)
         draft_probs = None
         if self._draft_probs:
             draft_probs = torch.zeros(s, kmax, probs.shape[1], device=dev)
