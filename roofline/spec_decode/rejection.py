@@ -61,7 +61,8 @@ def rejection_sample(
         ``RejectionOutput``.
 
     Raises:
-        ValueError: shapes that do not agree, or ``num_draft`` outside [0, K].
+        ValueError: shapes that do not agree, or ``num_draft`` outside [0, K] (checked for CPU tensors only, so
+            a GPU caller pays no host sync).
     """
     r, k1, v = target_probs.shape
     k = k1 - 1
@@ -71,7 +72,8 @@ def rejection_sample(
                          f"[{r}, {k}] and [{r}] for target_probs {tuple(target_probs.shape)}")
     if draft_probs is not None and tuple(draft_probs.shape) != (r, k, v):
         raise ValueError(f"draft_probs is {tuple(draft_probs.shape)}, expected {(r, k, v)}")
-    if r and (int(num_draft.min()) < 0 or int(num_draft.max()) > k):
+    # Checked where it costs no device sync (a CPU tensor); the worker passes counts it built itself.
+    if r and num_draft.device.type == "cpu" and (int(num_draft.min()) < 0 or int(num_draft.max()) > k):
         raise ValueError(f"num_draft must be in [0, {k}], got {num_draft.tolist()}")
     rows = torch.arange(r, device=dev)
     cols = torch.arange(k, device=dev)
