@@ -78,3 +78,45 @@ def test_quantized_kv_cache_backends_and_graphs(kv_cache_dtype):
     assert tokens[("triton", False)] == tokens[("triton", True)]
     same = sum(a == b for a, b in zip(tokens[("torch", True)], tokens[("triton", True)], strict=True))
     assert same >= 3, (same, tokens)
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1, "prompt_lookup_max": 4,
+     "adaptive": False},
+    {"method": "draft_model", "num_layers": 20, "num_speculative_tokens": 2, "adaptive": False},
+], ids=["ngram", "self-draft-20"])
+def test_speculative_verify_replays_cuda_graphs(spec):
+    """fp32, triton backend: a speculative run with CUDA graphs (verify steps as 1 + k decode rows per
+    request, the self-draft's passes in their own graphs) gives the non-speculative greedy tokens, and its
+    verify steps did replay graphs (counted by wrapping the runners)."""
+    from roofline import LLM, SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    common = dict(dtype="float32", attention_backend="triton", max_model_len=512, max_num_seqs=8,
+                  gpu_memory_utilization=0.2)
+    plain = LLM(_model(), **common)
+    ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
+    del plain
+    torch.cuda.empty_cache()
+    llm = LLM(_model(), speculative_config=spec, **common)
+    worker = llm.engine.worker
+    assert (worker.draft_graphs is not None) == (spec["method"] == "draft_model")
+    replays = {"verify": 0, "draft": 0}
+    for name, runner in (("verify", worker.graphs), ("draft", worker.draft_graphs)):
+        if runner is None:
+            continue
+
+        def counted(ids, pos, meta, _run=runner.run, _name=name):
+            # More rows than requests: a verify step (1 + k rows per request); any replay for the draft.
+            if _name == "draft" or len(ids) > len(PROMPTS):
+                replays[_name] += 1
+            return _run(ids, pos, meta)
+
+        runner.run = counted
+    outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outs] == ref
+    st = llm.engine.spec_stats
+    assert st.num_drafts > 0 and st.num_emitted_tokens == st.num_accepted_tokens + st.num_drafts
+    assert replays["verify"] > 0, replays
+    if spec["method"] == "draft_model":
+        assert replays["draft"] > 0, replays

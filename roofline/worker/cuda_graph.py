@@ -7,6 +7,13 @@ backend pads the rest (``prepare_replay``: slot -1, which the cache store skips,
 the decode kernel writes zeros). The backend's static block table has a fixed width
 (``max_model_len / block_size``), so its decode split count, which depends only on static sizes, is the
 same at capture and replay.
+
+Speculative decoding's verify step replays the same graphs: ``Worker.prepare_inputs`` lays out a step in
+which every request decodes 1 + k tokens (its last token and k drafts) as 1 + k decode rows that share
+the request's block table, row j seeing ``start + j + 1`` keys. The cache store runs before attention,
+so row j reads the drafts' K/V written by rows < j in the same pass: causal, exact, and of fixed shape.
+With a draft model, a second runner captures the draft's one-token passes over the same static
+attention buffers and memory pool (``share_with``); replays never overlap, so sharing is safe.
 """
 
 from __future__ import annotations
@@ -31,7 +38,8 @@ class CUDAGraphRunner:
 
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, max_num_seqs: int,
                  max_blocks_per_seq: int, device: torch.device, hidden_size: int, dtype: torch.dtype,
-                 ladder: tuple[int, ...] = DEFAULT_LADDER):
+                 ladder: tuple[int, ...] = DEFAULT_LADDER, share_with: CUDAGraphRunner | None = None,
+                 name: str = "decode"):
         if not backend.supports_cuda_graphs:
             raise ValueError(f"the {backend.name} attention backend cannot be captured in CUDA graphs")
         sizes = [b for b in ladder if b < max_num_seqs] + [max_num_seqs]
@@ -40,13 +48,18 @@ class CUDAGraphRunner:
         self.backend = backend
         self.device = device
         self.max_blocks_per_seq = max_blocks_per_seq
+        self.name = name
         n = self.batch_sizes[-1]
-        backend.init_capture(n, max_blocks_per_seq, device)
+        if share_with is None:
+            backend.init_capture(n, max_blocks_per_seq, device)
+        elif n > share_with.batch_sizes[-1] or max_blocks_per_seq > share_with.max_blocks_per_seq:
+            raise ValueError(f"a shared runner's {n} rows x {max_blocks_per_seq} blocks exceed the first runner's "
+                             f"{share_with.batch_sizes[-1]} x {share_with.max_blocks_per_seq}")
         self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.zeros(n, dtype=torch.int64, device=device)
         self.hidden = torch.zeros(n, hidden_size, dtype=dtype, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.pool = None
+        self.pool = share_with.pool if share_with is not None else None
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -63,13 +76,14 @@ class CUDAGraphRunner:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
         torch.cuda.synchronize(self.device)
-        logger.info("captured CUDA graphs for decode batch sizes %s", self.batch_sizes)
+        logger.info("captured CUDA graphs (%s) for batch sizes %s", self.name, self.batch_sizes)
 
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
         return num_seqs <= self.batch_sizes[-1] and max_blocks <= self.max_blocks_per_seq
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """Replay the graph for ``n = len(input_ids)`` decode rows; returns hidden [n, hidden_size]."""
+        """Replay the graph for ``n = len(input_ids)`` decode rows; returns hidden [n, hidden_size] (a view of
+        the static output: read it before the next replay)."""
         n = input_ids.shape[0]
         bs = next(b for b in self.batch_sizes if b >= n)
         self.input_ids[:n].copy_(input_ids, non_blocking=True)

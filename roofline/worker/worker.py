@@ -31,7 +31,7 @@ from roofline.layers.sampler import Sampler, SamplingMetadata
 from roofline.models import loader
 from roofline.models.registry import build_model
 from roofline.quant import get_quant_config
-from roofline.worker.cuda_graph import CUDAGraphRunner
+from roofline.worker.cuda_graph import DEFAULT_LADDER, CUDAGraphRunner
 from roofline.worker.input_batch import InputBatch
 from roofline.worker.prompt_logprobs import (
     PromptLogprobsPlan,
@@ -104,11 +104,24 @@ class Worker:
         self._num_spec = np.zeros(sc.max_num_seqs, dtype=np.int64)
         self.draft_num_layers = spec.num_layers if spec is not None and spec.method == "draft_model" else None
         self.graphs: CUDAGraphRunner | None = None
+        self.draft_graphs: CUDAGraphRunner | None = None
         if config.uses_cuda_graphs:
             if self.backend.supports_cuda_graphs:
-                self.graphs = CUDAGraphRunner(self.model, self.backend, sc.max_num_seqs, self.max_blocks_per_seq,
+                # A verify step is 1 + k decode rows per request (see prepare_inputs): capture that many rows,
+                # up to the ladder's top, so verify steps replay graphs too.
+                rows = sc.max_num_seqs
+                if spec is not None:
+                    rows = max(rows, min(rows * (1 + spec.num_speculative_tokens), max(DEFAULT_LADDER)))
+                self.graphs = CUDAGraphRunner(self.model, self.backend, rows, self.max_blocks_per_seq,
                                               self.device, mc.hidden_size, self.dtype)
                 self.graphs.capture()
+                if self.draft_num_layers is not None:
+                    k = self.draft_num_layers
+                    self.draft_graphs = CUDAGraphRunner(
+                        lambda ids, pos, meta: self._forward_layers(ids, pos, meta, k), self.backend,
+                        sc.max_num_seqs, self.max_blocks_per_seq, self.device, mc.hidden_size, self.dtype,
+                        share_with=self.graphs, name=f"draft, {k} layers")
+                    self.draft_graphs.capture()
             else:
                 logger.warning("the %s attention backend cannot be captured in CUDA graphs; running eager",
                                self.backend.name)
@@ -348,16 +361,26 @@ class Worker:
         slot_mapping = batch.block_table[token_rows, positions // bs].astype(np.int64) * bs + positions % bs
         seq_lens = start + counts
         max_blocks = int(batch.num_blocks[rows].max())
-        block_tables = batch.block_table[rows, :max_blocks]
-        samples = seq_lens - self._num_spec[rows] == batch.num_tokens[rows]  # drafts sit past num_tokens
+        num_spec = self._num_spec[rows]
+        samples = seq_lens - num_spec == batch.num_tokens[rows]  # drafts sit past num_tokens
+        if num_spec.any() and samples.all() and (counts == 1 + num_spec).all():
+            # A verify step (every request decodes its last token + its drafts): one decode row per token,
+            # row j of a request seeing start + j + 1 keys through the request's block table. The cache store
+            # precedes attention, so this is the causal extend, with the decode kernel's fixed shapes (CUDA
+            # graphs replay it). Query rows, sample rows and logits indices are unchanged.
+            attn_rows, attn_starts, attn_lens = token_rows, np.arange(total + 1), positions + 1
+        else:
+            attn_rows, attn_starts, attn_lens = rows, query_start, seq_lens
+        block_tables = batch.block_table[attn_rows, :max_blocks]
+        attn_counts = np.diff(attn_starts)
         meta = AttentionMetadata(
             slot_mapping=self._to_device("slot_mapping", slot_mapping),
-            query_start_loc=self._to_device("query_start_loc", query_start.astype(np.int32)),
-            seq_lens=self._to_device("seq_lens", seq_lens.astype(np.int32)),
+            query_start_loc=self._to_device("query_start_loc", attn_starts.astype(np.int32)),
+            seq_lens=self._to_device("seq_lens", attn_lens.astype(np.int32)),
             block_tables=self._to_device("block_tables", np.ascontiguousarray(block_tables)),
-            max_query_len=int(counts.max()),
-            query_lens_cpu=counts.tolist(),
-            seq_lens_cpu=seq_lens.tolist(),
+            max_query_len=int(attn_counts.max()),
+            query_lens_cpu=attn_counts.tolist(),
+            seq_lens_cpu=attn_lens.tolist(),
         )
         ids = self._to_device("input_ids", input_ids)
         pos = self._to_device("positions", positions)
@@ -532,8 +555,12 @@ class Worker:
                 max_query_len=1, query_lens_cpu=[1] * len(act), seq_lens_cpu=seq_lens.tolist(),
             )
             ids = torch.from_numpy(batch.token_ids[act, pos]).to(dev)
-            hidden = self._forward_layers(ids, torch.from_numpy(pos).to(dev), self.backend.build_metadata(meta),
-                                          self.draft_num_layers)
+            positions = torch.from_numpy(pos).to(dev)
+            meta = self.backend.build_metadata(meta)
+            if self.draft_graphs is not None and self.draft_graphs.can_run(len(act), max_blocks):
+                hidden = self.draft_graphs.run(ids, positions, meta)
+            else:
+                hidden = self._forward_layers(ids, positions, meta, self.draft_num_layers)
             md = self.prepare_sampling(act, tag="draft_")
             probs = processed_probs(self.model.compute_logits(hidden), md)  # [A, V]
             noise = torch.empty_like(probs).exponential_()
