@@ -6,6 +6,12 @@
 ``--plot`` draws it. ``roofline probe`` measures this machine and writes a hardware JSON that
 ``--hardware`` accepts. Every time printed is a lower bound, never a latency.
 
+With ``--tp``/``--pp``/``--gpus``/``--best-layout`` it adds the parallel bound
+(``roofline.costmodel.parallel_step``): per-GPU weights and KV under tensor x pipeline parallelism,
+the decode step with its ring all-reduces and stage-to-stage sends over the links of
+``roofline.hardware.INTERCONNECT_PRESETS``, and, with ``--best-layout``, every layout ranked by
+batch-1 token time.
+
 ``roofline.cli`` registers both with :func:`add_cost_parser` and :func:`add_probe_parser`;
 ``python -m roofline.cost_cli {cost,probe} ...`` works on its own.
 """
@@ -20,7 +26,13 @@ from pathlib import Path
 from typing import Any
 
 from roofline import costmodel as cm
-from roofline.hardware import HARDWARE_PRESETS, HardwareSpec, load_hardware
+from roofline.hardware import (
+    HARDWARE_PRESETS,
+    INTERCONNECT_PRESETS,
+    HardwareSpec,
+    load_hardware,
+    load_interconnect,
+)
 
 ALPHA_SWEEP = tuple(round(0.05 * i, 2) for i in range(20))  # 0.00 .. 0.95
 BATCH_SWEEP = tuple(2**i for i in range(11))  # 1 .. 1024
@@ -79,6 +91,37 @@ def _validate(args: argparse.Namespace) -> None:
         raise ValueError(f"--plain-step-ms must be a finite number > 0, got {args.plain_step_ms}")
     if args.kv_dtype is not None:
         cm.kv_dtype_bytes(args.kv_dtype)
+    for flag, value in (("--gpus", args.gpus), ("--gpus-per-node", args.gpus_per_node),
+                        ("--micro-batches", args.micro_batches)):
+        if value is not None and value < 1:
+            raise ValueError(f"{flag} must be an integer >= 1, got {value}")
+    for flag, value in (("--interconnect", args.interconnect), ("--inter-node-interconnect", args.inter_node_interconnect)):
+        if value not in INTERCONNECT_PRESETS:
+            raise ValueError(f"unknown {flag} {value!r}; known: {', '.join(INTERCONNECT_PRESETS)}")
+    for flag, value in (("--link-bandwidth", args.link_bandwidth), ("--inter-node-bandwidth", args.inter_node_bandwidth)):
+        if value is not None and not (value > 0 and math.isfinite(value)):
+            raise ValueError(f"{flag} must be a finite number of GB/s > 0, got {value}")
+    for flag, value in (("--link-latency-us", args.link_latency_us),
+                        ("--inter-node-latency-us", args.inter_node_latency_us)):
+        if value is not None and not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"{flag} must be a finite number of microseconds >= 0, got {value}")
+    if args.best_layout and args.gpus is None:
+        raise ValueError("--best-layout needs --gpus N (the GPUs to lay the model out on)")
+
+
+def _wants_parallel(args: argparse.Namespace) -> bool:
+    return args.best_layout or any(v is not None for v in (args.tp, args.pp, args.gpus))
+
+
+def _validate_parallel(args: argparse.Namespace, shape: cm.ModelShape, batch: int) -> None:
+    """Check ``--tp``/``--pp`` (1 when not given) against the model and ``--gpus``, and ``--micro-batches``."""
+    tp = 1 if args.tp is None else args.tp
+    pp = 1 if args.pp is None else args.pp
+    cm.check_parallel_layout(shape, tp, pp, tp_name="--tp", pp_name="--pp")
+    if args.gpus is not None and tp * pp > args.gpus:
+        raise ValueError(f"--tp x --pp = {tp} x {pp} = {tp * pp} GPUs is more than --gpus {args.gpus}")
+    if args.micro_batches > batch:
+        raise ValueError(f"--micro-batches must be an integer in [1, --batch {batch}], got {args.micro_batches}")
 
 
 # --------------------------------------------------------------------------------------------------
@@ -203,6 +246,51 @@ def build_sweep(kind: str, shape: cm.ModelShape, hw: HardwareSpec, fmts: list[cm
     return {"kind": kind, "rows": rows}
 
 
+def _link_dict(link: cm.Link) -> dict[str, Any]:
+    return {"name": link.name, "bandwidth_bytes_per_s": link.bandwidth, "latency_per_step_s": link.latency_s,
+            "citation": link.citation}
+
+
+def build_parallel(shape: cm.ModelShape, hw: HardwareSpec, fmt: str, batch: int, context: int, kv_dtype: str,
+                   tp: int | None, pp: int | None, num_gpus: int | None, gpus_per_node: int, intra: cm.Link,
+                   inter: cm.Link, num_micro_batches: int = 1, best: bool = False) -> dict[str, Any]:
+    """The ``parallel`` part of the artifact: the layout ``tp x pp`` (1 x 1 when not given; the best
+    fitting one under ``best`` when neither is given) at batch 1 and at ``batch``, and with ``best``
+    every layout on at most ``num_gpus`` GPUs ranked by :func:`roofline.costmodel.best_layouts`."""
+    common: dict[str, Any] = dict(bandwidth=hw.memory_bandwidth, peak_flops=hw.peak("bf16"), intra=intra,
+                                  inter=inter, gpus_per_node=gpus_per_node, fmt=fmt, context=context,
+                                  kv_dtype=kv_dtype, capacity_bytes=hw.memory_capacity)
+    out: dict[str, Any] = {
+        "note": "memory and compute terms are lower bounds (Pope et al. 2022); all-reduces and sends follow the "
+                "ring alpha-beta model (Thakur et al. 2005) on the slowest link of their group",
+        "citations": [cm.PAPER_POPE, cm.PAPER_MEGATRON, cm.PAPER_THAKUR, cm.PAPER_GPIPE],
+        "format": cm.parse_weight_format(fmt).name, "batch": batch, "context": context, "kv_dtype": kv_dtype,
+        "num_gpus": num_gpus, "gpus_per_node": gpus_per_node,
+        "links": {"intra_node": _link_dict(intra), "inter_node": _link_dict(inter)},
+    }
+    ranked: list[tuple[cm.ParallelBound, cm.ParallelBound]] = []
+    if best:
+        if num_gpus is None:
+            raise ValueError("the layout search needs num_gpus")
+        ranked = cm.best_layouts(shape, num_gpus, batch, num_micro_batches=num_micro_batches, **common)
+        out["best_layouts"] = [
+            {"tp": t.tp, "pp": t.pp, "num_gpus": t.num_gpus, "tp_link": t.stages[0].link.name,
+             "max_weight_bytes_per_gpu": max(s.shard.weight_bytes for s in t.stages),
+             "fits": None if b.fits is None else b.fits["fits"],
+             "max_batch": None if b.fits is None else b.fits["max_batch"],
+             "token_s": t.step_s, "token_communication_s": t.comm_s,
+             "step_s_at_batch": b.step_s, "tokens_per_s_at_batch": b.tokens_per_s,
+             "pipeline_utilization_at_batch": b.utilization}
+            for t, b in ranked]
+    if best and tp is None and pp is None:
+        tp, pp = ranked[0][0].tp, ranked[0][0].pp
+    tp, pp = tp or 1, pp or 1
+    token = cm.parallel_step(shape, tp, pp, 1, **common)
+    at_batch = cm.parallel_step(shape, tp, pp, batch, num_micro_batches=num_micro_batches, **common)
+    out["layout"] = {"tp": tp, "pp": pp, "token": token.as_dict(), "at_batch": at_batch.as_dict()}
+    return out
+
+
 # --------------------------------------------------------------------------------------------------
 # Text
 # --------------------------------------------------------------------------------------------------
@@ -277,6 +365,8 @@ def format_table(r: dict[str, Any]) -> str:
     ]
     if "sweep" in r:
         lines += ["", *format_sweep(r["sweep"])]
+    if "parallel" in r:
+        lines += ["", *format_parallel(r["parallel"])]
     return "\n".join(lines)
 
 
@@ -303,6 +393,79 @@ def format_sweep(sw: dict[str, Any]) -> list[str]:
     for row in [head, *body]:
         out.append("  ".join(f"{v:>{w}}" for v, w in zip(row, widths, strict=True)))
     return out
+
+
+def _us(s: float) -> str:
+    return f"{s * 1e6:.2f} us"
+
+
+def _fits_text(f: dict[str, Any] | None) -> str:
+    if f is None:
+        return "n/a"
+    return f"{'yes' if f['fits'] else 'no'} (max {_max_batch(f['max_batch'])})"
+
+
+def _max_batch(n: int) -> str:
+    return "any" if n < 0 else str(n)  # -1: no KV to hold (context 0)
+
+
+def _table(head: list[str], body: list[list[str]]) -> list[str]:
+    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
+    return ["  ".join(f"{v:>{w}}" for v, w in zip(row, widths, strict=True)) for row in [head, *body]]
+
+
+def format_parallel(par: dict[str, Any]) -> list[str]:
+    """The readable lines of a :func:`build_parallel` artifact."""
+    lay, links, b = par["layout"], par["links"], par["batch"]
+    tok, at = lay["token"], lay["at_batch"]
+
+    def link_text(x: dict[str, Any]) -> str:
+        return f"{x['name']} {x['bandwidth_bytes_per_s'] / 1e9:g} GB/s, {x['latency_per_step_s'] * 1e6:g} us per ring step"
+
+    lines = [
+        f"parallelism  {par['format']} weights, batch {b}, context {par['context']}, KV {par['kv_dtype']}, "
+        f"{par['gpus_per_node']} GPUs per node",
+        f"links        inside a node {link_text(links['intra_node'])}; between nodes {link_text(links['inter_node'])}",
+        "Memory and compute are lower bounds (Pope et al. 2022); all-reduces (2 per layer, Megatron-LM) and "
+        "stage sends are ring alpha-beta estimates (Thakur et al. 2005) on their group's slowest link.",
+    ]
+    if "best_layouts" in par:
+        lines += ["", f"layouts on at most {par['num_gpus']} GPUs, ranked by batch-1 token time "
+                      f"(those that do not fit at batch {b} last)"]
+        body = []
+        rank = 0
+        for x in par["best_layouts"]:
+            rank += 1 if x["fits"] is not False else 0
+            body.append([str(rank) if x["fits"] is not False else "-", f"{x['tp']} x {x['pp']}", str(x["num_gpus"]),
+                         x["tp_link"] if x["tp"] > 1 else "-", f"{x['max_weight_bytes_per_gpu'] / 1e9:.3f}",
+                         "n/a" if x["fits"] is None else f"{'yes' if x['fits'] else 'no'} ({_max_batch(x['max_batch'])})",
+                         _ms(x["token_s"]), _ms(x["token_communication_s"]), f"{x['tokens_per_s_at_batch']:,.0f}"])
+        lines += _table(["rank", "TP x PP", "GPUs", "TP link", "weights/GPU (GB)", f"fits at {b} (max)",
+                         "batch-1 token", "of it comm", f"batch-{b} tok/s"], body)
+    lines += ["", f"layout TP {lay['tp']} x PP {lay['pp']} = {lay['tp'] * lay['pp']} GPUs, per GPU, batch 1:"]
+    body = [[str(st["stage"]), str(st["num_layers"]), st["tp_link"] if lay["tp"] > 1 else "-",
+             str(st["kv_heads_per_gpu"]), f"{st['weight_bytes_per_gpu'] / 1e9:.3f}",
+             f"{st['kv_bytes_per_sequence_per_gpu'] / 1e6:.2f}", _ms(st["memory_lower_bound_s"]),
+             _ms(st["compute_lower_bound_s"]), f"{_us(st['allreduce_s'])} x {st['num_allreduces']}",
+             _ms(st["stage_s"])] for st in tok["stages"]]
+    lines += _table(["stage", "layers", "TP link", "KV heads/GPU", "weights/GPU (GB)", "KV/GPU/seq (MB)",
+                     "memory", "compute", "all-reduce x n", "stage"], body)
+    comm_share = tok["communication_s"] / tok["step_s"]
+    sends = f", {lay['pp'] - 1} stage sends {_us(sum(tok['send_s']))}" if lay["pp"] > 1 else ""
+    fits = _fits_text(at["fits"]) + ("" if at["fits"] is None else f": {at['fits']['needed_bytes'] / 1e9:.2f} GB "
+                                     f"of {at['fits']['capacity_bytes'] / 1e9:.0f} GB on the fullest GPU (10% reserve)")
+    rows = [
+        ("batch-1 token", f"{_ms(tok['step_s'])} ({_ms(tok['communication_s'])} communication, {comm_share:.0%}"
+                          f"{sends}): {tok['tokens_per_s']:,.0f} tok/s"),
+        (f"batch-{b} step", f"{_ms(at['step_s'])} in {at['num_micro_batches']} micro-batch(es) of "
+                            f"{at['stages'][0]['micro_batch']}, pipeline utilization {at['pipeline_utilization']:.2f} "
+                            f"(GPipe m/(m+p-1)): {at['tokens_per_s']:,.0f} tok/s"),
+        (f"fits at batch {b}", fits),
+    ]
+    if b == 1:
+        del rows[1]  # the batch-1 step is the token line
+    w = max(len(k) for k, _ in rows)
+    return lines + [f"  {k:<{w}}  {v}" for k, v in rows]
 
 
 # --------------------------------------------------------------------------------------------------
@@ -392,6 +555,14 @@ def run_cost(args: argparse.Namespace) -> int:
         source = "given" if args.plain_step_ms is not None else "the worksheet's assumption"
         report = build_report(shape, hw, formats, kv_dtype, batch, context, args.alpha, args.gamma,
                               args.draft_cost, plain, args.sweep, plain_step_source=source)
+        if _wants_parallel(args):
+            _validate_parallel(args, shape, batch)
+            intra = load_interconnect(args.interconnect, args.link_bandwidth, args.link_latency_us)
+            inter = load_interconnect(args.inter_node_interconnect, args.inter_node_bandwidth,
+                                      args.inter_node_latency_us)
+            report["parallel"] = build_parallel(shape, hw, formats[0], batch, context, kv_dtype, args.tp, args.pp,
+                                                args.gpus, args.gpus_per_node, intra, inter, args.micro_batches,
+                                                args.best_layout)
     except ValueError as e:
         return _error("cost", str(e))
     if args.plot:
@@ -459,6 +630,28 @@ def add_cost_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--sweep", choices=("alpha", "gamma", "batch"), default=None)
     p.add_argument("--json", action="store_true", help="print the full JSON artifact")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write the two-panel plot")
+    links = ", ".join(INTERCONNECT_PRESETS)
+    par = p.add_argument_group("parallelism", "tensor x pipeline parallel bound, for the first --format")
+    par.add_argument("--tp", type=int, default=None, help="tensor-parallel size; must divide the attention heads "
+                     "(default 1)")
+    par.add_argument("--pp", type=int, default=None, help="pipeline-parallel stages, in [1, layers] (default 1)")
+    par.add_argument("--gpus", type=int, default=None, help="GPUs available; --best-layout searches tp x pp <= this")
+    par.add_argument("--gpus-per-node", type=int, default=8,
+                     help="GPUs per node; a TP group or stage boundary crossing nodes uses the inter-node link")
+    par.add_argument("--interconnect", default="nvlink", help=f"link between GPUs of a node ({links})")
+    par.add_argument("--inter-node-interconnect", default="ib", help=f"link between nodes ({links})")
+    par.add_argument("--link-bandwidth", type=float, default=None, metavar="GB/s",
+                     help="override --interconnect's bandwidth per direction per GPU")
+    par.add_argument("--link-latency-us", type=float, default=None, metavar="US",
+                     help="override --interconnect's latency per ring step")
+    par.add_argument("--inter-node-bandwidth", type=float, default=None, metavar="GB/s",
+                     help="override --inter-node-interconnect's bandwidth per direction per GPU")
+    par.add_argument("--inter-node-latency-us", type=float, default=None, metavar="US",
+                     help="override --inter-node-interconnect's latency per ring step")
+    par.add_argument("--micro-batches", type=int, default=1,
+                     help="pipeline micro-batches at --batch (GPipe schedule, flushed every step)")
+    par.add_argument("--best-layout", action="store_true",
+                     help="rank every TP x PP layout on at most --gpus GPUs by batch-1 token time")
     p.set_defaults(func=run_cost)
     return p
 
