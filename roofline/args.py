@@ -208,12 +208,8 @@ class EngineArgs:
         )
 
     def _async_scheduling(self, on_cuda: bool) -> bool:
-        if self.speculative_config is None:
-            return on_cuda if self.async_scheduling is None else self.async_scheduling
-        if self.async_scheduling:
-            raise ValueError("--async-scheduling cannot be combined with --speculative-config (the verify step's "
-                             "accepted tokens decide the next step's inputs); drop one")
-        return False
+        # With speculative decoding, steps that draft run synchronously and the others asynchronously.
+        return on_cuda if self.async_scheduling is None else self.async_scheduling
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> argparse.ArgumentParser:

@@ -418,9 +418,6 @@ class EngineConfig:
     speculative_config: SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
-        if self.speculative_config is not None and self.async_scheduling:
-            raise ValueError("speculative decoding needs async_scheduling off (the verify step's accepted "
-                             "tokens decide the next step's inputs)")
         if self.dtype not in DTYPES:
             raise ValueError(f"dtype must be one of {', '.join(DTYPES)} once resolved; got {self.dtype!r}")
         if self.cache_config.kv_cache_dtype not in KV_CACHE_DTYPES:

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
+
 @dataclass
 class StepRecord:
     """Timing of one engine step, kept for run statistics and the floor comparison."""
@@ -154,7 +155,6 @@ class LLMEngine:
         self._worker_seqs: set[int] = set()
         self._finished_seq_ids: list[int] = []
         self._inflight: tuple[SchedulerOutput, Any] | None = None  # the launched step not yet processed
-        self._host_draft_s = 0.0  # the n-gram proposer's host seconds per draft step, last step
         self.spec_config = config.speculative_config
         self.spec_stats = SpecDecodeStats()
         self.spec_policy: SpecPolicy | None = None
@@ -205,7 +205,6 @@ class LLMEngine:
         assert spec is not None and policy is not None
         sc = self.config.scheduler_config
         cands, caps, drafts = [], [], []
-        t0 = time.perf_counter()
         for seq in self.scheduler.running:
             seq.spec_token_ids = []
             if seq.num_uncomputed_tokens != 1 or not self._may_speculate(seq):
@@ -225,7 +224,9 @@ class LLMEngine:
             caps.append(len(d))
             drafts.append(d)
         if not cands or max(caps) == 0:
-            return  # nothing to draft this step (no n-gram match): not a policy decision, not counted as off
+            if cands:  # nothing to draft (no n-gram match): not a policy decision, not counted as off
+                policy.no_drafts([s.seq_id for s in cands])
+            return
         self._spec_context = max(1, sum(s.num_tokens for s in cands) // len(cands))
         gamma = policy.choose([s.seq_id for s in cands], caps)
         self.spec_stats.gamma = gamma
@@ -237,8 +238,6 @@ class LLMEngine:
             # and seed only, not on the batch or on timings.
             pinned = p.seed is not None and not p.is_greedy
             seq.spec_token_ids = d if pinned else d[:gamma]
-        if spec.method == "ngram" and gamma > 0:
-            self._host_draft_s = (time.perf_counter() - t0) / gamma
 
     @property
     def block_manager(self) -> BlockPool:
@@ -382,15 +381,51 @@ class LLMEngine:
         sampled ids and processes them, so the host's scheduling and input preparation hide behind the GPU's
         work. If a step fails, its error propagates and the caller aborts the affected requests (``LLM``
         does); a step still in flight is processed, its finished sequences dropping their tokens.
+
+        Speculative decoding: a step that drafts needs its requests' newest tokens, and its accepted tokens
+        decide the next step's inputs, so it runs synchronously (the step in flight is processed first).
+        While the policy has speculation off, or for a few steps after one that found no draft, steps stay
+        asynchronous and propose nothing, until a probe is due or a new request joins a small batch
+        (``_drafting_due``; ``SpecPolicy.drafting_due``).
         """
-        if self.spec_policy is not None:
+        if self.spec_policy is not None and (not self.config.async_scheduling or self._drafting_due()):
+            done = self._drain()
+            t0 = time.perf_counter()
             self._propose()
+            out = self.scheduler.schedule()
+            if out.is_empty:
+                return done
+            return done + self._process(out, self._launch(out), wall_t0=t0)
+        if self.spec_policy is not None:
+            self._skip_drafting()
+        t0 = time.perf_counter()
         out = self.scheduler.schedule()
         pending = self._launch(out) if not out.is_empty else None
         if not self.config.async_scheduling and pending is not None:
             return self._process(out, pending)
         prev, self._inflight = self._inflight, ((out, pending) if pending is not None else None)
+        # In the steady state one call launches one step and processes one: its wall time is a step's.
+        return self._process(*prev, wall_t0=t0 if pending is not None else None) if prev is not None else []
+
+    def _drain(self) -> list[RequestOutput]:
+        """Process the step in flight, if any."""
+        prev, self._inflight = self._inflight, None
         return self._process(*prev) if prev is not None else []
+
+    def _drafting_due(self) -> bool:
+        """Whether this step proposes drafts, and so runs synchronously (``SpecPolicy.drafting_due``)."""
+        assert self.spec_policy is not None
+        return self.spec_policy.drafting_due([s.seq_id for s in self.scheduler.running if not s.is_prefill])
+
+    def _skip_drafting(self) -> None:
+        """A step run without drafts while the policy is off: no request carries drafts; counts toward a probe."""
+        assert self.spec_policy is not None
+        decoding = False
+        for seq in self.scheduler.running:
+            seq.spec_token_ids = []
+            decoding = decoding or not seq.is_prefill
+        if decoding and self.spec_policy.skip():
+            self.spec_stats.num_steps_off += 1
 
     def _launch(self, out: SchedulerOutput) -> Any:
         step_input = self._step_input(out)
@@ -410,8 +445,11 @@ class LLMEngine:
             self._worker_blocks.pop(sid, None)
         self._finished_seq_ids.extend(step_input.finished_seq_ids)
 
-    def _process(self, out: SchedulerOutput, pending: Any) -> list[RequestOutput]:
-        """Wait for a launched step's sampled ids, append them, check stops, build outputs."""
+    def _process(self, out: SchedulerOutput, pending: Any, wall_t0: float | None = None) -> list[RequestOutput]:
+        """Wait for a launched step's sampled ids, append them, check stops, build outputs.
+
+        ``wall_t0``: when this step's wall time began (its proposal, or the call that launched the next
+        step while this one ran), for the speculative policy's step timings; None: not a steady-state step."""
         try:
             result = pending.result()
         except BaseException:
@@ -438,9 +476,11 @@ class LLMEngine:
             self._record_spec(spec_seqs, result)
         if self.spec_policy is not None and all(s.num_scheduled_tokens == 1 + len(s.spec_token_ids)
                                                 for s in out.scheduled):
-            # A step of decodes only (no prefill chunk): its time teaches the policy the measured verify ratio.
+            # A step of decodes only (no prefill chunk): its wall time (the proposer's and the host's work
+            # included, the draft model's excluded) teaches the policy the measured verify ratio.
+            wall = result.duration_s if wall_t0 is None else time.perf_counter() - wall_t0
             self.spec_policy.record_step(len(out.scheduled), max(spec_seqs.values(), default=0),
-                                         result.duration_s - result.draft_duration_s)
+                                         wall - result.draft_duration_s)
         changed = self.scheduler.update(out, sampled)
         touched: dict[str, _Request] = {}
         now = time.monotonic()
@@ -503,10 +543,8 @@ class LLMEngine:
             policy.record(sid, k, a)
         gamma = max(spec_seqs.values())
         verify_s = max(result.duration_s - result.draft_duration_s, 1e-9)
-        if result.draft_duration_s > 0:
+        if result.draft_duration_s > 0:  # the n-gram proposer's host time is inside the step's wall time
             policy.record_cost(result.draft_duration_s / gamma, verify_s)
-        elif self._host_draft_s:
-            policy.record_cost(self._host_draft_s, verify_s)
 
     def _add_prompt_logprobs(self, out: SchedulerOutput,
                              scored: dict[int, tuple[int, list[dict[int, Logprob]]]]) -> None:

@@ -16,13 +16,15 @@ Each step, for the batch of requests that may speculate (B of them), the policy 
   1 while the step is memory-bound, growing once the verify pass turns compute-bound. The bound is a floor:
   the engine also reports its measured plain-decode and verify step times (``record_step``, per batch-size
   bucket), and once both are known at a bucket the ratio is the bound times the measured excess
-  ``(verify / plain) / bound`` (on the H200 a verify step runs eager while plain decode replays a CUDA graph:
-  measured r = 5.3 at batch 1 where the bound says 1.0).
+  ``(verify / plain) / bound`` (at the llama-3-8b shape on the H200, with both steps replaying CUDA graphs:
+  measured r = 1.20 at batch 1 and gamma 1 where the bound says 1.0).
 
 gamma = 0 turns speculation off for the step. While it is off, a probe step speculates with gamma 1 so the
 estimates keep up (a copy-heavy request can start later): after ``PROBE_INTERVAL`` steps off, and after twice
 as many each time a probe ends off again, up to ``MAX_PROBE_INTERVAL``. With ``adaptive`` False gamma is always
-gamma_max.
+gamma_max. Step times are wall times (the engine's host work and the n-gram proposer's included): a step that
+drafts runs synchronously, while the plain steps between probes run with async scheduling (``drafting_due``),
+so the measured excess also prices the lost overlap.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ ALPHA_EMA = 0.3  # weight of the newest verify pass in a request's acceptance es
 COST_EMA = 0.2  # weight of the newest measurement in the draft-cost estimate
 PROBE_INTERVAL = 16  # steps with gamma 0 before the first probe at gamma 1
 MAX_PROBE_INTERVAL = 1024  # the probe interval doubles while probes keep ending off, up to this
+NEW_REQUEST_BATCH = 8  # while off, a new request in a decode batch this small makes the next step draft
+MAX_NO_DRAFT_WAIT = 16  # most steps without proposals after repeated drafting steps that found no draft
 ALPHA_MAX = 0.999  # E(alpha) needs alpha < 1
 
 
@@ -93,6 +97,42 @@ class SpecPolicy:
     # Measured step seconds (EMA) per batch bucket (next power of two): plain decode, and verify per gamma.
     plain_s: dict[int, float] = field(default_factory=dict)
     verify_s: dict[tuple[int, int], float] = field(default_factory=dict)
+    seen: set[int] = field(default_factory=set)  # requests a decision has covered (until forgotten)
+
+    wait_steps: int = 0  # steps to run without proposing after drafting steps that found no draft
+    no_draft_backoff: int = 1
+
+    def drafting_due(self, decoding: list[int]) -> bool:
+        """Whether the next step, whose decoding requests are ``decoding``, should propose drafts. The engine
+        runs steps that propose synchronously and the others with async scheduling (``skip`` counts them).
+        Due: always with a fixed gamma; otherwise not while waiting after a step with no draft
+        (``no_drafts``), and then while speculation is on (or before the first decision), when a probe is
+        due, or when a request no decision has covered decodes in a batch of at most ``NEW_REQUEST_BATCH``
+        (small batches are where speculation pays; a large batch waits for the next probe)."""
+        if not self.adaptive:
+            return True
+        if self.wait_steps > 0:
+            return False
+        if self.last is None or self.last.gamma > 0 or self.steps_off + 1 >= self.probe_interval:
+            return True
+        return 0 < len(decoding) <= NEW_REQUEST_BATCH and any(s not in self.seen for s in decoding)
+
+    def skip(self) -> bool:
+        """A step that ran without proposing. Returns whether speculation was off (a step closer to a probe)
+        rather than waiting after a step with no draft."""
+        if self.wait_steps > 0:
+            self.wait_steps -= 1
+        off = self.last is not None and self.last.gamma == 0
+        self.steps_off += off
+        return off
+
+    def no_drafts(self, seq_ids: list[int]) -> None:
+        """A drafting step where no request (of ``seq_ids``) had a draft (no n-gram match): the next
+        ``no_draft_backoff`` steps do not propose, and the wait doubles while such steps repeat, up to
+        ``MAX_NO_DRAFT_WAIT``."""
+        self.seen.update(seq_ids)
+        self.wait_steps = self.no_draft_backoff
+        self.no_draft_backoff = min(2 * self.no_draft_backoff, MAX_NO_DRAFT_WAIT)
 
     @staticmethod
     def _bucket(batch: int) -> int:
@@ -141,6 +181,8 @@ class SpecPolicy:
             self.last = PolicyDecision(self.gamma_max, float("nan"), b, float("nan"), self.draft_cost,
                                        float("nan"))
             return self.gamma_max
+        self.seen.update(seq_ids)
+        self.no_draft_backoff = 1
         alphas = [self.alpha(s) for s in seq_ids]
         best = PolicyDecision(0, 1.0, b, sum(alphas) / b, self.draft_cost, 1.0)
         for g in range(1, self.gamma_max + 1):
@@ -179,3 +221,4 @@ class SpecPolicy:
 
     def forget(self, seq_id: int) -> None:
         self.requests.pop(seq_id, None)
+        self.seen.discard(seq_id)

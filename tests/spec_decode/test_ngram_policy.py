@@ -62,6 +62,42 @@ def test_policy_probes_while_off_and_pins_without_adaptive():
     assert _policy(adaptive=False).choose([1, 2], [4, 0]) == 4
 
 
+def test_policy_says_when_steps_draft():
+    """Drafting steps run synchronously, the others async: due before the first decision and while on; not
+    while off until the probe (the skipped steps count toward it), nor during the doubling wait after steps
+    with no draft; a new request in a small batch makes the next step draft, in a large one it waits."""
+    pol = _policy(draft_cost=0.9)
+    assert pol.drafting_due([1])
+    for _ in range(5):
+        pol.record(1, 4, 0)
+    assert pol.choose([1], [4]) == 0
+    due = []
+    for _ in range(PROBE_INTERVAL - 1):
+        due.append(pol.drafting_due([1]))
+        if not due[-1]:
+            assert pol.skip()  # an off step
+    assert due == [False] * (PROBE_INTERVAL - 2) + [True]
+    assert pol.choose([1], [4]) == 1  # the probe
+    assert pol.drafting_due([1])  # on (gamma 1) until a decision says off again
+    pol.last = None
+    assert pol.choose([1], [4]) == 0
+    assert not pol.drafting_due([1]) and pol.drafting_due([1, 2])  # request 2 is new, batch of 2
+    assert not pol.drafting_due([1] + list(range(100, 120)))  # new requests in a batch of 21 wait
+    pol.last = None  # as before a first decision: due whenever not waiting
+    waits = []
+    for _ in range(6):  # drafting steps that find no draft: waits of 1, 2, 4, 8, 16, 16 steps
+        pol.no_drafts([1])
+        n = 0
+        while not pol.drafting_due([1]) and n < 100:
+            pol.skip()
+            n += 1
+        waits.append(n)
+    assert waits[:5] == [1, 2, 4, 8, 16] and waits[5] <= 16
+    pol.choose([1], [4])  # a step with drafts resets the wait
+    pol.no_drafts([1])
+    assert pol.wait_steps == 1
+
+
 def test_policy_alpha_estimate():
     pol = _policy()
     pol.record(7, 4, 2)  # 2 accepted, 3 tests

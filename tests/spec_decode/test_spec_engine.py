@@ -121,8 +121,23 @@ def test_penalties_decode_without_drafts(default_llm, ngram_llm):
 def test_startup_errors():
     with pytest.raises(ValueError, match=r"num_layers must be in \[1, 29\] \(the target has 30 layers\), got 30"):
         LLM(speculative_config={"method": "draft_model", "num_layers": 30, "num_speculative_tokens": 2}, **COMMON)
-    with pytest.raises(ValueError, match="--async-scheduling cannot be combined with --speculative-config"):
-        LLM(speculative_config=NGRAM, async_scheduling=True, **COMMON)
+
+
+def test_async_scheduling_between_drafting_steps(greedy_ref):
+    """With async scheduling, steps that draft run synchronously and the rest overlap: greedy output is still
+    the plain output, verify passes happen (fixed and adaptive gamma), and with the adaptive policy some steps
+    ran without proposing (after a step that found no n-gram match, or while off)."""
+    sp = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    for adaptive in (False, True):
+        llm = LLM(speculative_config={**NGRAM, "adaptive": adaptive}, async_scheduling=True, **COMMON)
+        assert llm.engine.config.async_scheduling
+        engine, skipped = llm.engine, []
+        skip = engine._skip_drafting
+        engine._skip_drafting = lambda: (skipped.append(1), skip())[1]  # type: ignore[method-assign]
+        assert _ids(llm.generate(PROMPTS, sp, use_tqdm=False)) == greedy_ref
+        st = engine.spec_stats
+        assert st.num_drafts > 10 and st.num_emitted_tokens == st.num_accepted_tokens + st.num_drafts
+        assert (len(skipped) > 0) == adaptive, len(skipped)
 
 
 def test_freed_and_reallocated_blocks_reach_the_worker():
