@@ -133,7 +133,7 @@ def test_async_scheduling_between_drafting_steps(greedy_ref):
         assert llm.engine.config.async_scheduling
         engine, skipped = llm.engine, []
         skip = engine._skip_drafting
-        engine._skip_drafting = lambda: (skipped.append(1), skip())[1]  # type: ignore[method-assign]
+        engine._skip_drafting = lambda _s=skipped, _f=skip: (_s.append(1), _f())[1]  # type: ignore[method-assign]
         assert _ids(llm.generate(PROMPTS, sp, use_tqdm=False)) == greedy_ref
         st = engine.spec_stats
         assert st.num_drafts > 10 and st.num_emitted_tokens == st.num_accepted_tokens + st.num_drafts
