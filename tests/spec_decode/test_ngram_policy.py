@@ -25,8 +25,22 @@ def test_ngram_takes_the_longest_suffix_and_its_latest_occurrence():
         ngram_propose(toks, 2, 3, 2)
 
 
-def _policy(adaptive=True, draft_cost=0.0, ratio=lambda b, g: 1.0):
-    return SpecPolicy(gamma_max=4, adaptive=adaptive, verify_ratio=ratio, draft_cost=draft_cost)
+def _policy(adaptive=True, draft_cost=0.0, ratio=lambda b, g: 1.0, plain_timed=True):
+    pol = SpecPolicy(gamma_max=4, adaptive=adaptive, verify_ratio=ratio, draft_cost=draft_cost)
+    if plain_timed:  # plain steps timed at batch buckets 1..64 (the policy stays off where none was)
+        for b in (1, 2, 4, 8, 16, 32, 64):
+            pol.record_step(b, 0, 0.01)
+    return pol
+
+
+def test_policy_stays_off_until_a_plain_step_is_timed_at_the_batch_size():
+    pol = _policy(plain_timed=False)
+    for _ in range(10):
+        pol.record(1, 4, 4)
+    assert pol.choose([1], [4]) == 0
+    pol.record_step(1, 0, 0.01)
+    assert pol.choose([1], [4]) == 4  # the bound (verify is free) with a timed plain step: on
+    assert pol.choose([1, 2, 3], [4, 4, 4]) == 0  # batch 3 (bucket 4): no plain step timed there
 
 
 def test_policy_turns_on_for_high_acceptance_and_off_for_low():
@@ -144,11 +158,11 @@ def test_policy_learns_the_measured_verify_cost_and_backs_off():
     """The bound says verification is free (memory-bound); measured steps say a verify pass costs 5 plain
     steps (an eager verify against a CUDA-graph decode, as on the H200). After one measured verify step the
     policy turns off, and its probes come at doubling intervals."""
-    pol = _policy(draft_cost=0.0)
+    pol = _policy(draft_cost=0.0, plain_timed=False)
     for _ in range(10):
         pol.record(1, 4, 3)
-    assert pol.choose([1], [4]) == 4  # bound only: on
     pol.record_step(1, 0, 0.005)
+    assert pol.choose([1], [4]) == 4  # bound only (no verify step timed yet): on
     pol.record_step(1, 4, 0.025)
     assert pol.ratio(1, 4) == pytest.approx(5.0) and pol.ratio(1, 2) == pytest.approx(5.0)
     assert pol.choose([1], [4]) == 0
