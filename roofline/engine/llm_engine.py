@@ -474,13 +474,13 @@ class LLMEngine:
         spec_seqs = {s.seq.seq_id: len(s.spec_token_ids) for s in out.scheduled if s.spec_token_ids}
         if spec_seqs:
             self._record_spec(spec_seqs, result)
-        if self.spec_policy is not None and all(s.num_scheduled_tokens == 1 + len(s.spec_token_ids)
-                                                for s in out.scheduled):
-            # A step of decodes only (no prefill chunk): its wall time (the proposer's and the host's work
-            # included, the draft model's excluded) teaches the policy the measured verify ratio.
-            wall = result.duration_s if wall_t0 is None else time.perf_counter() - wall_t0
+        if self.spec_policy is not None and wall_t0 is not None and all(
+                s.num_scheduled_tokens == 1 + len(s.spec_token_ids) for s in out.scheduled):
+            # A steady-state step of decodes only (no prefill chunk; not one drained before a drafting step,
+            # whose launch-to-result time is not a step period): its wall time (the proposer's and the host's
+            # work included, the draft model's excluded) teaches the policy the measured verify ratio.
             self.spec_policy.record_step(len(out.scheduled), max(spec_seqs.values(), default=0),
-                                         wall - result.draft_duration_s)
+                                         time.perf_counter() - wall_t0 - result.draft_duration_s)
         changed = self.scheduler.update(out, sampled)
         touched: dict[str, _Request] = {}
         now = time.monotonic()
