@@ -16,6 +16,7 @@ from roofline.config import (
     CacheConfig,
     EngineConfig,
     ModelConfig,
+    ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
 )
@@ -92,6 +93,9 @@ class EngineArgs:
     dtype: str = "auto"
     device: str = "auto"
     seed: int = 0
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str | None = None
     max_model_len: int | None = None
     block_size: int | None = None  # None: 64 with the triton attention backend (TMA prefill path), 16 otherwise
     num_kv_blocks: int | None = None
@@ -176,7 +180,21 @@ class EngineArgs:
         if spec is not None and spec.num_layers is not None and spec.num_layers >= model_config.num_hidden_layers:
             raise ValueError(f"speculative_config num_layers must be in [1, {model_config.num_hidden_layers - 1}] "
                              f"(the target has {model_config.num_hidden_layers} layers), got {spec.num_layers}")
+        parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
+                                  self.distributed_executor_backend)
+        parallel.check_model(model_config)
+        if parallel.world_size > 1:
+            if on_cuda:
+                import torch
+
+                visible = torch.cuda.device_count()
+                if parallel.world_size > visible:
+                    raise ValueError(f"tensor_parallel_size {parallel.tensor_parallel_size} needs "
+                                     f"{parallel.world_size} GPUs, but {visible} are visible")
+            if spec is not None:
+                raise ValueError("speculative decoding with tensor_parallel_size > 1 is not built yet; drop one")
         return EngineConfig(
+            parallel_config=parallel,
             model_config=model_config,
             cache_config=CacheConfig(
                 block_size=block_size,
@@ -225,6 +243,12 @@ class EngineArgs:
         parser.add_argument("--dtype", default="auto", choices=_DTYPE_CHOICES)
         parser.add_argument("--device", default="auto", help="auto, cpu, cuda, cuda:N")
         parser.add_argument("--seed", type=int, default=0)
+        parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                            help="worker processes (one per GPU; gloo on CPU) that each hold 1/N of every layer")
+        parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                            help="pipeline stages (not built yet: must be 1)")
+        parser.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
+                            help="mp: worker processes (default above one rank); uni: the worker in this process")
         parser.add_argument("--max-model-len", type=int, default=None)
         parser.add_argument("--block-size", type=int, default=None,
                             help="tokens per KV block (default: 64 with the triton attention backend, else 16)")

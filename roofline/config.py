@@ -281,14 +281,58 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor-parallel layout. Only size 1 runs today; layers already shard by the parallel state."""
+    """Tensor-parallel layout: ``tensor_parallel_size`` worker processes, one per GPU (or CPU process with
+    gloo), each holding 1/N of every sharded layer (``roofline.layers.linear``). Pipeline parallelism is
+    not built yet: ``pipeline_parallel_size`` must be 1.
+
+    Raises:
+        ValueError: a size below 1, or ``pipeline_parallel_size`` != 1 (names the value).
+    """
 
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # "mp": worker processes (any size; at size 1 it measures the executor's overhead); "uni": the worker in
+    # the engine's process (size 1 only); None: "mp" above size 1, else "uni" (vLLM's flag).
+    distributed_executor_backend: str | None = None
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size != 1:
-            raise ValueError(f"tensor_parallel_size must be 1 (parallel workers are not built yet), got "
-                             f"{self.tensor_parallel_size}")
+        if self.distributed_executor_backend not in (None, "uni", "mp"):
+            raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', got "
+                             f"{self.distributed_executor_backend!r}")
+        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("distributed_executor_backend 'uni' runs one worker; tensor_parallel_size "
+                             f"{self.tensor_parallel_size} needs 'mp'")
+        if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
+            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError(f"pipeline_parallel_size must be 1 (pipeline parallelism is not built yet), got "
+                             f"{self.pipeline_parallel_size!r}")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def uses_worker_processes(self) -> bool:
+        return self.distributed_executor_backend == "mp" or self.world_size > 1
+
+    def check_model(self, model: ModelConfig) -> None:
+        """The layout must shard ``model``: TP divides the attention heads, and the KV heads divide by TP or
+        TP by them (then each rank holds a replica of one KV head).
+
+        Raises:
+            ValueError: naming the size and the head counts.
+        """
+        tp = self.tensor_parallel_size
+        if model.num_attention_heads % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide the {model.num_attention_heads} attention "
+                             f"heads of {model.name}; allowed: "
+                             + ", ".join(str(d) for d in range(1, model.num_attention_heads + 1)
+                                         if model.num_attention_heads % d == 0))
+        kv = model.num_key_value_heads
+        if kv % tp and tp % kv:
+            raise ValueError(f"tensor_parallel_size {tp} and the {kv} KV heads of {model.name} must divide one "
+                             "another (KV heads are sharded, or replicated when the size exceeds them)")
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

@@ -22,7 +22,7 @@ from typing import Any
 
 
 def build_engine(args: argparse.Namespace, max_batch: int, max_context: int, kv_cache_dtype: str = "auto",
-                 quantization: str | None = None):
+                 quantization: str | None = None, executor: str | None = None):
     from roofline.args import EngineArgs
     from roofline.config import model_preset
     from roofline.engine.llm_engine import LLMEngine
@@ -38,7 +38,9 @@ def build_engine(args: argparse.Namespace, max_batch: int, max_context: int, kv_
                     gpu_memory_utilization=args.gpu_memory_utilization, enforce_eager=args.enforce_eager,
                     kv_cache_memory=args.kv_cache_memory, attention_backend=args.attention_backend,
                     device=args.device, kv_cache_dtype=kv_cache_dtype, block_size=args.block_size,
-                    quantization=quantization, quantization_group_size=args.quantization_group_size)
+                    quantization=quantization, quantization_group_size=args.quantization_group_size,
+                    tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
+                    distributed_executor_backend=executor)
     return LLMEngine(ea.create_engine_config(mc), ModelSource("dummy", None, args.model), mc, tokenizer=None)
 
 
@@ -103,11 +105,12 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     batches = parse_sizes(args.batch_sizes)
     contexts = parse_sizes(args.contexts)
     quants = [None if q in ("none", "") else q for q in args.quantization.split(",")]
-    configs = [(q, kv) for q in quants for kv in args.kv_cache_dtype.split(",") if kv]
-    formats = [_label(q, kv, len(quants) > 1) for q, kv in configs]
+    executors = [None if e in ("", "auto") else e for e in args.executor.split(",")]
+    configs = [(q, kv, ex) for ex in executors for q in quants for kv in args.kv_cache_dtype.split(",") if kv]
+    formats = [_label(q, kv, len(quants) > 1) + (f"@{ex}" if len(executors) > 1 else "") for q, kv, ex in configs]
     rows, meta, bandwidth, peak = [], {}, None, None
-    for (quant, kv), fmt in zip(configs, formats, strict=True):
-        engine = build_engine(args, max(batches), max(contexts), kv_cache_dtype=kv, quantization=quant)
+    for (quant, kv, ex), fmt in zip(configs, formats, strict=True):
+        engine = build_engine(args, max(batches), max(contexts), kv_cache_dtype=kv, quantization=quant, executor=ex)
         worker = engine.worker
         device = str(worker.device)
         if bandwidth is None:
@@ -122,6 +125,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
         info = dict(model=args.model, dtype=str(worker.dtype), weight_bytes=worker.weight_bytes,
                     cuda_graphs=worker.graphs is not None, attention_backend=worker.config.attention_backend,
                     block_size=engine.block_manager.block_size)
+        engine.executor.shutdown()  # worker processes hand their memory back
         del engine, worker
         gc.collect()
         _empty_device_cache()
@@ -212,6 +216,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="weight format, or a comma-separated list (none, int8, int4, fp8, smoothquant), each "
                         "quantized at load from the dummy weights; the first is the baseline")
     p.add_argument("--quantization-group-size", type=int, default=128, choices=[32, 64, 128])
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1)
+    p.add_argument("--executor", default="auto",
+                   help="comma-separated distributed executor backends to compare in one run: uni (in-process "
+                        "worker), mp (worker processes; at TP 1 this measures the executor's overhead), auto")
     p.add_argument("--out-dir", default="bench/results")
     p.set_defaults(func=run_decode_bench)
     return p

@@ -1,8 +1,9 @@
 """Which tensor-parallel rank this process is, and how many there are.
 
 Layers read the state when they are built (their shapes depend on it), so it must be set before the model
-is constructed. Today a process is always rank 0 of 1; tests simulate other ranks with
-``tensor_parallel_state(rank, size)`` to check how weights are sharded, without any communication.
+is constructed. A tensor-parallel worker process sets it once (``set_tensor_parallel_state``), after
+``torch.distributed`` is initialized (``roofline.worker.multiproc_executor``); tests also simulate other ranks
+with ``tensor_parallel_state(rank, size)`` to check how weights are sharded, without any communication.
 """
 
 from __future__ import annotations
@@ -33,6 +34,12 @@ def get_tp_rank() -> int:
 
 def get_tp_size() -> int:
     return _STATE.tp_size
+
+
+def set_tensor_parallel_state(rank: int, size: int) -> None:
+    """This process is rank ``rank`` of ``size`` from now on (a worker process, before it builds the model)."""
+    global _STATE
+    _STATE = ParallelState(rank, size)
 
 
 @contextlib.contextmanager

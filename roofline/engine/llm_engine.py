@@ -117,7 +117,12 @@ class LLMEngine:
 
         self.model_config = model_config
         self.tokenizer = tokenizer
-        self.executor = UniProcExecutor(config, source, model_config)
+        if config.parallel_config.uses_worker_processes:
+            from roofline.worker.multiproc_executor import MultiprocExecutor
+
+            self.executor: Any = MultiprocExecutor(config, source, model_config)
+        else:
+            self.executor = UniProcExecutor(config, source, model_config)
         sc = config.scheduler_config
         if sc.budget_from_profile:
             budget = self.executor.profile_budget()

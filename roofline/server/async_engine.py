@@ -34,6 +34,7 @@ from typing import Any
 from roofline.engine.llm_engine import LLMEngine
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
+from roofline.worker.executor import ExecutorDeadError
 
 logger = logging.getLogger(__name__)
 
@@ -367,6 +368,8 @@ class AsyncLLMEngine:
         try:
             outputs = self.engine.step()
             self._num_steps += 1
+        except ExecutorDeadError:
+            raise  # a dead worker process: the engine thread stops, /health and new requests answer 503
         except Exception as e:
             # The engine state is suspect after a failed step: end every request with the error.
             logger.exception("engine step failed; aborting all requests")

@@ -1,7 +1,7 @@
 """Executors drive workers. The engine talks only to an ``Executor``: a ``StepInput`` in, a ``StepOutput``
-back. ``UniProcExecutor`` runs one worker in this process; a tensor-parallel executor will broadcast the
-same ``StepInput`` to one worker process per GPU, and a pipeline executor will chain stages, without any
-change to the scheduler.
+back. ``UniProcExecutor`` runs one worker in this process; ``MultiprocExecutor``
+(``roofline.worker.multiproc_executor``) sends the same ``StepInput`` to one worker process per tensor-parallel
+rank; a pipeline executor will chain stages, without any change to the scheduler.
 """
 
 from __future__ import annotations
@@ -12,6 +12,11 @@ from typing import Any
 from roofline.config import EngineConfig, ModelConfig
 from roofline.engine.step import StepInput, StepOutput
 from roofline.models import loader
+
+
+class ExecutorDeadError(RuntimeError):
+    """A worker process died or failed; the executor cannot run further steps (the server then stops its
+    engine thread and answers 503 ``engine_dead``)."""
 
 
 class Executor(ABC):

@@ -1,0 +1,229 @@
+"""Tensor parallelism: one worker process per rank, driven by the engine's process (vLLM's ``mp`` backend).
+
+The driver (the engine's process) holds no model. It starts ``tensor_parallel_size`` processes with the
+``spawn`` method; each joins a ``torch.distributed`` group (NCCL on GPUs, gloo on CPUs; rendezvous on a free
+loopback port, or ``env://`` when ``MASTER_ADDR`` is set, as under ``torchrun``), becomes rank r of N
+(``set_tensor_parallel_state``) and builds a ``Worker``, whose layers then hold 1/N of each weight: qkv and
+gate_up column-parallel, o and down row-parallel with an all-reduce, the embedding and LM head split by
+vocabulary (logits gathered). Every step the driver sends the same ``StepInput`` (only what changed: new
+requests, new blocks and progress, never whole histories) down one pipe per rank; every rank runs the step,
+their collectives keeping them in lockstep, and samples the same tokens (the same gathered logits and the same
+seeds); rank 0's ``StepOutput`` comes back.
+
+Failures never hang the driver: a rank that raises sends its traceback, and a rank that dies is seen through
+its process sentinel. Either way the executor raises ``ExecutorDeadError`` naming the rank, the exit code or
+the error, stops the other ranks (which may be blocked inside a collective) and refuses further steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import socket
+import traceback
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection, wait
+from typing import Any
+
+from roofline.config import EngineConfig, ModelConfig
+from roofline.engine.step import StepInput, StepOutput
+from roofline.models import loader
+from roofline.worker.executor import Executor, ExecutorDeadError
+
+logger = logging.getLogger(__name__)
+
+POLL_S = 1.0  # how often a waiting driver checks that every rank is alive
+
+
+@dataclass
+class WorkerInfo:
+    """What the engine and reports read from a worker, taken from rank 0 at start-up (per-rank figures)."""
+
+    dtype: Any
+    device: Any
+    weight_bytes: int
+    weight_bytes_per_step: int
+    kv_bytes_per_token: int
+    num_blocks: int
+    config: EngineConfig
+    graphs: Any = None  # not None where rank 0 captured CUDA graphs (a marker, not the runner)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker_main(rank: int, world: int, init_method: str, config: EngineConfig, source: loader.ModelSource,
+                 model_config: ModelConfig, conn: Connection) -> None:
+    """A rank's process: join the group, build the worker, then serve ``(method, args)`` calls until told to
+    stop. Replies ``("ok", value)`` (rank 0's value; None from the others) or ``("error", traceback)``."""
+    import torch
+    import torch.distributed as dist
+
+    from roofline.distributed.parallel_state import set_tensor_parallel_state
+
+    try:
+        on_cuda = config.device.startswith("cuda")
+        if on_cuda:
+            torch.cuda.set_device(rank)
+            config = replace(config, device=f"cuda:{rank}")
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+        dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init_method, rank=rank,
+                                world_size=world)
+        set_tensor_parallel_state(rank, world)
+        from roofline.worker.worker import Worker
+
+        worker = Worker(config, source, model_config)
+        conn.send(("ok", WorkerInfo(worker.dtype, worker.device, worker.weight_bytes, worker.weight_bytes_per_step,
+                                    worker.kv_bytes_per_token, worker.num_blocks, config,
+                                    True if worker.graphs is not None else None)))
+        while True:
+            method, args = conn.recv()
+            if method == "shutdown":
+                break
+            if method == "execute_model":
+                out = worker.execute_model_async(*args).result()
+            else:
+                out = getattr(worker, method)(*args)
+            conn.send(("ok", out if rank == 0 else None))
+    except (EOFError, KeyboardInterrupt):  # the driver went away
+        pass
+    except BaseException:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except (BrokenPipeError, EOFError, OSError):
+            pass
+    finally:
+        if dist.is_initialized():
+            try:
+                dist.destroy_process_group()
+            except Exception:  # noqa: BLE001 - a peer may be gone
+                pass
+
+
+class _Pending:
+    """A step sent to every rank; ``result()`` waits for every rank's reply."""
+
+    def __init__(self, executor: MultiprocExecutor, step: StepInput):
+        self.executor = executor
+        self.step_input = step
+
+    def result(self) -> StepOutput:
+        return self.executor._collect()
+
+
+class MultiprocExecutor(Executor):
+    """``tensor_parallel_size`` worker processes (see the module docstring).
+
+    Raises:
+        ExecutorDeadError: a rank failed or died during start-up (names it, with its error or exit code).
+    """
+
+    def __init__(self, config: EngineConfig, source: loader.ModelSource, model_config: ModelConfig):
+        world = config.parallel_config.world_size
+        if os.environ.get("MASTER_ADDR"):
+            init_method = "env://"
+        else:
+            init_method = f"tcp://127.0.0.1:{_free_port()}"
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.procs: list[Any] = []
+        self.conns: list[Connection] = []
+        self.dead: str | None = None
+        for rank in range(world):
+            parent, child = ctx.Pipe()
+            p = ctx.Process(target=_worker_main, name=f"roofline-tp{rank}",
+                            args=(rank, world, init_method, config, source, model_config, child), daemon=True)
+            p.start()
+            child.close()
+            self.procs.append(p)
+            self.conns.append(parent)
+        infos = [self._recv(r) for r in range(world)]
+        self.worker: WorkerInfo = infos[0]
+        self._num_blocks = min(i.num_blocks for i in infos)
+        logger.info("tensor parallel: %d worker processes (%s), %d KV blocks per rank", world,
+                    "nccl" if config.device.startswith("cuda") else "gloo", self._num_blocks)
+
+    # ------------------------------------------------------------------------------ messaging
+
+    def _fail(self, message: str) -> ExecutorDeadError:
+        self.dead = message
+        logger.error("%s", message)
+        self.shutdown()
+        return ExecutorDeadError(message)
+
+    def _recv(self, rank: int) -> Any:
+        """Rank ``rank``'s next reply, watching every rank's process meanwhile (a dead one raises)."""
+        conn = self.conns[rank]
+        while True:
+            ready = wait([conn] + [p.sentinel for p in self.procs], timeout=POLL_S)
+            if conn in ready:
+                try:
+                    status, value = conn.recv()
+                except (EOFError, OSError):
+                    status, value = "died", None
+                if status == "ok":
+                    return value
+                if status == "error":
+                    raise self._fail(f"tensor-parallel worker rank {rank} failed:\n{value}")
+            for r, p in enumerate(self.procs):
+                if not p.is_alive():
+                    raise self._fail(f"tensor-parallel worker rank {r} (pid {p.pid}) died with exit code "
+                                     f"{p.exitcode}")
+
+    def _send_all(self, method: str, *args: Any) -> None:
+        if self.dead is not None:
+            raise ExecutorDeadError(f"the executor is dead: {self.dead}")
+        for rank, conn in enumerate(self.conns):
+            try:
+                conn.send((method, args))
+            except (BrokenPipeError, OSError):
+                p = self.procs[rank]
+                p.join(timeout=1.0)
+                raise self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code "
+                                 f"{p.exitcode}") from None
+
+    def _collect(self) -> Any:
+        values = [self._recv(r) for r in range(self.world)]
+        return values[0]
+
+    def _call(self, method: str, *args: Any) -> Any:
+        self._send_all(method, *args)
+        return self._collect()
+
+    # ------------------------------------------------------------------------------ Executor
+
+    def execute_model_async(self, step: StepInput) -> Any:
+        self._send_all("execute_model", step)
+        return _Pending(self, step)
+
+    @property
+    def num_kv_blocks(self) -> int:
+        return self._num_blocks
+
+    def profile_budget(self) -> int:
+        return self._call("profile_budget")
+
+    def shutdown(self) -> None:
+        for conn in self.conns:
+            try:
+                conn.send(("shutdown", ()))
+            except (BrokenPipeError, OSError):
+                pass
+        for p in self.procs:
+            p.join(timeout=2.0)
+            if p.is_alive():  # blocked in a collective with a dead peer
+                p.kill()
+                p.join(timeout=2.0)
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
+        self.procs = []
+
+    def __del__(self) -> None:
+        if getattr(self, "procs", None):
+            self.shutdown()
