@@ -45,7 +45,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-
 @dataclass
 class StepRecord:
     """Timing of one engine step, kept for run statistics and the floor comparison."""
@@ -423,7 +422,8 @@ class LLMEngine:
         return self.spec_policy.drafting_due([s.seq_id for s in self.scheduler.running if not s.is_prefill])
 
     def _skip_drafting(self) -> None:
-        """A step run without drafts while the policy is off: no request carries drafts; counts toward a probe."""
+        """A step run without drafts (async): clear any drafts a sequence kept from a drafting step that did
+        not schedule it, since an async step must carry none; counts toward a probe while the policy is off."""
         assert self.spec_policy is not None
         decoding = False
         for seq in self.scheduler.running:

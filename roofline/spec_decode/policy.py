@@ -21,10 +21,10 @@ Each step, for the batch of requests that may speculate (B of them), the policy 
 
 Until a plain step has been timed at the batch's size bucket, gamma is 0 (with the bound alone the policy
 would stay on and never see what a plain step costs: measured at 32 concurrent requests on the H200, TPOT
-2.5x the plain server's). gamma = 0 turns speculation off for the step. While it is off, a probe step speculates with gamma 1 so the
-estimates keep up (a copy-heavy request can start later): after ``PROBE_INTERVAL`` steps off, and after twice
-as many each time a probe ends off again, up to ``MAX_PROBE_INTERVAL``. With ``adaptive`` False gamma is always
-gamma_max. Step times are wall times (the engine's host work and the n-gram proposer's included): a step that
+2.5x the plain server's). gamma = 0 turns speculation off for the step. While it is off, a probe step
+speculates with gamma 1 so the estimates keep up (a copy-heavy request can start later): after
+``PROBE_INTERVAL`` steps off, and after twice as many each time a probe ends off again, up to
+``MAX_PROBE_INTERVAL``. With ``adaptive`` False gamma is always gamma_max. Step times are wall times (the engine's host work and the n-gram proposer's included): a step that
 drafts runs synchronously, while the plain steps between probes run with async scheduling (``drafting_due``),
 so the measured excess also prices the lost overlap.
 """
@@ -100,9 +100,8 @@ class SpecPolicy:
     plain_s: dict[int, float] = field(default_factory=dict)
     verify_s: dict[tuple[int, int], float] = field(default_factory=dict)
     seen: set[int] = field(default_factory=set)  # requests a decision has covered (until forgotten)
-
     wait_steps: int = 0  # steps to run without proposing after drafting steps that found no draft
-    no_draft_backoff: int = 1
+    no_draft_backoff: int = 1  # the next such wait (doubles up to MAX_NO_DRAFT_WAIT)
 
     def drafting_due(self, decoding: list[int]) -> bool:
         """Whether the next step, whose decoding requests are ``decoding``, should propose drafts. The engine
