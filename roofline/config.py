@@ -316,23 +316,31 @@ class ParallelConfig:
     def uses_worker_processes(self) -> bool:
         return self.distributed_executor_backend == "mp" or self.world_size > 1
 
-    def check_model(self, model: ModelConfig) -> None:
-        """The layout must shard ``model``: TP divides the attention heads, and the KV heads divide by TP or
-        TP by them (then each rank holds a replica of one KV head).
-
-        Raises:
-            ValueError: naming the size and the head counts.
-        """
-        tp = self.tensor_parallel_size
+    @staticmethod
+    def _shard_problem(model: ModelConfig, tp: int) -> str | None:
+        """Why ``tp`` ranks cannot shard ``model`` (None: they can). Attention heads and the MLP width are
+        split evenly; KV heads are split, or replicated when ``tp`` exceeds them; the vocabulary is padded."""
         if model.num_attention_heads % tp:
-            raise ValueError(f"tensor_parallel_size {tp} does not divide the {model.num_attention_heads} attention "
-                             f"heads of {model.name}; allowed: "
-                             + ", ".join(str(d) for d in range(1, model.num_attention_heads + 1)
-                                         if model.num_attention_heads % d == 0))
+            return f"does not divide the {model.num_attention_heads} attention heads"
+        if model.intermediate_size % tp:
+            return f"does not divide the MLP width {model.intermediate_size} (intermediate_size)"
         kv = model.num_key_value_heads
         if kv % tp and tp % kv:
-            raise ValueError(f"tensor_parallel_size {tp} and the {kv} KV heads of {model.name} must divide one "
-                             "another (KV heads are sharded, or replicated when the size exceeds them)")
+            return f"and the {kv} KV heads must divide one another"
+        return None
+
+    def check_model(self, model: ModelConfig) -> None:
+        """The layout must shard ``model`` (``_shard_problem``).
+
+        Raises:
+            ValueError: naming the size, the dimension it does not divide and the sizes that work.
+        """
+        tp = self.tensor_parallel_size
+        problem = self._shard_problem(model, tp)
+        if problem is not None:
+            allowed = [d for d in range(1, model.num_attention_heads + 1) if self._shard_problem(model, d) is None]
+            raise ValueError(f"tensor_parallel_size {tp} {problem} of {model.name}; allowed: "
+                             + ", ".join(map(str, allowed)))
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model")

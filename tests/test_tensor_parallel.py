@@ -62,8 +62,10 @@ def test_tp3_under_preemption_and_seeded_sampling(single, tp3):
 
 def test_startup_errors_name_the_sizes():
     with pytest.raises(ValueError, match=r"tensor_parallel_size 2 does not divide the 9 attention heads .*allowed: "
-                                         r"1, 3, 9"):
+                                         r"1, 3$"):
         LLM(tensor_parallel_size=2, **COMMON)
+    with pytest.raises(ValueError, match=r"tensor_parallel_size 9 does not divide the MLP width 1536 .*allowed: 1, 3$"):
+        LLM(tensor_parallel_size=9, **COMMON)
     with pytest.raises(ValueError, match=r"tensor_parallel_size 18 does not divide the 9 attention heads"):
         LLM(tensor_parallel_size=18, **COMMON)
     with pytest.raises(ValueError, match=r"tensor_parallel_size must be an integer >= 1, got 0"):

@@ -34,6 +34,8 @@ from roofline.worker.executor import Executor, ExecutorDeadError
 logger = logging.getLogger(__name__)
 
 POLL_S = 1.0  # how often a waiting driver checks that every rank is alive
+_MAIN_GUARD_HINT = ("worker processes are spawned and import the main module: a script that creates "
+                    "LLM(tensor_parallel_size=N) must do so under `if __name__ == \"__main__\":`")
 
 
 @dataclass
@@ -142,7 +144,10 @@ class MultiprocExecutor(Executor):
             child.close()
             self.procs.append(p)
             self.conns.append(parent)
-        infos = [self._recv(r) for r in range(world)]
+        try:
+            infos = [self._recv(r) for r in range(world)]
+        except ExecutorDeadError as e:
+            raise ExecutorDeadError(f"{e}\n(while starting; {_MAIN_GUARD_HINT})") from None
         self.worker: WorkerInfo = infos[0]
         self._num_blocks = min(i.num_blocks for i in infos)
         logger.info("tensor parallel: %d worker processes (%s), %d KV blocks per rank", world,
