@@ -96,6 +96,7 @@ class EngineArgs:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
+    pipeline_layer_partition: str | list[int] | None = None  # each stage's layer count ("16,14"); None: even
     max_model_len: int | None = None
     block_size: int | None = None  # None: 64 with the triton attention backend (TMA prefill path), 16 otherwise
     num_kv_blocks: int | None = None
@@ -181,18 +182,28 @@ class EngineArgs:
             raise ValueError(f"speculative_config num_layers must be in [1, {model_config.num_hidden_layers - 1}] "
                              f"(the target has {model_config.num_hidden_layers} layers), got {spec.num_layers}")
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                  self.distributed_executor_backend)
+                                  self.distributed_executor_backend, _parse_partition(self.pipeline_layer_partition))
         parallel.check_model(model_config)
+        pp = parallel.pipeline_parallel_size
         if parallel.world_size > 1:
-            if on_cuda:
+            if on_cuda and parallel.distributed_executor_backend != "external_launcher":
                 import torch
 
                 visible = torch.cuda.device_count()
                 if parallel.world_size > visible:
-                    raise ValueError(f"tensor_parallel_size {parallel.tensor_parallel_size} needs "
-                                     f"{parallel.world_size} GPUs, but {visible} are visible")
+                    raise ValueError(f"tensor_parallel_size {parallel.tensor_parallel_size} x "
+                                     f"pipeline_parallel_size {pp} needs {parallel.world_size} GPUs, but "
+                                     f"{visible} are visible")
             if spec is not None:
-                raise ValueError("speculative decoding with tensor_parallel_size > 1 is not built yet; drop one")
+                raise ValueError("speculative decoding with tensor_parallel_size or pipeline_parallel_size > 1 "
+                                 "is not built yet; drop one")
+        if pp > 1:
+            if kv_dtype == "fp8_e4m3":
+                raise ValueError("kv_cache_dtype fp8_e4m3 calibrates its scales with a whole-model forward, which "
+                                 "pipeline_parallel_size > 1 does not run yet; use int8 or auto")
+            if self.async_scheduling:
+                raise ValueError("async_scheduling with pipeline_parallel_size > 1 is not built: a pipeline "
+                                 "overlaps micro-batches of one step instead; drop --async-scheduling")
         return EngineConfig(
             parallel_config=parallel,
             model_config=model_config,
@@ -218,8 +229,9 @@ class EngineArgs:
             seed=self.seed,
             attention_backend=backend,
             use_triton_kernels=triton_ok and not self.disable_triton_kernels,
-            enforce_eager=self.enforce_eager or not on_cuda,
-            async_scheduling=self._async_scheduling(on_cuda),
+            # A pipeline stage's forward holds send/recv, which CUDA graphs do not capture here (yet).
+            enforce_eager=self.enforce_eager or not on_cuda or pp > 1,
+            async_scheduling=self._async_scheduling(on_cuda) and pp == 1,
             quantization=self.quantization,
             quantization_group_size=self.quantization_group_size,
             speculative_config=spec,
@@ -246,9 +258,15 @@ class EngineArgs:
         parser.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                             help="worker processes (one per GPU; gloo on CPU) that each hold 1/N of every layer")
         parser.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
-                            help="pipeline stages (not built yet: must be 1)")
-        parser.add_argument("--distributed-executor-backend", choices=["uni", "mp"], default=None,
-                            help="mp: worker processes (default above one rank); uni: the worker in this process")
+                            help="pipeline stages, each holding consecutive layers (a step runs as up to this "
+                                 "many micro-batches)")
+        parser.add_argument("--pipeline-layer-partition", default=None,
+                            help="each stage's layer count, comma-separated (16,14); default: even")
+        parser.add_argument("--distributed-executor-backend", choices=["uni", "mp", "external_launcher"],
+                            default=None,
+                            help="mp: worker processes (default above one rank); uni: the worker in this process; "
+                                 "external_launcher: every process of a torchrun job runs one rank "
+                                 "(docs/distributed.md)")
         parser.add_argument("--max-model-len", type=int, default=None)
         parser.add_argument("--block-size", type=int, default=None,
                             help="tokens per KV block (default: 64 with the triton attention backend, else 16)")
@@ -294,3 +312,19 @@ class EngineArgs:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def _parse_partition(value: str | list[int] | tuple[int, ...] | None) -> tuple[int, ...] | None:
+    """``"16,14"`` or ``[16, 14]`` -> (16, 14).
+
+    Raises:
+        ValueError: an entry that is not an integer (names the value).
+    """
+    if value is None:
+        return None
+    parts = value.split(",") if isinstance(value, str) else list(value)
+    try:
+        return tuple(int(p) for p in parts)
+    except (TypeError, ValueError):
+        raise ValueError(f"pipeline_layer_partition must be comma-separated layer counts (16,14), got "
+                         f"{value!r}") from None

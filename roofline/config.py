@@ -281,32 +281,35 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """Tensor-parallel layout: ``tensor_parallel_size`` worker processes, one per GPU (or CPU process with
-    gloo), each holding 1/N of every sharded layer (``roofline.layers.linear``). Pipeline parallelism is
-    not built yet: ``pipeline_parallel_size`` must be 1.
+    """Parallel layout: ``pipeline_parallel_size`` stages, each of ``tensor_parallel_size`` worker processes
+    (one per GPU, or a CPU process with gloo). Within a stage every sharded layer holds 1/N of its weight
+    (``roofline.layers.linear``); the stages hold consecutive decoder layers (even by default, or
+    ``pipeline_layer_partition``: each stage's layer count) and pass (hidden, residual) with send/recv.
 
     Raises:
-        ValueError: a size below 1, or ``pipeline_parallel_size`` != 1 (names the value).
+        ValueError: a size below 1, an unknown backend, or ``uni`` with more than one process (names the value).
     """
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     # "mp": worker processes (any size; at size 1 it measures the executor's overhead); "uni": the worker in
-    # the engine's process (size 1 only); None: "mp" above size 1, else "uni" (vLLM's flag).
+    # the engine's process (size 1 only); "external_launcher": every process of a torchrun job runs the
+    # engine and one rank's worker (multi-node; docs/distributed.md); None: "mp" above size 1, else "uni".
     distributed_executor_backend: str | None = None
+    pipeline_layer_partition: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.distributed_executor_backend not in (None, "uni", "mp"):
-            raise ValueError(f"distributed_executor_backend must be 'uni' or 'mp', got "
+        if self.distributed_executor_backend not in (None, "uni", "mp", "external_launcher"):
+            raise ValueError(f"distributed_executor_backend must be 'uni', 'mp' or 'external_launcher', got "
                              f"{self.distributed_executor_backend!r}")
-        if self.distributed_executor_backend == "uni" and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
-            raise ValueError("distributed_executor_backend 'uni' runs one worker; tensor_parallel_size "
-                             f"{self.tensor_parallel_size} needs 'mp'")
-        if not (isinstance(self.tensor_parallel_size, int) and self.tensor_parallel_size >= 1):
-            raise ValueError(f"tensor_parallel_size must be an integer >= 1, got {self.tensor_parallel_size!r}")
-        if self.pipeline_parallel_size != 1:
-            raise ValueError(f"pipeline_parallel_size must be 1 (pipeline parallelism is not built yet), got "
-                             f"{self.pipeline_parallel_size!r}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if self.distributed_executor_backend == "uni" and self.world_size > 1:
+            raise ValueError(f"distributed_executor_backend 'uni' runs one worker; tensor_parallel_size "
+                             f"{self.tensor_parallel_size} x pipeline_parallel_size {self.pipeline_parallel_size} "
+                             f"needs 'mp' or 'external_launcher'")
 
     @property
     def world_size(self) -> int:
@@ -314,7 +317,8 @@ class ParallelConfig:
 
     @property
     def uses_worker_processes(self) -> bool:
-        return self.distributed_executor_backend == "mp" or self.world_size > 1
+        return self.distributed_executor_backend == "mp" or (
+            self.world_size > 1 and self.distributed_executor_backend != "external_launcher")
 
     @staticmethod
     def _shard_problem(model: ModelConfig, tp: int) -> str | None:
@@ -335,6 +339,10 @@ class ParallelConfig:
         Raises:
             ValueError: naming the size, the dimension it does not divide and the sizes that work.
         """
+        from roofline.distributed.parallel_state import stage_layer_ranges
+
+        stage_layer_ranges(model.num_hidden_layers, self.pipeline_parallel_size,
+                           list(self.pipeline_layer_partition) if self.pipeline_layer_partition else None)
         tp = self.tensor_parallel_size
         problem = self._shard_problem(model, tp)
         if problem is not None:

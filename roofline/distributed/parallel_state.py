@@ -1,9 +1,14 @@
-"""Which tensor-parallel rank this process is, and how many there are.
+"""Which tensor-parallel rank and pipeline stage this process is, and how many there are.
 
-Layers read the state when they are built (their shapes depend on it), so it must be set before the model
-is constructed. A tensor-parallel worker process sets it once (``set_tensor_parallel_state``), after
+Layers read the state when they are built (their shapes, and which layers exist, depend on it), so it must be
+set before the model is constructed. A worker process sets it once (``set_parallel_state``), after
 ``torch.distributed`` is initialized (``roofline.worker.multiproc_executor``); tests also simulate other ranks
 with ``tensor_parallel_state(rank, size)`` to check how weights are sharded, without any communication.
+
+The layout is vLLM's: global rank = pp_rank * tp_size + tp_rank, so the tp_size ranks of one pipeline stage
+are consecutive (one node's GPUs when TP stays inside a node and PP crosses nodes). A stage's tensor-parallel
+collectives run in that stage's group (``tp_group``; None means the whole world, at pipeline size 1), and a
+stage sends its activations to the same tp_rank of the next stage (``pp_next_rank``).
 """
 
 from __future__ import annotations
@@ -11,18 +16,50 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 
 @dataclass(frozen=True)
 class ParallelState:
     tp_rank: int = 0
     tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    tp_group: Any = None  # torch.distributed group of this stage's ranks (None: the default group)
+    layer_range: tuple[int, int] | None = None  # this stage's decoder layers [start, end) (None: all)
 
     def __post_init__(self) -> None:
-        if self.tp_size < 1:
-            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
-        if not 0 <= self.tp_rank < self.tp_size:
-            raise ValueError(f"tp_rank must be in [0, {self.tp_size}), got {self.tp_rank}")
+        for name, rank, size in (("tp", self.tp_rank, self.tp_size), ("pp", self.pp_rank, self.pp_size)):
+            if size < 1:
+                raise ValueError(f"{name}_size must be >= 1, got {size}")
+            if not 0 <= rank < size:
+                raise ValueError(f"{name}_rank must be in [0, {size}), got {rank}")
+
+    @property
+    def rank(self) -> int:
+        """This process's global rank (pp_rank * tp_size + tp_rank)."""
+        return self.pp_rank * self.tp_size + self.tp_rank
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def pp_prev_rank(self) -> int:
+        return self.rank - self.tp_size
+
+    @property
+    def pp_next_rank(self) -> int:
+        return self.rank + self.tp_size
+
+    @property
+    def last_stage_rank(self) -> int:
+        """The global rank of the last stage's tp_rank 0, which samples and whose output every rank takes."""
+        return (self.pp_size - 1) * self.tp_size
 
 
 _STATE = ParallelState()
@@ -36,21 +73,62 @@ def get_tp_size() -> int:
     return _STATE.tp_size
 
 
-def set_tensor_parallel_state(rank: int, size: int) -> None:
-    """This process is rank ``rank`` of ``size`` from now on (a worker process, before it builds the model)."""
+def get_parallel_state() -> ParallelState:
+    return _STATE
+
+
+def get_tp_group() -> Any:
+    return _STATE.tp_group
+
+
+def set_parallel_state(state: ParallelState) -> None:
+    """This process's place in the layout from now on (a worker process, before it builds the model)."""
     global _STATE
-    _STATE = ParallelState(rank, size)
+    _STATE = state
+
+
+def set_tensor_parallel_state(rank: int, size: int) -> None:
+    """This process is tensor-parallel rank ``rank`` of ``size`` (one pipeline stage) from now on."""
+    set_parallel_state(ParallelState(rank, size))
 
 
 @contextlib.contextmanager
-def tensor_parallel_state(rank: int, size: int) -> Iterator[ParallelState]:
-    """Build layers as rank ``rank`` of ``size`` inside the block (restores the previous state after)."""
+def parallel_state(state: ParallelState) -> Iterator[ParallelState]:
+    """Build layers as ``state``'s rank inside the block (restores the previous state after)."""
     global _STATE
-    prev, _STATE = _STATE, ParallelState(rank, size)
+    prev, _STATE = _STATE, state
     try:
         yield _STATE
     finally:
         _STATE = prev
+
+
+def tensor_parallel_state(rank: int, size: int) -> contextlib.AbstractContextManager[ParallelState]:
+    """Build layers as tensor-parallel rank ``rank`` of ``size`` inside the block."""
+    return parallel_state(ParallelState(rank, size))
+
+
+def stage_layer_ranges(num_layers: int, pp_size: int, partition: list[int] | None = None) -> list[tuple[int, int]]:
+    """Each pipeline stage's decoder layers ``[start, end)``.
+
+    Even by default: ``num_layers // pp_size`` each, the remainder going one by one to the first stages (the
+    last stage also runs the final norm and the LM head). ``partition`` overrides it with each stage's layer
+    count (vLLM's ``VLLM_PP_LAYER_PARTITION``; our ``--pipeline-layer-partition``).
+
+    Raises:
+        ValueError: more stages than layers, or a partition whose length is not ``pp_size``, with a count
+            below 1, or whose sum is not ``num_layers`` (names the values).
+    """
+    if partition is None:
+        if pp_size > num_layers:
+            raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the model's {num_layers} layers")
+        base, extra = divmod(num_layers, pp_size)
+        partition = [base + (i < extra) for i in range(pp_size)]
+    elif len(partition) != pp_size or min(partition) < 1 or sum(partition) != num_layers:
+        raise ValueError(f"pipeline layer partition {partition} must give each of the {pp_size} stages >= 1 "
+                         f"layer and sum to the model's {num_layers} layers")
+    starts = [sum(partition[:i]) for i in range(pp_size)]
+    return [(a, a + n) for a, n in zip(starts, partition, strict=True)]
 
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:

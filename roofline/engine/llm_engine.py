@@ -116,10 +116,14 @@ class LLMEngine:
 
         self.model_config = model_config
         self.tokenizer = tokenizer
-        if config.parallel_config.uses_worker_processes:
+        if config.parallel_config.distributed_executor_backend == "external_launcher":
+            from roofline.worker.external_launcher import ExternalLauncherExecutor
+
+            self.executor: Any = ExternalLauncherExecutor(config, source, model_config)
+        elif config.parallel_config.uses_worker_processes:
             from roofline.worker.multiproc_executor import MultiprocExecutor
 
-            self.executor: Any = MultiprocExecutor(config, source, model_config)
+            self.executor = MultiprocExecutor(config, source, model_config)
         else:
             self.executor = UniProcExecutor(config, source, model_config)
         sc = config.scheduler_config

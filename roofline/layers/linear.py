@@ -209,6 +209,8 @@ class RowParallelLinear(LinearBase):
     """Input columns split across ranks (the input is already this rank's slice); partial products are
     all-reduced; the bias is added by rank 0 only, so the reduced sum counts it once."""
 
+    input_is_parallel = True  # each rank holds K / tp input columns (quantization scales span the ranks)
+
     def __init__(self, input_size: int, output_size: int, bias: bool = False, prefix: str = "",
                  quant_config: QuantConfig | None = None, params_dtype: torch.dtype | None = None,
                  reduce_results: bool = True):

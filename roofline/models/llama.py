@@ -14,6 +14,7 @@ from torch import nn
 
 from roofline.attention import Attention, AttentionBackend, AttentionMetadata
 from roofline.config import ModelConfig
+from roofline.distributed.parallel_state import get_parallel_state
 from roofline.layers.activation import silu_and_mul
 from roofline.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from roofline.layers.norm import RMSNorm
@@ -88,25 +89,62 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+class PPMissingLayer(nn.Identity):
+    """A module another pipeline stage holds (vLLM's name): no parameters here, never called."""
+
+
 class LlamaModel(nn.Module):
+    """The decoder. Under pipeline parallelism (``parallel_state.layer_range``) a stage builds only its layers
+    [start, end) (the others are ``PPMissingLayer``), the embedding only on the first stage and the final norm
+    only on the last; its attention layers index the stage's own KV pool from 0."""
+
     def __init__(self, config: ModelConfig, backend: AttentionBackend, quant_config: QuantConfig | None,
                  prefix: str = "model"):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                   prefix=f"{prefix}.embed_tokens")
+        ps = get_parallel_state()
+        self.start_layer, self.end_layer = ps.layer_range or (0, config.num_hidden_layers)
+        self.is_first_stage, self.is_last_stage = ps.is_first_stage, ps.is_last_stage
+        self.embed_tokens = (VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                    prefix=f"{prefix}.embed_tokens")
+                             if self.is_first_stage else PPMissingLayer())
         self.layers = nn.ModuleList([
-            LlamaDecoderLayer(config, backend, i, quant_config, f"{prefix}.layers.{i}")
+            LlamaDecoderLayer(config, backend, i - self.start_layer, quant_config, f"{prefix}.layers.{i}")
+            if self.start_layer <= i < self.end_layer else PPMissingLayer()
             for i in range(config.num_hidden_layers)
         ])
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        residual = None
-        for layer in self.layers:
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """The first stage embeds ``input_ids``; a later one continues from the previous stage's
+        ``intermediate`` (hidden [T, H], residual [T, H]). The last stage returns the normed hidden states
+        [T, H]; the others return their (hidden, residual) for the next stage."""
+        if intermediate is None:
+            x, residual = self.embed_tokens(input_ids), None
+        else:
+            x, residual = intermediate
+        for layer in self.layers[self.start_layer:self.end_layer]:
             x, residual = layer(positions, x, residual, meta)
+        if not self.is_last_stage:
+            return x, residual
         x, _ = self.norm(x, residual)
         return x
+
+    def checkpoint_name(self, name: str, tied: bool) -> str | None:
+        """Where checkpoint tensor ``name`` goes on this stage: ``name``, another parameter's name, or None
+        (another stage holds it). A tied LM head on a last stage without the embedding loads the embedding."""
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            return name if self.start_layer <= i < self.end_layer else None
+        if name.startswith("model.embed_tokens."):
+            if self.is_first_stage:
+                return name
+            return name.replace("model.embed_tokens.", "lm_head.") if tied and self.is_last_stage else None
+        if name.startswith(("model.norm.", "lm_head.")):
+            return name if self.is_last_stage else None
+        return name
 
 
 class LlamaForCausalLM(nn.Module):
@@ -132,12 +170,21 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, backend, quant_config)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
-        if config.tie_word_embeddings:
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
+                        if self.model.is_last_stage else PPMissingLayer())
+        if config.tie_word_embeddings and self.model.is_first_stage and self.model.is_last_stage:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(
+        self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """See ``LlamaModel.forward`` (one pipeline stage; the whole model at pipeline size 1)."""
+        return self.model(input_ids, positions, meta, intermediate)
+
+    def checkpoint_name(self, name: str) -> str | None:
+        """This stage's name for checkpoint tensor ``name`` (None: another stage's; ``LlamaModel``)."""
+        return self.model.checkpoint_name(name, self.config.tie_word_embeddings)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden_size] -> logits [N, vocab_size] in fp32."""

@@ -298,7 +298,8 @@ def _expected_shards(model: torch.nn.Module, params: dict[str, torch.nn.Paramete
         shards_of.setdefault(our_part, []).append(shard)
     expected = set()
     for name in params:
-        if name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False):
+        if (name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)
+                and "model.embed_tokens.weight" in params):  # the same tensor (a last stage alone owns it)
             continue
         module_name = name.rsplit(".", 1)[0]
         shards = shards_of.get(module_name.rsplit(".", 1)[-1])
@@ -322,9 +323,15 @@ def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tens
     stacked = getattr(model, "stacked_params", ())
     tied = getattr(model.config, "tie_word_embeddings", False)
     loaded: set[tuple[str, Any]] = set()
+    stage_name = getattr(model, "checkpoint_name", None)  # pipeline parallelism: this stage's tensors only
     for hf_name, tensor in weights:
         if "rotary_emb.inv_freq" in hf_name or (hf_name == "lm_head.weight" and tied):
             continue
+        if stage_name is not None:
+            name = stage_name(hf_name)
+            if name is None:
+                continue
+            hf_name = name
         target, shard = hf_name, None
         for hf_part, our_part, shard_id in stacked:
             if f".{hf_part}." in hf_name:

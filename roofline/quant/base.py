@@ -95,6 +95,18 @@ class QuantConfig(ABC):
         return ``UnquantizedLinearMethod()`` for layers the format leaves in 16 bits (``lm_head``)."""
 
 
+def channel_amax(weight: torch.Tensor, layer: nn.Module) -> torch.Tensor:
+    """max_k |W[n, k]| per output channel [N] fp32, over the whole row: a row-parallel layer's rank holds
+    only K / tp of it, so the ranks take the maximum together (one all-reduce at load) and quantize their
+    shards with the scales the unsharded weight would have (TP output then matches one process's)."""
+    amax = weight.float().abs().amax(dim=1)
+    if getattr(layer, "tp_size", 1) > 1 and getattr(layer, "input_is_parallel", False):
+        from roofline.distributed.communication import tensor_parallel_all_reduce
+
+        tensor_parallel_all_reduce(amax, op="max")
+    return amax
+
+
 class QuantizedLinearMethod(LinearMethod):
     """Shared life cycle of the quantized formats.
 

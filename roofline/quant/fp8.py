@@ -17,6 +17,7 @@ from roofline.quant.base import (
     QuantConfig,
     QuantizedLinearMethod,
     UnquantizedLinearMethod,
+    channel_amax,
     is_ignored,
     register_frozen,
 )
@@ -30,7 +31,7 @@ class Fp8LinearMethod(QuantizedLinearMethod):
     layout = "fp8-dynamic"
 
     def quantize(self, weight: torch.Tensor, layer: nn.Module) -> ChannelWeight:
-        return quantize_fp8_per_channel(weight)
+        return quantize_fp8_per_channel(weight, channel_amax(weight, layer))
 
     def set_weights(self, layer: nn.Module, canonical: ChannelWeight) -> None:
         from roofline.quant import gemm

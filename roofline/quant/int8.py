@@ -15,6 +15,7 @@ from roofline.quant.base import (
     QuantConfig,
     QuantizedLinearMethod,
     UnquantizedLinearMethod,
+    channel_amax,
     is_ignored,
     register_frozen,
 )
@@ -27,7 +28,7 @@ class Int8LinearMethod(QuantizedLinearMethod):
     layout = "w8a16-int8"  # compressed-tensors pack-quantized, the INT8 weight-only layout vLLM reads
 
     def quantize(self, weight: torch.Tensor, layer: nn.Module) -> ChannelWeight:
-        return quantize_int8_per_channel(weight)
+        return quantize_int8_per_channel(weight, channel_amax(weight, layer))
 
     def set_weights(self, layer: nn.Module, canonical: ChannelWeight) -> None:
         from roofline.quant import gemm

@@ -137,16 +137,20 @@ def quantize_int4_rtn(w: torch.Tensor, group_size: int = 128, name: str = "layer
     return quantize_int4(w, scales, zeros, group_size)
 
 
-def quantize_int8_per_channel(w: torch.Tensor) -> ChannelWeight:
-    """Symmetric INT8 per output channel of ``w`` ``[N, K]``: amax maps to 127, ``W ~= q * s``."""
-    scales = (w.float().abs().amax(dim=1) / INT8_MAX).clamp(min=_MIN_SCALE)
+def quantize_int8_per_channel(w: torch.Tensor, amax: torch.Tensor | None = None) -> ChannelWeight:
+    """Symmetric INT8 per output channel of ``w`` ``[N, K]``: amax maps to 127, ``W ~= q * s``. ``amax`` [N]
+    overrides the rows' own (a row-parallel shard passes the whole row's, ``base.channel_amax``)."""
+    amax = w.float().abs().amax(dim=1) if amax is None else amax
+    scales = (amax / INT8_MAX).clamp(min=_MIN_SCALE)
     q = torch.round(w.float() / scales[:, None]).clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
     return ChannelWeight(q, scales)
 
 
-def quantize_fp8_per_channel(w: torch.Tensor) -> ChannelWeight:
-    """E4M3 per output channel of ``w`` ``[N, K]``: amax maps to 448 (round-to-nearest-even cast)."""
-    scales = (w.float().abs().amax(dim=1) / FP8_E4M3_MAX).clamp(min=_MIN_SCALE)
+def quantize_fp8_per_channel(w: torch.Tensor, amax: torch.Tensor | None = None) -> ChannelWeight:
+    """E4M3 per output channel of ``w`` ``[N, K]``: amax maps to 448 (round-to-nearest-even cast). ``amax``
+    [N] overrides the rows' own (as in ``quantize_int8_per_channel``)."""
+    amax = w.float().abs().amax(dim=1) if amax is None else amax
+    scales = (amax / FP8_E4M3_MAX).clamp(min=_MIN_SCALE)
     q = (w.float() / scales[:, None]).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
     return ChannelWeight(q, scales)
 

@@ -156,6 +156,9 @@ def build_app(
         config: a full ``ServerConfig`` instead of the keywords above.
     """
     owns_engine = not isinstance(engine, AsyncLLMEngine)
+    if isinstance(engine, EngineArgs) and engine.distributed_executor_backend == "external_launcher":
+        raise ValueError("distributed_executor_backend 'external_launcher' is for offline runs under torchrun "
+                         "(every rank runs the same requests); a server receives requests on one process: use 'mp'")
     if isinstance(engine, EngineArgs):
         async_engine = AsyncLLMEngine.from_engine_args(engine)
     elif isinstance(engine, LLMEngine):

@@ -1,7 +1,8 @@
 """Executors drive workers. The engine talks only to an ``Executor``: a ``StepInput`` in, a ``StepOutput``
 back. ``UniProcExecutor`` runs one worker in this process; ``MultiprocExecutor``
-(``roofline.worker.multiproc_executor``) sends the same ``StepInput`` to one worker process per tensor-parallel
-rank; a pipeline executor will chain stages, without any change to the scheduler.
+(``roofline.worker.multiproc_executor``) sends the same ``StepInput`` to one worker process per rank (tensor
+and pipeline parallel); ``ExternalLauncherExecutor`` (``roofline.worker.external_launcher``) is one rank of a
+``torchrun`` job, every process running the engine. None of them changes the scheduler.
 """
 
 from __future__ import annotations

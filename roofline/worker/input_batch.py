@@ -147,10 +147,11 @@ class InputBatch:
         return (bool((self.repetition_penalty[rows] != 1.0).any()), bool((self.presence_penalty[rows] != 0.0).any()),
                 bool((self.frequency_penalty[rows] != 0.0).any()))
 
-    def mark_sampled(self, rows: np.ndarray, token_ids: torch.Tensor, rows_device: torch.Tensor | None,
+    def mark_sampled(self, rows: np.ndarray, token_ids: torch.Tensor | None, rows_device: torch.Tensor | None,
                      step_id: int) -> None:
         """At launch: each row of ``rows`` gains one token, known only on the device for now (``token_ids``
-        [N] int64, row ``rows[i]``'s at index i); penalty counts are updated on the device."""
+        [N] int64, row ``rows[i]``'s at index i); penalty counts are updated on the device. ``token_ids`` is
+        None on a pipeline stage that does not sample (it only keeps the counts)."""
         for row in self.min_tokens_rows.intersection(rows.tolist()):
             p = self.params[row]
             if p is not None and self.num_tokens[row] + 1 - self.num_prompt_tokens[row] >= p.min_tokens:
@@ -158,7 +159,7 @@ class InputBatch:
         self.num_tokens[rows] += 1
         self.pending_src[rows] = np.arange(len(rows))
         self.pending_step[rows] = step_id
-        if self.output_counts is not None:
+        if self.output_counts is not None and token_ids is not None:
             assert rows_device is not None
             self.output_counts.index_put_((rows_device, token_ids),
                                           torch.ones(len(rows), device=self.device), accumulate=True)

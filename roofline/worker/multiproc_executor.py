@@ -1,14 +1,18 @@
-"""Tensor parallelism: one worker process per rank, driven by the engine's process (vLLM's ``mp`` backend).
+"""Tensor and pipeline parallelism: one worker process per rank, driven by the engine's process (vLLM's ``mp``
+backend).
 
-The driver (the engine's process) holds no model. It starts ``tensor_parallel_size`` processes with the
-``spawn`` method; each joins a ``torch.distributed`` group (NCCL on GPUs, gloo on CPUs; rendezvous on a free
-loopback port, or ``env://`` when ``MASTER_ADDR`` is set, as under ``torchrun``), becomes rank r of N
-(``set_tensor_parallel_state``) and builds a ``Worker``, whose layers then hold 1/N of each weight: qkv and
-gate_up column-parallel, o and down row-parallel with an all-reduce, the embedding and LM head split by
-vocabulary (logits gathered). Every step the driver sends the same ``StepInput`` (only what changed: new
-requests, new blocks and progress, never whole histories) down one pipe per rank; every rank runs the step,
-their collectives keeping them in lockstep, and samples the same tokens (the same gathered logits and the same
-seeds); rank 0's ``StepOutput`` comes back.
+The driver (the engine's process) holds no model. It starts ``tensor_parallel_size x pipeline_parallel_size``
+processes with the ``spawn`` method; each joins a ``torch.distributed`` group (NCCL on GPUs, gloo on CPUs;
+rendezvous on a free loopback port, or ``env://`` when ``MASTER_ADDR`` is set), takes its place in the layout
+(``init_parallel_state``: rank r is tensor-parallel rank r % tp of pipeline stage r // tp) and builds a
+``Worker``. Within a stage the layers hold 1/tp of each weight: qkv and gate_up column-parallel, o and down
+row-parallel with an all-reduce, the embedding and LM head split by vocabulary (logits gathered). A stage holds
+only its decoder layers, and passes (hidden, residual) to the next with send/recv (``Worker._pipeline_forward``).
+
+Every step the driver sends the same ``StepInput`` (only what changed: new requests, new blocks and progress,
+never whole histories) down one pipe per rank; every rank runs the step, their collectives keeping them in
+lockstep. The last stage samples (its tensor-parallel ranks alike: the same gathered logits and the same seeds)
+and broadcasts its ``StepOutput`` to every rank; rank 0's comes back.
 
 Failures never hang the driver: a rank that raises sends its traceback, and a rank that dies is seen through
 its process sentinel. Either way the executor raises ``ExecutorDeadError`` naming the rank, the exit code or
@@ -34,6 +38,7 @@ from roofline.worker.executor import Executor, ExecutorDeadError
 logger = logging.getLogger(__name__)
 
 POLL_S = 1.0  # how often a waiting driver checks that every rank is alive
+DEATH_GRACE_S = 1.0  # after a rank's error, how long to look for a dead peer that caused it
 _MAIN_GUARD_HINT = ("worker processes are spawned and import the main module: a script that creates "
                     "LLM(tensor_parallel_size=N) must do so under `if __name__ == \"__main__\":`")
 
@@ -58,14 +63,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def init_parallel_state(config: EngineConfig, model_config: ModelConfig, rank: int) -> None:
+    """Set this process's place in the layout (``parallel_state``) once ``torch.distributed`` is up: rank r is
+    tensor-parallel rank r % tp of stage r // tp, which holds that stage's share of the layers. Every rank
+    creates every stage's group, in the same order (``new_group`` is collective)."""
+    import torch.distributed as dist
+
+    from roofline.distributed.parallel_state import ParallelState, set_parallel_state, stage_layer_ranges
+
+    pc = config.parallel_config
+    tp, pp = pc.tensor_parallel_size, pc.pipeline_parallel_size
+    groups = [dist.new_group(list(range(s * tp, (s + 1) * tp))) for s in range(pp)] if pp > 1 else [None]
+    partition = list(pc.pipeline_layer_partition) if pc.pipeline_layer_partition else None
+    ranges = stage_layer_ranges(model_config.num_hidden_layers, pp, partition)
+    stage = rank // tp
+    set_parallel_state(ParallelState(rank % tp, tp, stage, pp, groups[stage], ranges[stage] if pp > 1 else None))
+
+
 def _worker_main(rank: int, world: int, init_method: str, config: EngineConfig, source: loader.ModelSource,
                  model_config: ModelConfig, conn: Connection) -> None:
     """A rank's process: join the group, build the worker, then serve ``(method, args)`` calls until told to
     stop. Replies ``("ok", value)`` (rank 0's value; None from the others) or ``("error", traceback)``."""
     import torch
     import torch.distributed as dist
-
-    from roofline.distributed.parallel_state import set_tensor_parallel_state
 
     try:
         on_cuda = config.device.startswith("cuda")
@@ -76,7 +96,7 @@ def _worker_main(rank: int, world: int, init_method: str, config: EngineConfig, 
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         dist.init_process_group("nccl" if on_cuda else "gloo", init_method=init_method, rank=rank,
                                 world_size=world)
-        set_tensor_parallel_state(rank, world)
+        init_parallel_state(config, model_config, rank)
         from roofline.worker.worker import Worker
 
         worker = Worker(config, source, model_config)
@@ -150,7 +170,9 @@ class MultiprocExecutor(Executor):
             raise ExecutorDeadError(f"{e}\n(while starting; {_MAIN_GUARD_HINT})") from None
         self.worker: WorkerInfo = infos[0]
         self._num_blocks = min(i.num_blocks for i in infos)
-        logger.info("tensor parallel: %d worker processes (%s), %d KV blocks per rank", world,
+        pc = config.parallel_config
+        logger.info("%d worker processes (tensor parallel %d x pipeline parallel %d, %s), %d KV blocks per rank",
+                    world, pc.tensor_parallel_size, pc.pipeline_parallel_size,
                     "nccl" if config.device.startswith("cuda") else "gloo", self._num_blocks)
 
     # ------------------------------------------------------------------------------ messaging
@@ -174,11 +196,22 @@ class MultiprocExecutor(Executor):
                 if status == "ok":
                     return value
                 if status == "error":
-                    raise self._fail(f"tensor-parallel worker rank {rank} failed:\n{value}")
-            for r, p in enumerate(self.procs):
-                if not p.is_alive():
-                    raise self._fail(f"tensor-parallel worker rank {r} (pid {p.pid}) died with exit code "
-                                     f"{p.exitcode}")
+                    # A peer's death makes the others' collectives fail ("connection closed"): name the dead
+                    # rank as the cause when there is one.
+                    wait([p.sentinel for p in self.procs], timeout=DEATH_GRACE_S)
+                    dead = self._dead_rank()
+                    if dead is not None:
+                        raise self._fail(f"{dead}; rank {rank} then failed:\n{value}")
+                    raise self._fail(f"worker rank {rank} failed:\n{value}")
+            dead = self._dead_rank()
+            if dead is not None:
+                raise self._fail(dead)
+
+    def _dead_rank(self) -> str | None:
+        for r, p in enumerate(self.procs):
+            if not p.is_alive():
+                return f"worker rank {r} (pid {p.pid}) died with exit code {p.exitcode}"
+        return None
 
     def _send_all(self, method: str, *args: Any) -> None:
         if self.dead is not None:
@@ -189,7 +222,7 @@ class MultiprocExecutor(Executor):
             except (BrokenPipeError, OSError):
                 p = self.procs[rank]
                 p.join(timeout=1.0)
-                raise self._fail(f"tensor-parallel worker rank {rank} (pid {p.pid}) died with exit code "
+                raise self._fail(f"worker rank {rank} (pid {p.pid}) died with exit code "
                                  f"{p.exitcode}") from None
 
     def _collect(self) -> Any:

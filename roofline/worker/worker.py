@@ -22,7 +22,7 @@ import torch
 from roofline.attention.backend import AttentionMetadata, get_attention_backend
 from roofline.attention.kv_cache import KVCachePool, kv_bytes_per_token
 from roofline.config import EngineConfig, ModelConfig
-from roofline.distributed.parallel_state import divide, get_tp_size
+from roofline.distributed.parallel_state import divide, get_parallel_state, get_tp_size
 from roofline.engine.sequence import Logprob
 from roofline.engine.step import StepInput, StepOutput
 from roofline.layers import dispatch
@@ -58,6 +58,9 @@ class Worker:
         self.block_size = config.cache_config.block_size
         dispatch.set_kernels_enabled(config.use_triton_kernels)
         tp = get_tp_size()
+        self.pp = get_parallel_state()  # pipeline stage (the whole model at pipeline size 1)
+        start, end = self.pp.layer_range or (0, mc.num_hidden_layers)
+        self.num_layers = end - start  # this stage's decoder layers: its KV pool holds these
         num_heads = divide(mc.num_attention_heads, tp, "num_attention_heads")
         num_kv_heads = max(1, mc.num_key_value_heads // tp)
         rotary = RotaryEmbedding.from_config(mc, self.device)
@@ -82,9 +85,9 @@ class Worker:
             assert source.path is not None
             loader.load_weights(model, loader.iter_safetensors(source.path))
         self.model = model.eval()
-        self.kv_bytes_per_token = kv_bytes_per_token(mc.num_hidden_layers, num_kv_heads, mc.head_dim, self.kv_dtype)
+        self.kv_bytes_per_token = kv_bytes_per_token(self.num_layers, num_kv_heads, mc.head_dim, self.kv_dtype)
         self.num_blocks = self._num_kv_blocks()
-        self.kv_pool = self.backend.allocate_kv_cache(mc.num_hidden_layers, self.num_blocks, self.block_size,
+        self.kv_pool = self.backend.allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size,
                                                       self.kv_dtype, self.device)
         if self.kv_dtype == torch.float8_e4m3fn:  # static per-head scales, before any graph is captured
             self._calibrate_fp8_kv_scales()
@@ -229,10 +232,15 @@ class Worker:
         )
         ids = torch.zeros(n, dtype=torch.int64, device=dev)
         pos = torch.arange(n, dtype=torch.int64, device=dev)
+        # A later pipeline stage times its own layers on zero activations (nothing is sent or received).
+        inter = None
+        if not self.pp.is_first_stage:
+            zeros = torch.zeros(n, self.model_config.hidden_size, dtype=self.dtype, device=dev)
+            inter = (zeros, zeros.clone())
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
-            self.model(ids, pos, self.backend.build_metadata(meta))
+            self.model(ids, pos, self.backend.build_metadata(meta), inter)
             times.append(time.perf_counter() - t0)
         return times[-1] / n
 
@@ -341,11 +349,12 @@ class Worker:
         return staged.to(self.device, non_blocking=True)
 
     def prepare_inputs(
-        self, step: StepInput
+        self, step: StepInput, tag: str = ""
     ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata, np.ndarray, np.ndarray]:
         """The step's flat batch. Returns input_ids [T], positions [T], the backend's metadata, the batch
         rows of the sequences that sample this step (in batch order), and the flat index of each one's last
-        token (``logits_indices``)."""
+        token (``logits_indices``). ``tag`` prefixes the staging buffers' names (a pipeline's micro-batches
+        are prepared in one step)."""
         batch = self.input_batch
         rows = np.fromiter((batch.row_of[sid] for sid, _ in step.scheduled), dtype=np.int64,
                            count=len(step.scheduled))
@@ -374,23 +383,23 @@ class Worker:
         block_tables = batch.block_table[attn_rows, :max_blocks]
         attn_counts = np.diff(attn_starts)
         meta = AttentionMetadata(
-            slot_mapping=self._to_device("slot_mapping", slot_mapping),
-            query_start_loc=self._to_device("query_start_loc", attn_starts.astype(np.int32)),
-            seq_lens=self._to_device("seq_lens", attn_lens.astype(np.int32)),
-            block_tables=self._to_device("block_tables", np.ascontiguousarray(block_tables)),
+            slot_mapping=self._to_device(tag + "slot_mapping", slot_mapping),
+            query_start_loc=self._to_device(tag + "query_start_loc", attn_starts.astype(np.int32)),
+            seq_lens=self._to_device(tag + "seq_lens", attn_lens.astype(np.int32)),
+            block_tables=self._to_device(tag + "block_tables", np.ascontiguousarray(block_tables)),
             max_query_len=int(attn_counts.max()),
             query_lens_cpu=attn_counts.tolist(),
             seq_lens_cpu=attn_lens.tolist(),
         )
-        ids = self._to_device("input_ids", input_ids)
-        pos = self._to_device("positions", positions)
+        ids = self._to_device(tag + "input_ids", input_ids)
+        pos = self._to_device(tag + "positions", positions)
         # A sequence's newest token may still be on its way from the previous step (async scheduling): read
         # it on the device from that step's sampled ids.
         pending = samples & (batch.pending_src[rows] >= 0) & (batch.pending_step[rows] == self._step_id - 1)
         if pending.any():
             assert self._prev_sampled is not None
-            dst = self._to_device("pending_dst", query_start[1:][pending] - 1)
-            src = self._to_device("pending_src", batch.pending_src[rows][pending])
+            dst = self._to_device(tag + "pending_dst", query_start[1:][pending] - 1)
+            src = self._to_device(tag + "pending_src", batch.pending_src[rows][pending])
             ids[dst] = self._prev_sampled[src]
         return ids, pos, self.backend.build_metadata(meta), rows[samples], query_start[1:][samples] - 1
 
@@ -453,18 +462,27 @@ class Worker:
         self._step_id += 1
         self.update_states(step)
         draft_s = self._place_drafts(step) if step.spec_token_ids else 0.0
-        input_ids, positions, meta, sample_rows, logits_indices = self.prepare_inputs(step)
-        prompt_plan = plan_prompt_logprobs(self.input_batch, step)  # None unless a scheduled request asks
-        if (self.graphs is not None and meta.is_decode_only
-                and self.graphs.can_run(meta.num_seqs, meta.block_tables.shape[1])):
-            hidden = self.graphs.run(input_ids, positions, meta)
+        if self.pp.pp_size > 1:
+            hidden, sample_rows, logits_indices = self._pipeline_forward(step)
         else:
-            hidden = self.model(input_ids, positions, meta)
+            input_ids, positions, meta, sample_rows, logits_indices = self.prepare_inputs(step)
+            if (self.graphs is not None and meta.is_decode_only
+                    and self.graphs.can_run(meta.num_seqs, meta.block_tables.shape[1])):
+                hidden = self.graphs.run(input_ids, positions, meta)
+            else:
+                hidden = self.model(input_ids, positions, meta)
+        prompt_plan = plan_prompt_logprobs(self.input_batch, step)  # None unless a scheduled request asks
         batch = self.input_batch
         for (sid, n) in step.scheduled:
             batch.num_computed_tokens[batch.row_of[sid]] += n
         pending = PendingStep(self, step, t0)
         pending.draft_duration_s = draft_s
+        if hidden is None:  # an earlier pipeline stage: the last stage samples (PendingStep.result)
+            pending.rows = sample_rows.tolist()
+            pending.seq_ids = [batch.seq_ids[r] for r in pending.rows]  # type: ignore[misc]
+            pending.positions = batch.num_tokens[sample_rows].tolist()
+            batch.mark_sampled(sample_rows, None, None, self._step_id)
+            return pending
         if step.spec_token_ids and len(sample_rows):
             ks = self._num_spec[sample_rows]
             spec = ks > 0
@@ -495,6 +513,44 @@ class Worker:
             pending.event = torch.cuda.Event()
             pending.event.record()
         return pending
+
+    # ------------------------------------------------------------------------------ pipeline parallelism
+
+    def _pipeline_forward(self, step: StepInput) -> tuple[torch.Tensor | None, np.ndarray, np.ndarray]:
+        """This stage's share of the step, as up to ``pp_size`` micro-batches (consecutive requests, balanced
+        by tokens). Each micro-batch receives the previous stage's (hidden, residual) [2, T_m, H], runs this
+        stage's layers and sends its own on; the stages being separate processes, stage s works on
+        micro-batch m while stage s + 1 works on m - 1, so a step keeps m / (m + p - 1) of the pipeline busy
+        (GPipe; Huang et al. 2019). Sends are non-blocking and complete before the step returns.
+
+        Returns the last stage's hidden states [T, H] for the whole step (None on other stages), the rows
+        that sample and their flat logits indices (every stage computes them alike)."""
+        import torch.distributed as dist
+
+        ps, hidden_size = self.pp, self.model_config.hidden_size
+        sends, hiddens, rows, indices, offset = [], [], [], [], 0
+        for m, group in enumerate(micro_batches(step.scheduled, ps.pp_size)):
+            sub = StepInput(scheduled=group)
+            input_ids, positions, meta, sample_rows, logits_indices = self.prepare_inputs(sub, tag=f"mb{m}_")
+            n = len(positions)
+            inter = None
+            if not ps.is_first_stage:
+                buf = torch.empty(2, n, hidden_size, dtype=self.dtype, device=self.device)
+                dist.recv(buf, src=ps.pp_prev_rank)
+                inter = (buf[0], buf[1])
+            out = self.model(input_ids if ps.is_first_stage else None, positions, meta, inter)
+            if ps.is_last_stage:
+                hiddens.append(out)
+            else:
+                packed = torch.stack(out)
+                sends.append((dist.isend(packed, dst=ps.pp_next_rank), packed))
+            rows.append(sample_rows)
+            indices.append(logits_indices + offset)
+            offset += n
+        for work, _ in sends:
+            work.wait()
+        hidden = torch.cat(hiddens) if hiddens else None
+        return hidden, np.concatenate(rows), np.concatenate(indices)
 
     # ------------------------------------------------------------------------------ speculative decoding
 
@@ -672,6 +728,26 @@ class PendingStep:
     def result(self) -> StepOutput:
         if self.event is not None:
             self.event.synchronize()
+        if self.worker.pp.pp_size > 1:
+            return self._pipeline_result()
+        return self._result()
+
+    def _pipeline_result(self) -> StepOutput:
+        """Pipeline parallelism: the last stage's output goes to every rank (a ``torch.distributed`` object
+        broadcast), whose persistent batches take its sampled tokens, so stage 0 embeds them next step."""
+        import torch.distributed as dist
+
+        ps = self.worker.pp
+        box = [self._result() if ps.is_last_stage else None]
+        dist.broadcast_object_list(box, src=ps.last_stage_rank)
+        out: StepOutput = box[0]  # type: ignore[assignment]
+        if not ps.is_last_stage and self.rows:
+            by_seq = dict(zip(out.seq_ids, out.sampled_token_ids, strict=True))
+            sampled = [by_seq[sid][0] for sid in self.seq_ids]
+            self.worker.input_batch.write_sampled(self.rows, self.seq_ids, self.positions, sampled, self.step_id)
+        return out
+
+    def _result(self) -> StepOutput:
         out = StepOutput()
         if self.rows:
             sampled = self.host["token_ids"].tolist()
@@ -722,6 +798,22 @@ class PendingStep:
                 out.logprobs.append(entries)
             if self.spec_counts:
                 flat += self.spec_counts[i]
+
+
+def micro_batches(scheduled: list[tuple[int, int]], n: int) -> list[list[tuple[int, int]]]:
+    """Split a step's ``(seq_id, num_tokens)`` list into at most ``n`` non-empty runs of consecutive
+    requests, cutting where the running token count first reaches k / n of the total (k = 1 .. n - 1)."""
+    n = max(1, min(n, len(scheduled)))
+    total = sum(t for _, t in scheduled)
+    groups: list[list[tuple[int, int]]] = [[]]
+    seen = 0
+    for i, item in enumerate(scheduled):
+        left = len(scheduled) - i  # this request and the ones after it
+        if groups[-1] and len(groups) < n and (seen * n >= len(groups) * total or left <= n - len(groups)):
+            groups.append([])
+        groups[-1].append(item)
+        seen += item[1]
+    return groups
 
 
 _BUDGETS: dict[object, int] = {}

@@ -136,7 +136,10 @@ def test_async_scheduling_between_drafting_steps(greedy_ref):
         engine._skip_drafting = lambda _s=skipped, _f=skip: (_s.append(1), _f())[1]  # type: ignore[method-assign]
         assert _ids(llm.generate(PROMPTS, sp, use_tqdm=False)) == greedy_ref
         st = engine.spec_stats
-        assert st.num_drafts > 10 and st.num_emitted_tokens == st.num_accepted_tokens + st.num_drafts
+        # Fixed gamma drafts at every decode step. The adaptive policy's on/off choice follows this machine's
+        # step timings, so only its probes (every PROBE_INTERVAL steps off) are certain to draft.
+        assert st.num_drafts > (0 if adaptive else 10), st
+        assert st.num_emitted_tokens == st.num_accepted_tokens + st.num_drafts
         assert (len(skipped) > 0) == adaptive, len(skipped)
 
 
