@@ -181,6 +181,11 @@ class EngineArgs:
         if spec is not None and spec.num_layers is not None and spec.num_layers >= model_config.num_hidden_layers:
             raise ValueError(f"speculative_config num_layers must be in [1, {model_config.num_hidden_layers - 1}] "
                              f"(the target has {model_config.num_hidden_layers} layers), got {spec.num_layers}")
+        if spec is not None and spec.model is not None:
+            from roofline.config import check_draft_vocab
+            from roofline.models import loader
+
+            check_draft_vocab(loader.load_config(loader.resolve_model(spec.model)), model_config)
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                   self.distributed_executor_backend, _parse_partition(self.pipeline_layer_partition))
         parallel.check_model(model_config)

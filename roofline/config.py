@@ -355,6 +355,7 @@ SPECULATIVE_METHODS = ("ngram", "draft_model")
 _SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
               "quantization", "num_layers", "adaptive")
 MAX_SPECULATIVE_TOKENS = 16
+DRAFT_QUANTIZATIONS = ("int4", "int8", "fp8")  # load-time methods a draft (or a quantized self) may use
 
 
 @dataclass(frozen=True)
@@ -366,10 +367,13 @@ class SpeculativeConfig:
     gamma_max, the most drafts per request and step. ``adaptive`` (default True) lets the policy pick gamma in
     [0, gamma_max] each step (``roofline.spec_decode.policy``); False pins gamma_max.
 
-    ``draft_model`` without ``model`` drafts with the target's own weights: ``num_layers`` k runs the target's
-    first k decoder layers, its final norm and LM head (a layer-truncated self, which shares the target's
-    KV cache for those layers). A separate draft checkpoint (``model``) and an int4 self (``quantization``)
-    are refused with that reason: they are not built yet.
+    ``draft_model`` drafts with:
+    - ``model``: a separate checkpoint (HF directory, GGUF file, or ``default``) with the target's vocabulary,
+      optionally quantized at load (``quantization``);
+    - or the target's own weights: ``num_layers`` k runs the target's first k decoder layers, its final norm
+      and LM head (a layer-truncated self, which shares the target's KV cache for those layers), or
+      ``quantization`` (``int4``, ``int8`` or ``fp8``) loads a quantized copy of the whole target.
+    A separate draft or a quantized self keeps its own KV in the target's blocks (``roofline.worker.draft_model``).
     """
 
     method: str
@@ -409,15 +413,20 @@ class SpeculativeConfig:
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             if getattr(self, name) is not None:
                 raise ValueError(f"speculative_config {name} applies to method 'ngram', not 'draft_model'")
-        if self.model is not None:
-            raise ValueError(f"speculative_config model {self.model!r}: a separate draft checkpoint is not "
-                             f"supported yet; use the target's own layers with \"num_layers\": k")
-        if self.quantization is not None:
-            raise ValueError(f"speculative_config quantization {self.quantization!r}: an int4 self-draft is not "
-                             f"supported yet; use \"num_layers\": k")
+        if self.model is not None and not (isinstance(self.model, str) and self.model):
+            raise ValueError(f"speculative_config model must be a path or preset name, got {self.model!r}")
+        if self.quantization is not None and self.quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"speculative_config quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)} "
+                             f"(quantized at load), got {self.quantization!r}")
+        if self.num_layers is not None and (self.model is not None or self.quantization is not None):
+            raise ValueError("speculative_config num_layers (a layer-truncated self) does not combine with "
+                             "\"model\" or \"quantization\" (not built); use one of them")
+        if self.model is not None or self.quantization is not None:
+            return
         if self.num_layers is None:
-            raise ValueError("speculative_config method 'draft_model' without \"model\" needs \"num_layers\" "
-                             "(a layer-truncated self); the target's own full weights would only repeat it")
+            raise ValueError("speculative_config method 'draft_model' needs \"model\" (a draft checkpoint), "
+                             "\"quantization\" (a quantized self, e.g. \"int4\") or \"num_layers\" (a "
+                             "layer-truncated self); the target's own full weights would only repeat it")
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
             raise ValueError(f"speculative_config num_layers must be an integer >= 1, got {self.num_layers!r}")
 
@@ -441,6 +450,14 @@ class SpeculativeConfig:
             if key not in d:
                 raise ValueError(f"speculative_config needs {key!r}")
         return cls(**d)
+
+
+def check_draft_vocab(draft: ModelConfig, target: ModelConfig) -> None:
+    """Raises ValueError naming both sizes when the draft's vocabulary is not the target's."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config model {draft.name!r} has a vocabulary of {draft.vocab_size} tokens, "
+                         f"the target {target.name!r} has {target.vocab_size}: a draft must share the target's "
+                         f"vocabulary")
 
 
 DTYPES = ("float32", "float16", "bfloat16")

@@ -190,10 +190,13 @@ class LLMEngine:
             return costmodel.verify_cost_ratio(num_params, weight_bytes, self._spec_context * kv_per_token, batch,
                                                bandwidth, peak, gamma)
 
+        # The starting estimate of c (a draft step over a target step), until the engine has timed both.
         draft_cost = 0.0
-        if spec.method == "draft_model":
-            assert spec.num_layers is not None
+        if spec.method == "draft_model" and spec.num_layers is not None:
             draft_cost = spec.num_layers / self.model_config.num_hidden_layers
+        elif spec.method == "draft_model":  # a separate draft: its weight bytes over the target's (decode reads)
+            draft = getattr(worker, "draft", None)
+            draft_cost = draft.weight_bytes / weight_bytes if draft is not None else 0.5
         logger.info("speculative decoding: %s, gamma_max %d, %s; verify ratio from %.1f GB/s and %.2f TFLOP/s "
                     "(%s, measured)", spec.method, spec.num_speculative_tokens,
                     "adaptive gamma" if spec.adaptive else "fixed gamma", bandwidth / 1e9, peak / 1e12, dtype)

@@ -32,6 +32,7 @@ from roofline.models import loader
 from roofline.models.registry import build_model
 from roofline.quant import get_quant_config
 from roofline.worker.cuda_graph import DEFAULT_LADDER, CUDAGraphRunner
+from roofline.worker.draft_model import DraftModel
 from roofline.worker.input_batch import InputBatch
 from roofline.worker.prompt_logprobs import (
     PromptLogprobsPlan,
@@ -86,9 +87,18 @@ class Worker:
             loader.load_weights(model, loader.iter_safetensors(source.path))
         self.model = model.eval()
         self.kv_bytes_per_token = kv_bytes_per_token(self.num_layers, num_kv_heads, mc.head_dim, self.kv_dtype)
+        # Speculative decoding with a separate draft model (another checkpoint, or an int4 copy of the target):
+        # its own KV pool in the same blocks, sized with the target's.
+        spec = config.speculative_config
+        self.draft: DraftModel | None = None
+        if spec is not None and spec.method == "draft_model" and spec.num_layers is None:
+            self.draft = DraftModel(config, source, mc, config.scheduler_config.max_num_seqs, self.dtype,
+                                    self.kv_dtype, self.device)
         self.num_blocks = self._num_kv_blocks()
         self.kv_pool = self.backend.allocate_kv_cache(self.num_layers, self.num_blocks, self.block_size,
                                                       self.kv_dtype, self.device)
+        if self.draft is not None:
+            self.draft.allocate_kv_cache(self.num_blocks, self.block_size)
         if self.kv_dtype == torch.float8_e4m3fn:  # static per-head scales, before any graph is captured
             self._calibrate_fp8_kv_scales()
         sc = config.scheduler_config
@@ -101,9 +111,8 @@ class Worker:
         self._prev_sampled: torch.Tensor | None = None  # the last launched step's sampled ids (device)
         self.sampler = Sampler()
         self._generators: dict[int, torch.Generator] = {}
-        # Speculative decoding: drafts per row this step (0: the row does not speculate), and the draft model
-        # (a layer-truncated self: the target's first draft_num_layers layers, final norm and LM head).
-        spec = config.speculative_config
+        # Speculative decoding: drafts per row this step (0: the row does not speculate), and the layer-truncated
+        # self-draft (the target's first draft_num_layers layers, final norm and LM head), if that is the draft.
         self._num_spec = np.zeros(sc.max_num_seqs, dtype=np.int64)
         self.draft_num_layers = spec.num_layers if spec is not None and spec.method == "draft_model" else None
         self.graphs: CUDAGraphRunner | None = None
@@ -184,7 +193,8 @@ class Worker:
         cc = self.config.cache_config
         if cc.num_blocks is not None:
             return cc.num_blocks
-        per_block = self.kv_bytes_per_token * self.block_size
+        per_token = self.kv_bytes_per_token + (self.draft.kv_bytes_per_token if self.draft is not None else 0)
+        per_block = per_token * self.block_size
         if cc.kv_cache_memory is not None:
             budget = cc.kv_cache_memory
         elif self.device.type == "cuda":
@@ -200,7 +210,7 @@ class Worker:
             budget = int(total * cc.gpu_memory_utilization) - used - act
         else:
             budget = CPU_DEFAULT_KV_CACHE_BYTES
-        num_blocks = KVCachePool.num_blocks_for(budget, self.kv_bytes_per_token, self.block_size)
+        num_blocks = KVCachePool.num_blocks_for(budget, per_token, self.block_size)
         if num_blocks < 1:
             raise ValueError(
                 f"no room for the KV cache: budget {budget / 2**20:.1f} MiB < one block "
@@ -318,6 +328,8 @@ class Worker:
             batch.remove(sid)
         for req in step.new_requests:
             batch.add(req)
+            if self.draft is not None:
+                self.draft.reset(batch.row_of[req.seq_id])
             seed = req.sampling_params.seed
             if seed is not None and req.seq_id not in self._generators:
                 g = torch.Generator(device=self.device)
@@ -588,37 +600,28 @@ class Worker:
         return x
 
     def _run_draft_model(self, rows: np.ndarray) -> None:
-        """k_r sequential one-token passes of the truncated model per row ``r``: pass j reads the token at
-        position ``num_tokens - 1 + j`` and samples draft j + 1 from q (the row's own sampling processing),
-        which it writes into ``token_ids``. Keeps each row's q [k_r, V] for the rejection sampler."""
+        """k_r sequential one-token passes of the draft per row ``r``: pass j reads the token at position
+        ``num_tokens - 1 + j`` and samples draft j + 1 from q (the row's own sampling processing), which it
+        writes into ``token_ids``. Keeps each row's q [k_r, V] for the rejection sampler. The draft is the
+        layer-truncated self (the target's KV for its layers) or a separate ``DraftModel`` (its own KV, first
+        caught up to ``num_tokens - 1``)."""
         from roofline.layers.sampler import processed_probs
 
-        batch, bs, dev = self.input_batch, self.block_size, self.device
-        assert self.draft_num_layers is not None
+        batch, bs = self.input_batch, self.block_size
         ks = self._num_spec[rows]
         q = {int(r): [] for r in rows}
+        if self.draft is not None:
+            self.draft.catch_up(batch.token_ids, batch.block_table, rows, batch.num_tokens[rows] - 1, bs,
+                                self.config.scheduler_config.max_num_batched_tokens)
         for j in range(int(ks.max())):
             act = rows[ks > j]
             pos = batch.num_tokens[act] - 1 + j  # [A]
-            slots = batch.block_table[act, pos // bs].astype(np.int64) * bs + pos % bs
-            seq_lens = pos + 1
-            max_blocks = int(((seq_lens + bs - 1) // bs).max())
-            meta = AttentionMetadata(
-                slot_mapping=torch.from_numpy(slots).to(dev),
-                query_start_loc=torch.arange(len(act) + 1, dtype=torch.int32, device=dev),
-                seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
-                block_tables=torch.from_numpy(np.ascontiguousarray(batch.block_table[act, :max_blocks])).to(dev),
-                max_query_len=1, query_lens_cpu=[1] * len(act), seq_lens_cpu=seq_lens.tolist(),
-            )
-            ids = torch.from_numpy(batch.token_ids[act, pos]).to(dev)
-            positions = torch.from_numpy(pos).to(dev)
-            meta = self.backend.build_metadata(meta)
-            if self.draft_graphs is not None and self.draft_graphs.can_run(len(act), max_blocks):
-                hidden = self.draft_graphs.run(ids, positions, meta)
+            if self.draft is not None:
+                logits = self.draft.decode(batch.token_ids, batch.block_table, act, pos, bs)
             else:
-                hidden = self._forward_layers(ids, positions, meta, self.draft_num_layers)
+                logits = self.model.compute_logits(self._truncated_self_pass(act, pos))
             md = self.prepare_sampling(act, tag="draft_")
-            probs = processed_probs(self.model.compute_logits(hidden), md)  # [A, V]
+            probs = processed_probs(logits, md)  # [A, V]
             noise = torch.empty_like(probs).exponential_()
             for i, g in enumerate(md.generators):
                 if g is not None:
@@ -628,6 +631,28 @@ class Worker:
             for i, r in enumerate(act.tolist()):
                 q[r].append(probs[i])
         self._draft_probs = {r: torch.stack(v) for r, v in q.items()}
+
+    def _truncated_self_pass(self, act: np.ndarray, pos: np.ndarray) -> torch.Tensor:
+        """One decode pass of the layer-truncated self for rows ``act`` at positions ``pos``: hidden [A, H]
+        (a CUDA graph where one was captured)."""
+        batch, bs, dev = self.input_batch, self.block_size, self.device
+        assert self.draft_num_layers is not None
+        slots = batch.block_table[act, pos // bs].astype(np.int64) * bs + pos % bs
+        seq_lens = pos + 1
+        max_blocks = int(((seq_lens + bs - 1) // bs).max())
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.arange(len(act) + 1, dtype=torch.int32, device=dev),
+            seq_lens=torch.from_numpy(seq_lens.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(np.ascontiguousarray(batch.block_table[act, :max_blocks])).to(dev),
+            max_query_len=1, query_lens_cpu=[1] * len(act), seq_lens_cpu=seq_lens.tolist(),
+        )
+        ids = torch.from_numpy(batch.token_ids[act, pos]).to(dev)
+        positions = torch.from_numpy(pos).to(dev)
+        meta = self.backend.build_metadata(meta)
+        if self.draft_graphs is not None and self.draft_graphs.can_run(len(act), max_blocks):
+            return self.draft_graphs.run(ids, positions, meta)
+        return self._forward_layers(ids, positions, meta, self.draft_num_layers)
 
     def _verify(self, pending: PendingStep, hidden: torch.Tensor, rows: np.ndarray, last_indices: np.ndarray,
                 ks: np.ndarray) -> None:
@@ -779,6 +804,8 @@ class PendingStep:
                 n = int(batch.num_tokens[row])
                 batch.token_ids[row, n:n + len(emitted)] = emitted
                 batch.num_tokens[row] = n + len(emitted)
+                if self.worker.draft is not None:  # the draft's KV holds up to the last accepted draft
+                    self.worker.draft.rewind(row, n + accepted[i])
             out.seq_ids.append(sid)
             out.sampled_token_ids.append(emitted)
             out.num_accepted[sid] = accepted[i]

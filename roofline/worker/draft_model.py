@@ -1,0 +1,168 @@
+"""A separate draft model for speculative decoding: another checkpoint with the target's vocabulary
+(``"model": PATH``), or the target's own weights quantized at load (``"quantization": "int4"``).
+
+It keeps its own KV cache, in the same blocks as the target's: the same block ids, block tables and slot
+mapping index a second pool of ``num_blocks`` blocks with the draft's layer count and head shape, so the block
+pool, prefix caching and preemption need nothing new. ``Worker._num_kv_blocks`` sizes the two pools together
+(the bytes per token are the sum of both).
+
+The draft's KV is filled lazily: ``computed[row]`` counts the positions of a row whose draft KV is valid.
+Before drafting, ``catch_up`` runs the draft over the positions it has not seen (the prompt, and tokens the
+target decoded while speculation was off) as one packed prefill; then each of the k one-token passes writes
+one more position. After verification only the positions whose tokens were accepted stay valid (``rewind``):
+the draft's rejected positions are recomputed on the next catch-up, exactly as the target's are.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import torch
+
+from roofline.attention.backend import AttentionMetadata, get_attention_backend
+from roofline.attention.kv_cache import kv_bytes_per_token
+from roofline.config import EngineConfig, ModelConfig, check_draft_vocab
+from roofline.layers.rotary import RotaryEmbedding
+from roofline.models import loader
+from roofline.models.registry import build_model
+from roofline.quant import get_quant_config
+
+logger = logging.getLogger(__name__)
+
+
+class DraftModel:
+    """The draft's model, attention backend and KV pool (see the module docstring).
+
+    Args:
+        config: the engine's configuration (its ``speculative_config`` names the draft).
+        target_source, target_config: the target's checkpoint and shape (the draft's, without ``"model"``).
+        max_rows: rows of the persistent batch (``computed`` has one entry per row).
+
+    Raises:
+        ValueError: the draft's vocabulary differs from the target's (names both sizes).
+    """
+
+    def __init__(self, config: EngineConfig, target_source: loader.ModelSource, target_config: ModelConfig,
+                 max_rows: int, dtype: torch.dtype, kv_dtype: torch.dtype, device: torch.device):
+        spec = config.speculative_config
+        assert spec is not None
+        if spec.model is not None:
+            self.source = loader.resolve_model(spec.model)
+            mc = loader.load_config(self.source)
+        else:
+            self.source, mc = target_source, target_config
+        check_draft_vocab(mc, target_config)
+        self.model_config = mc
+        self.device, self.dtype, self.kv_dtype = device, dtype, kv_dtype
+        rotary = RotaryEmbedding.from_config(mc, device)
+        self.backend = get_attention_backend(config.attention_backend)(mc.num_attention_heads,
+                                                                        mc.num_key_value_heads, mc.head_dim, rotary)
+        quant = get_quant_config(spec.quantization, loader.checkpoint_quantization_config(self.source),
+                                 draft_group_size(mc, config.quantization_group_size))
+        prev = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            with torch.device(device):
+                model = build_model(mc, self.backend, quant)
+        finally:
+            torch.set_default_dtype(prev)
+        if self.source.format == "dummy":
+            loader.init_dummy_weights(model, config.seed + 1)
+        elif self.source.format == "gguf":
+            assert self.source.path is not None
+            loader.load_weights(model, loader.iter_gguf(self.source.path, mc))
+        else:
+            assert self.source.path is not None
+            loader.load_weights(model, loader.iter_safetensors(self.source.path))
+        self.model = model.eval()
+        self.kv_bytes_per_token = kv_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
+                                                     kv_dtype)
+        self.computed = np.zeros(max_rows, dtype=np.int64)
+        logger.info("draft model %s (%s%s): %d layers, %.1f MB of weights", self.source.name, self.source.format,
+                    f", {spec.quantization} at load" if spec.quantization else "", mc.num_hidden_layers,
+                    self.weight_bytes / 1e6)
+
+    @property
+    def weight_bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for p in self.model.parameters():
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += p.numel() * p.element_size()
+        return total
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.backend.allocate_kv_cache(self.model_config.num_hidden_layers, num_blocks, block_size, self.kv_dtype,
+                                       self.device)
+
+    def _metadata(self, block_table: np.ndarray, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                  block_size: int) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
+        """Packed chunks: row ``rows[i]`` computes positions [starts[i], ends[i]). Returns the metadata, the
+        flat token rows and positions."""
+        counts = ends - starts
+        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        token_rows = np.repeat(rows, counts)
+        positions = np.repeat(starts - qsl[:-1], counts) + np.arange(int(qsl[-1]))
+        slots = block_table[token_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+        max_blocks = int(((ends + block_size - 1) // block_size).max())
+        dev = self.device
+        meta = AttentionMetadata(
+            slot_mapping=torch.from_numpy(slots).to(dev),
+            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
+            seq_lens=torch.from_numpy(ends.astype(np.int32)).to(dev),
+            block_tables=torch.from_numpy(np.ascontiguousarray(block_table[rows, :max_blocks])).to(dev),
+            max_query_len=int(counts.max()), query_lens_cpu=counts.tolist(), seq_lens_cpu=ends.tolist(),
+        )
+        return self.backend.build_metadata(meta), token_rows, positions
+
+    def catch_up(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray, ends: np.ndarray,
+                 block_size: int, max_tokens: int) -> None:
+        """Fill the draft KV of each row ``rows[i]`` up to position ``ends[i]`` (exclusive), from
+        ``computed``: packed prefill passes of at most ``max_tokens`` tokens (a longer row runs alone)."""
+        starts = np.minimum(self.computed[rows], ends)
+        need = ends > starts
+        rows, starts, ends = rows[need], starts[need], ends[need]
+        i = 0
+        while i < len(rows):
+            j, total = i, 0
+            while j < len(rows) and (j == i or total + ends[j] - starts[j] <= max_tokens):
+                total += int(ends[j] - starts[j])
+                j += 1
+            meta, token_rows, positions = self._metadata(block_table, rows[i:j], starts[i:j], ends[i:j], block_size)
+            ids = torch.from_numpy(token_ids[token_rows, positions]).to(self.device)
+            self.model(ids, torch.from_numpy(positions).to(self.device), meta)
+            i = j
+        self.computed[rows] = ends
+
+    def decode(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray, positions: np.ndarray,
+               block_size: int) -> torch.Tensor:
+        """One token per row: row ``rows[i]`` reads the token at ``positions[i]`` (its draft KV before it
+        must be valid). Returns the draft's logits [len(rows), V] fp32; ``computed`` moves past the position."""
+        meta, _, _ = self._metadata(block_table, rows, positions, positions + 1, block_size)
+        ids = torch.from_numpy(token_ids[rows, positions]).to(self.device)
+        hidden = self.model(ids, torch.from_numpy(positions).to(self.device), meta)
+        self.computed[rows] = positions + 1
+        return self.model.compute_logits(hidden)
+
+    def rewind(self, row: int, num_valid: int) -> None:
+        """After verification: the row's draft KV is valid below ``num_valid`` at most."""
+        self.computed[row] = min(int(self.computed[row]), num_valid)
+
+    def reset(self, row: int) -> None:
+        """A new sequence in ``row``: none of its draft KV is known (a cached prefix is recomputed)."""
+        self.computed[row] = 0
+
+
+def draft_group_size(mc: ModelConfig, preferred: int) -> int:
+    """The INT4 group size for a draft quantized at load: ``preferred`` (the engine's) if it divides every
+    linear layer's input size (hidden and MLP width; head dims follow), else the largest of 128, 64, 32 that
+    does (the default model's hidden size 576 takes 64). A draft's quality matters less than the target's:
+    it only moves the acceptance rate, never the output distribution."""
+    sizes = (mc.hidden_size, mc.intermediate_size, mc.num_attention_heads * mc.head_dim)
+    for g in (preferred, 128, 64, 32):
+        if all(k % g == 0 for k in sizes):
+            return g
+    return preferred  # the quantizer's error names the layer and the sizes that divide it

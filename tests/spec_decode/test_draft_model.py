@@ -1,0 +1,136 @@
+"""A separate draft model (``"model": PATH``) and a quantized self (``"quantization": "int4"``), each with its own
+KV cache in the target's blocks (``roofline.worker.draft_model``), on the default model in fp32 on CPU.
+
+The separate checkpoint is made here: the default model's first 12 layers (and its embedding, final norm and
+LM head) written as a Hugging Face safetensors directory. It shares the vocabulary, and disagrees with the
+30-layer target often enough that rejections (and so the draft's KV rewind) happen in every run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from roofline import LLM, SamplingParams
+
+COMMON = dict(max_model_len=512, dtype="float32", device="cpu", attention_backend="torch",
+              max_num_batched_tokens=1024)
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n\n# The same function, with type hints:\ndef add(",
+    "The capital of France is",
+    "Count from one to twenty: one, two, three,",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+DRAFT_LAYERS = 12
+
+
+def _ids(outs):
+    return [list(o.outputs[0].token_ids) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return LLM(**COMMON)
+
+
+@pytest.fixture(scope="module")
+def greedy_ref(plain):
+    return _ids(plain.generate(PROMPTS, GREEDY, use_tqdm=False))
+
+
+@pytest.fixture(scope="module")
+def draft_dir(plain, tmp_path_factory) -> Path:
+    """The default model's first 12 layers as an HF checkpoint (config.json + model.safetensors)."""
+    from safetensors.torch import save_file
+
+    from roofline.models.export import hf_state_dict
+
+    mc = plain.engine.model_config
+    cfg = dataclasses.replace(mc, num_hidden_layers=DRAFT_LAYERS, name="smollm2-12-layers")
+    keep = {n: t for n, t in hf_state_dict(plain.engine.worker.model, mc).items()
+            if not n.startswith("model.layers.") or int(n.split(".")[2]) < DRAFT_LAYERS}
+    path = tmp_path_factory.mktemp("draft")
+    (path / "config.json").write_text(json.dumps(cfg.to_hf_config()))
+    save_file(keep, str(path / "model.safetensors"), metadata={"format": "pt"})
+    return path
+
+
+def _check_accounting(llm) -> float:
+    st = llm.engine.spec_stats
+    assert st.num_drafts > 0 and st.num_emitted_tokens == st.num_accepted_tokens + st.num_drafts
+    assert 0 <= st.num_accepted_tokens <= st.num_draft_tokens
+    return st.num_accepted_tokens / st.num_draft_tokens
+
+
+def test_separate_draft_checkpoint_is_token_identical(draft_dir, plain, greedy_ref):
+    cfg = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 3, "adaptive": False}
+    llm = LLM(speculative_config=cfg, **COMMON)
+    worker = llm.engine.worker
+    assert worker.draft is not None and worker.draft.model_config.num_hidden_layers == DRAFT_LAYERS
+    # Its own KV, in the target's blocks: 12 of 30 layers' bytes per token more.
+    assert worker.draft.kv_bytes_per_token * 30 == plain.engine.worker.kv_bytes_per_token * DRAFT_LAYERS
+    assert _ids(llm.generate(PROMPTS, GREEDY, use_tqdm=False)) == greedy_ref
+    alpha = _check_accounting(llm)
+    assert 0.0 < alpha < 1.0, alpha  # rejections happened: the draft's KV was rewound and caught up
+    # Again, now with prompts whose prefix is cached and with n = 2: same tokens, both completions.
+    outs = llm.generate(PROMPTS[:1], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True, n=2),
+                        use_tqdm=False)
+    assert [list(c.token_ids) for c in outs[0].outputs] == [greedy_ref[0][:8]] * 2
+
+
+def test_the_targets_own_checkpoint_as_draft_accepts_almost_everything(greedy_ref):
+    """The draft is the target itself, loaded again with its own KV pool: every greedy draft should match,
+    which holds only if the draft's KV is complete and in sync (prompt caught up, rewound after each pass)."""
+    from roofline.models.loader import default_model_path
+
+    cfg = {"method": "draft_model", "model": str(default_model_path()), "num_speculative_tokens": 3,
+           "adaptive": False}
+    llm = LLM(speculative_config=cfg, **COMMON)
+    assert _ids(llm.generate(PROMPTS[:1], GREEDY, use_tqdm=False)) == greedy_ref[:1]
+    assert _check_accounting(llm) >= 0.95
+
+
+def test_int4_self_draft_is_token_identical(greedy_ref):
+    cfg = {"method": "draft_model", "quantization": "int4", "num_speculative_tokens": 2, "adaptive": False}
+    llm = LLM(speculative_config=cfg, **COMMON)
+    draft = llm.engine.worker.draft
+    # 4-bit codes (and, on CPU, a uint8 copy for prefill-sized GEMMs); the tied fp32 embedding stays
+    assert draft is not None and draft.weight_bytes < llm.engine.worker.weight_bytes / 2
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    assert _ids(llm.generate(PROMPTS[1:2], sp, use_tqdm=False)) == [greedy_ref[1][:12]]
+    _check_accounting(llm)
+
+
+def test_draft_pool_is_sized_with_the_target_and_survives_preemption(draft_dir):
+    """10 MiB for target + draft KV: (30 + 12) layers x 3 KV heads x 64 x 2 x 4 bytes = 64,512 B per token,
+    so 10 blocks of 16; a plain engine gets 14 blocks from the same budget. Four requests do not fit at once:
+    sequences are preempted and recomputed (the draft's KV with them), and greedy output is unchanged."""
+    kw = {**COMMON, "max_model_len": 64, "kv_cache_memory": "10MiB"}
+    cfg = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2, "adaptive": False}
+    prompts = PROMPTS + ["Once upon a time"]
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)  # 4 x ~48 tokens > 160 slots
+    plain = LLM(**kw)
+    llm = LLM(speculative_config=cfg, **kw)
+    assert (plain.engine.block_pool.num_blocks, llm.engine.block_pool.num_blocks) == (14, 10)
+    assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == _ids(plain.generate(prompts, sp, use_tqdm=False))
+    assert llm.engine.scheduler.num_preemptions > 0
+    _check_accounting(llm)
+
+
+def test_startup_errors(tmp_path: Path, draft_dir):
+    cfg = json.loads((draft_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "vocab_size": 32000}))
+    with pytest.raises(ValueError, match=r"has a vocabulary of 32000 tokens, the target .* has 49152"):
+        LLM(speculative_config={"method": "draft_model", "model": str(tmp_path), "num_speculative_tokens": 2},
+            **COMMON)
+    with pytest.raises(ValueError, match=r"num_layers .* does not combine with \"model\" or \"quantization\""):
+        LLM(speculative_config={"method": "draft_model", "quantization": "int4", "num_layers": 4,
+                                "num_speculative_tokens": 2}, **COMMON)
+    with pytest.raises(ValueError, match=r"quantization must be one of int4, int8, fp8 .*got 'int3'"):
+        LLM(speculative_config={"method": "draft_model", "quantization": "int3", "num_speculative_tokens": 2},
+            **COMMON)
+    with pytest.raises(ValueError, match=r"needs \"model\" .*, \"quantization\" .* or \"num_layers\""):
+        LLM(speculative_config={"method": "draft_model", "num_speculative_tokens": 2}, **COMMON)
