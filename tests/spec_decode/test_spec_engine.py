@@ -127,14 +127,14 @@ def test_async_scheduling_between_drafting_steps(greedy_ref):
     """With async scheduling, steps that draft run synchronously and the rest overlap: greedy output is still
     the plain output, verify passes happen (fixed and adaptive gamma), and with the adaptive policy some steps
     ran without proposing (after a step that found no n-gram match, or while off)."""
-    sp = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
+    sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)  # > 3 probe intervals of 16 steps
     for adaptive in (False, True):
         llm = LLM(speculative_config={**NGRAM, "adaptive": adaptive}, async_scheduling=True, **COMMON)
         assert llm.engine.config.async_scheduling
         engine, skipped = llm.engine, []
         skip = engine._skip_drafting
         engine._skip_drafting = lambda _s=skipped, _f=skip: (_s.append(1), _f())[1]  # type: ignore[method-assign]
-        assert _ids(llm.generate(PROMPTS, sp, use_tqdm=False)) == greedy_ref
+        assert _ids(llm.generate(PROMPTS, sp, use_tqdm=False)) == [r[:64] for r in greedy_ref]
         st = engine.spec_stats
         # Fixed gamma drafts at every decode step. The adaptive policy's on/off choice follows this machine's
         # step timings, so only its probes (every PROBE_INTERVAL steps off) are certain to draft.
