@@ -85,13 +85,7 @@ class DraftModel:
 
     @property
     def weight_bytes(self) -> int:
-        seen: set[int] = set()
-        total = 0
-        for p in self.model.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel() * p.element_size()
-        return total
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())  # yields a tied tensor once
 
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.backend.allocate_kv_cache(self.model_config.num_hidden_layers, num_blocks, block_size, self.kv_dtype,

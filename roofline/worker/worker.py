@@ -162,13 +162,7 @@ class Worker:
     @property
     def weight_bytes(self) -> int:
         """Bytes of the model's parameters (each tied tensor once): what one forward pass reads."""
-        seen: set[int] = set()
-        total = 0
-        for p in self.model.parameters():
-            if id(p) not in seen:
-                seen.add(id(p))
-                total += p.numel() * p.element_size()
-        return total
+        return sum(p.numel() * p.element_size() for p in self.model.parameters())  # yields a tied tensor once
 
     @property
     def weight_bytes_per_step(self) -> int:
