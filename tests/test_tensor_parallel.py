@@ -5,6 +5,8 @@ in test_pipeline_parallel.py.)
 
 The default model has 9 attention heads and 3 KV heads, so TP=3 is its smallest parallel size (TP=2 is
 refused, naming both numbers). One TP engine serves the module (three processes start in ~25 s on 2 cores).
+It runs with async scheduling, as GPUs do by default: the driver sends step N+1 before it waits for step N, and
+each rank launches N+1 before it answers N (``_worker_main``), so these tests cover that overlap too.
 """
 
 from __future__ import annotations
@@ -35,7 +37,8 @@ def single():
 
 @pytest.fixture(scope="module")
 def tp3():
-    llm = LLM(tensor_parallel_size=3, **COMMON)
+    llm = LLM(tensor_parallel_size=3, async_scheduling=True, **COMMON)
+    assert llm.engine.config.async_scheduling
     yield llm
     llm.engine.executor.shutdown()
 

@@ -40,7 +40,8 @@ def build_engine(args: argparse.Namespace, max_batch: int, max_context: int, kv_
                     device=args.device, kv_cache_dtype=kv_cache_dtype, block_size=args.block_size,
                     quantization=quantization, quantization_group_size=args.quantization_group_size,
                     tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
-                    distributed_executor_backend=executor)
+                    distributed_executor_backend=executor,
+                    async_scheduling=getattr(args, "async_scheduling", None))
     return LLMEngine(ea.create_engine_config(mc), ModelSource("dummy", None, args.model), mc, tokenizer=None)
 
 
@@ -57,7 +58,7 @@ def time_decode(engine: Any, batch: int, context: int, steps: int, warmup: int, 
     rng = random.Random(seed)
     vocab = engine.model_config.vocab_size
     sched, bm = engine.scheduler, engine.block_manager
-    params = SamplingParams(temperature=0.0, max_tokens=steps + warmup + 1, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=steps + warmup + 3, ignore_eos=True)
     seqs = []
     for i in range(batch):
         seq = Sequence(f"bench-{i}", [rng.randrange(vocab) for _ in range(context)], params)
@@ -67,6 +68,8 @@ def time_decode(engine: Any, batch: int, context: int, steps: int, warmup: int, 
         sched.running.append(seq)
         seqs.append(seq)
     times = []
+    if engine.config.async_scheduling and not spec_tokens:
+        return _time_async_decode(engine, seqs, steps, warmup)
     try:
         for i in range(warmup + steps):
             for seq in seqs:
@@ -84,6 +87,39 @@ def time_decode(engine: Any, batch: int, context: int, steps: int, warmup: int, 
                 if draft_times is not None:
                     draft_times.append(result.draft_duration_s)
     finally:
+        for seq in seqs:
+            sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
+            engine._release(seq)
+    return times
+
+
+def _time_async_decode(engine: Any, seqs: list, steps: int, warmup: int) -> list[float]:
+    """``time_decode`` as the engine runs with async scheduling: step N+1 is scheduled and launched before
+    step N's sampled ids are waited for, so a step's time is the period between consecutive results (the
+    host's scheduling and input preparation hide behind the device's work, as in ``LLMEngine.step``)."""
+    from roofline.engine.sequence import SequenceStatus
+
+    sched = engine.scheduler
+    batch = len(seqs)
+    times: list[float] = []
+    inflight = None
+    t_prev = None
+    try:
+        for i in range(warmup + steps + 1):
+            out = sched.schedule()
+            assert len(out.scheduled) == batch and all(
+                s.num_scheduled_tokens == 1 for s in out.scheduled), "benchmark batch did not fit"
+            pending = engine.executor.execute_model_async(engine._step_input(out))
+            if inflight is not None:
+                result = inflight[1].result()
+                sched.update(inflight[0], dict(zip(result.seq_ids, result.sampled_token_ids, strict=True)))
+            now = time.perf_counter()
+            if t_prev is not None and i > warmup:
+                times.append(now - t_prev)
+            t_prev, inflight = now, (out, pending)
+    finally:
+        if inflight is not None:
+            inflight[1].result()
         for seq in seqs:
             sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
             engine._release(seq)
@@ -165,7 +201,8 @@ def _decode_points(args, engine, fmt, batches, contexts, bandwidth, peak) -> lis
     print(f"model {args.model} (dummy weights, {worker.dtype}), {worker.weight_bytes / 1e9:.2f} GB of weights "
           f"({worker.weight_bytes_per_step / 1e9:.2f} GB read per step), "
           f"KV {fmt} {worker.kv_bytes_per_token} B/token, pool {capacity} tokens, "
-          f"CUDA graphs {'on' if worker.graphs is not None else 'off'}")
+          f"CUDA graphs {'on' if worker.graphs is not None else 'off'}, "
+          f"async scheduling {'on' if engine.config.async_scheduling else 'off'}")
     header = f"{'batch':>6} {'context':>8} {'ms/step':>9} {'tok/s':>10} {'floor ms':>9} {'floor tok/s':>12} {'of floor':>9}"
     print(header)
     rows = []
@@ -187,6 +224,7 @@ def _decode_points(args, engine, fmt, batches, contexts, bandwidth, peak) -> lis
             row = dict(kv_cache_dtype=fmt, batch=batch, context=context, step_ms=step * 1e3, tok_per_s=batch / step,
                        floor_ms=rep["floor_s"] * 1e3, floor_tok_per_s=batch / rep["floor_s"],
                        fraction_of_floor=rep["fraction_of_floor"], bound_by=rep["bound_by"],
+                       async_scheduling=engine.config.async_scheduling,
                        step_ms_p10=sorted(times)[len(times) // 10] * 1e3,
                        step_ms_p90=sorted(times)[(len(times) * 9) // 10] * 1e3)
             rows.append(row)
@@ -220,6 +258,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--executor", default="auto",
                    help="comma-separated distributed executor backends to compare in one run: uni (in-process "
                         "worker), mp (worker processes; at TP 1 this measures the executor's overhead), auto")
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="time steps as the engine runs them with async scheduling (step N+1 launched before "
+                        "step N's ids are read; the period between results) or one step at a time "
+                        "(default: the engine's, on with a CUDA device)")
     p.add_argument("--out-dir", default="bench/results")
     p.set_defaults(func=run_decode_bench)
     return p

@@ -39,7 +39,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from roofline.args import EngineArgs
 from roofline.engine.llm_engine import LLMEngine
 from roofline.server import protocol as P
-from roofline.server.async_engine import AsyncLLMEngine
+from roofline.server.async_engine import AsyncLLMEngine, EngineDeadError
 from roofline.server.metrics import CONTENT_TYPE, ServerMetrics
 from roofline.server.serving import APIError, OpenAIServing, ServerConfig, error_json
 from roofline.server.serving_chat import create_chat_completion
@@ -203,6 +203,10 @@ def build_app(
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         return error_json(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(EngineDeadError)
+    async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return error_json(503, str(exc), type="server_error", code="engine_dead")
 
     @app.exception_handler(Exception)
     async def _internal_error(_: Request, exc: Exception) -> JSONResponse:

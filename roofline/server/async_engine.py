@@ -181,6 +181,7 @@ class AsyncLLMEngine:
         self._snapshot = EngineSnapshot()
         self._thread: threading.Thread | None = None
         self._stopped = threading.Event()
+        self._closed = False  # the engine thread has stopped taking commands (under _lock)
         self.error: BaseException | None = None
         self._num_steps = 0
         self._publish()
@@ -201,6 +202,8 @@ class AsyncLLMEngine:
         if self._thread is not None and self._thread.is_alive():
             return
         self._stopped.clear()
+        with self._lock:
+            self._closed = False
         self._thread = threading.Thread(target=self._run, name="roofline-engine", daemon=True)
         self._thread.start()
 
@@ -260,19 +263,19 @@ class AsyncLLMEngine:
             ValueError: the engine rejected the request (too-long prompt, ...); nothing is queued.
             EngineDeadError: the engine thread is not running.
         """
-        if not self.is_running:
-            raise EngineDeadError(f"the engine thread is not running (error: {self.error!r})")
         loop = asyncio.get_running_loop()
-        with self._lock:
+        stream = RequestStream(request_id, loop, on_end=self._request_ended)
+        accepted: asyncio.Future[None] = loop.create_future()
+        arrival = arrival_time if arrival_time is not None else time.monotonic()
+        with self._lock:  # the engine thread closes under this lock: an add is either applied or refused here
+            if self._closed or not self.is_running:
+                raise EngineDeadError(f"the engine thread is not running (error: {self.error!r})")
             num_waiting = self._num_pending_adds + self._snapshot.num_waiting_requests
             if max_waiting is not None and num_waiting >= max_waiting:
                 raise EngineOverloadedError(num_waiting, max_waiting)
             self._num_pending_adds += 1
             self._num_added += 1
-        stream = RequestStream(request_id, loop, on_end=self._request_ended)
-        accepted: asyncio.Future[None] = loop.create_future()
-        arrival = arrival_time if arrival_time is not None else time.monotonic()
-        self._commands.put(("add", request_id, prompt, params, arrival, stream, accepted, loop))
+            self._commands.put(("add", request_id, prompt, params, arrival, stream, accepted, loop))
         try:
             await accepted
         except asyncio.CancelledError:
@@ -315,12 +318,22 @@ class AsyncLLMEngine:
                 if self.engine.has_unfinished_requests():
                     self._step()
                 self._publish()
-        except BaseException as e:  # a bug in the engine: fail every request, keep the error for /health
+        except BaseException as e:  # a dead worker or a bug: fail every request, keep the error for /health
             logger.exception("engine thread failed")
             self.error = e
-            self._fail_all(e)
+            dead = EngineDeadError(f"the engine stopped: {e}")
+            dead.__cause__ = e
+            self._fail_all(dead)
             raise
         finally:
+            # Refuse later adds, and those queued but never applied (they would wait forever).
+            with self._lock:
+                self._closed = True
+            late = [c for c in self._drain(block=False) if c[0] == "add"]
+            with self._lock:
+                self._num_pending_adds -= len(late)
+            for cmd in late:
+                _resolve(cmd[7], cmd[6], EngineDeadError(f"the engine thread stopped (error: {self.error!r})"))
             self._fail_all(EngineDeadError("the engine thread stopped"))
             self._stopped.set()
 

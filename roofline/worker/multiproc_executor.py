@@ -103,15 +103,43 @@ def _worker_main(rank: int, world: int, init_method: str, config: EngineConfig, 
         conn.send(("ok", WorkerInfo(worker.dtype, worker.device, worker.weight_bytes, worker.weight_bytes_per_step,
                                     worker.kv_bytes_per_token, worker.num_blocks, config,
                                     True if worker.graphs is not None else None)))
+
+        def reply(value: Any) -> None:
+            conn.send(("ok", value if rank == 0 else None))
+
+        # With async scheduling the driver sends step N+1 before it waits for step N. A step in flight is
+        # answered as soon as the device finishes it, unless the next step arrives first: that one is launched
+        # before the answer, so the device never waits for this process's input preparation (the in-process
+        # engine's overlap, kept across the pipe). Not with pipeline stages, whose results are collectives.
+        overlap = worker.pp.pp_size == 1
+        inflight = None
         while True:
+            if inflight is not None:
+                while not conn.poll(0) and not inflight.done():
+                    pass  # spin: a blocking wait could not watch the pipe and the device together
+                if not conn.poll(0):
+                    reply(inflight.result())
+                    inflight = None
+                    continue
             method, args = conn.recv()
+            if method == "execute_model" and overlap:
+                try:
+                    launched = worker.execute_model_async(*args)
+                finally:  # answers stay in order, even when this launch raised
+                    if inflight is not None:
+                        reply(inflight.result())
+                inflight = launched
+                continue
+            if inflight is not None:
+                reply(inflight.result())
+                inflight = None
             if method == "shutdown":
                 break
             if method == "execute_model":
                 out = worker.execute_model_async(*args).result()
             else:
                 out = getattr(worker, method)(*args)
-            conn.send(("ok", out if rank == 0 else None))
+            reply(out)
     except (EOFError, KeyboardInterrupt):  # the driver went away
         pass
     except BaseException:

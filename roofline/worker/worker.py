@@ -744,6 +744,10 @@ class PendingStep:
         self.spec_host: dict[str, torch.Tensor] = {}
         self.spec_counts: list[int] = []
 
+    def done(self) -> bool:
+        """Whether the device has finished this step (``result()`` would not wait for it)."""
+        return self.event is None or self.event.query()
+
     def result(self) -> StepOutput:
         if self.event is not None:
             self.event.synchronize()

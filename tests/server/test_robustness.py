@@ -330,3 +330,51 @@ def test_disconnect_right_after_headers_aborts(server):
             assert r.status_code == 200  # closed before reading a single event
     assert wait_until(lambda: engine.snapshot.num_unfinished_requests == 0, timeout_s=10)
     assert engine.snapshot.num_free_blocks == idle_free
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's exit
+def test_requests_meeting_a_dead_engine_are_refused_never_left_waiting(default_llm, monkeypatch):
+    """A worker dies during a step (``ExecutorDeadError``): the request in flight ends with ``EngineDeadError``
+    (the server's 503 ``engine_dead``), and so does one whose add was queued while that step ran, which the
+    engine thread never applies (before the fix it waited forever)."""
+    from roofline.sampling_params import SamplingParams
+    from roofline.server.async_engine import AsyncLLMEngine, EngineDeadError
+    from roofline.worker.executor import ExecutorDeadError
+
+    engine = default_llm.engine
+    in_step, release = threading.Event(), threading.Event()
+
+    def dying_step():
+        in_step.set()
+        release.wait(10)
+        raise ExecutorDeadError("worker rank 1 (pid 0) died with exit code -9")
+
+    monkeypatch.setattr(engine, "step", dying_step)
+    ae = AsyncLLMEngine(engine)
+    ae.start()
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+
+    async def main():
+        first = await ae.add_request("dead-a", [1, 2, 3], params)
+        assert await asyncio.to_thread(in_step.wait, 10)
+        late = asyncio.ensure_future(ae.add_request("dead-b", [1, 2, 3], params))
+        await asyncio.sleep(0.2)  # queued while the step runs
+        assert ae.num_waiting_requests >= 1 and not late.done()
+        release.set()
+        with pytest.raises(EngineDeadError, match="rank 1"):
+            async for _ in first:
+                pass
+        with pytest.raises(EngineDeadError, match="stopped"):
+            await asyncio.wait_for(late, 10)
+        with pytest.raises(EngineDeadError):
+            await ae.add_request("dead-c", [1, 2, 3], params)
+
+    try:
+        asyncio.run(main())
+        assert not ae.is_running and isinstance(ae.error, ExecutorDeadError)
+    finally:
+        release.set()
+        ae.stop()
+        engine.abort_request("dead-a")  # the shared engine keeps no trace of this test
+        monkeypatch.undo()
+        assert not engine.has_unfinished_requests()
