@@ -16,6 +16,8 @@ per-head scales are a constant 2 x layers x H_kv x 4 bytes, not per token).
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -58,6 +60,17 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
     return int(costmodel.kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim, KV_DTYPE_NAMES[dtype]))
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor for the cache. On the CPU it lives in an anonymous memory mapping, whose pages the kernel
+    zeroes when first touched: a pool of gigabytes costs nothing until its blocks are written (``torch.zeros``
+    writes every page up front, ~0.5-3 s per GiB on a laptop, and holds it resident)."""
+    if torch.device(device).type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    nbytes = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    buf = mmap.mmap(-1, max(nbytes, 1))  # the tensor keeps the mapping alive
+    return torch.frombuffer(buf, dtype=torch.uint8, count=nbytes).view(dtype).view(shape)
+
+
 class KVCachePool:
     """``num_layers`` caches of ``num_blocks`` blocks each, on ``device``.
 
@@ -82,13 +95,12 @@ class KVCachePool:
 
         def scales() -> torch.Tensor | None:
             if dtype == torch.int8:  # per slot and head; 0 until a token is stored (dequantizes to 0)
-                return torch.zeros(shape[:3], dtype=torch.float32, device=device)
+                return _zeros(shape[:3], torch.float32, device)
             if dtype == torch.float8_e4m3fn:  # per head, static: 1.0 until calibrated
                 return torch.ones(num_kv_heads, dtype=torch.float32, device=device)
             return None
 
-        self.caches = [KVCache(torch.zeros(shape, dtype=dtype, device=device),
-                               torch.zeros(shape, dtype=dtype, device=device), scales(), scales())
+        self.caches = [KVCache(_zeros(shape, dtype, device), _zeros(shape, dtype, device), scales(), scales())
                        for _ in range(num_layers)]
 
     @property

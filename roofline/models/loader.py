@@ -382,16 +382,34 @@ def init_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
     process_weights_after_loading(model)
 
 
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+
+
 def load_tokenizer(source: ModelSource) -> Any:
-    """A Hugging Face tokenizer (with chat template) or None for dummy weights without tokenizer files."""
+    """A Hugging Face tokenizer (with chat template) or None for dummy weights without tokenizer files.
+
+    Loaded once per process for the same files (same paths, sizes and modification times): building one from a
+    GGUF file parses its whole vocabulary (~5 s for SmolLM2's). Engines in one process share it; they only
+    encode and decode with it."""
+    if source.format == "gguf":
+        assert source.path is not None
+        files = [source.path]
+    elif source.path is not None and source.path.is_dir():
+        files = [source.path / f for f in _TOKENIZER_FILES if (source.path / f).exists()]
+        if not files:
+            return None  # no tokenizer files: prompts must be token ids
+    else:
+        return None
+    stamp = tuple((str(f), f.stat().st_size, f.stat().st_mtime_ns) for f in files)
+    return _tokenizer(str(source.path), source.format == "gguf", stamp)
+
+
+@functools.lru_cache(maxsize=4)
+def _tokenizer(path: str, gguf: bool, stamp: tuple) -> Any:
     from transformers import AutoTokenizer
 
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    if source.format == "gguf":
-        assert source.path is not None
-        return AutoTokenizer.from_pretrained(str(source.path.parent), gguf_file=source.path.name)
-    if source.path is not None and source.path.is_dir() and any(
-        (source.path / f).exists() for f in ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
-    ):
-        return AutoTokenizer.from_pretrained(str(source.path))
-    return None  # no tokenizer files: prompts must be token ids
+    if gguf:
+        p = Path(path)
+        return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
+    return AutoTokenizer.from_pretrained(path)
