@@ -486,13 +486,10 @@ class LLMEngine:
         spec_seqs = {s.seq.seq_id: len(s.spec_token_ids) for s in out.scheduled if s.spec_token_ids}
         if spec_seqs:
             self._record_spec(spec_seqs, result)
-        if self.spec_policy is not None and wall_t0 is not None and all(
-                s.num_scheduled_tokens == 1 + len(s.spec_token_ids) for s in out.scheduled):
-            # A steady-state step of decodes only (no prefill chunk; not one drained before a drafting step,
-            # whose launch-to-result time is not a step period): its wall time (the proposer's and the host's
-            # work included, the draft model's excluded) teaches the policy the measured verify ratio.
-            self.spec_policy.record_step(len(out.scheduled), max(spec_seqs.values(), default=0),
-                                         time.perf_counter() - wall_t0 - result.draft_duration_s)
+        # A steady-state step of decodes only (no prefill chunk; not one drained before a drafting step, whose
+        # launch-to-result time is not a step period) teaches the policy the measured verify ratio, timed below.
+        timed = self.spec_policy is not None and wall_t0 is not None and all(
+            s.num_scheduled_tokens == 1 + len(s.spec_token_ids) for s in out.scheduled)
         changed = self.scheduler.update(out, sampled)
         touched: dict[str, _Request] = {}
         now = time.monotonic()
@@ -521,6 +518,13 @@ class LLMEngine:
             outputs.append(ro)
             if ro.finished:
                 del self.requests[req.request_id]
+        if timed:
+            # Its whole wall time: the proposer's and the host's work, and the processing of its tokens (a
+            # verify pass emits several per request, each detokenized and checked for stops: on a host-bound
+            # model that is a large part of a step), the draft model's time excluded (it is c).
+            assert self.spec_policy is not None and wall_t0 is not None
+            self.spec_policy.record_step(len(out.scheduled), max(spec_seqs.values(), default=0),
+                                         time.perf_counter() - wall_t0 - result.draft_duration_s)
         return outputs
 
     def _add_logprob(self, seq: Sequence, token: int, lp: dict[int, Logprob]) -> None:

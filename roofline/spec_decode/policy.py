@@ -24,7 +24,7 @@ would stay on and never see what a plain step costs: measured at 32 concurrent r
 2.5x the plain server's). gamma = 0 turns speculation off for the step. While it is off, a probe step
 speculates with gamma 1 so the estimates keep up (a copy-heavy request can start later): after
 ``PROBE_INTERVAL`` steps off, and after twice as many each time a probe ends off again, up to
-``MAX_PROBE_INTERVAL``. With ``adaptive`` False gamma is always gamma_max. Step times are wall times (the engine's host work and the n-gram proposer's included): a step that
+``MAX_PROBE_INTERVAL``. With ``adaptive`` False gamma is always gamma_max. Step times are wall times (the engine's host work, the n-gram proposer's and the processing of the step's tokens included): a step that
 drafts runs synchronously, while the plain steps between probes run with async scheduling (``drafting_due``),
 so the measured excess also prices the lost overlap.
 """
