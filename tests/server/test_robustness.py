@@ -371,6 +371,7 @@ def test_requests_meeting_a_dead_engine_are_refused_never_left_waiting(default_l
 
     try:
         asyncio.run(main())
+        ae._thread.join(10)  # its last lines (the error re-raised) may still be running
         assert not ae.is_running and isinstance(ae.error, ExecutorDeadError)
     finally:
         release.set()
