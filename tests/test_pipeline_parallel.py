@@ -64,8 +64,12 @@ def test_pp2_greedy_and_logprobs_match_one_process(single, pp2):
     got, ref = pp2.generate(PROMPTS, GREEDY, use_tqdm=False), single.generate(PROMPTS, GREEDY, use_tqdm=False)
     assert _ids(got) == _ids(ref)
     assert _max_logprob_diff(got, ref) < LOGPROB_TOL
-    # Rank 0 is stage 0: 15 of the 30 layers, so half the single engine's KV bytes per token.
-    assert pp2.engine.worker.kv_bytes_per_token * 2 == single.engine.worker.kv_bytes_per_token
+    # Rank 0 is stage 0: 15 of the 30 layers, so half the single engine's KV bytes per token; a decode step
+    # reads both stages, so the floor counts both (the embedding on stage 0, the norm and head on stage 1).
+    infos = pp2.engine.executor.rank_infos
+    assert [i.kv_bytes_per_token * 2 for i in infos] == [single.engine.worker.kv_bytes_per_token] * 2
+    assert pp2.engine.worker.kv_bytes_per_token == single.engine.worker.kv_bytes_per_token
+    assert pp2.engine.worker.weight_bytes_per_step == single.engine.worker.weight_bytes_per_step
     sp = SamplingParams(temperature=0.0, max_tokens=4, prompt_logprobs=1)
     a, b = pp2.generate(PROMPTS[:2], sp, use_tqdm=False), single.generate(PROMPTS[:2], sp, use_tqdm=False)
     for x, y in zip(a, b, strict=True):
@@ -114,7 +118,8 @@ def test_tp3_x_pp2_int8_matches_one_process(tp3pp2_int8):
     assert _ids(got) == _ids(ref)
     assert _max_logprob_diff(got, ref) < LOGPROB_TOL
     # Rank 0 holds stage 0 (15 layers) and one of the 3 KV heads: a sixth of the single engine's KV bytes.
-    assert tp3pp2_int8.engine.worker.kv_bytes_per_token * 6 == single.engine.worker.kv_bytes_per_token
+    assert tp3pp2_int8.engine.executor.rank_infos[0].kv_bytes_per_token * 6 == single.engine.worker.kv_bytes_per_token
+    assert tp3pp2_int8.engine.worker.kv_bytes_per_token == single.engine.worker.kv_bytes_per_token
 
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's exit

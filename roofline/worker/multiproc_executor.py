@@ -45,7 +45,8 @@ _MAIN_GUARD_HINT = ("worker processes are spawned and import the main module: a 
 
 @dataclass
 class WorkerInfo:
-    """What the engine and reports read from a worker, taken from rank 0 at start-up (per-rank figures)."""
+    """What the engine and reports read from a worker, taken at start-up (one rank's figures; see ``_step_info``
+    for the executor's summary of all ranks)."""
 
     dtype: Any
     device: Any
@@ -55,6 +56,19 @@ class WorkerInfo:
     num_blocks: int
     config: EngineConfig
     graphs: Any = None  # not None where rank 0 captured CUDA graphs (a marker, not the runner)
+
+
+def _step_info(infos: list[WorkerInfo], config: EngineConfig) -> WorkerInfo:
+    """Rank 0's figures, with the bytes a decode step reads (``weight_bytes_per_step``, ``kv_bytes_per_token``)
+    counted for the memory system that serves them, which is what the decode floor divides by one device's
+    bandwidth: on GPUs each rank reads its own memory, and the stages of a pipeline run one after another, so
+    the bytes of tensor-parallel rank 0 of every stage; on a CPU every rank shares the host's memory, so every
+    rank's bytes (the whole model's). ``weight_bytes`` (memory held) stays rank 0's."""
+    pc = config.parallel_config
+    tp = pc.tensor_parallel_size
+    ranks = (range(0, len(infos), tp) if config.device.startswith("cuda") else range(len(infos)))
+    return replace(infos[0], weight_bytes_per_step=sum(infos[r].weight_bytes_per_step for r in ranks),
+                   kv_bytes_per_token=sum(infos[r].kv_bytes_per_token for r in ranks))
 
 
 def _free_port() -> int:
@@ -196,7 +210,8 @@ class MultiprocExecutor(Executor):
             infos = [self._recv(r) for r in range(world)]
         except ExecutorDeadError as e:
             raise ExecutorDeadError(f"{e}\n(while starting; {_MAIN_GUARD_HINT})") from None
-        self.worker: WorkerInfo = infos[0]
+        self.rank_infos: list[WorkerInfo] = infos
+        self.worker: WorkerInfo = _step_info(infos, config)
         self._num_blocks = min(i.num_blocks for i in infos)
         pc = config.parallel_config
         logger.info("%d worker processes (tensor parallel %d x pipeline parallel %d, %s), %d KV blocks per rank",
