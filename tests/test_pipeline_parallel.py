@@ -202,10 +202,14 @@ def test_two_torchrun_nodes_on_loopback(single, tmp_path: Path):
 
 
 def test_startup_errors_name_the_values():
-    with pytest.raises(ValueError, match=r"pipeline_parallel_size 31 exceeds the model's 30 layers"):
+    with pytest.raises(ValueError, match=r"pipeline_parallel_size 31 exceeds the model's 30 layers \(allowed: 1 "
+                                         r"to 30\)"):
         LLM(pipeline_parallel_size=31, **COMMON)
+    with pytest.raises(ValueError, match=r"partition \[15, 15\] has 2 stages' counts, but pipeline_parallel_size "
+                                         r"is 1"):
+        LLM(pipeline_layer_partition="15,15", **COMMON)
     with pytest.raises(ValueError, match=r"pipeline layer partition \[20, 20\] must give each of the 2 stages >= 1 "
-                                         r"layer and sum to the model's 30 layers"):
+                                         r"layer and sum to the model's 30 layers \(it sums to 40\)"):
         LLM(pipeline_parallel_size=2, pipeline_layer_partition="20,20", **COMMON)
     with pytest.raises(ValueError, match=r"pipeline_layer_partition must be comma-separated layer counts .*'a,b'"):
         LLM(pipeline_parallel_size=2, pipeline_layer_partition="a,b", **COMMON)

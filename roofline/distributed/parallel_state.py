@@ -121,12 +121,16 @@ def stage_layer_ranges(num_layers: int, pp_size: int, partition: list[int] | Non
     """
     if partition is None:
         if pp_size > num_layers:
-            raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the model's {num_layers} layers")
+            raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the model's {num_layers} layers "
+                             f"(allowed: 1 to {num_layers})")
         base, extra = divmod(num_layers, pp_size)
         partition = [base + (i < extra) for i in range(pp_size)]
-    elif len(partition) != pp_size or min(partition) < 1 or sum(partition) != num_layers:
+    elif len(partition) != pp_size:
+        raise ValueError(f"pipeline layer partition {partition} has {len(partition)} stages' counts, but "
+                         f"pipeline_parallel_size is {pp_size}: give one count per stage")
+    elif min(partition) < 1 or sum(partition) != num_layers:
         raise ValueError(f"pipeline layer partition {partition} must give each of the {pp_size} stages >= 1 "
-                         f"layer and sum to the model's {num_layers} layers")
+                         f"layer and sum to the model's {num_layers} layers (it sums to {sum(partition)})")
     starts = [sum(partition[:i]) for i in range(pp_size)]
     return [(a, a + n) for a, n in zip(starts, partition, strict=True)]
 
