@@ -20,7 +20,7 @@ import pytest
 from roofline import LLM, SamplingParams
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
-# A pool of 14 blocks of 16 tokens: six 60-token sequences do not fit at once, so some are preempted.
+# A pool of 14 blocks of 16 tokens: six 52-token sequences (20 prompt + 32 output) do not fit at once, so some are preempted.
 COMMON = dict(device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=14, block_size=16,
               max_num_batched_tokens=512)
 PREEMPT = [{"prompt_token_ids": list(range(100 + 7 * i, 120 + 7 * i))} for i in range(6)]
@@ -58,7 +58,7 @@ def test_tp3_greedy_is_token_identical(single, tp3):
 
 
 def test_tp3_under_preemption_and_seeded_sampling(single, tp3):
-    greedy = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    greedy = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
     before = tp3.engine.scheduler.num_preemptions
     assert _ids(tp3.generate(PREEMPT, greedy, use_tqdm=False)) == _ids(single.generate(PREEMPT, greedy,
                                                                                       use_tqdm=False))
