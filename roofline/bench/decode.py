@@ -68,9 +68,9 @@ def time_decode(engine: Any, batch: int, context: int, steps: int, warmup: int, 
         sched.running.append(seq)
         seqs.append(seq)
     times = []
-    if engine.config.async_scheduling and not spec_tokens:
-        return _time_async_decode(engine, seqs, steps, warmup)
     try:
+        if engine.config.async_scheduling and not spec_tokens:
+            return _time_async_decode(engine, seqs, steps, warmup)
         for i in range(warmup + steps):
             for seq in seqs:
                 seq.spec_token_ids = ([-1] * spec_tokens if self_draft
@@ -96,9 +96,8 @@ def time_decode(engine: Any, batch: int, context: int, steps: int, warmup: int, 
 def _time_async_decode(engine: Any, seqs: list, steps: int, warmup: int) -> list[float]:
     """``time_decode`` as the engine runs with async scheduling: step N+1 is scheduled and launched before
     step N's sampled ids are waited for, so a step's time is the period between consecutive results (the
-    host's scheduling and input preparation hide behind the device's work, as in ``LLMEngine.step``)."""
-    from roofline.engine.sequence import SequenceStatus
-
+    host's scheduling and input preparation hide behind the device's work, as in ``LLMEngine.step``). The
+    caller releases the sequences."""
     sched = engine.scheduler
     batch = len(seqs)
     times: list[float] = []
@@ -118,11 +117,8 @@ def _time_async_decode(engine: Any, seqs: list, steps: int, warmup: int) -> list
                 times.append(now - t_prev)
             t_prev, inflight = now, (out, pending)
     finally:
-        if inflight is not None:
+        if inflight is not None:  # the step in flight ends before its sequences are released
             inflight[1].result()
-        for seq in seqs:
-            sched.finish(seq, SequenceStatus.FINISHED_ABORTED)
-            engine._release(seq)
     return times
 
 
