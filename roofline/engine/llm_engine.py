@@ -406,22 +406,23 @@ class LLMEngine:
             out = self.scheduler.schedule()
             if out.is_empty:
                 return done
-            return done + self._process(out, self._launch(out), wall_t0=t0)
+            return done + self._process(out, self._launch(out), wall_t0=t0, mode="draft")
         if self.spec_policy is not None:
             self._skip_drafting()
         t0 = time.perf_counter()
         out = self.scheduler.schedule()
         pending = self._launch(out) if not out.is_empty else None
         if not self.config.async_scheduling and pending is not None:
-            return self._process(out, pending)
+            return self._process(out, pending, mode="sync")
         prev, self._inflight = self._inflight, ((out, pending) if pending is not None else None)
         # In the steady state one call launches one step and processes one: its wall time is a step's.
-        return self._process(*prev, wall_t0=t0 if pending is not None else None) if prev is not None else []
+        return (self._process(*prev, wall_t0=t0 if pending is not None else None, mode="async") if prev is not None
+                else [])
 
     def _drain(self) -> list[RequestOutput]:
         """Process the step in flight, if any."""
         prev, self._inflight = self._inflight, None
-        return self._process(*prev) if prev is not None else []
+        return self._process(*prev, mode="drain") if prev is not None else []
 
     def _drafting_due(self) -> bool:
         """Whether this step proposes drafts, and so runs synchronously (``SpecPolicy.drafting_due``)."""
@@ -457,11 +458,15 @@ class LLMEngine:
             self._worker_blocks.pop(sid, None)
         self._finished_seq_ids.extend(step_input.finished_seq_ids)
 
-    def _process(self, out: SchedulerOutput, pending: Any, wall_t0: float | None = None) -> list[RequestOutput]:
+    def _process(self, out: SchedulerOutput, pending: Any, wall_t0: float | None = None,
+                 mode: str = "sync") -> list[RequestOutput]:
         """Wait for a launched step's sampled ids, append them, check stops, build outputs.
 
         ``wall_t0``: when this step's wall time began (its proposal, or the call that launched the next
-        step while this one ran), for the speculative policy's step timings; None: not a steady-state step."""
+        step while this one ran), for the speculative policy's step timings; None: not a steady-state step.
+        ``mode``, for the debug-level step trace: "async" (processed while the next step runs), "drain" (the
+        step in flight processed before a drafting step), "draft" (a drafting step, run synchronously) or
+        "sync" (async scheduling off)."""
         try:
             result = pending.result()
         except BaseException:
@@ -525,7 +530,22 @@ class LLMEngine:
             assert self.spec_policy is not None and wall_t0 is not None
             self.spec_policy.record_step(len(out.scheduled), max(spec_seqs.values(), default=0),
                                          time.perf_counter() - wall_t0 - result.draft_duration_s)
+        if logger.isEnabledFor(logging.DEBUG):
+            self._trace(out, result, mode, spec_seqs)
         return outputs
+
+    def _trace(self, out: SchedulerOutput, result: Any, mode: str, spec_seqs: dict[int, int]) -> None:
+        """One debug line per processed step, for finding where a run's time goes (``bench/step_trace.py``
+        summarizes a log of them): when it ended (``time.perf_counter``, s), how it ran (``mode``), its decode
+        and prefill work, and its speculative tokens."""
+        decode = sum(1 for s in out.scheduled if s.num_scheduled_tokens == 1 + len(s.spec_token_ids))
+        prefill = sum(s.num_scheduled_tokens for s in out.scheduled
+                      if s.num_scheduled_tokens != 1 + len(s.spec_token_ids))
+        accepted = sum(result.num_accepted.get(sid, 0) for sid in spec_seqs)
+        logger.debug("step trace: end=%.6f mode=%s decode=%d prefill_tokens=%d spec_seqs=%d drafted=%d "
+                     "accepted=%d device_ms=%.3f waiting=%d gamma=%d", time.perf_counter(), mode, decode, prefill,
+                     len(spec_seqs), sum(spec_seqs.values()), accepted, result.duration_s * 1e3,
+                     self.scheduler.num_waiting, self.spec_stats.gamma)
 
     def _add_logprob(self, seq: Sequence, token: int, lp: dict[int, Logprob]) -> None:
         if self.tokenizer is not None:
