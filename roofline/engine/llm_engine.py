@@ -211,23 +211,25 @@ class LLMEngine:
                 and seq.num_output_tokens >= p.min_tokens)
 
     def _propose(self) -> None:
-        """Before scheduling: choose gamma for the decoding requests (the policy) and fill their drafts."""
+        """Before scheduling: choose gamma for the decoding requests (the policy) and fill their drafts. Every
+        decoding request counts in the policy's batch: one that may not speculate (penalties, below min_tokens,
+        no room left) with a cap of 0, since it waits for the longer verify step too."""
         spec, policy = self.spec_config, self.spec_policy
         assert spec is not None and policy is not None
         sc = self.config.scheduler_config
         cands, caps, drafts = [], [], []
         for seq in self.scheduler.running:
             seq.spec_token_ids = []
-            if seq.num_uncomputed_tokens != 1 or not self._may_speculate(seq):
+            if seq.num_uncomputed_tokens != 1:
                 continue
             p = seq.sampling_params
             room = sc.max_model_len - seq.num_tokens - 1
             if p.max_tokens is not None:
                 room = min(room, p.max_tokens - seq.num_output_tokens - 1)
-            k = min(spec.num_speculative_tokens, room)
+            k = min(spec.num_speculative_tokens, room) if self._may_speculate(seq) else 0
             if k <= 0:
-                continue
-            if spec.method == "ngram":
+                d = []
+            elif spec.method == "ngram":
                 d = ngram_propose(seq.token_ids, k, spec.prompt_lookup_min, spec.prompt_lookup_max)
             else:
                 d = [-1] * k
@@ -394,8 +396,9 @@ class LLMEngine:
         does); a step still in flight is processed, its finished sequences dropping their tokens.
 
         Speculative decoding: a step that drafts needs its requests' newest tokens, and its accepted tokens
-        decide the next step's inputs, so it runs synchronously (the step in flight is processed first).
-        While the policy has speculation off, or for a few steps after one that found no draft, steps stay
+        decide the next step's inputs, so it runs synchronously (the step in flight is processed first); if
+        the policy then drafts nothing (gamma 0, or no n-gram match), the step is left in flight like an async
+        one. While the policy has speculation off, or for a few steps after one that found no draft, steps stay
         asynchronous and propose nothing, until a probe is due or a new request joins a small batch
         (``_drafting_due``; ``SpecPolicy.drafting_due``).
         """
@@ -406,7 +409,13 @@ class LLMEngine:
             out = self.scheduler.schedule()
             if out.is_empty:
                 return done
-            return done + self._process(out, self._launch(out), wall_t0=t0, mode="draft")
+            pending = self._launch(out)
+            if self.config.async_scheduling and not any(s.spec_token_ids for s in out.scheduled):
+                # Nothing drafted after all (gamma 0, no n-gram match): the step stays in flight, as an async
+                # one, and the next call processes it while its successor runs.
+                self._inflight = (out, pending)
+                return done
+            return done + self._process(out, pending, wall_t0=t0, mode="draft")
         if self.spec_policy is not None:
             self._skip_drafting()
         t0 = time.perf_counter()
@@ -415,9 +424,11 @@ class LLMEngine:
         if not self.config.async_scheduling and pending is not None:
             return self._process(out, pending, mode="sync")
         prev, self._inflight = self._inflight, ((out, pending) if pending is not None else None)
-        # In the steady state one call launches one step and processes one: its wall time is a step's.
-        return (self._process(*prev, wall_t0=t0 if pending is not None else None, mode="async") if prev is not None
-                else [])
+        # In the steady state one call launches one step and processes one: its wall time is a plain decode
+        # step's period when both are decode-only. A step launched with a prefill chunk runs eager, and its
+        # launch (tens of ms of host time on a small model) would be charged to the step processed here.
+        steady = pending is not None and out.is_decode_only
+        return self._process(*prev, wall_t0=t0 if steady else None, mode="async") if prev is not None else []
 
     def _drain(self) -> list[RequestOutput]:
         """Process the step in flight, if any."""

@@ -1,9 +1,15 @@
 """When to speculate, and how far: gamma per step from the bound model and measured rates.
 
-Each step, for the batch of requests that may speculate (B of them), the policy picks the gamma in
-``0 .. gamma_max`` that maximizes predicted tokens per second,
+Each step, for the B requests that decode, the policy picks the gamma in ``0 .. gamma_max`` that minimizes the
+predicted mean time per output token (TPOT) over those requests,
 
-    sum_i E(alpha_i, min(gamma, cap_i))  /  (verify_ratio(B, gamma) + gamma * c)      [gamma = 0: B / 1]
+    (verify_ratio(B, gamma) + gamma * c) * mean_i 1 / E(alpha_i, min(gamma, cap_i))      [gamma = 0: 1]
+
+in units of one plain decode step. A request that cannot speculate this step (no draft, no room, penalties)
+has cap 0 and E = 1: it pays the longer step and gains nothing. This is the serving metric (each request's
+TPOT, averaged over requests), not the batch's token throughput ``sum_i E_i / (ratio + gamma c)``: by the
+harmonic-arithmetic mean inequality a gamma that lowers the predicted mean TPOT never lowers the predicted
+throughput, while a throughput gain can come from a few copying requests at the others' expense.
 
 - ``E(alpha, gamma) = (1 - alpha^(gamma+1)) / (1 - alpha)``: expected tokens per verify pass with a per-token
   acceptance rate alpha (Leviathan et al. 2023, eq. 1; ``costmodel.expected_tokens_per_step``);
@@ -15,16 +21,19 @@ Each step, for the batch of requests that may speculate (B of them), the policy 
   ``B x 1`` (``costmodel.verify_cost_ratio``), with the device's measured read bandwidth and GEMM rate:
   1 while the step is memory-bound, growing once the verify pass turns compute-bound. The bound is a floor:
   the engine also reports its measured plain-decode and verify step times (``record_step``, per batch-size
-  bucket), and once both are known at a bucket the ratio is the bound times the measured excess
-  ``(verify / plain) / bound`` (at the llama-3-8b shape on the H200, with both steps replaying CUDA graphs:
-  measured r = 1.20 at batch 1 and gamma 1 where the bound says 1.0).
+  bucket), and the ratio used is the bound times the measured excess ``(verify / plain) / bound``, taken at
+  the batch's bucket or, before a verify step was timed there, at the nearest bucket where one was (at the
+  llama-3-8b shape on the H200, with both steps replaying CUDA graphs: measured r = 1.20 at batch 1 and
+  gamma 1 where the bound says 1.0; on the default 135M model behind the server, whose steps are host-bound,
+  a synchronous verify step measured 3-4 asynchronous plain steps).
 
 Until a plain step has been timed at the batch's size bucket, gamma is 0 (with the bound alone the policy
 would stay on and never see what a plain step costs: measured at 32 concurrent requests on the H200, TPOT
 2.5x the plain server's). gamma = 0 turns speculation off for the step. While it is off, a probe step
 speculates with gamma 1 so the estimates keep up (a copy-heavy request can start later): after
 ``PROBE_INTERVAL`` steps off, and after twice as many each time a probe ends off again, up to
-``MAX_PROBE_INTERVAL``. With ``adaptive`` False gamma is always gamma_max. Step times are wall times (the engine's host work, the n-gram proposer's and the processing of the step's tokens included): a step that
+``MAX_PROBE_INTERVAL``. With ``adaptive`` False gamma is always gamma_max. Step times are wall times (the
+engine's host work, the n-gram proposer's and the processing of the step's tokens included): a step that
 drafts runs synchronously, while the plain steps between probes run with async scheduling (``drafting_due``),
 so the measured excess also prices the lost overlap.
 """
@@ -72,7 +81,7 @@ class _Acceptance:
 @dataclass
 class PolicyDecision:
     gamma: int
-    predicted_speedup: float  # predicted tokens/s at gamma over gamma 0
+    predicted_speedup: float  # predicted mean TPOT at gamma 0 over that at gamma
     batch: int
     mean_alpha: float
     draft_cost: float
@@ -152,17 +161,17 @@ class SpecPolicy:
         table[key] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
 
     def ratio(self, batch: int, gamma: int) -> float:
-        """The verify ratio used for decisions: the bound, scaled by the measured excess where measured."""
+        """The verify ratio used for decisions: the bound, scaled by the measured excess (see the module
+        docstring), from the batch's bucket, else the nearest bucket with a timed verify step, else none."""
         bound = self.verify_ratio(batch, gamma)
         b = self._bucket(batch)
-        plain = self.plain_s.get(b)
-        if plain is None:
-            return bound
-        measured = [(abs(g - gamma), g, t) for (bb, g), t in self.verify_s.items() if bb == b]
+        # (bucket distance in doublings, gamma distance, bucket, gamma, verify / plain) per timed verify step
+        measured = [((bb.bit_length() - b.bit_length()) ** 2, abs(g - gamma), bb, g, t / self.plain_s[bb])
+                    for (bb, g), t in self.verify_s.items() if bb in self.plain_s]
         if not measured:
             return bound
-        _, g, t = min(measured)
-        excess = (t / plain) / self.verify_ratio(batch, g)
+        _, _, bb, g, r = min(measured)
+        excess = r / self.verify_ratio(batch if bb == b else bb, g)
         return bound * max(excess, 1.0)
 
     def alpha(self, seq_id: int) -> float:
@@ -173,8 +182,8 @@ class SpecPolicy:
         return ALPHA_PRIOR if a is None else a
 
     def choose(self, seq_ids: list[int], caps: list[int]) -> int:
-        """gamma for this step, given the requests that may speculate and each one's cap (drafts available,
-        room to max_tokens / max_model_len)."""
+        """gamma for this step, given the decoding requests and each one's cap (drafts available, room to
+        max_tokens / max_model_len; 0 for a request that may not speculate)."""
         b = len(seq_ids)
         if b == 0:
             return 0
@@ -193,8 +202,10 @@ class SpecPolicy:
             if max(caps) < 1:
                 break
             ratio = self.ratio(b, g)
-            tokens = sum(expected_tokens_per_step(a, min(g, cap)) for a, cap in zip(alphas, caps, strict=True))
-            speedup = tokens / b / (ratio + g * self.draft_cost)
+            # Mean over requests of 1 / tokens per step: each request's TPOT in units of the step's time.
+            per_token = sum(1.0 / expected_tokens_per_step(a, min(g, cap))
+                            for a, cap in zip(alphas, caps, strict=True)) / b
+            speedup = 1.0 / ((ratio + g * self.draft_cost) * per_token)
             if speedup > best.predicted_speedup:
                 best = PolicyDecision(g, speedup, b, best.mean_alpha, self.draft_cost, ratio)
         if best.gamma == 0:

@@ -180,3 +180,32 @@ def test_lookup_defaults_and_draft_model_refuses_them():
     with pytest.raises(ValueError, match="prompt_lookup_min applies to method 'ngram', not 'draft_model'"):
         SpeculativeConfig.from_dict({"method": "draft_model", "num_layers": 4, "num_speculative_tokens": 2,
                                      "prompt_lookup_min": 2})
+
+
+def test_policy_minimizes_mean_tpot_not_batch_throughput():
+    """Batch 4 with a measured verify ratio of 1.6: one request copies (alpha ~1, 5 tokens per pass at gamma 4),
+    three have no draft. Throughput would rise ((5 + 3) / 4 = 2 tokens per request-step > 1.6), but the three
+    wait 1.6 plain steps for their one token: mean TPOT 1.6 x (1/5 + 3) / 4 = 1.28 plain steps, so it stays
+    off. With all four copying, mean TPOT is 1.6 / 5 = 0.32 and it turns on."""
+    pol = _policy()
+    pol.record_step(4, 4, 0.016)  # plain steps at bucket 4 took 0.01 s (_policy): measured ratio 1.6
+    for sid in (1, 2, 3, 4):
+        for _ in range(10):
+            pol.record(sid, 4, 4)
+    assert pol.ratio(4, 4) == pytest.approx(1.6)
+    assert pol.choose([1, 2, 3, 4], [4, 0, 0, 0]) == 0
+    assert pol.choose([1, 2, 3, 4], [4, 4, 4, 4]) == 4
+    assert pol.last is not None and pol.last.predicted_speedup == pytest.approx(1 / (1.6 / 4.99), rel=1e-2)
+
+
+def test_policy_takes_the_measured_excess_from_the_nearest_bucket():
+    """Before a verify step is timed at a bucket, the excess measured at the nearest bucket applies (a host-bound
+    verify step costing 4 plain ones at batch 16 is not free at batch 32); with none timed, the bound alone."""
+    pol = _policy()
+    assert pol.ratio(32, 4) == 1.0
+    pol.record_step(16, 4, 0.04)  # bucket 16: verify 4x plain
+    assert pol.ratio(32, 4) == pytest.approx(4.0) and pol.ratio(2, 4) == pytest.approx(4.0)
+    pol.record_step(64, 4, 0.02)  # bucket 64: 2x; 32 is as near to 16 as to 64, the smaller bucket wins a tie
+    assert pol.ratio(32, 4) == pytest.approx(4.0) and pol.ratio(64, 4) == pytest.approx(2.0)
+    pol.record_step(32, 4, 0.03)  # its own bucket, once timed
+    assert pol.ratio(32, 4) == pytest.approx(3.0)

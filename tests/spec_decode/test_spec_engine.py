@@ -152,3 +152,39 @@ def test_freed_and_reallocated_blocks_reach_the_worker():
         llm = LLM(speculative_config=cfg, **kw)
         assert _ids(llm.generate(prompts, sp, use_tqdm=False)) == ref, cfg
         assert llm.engine.spec_stats.num_drafts > 0
+
+
+def test_async_timing_and_undrafted_steps_stay_in_flight(greedy_ref):
+    """With async scheduling: (1) a plain step's period is timed for the policy only when the step launched
+    beside it is decode-only too (a launched prefill chunk runs eager, and its launch would be charged to the
+    decode step); (2) a drafting step whose policy chose gamma 0 is not run synchronously but left in flight.
+    Greedy output stays the plain output."""
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM(speculative_config={**NGRAM, "adaptive": True}, async_scheduling=True, **COMMON)
+    eng = llm.engine
+    launched: list[bool] = []  # is_decode_only of each launched step
+    records: list[tuple[int, bool]] = []  # (gamma, whether the last launched step was decode-only)
+    modes: list[str] = []
+    launch, record_step, process = eng._launch, eng.spec_policy.record_step, eng._process
+    eng._launch = lambda out: (launched.append(out.is_decode_only), launch(out))[1]  # type: ignore[method-assign]
+    eng.spec_policy.record_step = lambda b, g, s: (records.append((g, launched[-1])), record_step(b, g, s))[1]
+    eng._process = lambda *a, **k: (modes.append(k.get("mode", "sync")), process(*a, **k))[1]  # type: ignore
+    eng._drafting_due = lambda: False  # type: ignore[method-assign]  # (1): every step async, none drafts
+    eng.add_request("a", PROMPTS[3], sp)
+    for _ in range(8):
+        eng.step()
+    eng.add_request("b", PROMPTS[1], sp)  # its prefill launches while "a" decodes
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert [list(outs[r].outputs[0].token_ids) for r in "ab"] == [greedy_ref[3][:24], greedy_ref[1][:24]]
+    plain = [decode_only for g, decode_only in records if g == 0]
+    assert plain and all(plain), records
+    assert False in launched  # the case arose: b's prefill chunk was launched while a decode step was processed
+    # (2): the policy always chooses gamma 0 at drafting steps; none of them runs synchronously.
+    del eng._drafting_due
+    eng.spec_policy.choose = lambda seq_ids, caps: 0  # type: ignore[method-assign]
+    modes.clear()
+    out = llm.generate(PROMPTS, sp, use_tqdm=False)
+    assert _ids(out) == [r[:24] for r in greedy_ref]
+    assert "draft" not in modes and "drain" in modes, modes
