@@ -163,6 +163,7 @@ class LLMEngine:
         self._worker_seqs: set[int] = set()
         self._finished_seq_ids: list[int] = []
         self._inflight: tuple[SchedulerOutput, Any] | None = None  # the launched step not yet processed
+        self._refill: tuple[int, int] | None = None  # (batch, gamma) of a drafting step the next async step follows
         self.spec_config = config.speculative_config
         self.spec_stats = SpecDecodeStats()
         self.spec_policy: SpecPolicy | None = None
@@ -217,9 +218,12 @@ class LLMEngine:
         spec, policy = self.spec_config, self.spec_policy
         assert spec is not None and policy is not None
         sc = self.config.scheduler_config
-        cands, caps, drafts = [], [], []
         for seq in self.scheduler.running:
             seq.spec_token_ids = []
+        if policy.adaptive and self._prefill_pending():
+            return  # see SpecPolicy.drafting_due: a step that carries prefill work does not draft
+        cands, caps, drafts = [], [], []
+        for seq in self.scheduler.running:
             if seq.num_uncomputed_tokens != 1:
                 continue
             p = seq.sampling_params
@@ -399,10 +403,13 @@ class LLMEngine:
         decide the next step's inputs, so it runs synchronously (the step in flight is processed first); if
         the policy then drafts nothing (gamma 0, or no n-gram match), the step is left in flight like an async
         one. While the policy has speculation off, or for a few steps after one that found no draft, steps stay
-        asynchronous and propose nothing, until a probe is due or a new request joins a small batch
-        (``_drafting_due``; ``SpecPolicy.drafting_due``).
+        asynchronous and propose nothing, until a probe is due or a new request joins a small batch; with the
+        adaptive policy a step that will carry prefill work does not draft either (``_drafting_due``;
+        ``SpecPolicy.drafting_due``). The first async step after a drafting step launches with none in flight:
+        its host time is charged to the drafting step (``SpecPolicy.record_refill``).
         """
         if self.spec_policy is not None and (not self.config.async_scheduling or self._drafting_due()):
+            self._refill = None
             done = self._drain()
             t0 = time.perf_counter()
             self._propose()
@@ -424,6 +431,12 @@ class LLMEngine:
         if not self.config.async_scheduling and pending is not None:
             return self._process(out, pending, mode="sync")
         prev, self._inflight = self._inflight, ((out, pending) if pending is not None else None)
+        refill, self._refill = self._refill, None
+        if prev is None and refill is not None and pending is not None:
+            # The first async step after a drafting step: its host work (scheduling, inputs, launch) hides behind
+            # no step in flight. A cost of the drafting step, charged to its verify timing.
+            assert self.spec_policy is not None
+            self.spec_policy.record_refill(*refill, time.perf_counter() - t0)
         # In the steady state one call launches one step and processes one: its wall time is a plain decode
         # step's period when both are decode-only. A step launched with a prefill chunk runs eager, and its
         # launch (tens of ms of host time on a small model) would be charged to the step processed here.
@@ -438,7 +451,13 @@ class LLMEngine:
     def _drafting_due(self) -> bool:
         """Whether this step proposes drafts, and so runs synchronously (``SpecPolicy.drafting_due``)."""
         assert self.spec_policy is not None
-        return self.spec_policy.drafting_due([s.seq_id for s in self.scheduler.running if not s.is_prefill])
+        return self.spec_policy.drafting_due([s.seq_id for s in self.scheduler.running if not s.is_prefill],
+                                             self._prefill_pending())
+
+    def _prefill_pending(self) -> bool:
+        """Whether the next step will likely carry prefill work: a waiting request, or a running sequence with
+        more than one token to compute (a chunked prompt, a recompute after preemption)."""
+        return self.scheduler.num_waiting > 0 or any(s.is_prefill for s in self.scheduler.running)
 
     def _skip_drafting(self) -> None:
         """A step run without drafts (async): clear any drafts a sequence kept from a drafting step that did
@@ -539,8 +558,11 @@ class LLMEngine:
             # verify pass emits several per request, each detokenized and checked for stops: on a host-bound
             # model that is a large part of a step), the draft model's time excluded (it is c).
             assert self.spec_policy is not None and wall_t0 is not None
-            self.spec_policy.record_step(len(out.scheduled), max(spec_seqs.values(), default=0),
+            gamma = max(spec_seqs.values(), default=0)
+            self.spec_policy.record_step(len(out.scheduled), gamma,
                                          time.perf_counter() - wall_t0 - result.draft_duration_s)
+            if gamma > 0 and mode == "draft":
+                self._refill = (len(out.scheduled), gamma)
         if logger.isEnabledFor(logging.DEBUG):
             self._trace(out, result, mode, spec_seqs)
         return outputs

@@ -35,7 +35,9 @@ speculates with gamma 1 so the estimates keep up (a copy-heavy request can start
 ``MAX_PROBE_INTERVAL``. With ``adaptive`` False gamma is always gamma_max. Step times are wall times (the
 engine's host work, the n-gram proposer's and the processing of the step's tokens included): a step that
 drafts runs synchronously, while the plain steps between probes run with async scheduling (``drafting_due``),
-so the measured excess also prices the lost overlap.
+so the measured excess also prices the lost overlap, including the async step after a drafting one, which
+launches with nothing in flight (``record_refill``). Only decode-only steps are timed, so the adaptive policy
+drafts only in steps that carry no prefill work.
 """
 
 from __future__ import annotations
@@ -111,17 +113,22 @@ class SpecPolicy:
     seen: set[int] = field(default_factory=set)  # requests a decision has covered (until forgotten)
     wait_steps: int = 0  # steps to run without proposing after drafting steps that found no draft
     no_draft_backoff: int = 1  # the next such wait (doubles up to MAX_NO_DRAFT_WAIT)
+    _last_verify: tuple[tuple[int, int], float] | None = None  # the newest verify timing's key and EMA weight
 
-    def drafting_due(self, decoding: list[int]) -> bool:
+    def drafting_due(self, decoding: list[int], prefill_pending: bool = False) -> bool:
         """Whether the next step, whose decoding requests are ``decoding``, should propose drafts. The engine
         runs steps that propose synchronously and the others with async scheduling (``skip`` counts them).
-        Due: always with a fixed gamma; otherwise not while waiting after a step with no draft
-        (``no_drafts``), and then while speculation is on (or before the first decision), when a probe is
-        due, or when a request no decision has covered decodes in a batch of at most ``NEW_REQUEST_BATCH``
-        (small batches are where speculation pays; a large batch waits for the next probe)."""
+        Due: always with a fixed gamma; otherwise not when the step will carry prefill work
+        (``prefill_pending``: such a step runs eager, so its verify rows are not the CUDA-graph verify step
+        the timings price, and it is never timed: measured on the H200 behind the server, a drafting step with
+        a prefill chunk took 43 ms against 12 ms for an async one, `bench/results/spec-20261202d/`), not while
+        waiting after a step with no draft (``no_drafts``), and then while speculation is on (or before the
+        first decision), when a probe is due, or when a request no decision has covered decodes in a batch of
+        at most ``NEW_REQUEST_BATCH`` (small batches are where speculation pays; a large batch waits for the
+        next probe)."""
         if not self.adaptive:
             return True
-        if self.wait_steps > 0:
+        if prefill_pending or self.wait_steps > 0:
             return False
         if self.last is None or self.last.gamma > 0 or self.steps_off + 1 >= self.probe_interval:
             return True
@@ -159,6 +166,17 @@ class SpecPolicy:
             key, table = (self._bucket(batch), gamma), self.verify_s
         old = table.get(key)
         table[key] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+        if gamma > 0:
+            self._last_verify = (key, 1.0 if old is None else COST_EMA)
+
+    def record_refill(self, batch: int, gamma: int, seconds: float) -> None:
+        """The host time of the async step launched right after a drafting step (``batch`` requests, ``gamma``):
+        with no step in flight it hides behind nothing, a cost of leaving the synchronous drafting step. It is
+        added to that step's newest verify timing, at the weight that timing had in the EMA."""
+        key = (self._bucket(batch), gamma)
+        if seconds > 0 and self._last_verify is not None and self._last_verify[0] == key:
+            self.verify_s[key] += self._last_verify[1] * seconds
+            self._last_verify = None
 
     def ratio(self, batch: int, gamma: int) -> float:
         """The verify ratio used for decisions: the bound, scaled by the measured excess (see the module

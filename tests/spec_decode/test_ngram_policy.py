@@ -209,3 +209,27 @@ def test_policy_takes_the_measured_excess_from_the_nearest_bucket():
     assert pol.ratio(32, 4) == pytest.approx(4.0) and pol.ratio(64, 4) == pytest.approx(2.0)
     pol.record_step(32, 4, 0.03)  # its own bucket, once timed
     assert pol.ratio(32, 4) == pytest.approx(3.0)
+
+
+def test_policy_charges_the_refill_to_the_newest_verify_timing():
+    """The async step launched after a drafting step hides behind nothing: its host time is added to the
+    drafting step's verify timing at that timing's EMA weight (all of it for a bucket's first timing), once."""
+    pol = _policy()
+    pol.record_step(16, 4, 0.03)  # first verify timing at (16, 4): weight 1
+    pol.record_refill(16, 4, 0.006)
+    assert pol.verify_s[(16, 4)] == pytest.approx(0.036)
+    pol.record_refill(16, 4, 0.006)  # charged once per drafting step
+    assert pol.verify_s[(16, 4)] == pytest.approx(0.036)
+    pol.record_step(16, 4, 0.02)  # EMA: 0.8 * 0.036 + 0.2 * 0.02 = 0.0328; the refill at weight 0.2
+    pol.record_refill(16, 4, 0.01)
+    assert pol.verify_s[(16, 4)] == pytest.approx(0.0328 + 0.2 * 0.01)
+    pol.record_step(16, 4, 0.02)
+    pol.record_refill(16, 2, 0.01)  # not the newest verify timing's key: ignored
+    assert pol.verify_s[(16, 4)] == pytest.approx(0.8 * 0.0348 + 0.2 * 0.02)
+    assert pol.ratio(16, 4) == pytest.approx(pol.verify_s[(16, 4)] / 0.01)
+
+
+def test_adaptive_policy_does_not_draft_into_a_step_with_prefill_work():
+    pol = _policy()
+    assert pol.drafting_due([1, 2]) and not pol.drafting_due([1, 2], prefill_pending=True)
+    assert _policy(adaptive=False).drafting_due([1, 2], prefill_pending=True)  # a pinned gamma always drafts

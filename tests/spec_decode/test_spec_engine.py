@@ -188,3 +188,33 @@ def test_async_timing_and_undrafted_steps_stay_in_flight(greedy_ref):
     out = llm.generate(PROMPTS, sp, use_tqdm=False)
     assert _ids(out) == [r[:24] for r in greedy_ref]
     assert "draft" not in modes and "drain" in modes, modes
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_adaptive_policy_drafts_only_in_steps_without_prefill_work(greedy_ref, async_scheduling):
+    """A step that carries a prefill chunk runs eager and is never timed, so the adaptive policy does not draft
+    into it (``SpecPolicy.drafting_due``): with gamma forced to 4, the decoding request drafts in decode-only
+    steps and not in the step that also prefills a new request. Greedy output stays the plain output."""
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    llm = LLM(speculative_config={**NGRAM, "adaptive": True}, async_scheduling=async_scheduling, **COMMON)
+    eng = llm.engine
+    eng.spec_policy.choose = lambda seq_ids, caps: 4  # type: ignore[method-assign]
+    launched: list[tuple[bool, int, int]] = []  # (decode-only, sequences, drafts) per launched step
+    launch = eng._launch
+
+    def record(out):
+        decode_only = all(s.num_scheduled_tokens == 1 + len(s.spec_token_ids) for s in out.scheduled)
+        launched.append((decode_only, len(out.scheduled), sum(len(s.spec_token_ids) for s in out.scheduled)))
+        return launch(out)
+
+    eng._launch = record  # type: ignore[method-assign]
+    eng.add_request("a", PROMPTS[0], sp)
+    eng.step()  # a's prefill (with async scheduling: launched, not yet processed)
+    eng.add_request("b", PROMPTS[1], sp)  # its prefill is scheduled while "a" decodes, and a has a draft
+    outs = {}
+    while eng.has_unfinished_requests():
+        outs.update({o.request_id: o for o in eng.step() if o.finished})
+    assert [list(outs[r].outputs[0].token_ids) for r in "ab"] == [greedy_ref[0][:24], greedy_ref[1][:24]]
+    assert any(decode_only and drafts for decode_only, _, drafts in launched), launched
+    assert any(not decode_only and n == 2 for decode_only, n, _ in launched), launched  # the case arose
+    assert not any(drafts and not decode_only for decode_only, _, drafts in launched), launched
