@@ -25,6 +25,30 @@ if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _reuse_dequantized_gguf():
+    """Dequantizing the default model's GGUF (with the gguf package, in numpy) is ~2.3 s of each engine's ~4 s
+    load on a 2-core CPU, and the suite builds dozens of engines: keep the last file's dequantized tensors for
+    the session and give each load copies. A file's first load runs the real path; loads in spawned worker
+    processes (tensor and pipeline parallel tests) always do."""
+    from roofline.models import loader
+
+    real = loader.iter_gguf
+    cache: dict[tuple, list] = {}
+
+    def iter_gguf(path, config):
+        key = (str(path), os.path.getmtime(path), config.num_attention_heads, config.num_key_value_heads)
+        if key not in cache:
+            cache.clear()
+            cache[key] = list(real(path, config))
+        for name, tensor in cache[key]:
+            yield name, tensor.clone()
+
+    loader.iter_gguf = iter_gguf
+    yield
+    loader.iter_gguf = real
+
+
 @pytest.fixture(scope="session")
 def default_llm():
     from roofline import LLM
