@@ -11,6 +11,9 @@ Before drafting, ``catch_up`` runs the draft over the positions it has not seen 
 target decoded while speculation was off) as one packed prefill; then each of the k one-token passes writes
 one more position. After verification only the positions whose tokens were accepted stay valid (``rewind``):
 the draft's rejected positions are recomputed on the next catch-up, exactly as the target's are.
+
+With CUDA graphs on (the engine's GPU default), the draft's one-token passes replay graphs captured over its own
+backend's static buffers (``capture_graphs``); its catch-up prefills run eager.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from roofline.layers.rotary import RotaryEmbedding
 from roofline.models import loader
 from roofline.models.registry import build_model
 from roofline.quant import get_quant_config
+from roofline.worker.cuda_graph import CUDAGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -79,6 +83,7 @@ class DraftModel:
         self.kv_bytes_per_token = kv_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
                                                      kv_dtype)
         self.computed = np.zeros(max_rows, dtype=np.int64)
+        self.graphs: CUDAGraphRunner | None = None  # decode passes, once captured (capture_graphs)
         logger.info("draft model %s (%s%s): %d layers, %.1f MB of weights", self.source.name, self.source.format,
                     f", {spec.quantization} at load" if spec.quantization else "", mc.num_hidden_layers,
                     self.weight_bytes / 1e6)
@@ -90,6 +95,13 @@ class DraftModel:
     def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
         self.backend.allocate_kv_cache(self.model_config.num_hidden_layers, num_blocks, block_size, self.kv_dtype,
                                        self.device)
+
+    def capture_graphs(self, max_rows: int, max_blocks_per_seq: int) -> None:
+        """Capture the draft's one-token passes in CUDA graphs for up to ``max_rows`` rows, over its own
+        backend's static buffers and memory pool (after ``allocate_kv_cache``). Catch-up passes stay eager."""
+        self.graphs = CUDAGraphRunner(self.model, self.backend, max_rows, max_blocks_per_seq, self.device,
+                                      self.model_config.hidden_size, self.dtype, name="draft model")
+        self.graphs.capture()
 
     def _metadata(self, block_table: np.ndarray, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                   block_size: int) -> tuple[AttentionMetadata, np.ndarray, np.ndarray]:
@@ -137,7 +149,11 @@ class DraftModel:
         must be valid). Returns the draft's logits [len(rows), V] fp32; ``computed`` moves past the position."""
         meta, _, _ = self._metadata(block_table, rows, positions, positions + 1, block_size)
         ids = torch.from_numpy(token_ids[rows, positions]).to(self.device)
-        hidden = self.model(ids, torch.from_numpy(positions).to(self.device), meta)
+        pos = torch.from_numpy(positions).to(self.device)
+        if self.graphs is not None and self.graphs.can_run(len(rows), meta.block_tables.shape[1]):
+            hidden = self.graphs.run(ids, pos, meta)
+        else:
+            hidden = self.model(ids, pos, meta)
         self.computed[rows] = positions + 1
         return self.model.compute_logits(hidden)
 

@@ -134,6 +134,8 @@ class Worker:
                         sc.max_num_seqs, self.max_blocks_per_seq, self.device, mc.hidden_size, self.dtype,
                         share_with=self.graphs, name=f"draft, {k} layers")
                     self.draft_graphs.capture()
+                if self.draft is not None:
+                    self.draft.capture_graphs(sc.max_num_seqs, self.max_blocks_per_seq)
             else:
                 logger.warning("the %s attention backend cannot be captured in CUDA graphs; running eager",
                                self.backend.name)
