@@ -451,8 +451,13 @@ class LLMEngine:
     def _drafting_due(self) -> bool:
         """Whether this step proposes drafts, and so runs synchronously (``SpecPolicy.drafting_due``)."""
         assert self.spec_policy is not None
-        return self.spec_policy.drafting_due([s.seq_id for s in self.scheduler.running if not s.is_prefill],
-                                             self._prefill_pending())
+        decoding, prefill = [], self.scheduler.num_waiting > 0  # one pass over the batch (every step)
+        for s in self.scheduler.running:
+            if s.is_prefill:
+                prefill = True
+            else:
+                decoding.append(s.seq_id)
+        return self.spec_policy.drafting_due(decoding, prefill)
 
     def _prefill_pending(self) -> bool:
         """Whether the next step will likely carry prefill work: a waiting request, or a running sequence with
