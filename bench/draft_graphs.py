@@ -1,4 +1,4 @@
-"""Separate draft model: the time of a speculative decode with its one-token passes replaying CUDA graphs against
+"""Separate draft model: the time of a speculative decode with its passes replaying CUDA graphs against
 running them eager (GPU). Random weights at the default model's shape, an int8 draft (so acceptance is ~0: every
 step is 3 draft passes plus a verify pass), batch 1, greedy, 128 tokens, each mode timed twice after a warm-up.
 

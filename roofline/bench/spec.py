@@ -94,9 +94,11 @@ def run_spec_bench(args: argparse.Namespace) -> int:
     tok = base.tokenizer
     prompts = {w: workload_prompts(w, tok, args.num_prompts, args.seed) for w in args.workloads.split(",")}
     engines = [(None, base)] + [(c, LLM(speculative_config=c, **common)) for c in configs]
-    # Warm-up: one short request per engine (first-call allocations).
+    # Warm-up: each engine runs each workload's first prompt for 8 tokens (first-call allocations, and Triton
+    # compiling and autotuning its prefill shapes; with one short request, the first workload's baseline paid
+    # for them: 387-454 tok/s against 750-900 for the others on the H200, spec-20261203b/real-3254d79).
     for _, llm in engines:
-        _run(llm, ["Hello"], 4)
+        _run(llm, [ps[0] for ps in prompts.values() if ps], 8)
     rows = []
     for w, ps in prompts.items():
         ref, t_ref, _ = _run(base, ps, args.max_tokens)

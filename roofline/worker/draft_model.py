@@ -7,13 +7,18 @@ pool, prefix caching and preemption need nothing new. ``Worker._num_kv_blocks`` 
 (the bytes per token are the sum of both).
 
 The draft's KV is filled lazily: ``computed[row]`` counts the positions of a row whose draft KV is valid.
-Before drafting, ``catch_up`` runs the draft over the positions it has not seen (the prompt, and tokens the
-target decoded while speculation was off) as one packed prefill; then each of the k one-token passes writes
+The first draft pass of a step (``first_pass``) runs the draft over the positions it has not seen up to the
+row's last token. Usually these are one or two (the target's bonus or correction token, and an accepted draft
+the draft never read), and they run as decode rows, one per position, so that pass has the decode pass's
+fixed shapes; a row with more (the prompt, or tokens the target decoded while speculation was off) is first
+caught up by a packed prefill (``catch_up``). Each of the k - 1 further one-token passes (``decode``) writes
 one more position. After verification only the positions whose tokens were accepted stay valid (``rewind``):
 the draft's rejected positions are recomputed on the next catch-up, exactly as the target's are.
 
-With CUDA graphs on (the engine's GPU default), the draft's one-token passes replay graphs captured over its own
-backend's static buffers (``capture_graphs``); its catch-up prefills run eager.
+With CUDA graphs on (the engine's GPU default), the decode-row passes replay graphs captured over the draft's
+own backend's static buffers (``capture_graphs``); only prefill catch-ups run eager. On the H200 with the
+default model's int4 self-draft at batch 1, every step ran an eager catch-up before this, ~25 ms of host
+launches against ~1.1 ms for a plain step (`bench/results/spec-20261203b/`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ from roofline.quant import get_quant_config
 from roofline.worker.cuda_graph import CUDAGraphRunner
 
 logger = logging.getLogger(__name__)
+
+CATCH_UP_SPAN = 8  # a row with at most this many positions to fill runs them as decode rows (``first_pass``)
 
 
 class DraftModel:
@@ -97,8 +104,9 @@ class DraftModel:
                                        self.device)
 
     def capture_graphs(self, max_rows: int, max_blocks_per_seq: int) -> None:
-        """Capture the draft's one-token passes in CUDA graphs for up to ``max_rows`` rows, over its own
-        backend's static buffers and memory pool (after ``allocate_kv_cache``). Catch-up passes stay eager."""
+        """Capture the draft's decode-row passes in CUDA graphs for up to ``max_rows`` rows (one per position:
+        ``first_pass`` may run several per request), over its own backend's static buffers and memory pool
+        (after ``allocate_kv_cache``). Prefill catch-ups stay eager."""
         self.graphs = CUDAGraphRunner(self.model, self.backend, max_rows, max_blocks_per_seq, self.device,
                                       self.model_config.hidden_size, self.dtype, name="draft model")
         self.graphs.capture()
@@ -143,17 +151,43 @@ class DraftModel:
             i = j
         self.computed[rows] = ends
 
-    def decode(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray, positions: np.ndarray,
-               block_size: int) -> torch.Tensor:
-        """One token per row: row ``rows[i]`` reads the token at ``positions[i]`` (its draft KV before it
-        must be valid). Returns the draft's logits [len(rows), V] fp32; ``computed`` moves past the position."""
+    def _decode_rows(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray,
+                     positions: np.ndarray, block_size: int) -> torch.Tensor:
+        """One decode row per entry: ``rows[i]`` (repeats allowed) reads the token at ``positions[i]`` and sees
+        ``positions[i] + 1`` keys. The cache store precedes attention, so a row sees the K/V that rows of the
+        same sequence at earlier positions write in this pass (the target's verify step relies on the same).
+        Returns hidden [len(rows), H], from a CUDA graph where one fits."""
         meta, _, _ = self._metadata(block_table, rows, positions, positions + 1, block_size)
         ids = torch.from_numpy(token_ids[rows, positions]).to(self.device)
         pos = torch.from_numpy(positions).to(self.device)
         if self.graphs is not None and self.graphs.can_run(len(rows), meta.block_tables.shape[1]):
-            hidden = self.graphs.run(ids, pos, meta)
-        else:
-            hidden = self.model(ids, pos, meta)
+            return self.graphs.run(ids, pos, meta)
+        return self.model(ids, pos, meta)
+
+    def first_pass(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray, last: np.ndarray,
+                   block_size: int, max_tokens: int) -> torch.Tensor:
+        """The step's first draft pass: fills each row ``rows[i]``'s draft KV from ``computed`` through position
+        ``last[i]`` (its last known token) and returns the draft's logits there, [len(rows), V] fp32. A row
+        with at most ``CATCH_UP_SPAN`` such positions runs them as decode rows in the one pass; a longer one
+        is first caught up by packed prefill passes of at most ``max_tokens`` tokens (``catch_up``)."""
+        starts = np.minimum(self.computed[rows], last)
+        long = last - starts >= CATCH_UP_SPAN
+        if long.any():
+            self.catch_up(token_ids, block_table, rows[long], last[long], block_size, max_tokens)
+            starts = np.minimum(self.computed[rows], last)
+        counts = last - starts + 1
+        ends = np.cumsum(counts)
+        token_rows = np.repeat(rows, counts)
+        positions = np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]))
+        hidden = self._decode_rows(token_ids, block_table, token_rows, positions, block_size)
+        self.computed[rows] = last + 1
+        return self.model.compute_logits(hidden[torch.from_numpy(ends - 1).to(self.device)])
+
+    def decode(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray, positions: np.ndarray,
+               block_size: int) -> torch.Tensor:
+        """One token per row: row ``rows[i]`` reads the token at ``positions[i]`` (its draft KV before it
+        must be valid). Returns the draft's logits [len(rows), V] fp32; ``computed`` moves past the position."""
+        hidden = self._decode_rows(token_ids, block_table, rows, positions, block_size)
         self.computed[rows] = positions + 1
         return self.model.compute_logits(hidden)
 

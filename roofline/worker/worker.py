@@ -134,8 +134,8 @@ class Worker:
                         sc.max_num_seqs, self.max_blocks_per_seq, self.device, mc.hidden_size, self.dtype,
                         share_with=self.graphs, name=f"draft, {k} layers")
                     self.draft_graphs.capture()
-                if self.draft is not None:
-                    self.draft.capture_graphs(sc.max_num_seqs, self.max_blocks_per_seq)
+                if self.draft is not None:  # its first pass has a decode row per position to fill (first_pass)
+                    self.draft.capture_graphs(rows, self.max_blocks_per_seq)
             else:
                 logger.warning("the %s attention backend cannot be captured in CUDA graphs; running eager",
                                self.backend.name)
@@ -599,20 +599,20 @@ class Worker:
         """k_r sequential one-token passes of the draft per row ``r``: pass j reads the token at position
         ``num_tokens - 1 + j`` and samples draft j + 1 from q (the row's own sampling processing), which it
         writes into ``token_ids``. Keeps each row's q [k_r, V] for the rejection sampler. The draft is the
-        layer-truncated self (the target's KV for its layers) or a separate ``DraftModel`` (its own KV, first
-        caught up to ``num_tokens - 1``)."""
+        layer-truncated self (the target's KV for its layers) or a separate ``DraftModel`` (its own KV, which
+        its first pass catches up through ``num_tokens - 1``)."""
         from roofline.layers.sampler import processed_probs
 
         batch, bs = self.input_batch, self.block_size
         ks = self._num_spec[rows]
         q = {int(r): [] for r in rows}
-        if self.draft is not None:
-            self.draft.catch_up(batch.token_ids, batch.block_table, rows, batch.num_tokens[rows] - 1, bs,
-                                self.config.scheduler_config.max_num_batched_tokens)
         for j in range(int(ks.max())):
             act = rows[ks > j]
             pos = batch.num_tokens[act] - 1 + j  # [A]
-            if self.draft is not None:
+            if self.draft is not None and j == 0:  # catches the draft's KV up to pos first
+                logits = self.draft.first_pass(batch.token_ids, batch.block_table, act, pos, bs,
+                                               self.config.scheduler_config.max_num_batched_tokens)
+            elif self.draft is not None:
                 logits = self.draft.decode(batch.token_ids, batch.block_table, act, pos, bs)
             else:
                 logits = self.model.compute_logits(self._truncated_self_pass(act, pos))

@@ -1,5 +1,6 @@
-"""A separate draft model's one-token passes replay CUDA graphs (``DraftModel.capture_graphs``) and give the
-logits its eager passes give. GPU only; random weights at the default model's shape (no checkpoint needed), bf16.
+"""A separate draft model's passes (the step's first, which also catches its KV up as decode rows, and the
+one-token ones) replay CUDA graphs (``DraftModel.capture_graphs``) and give the logits its eager passes give. GPU only; random weights at the
+default model's shape (no checkpoint needed), bf16.
 """
 
 from __future__ import annotations
@@ -23,14 +24,19 @@ def test_separate_draft_decode_replays_cuda_graphs_like_eager():
     assert draft is not None and draft.graphs is not None
     prompts = [{"prompt_token_ids": list(range(100 + 7 * i, 140 + 9 * i))} for i in range(3)]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    decode, replay = draft.decode, draft.graphs.run
+    replay = draft.graphs.run
     logits: list[torch.Tensor] = []
     replays: list[int] = []
-    draft.decode = lambda *a, **k: (lambda out: (logits.append(out.float().cpu()), out)[1])(decode(*a, **k))
+
+    def keep(fn):  # record each draft pass's logits
+        return lambda *a, **k: (lambda out: (logits.append(out.float().cpu()), out)[1])(fn(*a, **k))
+
+    draft.first_pass, draft.decode = keep(draft.first_pass), keep(draft.decode)
     draft.graphs.run = lambda ids, pos, meta: (replays.append(len(ids)), replay(ids, pos, meta))[1]
 
     with_graphs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
     graph_logits, logits[:] = list(logits), []
+    # Every draft pass replays a graph, the step's first pass (its catch-up as decode rows) included.
     assert replays and len(replays) == len(graph_logits), (len(replays), len(graph_logits))
     assert 3 in replays  # a padded replay (ladder size 4)
 

@@ -122,3 +122,45 @@ def test_startup_errors(tmp_path: Path, draft_dir):
             **COMMON)
     with pytest.raises(ValueError, match=r"needs \"model\" .*, \"quantization\" .* or \"num_layers\""):
         LLM(speculative_config={"method": "draft_model", "num_speculative_tokens": 2}, **COMMON)
+
+
+def test_first_pass_fills_short_spans_as_decode_rows(draft_dir):
+    """``DraftModel.first_pass`` against the packed-prefill catch-up it replaces for short spans, on two rows
+    of real text (fp32): the logits at each row's last token agree within 1e-4 (relative to their largest
+    magnitude) whichever way the draft KV below was filled: all by prefill then one decode row; a prefill to
+    1 and to 6 positions short, the rest (2 and 7 positions) as decode rows in the same pass; and from nothing
+    (spans 17 and 25 > CATCH_UP_SPAN: prefill). ``computed`` ends past the last token each time."""
+    import numpy as np
+    import torch
+
+    from roofline.worker.draft_model import CATCH_UP_SPAN
+
+    cfg = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2, "adaptive": False}
+    llm = LLM(speculative_config=cfg, **COMMON)
+    draft, bs = llm.engine.worker.draft, llm.engine.worker.block_size
+    ids = [llm.tokenizer(p).input_ids for p in ("The quick brown fox jumps over the lazy dog, and then " * 3,
+                                                PROMPTS[0] + "a: int, b: int) -> int:\n    return a + b")]
+    rows, last = np.array([0, 1]), np.array([16, 24])
+    assert all(len(t) > n for t, n in zip(ids, last, strict=True)) and last.min() + 1 > CATCH_UP_SPAN
+    token_ids = np.zeros((2, 64), dtype=np.int64)
+    for r, t in enumerate(ids):
+        token_ids[r, :len(t)] = t
+    per_row = 64 // bs + 1
+    block_table = np.arange(2 * per_row, dtype=np.int32).reshape(2, per_row)  # the pool is idle: any blocks
+
+    def logits(prefill_to: np.ndarray) -> torch.Tensor:
+        draft.computed[rows] = 0
+        if prefill_to.any():
+            draft.catch_up(token_ids, block_table, rows, prefill_to, bs, 1024)
+        assert (draft.computed[rows] == prefill_to).all()
+        out = draft.first_pass(token_ids, block_table, rows, last, bs, 1024)
+        assert (draft.computed[rows] == last + 1).all()
+        return out
+
+    ref = logits(last)  # everything below the last token by prefill; the last token one decode row
+    for prefill_to in (last - 1, last - 6, np.zeros(2, dtype=np.int64)):
+        got = logits(prefill_to)
+        assert got.shape == ref.shape == (2, llm.engine.model_config.vocab_size)
+        err = ((got - ref).abs().amax(dim=-1) / ref.abs().amax(dim=-1)).max().item()
+        assert err < 1e-4, (prefill_to, err)
+        assert torch.equal(got.argmax(dim=-1), ref.argmax(dim=-1))
