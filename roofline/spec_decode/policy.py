@@ -32,7 +32,11 @@ would stay on and never see what a plain step costs: measured at 32 concurrent r
 2.5x the plain server's). gamma = 0 turns speculation off for the step. While it is off, a probe step
 speculates with gamma 1 so the estimates keep up (a copy-heavy request can start later): after
 ``PROBE_INTERVAL`` steps off, and after twice as many each time a probe ends off again, up to
-``MAX_PROBE_INTERVAL``. With ``adaptive`` False gamma is always gamma_max. Step times are wall times (the
+``MAX_PROBE_INTERVAL``. A probe re-measures its batch bucket from scratch: when its verify timing arrives,
+the bucket's verify timings at every gamma are dropped and the probe's becomes the first, so the next decision
+prices every gamma from the probe's excess (nearest gamma). Otherwise one slow early verify step
+(a host hiccup) would keep its gamma priced off for good: only a chosen gamma is ever timed, and probes come
+at ever longer intervals. With ``adaptive`` False gamma is always gamma_max. Step times are wall times (the
 engine's host work, the n-gram proposer's and the processing of the step's tokens included): a step that
 drafts runs synchronously, while the plain steps between probes run with async scheduling (``drafting_due``),
 so the measured excess also prices the lost overlap, including the async step after a drafting one, which
@@ -114,6 +118,7 @@ class SpecPolicy:
     wait_steps: int = 0  # steps to run without proposing after drafting steps that found no draft
     no_draft_backoff: int = 1  # the next such wait (doubles up to MAX_NO_DRAFT_WAIT)
     _last_verify: tuple[tuple[int, int], float] | None = None  # the newest verify timing's key and EMA weight
+    _probing: bool = False  # the next verify timing is a probe's: it re-measures its bucket (record_step)
 
     def drafting_due(self, decoding: list[int], prefill_pending: bool = False) -> bool:
         """Whether the next step, whose decoding requests are ``decoding``, should propose drafts. The engine
@@ -164,10 +169,15 @@ class SpecPolicy:
         table: dict = self.plain_s
         if gamma > 0:
             key, table = (self._bucket(batch), gamma), self.verify_s
+        if gamma > 0 and self._probing:  # a probe's timing: the bucket re-measured (see the module docstring)
+            self._probing = False
+            for k in [k for k in self.verify_s if k[0] == key[0]]:
+                del self.verify_s[k]
         old = table.get(key)
-        table[key] = seconds if old is None else (1 - COST_EMA) * old + COST_EMA * seconds
+        weight = 1.0 if old is None else COST_EMA
+        table[key] = seconds if old is None else (1 - weight) * old + weight * seconds
         if gamma > 0:
-            self._last_verify = (key, 1.0 if old is None else COST_EMA)
+            self._last_verify = (key, weight)
 
     def record_refill(self, batch: int, gamma: int, seconds: float) -> None:
         """The host time of the async step launched right after a drafting step (``batch`` requests, ``gamma``):
@@ -231,6 +241,7 @@ class SpecPolicy:
             if self.steps_off >= self.probe_interval and max(caps) >= 1:
                 self.steps_off = 0
                 self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+                self._probing = True  # its timing re-measures the bucket (record_step)
                 best = PolicyDecision(1, best.predicted_speedup, b, best.mean_alpha, self.draft_cost, self.ratio(b, 1))
         else:
             self.steps_off = 0

@@ -233,3 +233,28 @@ def test_adaptive_policy_does_not_draft_into_a_step_with_prefill_work():
     pol = _policy()
     assert pol.drafting_due([1, 2]) and not pol.drafting_due([1, 2], prefill_pending=True)
     assert _policy(adaptive=False).drafting_due([1, 2], prefill_pending=True)  # a pinned gamma always drafts
+
+
+def test_a_probe_re_measures_so_one_slow_verify_step_does_not_keep_the_policy_off():
+    """Plain steps take 1 ms and verify steps 1.5 ms at every gamma (ratio 1.5), acceptance 0.9: gamma 4 pays
+    (E = 4.1 tokens per pass). The first gamma-4 step hits a 20 ms hiccup, which prices gamma 4 at r = 20 and
+    gamma 1-3 at the same excess: off. The probe after PROBE_INTERVAL steps off measures gamma 1 at 1.5 ms; it
+    replaces the estimate (not an EMA step) and drops the stale gamma-4 timing, so the policy is back at gamma
+    4 right after the first probe. Blending the probe into the EMA, as every other timing, kept it off for all
+    400 steps (probes at gamma 1 never re-time gamma 4; checked against the code before this test)."""
+    pol = _policy(plain_timed=False)
+    for _ in range(10):
+        pol.record(1, 4, 4)
+        pol.record(1, 4, 3)
+    pol.record_step(1, 0, 0.001)
+    assert pol.choose([1], [4]) == 4
+    pol.record_step(1, 4, 0.020)  # the hiccup
+    gammas = []
+    for _ in range(400):
+        g = pol.choose([1], [4])
+        gammas.append(g)
+        pol.record_step(1, g, 0.0015 if g else 0.001)
+    on = [i for i, g in enumerate(gammas) if g == 4]
+    assert gammas[:PROBE_INTERVAL - 1] == [0] * (PROBE_INTERVAL - 1) and gammas[PROBE_INTERVAL - 1] == 1
+    assert on and on[0] == PROBE_INTERVAL and len(on) == 400 - PROBE_INTERVAL, (on[:3], len(on))
+    assert pol.ratio(1, 4) == pytest.approx(1.5)
