@@ -120,6 +120,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
+        if self.speculative_config is not None and self.speculative_config.model is not None:
+            self._draft_source()  # a missing draft checkpoint fails here, before the target loads
         # The weight format is checked at construction (LLM(quantization=...) fails before any loading).
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
             raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), "
@@ -127,6 +129,21 @@ class EngineArgs:
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be one of 32, 64, 128, got "
                              f"{self.quantization_group_size!r}")
+
+    def _draft_source(self):
+        """The separate draft's ``ModelSource`` (``speculative_config["model"]``), resolved as the target is
+        (a preset name needs ``load_format='dummy'``).
+
+        Raises:
+            ValueError: the draft checkpoint does not exist or is not a GGUF file or an HF directory (names it).
+        """
+        from roofline.models import loader
+
+        assert isinstance(self.speculative_config, SpeculativeConfig) and self.speculative_config.model is not None
+        try:
+            return loader.resolve_model(self.speculative_config.model, draft_load_format(self.load_format))
+        except (FileNotFoundError, ValueError) as e:
+            raise ValueError(f"speculative_config model: {e}") from None
 
     def create_engine_config(self, model_config: ModelConfig) -> EngineConfig:
         """Resolve every option against this machine and the model.
@@ -185,7 +202,7 @@ class EngineArgs:
             from roofline.config import check_draft_vocab
             from roofline.models import loader
 
-            check_draft_vocab(loader.load_config(loader.resolve_model(spec.model)), model_config)
+            check_draft_vocab(loader.load_config(self._draft_source()), model_config)
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                   self.distributed_executor_backend, _parse_partition(self.pipeline_layer_partition))
         parallel.check_model(model_config)
@@ -333,3 +350,9 @@ def _parse_partition(value: str | list[int] | tuple[int, ...] | None) -> tuple[i
     except (TypeError, ValueError):
         raise ValueError(f"pipeline_layer_partition must be comma-separated layer counts (16,14), got "
                          f"{value!r}") from None
+
+
+def draft_load_format(target_load_format: str) -> str:
+    """How a separate draft checkpoint loads: random weights when the target's are (a preset name then names
+    its shape), else by its path ("auto")."""
+    return "dummy" if target_load_format == "dummy" else "auto"

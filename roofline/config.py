@@ -414,7 +414,8 @@ class SpeculativeConfig:
             if getattr(self, name) is not None:
                 raise ValueError(f"speculative_config {name} applies to method 'ngram', not 'draft_model'")
         if self.model is not None and not (isinstance(self.model, str) and self.model):
-            raise ValueError(f"speculative_config model must be a path or preset name, got {self.model!r}")
+            raise ValueError(f"speculative_config model must be a draft checkpoint path (a GGUF file or an HF "
+                             f"directory; a preset name with load_format='dummy'), got {self.model!r}")
         if self.quantization is not None and self.quantization not in DRAFT_QUANTIZATIONS:
             raise ValueError(f"speculative_config quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)} "
                              f"(quantized at load), got {self.quantization!r}")
@@ -439,7 +440,7 @@ class SpeculativeConfig:
             try:
                 d = json.loads(d)
             except json.JSONDecodeError as e:
-                raise ValueError(f"--speculative-config is not valid JSON ({e.msg} at column {e.colno}): {d!r}") from e
+                raise ValueError(f"speculative_config is not valid JSON ({e.msg} at column {e.colno}): {d!r}") from e
         if not isinstance(d, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {type(d).__name__}")
         unknown = sorted(set(d) - set(_SPEC_KEYS))

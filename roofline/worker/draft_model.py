@@ -28,6 +28,7 @@ import logging
 import numpy as np
 import torch
 
+from roofline.args import draft_load_format
 from roofline.attention.backend import AttentionMetadata, get_attention_backend
 from roofline.attention.kv_cache import kv_bytes_per_token
 from roofline.config import EngineConfig, ModelConfig, check_draft_vocab
@@ -59,7 +60,7 @@ class DraftModel:
         spec = config.speculative_config
         assert spec is not None
         if spec.model is not None:
-            self.source = loader.resolve_model(spec.model)
+            self.source = loader.resolve_model(spec.model, draft_load_format(target_source.format))
             mc = loader.load_config(self.source)
         else:
             self.source, mc = target_source, target_config

@@ -108,6 +108,27 @@ def test_draft_pool_is_sized_with_the_target_and_survives_preemption(draft_dir):
     _check_accounting(llm)
 
 
+def test_draft_preset_with_dummy_weights_and_a_missing_draft_path():
+    """With ``load_format="dummy"`` a preset name is a draft too (random weights at its shape, another seed than
+    the target's): greedy tokens equal the plain dummy engine's. A draft path that does not exist is refused
+    when the arguments are built (``EngineArgs``, before any model loads), naming the draft's key and the path."""
+    kw = {**COMMON, "model": "smollm2-135m", "load_format": "dummy"}
+    prompt = [{"prompt_token_ids": list(range(100, 130))}]
+    sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    cfg = {"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 2, "adaptive": False}
+    llm = LLM(speculative_config=cfg, **kw)
+    assert llm.engine.worker.draft is not None and llm.engine.worker.draft.source.format == "dummy"
+    assert _ids(llm.generate(prompt, sp, use_tqdm=False)) == _ids(LLM(**kw).generate(prompt, sp, use_tqdm=False))
+    _check_accounting(llm)
+    from roofline.args import EngineArgs
+
+    missing = {"method": "draft_model", "model": "/nonexistent/draft", "num_speculative_tokens": 2}
+    with pytest.raises(ValueError, match=r"speculative_config model: model path '/nonexistent/draft' does not exist"):
+        EngineArgs(speculative_config=missing)  # the arguments alone: nothing is loaded yet
+    with pytest.raises(ValueError, match=r"speculative_config model: model path '/nonexistent/draft' does not exist"):
+        LLM(speculative_config=missing, **COMMON)
+
+
 def test_startup_errors(tmp_path: Path, draft_dir):
     cfg = json.loads((draft_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "vocab_size": 32000}))

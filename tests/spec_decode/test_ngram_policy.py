@@ -144,7 +144,7 @@ def test_stats_accounting():
      r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(2\)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "num_layers": 3}, "num_layers applies to method 'draft_model'"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "or \"num_layers\" \\(a layer-truncated self\\)"),
-    ({"method": "draft_model", "num_speculative_tokens": 2, "model": ""}, "model must be a path or preset name, got ''"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "model": ""}, "model must be a draft checkpoint path .*got ''"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/x", "num_layers": 3}, "does not combine with"),
     ({"method": "ngram", "num_speculative_tokens": 2, "gamma": 3}, "unknown key.*'gamma'; allowed: method"),
     ({"num_speculative_tokens": 2}, "needs 'method'"),
