@@ -131,19 +131,11 @@ class EngineArgs:
                              f"{self.quantization_group_size!r}")
 
     def _draft_source(self):
-        """The separate draft's ``ModelSource`` (``speculative_config["model"]``), resolved as the target is
-        (a preset name needs ``load_format='dummy'``).
-
-        Raises:
-            ValueError: the draft checkpoint does not exist or is not a GGUF file or an HF directory (names it).
-        """
+        """The separate draft's ``ModelSource`` (``loader.resolve_draft_model``; raises ValueError naming it)."""
         from roofline.models import loader
 
         assert isinstance(self.speculative_config, SpeculativeConfig) and self.speculative_config.model is not None
-        try:
-            return loader.resolve_model(self.speculative_config.model, draft_load_format(self.load_format))
-        except (FileNotFoundError, ValueError) as e:
-            raise ValueError(f"speculative_config model: {e}") from None
+        return loader.resolve_draft_model(self.speculative_config.model, self.load_format)
 
     def create_engine_config(self, model_config: ModelConfig) -> EngineConfig:
         """Resolve every option against this machine and the model.
@@ -351,8 +343,3 @@ def _parse_partition(value: str | list[int] | tuple[int, ...] | None) -> tuple[i
         raise ValueError(f"pipeline_layer_partition must be comma-separated layer counts (16,14), got "
                          f"{value!r}") from None
 
-
-def draft_load_format(target_load_format: str) -> str:
-    """How a separate draft checkpoint loads: random weights when the target's are (a preset name then names
-    its shape), else by its path ("auto")."""
-    return "dummy" if target_load_format == "dummy" else "auto"

@@ -92,6 +92,20 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
     return ModelSource("hf", path, path.name)
 
 
+def resolve_draft_model(model: str, target_format: str) -> ModelSource:
+    """A separate draft checkpoint (``speculative_config["model"]``), resolved as the target is: a preset name
+    gives random weights at its shape when the target's are (``target_format`` "dummy", its load_format or
+    its ModelSource's format), else ``model`` is a path.
+
+    Raises:
+        ValueError: the draft does not exist or is not a GGUF file or an HF directory (names the key and path).
+    """
+    try:
+        return resolve_model(model, "dummy" if target_format == "dummy" else "auto")
+    except (FileNotFoundError, ValueError) as e:
+        raise ValueError(f"speculative_config model: {e}") from None
+
+
 # ---------------------------------------------------------------------------------------------- configs
 
 

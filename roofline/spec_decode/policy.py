@@ -175,7 +175,7 @@ class SpecPolicy:
                 del self.verify_s[k]
         old = table.get(key)
         weight = 1.0 if old is None else COST_EMA
-        table[key] = seconds if old is None else (1 - weight) * old + weight * seconds
+        table[key] = weight * seconds + (1 - weight) * (old or 0.0)
         if gamma > 0:
             self._last_verify = (key, weight)
 

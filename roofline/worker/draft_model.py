@@ -7,12 +7,11 @@ pool, prefix caching and preemption need nothing new. ``Worker._num_kv_blocks`` 
 (the bytes per token are the sum of both).
 
 The draft's KV is filled lazily: ``computed[row]`` counts the positions of a row whose draft KV is valid.
-The first draft pass of a step (``first_pass``) runs the draft over the positions it has not seen up to the
-row's last token. Usually these are one or two (the target's bonus or correction token, and an accepted draft
-the draft never read), and they run as decode rows, one per position, so that pass has the decode pass's
-fixed shapes; a row with more (the prompt, or tokens the target decoded while speculation was off) is first
-caught up by a packed prefill (``catch_up``). Each of the k - 1 further one-token passes (``decode``) writes
-one more position. After verification only the positions whose tokens were accepted stay valid (``rewind``):
+Each draft pass (``decode``) runs the draft over the positions it has not seen up to the token it reads. In
+a step's first pass these are usually one or two (the target's bonus or correction token, and an accepted
+draft the draft never read), in its later passes one; they run as decode rows, one per position, so every
+pass has the decode pass's fixed shapes. A row with more (the prompt, or tokens the target decoded while
+speculation was off) is first caught up by a packed prefill (``catch_up``). After verification only the positions whose tokens were accepted stay valid (``rewind``):
 the draft's rejected positions are recomputed on the next catch-up, exactly as the target's are.
 
 With CUDA graphs on (the engine's GPU default), the decode-row passes replay graphs captured over the draft's
@@ -28,7 +27,6 @@ import logging
 import numpy as np
 import torch
 
-from roofline.args import draft_load_format
 from roofline.attention.backend import AttentionMetadata, get_attention_backend
 from roofline.attention.kv_cache import kv_bytes_per_token
 from roofline.config import EngineConfig, ModelConfig, check_draft_vocab
@@ -40,7 +38,7 @@ from roofline.worker.cuda_graph import CUDAGraphRunner
 
 logger = logging.getLogger(__name__)
 
-CATCH_UP_SPAN = 8  # a row with at most this many positions to fill runs them as decode rows (``first_pass``)
+CATCH_UP_SPAN = 8  # a row with at most this many positions to fill runs them as decode rows (``decode``)
 
 
 class DraftModel:
@@ -60,7 +58,7 @@ class DraftModel:
         spec = config.speculative_config
         assert spec is not None
         if spec.model is not None:
-            self.source = loader.resolve_model(spec.model, draft_load_format(target_source.format))
+            self.source = loader.resolve_draft_model(spec.model, target_source.format)
             mc = loader.load_config(self.source)
         else:
             self.source, mc = target_source, target_config
@@ -106,7 +104,7 @@ class DraftModel:
 
     def capture_graphs(self, max_rows: int, max_blocks_per_seq: int) -> None:
         """Capture the draft's decode-row passes in CUDA graphs for up to ``max_rows`` rows (one per position:
-        ``first_pass`` may run several per request), over its own backend's static buffers and memory pool
+        a step's first ``decode`` may run several per request), over its own backend's static buffers and memory pool
         (after ``allocate_kv_cache``). Prefill catch-ups stay eager."""
         self.graphs = CUDAGraphRunner(self.model, self.backend, max_rows, max_blocks_per_seq, self.device,
                                       self.model_config.hidden_size, self.dtype, name="draft model")
@@ -165,12 +163,13 @@ class DraftModel:
             return self.graphs.run(ids, pos, meta)
         return self.model(ids, pos, meta)
 
-    def first_pass(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray, last: np.ndarray,
-                   block_size: int, max_tokens: int) -> torch.Tensor:
-        """The step's first draft pass: fills each row ``rows[i]``'s draft KV from ``computed`` through position
-        ``last[i]`` (its last known token) and returns the draft's logits there, [len(rows), V] fp32. A row
-        with at most ``CATCH_UP_SPAN`` such positions runs them as decode rows in the one pass; a longer one
-        is first caught up by packed prefill passes of at most ``max_tokens`` tokens (``catch_up``)."""
+    def decode(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray, last: np.ndarray,
+               block_size: int, max_tokens: int) -> torch.Tensor:
+        """One draft pass: fills each row ``rows[i]``'s draft KV from ``computed`` through position ``last[i]``
+        (the token the pass reads) and returns the draft's logits there, [len(rows), V] fp32; ``computed``
+        moves past ``last``. A row with at most ``CATCH_UP_SPAN`` positions to fill runs them as decode rows in
+        this one pass (one row in a step's later passes, one or two in its first); a longer one (a prompt) is
+        first caught up by packed prefill passes of at most ``max_tokens`` tokens (``catch_up``)."""
         starts = np.minimum(self.computed[rows], last)
         long = last - starts >= CATCH_UP_SPAN
         if long.any():
@@ -182,14 +181,8 @@ class DraftModel:
         positions = np.repeat(starts - (ends - counts), counts) + np.arange(int(ends[-1]))
         hidden = self._decode_rows(token_ids, block_table, token_rows, positions, block_size)
         self.computed[rows] = last + 1
-        return self.model.compute_logits(hidden[torch.from_numpy(ends - 1).to(self.device)])
-
-    def decode(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray, positions: np.ndarray,
-               block_size: int) -> torch.Tensor:
-        """One token per row: row ``rows[i]`` reads the token at ``positions[i]`` (its draft KV before it
-        must be valid). Returns the draft's logits [len(rows), V] fp32; ``computed`` moves past the position."""
-        hidden = self._decode_rows(token_ids, block_table, rows, positions, block_size)
-        self.computed[rows] = positions + 1
+        if len(token_rows) > len(rows):  # several rows for some request: its logits are at its last one
+            hidden = hidden[torch.from_numpy(ends - 1).to(self.device)]
         return self.model.compute_logits(hidden)
 
     def rewind(self, row: int, num_valid: int) -> None:

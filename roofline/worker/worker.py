@@ -134,7 +134,7 @@ class Worker:
                         sc.max_num_seqs, self.max_blocks_per_seq, self.device, mc.hidden_size, self.dtype,
                         share_with=self.graphs, name=f"draft, {k} layers")
                     self.draft_graphs.capture()
-                if self.draft is not None:  # its first pass has a decode row per position to fill (first_pass)
+                if self.draft is not None:  # a pass has a decode row per position to fill (DraftModel.decode)
                     self.draft.capture_graphs(rows, self.max_blocks_per_seq)
             else:
                 logger.warning("the %s attention backend cannot be captured in CUDA graphs; running eager",
@@ -600,7 +600,7 @@ class Worker:
         ``num_tokens - 1 + j`` and samples draft j + 1 from q (the row's own sampling processing), which it
         writes into ``token_ids``. Keeps each row's q [k_r, V] for the rejection sampler. The draft is the
         layer-truncated self (the target's KV for its layers) or a separate ``DraftModel`` (its own KV, which
-        its first pass catches up through ``num_tokens - 1``)."""
+        each pass catches up through the position it reads)."""
         from roofline.layers.sampler import processed_probs
 
         batch, bs = self.input_batch, self.block_size
@@ -609,11 +609,9 @@ class Worker:
         for j in range(int(ks.max())):
             act = rows[ks > j]
             pos = batch.num_tokens[act] - 1 + j  # [A]
-            if self.draft is not None and j == 0:  # catches the draft's KV up to pos first
-                logits = self.draft.first_pass(batch.token_ids, batch.block_table, act, pos, bs,
-                                               self.config.scheduler_config.max_num_batched_tokens)
-            elif self.draft is not None:
-                logits = self.draft.decode(batch.token_ids, batch.block_table, act, pos, bs)
+            if self.draft is not None:  # catches the draft's KV up through pos first
+                logits = self.draft.decode(batch.token_ids, batch.block_table, act, pos, bs,
+                                           self.config.scheduler_config.max_num_batched_tokens)
             else:
                 logits = self.model.compute_logits(self._truncated_self_pass(act, pos))
             md = self.prepare_sampling(act, tag="draft_")

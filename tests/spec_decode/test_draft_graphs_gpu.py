@@ -1,6 +1,6 @@
-"""A separate draft model's passes (the step's first, which also catches its KV up as decode rows, and the
-one-token ones) replay CUDA graphs (``DraftModel.capture_graphs``) and give the logits its eager passes give. GPU only; random weights at the
-default model's shape (no checkpoint needed), bf16.
+"""A separate draft model's passes (each catches its KV up as decode rows: a step's first often has two per
+request, its later ones one) replay CUDA graphs (``DraftModel.capture_graphs``) and give the logits its eager
+passes give. GPU only; random weights at the default model's shape (no checkpoint needed), bf16.
 """
 
 from __future__ import annotations
@@ -31,12 +31,12 @@ def test_separate_draft_decode_replays_cuda_graphs_like_eager():
     def keep(fn):  # record each draft pass's logits
         return lambda *a, **k: (lambda out: (logits.append(out.float().cpu()), out)[1])(fn(*a, **k))
 
-    draft.first_pass, draft.decode = keep(draft.first_pass), keep(draft.decode)
+    draft.decode = keep(draft.decode)
     draft.graphs.run = lambda ids, pos, meta: (replays.append(len(ids)), replay(ids, pos, meta))[1]
 
     with_graphs = [list(o.outputs[0].token_ids) for o in llm.generate(prompts, sp, use_tqdm=False)]
     graph_logits, logits[:] = list(logits), []
-    # Every draft pass replays a graph, the step's first pass (its catch-up as decode rows) included.
+    # Every draft pass replays a graph, each step's first (its catch-up as decode rows) included.
     assert replays and len(replays) == len(graph_logits), (len(replays), len(graph_logits))
     assert 3 in replays  # a padded replay (ladder size 4)
 

@@ -145,8 +145,8 @@ def test_startup_errors(tmp_path: Path, draft_dir):
         LLM(speculative_config={"method": "draft_model", "num_speculative_tokens": 2}, **COMMON)
 
 
-def test_first_pass_fills_short_spans_as_decode_rows(draft_dir):
-    """``DraftModel.first_pass`` against the packed-prefill catch-up it replaces for short spans, on two rows
+def test_draft_pass_fills_short_spans_as_decode_rows(draft_dir):
+    """``DraftModel.decode`` against the packed-prefill catch-up it replaces for short spans, on two rows
     of real text (fp32): the logits at each row's last token agree within 1e-4 (relative to their largest
     magnitude) whichever way the draft KV below was filled: all by prefill then one decode row; a prefill to
     1 and to 6 positions short, the rest (2 and 7 positions) as decode rows in the same pass; and from nothing
@@ -174,7 +174,7 @@ def test_first_pass_fills_short_spans_as_decode_rows(draft_dir):
         if prefill_to.any():
             draft.catch_up(token_ids, block_table, rows, prefill_to, bs, 1024)
         assert (draft.computed[rows] == prefill_to).all()
-        out = draft.first_pass(token_ids, block_table, rows, last, bs, 1024)
+        out = draft.decode(token_ids, block_table, rows, last, bs, 1024)
         assert (draft.computed[rows] == last + 1).all()
         return out
 
