@@ -8,8 +8,12 @@ A :class:`HardwareSpec` says where its numbers come from (``source``):
 The bound model (Pope et al. 2022, "Efficiently Scaling Transformer Inference") needs only the read
 bandwidth (bytes/s) and the dense matmul peak (FLOP/s) per dtype. The parallel bound adds the links
 between GPUs: :data:`INTERCONNECT_PRESETS` (``nvlink``, ``pcie``, ``ib``, ``ethernet``), each with its
-datasheet bandwidth and NCCL's per-step latency, cited. torch is imported lazily, inside the
-probe functions, so presets and ``roofline cost`` load without it.
+datasheet bandwidth and NCCL's per-step latency, cited (defined in ``roofline.costmodel.links``, re-exported
+here). torch is imported lazily, inside the probe functions, so presets and ``roofline cost`` load without it.
+
+An executor builds a measured device profile from :func:`measure_read_bandwidth` (bytes/s) and
+:func:`measure_gemm_flops` (FLOP/s), both in-process on its device; dtypes may be given in the engine's names
+(``bfloat16``, ``torch.float32``), as everywhere in the bound model.
 """
 
 from __future__ import annotations
@@ -26,7 +30,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from roofline.costmodel import Link
+from roofline.costmodel import canonical_dtype
+from roofline.costmodel.links import INTERCONNECT_PRESETS, load_interconnect  # noqa: F401 - re-exported
 
 SOURCES = ("datasheet", "hypothetical", "measured")
 HARDWARE_JSON_FORMAT = "roofline-hardware/1"
@@ -69,12 +74,15 @@ class HardwareSpec:
         object.__setattr__(self, "details", MappingProxyType(dict(self.details)))
 
     def peak(self, dtype: str = "bf16") -> float:
-        """Dense peak FLOP/s for ``dtype``; ``bf16`` and ``fp16`` stand in for each other.
+        """Dense peak FLOP/s for ``dtype``, a key of :attr:`peak_flops` or the engine's name for it
+        (``bfloat16``, ``torch.float16``, ``fp8_e4m3``: :func:`roofline.costmodel.canonical_dtype`);
+        ``bf16`` and ``fp16`` stand in for each other.
 
         Raises:
             ValueError: no peak known for ``dtype`` (lists the known dtypes).
         """
-        for key in (dtype, {"bf16": "fp16", "fp16": "bf16"}.get(dtype, dtype)):
+        name = canonical_dtype(dtype)
+        for key in (dtype, name, {"bf16": "fp16", "fp16": "bf16", "fp8_e4m3": "fp8"}.get(name, name)):
             if key in self.peak_flops:
                 return self.peak_flops[key]
         raise ValueError(f"{self.name} has no peak FLOP/s for dtype {dtype!r}; known: "
@@ -137,60 +145,6 @@ HARDWARE_PRESETS: dict[str, HardwareSpec] = {
         citation="hypothetical round-number device of the published bound-model worksheet: 3.0 TB/s, "
                  "1,000 TFLOP/s"),
 }
-
-
-# Links between GPUs for the parallel bound (roofline.costmodel.Link): bandwidth per direction per GPU
-# from the datasheet or the standard; latency per ring step (one hop) from NCCL's own cost model,
-# src/graph/tuning.cc, table hwLat, Ring algorithm, LL protocol (the small-message protocol a decode
-# all-reduce uses). NCCL adds a fixed base latency per call (6.6 us, Ring/LL) that these leave out.
-_NCCL_HWLAT = "NCCL src/graph/tuning.cc hwLat[{}][Ring][LL] = {} us per ring step"
-INTERCONNECT_PRESETS: dict[str, Link] = {
-    "nvlink": Link(
-        "nvlink", bandwidth=450e9, latency_s=0.6e-6,
-        citation="NVIDIA H100 / H200 Tensor Core GPU datasheets: fourth-generation NVLink, 900 GB/s per GPU "
-                 "both directions = 450 GB/s each way; " + _NCCL_HWLAT.format("NVLINK", 0.6)),
-    "pcie": Link(
-        "pcie", bandwidth=64e9, latency_s=1.0e-6,
-        citation="PCI-SIG PCI Express 5.0 base specification: 32 GT/s x 16 lanes = 64 GB/s per direction "
-                 "(63 GB/s after 128b/130b encoding, about 50 GB/s achieved); " + _NCCL_HWLAT.format("PCI", 1.0)),
-    "ib": Link(
-        "ib", bandwidth=50e9, latency_s=2.7e-6,
-        citation="NVIDIA ConnectX-7 adapter datasheet, InfiniBand NDR: 400 Gb/s = 50 GB/s per port, one "
-                 "port per GPU (as in DGX H100); " + _NCCL_HWLAT.format("NET", 2.7)),
-    "ethernet": Link(
-        "ethernet", bandwidth=12.5e9, latency_s=30e-6,
-        citation="IEEE 802.3 100GBASE (100 GbE): 100 Gb/s = 12.5 GB/s; 30 us per step is an estimate for "
-                 "NCCL's TCP socket transport, not a datasheet figure (tuning.cc's 2.7 us NET figure "
-                 "assumes RDMA)"),
-}
-
-
-def load_interconnect(name: str, bandwidth_gb_s: float | None = None, latency_us: float | None = None) -> Link:
-    """An interconnect preset (``nvlink``, ``pcie``, ``ib``, ``ethernet``), with its bandwidth (GB/s,
-    1e9 bytes/s per direction per GPU) and latency per ring step (microseconds) overridden if given;
-    an override is recorded in the citation.
-
-    Raises:
-        ValueError: an unknown name (lists the presets), or an override that is not a finite
-            bandwidth > 0 or latency >= 0.
-    """
-    if name not in INTERCONNECT_PRESETS:
-        raise ValueError(f"unknown interconnect {name!r}; known: {', '.join(INTERCONNECT_PRESETS)}")
-    link = INTERCONNECT_PRESETS[name]
-    given = []
-    if bandwidth_gb_s is not None:
-        if not (math.isfinite(bandwidth_gb_s) and bandwidth_gb_s > 0):
-            raise ValueError(f"link bandwidth must be a finite number of GB/s > 0, got {bandwidth_gb_s}")
-        given.append(f"bandwidth {bandwidth_gb_s:g} GB/s")
-    if latency_us is not None:
-        if not (math.isfinite(latency_us) and latency_us >= 0):
-            raise ValueError(f"link latency must be a finite number of microseconds >= 0, got {latency_us}")
-        given.append(f"latency {latency_us:g} us per step")
-    if not given:
-        return link
-    return Link(link.name, bandwidth=link.bandwidth if bandwidth_gb_s is None else bandwidth_gb_s * 1e9,
-                latency_s=link.latency_s if latency_us is None else latency_us * 1e-6,
-                citation=f"given: {', '.join(given)}; preset: {link.citation}")
 
 
 def load_hardware(name_or_path: str | Path) -> HardwareSpec:
@@ -343,7 +297,8 @@ def _gemm_rates(device: str, n: int, rounds: int) -> tuple[dict[str, float], dic
 def measure_gemm_flops(device: str = "auto", dtype: str = "auto", n: int | None = None, rounds: int = 5) -> float:
     """Median dense GEMM rate (FLOP/s) of an ``n x n x n`` product on random operands, in this process.
 
-    ``dtype``: ``bf16``/``fp16``/``fp32`` or ``auto`` (bf16 on CUDA, fp32 on CPU). ``n`` defaults to 8192 on
+    ``dtype``: ``bf16``/``fp16``/``fp32``, the engine's name for one (``bfloat16``, ``torch.float32``), or
+    ``auto`` (bf16 on CUDA, fp32 on CPU). ``n`` defaults to 8192 on
     CUDA and 512 on CPU. FLOPs = 2 n^3.
 
     Raises:
@@ -355,7 +310,7 @@ def measure_gemm_flops(device: str = "auto", dtype: str = "auto", n: int | None 
     dev = _resolve_device(device)
     cuda = dev.startswith("cuda")
     names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-    key = ("bf16" if cuda else "fp32") if dtype == "auto" else dtype
+    key = ("bf16" if cuda else "fp32") if dtype == "auto" else canonical_dtype(dtype)
     if key not in names:
         raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {dtype!r}")
     size = n or DEFAULT_GEMM_N["cuda" if cuda else "cpu"]

@@ -22,10 +22,10 @@ def decode_floor(llm: Any, hardware: str | None = None) -> dict[str, Any] | None
         return None
     mean_batch = stats.mean_decode_batch or 1.0
     mean_ctx = stats.mean_decode_kv_tokens or 0.0
+    dtype = costmodel.canonical_dtype(worker.dtype)  # torch.bfloat16 -> "bf16", the name the floor line prints
     if hardware:
         spec = hw.load_hardware(hardware)
         bandwidth = spec.memory_bandwidth
-        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[str(worker.dtype).removeprefix("torch.")]
         try:
             peak = spec.peak(dtype)
         except ValueError:
@@ -33,7 +33,6 @@ def decode_floor(llm: Any, hardware: str | None = None) -> dict[str, Any] | None
         source = f"{spec.name} ({spec.source})"
     else:
         bandwidth = hw.measure_read_bandwidth(str(worker.device))
-        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[str(worker.dtype).removeprefix("torch.")]
         peak = hw.measure_gemm_flops(str(worker.device), dtype)
         source = f"read bandwidth and {dtype} GEMM rate measured in-process on {worker.device}"
     report = costmodel.decode_floor_report(

@@ -134,8 +134,8 @@ def measure_read_bandwidth_cuda(nbytes: int = 4 << 30) -> dict[str, float]:
     return dict(read_bytes_per_s=nbytes / t_read, copy_bytes_per_s=2 * nbytes / t_copy)
 
 
-# --kv-cache-dtype names (the engine's) -> the bound model's names, whose bytes per token the bench counts.
-KV_FORMATS = {"bfloat16": "bf16", "float16": "fp16", "int8": "int8", "fp8_e4m3": "fp8_e4m3", "fp8": "fp8_e4m3"}
+# The --kv-cache-dtype values this bench runs (the engine's names, which the bound model speaks too).
+KV_FORMATS = ("bfloat16", "float16", "int8", "fp8_e4m3", "fp8")
 
 
 def decode_kv_bytes(batch: int, ctx: int, kv_heads: int, head_dim: int, kv_cache_dtype: str) -> int:
@@ -149,7 +149,7 @@ def decode_kv_bytes(batch: int, ctx: int, kv_heads: int, head_dim: int, kv_cache
 
     if kv_cache_dtype not in KV_FORMATS:
         raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; known: {', '.join(KV_FORMATS)}")
-    return int(batch * ctx * kv_cache_bytes_per_token(1, kv_heads, head_dim, KV_FORMATS[kv_cache_dtype]))
+    return int(batch * ctx * kv_cache_bytes_per_token(1, kv_heads, head_dim, kv_cache_dtype))
 
 
 def _decode_inputs(batch, ctx, heads, kv_heads, head_dim, block_size, dtype, kv_cache_dtype="bfloat16",
@@ -160,9 +160,10 @@ def _decode_inputs(batch, ctx, heads, kv_heads, head_dim, block_size, dtype, kv_
     import torch
 
     from roofline.attention.backend import FP8_CALIBRATION_HEADROOM
+    from roofline.costmodel import canonical_dtype
     from roofline.kernels.common import FP8_E4M3_MAX, ref_quantize_fp8, ref_quantize_int8
 
-    fmt = KV_FORMATS[kv_cache_dtype]
+    fmt = canonical_dtype(kv_cache_dtype)  # "fp8" -> "fp8_e4m3", "float16" -> "fp16"
     nb = math.ceil(ctx / block_size)
     kc = torch.randn(batch * nb, block_size, kv_heads, head_dim, device=device, dtype=dtype)
     vc = torch.randn_like(kc)
