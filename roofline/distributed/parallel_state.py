@@ -18,6 +18,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from roofline.parallel_config import stage_layer_ranges  # noqa: F401 - pure Python, kept importable from here
+
 
 @dataclass(frozen=True)
 class ParallelState:
@@ -108,31 +110,6 @@ def tensor_parallel_state(rank: int, size: int) -> contextlib.AbstractContextMan
     return parallel_state(ParallelState(rank, size))
 
 
-def stage_layer_ranges(num_layers: int, pp_size: int, partition: list[int] | None = None) -> list[tuple[int, int]]:
-    """Each pipeline stage's decoder layers ``[start, end)``.
-
-    Even by default: ``num_layers // pp_size`` each, the remainder going one by one to the first stages (the
-    last stage also runs the final norm and the LM head). ``partition`` overrides it with each stage's layer
-    count (vLLM's ``VLLM_PP_LAYER_PARTITION``; our ``--pipeline-layer-partition``).
-
-    Raises:
-        ValueError: more stages than layers, or a partition whose length is not ``pp_size``, with a count
-            below 1, or whose sum is not ``num_layers`` (names the values).
-    """
-    if partition is None:
-        if pp_size > num_layers:
-            raise ValueError(f"pipeline_parallel_size {pp_size} exceeds the model's {num_layers} layers "
-                             f"(allowed: 1 to {num_layers})")
-        base, extra = divmod(num_layers, pp_size)
-        partition = [base + (i < extra) for i in range(pp_size)]
-    elif len(partition) != pp_size:
-        raise ValueError(f"pipeline layer partition {partition} has {len(partition)} stages' counts, but "
-                         f"pipeline_parallel_size is {pp_size}: give one count per stage")
-    elif min(partition) < 1 or sum(partition) != num_layers:
-        raise ValueError(f"pipeline layer partition {partition} must give each of the {pp_size} stages >= 1 "
-                         f"layer and sum to the model's {num_layers} layers (it sums to {sum(partition)})")
-    starts = [sum(partition[:i]) for i in range(pp_size)]
-    return [(a, a + n) for a, n in zip(starts, partition, strict=True)]
 
 
 def divide(numerator: int, denominator: int, what: str = "size") -> int:

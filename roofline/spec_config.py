@@ -1,0 +1,121 @@
+"""Speculative decoding's configuration (:class:`SpeculativeConfig`, vLLM's ``--speculative-config`` JSON).
+
+Frozen and validated once in ``__post_init__``; errors name the offending value and the allowed range.
+``roofline.config`` re-exports everything here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from roofline.model_config import ModelConfig
+
+SPECULATIVE_METHODS = ("ngram", "draft_model")
+_SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
+              "quantization", "num_layers", "adaptive")
+MAX_SPECULATIVE_TOKENS = 16
+DRAFT_QUANTIZATIONS = ("int4", "int8", "fp8")  # load-time methods a draft (or a quantized self) may use
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding (``--speculative-config``, vLLM's JSON shape).
+
+    ``method``: ``ngram`` (prompt lookup: the tokens that followed the latest earlier occurrence of the last
+    ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens) or ``draft_model``. ``num_speculative_tokens`` is
+    gamma_max, the most drafts per request and step. ``adaptive`` (default True) lets the policy pick gamma in
+    [0, gamma_max] each step (``roofline.spec_decode.policy``); False pins gamma_max.
+
+    ``draft_model`` drafts with:
+    - ``model``: a separate checkpoint (HF directory, GGUF file, or ``default``) with the target's vocabulary,
+      optionally quantized at load (``quantization``);
+    - or the target's own weights: ``num_layers`` k runs the target's first k decoder layers, its final norm
+      and LM head (a layer-truncated self, which shares the target's KV cache for those layers), or
+      ``quantization`` (``int4``, ``int8`` or ``fp8``) loads a quantized copy of the whole target.
+    A separate draft or a quantized self keeps its own KV in the target's blocks (``roofline.worker.draft_model``).
+    """
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int | None = None  # ngram only; default 2
+    prompt_lookup_max: int | None = None  # ngram only; default 5
+    model: str | None = None
+    quantization: str | None = None
+    num_layers: int | None = None
+    adaptive: bool = True
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {self.method!r}")
+        k = self.num_speculative_tokens
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+            raise ValueError(f"speculative_config num_speculative_tokens must be an integer in "
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+        if not isinstance(self.adaptive, bool):
+            raise ValueError(f"speculative_config adaptive must be true or false, got {self.adaptive!r}")
+        if self.method == "ngram":
+            if self.prompt_lookup_min is None:
+                object.__setattr__(self, "prompt_lookup_min", 2)
+            if self.prompt_lookup_max is None:
+                object.__setattr__(self, "prompt_lookup_max", max(5, self.prompt_lookup_min))
+            lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+            for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
+                if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                    raise ValueError(f"speculative_config {name} must be an integer >= 1, got {v!r}")
+            if lo > hi:
+                raise ValueError(f"speculative_config prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
+            for name in ("model", "quantization", "num_layers"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config {name} applies to method 'draft_model', not 'ngram'")
+            return
+        for name in ("prompt_lookup_min", "prompt_lookup_max"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"speculative_config {name} applies to method 'ngram', not 'draft_model'")
+        if self.model is not None and not (isinstance(self.model, str) and self.model):
+            raise ValueError(f"speculative_config model must be a draft checkpoint path (a GGUF file or an HF "
+                             f"directory; a preset name with load_format='dummy'), got {self.model!r}")
+        if self.quantization is not None and self.quantization not in DRAFT_QUANTIZATIONS:
+            raise ValueError(f"speculative_config quantization must be one of {', '.join(DRAFT_QUANTIZATIONS)} "
+                             f"(quantized at load), got {self.quantization!r}")
+        if self.num_layers is not None and (self.model is not None or self.quantization is not None):
+            raise ValueError("speculative_config num_layers (a layer-truncated self) does not combine with "
+                             "\"model\" or \"quantization\" (not built); use one of them")
+        if self.model is not None or self.quantization is not None:
+            return
+        if self.num_layers is None:
+            raise ValueError("speculative_config method 'draft_model' needs \"model\" (a draft checkpoint), "
+                             "\"quantization\" (a quantized self, e.g. \"int4\") or \"num_layers\" (a "
+                             "layer-truncated self); the target's own full weights would only repeat it")
+        if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
+            raise ValueError(f"speculative_config num_layers must be an integer >= 1, got {self.num_layers!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | str) -> SpeculativeConfig:
+        """From vLLM's dict (or its JSON text). Raises ValueError naming an unknown key or a bad value."""
+        if isinstance(d, str):
+            import json
+
+            try:
+                d = json.loads(d)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"speculative_config is not valid JSON ({e.msg} at column {e.colno}): {d!r}") from e
+        if not isinstance(d, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {type(d).__name__}")
+        unknown = sorted(set(d) - set(_SPEC_KEYS))
+        if unknown:
+            raise ValueError(f"speculative_config has unknown key(s) {', '.join(map(repr, unknown))}; allowed: "
+                             f"{', '.join(_SPEC_KEYS)}")
+        for key in ("method", "num_speculative_tokens"):
+            if key not in d:
+                raise ValueError(f"speculative_config needs {key!r}")
+        return cls(**d)
+
+
+def check_draft_vocab(draft: ModelConfig, target: ModelConfig) -> None:
+    """Raises ValueError naming both sizes when the draft's vocabulary is not the target's."""
+    if draft.vocab_size != target.vocab_size:
+        raise ValueError(f"speculative_config model {draft.name!r} has a vocabulary of {draft.vocab_size} tokens, "
+                         f"the target {target.name!r} has {target.vocab_size}: a draft must share the target's "
+                         f"vocabulary")
