@@ -14,7 +14,8 @@ from roofline.bench.datasets import (
     sample_sharegpt_fewshot,
     sample_sharegpt_multiturn,
 )
-from roofline.bench.prefix import latency_summary_ms, percentile, prefix_caching_available, prompt_tokenizer
+from roofline.bench.prefix_inputs import prompt_tokenizer
+from roofline.bench.prefix_workloads import latency_summary_ms, percentile, prefix_caching_available
 from roofline.cli import build_parser, main
 
 
@@ -174,7 +175,7 @@ def test_bench_prefix_rejects_bad_sizes(tmp_path, capsys):
 
 def test_inputs_export_round_trips_and_names_a_missing_workload(tmp_path):
     from roofline.bench.datasets import ChatTurn, FewShotPrompts
-    from roofline.bench.prefix import load_inputs, save_inputs
+    from roofline.bench.prefix_inputs import load_inputs, save_inputs
 
     inputs = {"multiturn": [[ChatTurn((1, 2, 3), 4, "hi"), ChatTurn((1, 2, 3, 9, 8), 2, "yo")]],
               "fewshot": FewShotPrompts((5, 6), ((5, 6, 7), (5, 6, 8, 9)), (3, 1)),

@@ -13,7 +13,8 @@ import re
 import httpx
 import pytest
 
-from roofline.bench.serve import RequestResult, _sse_events, build_payload, compute_metrics, format_table
+from roofline.bench.serve import compute_metrics, format_table
+from roofline.bench.serve_client import RequestResult, _sse_events, build_payload
 
 STATS = ("mean", "median", "std", "p90", "p99")
 FIGURES = ("ttft", "tpot", "itl", "e2el")
