@@ -24,9 +24,8 @@ import torch
 
 from roofline import costmodel
 
-# torch dtype -> the bound model's KV dtype name
-KV_DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.int8: "int8",
-                  torch.float8_e4m3fn: "fp8_e4m3"}
+# The dtypes the cache stores; the bound model reads their torch names (roofline.costmodel.canonical_dtype).
+KV_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int8, torch.float8_e4m3fn)
 QUANTIZED_KV_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
@@ -55,9 +54,9 @@ def kv_bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype:
     Raises:
         ValueError: a dtype the cache does not support (lists the supported ones).
     """
-    if dtype not in KV_DTYPE_NAMES:
-        raise ValueError(f"unsupported KV-cache dtype {dtype}; supported: {', '.join(map(str, KV_DTYPE_NAMES))}")
-    return int(costmodel.kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim, KV_DTYPE_NAMES[dtype]))
+    if dtype not in KV_DTYPES:
+        raise ValueError(f"unsupported KV-cache dtype {dtype}; supported: {', '.join(map(str, KV_DTYPES))}")
+    return int(costmodel.kv_cache_bytes_per_token(num_layers, num_kv_heads, head_dim, str(dtype)))
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:

@@ -109,8 +109,8 @@ def parse_weight_format(spec: str | float | WeightFormat) -> WeightFormat:
         return spec
     if isinstance(spec, int | float) and not isinstance(spec, bool):
         return WeightFormat(f"{float(spec):g}bit", float(spec))
-    text = str(spec).strip()
-    text = QUANTIZATION_FORMATS.get(text, canonical_dtype(text))
+    given = str(spec).strip()
+    text = QUANTIZATION_FORMATS.get(given, canonical_dtype(given))
     if text in WEIGHT_FORMAT_BITS:
         return WeightFormat(text, WEIGHT_FORMAT_BITS[text])
     if text.startswith("int") and "_g" in text:
@@ -124,7 +124,7 @@ def parse_weight_format(spec: str | float | WeightFormat) -> WeightFormat:
     if bits is not None and math.isfinite(bits):
         return WeightFormat(f"{bits:g}bit", bits)
     raise ValueError(
-        f"unknown weight format {text!r}; known: {', '.join(WEIGHT_FORMAT_BITS)}, intN_gG "
+        f"unknown weight format {given!r}; known: {', '.join(WEIGHT_FORMAT_BITS)}, intN_gG "
         "(N in [1, 16] bits, group size G >= 1), or bits per weight as a number in (0, 64]"
     )
 
