@@ -15,9 +15,6 @@ Output tokens are the server's count (``stream_options.include_usage``); servers
 counted with the local tokenizer. Prompt lengths come from the local tokenizer (``--tokenizer``,
 default: the default model's). Goodput is the rate of requests that meet every SLO given
 (``--slo-ttft-ms``, ``--slo-tpot-ms``).
-
-This module is the command and its figures; the requests (SSE client, arrival loop) are in
-:mod:`roofline.bench.serve_client`.
 """
 
 from __future__ import annotations
@@ -33,6 +30,7 @@ import sys
 from dataclasses import asdict
 from typing import Any
 
+# The requests (SSE client, arrival loop) are in serve_client; this module is the command and its figures.
 from roofline.bench.serve_client import RequestResult, run_load
 
 PERCENTILES = (50, 90, 99)
