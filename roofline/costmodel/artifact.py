@@ -4,18 +4,39 @@ parallel layout. Times in seconds, all lower bounds.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from roofline import costmodel as cm
 
-if TYPE_CHECKING:  # the CLI hands a HardwareSpec in; the bound model never imports hardware
-    from roofline.hardware import HardwareSpec
+
+class Device(Protocol):
+    """What the artifact reads of a device; ``roofline.hardware.HardwareSpec`` is one (the bound model does
+    not import ``roofline.hardware``, which sits above it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def memory_bandwidth(self) -> float:
+        """Read bandwidth, bytes/s."""
+        ...
+
+    @property
+    def memory_capacity(self) -> float | None:
+        """Device memory in bytes, or None when unknown."""
+        ...
+
+    def peak(self, dtype: str = "bf16") -> float:
+        """Dense peak FLOP/s for ``dtype``."""
+        ...
+
+    def to_dict(self) -> dict[str, Any]: ...
 
 ALPHA_SWEEP = tuple(round(0.05 * i, 2) for i in range(20))  # 0.00 .. 0.95
 BATCH_SWEEP = tuple(2**i for i in range(11))  # 1 .. 1024
 
 
-def _format_row(shape: cm.ModelShape, hw: HardwareSpec, fmt: cm.WeightFormat, kv_seq: float, batch: int,
+def _format_row(shape: cm.ModelShape, hw: Device, fmt: cm.WeightFormat, kv_seq: float, batch: int,
                 context: int, alpha: float, gamma: int, c: float) -> dict[str, Any]:
     p, bw, peak = shape.num_params, hw.memory_bandwidth, hw.peak("bf16")
     w = cm.weight_bytes(p, fmt)
@@ -48,7 +69,7 @@ def _format_row(shape: cm.ModelShape, hw: HardwareSpec, fmt: cm.WeightFormat, kv
     return row
 
 
-def build_report(shape: cm.ModelShape, hw: HardwareSpec, formats: list[str], kv_dtype: str, batch: int,
+def build_report(shape: cm.ModelShape, hw: Device, formats: list[str], kv_dtype: str, batch: int,
                  context: int, alpha: float, gamma: int, draft_cost: float, plain_step_s: float | None,
                  sweep: str | None = None, plain_step_source: str = "given") -> dict[str, Any]:
     """The full ``roofline cost`` artifact (what ``--json`` prints). Times in seconds, all lower bounds.
@@ -95,7 +116,7 @@ def build_report(shape: cm.ModelShape, hw: HardwareSpec, formats: list[str], kv_
     return report
 
 
-def build_sweep(kind: str, shape: cm.ModelShape, hw: HardwareSpec, fmts: list[cm.WeightFormat],
+def build_sweep(kind: str, shape: cm.ModelShape, hw: Device, fmts: list[cm.WeightFormat],
                 kv_seq: float, batch: int, alpha: float, gamma: int, c: float) -> dict[str, Any]:
     """Rows of a sweep over ``alpha`` (0..0.95), ``gamma`` (1..8) or ``batch`` (1..1024)."""
     p, bw, peak = shape.num_params, hw.memory_bandwidth, hw.peak("bf16")
@@ -138,7 +159,7 @@ def _link_dict(link: cm.Link) -> dict[str, Any]:
             "citation": link.citation}
 
 
-def build_parallel(shape: cm.ModelShape, hw: HardwareSpec, fmt: str, batch: int, context: int, kv_dtype: str,
+def build_parallel(shape: cm.ModelShape, hw: Device, fmt: str, batch: int, context: int, kv_dtype: str,
                    tp: int | None, pp: int | None, num_gpus: int | None, gpus_per_node: int, intra: cm.Link,
                    inter: cm.Link, num_micro_batches: int = 1, best: bool = False) -> dict[str, Any]:
     """The ``parallel`` part of the artifact: the layout ``tp x pp`` (1 x 1 when not given; the best

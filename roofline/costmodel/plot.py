@@ -5,15 +5,12 @@ matplotlib is imported only when a plot is drawn.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from roofline import costmodel as cm
-
-if TYPE_CHECKING:  # the CLI hands a HardwareSpec in; the bound model never imports hardware
-    from roofline.hardware import HardwareSpec
+from roofline.costmodel.artifact import Device
 
 
-def write_plot(path: str | Path, shape: cm.ModelShape, hw: HardwareSpec, formats: list[str], kv_dtype: str,
+def write_plot(path: str | Path, shape: cm.ModelShape, hw: Device, formats: list[str], kv_dtype: str,
                context: int, batch: int, gamma: int, draft_cost: float) -> None:
     """Two panels: step lower bound vs batch per format (decode solid, verify of ``gamma + 1`` dashed,
     memory/compute crossover marked), and speculative speedup vs alpha per gamma (free verification)."""
