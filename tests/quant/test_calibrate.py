@@ -21,6 +21,7 @@ from roofline.quant.calibrate.awq import (
     search_awq_clip,
     search_awq_scale,
 )
+from roofline.quant.calibrate.capture import _Accumulator, cap_row_norms
 from roofline.quant.calibrate.gptq import gptq_quantize, split_rows
 from roofline.quant.calibrate.smooth import fold_input_scales, smoothquant_scales, smoothquant_smooth
 from roofline.quant.quantize import ChannelWeight, Int4Weight, int4_params, quantize_int4_rtn
@@ -106,6 +107,74 @@ def test_gptq_with_diagonal_hessian_is_rtn():
         assert ours.g_idx is None
         assert torch.equal(ours.q, rtn.q) and torch.equal(ours.zeros, rtn.zeros)
         assert torch.equal(ours.scales, rtn.scales)
+
+
+def _correlated_rows(m: int, k: int, gen: torch.Generator, mix: torch.Tensor) -> torch.Tensor:
+    """[m, k] rows with a rank-16 signal plus noise (no outliers)."""
+    return torch.randn(m, mix.shape[0], generator=gen) @ mix + 0.5 * torch.randn(m, k, generator=gen)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_gptq_layer_error_is_below_rtn(group_size):
+    """GPTQ minimizes the layer's output error ``||X W^T - X Q^T||^2`` (= ``n/2 tr(dW H dW^T)``); at the same
+    group size it must beat round-to-nearest on that objective and on held-out rows of the same inputs.
+    Measured (seed 0): own objective GPTQ/RTN 0.25-0.26, held-out 0.31-0.32 at group sizes 32, 64, 128."""
+    gen = torch.Generator().manual_seed(0)
+    k, n = 256, 128
+    mix = torch.randn(16, k, generator=gen) / 4
+    x_cal, x_test = _correlated_rows(1024, k, gen, mix), _correlated_rows(2048, k, gen, mix)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    rtn = quantize_int4_rtn(w, group_size).dequantize()
+    gptq = gptq_quantize(w, 2 / 1024 * x_cal.T @ x_cal, group_size).dequantize()
+
+    def err(wq: torch.Tensor, x: torch.Tensor) -> float:
+        return float(((x @ (wq - w).T) ** 2).mean())
+
+    assert err(gptq, x_cal) < 0.4 * err(rtn, x_cal)
+    assert err(gptq, x_test) < 0.5 * err(rtn, x_test)
+
+
+def test_cap_row_norms():
+    x = torch.tensor([[3.0, 4.0], [0.0, 1.0], [1.0, 0.0], [300.0, 400.0]])  # row norms 5, 1, 1, 500
+    out = cap_row_norms(x, cap=2.0)  # median norm 1 (lower median of 1, 1, 5, 500): cap at 2
+    assert torch.equal(out[1:3], x[1:3])
+    torch.testing.assert_close(out[0], x[0] * 2 / 5)
+    torch.testing.assert_close(out[3], x[3] * 2 / 500)
+    assert cap_row_norms(x, cap=1000.0) is x
+    with pytest.raises(ValueError, match="the row norm cap must be > 0, got 0"):
+        cap_row_norms(x, cap=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gptq_hessian_is_not_dominated_by_massive_activation_tokens(seed):
+    """The cause of GPTQ losing to RTN on the default model: the first token of every calibration window
+    carries activations ~400x the median row norm in a few channels (layer 11's down_proj input there:
+    99.7% of tr(H)). Here every 256th row (a window's first token) has two channels at 3000, 99.5% of
+    tr(H). GPTQ on the raw Hessian fits those rows and loses to RTN on all the others (measured: held-out
+    error 12.3x / 9.5x RTN's, seeds 0 / 1); the capture's Hessian, each row's norm capped per chunk at
+    ``HESSIAN_ROW_NORM_CAP`` x the median, gives 0.31x / 0.33x."""
+    gen = torch.Generator().manual_seed(seed)
+    k, n, gs, window = 256, 128, 64, 256
+    mix = torch.randn(16, k, generator=gen) / 4
+    x_cal = _correlated_rows(1024, k, gen, mix)
+    x_cal[::window] *= 5
+    x_cal[::window, torch.randperm(k, generator=gen)[:2]] = 3000.0
+    x_test = _correlated_rows(2048, k, gen, mix)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    raw = 2 / 1024 * x_cal.T @ x_cal
+    assert float(torch.trace(2 / 1024 * x_cal[::window].T @ x_cal[::window]) / torch.trace(raw)) > 0.99
+    acc = _Accumulator(frozenset({"hessian"}), torch.empty(0, dtype=torch.long))
+    for chunk in x_cal.split(window):  # one forward pre-hook call per window, as the engine's chunks come
+        acc.add(chunk)
+    capped = acc.finish().hessian
+    assert capped is not None
+
+    def err(h: torch.Tensor | None) -> float:
+        wq = quantize_int4_rtn(w, gs).dequantize() if h is None else gptq_quantize(w, h, gs).dequantize()
+        return float(((x_test @ (wq - w).T) ** 2).mean())
+
+    assert err(raw) > 3 * err(None)
+    assert err(capped) < 0.5 * err(None)
 
 
 def test_gptq_act_order_g_idx():
