@@ -140,7 +140,10 @@ def quantize_checkpoint(model: str | None, quantization: str, method: str, outpu
             q_bytes += p.numel() * p.element_size() if suffix not in ("g_idx", "weight_shape") else 0
     if quantization == "int4":
         fmt = "awq" if method == "awq" else "gptq"
-        qcfg = formats.make_quantization_config(fmt, group_size=group_size, desc_act=desc_act)
+        from roofline.quant.calibrate.gptq import GPTQ_DAMP_PERCENT
+
+        qcfg = formats.make_quantization_config(fmt, group_size=group_size, desc_act=desc_act,
+                                                damp_percent=GPTQ_DAMP_PERCENT)
     else:
         fmt = "compressed-tensors"
         qcfg = formats.make_quantization_config(fmt, scheme=_SCHEME[quantization])

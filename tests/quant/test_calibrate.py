@@ -22,7 +22,7 @@ from roofline.quant.calibrate.awq import (
     search_awq_scale,
 )
 from roofline.quant.calibrate.capture import _Accumulator, cap_row_norms
-from roofline.quant.calibrate.gptq import gptq_quantize, split_rows
+from roofline.quant.calibrate.gptq import GPTQ_DAMP_PERCENT, gptq_quantize, split_rows
 from roofline.quant.calibrate.smooth import fold_input_scales, smoothquant_scales, smoothquant_smooth
 from roofline.quant.quantize import ChannelWeight, Int4Weight, int4_params, quantize_int4_rtn
 
@@ -39,7 +39,8 @@ def _outlier_inputs(m: int, k: int, gen: torch.Generator, mix: torch.Tensor, out
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_awq_and_gptq_beat_rtn_with_outlier_channels(seed):
     """Held-out output MSE ``|x W^T - x W_q^T|^2`` at group size 128: measured AWQ/RTN 0.19-0.21,
-    GPTQ/RTN 0.24-0.28, GPTQ act-order/RTN 0.21-0.23 (seeds 0-2); asserted with margin."""
+    GPTQ/RTN 0.24-0.28, GPTQ act-order/RTN 0.21-0.23 at percdamp 0.01, GPTQ/RTN 0.71 at the default damping
+    1.0 0.71-0.80 (seeds 0-2); asserted with margin."""
     gen = torch.Generator().manual_seed(seed)
     k, n, gs = 512, 256, 128
     mix = torch.randn(32, k, generator=gen) / 32**0.5
@@ -63,12 +64,17 @@ def test_awq_and_gptq_beat_rtn_with_outlier_channels(seed):
     max_val = search_awq_clip(ws, x_cal / s, gs)
     e_awq = mse(quantize_int4_rtn(clip_weight(ws, max_val, gs), gs).dequantize(), x_test / s)
     h = 2 / x_cal.shape[0] * x_cal.T @ x_cal
-    e_gptq = mse(gptq_quantize(w, h, gs).dequantize())
-    e_act = mse(gptq_quantize(w, h, gs, desc_act=True).dequantize())
-    print(f"seed {seed}: AWQ/RTN {e_awq / e_rtn:.3f}, GPTQ/RTN {e_gptq / e_rtn:.3f}, act-order {e_act / e_rtn:.3f}")
+    # At the reference's damping (percdamp 0.01) and at ours (1.0 x mean(diag H), which these 50x outlier
+    # channels inflate, so it pulls GPTQ towards RTN: the price of the damping the default model needs).
+    e_gptq = mse(gptq_quantize(w, h, gs, damp_percent=0.01).dequantize())
+    e_act = mse(gptq_quantize(w, h, gs, damp_percent=0.01, desc_act=True).dequantize())
+    e_default = mse(gptq_quantize(w, h, gs).dequantize())
+    print(f"seed {seed}: AWQ/RTN {e_awq / e_rtn:.3f}, GPTQ/RTN {e_gptq / e_rtn:.3f}, act-order {e_act / e_rtn:.3f}, "
+          f"GPTQ (damp {GPTQ_DAMP_PERCENT})/RTN {e_default / e_rtn:.3f}")
     assert e_awq < 0.3 * e_rtn
     assert e_gptq < 0.35 * e_rtn
     assert e_act < 0.35 * e_rtn
+    assert e_default < 0.9 * e_rtn
 
 
 def test_awq_clip_never_worse_on_its_rows():
@@ -169,11 +175,16 @@ def test_gptq_hessian_is_not_dominated_by_massive_activation_tokens(seed):
     capped = acc.finish().hessian
     assert capped is not None
 
-    def err(h: torch.Tensor | None) -> float:
-        wq = quantize_int4_rtn(w, gs).dequantize() if h is None else gptq_quantize(w, h, gs).dequantize()
+    def err(h: torch.Tensor | None, damp: float = GPTQ_DAMP_PERCENT) -> float:
+        wq = (quantize_int4_rtn(w, gs) if h is None else gptq_quantize(w, h, gs, damp_percent=damp)).dequantize()
         return float(((x_test @ (wq - w).T) ** 2).mean())
 
-    assert err(raw) > 3 * err(None)
+    print(f"seed {seed}: percdamp 0.01 raw/RTN {err(raw, 0.01) / err(None):.2f}, capped/RTN "
+          f"{err(capped, 0.01) / err(None):.2f}; default damping raw/RTN {err(raw) / err(None):.2f}, capped/RTN "
+          f"{err(capped) / err(None):.2f}")
+    # At the reference's damping the raw Hessian fails; the cap fixes it at either damping.
+    assert err(raw, 0.01) > 3 * err(None)
+    assert err(capped, 0.01) < 0.5 * err(None)
     assert err(capped) < 0.5 * err(None)
 
 
@@ -229,7 +240,7 @@ def test_gptq_matches_naive_obs_reference(block_size):
     x = torch.randn(512, 8, generator=gen) @ torch.randn(8, k, generator=gen) + 0.3 * torch.randn(512, k, generator=gen)
     h = 2 / 512 * x.T @ x
     w = torch.randn(n, k, generator=gen)
-    ref = _naive_gptq(w, h, gs)
+    ref = _naive_gptq(w, h, gs, GPTQ_DAMP_PERCENT)
     assert torch.equal(gptq_quantize(w, h, gs, block_size=block_size).q.float(), ref)
 
 
