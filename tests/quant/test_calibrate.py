@@ -439,6 +439,22 @@ def test_calibrate_model_all_methods(tiny):
     assert torch.equal(torch.bincount(g[0].long()), torch.full((2,), 32))
 
 
+def test_calibrate_model_gptq_sequential(tiny):
+    """Two passes: the second captures layer 1's inputs from the model quantized by the first, so layer 0's
+    Hessian (whose inputs no quantized layer precedes) and weights are the same, layer 1's differ; the model's
+    own weights are restored afterwards (the same log-probabilities before and after)."""
+    llm = tiny["mha"]
+    samples = _samples(3, 64, seed=2)
+    before = _logprobs(llm, samples)
+    one = calibrate_model(llm, "gptq", group_size=32, samples=samples, use_tqdm=False)
+    two = calibrate_model(llm, "gptq", group_size=32, samples=samples, use_tqdm=False, sequential=True)
+    assert torch.equal(_logprobs(llm, samples), before)
+    q0 = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(one[q0].q, two[q0].q) and torch.equal(one[q0].scales, two[q0].scales)
+    d1 = "model.layers.1.mlp.down_proj.weight"
+    assert not torch.equal(one[d1].q, two[d1].q)
+
+
 def test_calibrate_model_quantized_lm_head(tiny):
     llm = tiny["gqa"]
     out = calibrate_model(llm, "awq", group_size=32, samples=_samples(2, 32), quantize_lm_head=True,
