@@ -18,7 +18,7 @@ _COMMANDS = [
     ("roofline.cost_cli", "add_cost_parser"),
     ("roofline.cost_cli", "add_probe_parser"),
     ("roofline.eval.cli", "add_eval_parser"),
-    ("roofline.quant.cli", "add_quantize_parser"),
+    ("roofline.quantize_cli", "add_quantize_parser"),
 ]
 _BENCH_COMMANDS = [
     ("roofline.bench.serve", "add_parser"),

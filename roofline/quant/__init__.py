@@ -25,29 +25,24 @@ from typing import Any
 
 from roofline.config import QUANTIZATION_METHODS
 from roofline.quant.base import LinearMethod, QuantConfig, UnquantizedLinearMethod
-
-_CHECKPOINT_ONLY = ("gptq", "awq", "compressed-tensors")
-# The load-time method each checkpoint format reads into.
-_METHOD_OF_SCHEME = {"fp8-dynamic": "fp8", "int8-dynamic": "smoothquant", "w8a16-int8": "int8"}
+from roofline.quant.registry import QUANTIZATION_CONFIGS, get_quantization_config
 
 
 def check_quantization(quantization: str | None) -> None:
     """Raises ValueError listing the choices when ``quantization`` is not None or one of them."""
-    if quantization is not None and quantization not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), "
+    if quantization is not None and quantization not in QUANTIZATION_CONFIGS:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CONFIGS)} (or None), "
                          f"got {quantization!r}")
 
 
 def checkpoint_method(spec: Any) -> str:
     """The ``--quantization`` method a parsed checkpoint config (``formats.QuantSpec``) loads as."""
-    if spec.format in ("gptq", "awq"):
-        return "int4"
-    return _METHOD_OF_SCHEME[spec.scheme]
+    return get_quantization_config(spec.format).from_config(spec).name
 
 
 def get_quant_config(quantization: str | None, checkpoint_config: Mapping[str, Any] | None = None,
                      group_size: int = 128) -> QuantConfig | None:
-    """The weight format of a model.
+    """The weight format of a model: the registered config's ``from_config`` (``roofline.quant.registry``).
 
     Args:
         quantization: ``--quantization`` (None: the checkpoint's own format, or 16-bit weights).
@@ -63,32 +58,19 @@ def get_quant_config(quantization: str | None, checkpoint_config: Mapping[str, A
             ``quantization_config`` (names the field).
     """
     from roofline.quant.formats import parse_quantization_config
-    from roofline.quant.fp8 import Fp8Config
-    from roofline.quant.int4 import Int4Config
-    from roofline.quant.int8 import Int8Config
-    from roofline.quant.smoothquant import SmoothQuantConfig
 
     check_quantization(quantization)
-    configs = {"int8": Int8Config, "fp8": Fp8Config, "smoothquant": SmoothQuantConfig}
     if checkpoint_config is None:
         if quantization is None:
             return None
-        if quantization in _CHECKPOINT_ONLY:
-            raise ValueError(f"quantization {quantization!r} reads a checkpoint quantized in that format, but this "
-                             f"model has no quantization_config; to quantize at load use int4, int8, fp8 or "
-                             f"smoothquant, or write a checkpoint with `roofline quantize`")
-        if quantization == "int4":
-            return Int4Config(group_size)
-        return configs[quantization]()
+        return get_quantization_config(quantization).from_config(None, group_size)
     spec = parse_quantization_config(checkpoint_config)
-    method = checkpoint_method(spec)
-    if quantization not in (None, spec.format, method):
-        raise ValueError(f"the checkpoint is quantized with {spec.format} ({method}), which does not match "
+    config = get_quantization_config(spec.format).from_config(spec)
+    if quantization not in (None, spec.format, config.name):
+        raise ValueError(f"the checkpoint is quantized with {spec.format} ({config.name}), which does not match "
                          f"quantization {quantization!r}; drop the flag or pass {spec.format!r}")
-    if method == "int4":
-        return Int4Config(spec.group_size, checkpoint=spec)
-    return configs[method](checkpoint=spec)
+    return config
 
 
-__all__ = ["LinearMethod", "QUANTIZATION_METHODS", "QuantConfig", "UnquantizedLinearMethod", "check_quantization",
-           "checkpoint_method", "get_quant_config"]
+__all__ = ["LinearMethod", "QUANTIZATION_CONFIGS", "QUANTIZATION_METHODS", "QuantConfig", "UnquantizedLinearMethod",
+           "check_quantization", "checkpoint_method", "get_quant_config", "get_quantization_config"]

@@ -85,14 +85,75 @@ class UnquantizedLinearMethod(LinearMethod):
 
 
 class QuantConfig(ABC):
-    """A weight format: parsed from a checkpoint's ``quantization_config`` or chosen by a flag."""
+    """A weight format: parsed from a checkpoint's ``quantization_config`` or chosen by a flag.
+
+    Each registered format (``roofline.quant.registry``) builds its config with ``from_config``, the shape of
+    vLLM's ``QuantizationConfig.from_config``.
+    """
 
     name: str = "abstract"
+
+    @classmethod
+    def from_config(cls, checkpoint: Any = None, group_size: int = 128) -> QuantConfig:
+        """The config for a checkpoint's parsed ``quantization_config`` (``formats.QuantSpec``), or, with
+        ``checkpoint`` None, for quantizing an unquantized model at load (``group_size``: INT4 only).
+
+        Raises:
+            ValueError: the format cannot do what is asked (a checkpoint-only format without a checkpoint,
+                a bad group size), naming the value and what is allowed.
+        """
+        raise ValueError(f"quantization {cls.name!r} has no from_config")
 
     @abstractmethod
     def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
         """The method for the linear layer at ``prefix`` (e.g. ``model.layers.0.self_attn.qkv_proj``);
         return ``UnquantizedLinearMethod()`` for layers the format leaves in 16 bits (``lm_head``)."""
+
+
+def checkpoint_only(name: str, checkpoint: Any) -> Any:
+    """``checkpoint``, or a ValueError saying that ``name`` reads a checkpoint quantized in that format."""
+    if checkpoint is None:
+        raise ValueError(f"quantization {name!r} reads a checkpoint quantized in that format, but this "
+                         f"model has no quantization_config; to quantize at load use int4, int8, fp8 or "
+                         f"smoothquant, or write a checkpoint with `roofline quantize`")
+    return checkpoint
+
+
+class FormatQuantConfig(QuantConfig):
+    """A format that gives every linear layer the same method (``linear_method``), except the layers a
+    checkpoint's ignore list leaves in 16 bits; lm_head and the embeddings are never quantized.
+
+    Attributes:
+        checkpoint: the parsed ``quantization_config`` (``formats.QuantSpec``), or None to quantize at load.
+    """
+
+    def __init__(self, checkpoint: Any = None):
+        self.checkpoint = checkpoint
+
+    def get_linear_method(self, layer: nn.Module, prefix: str) -> LinearMethod:
+        if self.checkpoint is not None and is_ignored(self.checkpoint, prefix):
+            return UnquantizedLinearMethod()
+        return self.linear_method()
+
+    @abstractmethod
+    def linear_method(self) -> LinearMethod:
+        """A fresh method for one quantized linear layer."""
+
+
+class ChannelQuantConfig(FormatQuantConfig):
+    """The per-output-channel 8-bit family (int8 W8A16, fp8 W8A8, smoothquant INT8 W8A8): one config, and a
+    format of the family declares only its ``name`` and ``linear_method_cls``. Quantized at load, or read from
+    a compressed-tensors checkpoint of the matching scheme (``roofline.quant.compressed_tensors``).
+    """
+
+    linear_method_cls: type[QuantizedLinearMethod]
+
+    @classmethod
+    def from_config(cls, checkpoint: Any = None, group_size: int = 128) -> ChannelQuantConfig:
+        return cls(checkpoint)
+
+    def linear_method(self) -> LinearMethod:
+        return self.linear_method_cls(self.checkpoint)
 
 
 def channel_amax(weight: torch.Tensor, layer: nn.Module) -> torch.Tensor:

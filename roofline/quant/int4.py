@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 from roofline.quant.base import (
+    FormatQuantConfig,
     QuantConfig,
     QuantizedLinearMethod,
-    UnquantizedLinearMethod,
-    is_ignored,
+    checkpoint_only,
     register_frozen,
 )
 from roofline.quant.quantize import Int4Weight, quantize_int4_rtn
@@ -101,7 +101,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
         return gemm.w4a16(x, layer, bias)
 
 
-class Int4Config(QuantConfig):
+class Int4Config(FormatQuantConfig):
     """INT4 weight-only for every linear layer (lm_head and embeddings stay 16-bit).
 
     Raises:
@@ -114,10 +114,30 @@ class Int4Config(QuantConfig):
         if checkpoint is None and group_size not in INT4_GROUP_SIZES:
             raise ValueError(f"int4 group size must be one of {', '.join(map(str, INT4_GROUP_SIZES))}, "
                              f"got {group_size!r}")
+        super().__init__(checkpoint)
         self.group_size = group_size
-        self.checkpoint = checkpoint
 
-    def get_linear_method(self, layer: nn.Module, prefix: str):
-        if self.checkpoint is not None and is_ignored(self.checkpoint, prefix):
-            return UnquantizedLinearMethod()
+    @classmethod
+    def from_config(cls, checkpoint=None, group_size: int = 128) -> Int4Config:
+        if checkpoint is not None:
+            return cls(checkpoint.group_size, checkpoint=checkpoint)
+        return cls(group_size)
+
+    def linear_method(self) -> Int4LinearMethod:
         return Int4LinearMethod(self.group_size, self.checkpoint)
+
+
+class GPTQConfig(QuantConfig):
+    """GPTQ checkpoints (AutoGPTQ / GPTQModel, v1 and v2, act-order included): read into ``Int4Config``."""
+
+    name = "gptq"
+
+    @classmethod
+    def from_config(cls, checkpoint=None, group_size: int = 128) -> Int4Config:
+        return Int4Config.from_config(checkpoint_only(cls.name, checkpoint))
+
+
+class AWQConfig(GPTQConfig):
+    """AutoAWQ GEMM checkpoints: read into ``Int4Config``."""
+
+    name = "awq"

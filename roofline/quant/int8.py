@@ -11,14 +11,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from roofline.quant.base import (
-    QuantConfig,
-    QuantizedLinearMethod,
-    UnquantizedLinearMethod,
-    channel_amax,
-    is_ignored,
-    register_frozen,
-)
+from roofline.quant.base import ChannelQuantConfig, QuantizedLinearMethod, channel_amax, register_frozen
 from roofline.quant.quantize import ChannelWeight, quantize_int8_per_channel
 
 
@@ -42,16 +35,9 @@ class Int8LinearMethod(QuantizedLinearMethod):
         return gemm.w8a16(x, layer, bias)
 
 
-class Int8Config(QuantConfig):
+class Int8Config(ChannelQuantConfig):
     """Weight-only INT8 for every linear layer (lm_head and embeddings stay 16-bit)."""
 
     name = "int8"
-
-    def __init__(self, checkpoint=None):
-        self.checkpoint = checkpoint
-
-    def get_linear_method(self, layer: nn.Module, prefix: str):
-        if self.checkpoint is not None and is_ignored(self.checkpoint, prefix):
-            return UnquantizedLinearMethod()
-        return Int8LinearMethod(self.checkpoint)
+    linear_method_cls = Int8LinearMethod
 

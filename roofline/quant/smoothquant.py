@@ -22,13 +22,7 @@ import logging
 import torch
 from torch import nn
 
-from roofline.quant.base import (
-    QuantConfig,
-    QuantizedLinearMethod,
-    UnquantizedLinearMethod,
-    is_ignored,
-    register_frozen,
-)
+from roofline.quant.base import ChannelQuantConfig, QuantizedLinearMethod, register_frozen
 from roofline.quant.quantize import ChannelWeight, quantize_int8_per_channel
 
 logger = logging.getLogger(__name__)
@@ -54,18 +48,14 @@ class SmoothQuantLinearMethod(QuantizedLinearMethod):
         return gemm.int8_w8a8(x, layer, bias)
 
 
-class SmoothQuantConfig(QuantConfig):
+class SmoothQuantConfig(ChannelQuantConfig):
     """INT8 W8A8 for every linear layer (lm_head and embeddings stay 16-bit)."""
 
     name = "smoothquant"
+    linear_method_cls = SmoothQuantLinearMethod
 
     def __init__(self, checkpoint=None):
-        self.checkpoint = checkpoint
+        super().__init__(checkpoint)
         if checkpoint is None:
             logger.info("smoothquant at load: INT8 W8A8 without smoothing (no calibration activations); "
                         "`roofline quantize --quantization smoothquant` writes a smoothed checkpoint")
-
-    def get_linear_method(self, layer: nn.Module, prefix: str):
-        if self.checkpoint is not None and is_ignored(self.checkpoint, prefix):
-            return UnquantizedLinearMethod()
-        return SmoothQuantLinearMethod(self.checkpoint)

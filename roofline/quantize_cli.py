@@ -13,7 +13,7 @@ checkpoint in a published layout, which ``roofline generate/serve DIR`` (and vLL
 
 Calibration (awq, gptq, smoothquant) runs the unquantized model over ``--calib-samples`` windows of
 ``--calib-seq-len`` ShareGPT tokens taken from the front of the benchmark shuffle, disjoint from the held-out
-slice ``roofline eval`` scores (``roofline.quant.calibrate``). ``lm_head`` and the embeddings stay 16-bit.
+slice ``roofline eval`` scores (``roofline.calibration``). ``lm_head`` and the embeddings stay 16-bit.
 """
 
 from __future__ import annotations
@@ -95,9 +95,9 @@ def quantize_checkpoint(model: str | None, quantization: str, method: str, outpu
     import torch
     from safetensors.torch import save_file
 
+    from roofline.calibration import calibrate_model, dense_state_dict
     from roofline.llm import LLM
     from roofline.quant import formats
-    from roofline.quant.calibrate import calibrate_model
     from roofline.quant.quantize import (
         ChannelWeight,
         Int4Weight,
@@ -117,8 +117,6 @@ def quantize_checkpoint(model: str | None, quantization: str, method: str, outpu
         tensors = calibrate_model(llm, calib, group_size=group_size, num_samples=num_samples, seq_len=seq_len,
                                   alpha=alpha, desc_act=desc_act)
     else:
-        from roofline.quant.calibrate import dense_state_dict
-
         tensors = dense_state_dict(llm)
     quantize = {"int8": quantize_int8_per_channel, "fp8": quantize_fp8_per_channel}.get(quantization)
     linears = [n[: -len(".weight")] for n, t in tensors.items()
@@ -142,7 +140,10 @@ def quantize_checkpoint(model: str | None, quantization: str, method: str, outpu
             q_bytes += p.numel() * p.element_size() if suffix not in ("g_idx", "weight_shape") else 0
     if quantization == "int4":
         fmt = "awq" if method == "awq" else "gptq"
-        qcfg = formats.make_quantization_config(fmt, group_size=group_size, desc_act=desc_act)
+        from roofline.quant.calibrate.gptq import GPTQ_DAMP_PERCENT
+
+        qcfg = formats.make_quantization_config(fmt, group_size=group_size, desc_act=desc_act,
+                                                damp_percent=GPTQ_DAMP_PERCENT)
     else:
         fmt = "compressed-tensors"
         qcfg = formats.make_quantization_config(fmt, scheme=_SCHEME[quantization])
