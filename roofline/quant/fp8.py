@@ -32,8 +32,10 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         q = canonical.q.to(torch.float8_e4m3fn).contiguous()
         register_frozen(layer, "qweight", q)
         register_frozen(layer, "weight_scale", canonical.scales.float().contiguous())
-        # The emulated path's float32 copy of the E4M3 values: not a parameter (no FP8 device reads it).
-        layer.fp8_emulation_weight = None if gemm.fp8_tensor_cores(q.device) else q.float()
+        # The emulated path's copy of the E4M3 values (float64 on CPU, where it accumulates exactly, float32 on
+        # GPUs without FP8 tensor cores): not a parameter (no FP8 device reads it).
+        emulated = torch.float64 if q.device.type == "cpu" else torch.float32
+        layer.fp8_emulation_weight = None if gemm.fp8_tensor_cores(q.device) else q.to(emulated)
 
     def apply(self, layer, x, bias=None):
         from roofline.quant import gemm

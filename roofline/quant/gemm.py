@@ -12,7 +12,8 @@ Every function takes activations ``x`` [..., K] in the model dtype and returns [
   - 16-bit (``dense_linear``, the unquantized method): our split-K GEMV where it beat cuBLAS, else F.linear.
 - CPU: torch's own low-bit kernels (``torch._weight_int8pack_mm`` for W8A16, ``torch._weight_int4pack_mm_for_cpu``
   for W4A16, ``torch._int_mm`` for W8A8 INT8). FP8 on CPU, or on a GPU without FP8 tensor cores, is
-  emulated: E4M3 values (activations rounded per token, weights per channel) multiplied in float32, the
+  emulated: E4M3 values (activations rounded per token, weights per channel) multiplied in float64 on CPU
+  (exact: a row never depends on its batch-mates) and float32 on GPUs, the
   arithmetic of an FP8 tensor core with float32 accumulation; the log says so once.
 """
 
@@ -242,15 +243,16 @@ def fp8_tensor_cores(device: torch.device) -> bool:
 
 @functools.cache
 def _say_fp8_emulated(device: str) -> None:
-    logger.warning("fp8 W8A8 on %s is the emulated path: E4M3 values multiplied in float32 (no FP8 tensor "
-                   "cores here); quality is the format's, speed is not", device)
+    logger.warning("fp8 W8A8 on %s is the emulated path (no FP8 tensor cores here): E4M3 values multiplied with "
+                   "float64 accumulation on CPU (exact, so batch-invariant), float32 on GPUs; quality is the "
+                   "format's, speed is not", device)
 
 
 def fp8_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
              dense: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 W8A8: ``x`` [..., K] rounded to E4M3 per token (dynamic, amax / 448), times ``qweight``
     float8_e4m3fn [N, K] with per-channel ``scale`` float32 [N], float32 accumulation -> [..., N] in x's dtype.
-    ``dense``: the weight's E4M3 values as float32 [N, K] for the emulated path (saves the cast per call)."""
+    ``dense``: the weight's E4M3 values as float64 (CPU) or float32 [N, K] for the emulated path (saves the cast per call)."""
     x2 = _flat(x)
     qk = _quant_kernels(x)
     m, (n, k) = x2.shape[0], qweight.shape
@@ -262,6 +264,12 @@ def fp8_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: 
         out = torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype)
     else:
         _say_fp8_emulated(str(x.device))
-        w = dense if dense is not None else qweight.float()
-        out = ((xq.float() @ w.t()) * xs * scale[None, :]).to(x.dtype)
+        # Exact accumulation, so a row's result never depends on its batch-mates. A product of two E4M3 values
+        # has 8 significant bits between 2^-18 and 448^2; K <= 170k such terms sum exactly in float64's 53 bits,
+        # in any order. float32 sums round differently with M (the BLAS blocking changes), and per-token E4M3
+        # rounding in the next layer turns a 1e-6 difference into a whole E4M3 step (issue 31: one greedy
+        # request's output changed with its batch-mates). On CPU the float64 copy is the cached weight.
+        acc_dtype = torch.float64 if x.device.type == "cpu" else torch.float32
+        w = dense if dense is not None else qweight.to(acc_dtype)
+        out = ((xq.to(w.dtype) @ w.t()).float() * xs * scale[None, :]).to(x.dtype)
     return _finish(out, x, bias)
