@@ -30,7 +30,7 @@ def _imports_torch(module: str) -> tuple[bool, str]:
     "roofline.engine.block_pool",
     "roofline.engine.radix_cache",
     "roofline.engine.sequence",
-    "roofline.engine.step",
+    "roofline.step",
     "roofline.engine.detokenizer",
     "roofline.engine.llm_engine",
 ])
