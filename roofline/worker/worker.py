@@ -252,20 +252,21 @@ class Worker:
         """
         pending = PendingStep(self, step, time.perf_counter())
         self.update_states(step)
-        pending.draft_duration_s = self._place_drafts(step)
+        if step.spec_token_ids or step.num_draft_tokens:
+            pending.draft_duration_s = self._place_drafts(step)
         hidden, sample_rows, logits_indices = self.stage.forward(step)
         prompt_plan = plan_prompt_logprobs(self.input_batch, step)  # None unless a scheduled request asks
         for (sid, n) in step.scheduled:
             self.input_batch.num_computed_tokens[self.input_batch.row_of[sid]] += n
         if hidden is None:  # an earlier pipeline stage: the last stage samples (PipelineStage.result)
             return pending.expect(sample_rows, None)
-        ks = self.inputs.num_spec[sample_rows]
-        if ks.any():
+        if (step.spec_token_ids or step.num_draft_tokens) and len(sample_rows):  # a step with drafts
+            ks = self.inputs.num_spec[sample_rows]
             spec = ks > 0
             pending.verified = verify(self, hidden, sample_rows[spec], logits_indices[spec], ks[spec],
                                       self._draft_probs)
             sample_rows, logits_indices = sample_rows[~spec], logits_indices[~spec]
-        self.inputs.num_spec[:] = 0
+            self.inputs.num_spec[:] = 0
         if prompt_plan is not None:  # logits at the prompt positions of the requests that ask, and no others
             lps = compute_prompt_logprobs(prompt_plan, hidden, self.model.compute_logits, self.inputs.to_device)
             pending.prompt_plan = prompt_plan

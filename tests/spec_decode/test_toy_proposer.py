@@ -39,17 +39,28 @@ def reference(default_llm):
     return {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in outs}
 
 
+@pytest.fixture(scope="module")
+def toy_llm(default_llm, reference):
+    PROPOSERS["toy"] = FixedDraft  # the one registry line
+    FixedDraft.CONTINUATIONS = reference
+    FixedDraft.VOCAB = default_llm.engine.model_config.vocab_size
+    try:
+        llm = LLM(speculative_config={"method": "toy", "num_speculative_tokens": GAMMA, "adaptive": False},
+                  **COMMON)
+        yield llm
+        llm.engine.executor.shutdown()
+    finally:
+        del PROPOSERS["toy"]
+
+
 @pytest.mark.parametrize("offset", [0, 1], ids=["known-right", "known-wrong"])
-def test_a_toy_proposer_is_verified_exactly(monkeypatch, default_llm, reference, offset):
-    monkeypatch.setitem(PROPOSERS, "toy", FixedDraft)  # the one registry line
-    monkeypatch.setattr(FixedDraft, "CONTINUATIONS", reference)
+def test_a_toy_proposer_is_verified_exactly(monkeypatch, toy_llm, reference, offset):
     monkeypatch.setattr(FixedDraft, "OFFSET", offset)
-    monkeypatch.setattr(FixedDraft, "VOCAB", default_llm.engine.model_config.vocab_size)
-    llm = LLM(speculative_config={"method": "toy", "num_speculative_tokens": GAMMA, "adaptive": False}, **COMMON)
     sp = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
-    outs = llm.generate(PROMPTS, sp, use_tqdm=False)
+    before = toy_llm.engine.spec_stats.copy()
+    outs = toy_llm.generate(PROMPTS, sp, use_tqdm=False)
     assert {tuple(o.prompt_token_ids): list(o.outputs[0].token_ids) for o in outs} == reference
-    st = llm.engine.spec_stats
+    st = toy_llm.engine.spec_stats.since(before)
     assert st.num_drafts > 0 and st.num_emitted_tokens == st.num_accepted_tokens + st.num_drafts
     if offset == 0:  # every draft is the target's argmax: all accepted, GAMMA + 1 tokens per pass
         assert st.num_accepted_tokens == st.num_draft_tokens > 0, st.as_dict()
@@ -60,7 +71,6 @@ def test_a_toy_proposer_is_verified_exactly(monkeypatch, default_llm, reference,
         # room for a draft (max_tokens), so it decodes plainly
         assert st.num_accepted_tokens == 0 and st.num_draft_tokens > 0, st.as_dict()
         assert st.num_drafts == len(PROMPTS) * (MAX_TOKENS - 2), st.as_dict()
-    llm.engine.executor.shutdown()
 
 
 def test_an_unregistered_method_names_the_registered_ones():
