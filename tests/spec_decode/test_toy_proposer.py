@@ -76,5 +76,5 @@ def test_a_toy_proposer_is_verified_exactly(monkeypatch, toy_llm, reference, off
 def test_an_unregistered_method_names_the_registered_ones():
     from roofline.config import SpeculativeConfig
 
-    with pytest.raises(ValueError, match=r"method must be one of ngram, draft_model, got 'toy'"):
-        SpeculativeConfig(method="toy", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match=r"method must be one of ngram, draft_model, got 'medusa'"):
+        SpeculativeConfig(method="medusa", num_speculative_tokens=2)
