@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from roofline.args import EngineArgs
-from roofline.engine.llm_engine import LLMEngine
+from roofline.engine_factory import engine_from_model
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
 
@@ -67,7 +67,7 @@ class LLM:
     def __init__(self, model: str | None = None, **kwargs: Any):
         self.engine_args = EngineArgs(model=model, **kwargs)
         ea = self.engine_args
-        self.engine = LLMEngine.from_config(ea.model, ea.create_engine_config, load_format=ea.load_format)
+        self.engine = engine_from_model(ea.model, ea.create_engine_config, load_format=ea.load_format)
         self.last_run_stats: RunStats | None = None
 
     @property

@@ -33,7 +33,7 @@ class SpeculativeConfig:
     - or the target's own weights: ``num_layers`` k runs the target's first k decoder layers, its final norm
       and LM head (a layer-truncated self, which shares the target's KV cache for those layers), or
       ``quantization`` (``int4``, ``int8`` or ``fp8``) loads a quantized copy of the whole target.
-    A separate draft or a quantized self keeps its own KV in the target's blocks (``roofline.worker.draft_model``).
+    A separate draft or a quantized self keeps its own KV in the target's blocks (``roofline.spec_decode.draft_model``).
     """
 
     method: str
@@ -46,8 +46,12 @@ class SpeculativeConfig:
     adaptive: bool = True
 
     def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise ValueError(f"speculative_config method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+        from roofline.spec_decode.proposer import (
+            PROPOSERS,  # the registry of methods (one entry per proposer)
+        )
+
+        if self.method not in PROPOSERS:
+            raise ValueError(f"speculative_config method must be one of {', '.join(PROPOSERS)}, "
                              f"got {self.method!r}")
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
@@ -70,6 +74,8 @@ class SpeculativeConfig:
                 if getattr(self, name) is not None:
                     raise ValueError(f"speculative_config {name} applies to method 'draft_model', not 'ngram'")
             return
+        if self.method != "draft_model":
+            return  # another registered proposer: its options are its own
         for name in ("prompt_lookup_min", "prompt_lookup_max"):
             if getattr(self, name) is not None:
                 raise ValueError(f"speculative_config {name} applies to method 'ngram', not 'draft_model'")

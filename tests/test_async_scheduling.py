@@ -50,7 +50,7 @@ def _assert_idle(llm: LLM) -> None:
     assert not engine.has_unfinished_requests() and engine._inflight is None
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
     # The worker still holds the last finished sequences only until the next step tells it to forget them.
-    assert set(engine.worker.input_batch.row_of) <= set(engine._finished_seq_ids)
+    assert set(engine.worker.input_batch.row_of) <= set(engine.sent.finished_seq_ids)
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ import torch
 
 from roofline.args import EngineArgs
 from roofline.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from roofline.worker import worker
+from roofline.worker import scoring as worker  # the budget rule moved to worker/scoring.py
 
 pytestmark = pytest.mark.skipif(torch.cuda.is_available(), reason="checks how auto resolves without a GPU")
 

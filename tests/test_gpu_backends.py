@@ -100,9 +100,10 @@ def test_speculative_verify_replays_cuda_graphs(spec):
     torch.cuda.empty_cache()
     llm = LLM(_model(), speculative_config=spec, **common)
     worker = llm.engine.worker
-    assert (worker.draft_graphs is not None) == (spec["method"] == "draft_model")
+    draft_graphs = getattr(worker.proposer, "graphs", None)  # the layer-skip proposer's
+    assert (draft_graphs is not None) == (spec["method"] == "draft_model")
     replays = {"verify": 0, "draft": 0}
-    for name, runner in (("verify", worker.graphs), ("draft", worker.draft_graphs)):
+    for name, runner in (("verify", worker.graphs), ("draft", draft_graphs)):
         if runner is None:
             continue
 

@@ -32,6 +32,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from roofline.attention.kv_cache import KVCache, KVCachePool
@@ -73,6 +74,42 @@ class AttentionMetadata:
     @property
     def is_decode_only(self) -> bool:
         return self.max_query_len == 1
+
+
+def slot_mapping(block_table: np.ndarray, token_rows: np.ndarray, positions: np.ndarray,
+                 block_size: int) -> np.ndarray:
+    """[T] int64 flat cache slots of tokens at ``positions`` [T] of rows ``token_rows`` [T] of ``block_table``
+    [rows, max_blocks] (a position's block is ``block_table[row, position // block_size]``)."""
+    return block_table[token_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
+
+
+def paged_metadata(slots: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
+                   to_device: Callable[[str, np.ndarray], torch.Tensor] | torch.device) -> AttentionMetadata:
+    """The one ``AttentionMetadata`` builder: host arrays in, device tensors and host lists out.
+
+    Args:
+        slots: [T] int64 cache slots (``slot_mapping``; negative: not stored).
+        query_start_loc: [S + 1] int cumulative query counts of the S attention rows.
+        seq_lens: [S] int keys each attention row's last query sees.
+        block_tables: [S, max_blocks] int32 (each row's table, cut to the blocks any row reads).
+        to_device: a device (plain copies), or ``to_device(name, array)`` (the worker's pinned staging, whose
+            buffer names are ``slot_mapping``, ``query_start_loc``, ``seq_lens`` and ``block_tables``).
+    """
+    if isinstance(to_device, torch.device):
+        dev = to_device
+
+        def to_device(_: str, a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(dev)
+    counts = np.diff(query_start_loc)
+    return AttentionMetadata(
+        slot_mapping=to_device("slot_mapping", slots),
+        query_start_loc=to_device("query_start_loc", query_start_loc.astype(np.int32)),
+        seq_lens=to_device("seq_lens", seq_lens.astype(np.int32)),
+        block_tables=to_device("block_tables", np.ascontiguousarray(block_tables)),
+        max_query_len=int(counts.max()),
+        query_lens_cpu=counts.tolist(),
+        seq_lens_cpu=seq_lens.tolist(),
+    )
 
 
 class AttentionBackend(ABC):

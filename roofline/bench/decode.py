@@ -25,7 +25,7 @@ def build_engine(args: argparse.Namespace, max_batch: int, max_context: int, kv_
                  quantization: str | None = None, executor: str | None = None):
     from roofline.args import EngineArgs
     from roofline.config import model_preset
-    from roofline.engine.llm_engine import LLMEngine
+    from roofline.engine_factory import build_engine
     from roofline.models.loader import ModelSource
 
     mc = model_preset(args.model)
@@ -42,7 +42,7 @@ def build_engine(args: argparse.Namespace, max_batch: int, max_context: int, kv_
                     tensor_parallel_size=getattr(args, "tensor_parallel_size", 1),
                     distributed_executor_backend=executor,
                     async_scheduling=getattr(args, "async_scheduling", None))
-    return LLMEngine(ea.create_engine_config(mc), ModelSource("dummy", None, args.model), mc, tokenizer=None)
+    return build_engine(ea.create_engine_config(mc), ModelSource("dummy", None, args.model), mc, tokenizer=None)
 
 
 def time_decode(engine: Any, batch: int, context: int, steps: int, warmup: int, seed: int = 0,

@@ -82,7 +82,7 @@ def build_engine(args: argparse.Namespace, enable_prefix_caching: bool) -> Any:
     dummy``, whose ``max_position_embeddings`` is raised to ``--max-model-len`` if smaller, and no tokenizer, as
     ``bench throughput``'s). The model's tokenizer is loaded once per process (``model_tokenizer``)."""
     from roofline.args import EngineArgs
-    from roofline.engine.llm_engine import LLMEngine
+    from roofline.engine_factory import build_engine
     from roofline.models.loader import load_config, resolve_model
 
     ea = EngineArgs(**engine_kwargs(args, enable_prefix_caching))
@@ -91,9 +91,9 @@ def build_engine(args: argparse.Namespace, enable_prefix_caching: bool) -> Any:
     if args.load_format == "dummy":
         if args.max_model_len and mc.max_position_embeddings < args.max_model_len:
             mc = dataclasses.replace(mc, max_position_embeddings=args.max_model_len)
-        return LLMEngine(ea.create_engine_config(mc), source, mc, tokenizer=None)
-    return LLMEngine(ea.create_engine_config(mc), source, mc,
-                     tokenizer=model_tokenizer(args.model, args.load_format))
+        return build_engine(ea.create_engine_config(mc), source, mc, tokenizer=None)
+    return build_engine(ea.create_engine_config(mc), source, mc,
+                        tokenizer=model_tokenizer(args.model, args.load_format))
 
 
 def reset_prefix_cache(engine: Any) -> None:

@@ -140,7 +140,7 @@ def run_verify_ratio_bench(args: argparse.Namespace) -> int:
     from roofline.bench.common import parse_sizes, write_result
     from roofline.bench.decode import time_decode
     from roofline.config import model_preset
-    from roofline.engine.llm_engine import LLMEngine
+    from roofline.engine_factory import build_engine
     from roofline.hardware import measure_gemm_flops, measure_read_bandwidth
     from roofline.models.loader import ModelSource
 
@@ -155,7 +155,7 @@ def run_verify_ratio_bench(args: argparse.Namespace) -> int:
                     max_model_len=max_len, max_num_seqs=max(batches),
                     max_num_batched_tokens=max(2048, max(batches) * (max(gammas) + 1)),
                     quantization=args.quantization, speculative_config=spec, enforce_eager=args.enforce_eager)
-    engine = LLMEngine(ea.create_engine_config(mc), ModelSource("dummy", None, args.model), mc, tokenizer=None)
+    engine = build_engine(ea.create_engine_config(mc), ModelSource("dummy", None, args.model), mc, tokenizer=None)
     worker = engine.worker
     dev = str(worker.device)
     bandwidth = measure_read_bandwidth(dev)

@@ -47,7 +47,7 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
         return 0
     from roofline.args import EngineArgs
     from roofline.config import model_preset
-    from roofline.engine.llm_engine import LLMEngine
+    from roofline.engine_factory import build_engine
     from roofline.llm import LLM
     from roofline.models.loader import ModelSource
 
@@ -65,7 +65,7 @@ def run_throughput_bench(args: argparse.Namespace) -> int:
             mc = dataclasses.replace(mc, max_position_embeddings=args.max_model_len)
         llm = LLM.__new__(LLM)
         llm.engine_args = ea
-        llm.engine = LLMEngine(ea.create_engine_config(mc), ModelSource("dummy", None, args.model), mc, tokenizer=None)
+        llm.engine = build_engine(ea.create_engine_config(mc), ModelSource("dummy", None, args.model), mc, tokenizer=None)
         llm.last_run_stats = None
     else:
         llm = LLM(**ea.to_dict())

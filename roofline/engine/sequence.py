@@ -9,6 +9,9 @@ from enum import IntEnum
 from typing import Any
 
 from roofline.sampling_params import SamplingParams
+from roofline.step import Logprob
+
+__all__ = ["Logprob", "Sequence", "SequenceStatus"]  # Logprob lives in roofline.step; re-exported here
 
 
 class SequenceStatus(IntEnum):
@@ -32,13 +35,6 @@ class SequenceStatus(IntEnum):
             SequenceStatus.FINISHED_LENGTH: "length",
             SequenceStatus.FINISHED_ABORTED: "abort",
         }.get(self)
-
-
-@dataclass
-class Logprob:
-    logprob: float
-    rank: int  # 1 = the most likely token
-    decoded_token: str | None = None
 
 
 _seq_counter = itertools.count()

@@ -116,16 +116,20 @@ class LlamaModel(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
-        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None, num_layers: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """The first stage embeds ``input_ids``; a later one continues from the previous stage's
         ``intermediate`` (hidden [T, H], residual [T, H]). The last stage returns the normed hidden states
-        [T, H]; the others return their (hidden, residual) for the next stage."""
+        [T, H]; the others return their (hidden, residual) for the next stage.
+
+        ``num_layers`` k: run only the first k decoder layers, then the final norm (the layer-skip self-draft;
+        the whole model on one stage, 1 <= k <= num_hidden_layers)."""
         if intermediate is None:
             x, residual = self.embed_tokens(input_ids), None
         else:
             x, residual = intermediate
-        for layer in self.layers[self.start_layer:self.end_layer]:
+        end = self.end_layer if num_layers is None else self.start_layer + num_layers
+        for layer in self.layers[self.start_layer:end]:
             x, residual = layer(positions, x, residual, meta)
         if not self.is_last_stage:
             return x, residual
@@ -177,10 +181,10 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(
         self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
-        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None,
+        intermediate: tuple[torch.Tensor, torch.Tensor] | None = None, num_layers: int | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """See ``LlamaModel.forward`` (one pipeline stage; the whole model at pipeline size 1)."""
-        return self.model(input_ids, positions, meta, intermediate)
+        return self.model(input_ids, positions, meta, intermediate, num_layers)
 
     def checkpoint_name(self, name: str) -> str | None:
         """This stage's name for checkpoint tensor ``name`` (None: another stage's; ``LlamaModel``)."""

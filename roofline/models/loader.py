@@ -427,3 +427,33 @@ def _tokenizer(path: str, gguf: bool, stamp: tuple) -> Any:
         p = Path(path)
         return AutoTokenizer.from_pretrained(str(p.parent), gguf_file=p.name)
     return AutoTokenizer.from_pretrained(path)
+
+
+def load_model(model_config: ModelConfig, source: ModelSource, backend: Any, quant_config: Any,
+               dtype: torch.dtype, device: torch.device, seed: int) -> torch.nn.Module:
+    """The one build-and-load, for targets and drafts: build the architecture directly on ``device`` in
+    ``dtype`` (``registry.build_model``, with ``backend``'s attention and ``quant_config``'s linear method),
+    then fill it from ``source``: dummy weights seeded with ``seed``, a GGUF file, or safetensors shards.
+    Returns the model in eval mode.
+
+    Raises:
+        ValueError: from ``load_weights`` (a missing or misshapen tensor, named).
+    """
+    from roofline.models.registry import build_model
+
+    prev_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = build_model(model_config, backend, quant_config)
+    finally:
+        torch.set_default_dtype(prev_dtype)
+    if source.format == "dummy":
+        init_dummy_weights(model, seed)
+    elif source.format == "gguf":
+        assert source.path is not None
+        load_weights(model, iter_gguf(source.path, model_config))
+    else:
+        assert source.path is not None
+        load_weights(model, iter_safetensors(source.path))
+    return model.eval()

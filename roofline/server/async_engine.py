@@ -189,10 +189,11 @@ class AsyncLLMEngine:
     @classmethod
     def from_engine_args(cls, engine_args: Any) -> AsyncLLMEngine:
         """Build the engine from ``EngineArgs`` (loads weights: seconds to minutes)."""
+        from roofline.engine_factory import engine_from_model
         from roofline.models import loader
 
-        engine = LLMEngine.from_config(engine_args.model, engine_args.create_engine_config,
-                                       load_format=engine_args.load_format)
+        engine = engine_from_model(engine_args.model, engine_args.create_engine_config,
+                                   load_format=engine_args.load_format)
         return cls(engine, model_name=loader.resolve_model(engine_args.model, engine_args.load_format).name)
 
     # ------------------------------------------------------------------------------ lifecycle

@@ -11,8 +11,8 @@ from abc import ABC, abstractmethod
 from typing import Any
 
 from roofline.config import EngineConfig, ModelConfig
-from roofline.engine.step import StepInput, StepOutput
 from roofline.models import loader
+from roofline.step import DeviceProfile, StepInput, StepOutput
 
 
 class ExecutorDeadError(RuntimeError):
@@ -21,6 +21,11 @@ class ExecutorDeadError(RuntimeError):
 
 
 class Executor(ABC):
+    """The base of the executors; implements ``roofline.step.Executor``. ``worker`` is the in-process worker, or
+    a rank's figures taken at start-up (``MultiprocExecutor``): dtype, device, weight and KV bytes."""
+
+    worker: Any
+
     @abstractmethod
     def execute_model_async(self, step: StepInput) -> Any:
         """Launch one step on every worker; the returned handle's ``result()`` gives the ``StepOutput``
@@ -38,6 +43,25 @@ class Executor(ABC):
     @abstractmethod
     def profile_budget(self) -> int:
         """Per-step token budget measured on the workers (see ``Worker.profile_budget``)."""
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes per token on one worker."""
+        return int(self.worker.kv_bytes_per_token)
+
+    def device_profile(self) -> DeviceProfile:
+        """Read bandwidth and GEMM rate measured on the worker's device (in this process: the device is the
+        same on every rank), with the model's bytes per step (``roofline.hardware``)."""
+        from roofline import hardware as hw
+
+        w = self.worker
+        dtype = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}[str(w.dtype).removeprefix("torch.")]
+        draft = getattr(w, "draft", None)
+        return DeviceProfile(read_bandwidth=hw.measure_read_bandwidth(str(w.device)),
+                             gemm_flops=hw.measure_gemm_flops(str(w.device), dtype), dtype=dtype,
+                             weight_bytes_per_step=int(w.weight_bytes_per_step),
+                             kv_bytes_per_token=int(w.kv_bytes_per_token),
+                             draft_weight_bytes=int(draft.weight_bytes) if draft is not None else None)
 
     def shutdown(self) -> None:  # noqa: B027 - nothing to release in-process
         """Stop worker processes, if any."""
@@ -60,3 +84,4 @@ class UniProcExecutor(Executor):
 
     def profile_budget(self) -> int:
         return self.worker.profile_budget()
+

@@ -17,8 +17,8 @@ import heapq
 import numpy as np
 import torch
 
-from roofline.engine.step import NewRequest
 from roofline.sampling_params import SamplingParams
+from roofline.step import NewRequest
 
 
 class InputBatch:

@@ -31,8 +31,8 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from roofline.config import EngineConfig, ModelConfig
-from roofline.engine.step import StepInput, StepOutput
 from roofline.models import loader
+from roofline.step import StepInput, StepOutput
 from roofline.worker.executor import Executor, ExecutorDeadError
 
 logger = logging.getLogger(__name__)

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from roofline.engine.sequence import Logprob
-from roofline.engine.step import StepInput
 from roofline.layers.sampler import token_logprobs
+from roofline.step import Logprob, StepInput
 from roofline.worker.input_batch import InputBatch
+from roofline.worker.sampling import logprob_entry
 
 # Logits rows per slice: bounds the [rows, vocab] fp32 logits and log-softmax a long chunk would otherwise
 # materialize at once (2 x 256 x 128,256 x 4 B = 263 MB for a Llama-3 vocabulary).
@@ -132,11 +132,7 @@ def collect_prompt_logprobs(plan: PromptLogprobsPlan,
     for sid, first, m, k in zip(plan.seq_ids, plan.first_token, plan.counts, plan.ks, strict=True):
         entries = []
         for t in range(i, i + m):
-            entry = {targets[t]: Logprob(chosen[t], ranks[t])}
-            for r, (tid, lp) in enumerate(zip(top_ids[t][:k], top_lps[t][:k], strict=True)):
-                if tid not in entry:
-                    entry[tid] = Logprob(lp, r + 1)
-            entries.append(entry)
+            entries.append(logprob_entry(targets[t], chosen[t], ranks[t], top_ids[t], top_lps[t], k))
         out[sid] = (first, entries)
         i += m
     return out

@@ -1,5 +1,5 @@
 """A separate draft model (``"model": PATH``) and a quantized self (``"quantization": "int4"``), each with its own
-KV cache in the target's blocks (``roofline.worker.draft_model``), on the default model in fp32 on CPU.
+KV cache in the target's blocks (``roofline.spec_decode.draft_model``), on the default model in fp32 on CPU.
 
 The separate checkpoint is made here: the default model's first 12 layers (and its embedding, final norm and
 LM head) written as a Hugging Face safetensors directory. It shares the vocabulary, and disagrees with the
@@ -154,7 +154,7 @@ def test_draft_pass_fills_short_spans_as_decode_rows(draft_dir):
     import numpy as np
     import torch
 
-    from roofline.worker.draft_model import CATCH_UP_SPAN
+    from roofline.spec_decode.draft_model import CATCH_UP_SPAN
 
     cfg = {"method": "draft_model", "model": str(draft_dir), "num_speculative_tokens": 2, "adaptive": False}
     llm = LLM(speculative_config=cfg, **COMMON)

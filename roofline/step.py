@@ -1,6 +1,8 @@
-"""What crosses the boundary between the engine (pure Python) and the worker (tensors), once per step.
+"""What crosses the boundary between the engine (pure Python) and the worker (tensors), once per step, and
+the ``Executor`` protocol the engine drives. This module sits below both ``roofline.engine`` and
+``roofline.worker``: neither imports the other.
 
-Both are small and serializable (ids and counts, no tensors, no request histories), so a later executor
+The messages are small and serializable (ids and counts, no tensors, no request histories), so a later executor
 can send them to worker processes (tensor parallelism) or pipeline stages unchanged.
 
 The worker keeps a persistent batch: it learns a request's prompt and parameters once (``NewRequest``),
@@ -11,9 +13,19 @@ samples to its own copy of each request's token ids, so the engine never resends
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
-from roofline.engine.sequence import Logprob
 from roofline.sampling_params import SamplingParams
+
+
+@dataclass
+class Logprob:
+    """One entry of a token's logprobs (vLLM's ``Logprob``): natural-log probability, rank (1 = the most
+    likely token) and, once the engine detokenized it, the token's text."""
+
+    logprob: float
+    rank: int  # 1 = the most likely token
+    decoded_token: str | None = None
 
 
 @dataclass
@@ -53,8 +65,10 @@ class StepInput:
     finished_seq_ids: list[int] = field(default_factory=list)
     preempted_seq_ids: list[int] = field(default_factory=list)  # leave the batch, keep their generators
     # Speculative decoding: seq_id -> the drafts its chunk verifies (the chunk is 1 + len(drafts) tokens: the
-    # last known token, then the drafts). -1 entries are drafted by the worker's own draft model this step.
+    # last known token, then the drafts), real token ids proposed on the host (n-gram) ...
     spec_token_ids: dict[int, list[int]] = field(default_factory=dict)
+    # ... or seq_id -> how many drafts the worker's own proposer (a draft model) makes for the chunk this step.
+    num_draft_tokens: dict[int, int] = field(default_factory=dict)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -82,3 +96,55 @@ class StepOutput:
     # the seconds the worker's draft model took (0 for host proposers).
     num_accepted: dict[int, int] = field(default_factory=dict)
     draft_duration_s: float = 0.0
+    # Requests whose step failed (for example a non-finite logit row): request id -> error message. The engine
+    # finishes each one named here with that error (``RequestOutput.error``) and frees its blocks.
+    errors: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What the speculative controller prices a step with, measured once by the executor on its device.
+
+    ``read_bandwidth`` in bytes/s (a large streaming read), ``gemm_flops`` in FLOP/s (a large GEMM in
+    ``dtype``, the cost model's name: "bf16", "fp16" or "fp32"), ``weight_bytes_per_step`` the weight bytes one
+    decode step reads (``Worker.weight_bytes_per_step``), ``kv_bytes_per_token`` the KV-cache bytes per token
+    and ``draft_weight_bytes`` a separate draft model's weight bytes (None without one, or unknown)."""
+
+    read_bandwidth: float
+    gemm_flops: float
+    dtype: str
+    weight_bytes_per_step: int
+    kv_bytes_per_token: int
+    draft_weight_bytes: int | None = None
+
+
+class Executor(Protocol):
+    """What the engine needs from whatever runs the model (``roofline.worker.executor`` has the
+    implementations: in-process, one process per rank, one rank of a ``torchrun`` job)."""
+
+    @property
+    def num_kv_blocks(self) -> int:
+        """KV blocks every worker can hold (the minimum over workers)."""
+        ...
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        """KV-cache bytes per token on one worker (its layers and KV heads)."""
+        ...
+
+    def execute_model_async(self, step: StepInput) -> Any:
+        """Launch one step; the handle's ``result()`` gives the ``StepOutput`` and its ``step_input`` is
+        ``step``."""
+        ...
+
+    def profile_budget(self) -> int:
+        """The per-step token budget measured on the workers."""
+        ...
+
+    def device_profile(self) -> DeviceProfile:
+        """Bandwidth, GEMM rate and the model's bytes, measured once (the speculative controller's inputs)."""
+        ...
+
+    def shutdown(self) -> None:
+        """Stop worker processes, if any."""
+        ...

@@ -247,7 +247,7 @@ def test_stage_layer_ranges():
 
 
 def test_micro_batches_split_consecutive_requests_by_tokens():
-    from roofline.worker.worker import micro_batches
+    from roofline.worker.pipeline import micro_batches
 
     decodes = [(i, 1) for i in range(6)]
     assert micro_batches(decodes, 2) == [decodes[:3], decodes[3:]]

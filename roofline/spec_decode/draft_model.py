@@ -27,12 +27,11 @@ import logging
 import numpy as np
 import torch
 
-from roofline.attention.backend import AttentionMetadata, get_attention_backend
+from roofline.attention.backend import AttentionMetadata, get_attention_backend, paged_metadata, slot_mapping
 from roofline.attention.kv_cache import kv_bytes_per_token
 from roofline.config import EngineConfig, ModelConfig, check_draft_vocab
 from roofline.layers.rotary import RotaryEmbedding
 from roofline.models import loader
-from roofline.models.registry import build_model
 from roofline.quant import get_quant_config
 from roofline.worker.cuda_graph import CUDAGraphRunner
 
@@ -70,22 +69,7 @@ class DraftModel:
                                                                         mc.num_key_value_heads, mc.head_dim, rotary)
         quant = get_quant_config(spec.quantization, loader.checkpoint_quantization_config(self.source),
                                  draft_group_size(mc, config.quantization_group_size))
-        prev = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            with torch.device(device):
-                model = build_model(mc, self.backend, quant)
-        finally:
-            torch.set_default_dtype(prev)
-        if self.source.format == "dummy":
-            loader.init_dummy_weights(model, config.seed + 1)
-        elif self.source.format == "gguf":
-            assert self.source.path is not None
-            loader.load_weights(model, loader.iter_gguf(self.source.path, mc))
-        else:
-            assert self.source.path is not None
-            loader.load_weights(model, loader.iter_safetensors(self.source.path))
-        self.model = model.eval()
+        self.model = loader.load_model(mc, self.source, self.backend, quant, dtype, device, config.seed + 1)
         self.kv_bytes_per_token = kv_bytes_per_token(mc.num_hidden_layers, mc.num_key_value_heads, mc.head_dim,
                                                      kv_dtype)
         self.computed = np.zeros(max_rows, dtype=np.int64)
@@ -119,16 +103,9 @@ class DraftModel:
         np.cumsum(counts, out=qsl[1:])
         token_rows = np.repeat(rows, counts)
         positions = np.repeat(starts - qsl[:-1], counts) + np.arange(int(qsl[-1]))
-        slots = block_table[token_rows, positions // block_size].astype(np.int64) * block_size + positions % block_size
         max_blocks = int(((ends + block_size - 1) // block_size).max())
-        dev = self.device
-        meta = AttentionMetadata(
-            slot_mapping=torch.from_numpy(slots).to(dev),
-            query_start_loc=torch.from_numpy(qsl.astype(np.int32)).to(dev),
-            seq_lens=torch.from_numpy(ends.astype(np.int32)).to(dev),
-            block_tables=torch.from_numpy(np.ascontiguousarray(block_table[rows, :max_blocks])).to(dev),
-            max_query_len=int(counts.max()), query_lens_cpu=counts.tolist(), seq_lens_cpu=ends.tolist(),
-        )
+        meta = paged_metadata(slot_mapping(block_table, token_rows, positions, block_size), qsl, ends,
+                              block_table[rows, :max_blocks], self.device)
         return self.backend.build_metadata(meta), token_rows, positions
 
     def catch_up(self, token_ids: np.ndarray, block_table: np.ndarray, rows: np.ndarray, ends: np.ndarray,

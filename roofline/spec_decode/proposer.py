@@ -1,0 +1,108 @@
+"""Proposers: what drafts the tokens a verify pass checks, one class per method, found through one registry
+keyed by ``SpeculativeConfig.method`` (vLLM v1's ``spec_decode/``: ``NgramProposer``, ``DraftModelProposer``).
+
+A proposer runs in one of two places:
+
+- on the host, in the engine's process (``on_device = False``): ``propose(token_ids, k)`` returns up to ``k``
+  real token ids from the sequence so far; the engine sends them in ``StepInput.spec_token_ids`` and the
+  verifier treats their ``q`` as one-hot (n-gram);
+- on the worker's device (``on_device = True``): the engine sends only how many drafts a request may get
+  (``StepInput.num_draft_tokens``) and the worker calls ``propose_draft_token_ids`` with the model at hand,
+  which writes the drafts into the persistent batch and returns their ``q`` (the draft model, separate or a
+  quantized copy of the target, or the target's first k layers).
+
+The device proposers live in ``roofline.spec_decode.draft_proposers`` (they import torch) and are built
+lazily by name, so this module and the engine stay free of torch. Adding a method is one new class and one
+``PROPOSERS`` line.
+"""
+
+from __future__ import annotations
+
+import importlib
+from abc import ABC, abstractmethod
+from typing import Any
+
+from roofline.spec_decode.ngram import ngram_propose
+
+
+class Proposer(ABC):  # noqa: B024 - host proposers override propose, device ones DeviceProposer
+    """One speculative method. ``on_device``: it runs in the worker (``propose_draft_token_ids``), else on
+    the host (``propose``)."""
+
+    on_device = False
+
+    def __init__(self, spec_config: Any):
+        self.spec_config = spec_config
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        """Up to ``k`` draft token ids (real ids in [0, vocab)) continuing ``token_ids`` (a host proposer)."""
+        raise NotImplementedError(f"{type(self).__name__} drafts on the worker's device, not on the host")
+
+    def draft_cost_prior(self, num_target_layers: int, target_weight_bytes: int,
+                         draft_weight_bytes: int | None) -> float:
+        """The policy's starting estimate of c, one draft step's time over one target step's, until it has
+        timed both (0 for host proposers, whose time is inside the step's wall time)."""
+        return 0.0
+
+
+class DeviceProposer(Proposer):
+    """A proposer that drafts with a model on the worker's device. ``propose_draft_token_ids(worker, rows,
+    num_drafts)`` writes row ``rows[i]``'s ``num_drafts[i]`` drafts into ``worker.input_batch.token_ids`` after
+    its known tokens and returns {row: q [k_r, vocab] fp32} (the draft distributions the verifier needs)."""
+
+    on_device = True
+
+    @abstractmethod
+    def load(self, worker: Any) -> None:
+        """Build what the proposer needs next to the worker's target (before the KV pools are sized)."""
+
+    @abstractmethod
+    def propose_draft_token_ids(self, worker: Any, rows: Any, num_drafts: Any) -> dict[int, Any]:
+        """See the class docstring."""
+
+
+class NgramProposer(Proposer):
+    """Prompt lookup (``roofline.spec_decode.ngram``): the tokens that followed the latest earlier occurrence
+    of the sequence's last ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens."""
+
+    def propose(self, token_ids: list[int], k: int) -> list[int]:
+        s = self.spec_config
+        return ngram_propose(token_ids, k, s.prompt_lookup_min, s.prompt_lookup_max)
+
+
+# method -> "module:class" (a device proposer's module imports torch only when it is built), or the class.
+PROPOSERS: dict[str, Any] = {
+    "ngram": NgramProposer,
+    "draft_model": "roofline.spec_decode.draft_proposers:draft_model_proposer",
+}
+
+
+def proposer_class(spec_config: Any) -> type[Proposer]:
+    """The proposer class registered for ``spec_config.method`` (a ``"module:name"`` entry is imported here;
+    a callable entry other than a class is given ``spec_config`` and returns the class).
+
+    Raises:
+        ValueError: no proposer is registered under that method (names the registered ones).
+    """
+    entry = PROPOSERS.get(spec_config.method)
+    if entry is None:
+        raise ValueError(f"speculative_config method {spec_config.method!r} has no proposer; registered: "
+                         f"{', '.join(sorted(PROPOSERS))}")
+    if isinstance(entry, str):
+        module, name = entry.split(":")
+        entry = getattr(importlib.import_module(module), name)
+    if not isinstance(entry, type):
+        entry = entry(spec_config)
+    return entry
+
+
+def is_device_method(spec_config: Any) -> bool:
+    """Whether ``spec_config``'s proposer drafts on the worker (without importing a device proposer's module:
+    a registered string entry is a device proposer)."""
+    entry = PROPOSERS.get(spec_config.method)
+    return isinstance(entry, str) or (isinstance(entry, type) and entry.on_device)
+
+
+def make_proposer(spec_config: Any) -> Proposer:
+    """The proposer for ``spec_config`` (see ``proposer_class``)."""
+    return proposer_class(spec_config)(spec_config)

@@ -1,0 +1,114 @@
+"""Verification: the target's logits at each speculating row's 1 + k positions and its drafts in, the
+accepted drafts and one more token out (``rejection.rejection_sample``), copied to the host without a sync.
+
+``verify`` runs in the worker's step, right after the forward pass; ``Verified.collect`` runs in the step's
+``result()`` (after its one host sync): it writes the emitted tokens into the persistent batch and the
+``StepOutput``, with the target's logprobs of each emitted token when a request asks.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from roofline.step import StepOutput
+
+
+class Verified:
+    """A launched verification: its rows, their sequence ids and host copies (pinned, filled when the step's
+    event completes) of the emitted tokens, accepted counts and, when asked, logprobs."""
+
+    def __init__(self, rows: list[int], seq_ids: list[int], host: dict[str, torch.Tensor], counts: list[int]):
+        self.rows, self.seq_ids, self.host, self.counts = rows, seq_ids, host, counts
+
+    def collect(self, worker: Any, out: StepOutput) -> None:
+        """Speculating rows: their emitted tokens go into the batch (after the drafts' slots were used as
+        inputs) and into ``out``, with the target's logprobs of each emitted token when asked; the proposer
+        learns how far each row's draft state stays valid (``rewind``)."""
+        from roofline.worker.sampling import logprob_entry
+
+        batch = worker.input_batch
+        tokens = self.host["token_ids"].tolist()
+        accepted = self.host["num_accepted"].tolist()
+        lp = {k: v.tolist() for k, v in self.host.items() if k in ("logprobs", "ranks", "top_ids", "top_logprobs")}
+        flat = 0
+        for i, (row, sid) in enumerate(zip(self.rows, self.seq_ids, strict=True)):
+            emitted = tokens[i][:accepted[i] + 1]
+            if batch.seq_ids[row] == sid:
+                n = int(batch.num_tokens[row])
+                batch.token_ids[row, n:n + len(emitted)] = emitted
+                batch.num_tokens[row] = n + len(emitted)
+                if worker.proposer is not None:  # the draft's state holds up to the last accepted draft
+                    worker.proposer.rewind(row, n + accepted[i])
+            out.seq_ids.append(sid)
+            out.sampled_token_ids.append(emitted)
+            out.num_accepted[sid] = accepted[i]
+            p = batch.params[row]
+            k = p.logprobs if p is not None and batch.seq_ids[row] == sid else None
+            if not lp or k is None:
+                out.logprobs.append(None)
+            else:
+                out.logprobs.append([
+                    logprob_entry(tok, lp["logprobs"][flat + t], lp["ranks"][flat + t], lp["top_ids"][flat + t],
+                                  lp["top_logprobs"][flat + t], k) for t, tok in enumerate(emitted)])
+            if self.counts:
+                flat += self.counts[i]
+
+
+def verify(worker: Any, hidden: torch.Tensor, rows: np.ndarray, last_indices: np.ndarray, ks: np.ndarray,
+           draft_probs: dict[int, torch.Tensor]) -> Verified:
+    """Score each speculating row's 1 + k positions and accept or reject its drafts.
+
+    Args:
+        worker: the worker (its persistent batch, model, sampling inputs and host copies).
+        hidden: [T, H] the step's last hidden states.
+        rows: [S] batch rows that speculate; ``last_indices`` [S] the flat index of each one's last token;
+            ``ks`` [S] its number of drafts (>= 1), which sit in ``token_ids`` after its known tokens.
+        draft_probs: {row: q [k_r, V]} from a device proposer; a row without one has a one-hot q.
+    """
+    from roofline.layers.sampler import processed_probs, token_logprobs
+    from roofline.spec_decode.rejection import rejection_sample
+
+    batch, dev = worker.input_batch, worker.device
+    s, kmax = len(rows), int(ks.max())
+    counts = ks + 1
+    offsets = np.repeat(np.cumsum(counts) - counts, counts)  # [F] start of each row's run
+    j = np.arange(int(counts.sum())) - offsets  # [F] position within the run
+    row_of_flat = np.repeat(np.arange(s), counts)  # [F]
+    flat_idx = np.repeat(last_indices - ks, counts) + j
+    logits = worker.model.compute_logits(hidden[torch.from_numpy(flat_idx).to(dev)])  # [F, V] fp32
+    md = worker.prepare_sampling(np.repeat(rows, counts), tag="spec_")
+    probs = processed_probs(logits, md)
+    rof, jj = torch.from_numpy(row_of_flat).to(dev), torch.from_numpy(j).to(dev)
+    target = torch.zeros(s, kmax + 1, probs.shape[1], device=dev)
+    target[rof, jj] = probs
+    cols = batch.num_tokens[rows][:, None] + np.arange(kmax)  # [S, K] the drafts' slots in token_ids
+    drafts = np.where(np.arange(kmax) < ks[:, None],
+                      batch.token_ids[rows[:, None], np.minimum(cols, batch.token_ids.shape[1] - 1)], 0)
+    q = None
+    if draft_probs:
+        q = torch.zeros(s, kmax, probs.shape[1], device=dev)
+        for i, r in enumerate(rows.tolist()):
+            qr = draft_probs.get(r)
+            if qr is not None:
+                q[i, :len(qr)] = qr
+            else:  # a host-proposed row in the same step: one-hot q
+                k = int(ks[i])
+                q[i, torch.arange(k, device=dev), torch.from_numpy(drafts[i, :k]).to(dev)] = 1.0
+    first = np.cumsum(counts) - counts  # flat index of each row's first position
+    temps = md.temperatures[torch.from_numpy(first).to(dev)]
+    gens = [md.generators[f] for f in first.tolist()]
+    res = rejection_sample(target, torch.from_numpy(drafts).to(dev), torch.from_numpy(ks).to(dev), q,
+                           temps < 1e-5, gens)
+    row_list = rows.tolist()
+    host = {"token_ids": worker.to_host(res.token_ids), "num_accepted": worker.to_host(res.num_accepted)}
+    spec_counts: list[int] = []
+    if int(batch.num_logprobs[rows].max()) >= 0:
+        emitted = res.token_ids[rof, jj].clamp(min=0)  # [F] the token emitted at each position (or 0)
+        so = token_logprobs(logits, emitted, int(batch.num_logprobs[rows].max()))
+        host.update(logprobs=worker.to_host(so.logprobs), ranks=worker.to_host(so.ranks),
+                    top_ids=worker.to_host(so.top_ids), top_logprobs=worker.to_host(so.top_logprobs))
+        spec_counts = counts.tolist()
+    return Verified(row_list, [batch.seq_ids[r] for r in row_list], host, spec_counts)
