@@ -158,6 +158,11 @@ class OpenAIServing:
         return max_tokens
 
     def common_checks(self, req: P._SamplingFields) -> None:
+        unsupported = P.unsupported_fields(req, req.UNSUPPORTED)
+        if unsupported:
+            name = unsupported[0]
+            raise bad_request(f"{name} is not supported by this server (got {json.dumps(req.model_extra[name])}); "
+                              f"send null or leave it out", param=name)
         if not 1 <= req.n <= self.max_n:
             raise bad_request(f"n must be in [1, {self.max_n}], got {req.n}", param="n")
         stops = _stop_list(req.stop)
