@@ -107,6 +107,7 @@ class _Request:
     stream: bool = True  # report every step (servers); False: only the final output (offline batches)
     # SamplingParams.prompt_logprobs: entry i scores prompt token i (entry 0 stays None); filled as chunks run.
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    error: str | None = None  # set when the worker failed one of its sequences (StepOutput.errors)
 
 
 class LLMEngine:
@@ -533,7 +534,19 @@ class LLMEngine:
         changed = self.scheduler.update(out, sampled)
         touched: dict[str, _Request] = {}
         now = time.monotonic()
+        errors = getattr(result, "errors", None) or {}
         for seq in changed:
+            if str(seq.seq_id) in errors:  # fail only this request: its token this step is meaningless
+                if seq.seq_id not in spec_seqs and seq.output_token_ids:
+                    seq.output_token_ids.pop()
+                self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
+                self._release(seq)
+                req = self.requests.get(seq.request_id)
+                if req is not None:
+                    req.error = errors[str(seq.seq_id)]
+                    touched[req.request_id] = req
+                logger.warning("request %s failed: %s", seq.request_id, errors[str(seq.seq_id)])
+                continue
             # A verify step's tokens are appended here one at a time, each checked as a step's single token is.
             new = sampled[seq.seq_id] if seq.seq_id in spec_seqs else [seq.output_token_ids[-1]]
             for i, token in enumerate(new):
@@ -713,7 +726,7 @@ class LLMEngine:
             token_times=list(first.token_times),
         )
         return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, completions,
-                             finished=all(s.is_finished for s in req.seqs), metrics=metrics,
+                             finished=all(s.is_finished for s in req.seqs), metrics=metrics, error=req.error,
                              prompt_logprobs=req.prompt_logprobs)
 
     # ------------------------------------------------------------------------------ helpers

@@ -82,3 +82,6 @@ class StepOutput:
     # the seconds the worker's draft model took (0 for host proposers).
     num_accepted: dict[int, int] = field(default_factory=dict)
     draft_duration_s: float = 0.0
+    # Requests that must fail, this step's sampled token discarded: str(seq_id) -> message (e.g. the
+    # sampler's non-finite distribution). The engine finishes only those sequences, with the error.
+    errors: dict[str, str] = field(default_factory=dict)
