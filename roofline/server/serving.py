@@ -243,6 +243,8 @@ class OpenAIServing:
             async for out in streams[i]:
                 trackers[i].on_output(out)
                 finals[i] = out
+                if out.error is not None:  # the engine failed this request (e.g. a non-finite distribution)
+                    raise bad_request(out.error)
 
         watcher = asyncio.ensure_future(_wait_disconnect(raw))
         runner = asyncio.ensure_future(asyncio.gather(*(drain(i) for i in range(len(streams)))))
@@ -302,6 +304,8 @@ class OpenAIServing:
                     raise item
                 i, out = item
                 trackers[i].on_output(out)
+                if out.error is not None:  # the engine failed this request: an in-band error event
+                    raise bad_request(out.error)
                 yield i, out
         finally:
             for t in tasks:

@@ -434,3 +434,28 @@ def test_requests_meeting_a_dead_engine_are_refused_never_left_waiting(default_l
         engine.abort_request("dead-a")  # the shared engine keeps no trace of this test
         monkeypatch.undo()
         assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_non_finite_distribution_is_an_error_never_a_200_of_text(server, monkeypatch, path, stream):
+    # Issue 31: repetition_penalty=1e-38 made logit / 1e-38 = +inf, a NaN softmax row, and 16 x id 0 served
+    # as 200. Validation now refuses 1e-38; the sampler's guard behind it is tested with the old bound (any
+    # non-finite row validation cannot foresee takes the same path).
+    monkeypatch.setattr("roofline.sampling_params.REPETITION_PENALTY_MIN", 0.0)
+    prompt = "The capital of France is Paris. The capital of France is"
+    base = {"prompt": prompt} if path == "/v1/completions" else {"messages": [{"role": "user", "content": prompt}]}
+    body = {**base, "max_tokens": 16, "temperature": 0.8, "repetition_penalty": 1e-38, "seed": 3, "stream": stream}
+    r = _post(server, path, body)
+    if not stream:
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+    else:
+        assert r.status_code == 200  # the headers went out before the first step
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["message"].startswith("sampling distribution is not finite (check repetition_penalty")
+    assert wait_until(lambda: server.app.state.async_engine.snapshot.num_running_requests == 0)
+    assert httpx.get(server.url + "/health").status_code == 200  # only that request failed
