@@ -213,8 +213,9 @@ class EngineArgs:
                                      f"pipeline_parallel_size {pp} needs {parallel.world_size} GPUs, but "
                                      f"{visible} are visible")
             if spec is not None:
-                raise ValueError("speculative decoding with tensor_parallel_size or pipeline_parallel_size > 1 "
-                                 "is not built yet; drop one")
+                raise ValueError(f"speculative decoding with tensor_parallel_size or pipeline_parallel_size > 1 "
+                                 f"is not built yet (got tensor_parallel_size={parallel.tensor_parallel_size}, "
+                                 f"pipeline_parallel_size={pp}); drop one")
         if pp > 1:
             if kv_dtype == "fp8_e4m3":
                 raise ValueError("kv_cache_dtype fp8_e4m3 calibrates its scales with a whole-model forward, which "
