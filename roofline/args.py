@@ -102,6 +102,7 @@ class EngineArgs:
     num_kv_blocks: int | None = None
     max_num_seqs: int = 128
     max_num_batched_tokens: int | None = None
+    step_timeout: float | None = None  # the step watchdog (worker processes); None: 300 s + 10 ms per token
     enable_chunked_prefill: bool = True
     kv_cache_memory: str | int | float | None = None
     gpu_memory_utilization: float = 0.9
@@ -147,6 +148,9 @@ class EngineArgs:
             raise ValueError(f"max_model_len must be >= 2 (one prompt token and one generated), "
                              f"got {self.max_model_len}")
         max_model_len = self.max_model_len or min(model_config.max_position_embeddings, 8192)
+        if self.step_timeout is not None and not (isinstance(self.step_timeout, (int, float))
+                                                  and 0 < self.step_timeout < float("inf")):
+            raise ValueError(f"step_timeout must be a number of seconds > 0, got {self.step_timeout!r}")
         if max_model_len > model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "
@@ -209,8 +213,9 @@ class EngineArgs:
                                      f"pipeline_parallel_size {pp} needs {parallel.world_size} GPUs, but "
                                      f"{visible} are visible")
             if spec is not None:
-                raise ValueError("speculative decoding with tensor_parallel_size or pipeline_parallel_size > 1 "
-                                 "is not built yet; drop one")
+                raise ValueError(f"speculative decoding with tensor_parallel_size or pipeline_parallel_size > 1 "
+                                 f"is not built yet (got tensor_parallel_size={parallel.tensor_parallel_size}, "
+                                 f"pipeline_parallel_size={pp}); drop one")
         if pp > 1:
             if kv_dtype == "fp8_e4m3":
                 raise ValueError("kv_cache_dtype fp8_e4m3 calibrates its scales with a whole-model forward, which "
@@ -249,6 +254,7 @@ class EngineArgs:
             quantization=self.quantization,
             quantization_group_size=self.quantization_group_size,
             speculative_config=spec,
+            step_timeout=self.step_timeout,
         )
 
     def _async_scheduling(self, on_cuda: bool) -> bool:
@@ -286,6 +292,11 @@ class EngineArgs:
                             help="tokens per KV block (default: 64 with the triton attention backend, else 16)")
         parser.add_argument("--num-kv-blocks", type=int, default=None, help="fix the KV pool size in blocks")
         parser.add_argument("--max-num-seqs", type=int, default=128)
+        parser.add_argument("--step-timeout", type=float, default=None, metavar="S",
+                            help="step watchdog with tensor/pipeline parallel worker processes: a step whose reply "
+                                 "takes longer than S seconds marks the engine dead (/health 503 naming the rank), "
+                                 "fails the in-flight requests and stops the workers (restart the server). "
+                                 "Default: 300 s + 10 ms per token in the step")
         parser.add_argument("--max-num-batched-tokens", type=int, default=None)
         parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
         parser.add_argument("--kv-cache-memory", default=None,

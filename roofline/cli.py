@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import sys
+from typing import NoReturn
 
 # (module, function) pairs that add subcommands; bench subcommands are nested under `roofline bench`.
 _COMMANDS = [
@@ -41,8 +42,16 @@ def _register(subparsers: argparse._SubParsersAction, entries: list[tuple[str, s
         getattr(module, func)(subparsers)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose errors are one line (and a pointer to --help), not the whole usage first.
+    Subparsers inherit the class."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="roofline", description="LLM inference measured against its floor")
+    parser = _Parser(prog="roofline", description="LLM inference measured against its floor")
     sub = parser.add_subparsers(dest="command", required=True)
     _register(sub, _COMMANDS)
     bench = sub.add_parser("bench", help="benchmarks (serve, decode, throughput, attention)")

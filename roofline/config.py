@@ -129,6 +129,8 @@ class EngineConfig:
     quantization: str | None = None
     quantization_group_size: int = 128
     speculative_config: SpeculativeConfig | None = None
+    # Step watchdog (multiprocess executor): seconds a step may run; None = step_timeout_for(tokens).
+    step_timeout: float | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in DTYPES:

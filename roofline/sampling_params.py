@@ -10,6 +10,8 @@ _GREEDY_EPS = 1e-5
 # Ranges of what the engine can represent (why each bound is what it is):
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # torch int64 tensors / 64-bit torch.Generator seeds
 FLOAT32_MAX = 3.4028234663852886e38  # torch.finfo(torch.float32).max: the sampler's per-row parameters are fp32
+REPETITION_PENALTY_MIN = 0.01  # repetition_penalty bounds: a logit scales by at most 100, so finite stays finite
+REPETITION_PENALTY_MAX = 100.0
 MAX_N = 1024  # samples per prompt; the engine also caps n at max_num_seqs (all samples run in one batch)
 MAX_LOGPROBS = 20  # as OpenAI's top_logprobs; verify_for_model also caps it at vocab_size
 
@@ -50,7 +52,9 @@ class SamplingParams:
         top_p: in (0, 1]; 1 disables.
         top_k: -1 (or 0) disables, else in [1, 2**63 - 1] (and <= vocab_size, ``verify_for_model``).
         min_p: in [0, 1]; 0 disables.
-        repetition_penalty: in (0, FLOAT32_MAX] (1 disables); CTRL-style, divides positive logits of seen tokens.
+        repetition_penalty: in [0.01, 100] (1 disables); CTRL-style, divides positive logits of seen tokens and
+            multiplies negative ones. The bounds keep finite logits finite (a logit scales by at most 100, so any
+            logit under 3.4e36 in magnitude stays under float32 max); 1e-38 used to make the row +inf, then NaN.
         presence_penalty, frequency_penalty: in [-2, 2] (OpenAI semantics, over generated tokens).
         seed: per-request seed in [-2**63, 2**63 - n]; sample i is seeded with ``seed + i``, which must fit
             torch's 64-bit generator seed without two seeds aliasing. The same seed gives the same tokens
@@ -174,11 +178,10 @@ class SamplingParams:
             raise bad("top_k", self.top_k, "-1 (disabled) or in [1, 2**63 - 1]")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "in [0, 1]")
-        if not self.repetition_penalty > 0.0:  # also rejects NaN
-            raise bad("repetition_penalty", self.repetition_penalty, "> 0")
-        if not _fits_float32(self.repetition_penalty):
+        if not REPETITION_PENALTY_MIN <= self.repetition_penalty <= REPETITION_PENALTY_MAX:  # also rejects NaN
             raise bad("repetition_penalty", self.repetition_penalty,
-                      f"finite and <= {FLOAT32_MAX!r} (float32 max: the sampler's dtype)")
+                      f"in [{REPETITION_PENALTY_MIN}, {REPETITION_PENALTY_MAX:g}] (1 disables; the bounds keep "
+                      f"finite logits finite)")
         if not -2.0 <= self.presence_penalty <= 2.0:
             raise bad("presence_penalty", self.presence_penalty, "in [-2, 2]")
         if not -2.0 <= self.frequency_penalty <= 2.0:

@@ -96,8 +96,8 @@ class StepOutput:
     # the seconds the worker's draft model took (0 for host proposers).
     num_accepted: dict[int, int] = field(default_factory=dict)
     draft_duration_s: float = 0.0
-    # Requests whose step failed (for example a non-finite logit row): request id -> error message. The engine
-    # finishes each one named here with that error (``RequestOutput.error``) and frees its blocks.
+    # Sequences whose step failed (for example a non-finite sampling distribution): str(seq_id) -> error message.
+    # The engine finishes each one's request with that error (``RequestOutput.error``) and frees its blocks.
     errors: dict[str, str] = field(default_factory=dict)
 
 

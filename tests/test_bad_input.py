@@ -379,3 +379,62 @@ def test_cuda_device_without_gpu_is_a_clear_error():
         resolve_device("cuda")
     with pytest.raises(ValueError, match=r"^device must be auto, cpu, cuda or cuda:N, got 'tpu'"):
         resolve_device("tpu")
+
+
+# ------------------------------------------------------------------------------ non-finite distributions (issue 31)
+
+
+def _md(n: int, temperature: float, seeds: list[int | None]):
+    import torch
+
+    from roofline.layers.sampler import SamplingMetadata
+
+    gens = [None if s is None else torch.Generator().manual_seed(s) for s in seeds]
+    return SamplingMetadata(temperatures=torch.full((n,), temperature), top_ks=None, top_ps=None, min_ps=None,
+                            repetition_penalties=None, presence_penalties=None, frequency_penalties=None,
+                            prompt_mask=None, output_counts=None, banned_mask=None, generators=gens,
+                            all_greedy=temperature == 0, max_num_logprobs=1)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+@pytest.mark.parametrize("poison", [float("inf"), float("nan")])
+def test_sampler_flags_only_the_non_finite_row(temperature, poison):
+    import torch
+
+    from roofline.layers.sampler import Sampler
+
+    clean = torch.randn(3, 50, generator=torch.Generator().manual_seed(0)) * 3
+    clean[:, 7] = -float("inf")  # a masked token is legal, not a non-finite distribution
+    bad = clean.clone()
+    bad[1, 11] = poison
+    alone = Sampler()(clean, _md(3, temperature, [1, 2, 3]))
+    mixed = Sampler()(bad, _md(3, temperature, [1, 2, 3]))
+    assert alone.nonfinite.tolist() == [False, False, False]
+    assert mixed.nonfinite.tolist() == [False, True, False]
+    assert mixed.token_ids[[0, 2]].tolist() == alone.token_ids[[0, 2]].tolist()
+    assert mixed.logprobs[[0, 2]].tolist() == alone.logprobs[[0, 2]].tolist()
+
+
+def _poisoned(**kwargs) -> SamplingParams:
+    """The issue's request: repetition_penalty=1e-38 makes logit / 1e-38 = +inf, then a NaN softmax row."""
+    return SamplingParams(repetition_penalty=1e-38, **kwargs)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_non_finite_distribution_fails_only_its_request(default_llm, temperature, monkeypatch):
+    # Validation now refuses 1e-38 (test_sampling_params.py); the guard behind it is tested with the old bound,
+    # standing for any non-finite row validation cannot foresee (a model's own inf/NaN logits).
+    monkeypatch.setattr("roofline.sampling_params.REPETITION_PENALTY_MIN", 0.0)
+    prompt = "The capital of France is Paris. The capital of France is"
+    clean = [SamplingParams(temperature=temperature, seed=5, max_tokens=8, ignore_eos=True, logprobs=1),
+             SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)]
+    alone = default_llm.generate([prompt, "Once upon a time"], clean, use_tqdm=False)
+    poisoned = _poisoned(temperature=temperature, seed=3, max_tokens=16, logprobs=1)
+    outs = default_llm.generate([prompt, prompt, "Once upon a time"], [poisoned, *clean], use_tqdm=False)
+    assert outs[0].error is not None and "sampling distribution is not finite" in outs[0].error
+    assert "repetition_penalty" in outs[0].error
+    assert outs[0].outputs[0].finish_reason == "error" and outs[0].outputs[0].token_ids == []
+    for got, want in zip(outs[1:], alone, strict=True):
+        assert got.error is None
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    _assert_idle(default_llm)

@@ -304,7 +304,8 @@ class LLMEngine:
         if spec_seqs:
             assert self.spec is not None
             self.spec.record(spec_seqs, result)
-        failed = self._fail_requests(result.errors) if result.errors else []
+        failed = self._fail_requests({s.seq.request_id: result.errors[str(s.seq.seq_id)] for s in out.scheduled
+                                      if str(s.seq.seq_id) in result.errors}) if result.errors else []
         # A steady-state step of decodes only (no prefill chunk; not one drained before a drafting step, whose
         # launch-to-result time is not a step period) teaches the policy the measured verify ratio, timed below.
         timed = self.spec is not None and wall_t0 is not None and all(
@@ -345,8 +346,8 @@ class LLMEngine:
         return outputs
 
     def _fail_requests(self, errors: dict[str, str]) -> list[RequestOutput]:
-        """Finish each request the worker named (``StepOutput.errors``: request id -> message) with that error:
-        its sequences end as aborted and their blocks are freed now (this step's tokens for them are dropped).
+        """Finish each request named in ``errors`` (request id -> message, from ``StepOutput.errors``) with that
+        error: its sequences end with status ``FINISHED_ERROR`` and their blocks are freed now (this step's tokens for them are dropped).
         Returns their final outputs, each with ``error`` set."""
         outputs = []
         for request_id, message in errors.items():
@@ -355,8 +356,9 @@ class LLMEngine:
                 continue  # finished or aborted meanwhile
             for seq in req.seqs:
                 if not seq.is_finished:
-                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ABORTED)
+                    self.scheduler.finish(seq, SequenceStatus.FINISHED_ERROR)
                     self._release(seq)
+            logger.warning("request %s failed: %s", request_id, message)
             ro = self.output.make_output(req)
             ro.error = message
             outputs.append(ro)

@@ -23,6 +23,7 @@ class SequenceStatus(IntEnum):
     FINISHED_STOPPED = 3
     FINISHED_LENGTH = 4
     FINISHED_ABORTED = 5
+    FINISHED_ERROR = 6  # failed by the worker (StepOutput.errors), e.g. a non-finite sampling distribution
 
     @property
     def is_finished(self) -> bool:
@@ -34,6 +35,7 @@ class SequenceStatus(IntEnum):
             SequenceStatus.FINISHED_STOPPED: "stop",
             SequenceStatus.FINISHED_LENGTH: "length",
             SequenceStatus.FINISHED_ABORTED: "abort",
+            SequenceStatus.FINISHED_ERROR: "error",
         }.get(self)
 
 

@@ -50,6 +50,22 @@ class SamplerOutput:
     ranks: torch.Tensor | None  # [N] int64, 1-based rank of the sampled token
     top_ids: torch.Tensor | None  # [N, K] int64
     top_logprobs: torch.Tensor | None  # [N, K] fp32
+    # [N] bool: the row's distribution was not finite (a +inf or NaN logit after the penalties, or a NaN
+    # probability), so its token is meaningless; computed on the device and read with the token ids.
+    nonfinite: torch.Tensor | None = None
+
+
+NONFINITE_MESSAGE = ("sampling distribution is not finite (check repetition_penalty/presence_penalty/"
+                     "frequency_penalty/logit_bias, or the model's logits)")
+
+
+def nonfinite_rows(logits: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+    """[N] bool: rows of ``logits`` [N, V] (after penalties; -inf is a legal mask) holding NaN or +inf, or
+    rows of ``probs`` [N, V] holding NaN. Device-side, no host sync."""
+    bad = (logits.isnan() | logits.isposinf()).any(dim=-1)
+    if probs is not None:
+        bad |= probs.isnan().any(dim=-1)
+    return bad
 
 
 def apply_penalties(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
@@ -115,7 +131,8 @@ def processed_probs(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, md: SamplingMetadata) -> SamplerOutput:
-        """logits: [N, V] fp32 (raw model output). Returns sampled ids and, if asked, logprobs."""
+        """logits: [N, V] fp32 (raw model output). Returns sampled ids, the per-row ``nonfinite`` flag and, if
+        asked, logprobs. A flagged row's id is meaningless: the caller fails that request (``NONFINITE_MESSAGE``)."""
         raw = logits
         logits = apply_penalties(logits.float(), md)
         if md.banned_mask is not None:
@@ -123,6 +140,7 @@ class Sampler:
         greedy_ids = logits.argmax(dim=-1)
         if md.all_greedy:
             token_ids = greedy_ids
+            nonfinite = nonfinite_rows(logits)
         else:
             temps = md.temperatures.clamp(min=1e-5)[:, None]
             scaled = apply_top_k_top_p_min_p(logits / temps, md.top_ks, md.top_ps, md.min_ps)
@@ -136,9 +154,12 @@ class Sampler:
                     noise[i].exponential_(generator=g)
             random_ids = (probs / noise).argmax(dim=-1)
             token_ids = torch.where(md.temperatures < 1e-5, greedy_ids, random_ids)
+            nonfinite = nonfinite_rows(logits, probs)
         if md.max_num_logprobs < 0:
-            return SamplerOutput(token_ids, None, None, None, None)
-        return token_logprobs(raw, token_ids, md.max_num_logprobs)
+            return SamplerOutput(token_ids, None, None, None, None, nonfinite)
+        so = token_logprobs(raw, token_ids, md.max_num_logprobs)
+        so.nonfinite = nonfinite
+        return so
 
 
 def token_logprobs(logits: torch.Tensor, token_ids: torch.Tensor, k: int) -> SamplerOutput:

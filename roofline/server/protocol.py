@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -57,10 +57,60 @@ class UsageInfo(BaseModel):
     total_tokens: int = 0
 
 
-class _SamplingFields(BaseModel):
-    """Fields shared by both endpoints (OpenAI names, then vLLM-style extensions)."""
+# Fields that vLLM's or OpenAI's request protocol defines and this server does not implement, each with the
+# values that mean "not used" (vLLM's or OpenAI's default). Any other value is answered with a 400 naming the
+# field (unsupported_fields), so that a client is never served unconstrained text in silence. Fields that
+# neither defines are ignored, as OpenAI does. Sources: vLLM entrypoints/openai/protocol.py (CompletionRequest,
+# ChatCompletionRequest) and the OpenAI API reference (completions, chat completions).
+_UNSUPPORTED_COMMON: dict[str, tuple[Any, ...]] = {
+    # vLLM: structured output, the older guided_* fields and the newer structured_outputs.
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "guided_whitespace_pattern": (None,), "structural_tag": (None,), "structured_outputs": (None,),
+    # vLLM: sampling and decoding extensions.
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "truncate_prompt_tokens": (None,), "logits_processors": (None,),
+    "spaces_between_special_tokens": (None, True), "return_tokens_as_token_ids": (None, False),
+    "return_token_ids": (None, False), "priority": (None, 0), "cache_salt": (None,),
+    "kv_transfer_params": (None,), "vllm_xargs": (None,), "mm_processor_kwargs": (None,),
+    "logprobs_mode": (None,),
+}
+_UNSUPPORTED_COMPLETION: dict[str, tuple[Any, ...]] = {
+    **_UNSUPPORTED_COMMON, "response_format": (None, {"type": "text"}), "prompt_embeds": (None,),
+    "add_special_tokens": (None, True),
+}
+_UNSUPPORTED_CHAT: dict[str, tuple[Any, ...]] = {
+    **_UNSUPPORTED_COMMON,
+    # OpenAI chat fields.
+    "audio": (None,), "functions": (None, []), "function_call": (None, "none"), "modalities": (None, ["text"]),
+    "prediction": (None,), "reasoning_effort": (None,), "web_search_options": (None,), "verbosity": (None,),
+    "tool_choice": (None, "none", "auto"), "parallel_tool_calls": (None, True, False), "store": (None, False),
+    # vLLM chat extensions.
+    "echo": (None, False), "continue_final_message": (None, False), "add_special_tokens": (None, False),
+    "documents": (None,), "chat_template": (None,), "chat_template_kwargs": (None, {}), "prompt_logprobs": (None,),
+}
 
-    model_config = ConfigDict(extra="ignore")
+
+def _same(value: Any, unused: Any) -> bool:
+    """JSON equality: ``true`` is not ``1`` here (Python's ``True == 1`` is)."""
+    return value == unused and isinstance(value, bool) == isinstance(unused, bool)
+
+
+def unsupported_fields(req: BaseModel, table: dict[str, tuple[Any, ...]]) -> list[str]:
+    """The request's fields from ``table`` (vLLM/OpenAI fields we do not implement) set to a used value."""
+    extra = req.model_extra or {}
+    return [name for name, unused in table.items()
+            if name in extra and not any(_same(extra[name], u) for u in unused)]
+
+
+class _SamplingFields(BaseModel):
+    """Fields shared by both endpoints (OpenAI names, then vLLM-style extensions).
+
+    Unknown fields are kept in ``model_extra``: the ones vLLM or OpenAI define are refused by
+    ``unsupported_fields``; the rest are ignored.
+    """
+
+    model_config = ConfigDict(extra="allow")
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = {}
 
     model: str | None = None
     n: int = 1
@@ -103,6 +153,8 @@ class CompletionRequest(_SamplingFields):
     prompt_logprobs: int | None = None  # extension (vLLM)
     best_of: int | None = None
     suffix: str | None = None
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = _UNSUPPORTED_COMPLETION
 
 
 class CompletionLogprobs(BaseModel):
@@ -179,6 +231,8 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     response_format: dict[str, Any] | None = None
     add_generation_prompt: bool = True  # extension
+
+    UNSUPPORTED: ClassVar[dict[str, tuple[Any, ...]]] = _UNSUPPORTED_CHAT
 
 
 class TopLogprob(BaseModel):

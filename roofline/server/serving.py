@@ -158,6 +158,11 @@ class OpenAIServing:
         return max_tokens
 
     def common_checks(self, req: P._SamplingFields) -> None:
+        unsupported = P.unsupported_fields(req, req.UNSUPPORTED)
+        if unsupported:
+            name = unsupported[0]
+            raise bad_request(f"{name} is not supported by this server (got {json.dumps(req.model_extra[name])}); "
+                              f"send null or leave it out", param=name)
         if not 1 <= req.n <= self.max_n:
             raise bad_request(f"n must be in [1, {self.max_n}], got {req.n}", param="n")
         stops = _stop_list(req.stop)
@@ -238,6 +243,8 @@ class OpenAIServing:
             async for out in streams[i]:
                 trackers[i].on_output(out)
                 finals[i] = out
+                if out.error is not None:  # the engine failed this request (e.g. a non-finite distribution)
+                    raise bad_request(out.error)
 
         watcher = asyncio.ensure_future(_wait_disconnect(raw))
         runner = asyncio.ensure_future(asyncio.gather(*(drain(i) for i in range(len(streams)))))
@@ -297,6 +304,8 @@ class OpenAIServing:
                     raise item
                 i, out = item
                 trackers[i].on_output(out)
+                if out.error is not None:  # the engine failed this request: an in-band error event
+                    raise bad_request(out.error)
                 yield i, out
         finally:
             for t in tasks:

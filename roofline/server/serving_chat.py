@@ -19,6 +19,7 @@ from roofline.outputs import RequestOutput
 from roofline.server import protocol as P
 from roofline.server.serving import (
     MAX_LOGPROBS,
+    APIError,
     OpenAIServing,
     bad_request,
     new_logprobs,
@@ -141,7 +142,8 @@ async def create_chat_completion(serving: OpenAIServing, req: P.ChatCompletionRe
                 yield "data: [DONE]\n\n"
             except Exception as e:
                 logger.exception("stream %s failed", request_id)
-                yield sse(P.ErrorResponse(error=P.ErrorInfo(message=str(e), type="server_error")))
+                kind = e.type if isinstance(e, APIError) else "server_error"  # a request error, or the engine's
+                yield sse(P.ErrorResponse(error=P.ErrorInfo(message=str(e), type=kind)))
                 yield "data: [DONE]\n\n"
 
         return streaming_response(serving, events(), streams, trackers)

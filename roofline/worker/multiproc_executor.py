@@ -25,6 +25,7 @@ import logging
 import multiprocessing as mp
 import os
 import socket
+import time
 import traceback
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection, wait
@@ -38,6 +39,25 @@ from roofline.worker.executor import Executor, ExecutorDeadError
 logger = logging.getLogger(__name__)
 
 POLL_S = 1.0  # how often a waiting driver checks that every rank is alive
+STEP_TIMEOUT_BASE_S = 300.0  # the default step watchdog: this, plus STEP_TIMEOUT_PER_TOKEN_S per token
+STEP_TIMEOUT_PER_TOKEN_S = 0.01  # (an 8192-token CPU prefill chunk of a 1B model takes ~20 s on 2 cores)
+
+
+def step_timeout_for(num_tokens: int, configured: float | None) -> float:
+    """Seconds a step of ``num_tokens`` scheduled tokens may take: ``configured`` (``--step-timeout``), else
+    300 s + 10 ms per token, generous so that only a stuck rank (stopped, deadlocked) trips it."""
+    return configured if configured is not None else STEP_TIMEOUT_BASE_S + STEP_TIMEOUT_PER_TOKEN_S * num_tokens
+
+
+def _process_state(pid: int | None) -> str | None:
+    """Linux /proc state letter of ``pid`` ("T": stopped, e.g. by SIGSTOP), None where unknown."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0]
+    except (OSError, IndexError):
+        return None
+
+
 DEATH_GRACE_S = 1.0  # after a rank's error, how long to look for a dead peer that caused it
 _MAIN_GUARD_HINT = ("worker processes are spawned and import the main module: a script that creates "
                     "LLM(tensor_parallel_size=N) must do so under `if __name__ == \"__main__\":`")
@@ -172,12 +192,16 @@ def _worker_main(rank: int, world: int, init_method: str, config: EngineConfig, 
 class _Pending:
     """A step sent to every rank; ``result()`` waits for every rank's reply."""
 
-    def __init__(self, executor: MultiprocExecutor, step: StepInput):
+    def __init__(self, executor: MultiprocExecutor, step: StepInput, number: int, timeout_s: float):
         self.executor = executor
         self.step_input = step
+        self.number, self.timeout_s = number, timeout_s
+        self.deadline = time.monotonic() + timeout_s  # the watchdog's
 
     def result(self) -> StepOutput:
-        return self.executor._collect()
+        ex = self.executor
+        ex._deadline, ex._step_count, ex._step_timeout_s = self.deadline, self.number, self.timeout_s
+        return ex._collect()
 
 
 class MultiprocExecutor(Executor):
@@ -198,6 +222,11 @@ class MultiprocExecutor(Executor):
         self.procs: list[Any] = []
         self.conns: list[Connection] = []
         self.dead: str | None = None
+        self.step_timeout = config.step_timeout
+        self._deadline: float | None = None  # the running step's watchdog deadline (time.monotonic)
+        self._step_count = 0
+        self._steps_sent = 0
+        self._step_timeout_s = 0.0
         for rank in range(world):
             parent, child = ctx.Pipe()
             p = ctx.Process(target=_worker_main, name=f"roofline-tp{rank}",
@@ -249,6 +278,18 @@ class MultiprocExecutor(Executor):
             dead = self._dead_rank()
             if dead is not None:
                 raise self._fail(dead)
+            if self._deadline is not None and time.monotonic() > self._deadline:
+                raise self._fail(self._stalled(rank))
+
+    def _stalled(self, rank: int) -> str:
+        """The watchdog's message: the step, its timeout and the rank(s) that stalled it."""
+        stopped = [r for r, p in enumerate(self.procs) if _process_state(p.pid) == "T"]
+        for r in stopped:  # SIGTERM waits for a stopped process to continue; SIGKILL does not
+            self.procs[r].kill()
+        who = (", ".join(f"worker rank {r} (pid {self.procs[r].pid}) is stopped" for r in stopped) if stopped
+               else f"worker rank {rank} (pid {self.procs[rank].pid}) did not answer")
+        return (f"step {self._step_count} stalled: {who}; no reply within the step timeout of "
+                f"{self._step_timeout_s:g} s (--step-timeout); the workers were stopped, restart the engine")
 
     def _dead_rank(self) -> str | None:
         for r, p in enumerate(self.procs):
@@ -269,7 +310,10 @@ class MultiprocExecutor(Executor):
                                  f"{p.exitcode}") from None
 
     def _collect(self) -> Any:
-        values = [self._recv(r) for r in range(self.world)]
+        try:
+            values = [self._recv(r) for r in range(self.world)]
+        finally:
+            self._deadline = None
         return values[0]
 
     def _call(self, method: str, *args: Any) -> Any:
@@ -280,7 +324,9 @@ class MultiprocExecutor(Executor):
 
     def execute_model_async(self, step: StepInput) -> Any:
         self._send_all("execute_model", step)
-        return _Pending(self, step)
+        self._steps_sent += 1
+        return _Pending(self, step, self._steps_sent,
+                        step_timeout_for(sum(n for _, n in step.scheduled), self.step_timeout))
 
     @property
     def num_kv_blocks(self) -> int:

@@ -27,7 +27,7 @@ from roofline.config import EngineConfig, ModelConfig
 from roofline.distributed.parallel_state import divide, get_parallel_state, get_tp_size
 from roofline.layers import dispatch
 from roofline.layers.rotary import RotaryEmbedding
-from roofline.layers.sampler import Sampler, SamplingMetadata
+from roofline.layers.sampler import NONFINITE_MESSAGE, Sampler, SamplingMetadata
 from roofline.models import loader
 from roofline.quant import get_quant_config
 from roofline.spec_decode.proposer import make_proposer
@@ -344,7 +344,9 @@ class PendingStep:
         rows_device = w.inputs.to_device("sample_rows", sample_rows) if batch.output_counts is not None else None
         batch.mark_sampled(sample_rows, so.token_ids, rows_device, self.step_id)
         w.inputs.prev_sampled = so.token_ids
-        self.host = {"token_ids": w.to_host(so.token_ids)}
+        # A row whose distribution was not finite travels as id -1, in the same copy as the ids (no extra sync).
+        ids = so.token_ids if so.nonfinite is None else torch.where(so.nonfinite, -1, so.token_ids)
+        self.host = {"token_ids": w.to_host(ids)}
         if so.logprobs is not None:
             assert so.ranks is not None and so.top_ids is not None and so.top_logprobs is not None
             self.host.update(logprobs=w.to_host(so.logprobs), ranks=w.to_host(so.ranks),
@@ -365,6 +367,12 @@ class PendingStep:
         out = StepOutput()
         if self.rows:
             sampled = self.host["token_ids"].tolist()
+            for i, t in enumerate(sampled):
+                if t < 0:  # the sampler's non-finite flag: the engine fails this request only
+                    out.errors[str(self.seq_ids[i])] = NONFINITE_MESSAGE
+                    sampled[i] = 0
+            if out.errors:  # the logprobs read the ids too: the host copy without the -1s
+                self.host["token_ids"] = torch.tensor(sampled, dtype=torch.int64)
             self.worker.input_batch.write_sampled(self.rows, self.seq_ids, self.positions, sampled, self.step_id)
             out.seq_ids = list(self.seq_ids)
             out.sampled_token_ids = [[t] for t in sampled]

@@ -80,7 +80,8 @@ def test_startup_errors_name_the_sizes():
         LLM(tensor_parallel_size=0, **COMMON)
     with pytest.raises(ValueError, match=r"distributed_executor_backend 'uni' runs one worker; tensor_parallel_size 3"):
         LLM(tensor_parallel_size=3, distributed_executor_backend="uni", **COMMON)
-    with pytest.raises(ValueError, match=r"speculative decoding with tensor_parallel_size or pipeline_parallel_size > 1 is not built"):
+    with pytest.raises(ValueError, match=r"speculative decoding with tensor_parallel_size or pipeline_parallel_size > 1 "
+                       r"is not built yet \(got tensor_parallel_size=3, pipeline_parallel_size=1\)"):
         LLM(tensor_parallel_size=3, speculative_config={"method": "ngram", "num_speculative_tokens": 2}, **COMMON)
 
 

@@ -114,7 +114,62 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": [1, 2, 10**6]}, 400, "prompt", None, ["1000000 is out of range [0, 49152)"]),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", None, ["prompt is empty"]),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", None, ["at least 1 message"]),
+    # Issue 31: a penalty that overflows finite logits (logit / 1e-38 = inf, then a NaN distribution).
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1e-38}, 400, "repetition_penalty", None,
+     ["repetition_penalty must be in [0.01, 100]", "got 1e-38"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "repetition_penalty": 1000}, 400,
+     "repetition_penalty", None, ["repetition_penalty must be in [0.01, 100]", "got 1000"]),
 ]
+
+# Issue 31: each field vLLM or OpenAI defines that this server does not implement, with a value that would
+# change the output; each must be a 400 naming the field, never a silent 200.
+_CHAT = [{"role": "user", "content": "hi"}]
+UNSUPPORTED = [
+    ("guided_json", {"type": "object"}), ("guided_regex", "[0-9]+"), ("guided_choice", ["yes", "no"]),
+    ("guided_grammar", "root ::= 'a'"), ("guided_whitespace_pattern", " *"), ("structural_tag", "{}"),
+    ("structured_outputs", {"json": {"type": "object"}}), ("use_beam_search", True), ("length_penalty", 0.5),
+    ("allowed_token_ids", [1, 2]), ("bad_words", ["Paris"]), ("truncate_prompt_tokens", 4),
+    ("logits_processors", ["x"]), ("spaces_between_special_tokens", False), ("return_tokens_as_token_ids", True),
+    ("return_token_ids", True), ("priority", 1), ("cache_salt", "s"), ("kv_transfer_params", {"a": 1}),
+    ("vllm_xargs", {"a": 1}), ("mm_processor_kwargs", {"a": 1}), ("logprobs_mode", "raw_logits"),
+]
+UNSUPPORTED_COMPLETION = UNSUPPORTED + [
+    ("response_format", {"type": "json_object"}), ("prompt_embeds", "AAAA"), ("add_special_tokens", False),
+]
+UNSUPPORTED_CHAT = UNSUPPORTED + [
+    ("audio", {"voice": "alloy", "format": "wav"}), ("functions", [{"name": "f"}]), ("function_call", "auto"),
+    ("modalities", ["text", "audio"]), ("prediction", {"type": "content", "content": "x"}),
+    ("reasoning_effort", "low"), ("web_search_options", {}), ("verbosity", "low"), ("tool_choice", "required"),
+    ("parallel_tool_calls", "yes"), ("store", True), ("echo", True), ("continue_final_message", True),
+    ("add_special_tokens", True), ("documents", [{"text": "x"}]), ("chat_template", "{{ x }}"),
+    ("chat_template_kwargs", {"enable_thinking": False}), ("prompt_logprobs", 1),
+]
+
+
+@pytest.mark.parametrize(("path", "field", "value"),
+                         [("/v1/completions", f, v) for f, v in UNSUPPORTED_COMPLETION]
+                         + [("/v1/chat/completions", f, v) for f, v in UNSUPPORTED_CHAT])
+def test_unsupported_vllm_and_openai_fields_are_400_naming_the_field(server, path, field, value):
+    base = {"prompt": "hi"} if path == "/v1/completions" else {"messages": _CHAT}
+    r = _post(server, path, {**base, "max_tokens": 1, field: value})
+    assert r.status_code == 400, (field, r.text)
+    err = r.json()["error"]
+    assert err["param"] == field and err["type"] == "invalid_request_error"
+    assert err["message"].startswith(f"{field} is not supported by this server (got {json.dumps(value)})")
+
+
+def test_unused_values_of_unsupported_fields_and_unknown_fields_are_accepted(server):
+    # The defaults (null, false, vLLM's defaults) apply nothing, and a field neither vLLM nor OpenAI defines is
+    # ignored, as OpenAI does.
+    body = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0, "guided_json": None,
+            "use_beam_search": False, "length_penalty": 1, "add_special_tokens": True, "priority": 0,
+            "response_format": {"type": "text"}, "not_a_field_anywhere": {"x": 1}}
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"] == " Paris."
+    r = _post(server, "/v1/chat/completions", {"messages": _CHAT, "max_tokens": 1, "tool_choice": "none",
+                                               "parallel_tool_calls": True, "echo": False, "also_unknown": 3})
+    assert r.status_code == 200, r.text
 
 
 def test_bad_inputs_get_openai_errors_while_a_request_completes(server):
@@ -379,3 +434,28 @@ def test_requests_meeting_a_dead_engine_are_refused_never_left_waiting(default_l
         engine.abort_request("dead-a")  # the shared engine keeps no trace of this test
         monkeypatch.undo()
         assert not engine.has_unfinished_requests()
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])
+@pytest.mark.parametrize("stream", [False, True])
+def test_non_finite_distribution_is_an_error_never_a_200_of_text(server, monkeypatch, path, stream):
+    # Issue 31: repetition_penalty=1e-38 made logit / 1e-38 = +inf, a NaN softmax row, and 16 x id 0 served
+    # as 200. Validation now refuses 1e-38; the sampler's guard behind it is tested with the old bound (any
+    # non-finite row validation cannot foresee takes the same path).
+    monkeypatch.setattr("roofline.sampling_params.REPETITION_PENALTY_MIN", 0.0)
+    prompt = "The capital of France is Paris. The capital of France is"
+    base = {"prompt": prompt} if path == "/v1/completions" else {"messages": [{"role": "user", "content": prompt}]}
+    body = {**base, "max_tokens": 16, "temperature": 0.8, "repetition_penalty": 1e-38, "seed": 3, "stream": stream}
+    r = _post(server, path, body)
+    if not stream:
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+    else:
+        assert r.status_code == 200  # the headers went out before the first step
+        events = [line[6:] for line in r.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "[DONE]"
+        err = json.loads(events[-2])["error"]
+    assert err["type"] == "invalid_request_error"
+    assert err["message"].startswith("sampling distribution is not finite (check repetition_penalty")
+    assert wait_until(lambda: server.app.state.async_engine.snapshot.num_running_requests == 0)
+    assert httpx.get(server.url + "/health").status_code == 200  # only that request failed

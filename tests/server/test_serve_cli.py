@@ -50,3 +50,20 @@ def test_bench_rejects_bad_load_settings():
 
     assert main(["bench", "serve", "--request-rate", "0"]) == 2  # ValueError -> exit status 2
     assert main(["bench", "serve", "--max-concurrency", "0"]) == 2
+
+
+@pytest.mark.parametrize(("argv", "line"), [
+    (["serve", "--kv-cache-dtype", "bogus"],
+     "roofline serve: error: argument --kv-cache-dtype: invalid choice: 'bogus' (choose from"),
+    (["generate", "--dtype", "nope"], "roofline generate: error: argument --dtype: invalid choice: 'nope'"),
+])
+def test_argparse_errors_are_one_line_without_the_usage(capsys, argv, line):
+    # Issue 31: a choice error printed the 39-line usage before its one line.
+    from roofline.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(line), err
+    assert err.rstrip().endswith(f"(see roofline {argv[0]} --help)")
