@@ -39,8 +39,8 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         q = canonical.q.to(torch.float8_e4m3fn).contiguous()
         register_frozen(layer, "qweight", q)
         register_frozen(layer, "weight_scale", canonical.scales.float().contiguous())
-        # The emulated path's float32 copy of the E4M3 values: not a parameter (no FP8 device reads it).
-        layer.fp8_emulation_weight = None if gemm.fp8_tensor_cores(q.device) else q.float()
+        # The emulated path's float64 copy of the E4M3 values: not a parameter (no FP8 device reads it).
+        layer.fp8_emulation_weight = None if gemm.fp8_tensor_cores(q.device) else gemm.fp8_emulation_weight(q)
 
     def apply(self, layer, x, bias=None):
         from roofline.quant import gemm

@@ -246,11 +246,25 @@ def _say_fp8_emulated(device: str) -> None:
                    "cores here); quality is the format's, speed is not", device)
 
 
+def fp8_emulation_weight(qweight: torch.Tensor) -> torch.Tensor:
+    """The E4M3 values of ``qweight`` float8_e4m3fn [N, K] as float64 [N, K], the emulated path's operand.
+
+    float64 because it makes the emulated matmul exact, hence batch-invariant (issue 31 item 4): an E4M3 x
+    E4M3 product has at most 8 significant bits and lies in [2^-18, 448^2 < 2^18], so any sum of K <= 2^16
+    of them is exact in float64's 53 bits whatever the summation order. A float32 ``xq @ w.T`` is not: torch's
+    CPU BLAS sums K in a different order at M = 1 (GEMV) than at M > 1 (blocked GEMM), so a request's logits
+    moved with its batch-mates. Costs 8 bytes per weight on the emulated path (CPU, pre-Ada GPUs) only."""
+    return qweight.to(torch.float64)
+
+
 def fp8_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
              dense: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 W8A8: ``x`` [..., K] rounded to E4M3 per token (dynamic, amax / 448), times ``qweight``
     float8_e4m3fn [N, K] with per-channel ``scale`` float32 [N], float32 accumulation -> [..., N] in x's dtype.
-    ``dense``: the weight's E4M3 values as float32 [N, K] for the emulated path (saves the cast per call)."""
+    ``dense``: the weight's E4M3 values as float64 [N, K] (``fp8_emulation_weight``) for the emulated path
+    (saves the cast per call). The activation scale is per token on every path (the GEMV's in-kernel rounding,
+    the Triton/torch per-token quantizers), and the emulated matmul is exact (float64 accumulation of E4M3
+    products), so on the emulated path a row's output is bit-identical whatever its batch-mates."""
     x2 = _flat(x)
     qk = _quant_kernels(x)
     m, (n, k) = x2.shape[0], qweight.shape
@@ -262,6 +276,6 @@ def fp8_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: 
         out = torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype)
     else:
         _say_fp8_emulated(str(x.device))
-        w = dense if dense is not None else qweight.float()
-        out = ((xq.float() @ w.t()) * xs * scale[None, :]).to(x.dtype)
+        w = dense if dense is not None and dense.dtype == torch.float64 else fp8_emulation_weight(qweight)
+        out = ((xq.double() @ w.t()).float() * xs * scale[None, :]).to(x.dtype)
     return _finish(out, x, bias)
