@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from roofline.quant.quantize import FP8_E4M3_MAX, INT8_MAX, ChannelWeight, Int4Weight
+from roofline.kernels.quant_types import FP8_E4M3_MAX, INT8_MAX, ChannelWeight, Int4Weight
 
 try:
     import triton

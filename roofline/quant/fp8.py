@@ -34,7 +34,7 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         return quantize_fp8_per_channel(weight, channel_amax(weight, layer))
 
     def set_weights(self, layer: nn.Module, canonical: ChannelWeight) -> None:
-        from roofline.quant import gemm
+        from roofline.kernels import linear_dispatch as gemm
 
         q = canonical.q.to(torch.float8_e4m3fn).contiguous()
         register_frozen(layer, "qweight", q)
@@ -43,7 +43,7 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         layer.fp8_emulation_weight = None if gemm.fp8_tensor_cores(q.device) else gemm.fp8_emulation_weight(q)
 
     def apply(self, layer, x, bias=None):
-        from roofline.quant import gemm
+        from roofline.kernels import linear_dispatch as gemm
 
         return gemm.fp8_w8a8(x, layer.qweight, layer.weight_scale, bias, layer.fp8_emulation_weight)
 

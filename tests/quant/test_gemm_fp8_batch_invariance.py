@@ -4,7 +4,7 @@ Issue 31 item 4: ``serve -q fp8`` on CPU gave a greedy request a different outpu
 identical). The activation scales were already per token; the emulated matmul was not row-invariant: a float32
 ``xq @ w.T`` takes a GEMV path at M = 1 and a blocked GEMM above, which sum K in different orders (measured:
 0.125 apart on values ~1e4 at K = 576). The emulation now accumulates in float64, which is exact for E4M3 x E4M3
-products (see ``roofline.quant.gemm.fp8_w8a8``), so every row is bit-identical whatever M is.
+products (see ``roofline.kernels.linear_dispatch.fp8_w8a8``), so every row is bit-identical whatever M is.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from roofline.quant import gemm
+from roofline.kernels import linear_dispatch as gemm
 from roofline.quant.quantize import quantize_fp8_per_channel
 
 
