@@ -8,7 +8,7 @@
 #
 # Usage: ROOFLINE_GIT_SHA=<sha> bash bench/gpu_quant.sh STEP [STEP...]
 #   kernels     quant GEMM kernel tests on the GPU + bench/gpu_quant_sweep.py (checks, GEMV config sweep, the
-#               dispatch table, written into roofline/quant/dispatch_tables/ for the later steps and to $OUT)
+#               dispatch table, written into roofline/kernels/dispatch_tables/ for the later steps and to $OUT)
 #   decode      bench decode, every method vs bf16 at batch 1, 64, 256 (context 1k)
 #   model       join the default model's halves (needs .model/a from an earlier call and .model/b now)
 #   modeltests  GPU tests that load the default model (quantized KV + graphs, prefix cache + graphs) + smoke
@@ -50,10 +50,10 @@ for step in "$@"; do
   case "$step" in
   kernels)
     timeout 420 python3 bench/gpu_quant_sweep.py --out "$OUT/quant_sweep.json" \
-      --table roofline/quant/dispatch_tables/NVIDIA_H200.json > "$OUT/quant_sweep.log" 2>&1
+      --table roofline/kernels/dispatch_tables/NVIDIA_H200.json > "$OUT/quant_sweep.log" 2>&1
     echo "gpu_quant_sweep rc $?" | tee -a "$OUT/log"
-    cp roofline/quant/dispatch_tables/NVIDIA_H200.json "$OUT/" 2>/dev/null
-    mkdir -p .devcarry && cp roofline/quant/dispatch_tables/NVIDIA_H200.json .devcarry/ 2>/dev/null
+    cp roofline/kernels/dispatch_tables/NVIDIA_H200.json "$OUT/" 2>/dev/null
+    mkdir -p .devcarry && cp roofline/kernels/dispatch_tables/NVIDIA_H200.json .devcarry/ 2>/dev/null
     grep -E "^\[gemv|^\[fused|^\[layer|^copy|FAIL|rel err" "$OUT/quant_sweep.log" | head -70 | tee -a "$OUT/log"
     ;;
   kerneltests)

@@ -1,7 +1,7 @@
 """Measure the quantized-GEMM dispatch table on this GPU: the best small-M GEMV config per (format, N, K, M) and,
 for each (format, N, K), the largest M up to which our kernel beats the other path; check every kernel against
-float64 on the way. Writes the JSON (every timing) and the table ``roofline/quant/dispatch_tables/<device>.json``
-reads (``--table``), which the engine uses from then on (``roofline.quant.gemm``).
+float64 on the way. Writes the JSON (every timing) and the table ``roofline/kernels/dispatch_tables/<device>.json``
+reads (``--table``), which the engine uses from then on (``roofline.kernels.linear_dispatch``).
 
 Usage (on the H200, repo root, PYTHONPATH=.): python bench/gpu_quant_sweep.py --out OUT.json --table TABLE.json
 ``--dry-run`` runs it on the CPU under TRITON_INTERPRET=1 at tiny shapes (checks the script, not speed).

@@ -149,7 +149,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
             bandwidth = measure_read_bandwidth(device)
             peak = measure_gemm_flops(device, n=8192 if device.startswith("cuda") else 1024, rounds=10)
             print(f"measured in this process: read {bandwidth / 1e12:.3f} TB/s, dense GEMM {peak / 1e12:.1f} TFLOP/s")
-        rows += _decode_points(args, engine, fmt, batches, contexts, bandwidth, peak)
+        rows += _decode_points(args, engine, fmt, batches, contexts, bandwidth, peak, quant or "none", kv)
         meta[fmt] = dict(kv_bytes_per_token=worker.kv_bytes_per_token, weight_bytes=worker.weight_bytes,
                          weight_bytes_per_step=worker.weight_bytes_per_step,
                          quantization=quant, kv_cache_dtype=kv,
@@ -162,12 +162,12 @@ def run_decode_bench(args: argparse.Namespace) -> int:
         gc.collect()
         _empty_device_cache()
     if len(formats) > 1:
-        base = {(r["batch"], r["context"]): r["tok_per_s"] for r in rows if r["kv_cache_dtype"] == formats[0]}
+        base = {(r["batch"], r["context"]): r["tok_per_s"] for r in rows if r["config"] == formats[0]}
         print(f"tok/s vs {formats[0]} at the same point:")
         for r in rows:
             if (r["batch"], r["context"]) in base:
                 r["speedup_vs_first"] = r["tok_per_s"] / base[(r["batch"], r["context"])]
-                print(f"  {r['kv_cache_dtype']:>9} batch {r['batch']:>4} context {r['context']:>6}: "
+                print(f"  {r['config']:>9} batch {r['batch']:>4} context {r['context']:>6}: "
                       f"{r['speedup_vs_first']:.3f}x")
     path = write_result(args.out_dir, f"decode-{args.model}", dict(
         **info, kv_bytes_per_token=meta[formats[0]]["kv_bytes_per_token"], kv_formats=meta, read_bandwidth_bytes_per_s=bandwidth, peak_flops=peak,
@@ -189,14 +189,17 @@ def _empty_device_cache() -> None:
         torch.cuda.empty_cache()
 
 
-def _decode_points(args, engine, fmt, batches, contexts, bandwidth, peak) -> list[dict]:
+def _decode_points(args, engine, fmt, batches, contexts, bandwidth, peak, quantization: str = "none",
+                   kv_cache_dtype: str = "auto") -> list[dict]:
+    """Rows carry ``quantization`` (the weight format, "none" when unquantized) and ``kv_cache_dtype`` (the
+    KV-cache flag's value) as separate fields, and ``config``: the configuration's label in the table."""
     from roofline import costmodel
 
     worker = engine.worker
     capacity = engine.block_manager.num_blocks * engine.block_manager.block_size
     print(f"model {args.model} (dummy weights, {worker.dtype}), {worker.weight_bytes / 1e9:.2f} GB of weights "
           f"({worker.weight_bytes_per_step / 1e9:.2f} GB read per step), "
-          f"KV {fmt} {worker.kv_bytes_per_token} B/token, pool {capacity} tokens, "
+          f"quantization {quantization}, kv_cache_dtype {kv_cache_dtype} ({worker.kv_bytes_per_token} B/token), pool {capacity} tokens, "
           f"CUDA graphs {'on' if worker.graphs is not None else 'off'}, "
           f"async scheduling {'on' if engine.config.async_scheduling else 'off'}")
     header = f"{'batch':>6} {'context':>8} {'ms/step':>9} {'tok/s':>10} {'floor ms':>9} {'floor tok/s':>12} {'of floor':>9}"
@@ -217,7 +220,7 @@ def _decode_points(args, engine, fmt, batches, contexts, bandwidth, peak) -> lis
                 flops=2.0 * engine.model_config.num_params * batch,
                 bandwidth_bytes_per_s=bandwidth, peak_flops=peak, measured_step_s=step,
             )
-            row = dict(kv_cache_dtype=fmt, batch=batch, context=context, step_ms=step * 1e3, tok_per_s=batch / step,
+            row = dict(config=fmt, quantization=quantization, kv_cache_dtype=kv_cache_dtype, batch=batch, context=context, step_ms=step * 1e3, tok_per_s=batch / step,
                        floor_ms=rep["floor_s"] * 1e3, floor_tok_per_s=batch / rep["floor_s"],
                        fraction_of_floor=rep["fraction_of_floor"], bound_by=rep["bound_by"],
                        async_scheduling=engine.config.async_scheduling,

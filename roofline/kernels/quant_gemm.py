@@ -56,7 +56,7 @@ from dataclasses import dataclass
 
 import torch
 
-from roofline.quant.quantize import FP8_E4M3_MAX, INT8_MAX, ChannelWeight, Int4Weight
+from roofline.kernels.quant_types import FP8_E4M3_MAX, INT8_MAX, ChannelWeight, Int4Weight
 
 try:
     import triton
@@ -464,28 +464,6 @@ if triton is not None:
             y = tl.minimum(tl.maximum(y, -127.0), 127.0)
             tl.store(Q + row * stride_q + k0 + offs, y.to(tl.int8), mask=kmask)
         tl.store(S + row, scale)
-
-    @triton.jit
-    def _splitk_epilogue(acc, offs_m, offs_n, mmask, nmask, Out, Partials, Counters, pid, split, M, N, stride_om,
-                         SPLIT_K, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-        # acc: fp32 [BLOCK_M, BLOCK_N]. Store, or split-K reduce as in _qgemm_kernel (last arrival sums the
-        # partials in split order, deterministic, and re-arms the tile's counter). SPLIT_K is a run-time value
-        # (one compiled GEMV serves every split count).
-        omask = mmask[:, None] & nmask[None, :]
-        out_ptrs = Out + offs_m[:, None].to(tl.int64) * stride_om + offs_n[None, :]
-        if SPLIT_K == 1:
-            tl.store(out_ptrs, acc.to(Out.dtype.element_ty), mask=omask)
-        else:
-            mn = offs_m[:, None].to(tl.int64) * N + offs_n[None, :]
-            tl.store(Partials + split.to(tl.int64) * M * N + mn, acc, mask=omask)
-            tl.debug_barrier()
-            arrived = tl.atomic_add(Counters + pid, 1, sem="acq_rel", scope="gpu")
-            if arrived == SPLIT_K - 1:
-                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for sp in range(SPLIT_K):
-                    total += tl.load(Partials + sp * M * N + mn, mask=omask, other=0.0, cache_modifier=".cg")
-                tl.store(out_ptrs, total.to(Out.dtype.element_ty), mask=omask)
-                tl.atomic_xchg(Counters + pid, 0)
 
     @triton.jit
     def _per_token_quant_fp8_kernel(X, Q, S, K, stride_x, stride_q, BLOCK: tl.constexpr):

@@ -39,7 +39,7 @@ except ImportError:  # pragma: no cover
     triton = None
 
 if triton is not None:
-    from roofline.kernels.quant_gemm import _splitk_epilogue
+    from roofline.kernels.splitk import _splitk_epilogue
 
     @triton.jit
     def _row_scale(X, offs_m, mmask, stride_xm, K, QMAX: tl.constexpr, BLOCK_M: tl.constexpr, CHUNK: tl.constexpr):

@@ -79,7 +79,7 @@ class UnquantizedLinearMethod(LinearMethod):
         create_dense_weight(layer, input_size_per_partition, output_partition_sizes, params_dtype, weight_loader)
 
     def apply(self, layer, x, bias=None):
-        from roofline.quant.gemm import dense_linear
+        from roofline.kernels.linear_dispatch import dense_linear
 
         return dense_linear(x, layer.weight, bias)
 

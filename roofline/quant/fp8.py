@@ -13,7 +13,14 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from roofline.quant.base import ChannelQuantConfig, QuantizedLinearMethod, channel_amax, register_frozen
+from roofline.quant.base import (
+    QuantConfig,
+    QuantizedLinearMethod,
+    UnquantizedLinearMethod,
+    channel_amax,
+    is_ignored,
+    register_frozen,
+)
 from roofline.quant.quantize import ChannelWeight, quantize_fp8_per_channel
 
 
@@ -27,24 +34,29 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         return quantize_fp8_per_channel(weight, channel_amax(weight, layer))
 
     def set_weights(self, layer: nn.Module, canonical: ChannelWeight) -> None:
-        from roofline.quant import gemm
+        from roofline.kernels import linear_dispatch as gemm
 
         q = canonical.q.to(torch.float8_e4m3fn).contiguous()
         register_frozen(layer, "qweight", q)
         register_frozen(layer, "weight_scale", canonical.scales.float().contiguous())
-        # The emulated path's copy of the E4M3 values (float64 on CPU, where it accumulates exactly, float32 on
-        # GPUs without FP8 tensor cores): not a parameter (no FP8 device reads it).
-        emulated = torch.float64 if q.device.type == "cpu" else torch.float32
-        layer.fp8_emulation_weight = None if gemm.fp8_tensor_cores(q.device) else q.to(emulated)
+        # The emulated path's float64 copy of the E4M3 values: not a parameter (no FP8 device reads it).
+        layer.fp8_emulation_weight = None if gemm.fp8_tensor_cores(q.device) else gemm.fp8_emulation_weight(q)
 
     def apply(self, layer, x, bias=None):
-        from roofline.quant import gemm
+        from roofline.kernels import linear_dispatch as gemm
 
         return gemm.fp8_w8a8(x, layer.qweight, layer.weight_scale, bias, layer.fp8_emulation_weight)
 
 
-class Fp8Config(ChannelQuantConfig):
+class Fp8Config(QuantConfig):
     """FP8 W8A8 dynamic for every linear layer (lm_head and embeddings stay 16-bit)."""
 
     name = "fp8"
-    linear_method_cls = Fp8LinearMethod
+
+    def __init__(self, checkpoint=None):
+        self.checkpoint = checkpoint
+
+    def get_linear_method(self, layer: nn.Module, prefix: str):
+        if self.checkpoint is not None and is_ignored(self.checkpoint, prefix):
+            return UnquantizedLinearMethod()
+        return Fp8LinearMethod(self.checkpoint)

@@ -80,7 +80,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
         return quantize_int4_rtn(weight, self.group_size, getattr(layer, "prefix", "layer") or "layer")
 
     def set_weights(self, layer: nn.Module, canonical: Int4Weight) -> None:
-        from roofline.quant import gemm
+        from roofline.kernels import linear_dispatch as gemm
 
         w, perm = contiguous_groups(canonical, getattr(layer, "prefix", "") or "layer")
         if perm is not None:
@@ -93,7 +93,7 @@ class Int4LinearMethod(QuantizedLinearMethod):
                 layer.register_buffer(name, tensor, persistent=False)
 
     def apply(self, layer, x, bias=None):
-        from roofline.quant import gemm
+        from roofline.kernels import linear_dispatch as gemm
 
         perm = getattr(layer, "input_perm", None)
         if perm is not None:

@@ -24,13 +24,13 @@ class Int8LinearMethod(QuantizedLinearMethod):
         return quantize_int8_per_channel(weight, channel_amax(weight, layer))
 
     def set_weights(self, layer: nn.Module, canonical: ChannelWeight) -> None:
-        from roofline.quant import gemm
+        from roofline.kernels import linear_dispatch as gemm
 
         for name, tensor in gemm.prepare_w8a16(canonical).items():
             register_frozen(layer, name, tensor)
 
     def apply(self, layer, x, bias=None):
-        from roofline.quant import gemm
+        from roofline.kernels import linear_dispatch as gemm
 
         return gemm.w8a16(x, layer, bias)
 

@@ -37,13 +37,13 @@ class SmoothQuantLinearMethod(QuantizedLinearMethod):
         return quantize_int8_per_channel(weight)
 
     def set_weights(self, layer: nn.Module, canonical: ChannelWeight) -> None:
-        from roofline.quant import gemm
+        from roofline.kernels import linear_dispatch as gemm
 
         for name, tensor in gemm.prepare_int8_w8a8(canonical).items():
             register_frozen(layer, name, tensor)
 
     def apply(self, layer, x, bias=None):
-        from roofline.quant import gemm
+        from roofline.kernels import linear_dispatch as gemm
 
         return gemm.int8_w8a8(x, layer, bias)
 

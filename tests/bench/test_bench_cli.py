@@ -56,6 +56,8 @@ def test_bench_decode_compares_kv_formats_in_one_process(tmp_path):
     # the same 64 MiB holds more int8 tokens (whole blocks)
     assert result["kv_formats"]["int8"]["pool_tokens"] > 3.5 * result["kv_formats"]["auto"]["pool_tokens"]
     assert [r["kv_cache_dtype"] for r in result["rows"]] == ["auto", "int8"]
+    assert [r["quantization"] for r in result["rows"]] == ["none", "none"]
+    assert [r["config"] for r in result["rows"]] == ["auto", "int8"]
     first, second = result["rows"]
     # Timed as the engine runs on a GPU: step N+1 launched before step N's ids are read.
     assert first["async_scheduling"] is True and second["async_scheduling"] is True

@@ -479,7 +479,7 @@ def test_sweep_table_takes_the_largest_m_won_at_every_smaller_m():
 
 
 def test_engine_reads_the_dispatch_table(monkeypatch):
-    from roofline.quant import gemm
+    from roofline.kernels import linear_dispatch as gemm
 
     table = {"gemv": {"int4": [dict(n=4096, k=4096, m=1, config=dict(block_m=1, block_n=64, block_k=128, num_warps=4,
                                                                       num_stages=1, gemv=True)),
