@@ -183,8 +183,6 @@ def test_step_messages_sit_below_the_engine_and_the_worker():
         assert not bad, f"{mod} imports {bad}"
 
 
-@pytest.mark.xfail(reason="kernels/quant_gemm.py imports quant/ and layers/ on this branch; the kernel split "
-                          "(issue 27's kernels part, another branch) removes them", strict=False)
 def test_kernels_import_neither_quant_nor_layers():
     path = _reaches("roofline.kernels", ("roofline.quant", "roofline.layers"))
     assert path is None, "roofline.kernels reaches a forbidden module:\n" + _chain(path or [])
@@ -195,7 +193,5 @@ def test_no_import_cycle():
     assert not mine, "import cycle(s):\n" + "\n\n".join(_chain(c) for c in mine)
 
 
-@pytest.mark.xfail(reason="kernels/quant_gemm.py and kernels/quant_gemv.py import each other on this branch; "
-                          "the kernel split (another branch of issue 27) removes it", strict=False)
 def test_no_import_cycle_in_kernels():
     assert not CYCLES, "import cycle(s):\n" + "\n\n".join(_chain(c) for c in CYCLES)

@@ -13,14 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from roofline.quant.base import (
-    QuantConfig,
-    QuantizedLinearMethod,
-    UnquantizedLinearMethod,
-    channel_amax,
-    is_ignored,
-    register_frozen,
-)
+from roofline.quant.base import ChannelQuantConfig, QuantizedLinearMethod, channel_amax, register_frozen
 from roofline.quant.quantize import ChannelWeight, quantize_fp8_per_channel
 
 
@@ -48,15 +41,8 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         return gemm.fp8_w8a8(x, layer.qweight, layer.weight_scale, bias, layer.fp8_emulation_weight)
 
 
-class Fp8Config(QuantConfig):
+class Fp8Config(ChannelQuantConfig):
     """FP8 W8A8 dynamic for every linear layer (lm_head and embeddings stay 16-bit)."""
 
     name = "fp8"
-
-    def __init__(self, checkpoint=None):
-        self.checkpoint = checkpoint
-
-    def get_linear_method(self, layer: nn.Module, prefix: str):
-        if self.checkpoint is not None and is_ignored(self.checkpoint, prefix):
-            return UnquantizedLinearMethod()
-        return Fp8LinearMethod(self.checkpoint)
+    linear_method_cls = Fp8LinearMethod
