@@ -173,6 +173,9 @@ def build_app(
     # Default names: what the user asked for (e.g. SmolLM2-135M-Instruct), then the config's name.
     model_names = config.served_model_names or tuple(
         dict.fromkeys([async_engine.model_name, async_engine.engine.model_config.name]))
+    # /v1/models lists the names the user gave (all of them, as vLLM), or else the one default name; the
+    # default's other spelling (the config's name) is accepted in ``model`` as an alias, not listed.
+    listed_names = config.served_model_names or model_names[:1]
     metrics = ServerMetrics(model_names[0], async_engine.state)
     serving = OpenAIServing(async_engine, config, metrics, model_names)
 
@@ -238,7 +241,7 @@ def build_app(
 
     @app.get("/v1/models", dependencies=auth)
     async def list_models() -> JSONResponse:
-        cards = [P.ModelCard(id=name, max_model_len=serving.max_model_len) for name in model_names]
+        cards = [P.ModelCard(id=name, max_model_len=serving.max_model_len) for name in listed_names]
         return JSONResponse(P.ModelList(data=cards).model_dump())
 
     @app.post("/v1/completions", dependencies=auth)

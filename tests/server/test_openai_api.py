@@ -47,9 +47,12 @@ def _chat_prompt_len(tokenizer, messages) -> int:
     return len(tokenizer(text, add_special_tokens=False).input_ids)
 
 
-def test_models_and_health(server, client):
+def test_models_and_health(server, client, async_engine):
     ids = [m.id for m in client.models.list().data]
-    assert ids[0] == MODEL
+    assert ids == [MODEL]  # one id for the default model (87a5992 listed two)
+    alias = async_engine.engine.model_config.name  # the config's spelling, still accepted in ``model``
+    assert alias != MODEL
+    assert client.completions.create(model=alias, prompt=PARIS, max_tokens=1, temperature=0).choices
     r = httpx.get(server.url + "/v1/models")
     assert r.json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
     h = httpx.get(server.url + "/health")
