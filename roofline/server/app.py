@@ -23,6 +23,7 @@ engine thread frees their KV blocks at once.
 
 from __future__ import annotations
 
+import json
 import logging
 import secrets
 import threading
@@ -105,6 +106,17 @@ class BodySizeLimitMiddleware:
 # ---------------------------------------------------------------------------------------------- the app
 
 
+_JSON_TYPE = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+
+
+def _as_json(value: Any) -> str:
+    """The value as the client wrote it (JSON: true, null, "x"), not as Python shows it (True, None, 'x')."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     """(message, param) for a pydantic/JSON error: names the field, the problem and the value."""
     errors = exc.errors()
@@ -117,7 +129,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     loc = [str(x) for x in first.get("loc", ()) if x != "body"]
     param = loc[0] if loc else None
     value = first.get("input")
-    shown = repr(value) if len(repr(value)) < 200 else f"{type(value).__name__} of {len(repr(value))} chars"
+    text = _as_json(value)
+    shown = text if len(text) < 200 else f"{_JSON_TYPE.get(type(value), type(value).__name__)} of {len(text)} chars"
     if first.get("type") == "missing":
         return f"{'.'.join(loc) or 'body'}: field required", param
     # A union field (prompt, stop, content) fails once per member type: name the accepted types once.

@@ -64,14 +64,14 @@ def _metric(text: str, name: str, **labels: str) -> float:
 BAD_INPUTS = [
     ("/v1/completions", '{"prompt": "hi", "max_tokens": 4', 400, None, None, ["malformed JSON body"]),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", None,
-     ["temperature", "valid number", "'hot'"]),
+     ["temperature", "valid number", '"hot"']),
     ("/v1/completions", {"prompt": 5}, 400, "prompt", None,
      ["prompt: got 5, expected one of: str, list[str], list[int], list[list[int]]"]),
     ("/v1/completions", {"prompt": "hi", "stop": 7}, 400, "stop", None, ["stop: got 7, expected one of: str"]),
     ("/v1/completions", {"prompt": "hi", "n": "two"}, 400, "n", None, ["n: ", "valid integer"]),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages", None, ["messages", "valid list"]),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", None,
-     ["messages.0.role", "'wizard'"]),
+     ["messages.0.role", '"wizard"']),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt", None, ["prompt: field required"]),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "model_not_found",
      ["'gpt-4' does not exist", MODEL]),
@@ -459,3 +459,15 @@ def test_non_finite_distribution_is_an_error_never_a_200_of_text(server, monkeyp
     assert err["message"].startswith("sampling distribution is not finite (check repetition_penalty")
     assert wait_until(lambda: server.app.state.async_engine.snapshot.num_running_requests == 0)
     assert httpx.get(server.url + "/health").status_code == 200  # only that request failed
+
+
+@pytest.mark.parametrize(("body", "shown"), [
+    ({"prompt": "hi", "stop": True}, "got true"),
+    ({"prompt": "hi", "n": None}, "got null"),
+    ({"prompt": "hi", "max_tokens": "x"}, 'got "x"'),
+])
+def test_json_input_errors_quote_json_not_python(server, body, shown):
+    # Issue 31: the messages showed Python literals (True, None, 'x') for JSON input.
+    r = _post(server, "/v1/completions", body)
+    assert r.status_code == 400, r.text
+    assert shown in r.json()["error"]["message"], r.json()
