@@ -438,3 +438,27 @@ def test_non_finite_distribution_fails_only_its_request(default_llm, temperature
         assert got.error is None
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
     _assert_idle(default_llm)
+
+
+def test_non_finite_distribution_fails_only_its_request_with_speculation_pinned_on(monkeypatch):
+    """The same with n-gram speculation pinned on (gamma 4, not adaptive): the clean rows draft and verify
+    (the copy-heavy prompt matches), the poisoned one (penalties: it decodes without drafts) fails alone."""
+    from roofline import LLM
+
+    monkeypatch.setattr("roofline.sampling_params.REPETITION_PENALTY_MIN", 0.0)
+    llm = LLM(max_model_len=512, dtype="float32", device="cpu", attention_backend="torch",
+              speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
+    prompt = "The capital of France is Paris. The capital of France is"
+    clean = [SamplingParams(temperature=0.8, seed=5, max_tokens=12, ignore_eos=True),
+             SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)]
+    alone = llm.generate([prompt, prompt + " Paris."], clean, use_tqdm=False)
+    before = llm.engine.spec_stats.copy()
+    outs = llm.generate([prompt, prompt, prompt + " Paris."], [_poisoned(temperature=0, max_tokens=8), *clean],
+                        use_tqdm=False)
+    assert llm.engine.spec_stats.since(before).num_drafts > 0  # speculation really ran beside the bad row
+    assert outs[0].error is not None and "sampling distribution is not finite" in outs[0].error
+    for got, want in zip(outs[1:], alone, strict=True):
+        assert got.error is None
+        assert got.outputs[0].token_ids == want.outputs[0].token_ids
+    _assert_idle(llm)
+    llm.engine.executor.shutdown()
