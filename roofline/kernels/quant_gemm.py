@@ -52,11 +52,8 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
 
 import torch
-
-from roofline.kernels.quant_types import FP8_E4M3_MAX, INT8_MAX, ChannelWeight, Int4Weight
 
 try:
     import triton
@@ -64,210 +61,18 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
-# Weight formats, a constexpr of the GEMM kernel.
-FMT_DENSE = 0  # W [N, K] in the activation dtype
-FMT_INT4 = 1  # qweight int32 [K // 8, N], scales/zeros [K // G, N]
-FMT_INT8 = 2  # q int8 [N, K], scales float32 [N]; activations float
-FMT_INT8_INT8 = 3  # activations int8 too, x_scale float32 [M]
-FMT_FP8 = 4  # q float8_e4m3fn [N, K], scales float32 [N]; activations rounded to E4M3 per token (GEMV only)
-_MIN_SCALE = 1e-10  # = roofline.quant.quantize._MIN_SCALE: an all-zero row quantizes to zeros
-_MAGIC = 8388608.0  # 2^23: the float32 with bits 0x4B000000
-
-
-@dataclass(frozen=True)
-class GemmConfig:
-    """One tile configuration. ``split_k`` None: chosen per shape by :func:`choose_split_k`."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    split_k: int | None = None
-    unpack: int = 0  # INT4 only: 0 = word per row (GPTQ-triton style loads), 1 = one load per word + reshape
-    gemv: bool = False  # the FMA stream without tl.dot (quant_gemv._gemv_kernel); block_m = rows per program (<= 4).
-    # GEMV configs take num_stages=1: the kernel prefetches the next tile itself, and Triton's pipeliner on top of
-    # that gave wrong 16-bit results on the H200 (triton 3.6, 2026-12-01).
-
-
-# (largest M, config) per format, first match wins. Initial values: the small-M row follows the split-K
-# W4A16 blog (BM 16, BN 32, BK 128, 4 warps, 4 stages) and our earlier dense GEMV sweep on the H200
-# (BN 32, BK 256: docs/kernels.md); the tiled rows are common Hopper GEMM tiles. bench/gpu_quant_gemm.py
-# sweeps alternatives; replace these with its measurements.
-CONFIGS: dict[str, list[tuple[int, GemmConfig]]] = {
-    "int4": [
-        (1, GemmConfig(1, 64, 128, 4, 1, gemv=True)),
-        (2, GemmConfig(2, 64, 128, 4, 1, gemv=True)),
-        (4, GemmConfig(4, 32, 128, 4, 1, gemv=True)),
-        (16, GemmConfig(16, 32, 128, 4, 4, unpack=1)),
-        (64, GemmConfig(64, 64, 64, 4, 3, unpack=1)),
-        # 2 stages: the tiled INT4 path stages [BK, BN] words, scales and zeros per k row (72-80 KB a stage
-        # at these tiles), so 3-4 stages exceed the H200's 227 KB of shared memory (measured: 240 KB asked).
-        (256, GemmConfig(64, 128, 64, 4, 2, unpack=1)),
-        (1 << 62, GemmConfig(128, 128, 64, 8, 2, unpack=1)),
-    ],
-    "int8": [
-        (1, GemmConfig(1, 32, 256, 8, 1, gemv=True)),
-        (4, GemmConfig(4, 16, 128, 8, 1, gemv=True)),
-        (16, GemmConfig(16, 32, 128, 4, 4)),
-        (64, GemmConfig(64, 64, 64, 4, 4)),
-        (256, GemmConfig(64, 128, 64, 4, 4)),
-        (1 << 62, GemmConfig(128, 128, 64, 8, 3)),
-    ],
-    "int8_int8": [
-        (1, GemmConfig(1, 32, 256, 8, 1, gemv=True)),
-        (4, GemmConfig(4, 16, 128, 8, 1, gemv=True)),
-        (16, GemmConfig(16, 64, 128, 4, 4)),
-        (64, GemmConfig(64, 64, 128, 4, 4)),
-        (256, GemmConfig(64, 128, 128, 4, 3)),
-        (1 << 62, GemmConfig(128, 128, 128, 8, 3)),
-    ],
-    "dense": [
-        (1, GemmConfig(1, 16, 256, 4, 1, gemv=True)),
-        (4, GemmConfig(4, 8, 128, 4, 1, gemv=True)),
-        (16, GemmConfig(16, 32, 256, 4, 4)),
-        (64, GemmConfig(64, 64, 64, 4, 4)),
-        (256, GemmConfig(64, 128, 64, 4, 4)),
-        (1 << 62, GemmConfig(128, 128, 64, 8, 3)),
-    ],
-}
-# INT4 with a group size that is not a multiple of 8 cannot use the GEMV (a word would span two groups).
-_GEMV_FALLBACK = GemmConfig(16, 32, 64, 4, 2)
-SMALL_M = 16  # M <= SMALL_M: the weight-streaming variant (split-K allowed, INT4 scales after the dot)
-
-
-def pick_config(fmt: str, m: int) -> GemmConfig:
-    """The :data:`CONFIGS` row for ``fmt`` ('int4', 'int8', 'int8_int8', 'dense') at ``m`` rows."""
-    for max_m, cfg in CONFIGS[fmt]:
-        if m <= max_m:
-            return cfg
-    raise AssertionError("unreachable: the last row covers every M")
-
-
-# ---------------------------------------------------------------------------------------- weight layouts
-
-@dataclass
-class Int4Packed:
-    """An INT4 weight in the kernel layout (module docstring). ``shape`` is the logical ``(N, K)``."""
-
-    qweight: torch.Tensor  # int32 [K // 8, N]
-    scales: torch.Tensor  # [K // G, N], activation dtype
-    zeros: torch.Tensor  # [K // G, N], activation dtype, integer values 0..15
-    group_size: int
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return self.qweight.shape[1], self.qweight.shape[0] * 8
-
-    def weight_bytes(self) -> int:
-        """Bytes a GEMM reads for this weight (packed codes, scales, zeros)."""
-        return sum(t.numel() * t.element_size() for t in (self.qweight, self.scales, self.zeros))
-
-
-@dataclass
-class Int8Packed:
-    """An INT8 per-output-channel weight in the kernel layout: q int8 ``[N, K]``, scales float32 ``[N]``."""
-
-    q: torch.Tensor
-    scales: torch.Tensor
-
-    @property
-    def shape(self) -> tuple[int, int]:
-        return tuple(self.q.shape)  # type: ignore[return-value]
-
-    def weight_bytes(self) -> int:
-        """Bytes a GEMM reads for this weight (codes and scales)."""
-        return self.q.numel() * self.q.element_size() + self.scales.numel() * self.scales.element_size()
-
-
-def int4_weight_bytes(n: int, k: int, group_size: int, dtype: torch.dtype = torch.bfloat16) -> int:
-    """Bytes of an :class:`Int4Packed` ``[N, K]`` weight: ``N*K/2`` codes + scales and zeros ``[K/G, N]``."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    return n * k // 2 + 2 * (k // group_size) * n * itemsize
-
-
-def int8_weight_bytes(n: int, k: int) -> int:
-    """Bytes of an :class:`Int8Packed` ``[N, K]`` weight: ``N*K`` codes + float32 scales ``[N]``."""
-    return n * k + 4 * n
-
-
-def pack_int4(q: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[N, K]`` codes in [0, 15] -> int32 ``[K // 8, N]``, ``word[r, n] = sum_i q[n, 8r+i] << 4i``.
-
-    Raises:
-        ValueError: K not a multiple of 8, or codes outside [0, 15].
-    """
-    n, k = q.shape
-    if k % 8:
-        raise ValueError(f"INT4 packing needs K % 8 == 0, got K={k}")
-    qi = q.to(torch.int64)
-    if qi.numel() and (int(qi.min()) < 0 or int(qi.max()) > 15):
-        raise ValueError(f"INT4 codes must lie in [0, 15], got [{int(qi.min())}, {int(qi.max())}]")
-    shifts = torch.arange(8, device=q.device, dtype=torch.int64) * 4
-    words = (qi.t().reshape(k // 8, 8, n) << shifts[None, :, None]).sum(dim=1)  # [K // 8, N], < 2^32
-    words = torch.where(words >= 2**31, words - 2**32, words)  # two's complement: nibble 7 >= 8 sets the sign
-    return words.to(torch.int32).contiguous()
-
-
-def unpack_int4(qweight: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`pack_int4`: int32 ``[K // 8, N]`` -> uint8 ``[N, K]`` codes."""
-    k8, n = qweight.shape
-    shifts = torch.arange(8, device=qweight.device, dtype=torch.int32) * 4
-    q = (qweight[:, None, :] >> shifts[None, :, None]) & 0xF  # [K // 8, 8, N]
-    return q.reshape(k8 * 8, n).t().to(torch.uint8).contiguous()
-
-
-def prepare_int4(w: Int4Weight, dtype: torch.dtype = torch.bfloat16) -> Int4Packed:
-    """Canonical INT4 -> the kernel layout (module docstring), scales and zeros in ``dtype``.
-
-    Raises:
-        ValueError: an act-order ``g_idx`` other than ``k // group_size`` (permute the input channels
-            first), K not a multiple of 8 or of the group size.
-    """
-    n, k = w.q.shape
-    g = w.group_size
-    if g <= 0 or k % g:
-        raise ValueError(f"group size {g} does not divide K={k}")
-    if w.g_idx is not None:
-        plain = torch.arange(k, device=w.g_idx.device) // g
-        if not torch.equal(w.g_idx.long(), plain):
-            raise ValueError("act-order g_idx is not supported by the kernels: permute the weight's input "
-                             "channels (and the activations) so that groups are contiguous first")
-    return Int4Packed(
-        qweight=pack_int4(w.q),
-        scales=w.scales.t().to(dtype).contiguous(),
-        zeros=w.zeros.t().to(dtype).contiguous(),
-        group_size=g,
-    )
-
-
-def prepare_int8(w: ChannelWeight) -> Int8Packed:
-    """Canonical per-channel INT8 -> the kernel layout (the same ``[N, K]`` codes, float32 scales).
-
-    Raises:
-        ValueError: codes that are not int8 (FP8 weights use ``torch._scaled_mm``).
-    """
-    if w.q.dtype != torch.int8:
-        raise ValueError(f"prepare_int8 takes int8 codes, got {w.q.dtype}")
-    return Int8Packed(w.q.contiguous(), w.scales.float().reshape(-1).contiguous())
-
+# isort: off
+from roofline.kernels.act_quant import (  # noqa: F401 - the family, re-exported: callers use quant_gemm.X
+    per_token_quant_fp8, per_token_quant_int8, ref_per_token_quant_fp8, ref_per_token_quant_int8)
+from roofline.kernels.dequant import (  # noqa: F401 - re-exported
+    dequantize_int4, dequantize_int8, ref_dequantize_int4, ref_dequantize_int8)
+from roofline.kernels.quant_layouts import (  # noqa: F401 - the layouts and tile table, re-exported
+    _GEMV_FALLBACK, _MAGIC, _MIN_SCALE, CONFIGS, FMT_DENSE, FMT_FP8, FMT_INT4, FMT_INT8, FMT_INT8_INT8,
+    SMALL_M, GemmConfig, Int4Packed, Int8Packed, _as_rows, _check_float_act, int4_weight_bytes,
+    int8_weight_bytes, pack_int4, pick_config, prepare_int4, prepare_int8, unpack_int4)
+# isort: on
 
 # ---------------------------------------------------------------------------------------- pure-torch twins
-
-def ref_dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                        dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Twin of :func:`dequantize_int4`: ``[N, K]`` = ``(q - z) * s`` in fp32, cast once to ``dtype``
-    (default: the scales' dtype)."""
-    q = unpack_int4(qweight).float()  # [N, K]
-    g = torch.arange(q.shape[1], device=q.device) // group_size
-    w = (q - zeros.float().t()[:, g]) * scales.float().t()[:, g]
-    return w.to(dtype or scales.dtype)
-
-
-def ref_dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Twin of :func:`dequantize_int8`: ``[N, K]`` = ``q * scales[:, None]`` in fp32, cast to ``dtype``."""
-    return (q.float() * scales.float()[:, None]).to(dtype)
-
 
 def ref_w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                    group_size: int) -> torch.Tensor:
@@ -287,26 +92,6 @@ def ref_int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_s
     no integer matmul), then ``* x_scale * w_scale`` in fp32."""
     acc = (xq.double() @ wq.double().t()).float()
     return (acc * x_scale.float().reshape(-1, 1) * w_scale.float().reshape(1, -1)).to(out_dtype)
-
-
-def ref_per_token_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Twin of :func:`per_token_quant_int8` (bit-exact): ``scale = max(amax / 127, 1e-10)`` (IEEE division),
-    ``q = clamp(round_half_even(x / scale), -127, 127)``. Returns (int8 ``[M, K]``, float32 ``[M, 1]``)."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True)
-    # A tensor divisor: CUDA torch computes ``t / scalar`` as ``t * (1 / scalar)`` (see kernels/common.py).
-    scale = (amax / torch.full_like(amax, INT8_MAX)).clamp(min=_MIN_SCALE)
-    return torch.round(xf / scale).clamp(-INT8_MAX, INT8_MAX).to(torch.int8), scale
-
-
-def ref_per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Twin of :func:`per_token_quant_fp8` (bit-exact on the GPU): ``scale = max(amax / 448, 1e-10)`` (IEEE
-    division by a tensor), ``q = clamp(x / scale, -448, 448)`` rounded to nearest-even E4M3.
-    Returns (float8_e4m3fn ``[M, K]``, float32 ``[M, 1]``)."""
-    xf = x.float()
-    amax = xf.abs().amax(dim=-1, keepdim=True)
-    scale = (amax / torch.full_like(amax, FP8_E4M3_MAX)).clamp(min=_MIN_SCALE)
-    return (xf / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn), scale
 
 
 def ref_dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -443,65 +228,6 @@ if triton is not None:
                 tl.store(out_ptrs, total.to(Out.dtype.element_ty), mask=omask)
                 tl.atomic_xchg(Counters + pid, 0)
 
-    @triton.jit
-    def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        amax = tl.zeros([BLOCK], tl.float32)
-        for k0 in range(0, K, BLOCK):
-            x = tl.load(X + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        amax_row = tl.max(amax, axis=0)
-        scale = tl.maximum(tl.div_rn(amax_row, 127.0), 1e-10)  # IEEE division, as the ref
-        scale_v = tl.zeros([BLOCK], tl.float32) + scale  # div_rn takes equal shapes
-        for k0 in range(0, K, BLOCK):
-            kmask = k0 + offs < K
-            x = tl.load(X + row * stride_x + k0 + offs, mask=kmask, other=0.0).to(tl.float32)
-            y = tl.div_rn(x, scale_v)
-            # Round half to even (torch.round): adding 1.5 * 2^23 leaves no fraction bits, and IEEE
-            # round-to-nearest-even does the rounding; exact for |y| < 2^22 (here |y| <= 127).
-            y = (y + 12582912.0) - 12582912.0
-            y = tl.minimum(tl.maximum(y, -127.0), 127.0)
-            tl.store(Q + row * stride_q + k0 + offs, y.to(tl.int8), mask=kmask)
-        tl.store(S + row, scale)
-
-    @triton.jit
-    def _per_token_quant_fp8_kernel(X, Q, S, K, stride_x, stride_q, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        amax = tl.zeros([BLOCK], tl.float32)
-        for k0 in range(0, K, BLOCK):
-            x = tl.load(X + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        amax_row = tl.max(amax, axis=0)
-        scale = tl.maximum(tl.div_rn(amax_row, 448.0), 1e-10)  # IEEE division, as the ref
-        scale_v = tl.zeros([BLOCK], tl.float32) + scale
-        for k0 in range(0, K, BLOCK):
-            kmask = k0 + offs < K
-            x = tl.load(X + row * stride_x + k0 + offs, mask=kmask, other=0.0).to(tl.float32)
-            y = tl.minimum(tl.maximum(tl.div_rn(x, scale_v), -448.0), 448.0)  # saturate: E4M3FN has no inf
-            tl.store(Q + row * stride_q + k0 + offs, y.to(Q.dtype.element_ty), mask=kmask)
-        tl.store(S + row, scale)
-
-    @triton.jit
-    def _dequant_kernel(
-        W, S, Z, Out, N, K, stride_wr, stride_sg, stride_on,
-        FMT: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    ):
-        offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        ks = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
-        mask = (ks[:, None] < K) & (offs_n[None, :] < N)  # [BLOCK_K, BLOCK_N]
-        if FMT == 1:
-            words = tl.load(W + (ks // 8)[:, None].to(tl.int64) * stride_wr + offs_n[None, :], mask=mask, other=0)
-            qf = (((words >> ((ks % 8) * 4)[:, None]) & 0xF) | 0x4B000000).to(tl.float32, bitcast=True)
-            sg = (ks // GROUP)[:, None] * stride_sg + offs_n[None, :]
-            s = tl.load(S + sg, mask=mask, other=0.0).to(tl.float32)
-            z = tl.load(Z + sg, mask=mask, other=0.0).to(tl.float32) + 8388608.0
-            w = (qf - z) * s
-        else:
-            q = tl.load(W + offs_n[None, :].to(tl.int64) * stride_wr + ks[:, None], mask=mask, other=0)
-            w = q.to(tl.float32) * tl.load(S + offs_n, mask=offs_n < N, other=0.0)[None, :]
-        tl.store(Out + offs_n[None, :].to(tl.int64) * stride_on + ks[:, None], w.to(Out.dtype.element_ty), mask=mask)
 
 
 # ---------------------------------------------------------------------------------------- launchers
@@ -602,18 +328,6 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return out
-
-
-def _as_rows(x: torch.Tensor, k: int, name: str) -> torch.Tensor:
-    if x.shape[-1] != k:
-        raise ValueError(f"{name}: x has {x.shape[-1]} input channels, the weight K={k}")
-    x2 = x.reshape(-1, k)
-    return x2 if x2.stride(-1) == 1 else x2.contiguous()
-
-
-def _check_float_act(x: torch.Tensor, name: str) -> None:
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"{name}: activations must be float16, bfloat16 or float32, got {x.dtype}")
 
 
 def w4a16_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
@@ -779,123 +493,3 @@ def dense_gemv(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None 
     x2 = _as_rows(x, k, "dense_gemv")
     out = _launch_gemm(FMT_DENSE, "dense", x2, weight.contiguous(), weight, None, None, n, 1, x.dtype, config)
     return out.view(*x.shape[:-1], n)
-
-
-def per_token_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic symmetric INT8 per row: ``scale = max(amax / 127, 1e-10)``, ``q = clamp(round(x / scale), +-127)``.
-
-    Bit-exact with :func:`ref_per_token_quant_int8` (IEEE division, round half to even). Against
-    ``roofline.quant.quantize.quantize_per_token_int8`` the codes agree within 1 LSB: that function
-    divides amax by the Python scalar 127, which CUDA torch computes as ``amax * (1/127)``, so its scale
-    can differ by one ulp and flip a code that sits at a rounding tie.
-
-    Args:
-        x: [..., K] float16/bfloat16/float32.
-
-    Returns:
-        (q int8 [M, K], scale float32 [M, 1]) with M = prod of x's leading dims.
-
-    Raises:
-        RuntimeError: triton missing.
-    """
-    if triton is None:
-        raise RuntimeError("triton is not installed; use ref_per_token_quant_int8 on this machine")
-    k = x.shape[-1]
-    x2 = _as_rows(x, k, "per_token_quant_int8")
-    m = x2.shape[0]
-    q = torch.empty((m, k), dtype=torch.int8, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m:
-        block = min(4096, triton.next_power_of_2(max(k, 16)))
-        _per_token_quant_kernel[(m,)](x2, q, scale, k, x2.stride(0), q.stride(0), BLOCK=block,
-                                      num_warps=4 if block <= 1024 else 8)
-    return q, scale
-
-
-def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Dynamic E4M3 per row, one launch: ``scale = max(amax / 448, 1e-10)``, ``q = e4m3(clamp(x / scale, +-448))``
-    (round to nearest even, saturating; 448 is the largest finite float8_e4m3fn, OCP 8-bit FP spec 2023).
-
-    Bit-exact on the GPU with :func:`ref_per_token_quant_fp8` (IEEE division). Against
-    ``roofline.quant.quantize.quantize_per_token_fp8`` the scales may differ by 1 ulp (that function divides
-    amax by the Python scalar 448, which CUDA torch computes as ``amax * (1/448)``, as for the INT8
-    quantizer), so a code at a rounding tie may move by one E4M3 step. Under the Triton CPU interpreter the
-    scales are exact but the fp32 -> fp8 conversion is not (it drops the carry across a power of two).
-
-    Args:
-        x: [..., K] float16/bfloat16/float32.
-
-    Returns:
-        (q float8_e4m3fn [M, K], scale float32 [M, 1]) with M = prod of x's leading dims, the
-        ``scale_a`` layout of ``torch._scaled_mm``'s row-wise scaling.
-
-    Raises:
-        RuntimeError: triton missing.
-    """
-    if triton is None:
-        raise RuntimeError("triton is not installed; use ref_per_token_quant_fp8 on this machine")
-    k = x.shape[-1]
-    x2 = _as_rows(x, k, "per_token_quant_fp8")
-    m = x2.shape[0]
-    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m:
-        block = min(4096, triton.next_power_of_2(max(k, 16)))
-        _per_token_quant_fp8_kernel[(m,)](x2, q, scale, k, x2.stride(0), q.stride(0), BLOCK=block,
-                                          num_warps=4 if block <= 1024 else 8)
-    return q, scale
-
-
-def _launch_dequant(fmt: int, w: torch.Tensor, s: torch.Tensor, z: torch.Tensor | None, n: int, k: int,
-                    group: int, dtype: torch.dtype) -> torch.Tensor:
-    if triton is None:
-        raise RuntimeError("triton is not installed; use the ref_ twins on this machine")
-    out = torch.empty((n, k), dtype=dtype, device=w.device)
-    if n and k:
-        block_n, block_k = 64, 64
-        _dequant_kernel[(triton.cdiv(n, block_n), triton.cdiv(k, block_k))](
-            w, s, z if z is not None else s, out, n, k, w.stride(0), z.stride(0) if z is not None else 0,
-            out.stride(0), FMT=fmt, GROUP=group, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
-        )
-    return out
-
-
-def dequantize_int4(qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor, group_size: int,
-                    dtype: torch.dtype | None = None) -> torch.Tensor:
-    """The dense ``[N, K]`` weight of an INT4 weight in the kernel layout, for a following dense GEMM.
-
-    Args:
-        qweight: int32 [K // 8, N]; scales, zeros: [K // G, N]; group_size: G.
-        dtype: output dtype (default: the scales' dtype).
-
-    Returns:
-        [N, K] ``(q - z) * s`` computed in fp32 and rounded once (equal to ``Int4Weight.dequantize(dtype)``
-        when the canonical scales are representable in the scales' dtype).
-
-    Raises:
-        ValueError: shapes that disagree. RuntimeError: triton missing.
-    """
-    k8, n = qweight.shape
-    if qweight.dtype != torch.int32 or (k8 * 8) % group_size or scales.shape != (k8 * 8 // group_size, n) \
-            or zeros.shape != scales.shape:
-        raise ValueError(f"dequantize_int4: qweight {tuple(qweight.shape)} {qweight.dtype}, scales "
-                         f"{tuple(scales.shape)}, zeros {tuple(zeros.shape)}, group size {group_size} disagree")
-    return _launch_dequant(FMT_INT4, qweight.contiguous(), scales.contiguous(), zeros.contiguous(), n, k8 * 8,
-                           group_size, dtype or scales.dtype)
-
-
-def dequantize_int8(q: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """The dense ``[N, K]`` weight ``q * scales[:, None]`` (fp32 product, rounded once to ``dtype``).
-
-    Args:
-        q: int8 [N, K]; scales: float32 [N].
-
-    Raises:
-        ValueError: shapes or dtypes that disagree. RuntimeError: triton missing.
-    """
-    n, k = q.shape
-    if q.dtype != torch.int8 or scales.numel() != n:
-        raise ValueError(f"dequantize_int8: want int8 q [N, K] and scales [N], got {q.dtype} {tuple(q.shape)} / "
-                         f"{tuple(scales.shape)}")
-    return _launch_dequant(FMT_INT8, q.contiguous(), scales.float().reshape(-1).contiguous(), None, n, k, 1, dtype)
-
