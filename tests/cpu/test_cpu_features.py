@@ -1,0 +1,38 @@
+from roofline.cpu import detect_cpu_features, parse_cpuinfo, startup_line
+
+ZEN5 = """processor\t: 0
+model name\t: AMD EPYC 9R45
+flags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni
+processor\t: 1
+model name\t: AMD EPYC 9R45
+flags\t\t: fpu sse avx2 avx512f avx512_bf16 avx512_vnni
+"""
+SPR = "processor\t: 0\nmodel name\t: Intel Xeon\nflags\t\t: avx512f avx512_bf16 avx512_vnni amx_tile amx_bf16 amx_int8\n"
+
+
+def test_zen5_flags():
+    f = parse_cpuinfo(ZEN5)
+    assert (f.model, f.cores) == ("AMD EPYC 9R45", 2)
+    assert f.avx512_bf16 and f.avx512_vnni and f.avx512f and not f.amx_bf16 and not f.amx_int8
+    assert f.best_matrix_isa == "avx512_bf16"
+    line = startup_line(f, "float32", 2)
+    assert line == "CPU: AMD EPYC 9R45 (2 cores; AVX-512 BF16, AVX-512 VNNI, AVX-512F); dtype float32, 2 threads"
+
+
+def test_amx_needs_tile_flag():
+    assert parse_cpuinfo(SPR).best_matrix_isa == "amx"
+    assert parse_cpuinfo(SPR.replace("amx_tile ", "")).best_matrix_isa == "avx512_bf16"
+
+
+def test_no_flags():
+    f = parse_cpuinfo("")
+    assert (f.model, f.cores, f.best_matrix_isa) == ("unknown", 1, "none")
+    assert "no AVX-512/AMX" in startup_line(f, "float32", 1)
+
+
+def test_this_machine_matches_cpuinfo():
+    with open("/proc/cpuinfo") as fh:
+        text = fh.read()
+    f = detect_cpu_features()
+    assert f.avx512_bf16 == (" avx512_bf16" in text)
+    assert f.cores == text.count("processor\t:")
