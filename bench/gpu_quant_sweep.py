@@ -41,7 +41,9 @@ DRY_SHAPES = {"qkv": (96, 256), "down": (64, 512)}
 GROUP = 128
 TOL = 1e-2  # ||out - ref64|| / ||ref64|| in bf16
 # GEMV candidates (block_m, block_n, block_k, num_warps), chosen from sm_90 compiles without spills.
-GEMV_N_LANES = {1: [(1, 32, 128, 4), (1, 64, 128, 4), (1, 128, 128, 8), (1, 64, 64, 4), (1, 128, 64, 4), (1, 32, 64, 2)],
+# INT4 at M = 1 is the 2-D one-row stream (16-byte word loads, no layout conversion in the loop): wide N tiles.
+GEMV_N_LANES = {1: [(1, 64, 128, 4), (1, 128, 128, 4), (1, 256, 128, 8), (1, 256, 64, 4), (1, 512, 64, 8),
+                    (1, 512, 32, 4), (1, 1024, 32, 8), (1, 128, 64, 4)],
                 4: [(2, 32, 128, 4), (2, 64, 64, 4), (2, 32, 64, 2), (4, 32, 128, 4), (4, 32, 64, 2), (1, 64, 128, 4)]}
 GEMV_K_LANES = {1: [(1, 8, 256, 4), (1, 16, 256, 4), (1, 8, 512, 4), (1, 16, 512, 8), (1, 4, 512, 4), (1, 4, 1024, 8)],
                 4: [(2, 8, 256, 4), (2, 8, 512, 4), (2, 4, 1024, 8), (4, 8, 256, 4), (4, 4, 512, 4), (1, 8, 512, 4)]}
@@ -58,6 +60,9 @@ def parse_args(argv=None):
     ap.add_argument("--dry-run", action="store_true")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--shapes", default=None)
+    ap.add_argument("--formats", default=None, help="comma list of formats to sweep (default: all)")
+    ap.add_argument("--merge-into", default=None,
+                    help="an existing table: keep its rows for the formats not swept, write the union to --table")
     ap.add_argument("--from-json", default=None, help="rebuild --table from an earlier run's --out JSON (no GPU)")
     return ap.parse_args(argv)
 
@@ -203,6 +208,7 @@ def main(argv=None) -> int:
         print(json.dumps(table["fused_max_m"]))
         return 0
     sw = Sweep(args)
+    formats = args.formats.split(",") if args.formats else ["dense", "int4", "int8", "int8_int8", "fp8", "fp8_w8a16"]
     shapes = DRY_SHAPES if args.dry_run else SHAPES
     if args.shapes:
         shapes = {s: shapes[s] for s in args.shapes.split(",")}
@@ -225,7 +231,8 @@ def main(argv=None) -> int:
         ref_w = {"dense": dense.double(), "int4": (c4.q.double() - c4.zeros.double()[:, grp]) * c4.scales.double()[:, grp],
                  "int8": c8.q.double() * c8.scales.double()[:, None]}
         wbytes = {"dense": n * k * 2, "int4": p4.weight_bytes(), "int8": n * k + 4 * n, "int8_int8": n * k + 4 * n,
-                  "fp8": n * k + 4 * n}
+                  "fp8": n * k + 4 * n, "fp8_w8a16": n * k + 4 * n}
+        ref_w["fp8_w8a16"] = f8.double() * f8s.double()[:, None]
         del w
 
         def ours(fmt, x, cfg=None):
@@ -237,6 +244,8 @@ def main(argv=None) -> int:
                 return qg.w8a16_gemm(x, c8.q, c8.scales, config=cfg)
             if fmt == "int8_int8":
                 return qg.w8a8_gemv(x, c8.q, c8.scales, config=cfg)
+            if fmt == "fp8_w8a16":
+                return qg.fp8_w8a16_gemm(x, f8, f8s, config=cfg)
             return qg.w8a8_gemv(x, f8, f8s, config=cfg)
 
         def other(fmt, x):
@@ -248,6 +257,8 @@ def main(argv=None) -> int:
                 return F.linear(x, qg.dequantize_int8(c8.q, c8.scales, dt))
             if fmt == "int8_int8":
                 return qg.int8_gemm(*qg.per_token_quant_int8(x), c8.q, c8.scales, dt, config=qg.pick_config("int8_int8", 16))
+            if fmt == "fp8_w8a16" and sw.dev != "cuda":
+                return qg.ref_fp8_w8a16_gemm(x, f8, f8s)
             if sw.dev != "cuda":
                 return qg.ref_w8a8_gemv(x, f8, f8s)
             xq, xs = qg.per_token_quant_fp8(x)
@@ -266,7 +277,7 @@ def main(argv=None) -> int:
                 row["config"] = {kk: v for kk, v in asdict(cfg).items() if v is not None}
             try:
                 out = fn()
-                if check and not (args.dry_run and fmt == "fp8"):  # the interpreter's fp8 cast is wrong
+                if check and not (args.dry_run and fmt.startswith("fp8")):  # the interpreter cannot run fp8
                     err = sw.rel(out, ref64(fmt, x))
                     row["rel_err"] = err
                     if not err < TOL:
@@ -287,7 +298,9 @@ def main(argv=None) -> int:
         # ---- small M: every GEMV candidate x split, against the other path
         for m in (1, 4):
             x = (torch.randn(m, k, device=sw.dev) * 0.5).to(dt)
-            for fmt in ("dense", "int4", "int8", "int8_int8", "fp8"):
+            for fmt in formats:
+                if args.dry_run and fmt == "fp8_w8a16":
+                    continue
                 cands = (GEMV_N_LANES if fmt == "int4" else W8A8_K_LANES if fmt in ("int8_int8", "fp8") else GEMV_K_LANES)[m]
                 if args.dry_run:
                     cands = cands[:2]
@@ -309,16 +322,18 @@ def main(argv=None) -> int:
         # ---- larger M: our tiled kernels (default config and neighbours) against the other paths
         for m in ([20] if args.dry_run else TILED_M):
             x = (torch.randn(m, k, device=sw.dev) * 0.5).to(dt)
-            for fmt in ("dense", "int8_int8", "fp8"):
+            for fmt in [f for f in ("dense", "int8_int8", "fp8") if f in formats]:
                 timed(fmt, m, "other", lambda fmt=fmt: other(fmt, x), x)
-            for fmt in ("int4", "int8"):
+            for fmt in [f for f in ("int4", "int8", "fp8_w8a16") if f in formats]:
+                if args.dry_run and fmt == "fp8_w8a16":
+                    continue
                 timed(fmt, m, "other", lambda fmt=fmt: other(fmt, x), x)
                 default = qg.pick_config(fmt, m)
                 alts = [default]
                 if not args.dry_run:
                     bm = min(128, max(16, triton.next_power_of_2(m)))
                     alts += [C(bm, 64, 64, 4, 3, unpack=1), C(min(bm, 64), 128, 64, 4, 2, unpack=1),
-                             C(bm, 128, 128 if fmt == "int8" else 64, 8, 2, unpack=1)]
+                             C(bm, 128, 64 if fmt == "int4" else 128, 8, 2, unpack=1)]
                 for cfg in dict.fromkeys(alts):
                     timed(fmt, m, "tiled", lambda cfg=cfg: ours(fmt, x, cfg), x, cfg)
         print(f"{shape} done at {time.time() - sw.t0:.0f} s", flush=True)
@@ -334,6 +349,11 @@ def main(argv=None) -> int:
                   date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), copy_bytes_per_s=bw, group_size=GROUP, shapes=shapes,
                   rows=sw.rows, failures=sw.failures, table=table, elapsed_s=time.time() - sw.t0)
     Path(args.out).write_text(json.dumps(result, indent=1))
+    if args.merge_into:
+        old = json.loads(Path(args.merge_into).read_text())
+        for part in ("gemv", "fused_max_m"):
+            table[part] = {**{f: r for f, r in old.get(part, {}).items() if f not in formats}, **table[part]}
+        table["_source"] += f"; formats {','.join(formats)} re-swept, the others kept from the earlier table"
     if args.table:
         Path(args.table).parent.mkdir(parents=True, exist_ok=True)
         Path(args.table).write_text(json.dumps(table, indent=1))
@@ -342,7 +362,7 @@ def main(argv=None) -> int:
         print(f"[fused_max_m] {fmt:<9} " + " ".join(f"({r['n']},{r['k']}):{r['fused_max_m']}" for r in rows))
     for m in TILED_M if not args.dry_run else [20]:
         line = []
-        for fmt in ("dense", "int4", "int8", "int8_int8", "fp8"):
+        for fmt in formats:
             tot = sum(min(t.get((fmt, n, k, m, p), float("inf")) for p in ("other", "tiled")) for n, k in shapes.values())
             line.append(f"{fmt} {tot:.0f}")
         print(f"[layer sum] M={m}: " + ", ".join(line) + " us")

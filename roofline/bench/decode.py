@@ -138,10 +138,17 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     contexts = parse_sizes(args.contexts)
     quants = [None if q in ("none", "") else q for q in args.quantization.split(",")]
     executors = [None if e in ("", "auto") else e for e in args.executor.split(",")]
-    configs = [(q, kv, ex) for ex in executors for q in quants for kv in args.kv_cache_dtype.split(",") if kv]
-    formats = [_label(q, kv, len(quants) > 1) + (f"@{ex}" if len(executors) > 1 else "") for q, kv, ex in configs]
+    pdls = [int(p) for p in str(getattr(args, "pdl", "") or "").split(",") if p != ""] or [None]
+    configs = [(q, kv, ex, pdl) for ex in executors for q in quants for pdl in pdls
+               for kv in args.kv_cache_dtype.split(",") if kv]
+    formats = [_label(q, kv, len(quants) > 1) + (f"@{ex}" if len(executors) > 1 else "")
+               + (f"+pdl{pdl}" if len(pdls) > 1 else "") for q, kv, ex, pdl in configs]
     rows, meta, bandwidth, peak = [], {}, None, None
-    for (quant, kv, ex), fmt in zip(configs, formats, strict=True):
+    for (quant, kv, ex, pdl), fmt in zip(configs, formats, strict=True):
+        if pdl is not None:  # the GEMM kernels' programmatic-dependent-launch mode, before the graphs are captured
+            from roofline.kernels import quant_layouts
+
+            quant_layouts.DEFAULT_PDL = pdl
         engine = build_engine(args, max(batches), max(contexts), kv_cache_dtype=kv, quantization=quant, executor=ex)
         worker = engine.worker
         device = str(worker.device)
@@ -261,6 +268,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="time steps as the engine runs them with async scheduling (step N+1 launched before "
                         "step N's ids are read; the period between results) or one step at a time "
                         "(default: the engine's, on with a CUDA device)")
+    p.add_argument("--pdl", default="",
+                   help="comma list of programmatic-dependent-launch modes for our GEMM kernels (0 off, 1 release the "
+                        "next kernel after the wait, 2 after the K loop; sm_90+), each measured in turn")
     p.add_argument("--out-dir", default="bench/results")
     p.set_defaults(func=run_decode_bench)
     return p

@@ -10,7 +10,8 @@ Every function takes activations ``x`` [..., K] in the model dtype and returns [
     dequantized in registers) or dequantize-then-cuBLAS;
   - W8A8 (INT8 SmoothQuant, FP8): at M <= 4 the GEMV that quantizes x per token itself (one launch); above,
     the Triton per-token quantizer then the Triton INT8 tensor-core GEMM or ``torch._scaled_mm`` (FP8 tensor
-    cores, row-wise scales, compute capability >= 8.9);
+    cores, row-wise scales, compute capability >= 8.9). FP8 at decode sizes (``use_fused("fp8_w8a16")``, M <= 16
+    without a table) runs weight-only instead: ``quant_gemm.fp8_w8a16_gemm``;
   - 16-bit (``dense_linear``, the unquantized method): our split-K GEMV where it beat cuBLAS, else F.linear.
 - CPU: torch's own low-bit kernels (``torch._weight_int8pack_mm`` for W8A16, ``torch._weight_int4pack_mm_for_cpu``
   for W4A16, ``torch._int_mm`` for W8A8 INT8). FP8 on CPU, or on a GPU without FP8 tensor cores, is
@@ -44,7 +45,7 @@ _TABLES = Path(__file__).with_name("dispatch_tables")
 # weight bytes, which the fused kernel reads once in 4 or 8 bits; from here the GEMM is compute-bound and the
 # dequantize pass (read packed, write 16-bit, cuBLAS reads it) costs less than the fused kernel's slower tiles.
 # W8A8 at M <= 4: the GEMV that quantizes x itself (one launch instead of two). Dense: cuBLAS.
-DEFAULT_FUSED_MAX_M = {"int4": 64, "int8": 64, "int8_int8": 4, "fp8": 4, "dense": 0}
+DEFAULT_FUSED_MAX_M = {"int4": 64, "int8": 64, "int8_int8": 4, "fp8": 4, "dense": 0, "fp8_w8a16": 16}
 GEMV_MAX_M = 4  # the GEMV kernels' range (roofline.kernels.quant_gemv)
 
 
@@ -275,6 +276,12 @@ def fp8_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: 
     x2 = _flat(x)
     qk = _quant_kernels(x)
     m, (n, k) = x2.shape[0], qweight.shape
+    if qk is not None and fp8_tensor_cores(x.device) and use_fused("fp8_w8a16", m, n, k, x.device):
+        # Decode sizes: FP8 weight-only (x stays in 16 bits, the E4M3 codes upcast in registers): the weight
+        # stream without a quantization pass. Its numerics are x @ W (W the E4M3 values): closer to the
+        # unquantized model than W8A8, and a request's logits differ by path (this one below the measured M).
+        cfg = gemv_config("fp8_w8a16", m, n, k, x.device) or gemv_config("int8", m, n, k, x.device)
+        return _finish(qk.fp8_w8a16_gemm(x2, qweight, scale, config=cfg), x, bias)
     if qk is not None and fp8_tensor_cores(x.device) and use_fused("fp8", m, n, k, x.device):
         # Decode sizes: one launch, x rounded to E4M3 per token inside the GEMV (the same arithmetic).
         return _finish(qk.w8a8_gemv(x2, qweight, scale, config=gemv_config("fp8", m, n, k, x.device)), x, bias)

@@ -67,8 +67,8 @@ from roofline.kernels.act_quant import (  # noqa: F401 - the family, re-exported
 from roofline.kernels.dequant import (  # noqa: F401 - re-exported
     dequantize_int4, dequantize_int8, ref_dequantize_int4, ref_dequantize_int8)
 from roofline.kernels.quant_layouts import (  # noqa: F401 - the layouts and tile table, re-exported
-    _GEMV_FALLBACK, _MAGIC, _MIN_SCALE, CONFIGS, FMT_DENSE, FMT_FP8, FMT_INT4, FMT_INT8, FMT_INT8_INT8,
-    SMALL_M, GemmConfig, Int4Packed, Int8Packed, _as_rows, _check_float_act, int4_weight_bytes,
+    _GEMV_FALLBACK, _MAGIC, _MIN_SCALE, CONFIGS, DEFAULT_PDL, FMT_DENSE, FMT_FP8, FMT_FP8_W8A16, FMT_INT4, FMT_INT8,
+    FMT_INT8_INT8, SMALL_M, GemmConfig, Int4Packed, Int8Packed, _as_rows, _check_float_act, int4_weight_bytes,
     int8_weight_bytes, pack_int4, pick_config, prepare_int4, prepare_int8, unpack_int4)
 # isort: on
 
@@ -102,6 +102,7 @@ def ref_dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------- Triton kernels
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     # M and the split length are not specialized (no recompile per batch size inside one M bucket).
     @triton.jit(do_not_specialize=["M", "k_tiles_per_split"])
@@ -111,8 +112,12 @@ if triton is not None:
         stride_xm, stride_wr, stride_sg, stride_om,
         FMT: tl.constexpr, GROUP: tl.constexpr, SCALES: tl.constexpr, UNPACK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = 0,
     ):
+        # PDL (sm_90): wait for the previous kernel before the first activation load (the launch, the grid's
+        # set-up and its residency overlap that kernel's tail), release the next one after the K loop.
+        if PDL:
+            gdc_wait()
         # Grouped tile order: GROUP_M row tiles sweep N together, so their weight tiles are reused from L2.
         pid = tl.program_id(0)
         split = tl.program_id(1)
@@ -196,6 +201,10 @@ if triton is not None:
                     w = tl.load(w_ptrs, mask=nmask[None, :] & kmask[:, None], other=0)
                 if FMT == 0:
                     acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+                elif FMT == 5:
+                    # FP8 E4M3 weight-only: codes upcast to x's dtype in registers (exact: E4M3 is a subset of
+                    # bf16/fp16), the channel scale in the epilogue.
+                    acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
                 elif FMT == 2:
                     # int8 -> float: 0x4B000080 + q is the float 2^23 + 128 + q (q in [-128, 127]).
                     wf = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
@@ -203,8 +212,10 @@ if triton is not None:
                 else:
                     acc = tl.dot(x, w, acc, out_dtype=tl.int32)
 
+        if PDL:
+            gdc_launch_dependents()
         # Epilogue: per-channel (and per-token) scales, then store or split-K reduce.
-        if FMT == 2:
+        if FMT == 2 or FMT == 5:
             acc = acc * tl.load(S + offs_n, mask=nmask, other=0.0)[None, :]
         if FMT == 3:
             xs = tl.load(XS + offs_m, mask=mmask, other=0.0)
@@ -263,6 +274,20 @@ def choose_split_k(tiles_mn: int, k_tiles: int, num_sms: int, programs_per_sm: i
     return 1 << (max(1, cap).bit_length() - 1)
 
 
+@functools.cache
+def _has_pdl(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def _pdl(cfg: GemmConfig, device: torch.device) -> int:
+    """The config's PDL mode (``GemmConfig.pdl``, else ``quant_layouts.DEFAULT_PDL``), 0 where the device has
+    no programmatic dependent launch (before sm_90, and the CPU interpreter)."""
+    from roofline.kernels import quant_layouts
+
+    mode = cfg.pdl if cfg.pdl is not None else quant_layouts.DEFAULT_PDL
+    return mode if mode and _has_pdl(device) else 0
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
 
@@ -305,6 +330,8 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
     else:  # unused, but typed: the GEMV's split-K branch is compiled for every split count (a run-time value)
         partials = torch.empty(1, dtype=torch.float32, device=x.device)
         counters = _counters(x.device, 1)
+    pdl = _pdl(cfg, x.device)
+    launch = {"PDL": pdl, "launch_pdl": True} if pdl else {}
     if cfg.gemv:
         from roofline.kernels.quant_gemv import _gemv_kernel
 
@@ -313,7 +340,7 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
             m, n, k, per_split,
             x.stride(0), w.stride(0), z.stride(0) if z is not None else 0, out.stride(0),
             FMT=fmt, GROUP=group, QUANT_X=quant_x, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k,
-            SPLIT_K=split, EVEN_K=k % block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            SPLIT_K=split, EVEN_K=k % block_k == 0, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
         )
         return out
     if quant_x:
@@ -325,7 +352,7 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
         FMT=fmt, GROUP=group, SCALES=scales_mode, UNPACK=cfg.unpack,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8,
         SPLIT_K=split, EVEN_K=k % block_k == 0, DOT_PRECISION=_dot_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     return out
 
@@ -388,6 +415,46 @@ def w8a16_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     out = _launch_gemm(FMT_INT8, "int8", x2, q.contiguous(), scales.float().reshape(-1).contiguous(), None, None,
                        n, 1, x.dtype, config)
     return out.view(*x.shape[:-1], n)
+
+
+def fp8_w8a16_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
+                   config: GemmConfig | None = None) -> torch.Tensor:
+    """FP8 weight-only (W8A16): ``x @ W^T`` for a per-channel E4M3 weight (``W = q * scales[:, None]``), the codes
+    upcast to x's dtype in registers (exact: every E4M3 value is a bf16/fp16 value), fp32 accumulation, the
+    channel scale on the accumulator. No activation quantization: at decode sizes this saves the per-token
+    rounding pass and keeps x in 16 bits (torchao's float8 weight-only; the SGLang/torchao H100 figures in
+    issue 28). Twin: :func:`ref_fp8_w8a16_gemm`.
+
+    Args:
+        x: [..., K] float16/bfloat16 (float32 for tests).
+        q: float8_e4m3fn [N, K], K contiguous.
+        scales: float32 [N].
+        config: optional tile configuration; default :data:`CONFIGS` ``"fp8_w8a16"`` (INT8 W8A16's rows: the same
+            bytes per weight).
+
+    Returns:
+        [..., N] in x's dtype.
+
+    Raises:
+        ValueError: shapes or dtypes that disagree. RuntimeError: triton missing.
+    """
+    n, k = q.shape
+    _check_float_act(x, "fp8_w8a16_gemm")
+    if q.dtype != torch.float8_e4m3fn or scales.numel() != n:
+        raise ValueError(f"fp8_w8a16_gemm: want float8_e4m3fn q [N, K] and scales [N], got {q.dtype} "
+                         f"{tuple(q.shape)} / {tuple(scales.shape)}")
+    x2 = _as_rows(x, k, "fp8_w8a16_gemm")
+    out = _launch_gemm(FMT_FP8_W8A16, "fp8_w8a16", x2, q.contiguous(), scales.float().reshape(-1).contiguous(), None,
+                       None, n, 1, x.dtype, config)
+    return out.view(*x.shape[:-1], n)
+
+
+def ref_fp8_w8a16_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """Twin of :func:`fp8_w8a16_gemm`: fp32 ``x @ (q * scales)^T`` (the E4M3 values exactly, the scale on the
+    fp32 sum), cast to x's dtype."""
+    x2 = x.reshape(-1, x.shape[-1]).float()
+    out = (x2 @ q.float().t()) * scales.float().reshape(1, -1)
+    return out.to(x.dtype).view(*x.shape[:-1], q.shape[0])
 
 
 def int8_gemm(xq: torch.Tensor, x_scale: torch.Tensor, wq: torch.Tensor, w_scale: torch.Tensor,

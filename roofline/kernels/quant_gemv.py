@@ -39,6 +39,8 @@ except ImportError:  # pragma: no cover
     triton = None
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
     from roofline.kernels.splitk import _splitk_epilogue
 
     @triton.jit
@@ -99,10 +101,12 @@ if triton is not None:
         stride_xm, stride_wr, stride_sg, stride_om,
         FMT: tl.constexpr, GROUP: tl.constexpr, QUANT_X: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-        SPLIT_K, EVEN_K: tl.constexpr,
+        SPLIT_K, EVEN_K: tl.constexpr, PDL: tl.constexpr = 0,
     ):
-        # FMT (quant_gemm): 0 dense, 1 INT4, 2 INT8 W8A16, 3 INT8 W8A8, 4 FP8 W8A8. QUANT_X (3, 4): x arrives in
-        # 16 bits and is quantized per token here; otherwise (3) x is int8 with scales XS [M].
+        # FMT (quant_gemm): 0 dense, 1 INT4, 2 INT8 W8A16, 3 INT8 W8A8, 4 FP8 W8A8, 5 FP8 W8A16 (weight-only).
+        # QUANT_X (3, 4): x arrives in 16 bits and is quantized per token here; otherwise (3) x is int8 with
+        # scales XS [M]. PDL (programmatic dependent launch, sm_90): 0 off; 1 wait for the previous kernel after
+        # the first weight tile is in flight, then release the next one; 2 the same, releasing after the K loop.
         pid = tl.program_id(0)
         split = tl.program_id(1)
         # Row tiles of one column tile are neighbours in launch order, so at M > BLOCK_M the weight tile they
@@ -117,7 +121,55 @@ if triton is not None:
         k_tiles = tl.cdiv(K, BLOCK_K)
         kt_start = split * k_tiles_per_split
         kt_end = tl.minimum(kt_start + k_tiles_per_split, k_tiles)
-        if FMT == 1:
+        if FMT == 1 and BLOCK_M == 1:
+            # INT4 words [K // 8, N], lanes along N, one activation row: 2-D tiles [R, BN] only, so the compiler
+            # keeps every operand in the words' own register layout (no shared-memory layout conversion in the
+            # loop). x[8r + j] is a broadcast load per (r, j), pre-scaled by 2^(23 - 4 (j % 4)).
+            R1: tl.constexpr = BLOCK_K // 8
+            offs_r1 = tl.arange(0, R1)
+            w_ptrs = W + offs_r1[:, None].to(tl.int64) * stride_wr + offs_n[None, :]  # [R, BN], tile 0
+            xrow = X + pid_m.to(tl.int64) * stride_xm + 8 * offs_r1[:, None]  # [R, 1]: channel 8r of tile 0
+            tile_w = R1 * stride_wr
+            acc = tl.zeros([R1, BLOCK_N], tl.float32)
+            w_next = tl.load(w_ptrs + kt_start.to(tl.int64) * tile_w, mask=nmask[None, :], other=0)
+            if PDL:
+                gdc_wait()  # the weights never depend on the previous kernel; x does
+                if PDL == 1:
+                    gdc_launch_dependents()
+            for kt in range(kt_start, kt_end):
+                words = w_next
+                kn = tl.minimum(kt + 1, kt_end - 1)
+                w_next = tl.load(w_ptrs + kn.to(tl.int64) * tile_w, mask=nmask[None, :], other=0)
+                xp = xrow + kt * BLOCK_K
+                g = (kt * BLOCK_K) // GROUP
+                s = tl.load(S + g * stride_sg + offs_n, mask=nmask, other=0.0).to(tl.float32)
+                z = tl.load(Z + g * stride_sg + offs_n, mask=nmask, other=0.0).to(tl.float32)
+                hi = words >> 16
+                c0 = (1.0 + z * 1.1920928955078125e-07)[None, :]  # 1 + z 2^-23
+                c1 = (1.0 + z * 1.9073486328125e-06)[None, :]  # 2^-19
+                c2 = (1.0 + z * 3.0517578125e-05)[None, :]  # 2^-15
+                c3 = (1.0 + z * 0.00048828125)[None, :]  # 2^-11
+                p = tl.load(xp).to(tl.float32) * 8388608.0 \
+                    * (((words & 0xF) | 0x3F800000).to(tl.float32, bitcast=True) - c0)
+                p += tl.load(xp + 1).to(tl.float32) * 524288.0 \
+                    * (((words & 0xF0) | 0x3F800000).to(tl.float32, bitcast=True) - c1)
+                p += tl.load(xp + 2).to(tl.float32) * 32768.0 \
+                    * (((words & 0xF00) | 0x3F800000).to(tl.float32, bitcast=True) - c2)
+                p += tl.load(xp + 3).to(tl.float32) * 2048.0 \
+                    * (((words & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True) - c3)
+                p += tl.load(xp + 4).to(tl.float32) * 8388608.0 \
+                    * (((hi & 0xF) | 0x3F800000).to(tl.float32, bitcast=True) - c0)
+                p += tl.load(xp + 5).to(tl.float32) * 524288.0 \
+                    * (((hi & 0xF0) | 0x3F800000).to(tl.float32, bitcast=True) - c1)
+                p += tl.load(xp + 6).to(tl.float32) * 32768.0 \
+                    * (((hi & 0xF00) | 0x3F800000).to(tl.float32, bitcast=True) - c2)
+                p += tl.load(xp + 7).to(tl.float32) * 2048.0 \
+                    * (((hi & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True) - c3)
+                acc += p * s[None, :]
+            if PDL == 2:
+                gdc_launch_dependents()
+            out = tl.sum(acc, axis=0)[None, :]
+        elif FMT == 1:
             # INT4 words [K // 8, N], lanes along N. The launcher makes BLOCK_K divide GROUP (hence K): no K
             # tail, and one (scale, zero) row per tile.
             R: tl.constexpr = BLOCK_K // 8
@@ -130,6 +182,8 @@ if triton is not None:
             tile_w = R * stride_wr  # words between consecutive tiles
             acc = tl.zeros([BLOCK_M, R, BLOCK_N], tl.float32)
             w_next = tl.load(w_ptrs + kt_start.to(tl.int64) * tile_w, mask=nmask[None, :], other=0)
+            if PDL:
+                gdc_wait()
             x_next = tl.load(x_ptrs + kt_start * BLOCK_K, mask=mmask[:, None, None], other=0.0)
             for kt in range(kt_start, kt_end):
                 words = w_next
@@ -142,6 +196,8 @@ if triton is not None:
                 s = tl.load(S + g * stride_sg + offs_n, mask=nmask, other=0.0).to(tl.float32)
                 z = tl.load(Z + g * stride_sg + offs_n, mask=nmask, other=0.0).to(tl.float32)
                 acc += _int4_tile(words, xv, z, BLOCK_M, R, BLOCK_N) * s[None, None, :]
+            if PDL:
+                gdc_launch_dependents()
             out = tl.sum(acc, axis=1)
         else:
             # [N, K] weights, K contiguous: lanes along K inside a row; x reused by every row of the tile.
@@ -150,8 +206,6 @@ if triton is not None:
             wb = W.to(tl.pointer_type(tl.uint8)) if FMT == 4 else W
             w_ptrs = wb + offs_n[:, None].to(tl.int64) * stride_wr + offs_k[None, :]  # [BN, BK]
             x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]  # [BM, BK]
-            if QUANT_X:
-                xs = _row_scale(X, offs_m, mmask, stride_xm, K, 127.0 if FMT == 3 else 448.0, BLOCK_M, 1024)
             if FMT == 3:
                 acc = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.int32)
             else:
@@ -159,10 +213,18 @@ if triton is not None:
             k0 = kt_start * BLOCK_K
             if EVEN_K:
                 w_next = tl.load(w_ptrs + k0, mask=nmask[:, None], other=0)
-                x_next = tl.load(x_ptrs + k0, mask=mmask[:, None], other=0)
             else:
                 kin = (k0 + offs_k) < K
                 w_next = tl.load(w_ptrs + k0, mask=nmask[:, None] & kin[None, :], other=0)
+            if PDL:
+                gdc_wait()  # the first weight tile is in flight; x (and its scale) come from the previous kernel
+                if PDL == 1:
+                    gdc_launch_dependents()
+            if QUANT_X:
+                xs = _row_scale(X, offs_m, mmask, stride_xm, K, 127.0 if FMT == 3 else 448.0, BLOCK_M, 1024)
+            if EVEN_K:
+                x_next = tl.load(x_ptrs + k0, mask=mmask[:, None], other=0)
+            else:
                 x_next = tl.load(x_ptrs + k0, mask=mmask[:, None] & kin[None, :], other=0)
             for kt in range(kt_start, kt_end):
                 w = w_next
@@ -185,16 +247,21 @@ if triton is not None:
                 elif FMT == 4:
                     xq = _quantize_fp8(x.to(tl.float32), xs[:, None])
                     acc += xq[:, None, :] * w.to(tl.float8e4nv, bitcast=True).to(tl.float32)[None, :, :]
+                elif FMT == 5:
+                    # FP8 E4M3 weight-only (W8A16): the codes upcast in registers, the channel scale after the sum.
+                    acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
                 elif FMT == 2:
                     # int8 -> float: 0x4B000080 + q is the float 2^23 + 128 + q (q in [-128, 127]).
                     wf = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
                     acc += x.to(tl.float32)[:, None, :] * wf[None, :, :]
                 else:
                     acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+            if PDL == 2:
+                gdc_launch_dependents()
             out = tl.sum(acc, axis=2)
-            if FMT == 2:
+            if FMT == 2 or FMT == 5:
                 out = out * tl.load(S + offs_n, mask=nmask, other=0.0)[None, :]
-            if FMT >= 3:
+            if FMT == 3 or FMT == 4:
                 if not QUANT_X:
                     xs = tl.load(XS + offs_m, mask=mmask, other=0.0)
                 ws = tl.load(S + offs_n, mask=nmask, other=0.0)

@@ -16,6 +16,7 @@ FMT_INT4 = 1  # qweight int32 [K // 8, N], scales/zeros [K // G, N]
 FMT_INT8 = 2  # q int8 [N, K], scales float32 [N]; activations float
 FMT_INT8_INT8 = 3  # activations int8 too, x_scale float32 [M]
 FMT_FP8 = 4  # q float8_e4m3fn [N, K], scales float32 [N]; activations rounded to E4M3 per token (GEMV only)
+FMT_FP8_W8A16 = 5  # q float8_e4m3fn [N, K], scales float32 [N]; activations float (FP8 weight-only)
 _MIN_SCALE = 1e-10  # = roofline.quant.quantize._MIN_SCALE: an all-zero row quantizes to zeros
 _MAGIC = 8388608.0  # 2^23: the float32 with bits 0x4B000000
 
@@ -32,6 +33,9 @@ class GemmConfig:
     split_k: int | None = None
     unpack: int = 0  # INT4 only: 0 = word per row (GPTQ-triton style loads), 1 = one load per word + reshape
     gemv: bool = False  # the FMA stream without tl.dot (quant_gemv._gemv_kernel); block_m = rows per program (<= 4).
+    # Programmatic dependent launch (sm_90+): 0 off, 1 release the next kernel right after the wait, 2 release it
+    # after the K loop; None: ``DEFAULT_PDL``. The kernel starts its first weight loads before it waits.
+    pdl: int | None = None
     # GEMV configs take num_stages=1: the kernel prefetches the next tile itself, and Triton's pipeliner on top of
     # that gave wrong 16-bit results on the H200 (triton 3.6, 2026-12-01).
 
@@ -77,13 +81,17 @@ CONFIGS: dict[str, list[tuple[int, GemmConfig]]] = {
         (1 << 62, GemmConfig(128, 128, 64, 8, 3)),
     ],
 }
+CONFIGS["fp8_w8a16"] = CONFIGS["int8"]  # FP8 weight-only reads the same bytes per weight as INT8 W8A16
 # INT4 with a group size that is not a multiple of 8 cannot use the GEMV (a word would span two groups).
 _GEMV_FALLBACK = GemmConfig(16, 32, 64, 4, 2)
+# PDL for configs that leave it None, on devices that have it (compute capability >= 9.0). Measured on the H200:
+# see docs/kernels.md ("Programmatic dependent launch").
+DEFAULT_PDL = 0
 SMALL_M = 16  # M <= SMALL_M: the weight-streaming variant (split-K allowed, INT4 scales after the dot)
 
 
 def pick_config(fmt: str, m: int) -> GemmConfig:
-    """The :data:`CONFIGS` row for ``fmt`` ('int4', 'int8', 'int8_int8', 'dense') at ``m`` rows."""
+    """The :data:`CONFIGS` row for ``fmt`` ('int4', 'int8', 'int8_int8', 'dense', 'fp8_w8a16') at ``m`` rows."""
     for max_m, cfg in CONFIGS[fmt]:
         if m <= max_m:
             return cfg

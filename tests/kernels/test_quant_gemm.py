@@ -32,8 +32,9 @@ TILED = GemmConfig(32, 32, 64, 4, 1)  # tiled variant (INT4: per-element scales)
 TILED_BK128 = GemmConfig(32, 32, 128, 4, 1)  # BLOCK_K > G for G = 32/64: scales gathered per row
 GEMV_SPLIT = GemmConfig(4, 16, 32, 4, 1, split_k=2, gemv=True)  # the FMA stream, 4 rows, 2 K splits
 GEMV_ONE = GemmConfig(1, 32, 64, 4, 1, gemv=True)  # one row per program (M programs along M)
+GEMV_ONE_SPLIT = GemmConfig(1, 64, 32, 4, 1, split_k=3, gemv=True)  # INT4: the 2-D one-row stream, 3 K splits
 CONFIGS = {"default": None, "split3": SMALL_SPLIT, "unpack": SMALL_UNPACK, "tiled": TILED, "bk128": TILED_BK128,
-           "gemv": GEMV_SPLIT, "gemv1": GEMV_ONE}
+           "gemv": GEMV_SPLIT, "gemv1": GEMV_ONE, "gemv1split": GEMV_ONE_SPLIT}
 
 
 def _int4_case(n, k, group_size, dtype, seed=0):
@@ -208,7 +209,7 @@ GEMV_W4 = [(1, 72, 256, 32), (2, 40, 384, 128), (3, 130, 192, 64), (4, 33, 288, 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k,group_size", GEMV_W4)
-@pytest.mark.parametrize("cfg", ["default", "gemv"])
+@pytest.mark.parametrize("cfg", ["default", "gemv", "gemv1", "gemv1split"])
 def test_gemv_w4a16_matches_f64(m, n, k, group_size, cfg, dtype):
     assert qg.pick_config("int4", m).gemv  # the CONFIGS rows for M <= 4 are the GEMV
     cw = _int4_case(n, k, group_size, dtype, seed=m * n)
@@ -231,8 +232,9 @@ def test_gemv_w4a16_extreme_codes_and_fallback():
     cw.zeros[:, 1] = 15
     p = _to(qg.prepare_int4(cw, torch.float32), DEVICE)
     x = torch.eye(k)[[0, 7, 39, 63]]
-    out = qg.w4a16_gemm(x.to(DEVICE), p.qweight, p.scales, p.zeros, g, config=GEMV_SPLIT)
-    assert torch.equal(out.cpu(), (x.double() @ _int4_f64(cw).t()).float())
+    for cfg in (GEMV_SPLIT, GEMV_ONE, GEMV_ONE_SPLIT):  # 4 rows per program; one row (the 2-D stream)
+        out = qg.w4a16_gemm(x.to(DEVICE), p.qweight, p.scales, p.zeros, g, config=cfg)
+        assert torch.equal(out.cpu(), (x.double() @ _int4_f64(cw).t()).float())
     # G = 4 (a word spans two groups): the GEMV config falls back to the tl.dot variant.
     c4 = _int4_case(24, 64, 4, torch.float32, seed=3)
     p4 = _to(qg.prepare_int4(c4, torch.float32), DEVICE)
@@ -258,6 +260,37 @@ def test_gemv_w8a16_dense_int8_match_f64(m, n, k, dtype):
         assert rel_err(out.cpu(), x.double() @ wd.double().t()) < TOL[dtype]
         out = qg.int8_gemm(xq.to(DEVICE), xs.to(DEVICE), cw.q.to(DEVICE), cw.scales.to(DEVICE), dtype, config=cfg)
         assert rel_err(out.cpu(), (xq.double() * xs.double()) @ w8.t()) < TOL[dtype]
+
+
+def _fp8_wo_case(m, n, k, dtype):
+    from roofline.quant.quantize import quantize_fp8_per_channel
+
+    g = torch.Generator().manual_seed(m * k)
+    cw = quantize_fp8_per_channel(torch.randn(n, k, generator=g))
+    q8, ws = cw.q.to(torch.float8_e4m3fn), cw.scales.float()
+    x = torch.randn(m, k, generator=g).to(dtype)
+    return x, q8, ws, x.double() @ (q8.double() * ws.double()[:, None]).t()  # the E4M3 values, x unrounded
+
+
+def test_fp8_weight_only_twin_and_errors():
+    x, q8, ws, exact = _fp8_wo_case(3, 33, 136, torch.float32)
+    assert rel_err(qg.ref_fp8_w8a16_gemm(x, q8, ws), exact) < TOL[torch.float32]
+    with pytest.raises(ValueError, match="want float8_e4m3fn q"):
+        qg.fp8_w8a16_gemm(x.to(DEVICE), q8.to(torch.int8).to(DEVICE), ws.to(DEVICE))
+    with pytest.raises(ValueError, match="x has 16 input channels, the weight K=136"):
+        qg.fp8_w8a16_gemm(x[:, :16].to(DEVICE), q8.to(DEVICE), ws.to(DEVICE))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (the interpreter cannot load fp8)")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m,n,k", [(1, 70, 200), (3, 33, 136), (20, 40, 256), (1, 4096, 4096)])  # 20: tl.dot
+def test_gpu_fp8_weight_only_matches_f64(m, n, k, dtype):
+    x, q8, ws, exact = _fp8_wo_case(m, n, k, dtype)
+    for cfg in (None, GEMV_SPLIT, GEMV_ONE, SMALL_SPLIT, TILED):
+        out = qg.fp8_w8a16_gemm(x.cuda(), q8.cuda(), ws.cuda(), config=cfg)
+        assert out.shape == (m, n) and out.dtype == dtype
+        assert rel_err(out.cpu(), exact) < TOL[dtype]
 
 
 # ---------------------------------------------------------------------------------------- W8A8 GEMV (fused quant)
