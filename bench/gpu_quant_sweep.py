@@ -304,7 +304,7 @@ def main(argv=None) -> int:
                 cands = (GEMV_N_LANES if fmt == "int4" else W8A8_K_LANES if fmt in ("int8_int8", "fp8") else GEMV_K_LANES)[m]
                 if args.dry_run:
                     cands = cands[:2]
-                base = timed(fmt, m, "other", lambda: other(fmt, x), x)
+                base = timed(fmt, m, "other", lambda: other(fmt, x), x, check=fmt != "fp8_w8a16")  # other: W8A8
                 best = None
                 for bm, bn, bk, nw in cands:
                     for split in SPLITS if not args.dry_run else (None, 2):
@@ -327,7 +327,7 @@ def main(argv=None) -> int:
             for fmt in [f for f in ("int4", "int8", "fp8_w8a16") if f in formats]:
                 if args.dry_run and fmt == "fp8_w8a16":
                     continue
-                timed(fmt, m, "other", lambda fmt=fmt: other(fmt, x), x)
+                timed(fmt, m, "other", lambda fmt=fmt: other(fmt, x), x, check=fmt != "fp8_w8a16")
                 default = qg.pick_config(fmt, m)
                 alts = [default]
                 if not args.dry_run:

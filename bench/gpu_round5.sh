@@ -12,8 +12,7 @@ for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
   case "$step" in
   quanttests)  # the quantized GEMM kernels on the GPU (bf16 and fp32), every config family
-    PYTHONPATH=$NEW timeout 300 python3 -m pytest -q -x --tb=short -p no:cacheprovider tests/kernels/test_quant_gemm.py \
-      tests/quant 2>&1 | tee "$OUT/quanttests.log" | grep -E "^E |passed|failed|error" | tail -20
+    PYTHONPATH=$NEW timeout 300 python3 -m pytest -q -x --tb=short -p no:cacheprovider ${TESTS:-tests/kernels/test_quant_gemm.py tests/quant} 2>&1 | tee "$OUT/quanttests.log" | grep -E "^E |passed|failed|error" | tail -20
     ;;
   sweep)  # re-sweep INT4 and FP8 weight-only, merged into the committed table; the new table is used from here on
     PYTHONPATH=$NEW timeout 400 python3 bench/gpu_quant_sweep.py --formats "${SWEEP_FORMATS:-int4,fp8_w8a16}" \

@@ -193,8 +193,9 @@ if triton is not None:
                     w = ((qf - z) * s).to(x.dtype)
                     acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
             else:
-                # [N, K] weights (dense, int8): the [BLOCK_K, BLOCK_N] tile of W^T, K contiguous.
-                w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_wr + ks[:, None]
+                # [N, K] weights (dense, int8, fp8 codes read as bytes): the [BLOCK_K, BLOCK_N] tile of W^T.
+                wb = W.to(tl.pointer_type(tl.uint8)) if FMT == 5 else W
+                w_ptrs = wb + offs_n[None, :].to(tl.int64) * stride_wr + ks[:, None]
                 if EVEN_K:
                     w = tl.load(w_ptrs, mask=nmask[None, :], other=0)
                 else:
@@ -204,7 +205,7 @@ if triton is not None:
                 elif FMT == 5:
                     # FP8 E4M3 weight-only: codes upcast to x's dtype in registers (exact: E4M3 is a subset of
                     # bf16/fp16), the channel scale in the epilogue.
-                    acc = tl.dot(x, w.to(x.dtype), acc, input_precision=DOT_PRECISION)
+                    acc = tl.dot(x, w.to(tl.float8e4nv, bitcast=True).to(x.dtype), acc, input_precision=DOT_PRECISION)
                 elif FMT == 2:
                     # int8 -> float: 0x4B000080 + q is the float 2^23 + 128 + q (q in [-128, 127]).
                     wf = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0

@@ -203,7 +203,7 @@ if triton is not None:
             # [N, K] weights, K contiguous: lanes along K inside a row; x reused by every row of the tile.
             offs_k = tl.arange(0, BLOCK_K)
             # FP8 codes are read as bytes (a masked-off lane is 0, not an E4M3 NaN) and bitcast at use.
-            wb = W.to(tl.pointer_type(tl.uint8)) if FMT == 4 else W
+            wb = W.to(tl.pointer_type(tl.uint8)) if FMT == 4 or FMT == 5 else W
             w_ptrs = wb + offs_n[:, None].to(tl.int64) * stride_wr + offs_k[None, :]  # [BN, BK]
             x_ptrs = X + offs_m[:, None].to(tl.int64) * stride_xm + offs_k[None, :]  # [BM, BK]
             if FMT == 3:
@@ -249,7 +249,7 @@ if triton is not None:
                     acc += xq[:, None, :] * w.to(tl.float8e4nv, bitcast=True).to(tl.float32)[None, :, :]
                 elif FMT == 5:
                     # FP8 E4M3 weight-only (W8A16): the codes upcast in registers, the channel scale after the sum.
-                    acc += x.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+                    acc += x.to(tl.float32)[:, None, :] * w.to(tl.float8e4nv, bitcast=True).to(tl.float32)[None, :, :]
                 elif FMT == 2:
                     # int8 -> float: 0x4B000080 + q is the float 2^23 + 128 + q (q in [-128, 127]).
                     wf = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
