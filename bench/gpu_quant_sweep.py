@@ -142,7 +142,8 @@ class Sweep:
 
 def fused_max_m(rows: list[dict]) -> tuple[dict, dict]:
     """Per format and (N, K): the largest measured M up to which our kernel (its GEMV or tiled rows, the fastest
-    config) beat the "other" path at every measured M (0 = lost at the smallest). Returns (that
+    config; below M = 16 the tiled kernel counts with its M = 16 time) beat the "other" path at every measured M
+    (0 = lost at the smallest). Returns (that
     ``{fmt: [{"n", "k", "fused_max_m"}]}``, and the best time per (fmt, n, k, m, path))."""
     t: dict = {}
     for r in rows:
@@ -155,6 +156,8 @@ def fused_max_m(rows: list[dict]) -> tuple[dict, dict]:
             best_m = 0
             for m in sorted({key[3] for key in t if key[0] == fmt and key[1:3] == (n, k)}):
                 mine = min(t.get((fmt, n, k, m, p), float("inf")) for p in ("gemv", "tiled"))
+                if m < TILED_M[0]:  # the tiled kernel's time at M = 16 bounds its time below (rows past M are masked)
+                    mine = min(mine, t.get((fmt, n, k, TILED_M[0], "tiled"), float("inf")))
                 if (fmt, n, k, m, "other") in t and mine < t[(fmt, n, k, m, "other")]:
                     best_m = m
                 elif mine != float("inf"):

@@ -505,9 +505,13 @@ def test_sweep_table_takes_the_largest_m_won_at_every_smaller_m():
             r("int4", 64, "other", 4.0), r("int4", 64, "tiled", 6.0),  # lost at 64 ...
             r("int4", 256, "other", 9.0), r("int4", 256, "tiled", 1.0),  # ... so 256 does not count
             r("dense", 1, "other", 1.0), r("dense", 1, "gemv", 2.0),
+            # Below M = 16 the tiled kernel counts with its M = 16 time (its masked rows cost nothing extra).
+            r("fp8_w8a16", 1, "other", 5.0), r("fp8_w8a16", 1, "gemv", 6.0), r("fp8_w8a16", 16, "other", 5.0),
+            r("fp8_w8a16", 16, "tiled", 4.0),
             dict(fmt="fp8", n=4, k=8, m=1, path="gemv", error="boom")]  # rows without a time are ignored
     table, best = sw.fused_max_m(rows)
-    assert table == {"int4": [dict(n=4, k=8, fused_max_m=4)], "dense": [dict(n=4, k=8, fused_max_m=0)]}
+    assert table == {"int4": [dict(n=4, k=8, fused_max_m=4)], "dense": [dict(n=4, k=8, fused_max_m=0)],
+                     "fp8_w8a16": [dict(n=4, k=8, fused_max_m=16)]}
     assert best[("int4", 4, 8, 1, "gemv")] == 2.0
 
 
@@ -526,6 +530,8 @@ def test_engine_reads_the_dispatch_table(monkeypatch):
     assert gemm.use_fused("int4", 256, 28000, 4096, dev)  # the nearest measured shape
     assert gemm.use_fused("dense", 4, 4096, 4096, dev) and not gemm.use_fused("dense", 5, 4096, 4096, dev)  # GEMV only
     assert gemm.use_fused("fp8", 4, 4096, 4096, dev) and not gemm.use_fused("fp8", 5, 4096, 4096, dev)  # default
+    # FP8 weight-only (tl.dot path too, not GEMV-only): M <= 16 without a measured row.
+    assert gemm.use_fused("fp8_w8a16", 16, 4096, 4096, dev) and not gemm.use_fused("fp8_w8a16", 17, 4096, 4096, dev)
     assert gemm.gemv_config("int4", 1, 4096, 4096, dev) == GemmConfig(1, 64, 128, 4, 1, gemv=True)
     assert gemm.gemv_config("int4", 3, 6144, 4096, dev) == GemmConfig(2, 32, 64, 2, 1, split_k=4, gemv=True)
     assert gemm.gemv_config("int4", 5, 4096, 4096, dev) is None and gemm.gemv_config("int8", 1, 64, 64, dev) is None
