@@ -199,6 +199,52 @@ if triton is not None:
             if PDL:
                 gdc_launch_dependents()
             out = tl.sum(acc, axis=1)
+        elif BLOCK_M == 1 and (FMT == 0 or FMT == 2 or FMT == 5):
+            # [N, K] weight-only formats, one activation row: 2-D tiles [BN, BK] (16-byte loads along K), x a
+            # [1, BK] row in the tile's own layout, so nothing in the loop goes through shared memory.
+            offs_k = tl.arange(0, BLOCK_K)
+            wb = W.to(tl.pointer_type(tl.uint8)) if FMT == 5 else W
+            w_ptrs = wb + offs_n[:, None].to(tl.int64) * stride_wr + offs_k[None, :]  # [BN, BK]
+            # x through [BN, BK] pointers (every row the same): the load takes the weight tile's layout, each
+            # thread re-reads its K slice per row from L1 instead of a shared-memory broadcast with barriers.
+            x_ptrs = X + pid_m.to(tl.int64) * stride_xm + offs_k[None, :] + 0 * offs_n[:, None]  # [BN, BK]
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            k0 = kt_start * BLOCK_K
+            if EVEN_K:
+                w_next = tl.load(w_ptrs + k0, mask=nmask[:, None], other=0)
+            else:
+                kin = (k0 + offs_k) < K
+                w_next = tl.load(w_ptrs + k0, mask=nmask[:, None] & kin[None, :], other=0)
+            if PDL:
+                gdc_wait()
+                if PDL == 1:
+                    gdc_launch_dependents()
+            if EVEN_K:
+                x_next = tl.load(x_ptrs + k0)
+            else:
+                x_next = tl.load(x_ptrs + k0, mask=kin[None, :], other=0)
+            for kt in range(kt_start, kt_end):
+                w = w_next
+                x = x_next
+                k1 = tl.minimum(kt + 1, kt_end - 1) * BLOCK_K
+                if EVEN_K:
+                    w_next = tl.load(w_ptrs + k1, mask=nmask[:, None], other=0)
+                    x_next = tl.load(x_ptrs + k1)
+                else:
+                    kin = (k1 + offs_k) < K
+                    w_next = tl.load(w_ptrs + k1, mask=nmask[:, None] & kin[None, :], other=0)
+                    x_next = tl.load(x_ptrs + k1, mask=kin[None, :], other=0)
+                if FMT == 5:
+                    acc += x.to(tl.float32) * w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+                elif FMT == 2:
+                    acc += x.to(tl.float32) * ((w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0)
+                else:
+                    acc += x.to(tl.float32) * w.to(tl.float32)
+            if PDL == 2:
+                gdc_launch_dependents()
+            out = tl.sum(acc, axis=1)[None, :]
+            if FMT != 0:
+                out = out * tl.load(S + offs_n, mask=nmask, other=0.0)[None, :]
         else:
             # [N, K] weights, K contiguous: lanes along K inside a row; x reused by every row of the tile.
             offs_k = tl.arange(0, BLOCK_K)
