@@ -146,9 +146,9 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     rows, meta, bandwidth, peak = [], {}, None, None
     for (quant, kv, ex, pdl), fmt in zip(configs, formats, strict=True):
         if pdl is not None:  # the GEMM kernels' programmatic-dependent-launch mode, before the graphs are captured
-            from roofline.kernels import quant_layouts
+            from roofline.kernels import pdl as pdl_mod
 
-            quant_layouts.DEFAULT_PDL = pdl
+            pdl_mod.MODE = pdl
         engine = build_engine(args, max(batches), max(contexts), kv_cache_dtype=kv, quantization=quant, executor=ex)
         worker = engine.worker
         device = str(worker.device)
@@ -269,8 +269,9 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "step N's ids are read; the period between results) or one step at a time "
                         "(default: the engine's, on with a CUDA device)")
     p.add_argument("--pdl", default="",
-                   help="comma list of programmatic-dependent-launch modes for our GEMM kernels (0 off, 1 release the "
-                        "next kernel after the wait, 2 after the K loop; sm_90+), each measured in turn")
+                   help="comma list of programmatic-dependent-launch modes for our decode kernels (0 off; GEMMs: 1 "
+                        "release the next kernel after the wait, 2 after the K loop; sm_90+), each measured in turn "
+                        "(roofline.kernels.pdl)")
     p.add_argument("--out-dir", default="bench/results")
     p.set_defaults(func=run_decode_bench)
     return p

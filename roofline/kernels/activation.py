@@ -11,6 +11,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from roofline.kernels import pdl
+
 try:
     import triton
     import triton.language as tl
@@ -25,9 +27,13 @@ def ref_silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
-    def _silu_and_mul_kernel(X, Out, stride_x, stride_o, inter, BLOCK: tl.constexpr):
+    def _silu_and_mul_kernel(X, Out, stride_x, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+        if PDL:  # roofline.kernels.pdl
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
@@ -63,6 +69,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(inter))
     if x2.shape[0] > 0:
         _silu_and_mul_kernel[(x2.shape[0], triton.cdiv(inter, block))](
-            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4
+            x2, out, x2.stride(0), out.stride(0), inter, BLOCK=block, num_warps=4, **pdl.launch_kwargs(x.device)
         )
     return out.view(*x.shape[:-1], inter)

@@ -61,13 +61,15 @@ try:
 except ImportError:  # pragma: no cover
     triton = None
 
+from roofline.kernels import pdl
+
 # isort: off
 from roofline.kernels.act_quant import (  # noqa: F401 - the family, re-exported: callers use quant_gemm.X
     per_token_quant_fp8, per_token_quant_int8, ref_per_token_quant_fp8, ref_per_token_quant_int8)
 from roofline.kernels.dequant import (  # noqa: F401 - re-exported
     dequantize_int4, dequantize_int8, ref_dequantize_int4, ref_dequantize_int8)
 from roofline.kernels.quant_layouts import (  # noqa: F401 - the layouts and tile table, re-exported
-    _GEMV_FALLBACK, _MAGIC, _MIN_SCALE, CONFIGS, DEFAULT_PDL, FMT_DENSE, FMT_FP8, FMT_FP8_W8A16, FMT_INT4, FMT_INT8,
+    _GEMV_FALLBACK, _MAGIC, _MIN_SCALE, CONFIGS, FMT_DENSE, FMT_FP8, FMT_FP8_W8A16, FMT_INT4, FMT_INT8,
     FMT_INT8_INT8, SMALL_M, GemmConfig, Int4Packed, Int8Packed, _as_rows, _check_float_act, int4_weight_bytes,
     int8_weight_bytes, pack_int4, pick_config, prepare_int4, prepare_int8, unpack_int4)
 # isort: on
@@ -275,20 +277,6 @@ def choose_split_k(tiles_mn: int, k_tiles: int, num_sms: int, programs_per_sm: i
     return 1 << (max(1, cap).bit_length() - 1)
 
 
-@functools.cache
-def _has_pdl(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (9, 0)
-
-
-def _pdl(cfg: GemmConfig, device: torch.device) -> int:
-    """The config's PDL mode (``GemmConfig.pdl``, else ``quant_layouts.DEFAULT_PDL``), 0 where the device has
-    no programmatic dependent launch (before sm_90, and the CPU interpreter)."""
-    from roofline.kernels import quant_layouts
-
-    mode = cfg.pdl if cfg.pdl is not None else quant_layouts.DEFAULT_PDL
-    return mode if mode and _has_pdl(device) else 0
-
-
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
 
@@ -331,8 +319,7 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
     else:  # unused, but typed: the GEMV's split-K branch is compiled for every split count (a run-time value)
         partials = torch.empty(1, dtype=torch.float32, device=x.device)
         counters = _counters(x.device, 1)
-    pdl = _pdl(cfg, x.device)
-    launch = {"PDL": pdl, "launch_pdl": True} if pdl else {}
+    launch = pdl.launch_kwargs(x.device, cfg.pdl)
     if cfg.gemv:
         from roofline.kernels.quant_gemv import _gemv_kernel
 

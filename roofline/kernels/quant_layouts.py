@@ -34,7 +34,7 @@ class GemmConfig:
     unpack: int = 0  # INT4 only: 0 = word per row (GPTQ-triton style loads), 1 = one load per word + reshape
     gemv: bool = False  # the FMA stream without tl.dot (quant_gemv._gemv_kernel); block_m = rows per program (<= 4).
     # Programmatic dependent launch (sm_90+): 0 off, 1 release the next kernel right after the wait, 2 release it
-    # after the K loop; None: ``DEFAULT_PDL``. The kernel starts its first weight loads before it waits.
+    # after the K loop; None: ``roofline.kernels.pdl.MODE``. The kernel starts its first weight loads before it waits.
     pdl: int | None = None
     # GEMV configs take num_stages=1: the kernel prefetches the next tile itself, and Triton's pipeliner on top of
     # that gave wrong 16-bit results on the H200 (triton 3.6, 2026-12-01).
@@ -84,9 +84,7 @@ CONFIGS: dict[str, list[tuple[int, GemmConfig]]] = {
 CONFIGS["fp8_w8a16"] = CONFIGS["int8"]  # FP8 weight-only reads the same bytes per weight as INT8 W8A16
 # INT4 with a group size that is not a multiple of 8 cannot use the GEMV (a word would span two groups).
 _GEMV_FALLBACK = GemmConfig(16, 32, 64, 4, 2)
-# PDL for configs that leave it None, on devices that have it (compute capability >= 9.0). Measured on the H200:
-# see docs/kernels.md ("Programmatic dependent launch").
-DEFAULT_PDL = 0
+
 SMALL_M = 16  # M <= SMALL_M: the weight-streaming variant (split-K allowed, INT4 scales after the dot)
 
 

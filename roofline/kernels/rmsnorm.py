@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from roofline.kernels import pdl
+
 try:  # triton is optional: the core (CPU path) never imports this module's kernels.
     import triton
     import triton.language as tl
@@ -37,14 +39,18 @@ def ref_fused_add_rmsnorm(
 
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def _rmsnorm_kernel(
         X, R, W, Out, ResOut,
         stride_x, stride_r, stride_o, stride_ro,
         N, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0,
     ):
+        if PDL:  # roofline.kernels.pdl: every load and store below depends on the previous kernel
+            gdc_wait()
+            gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < N
@@ -86,7 +92,7 @@ def _launch(x, residual, weight, eps):
             x2, r2, weight, out, res_out,
             x2.stride(0), r2.stride(0), out.stride(0), res_out.stride(0),
             hidden, eps,
-            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps,
+            HAS_RESIDUAL=residual is not None, BLOCK=block, num_warps=num_warps, **pdl.launch_kwargs(x.device),
         )
     return out.view(x.shape), (res_out.view(x.shape) if residual is not None else None)
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from roofline.kernels import pdl
 from roofline.kernels.common import (
     FP8_E4M3_MAX,
     INT8_MAX,
@@ -104,6 +105,8 @@ def ref_rope_and_cache(
 
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
     INT8_MAX_C = tl.constexpr(INT8_MAX)
     FP8_MAX_C = tl.constexpr(FP8_E4M3_MAX)
 
@@ -128,8 +131,11 @@ if triton is not None:
         num_heads, num_kv_heads,
         HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
-        APPLY_ROPE: tl.constexpr, QUANT: tl.constexpr,
+        APPLY_ROPE: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = 0,
     ):
+        if PDL:  # roofline.kernels.pdl: every load and store below depends on the previous kernel
+            gdc_wait()
+            gdc_launch_dependents()
         t = tl.program_id(0).to(tl.int64)
         slot = tl.load(Slots + t).to(tl.int64)
         offs_half = tl.arange(0, HALF_P2)
@@ -242,6 +248,7 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, a
         HEAD_DIM=head_dim, HALF=half, HALF_P2=triton.next_power_of_2(max(half, 1)),
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim), APPLY_ROPE=apply_rope, QUANT=quant, num_warps=4,
+        **pdl.launch_kwargs(k.device),
     )
 
 

@@ -1,0 +1,68 @@
+"""Programmatic dependent launch (roofline.kernels.pdl): off where the device lacks it, and on an sm_90 GPU a
+chain of PDL-launched kernels captured in one CUDA graph gives bit-identical results to the same chain without
+PDL (PDL changes when a kernel starts, never its arithmetic; a missing wait would read stale inputs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from roofline.kernels import pdl  # noqa: E402
+
+
+def test_pdl_is_off_without_the_hardware(monkeypatch):
+    monkeypatch.setattr(pdl, "MODE", 2)
+    cpu = torch.device("cpu")
+    assert pdl.mode(cpu) == 0 and pdl.launch_kwargs(cpu) == {}
+    assert pdl.mode(cpu, override=1) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a GPU with programmatic dependent launch (sm_90+)")
+@pytest.mark.parametrize("mode", [1, 2])
+def test_gpu_pdl_chain_in_a_cuda_graph_is_bit_identical(monkeypatch, mode):
+    from roofline.kernels import quant_gemm as qg
+    from roofline.kernels.activation import silu_and_mul
+    from roofline.kernels.rmsnorm import fused_add_rmsnorm
+    from roofline.quant.quantize import quantize_int4_rtn
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    hidden, inter = 1024, 2816
+    x = torch.randn(1, hidden, device="cuda", generator=g).bfloat16()
+    res = torch.randn(1, hidden, device="cuda", generator=g).bfloat16()
+    wn = torch.rand(hidden, device="cuda", generator=g).bfloat16() + 0.5
+    w_up = (torch.randn(2 * inter, hidden, device="cuda", generator=g) * 0.03).bfloat16()
+    p4 = qg.prepare_int4(quantize_int4_rtn(torch.randn(hidden, inter, device="cuda", generator=g) * 0.03, 128),
+                         torch.bfloat16)
+    one_row = qg.GemmConfig(1, 8, 256, 4, 1, gemv=True)
+    int4_row = qg.GemmConfig(1, 64, 128, 4, 1, split_k=4, gemv=True)
+
+    def chain():
+        h, r = fused_add_rmsnorm(x, res, wn, 1e-5)
+        for _ in range(4):  # a GEMV reading the norm's output, the activation reading the GEMV's, and back
+            a = silu_and_mul(qg.dense_gemv(h, w_up, config=one_row))
+            h, r = fused_add_rmsnorm(qg.w4a16_gemm(a, p4.qweight, p4.scales, p4.zeros, 128, config=int4_row), r,
+                                     wn, 1e-5)
+        return h
+
+    def graphed():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            chain()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        graph.replay()
+        torch.cuda.synchronize()
+        return out.clone()
+
+    monkeypatch.setattr(pdl, "MODE", 0)
+    want = graphed()
+    monkeypatch.setattr(pdl, "MODE", mode)
+    got = graphed()
+    assert torch.isfinite(want).all() and torch.equal(got, want)
