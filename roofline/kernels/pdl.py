@@ -10,8 +10,9 @@ attributes are captured into the decode CUDA graphs as programmatic edges. Sourc
 
 ``MODE`` is process-wide, read at launch (so before graph capture): 0 off; for the GEMMs 1 releases the next
 kernel right after the wait and 2 after the K loop (``GemmConfig.pdl`` overrides it per config); the small
-kernels (norms, activation, RoPE + cache store) release right after their wait for any non-zero mode. It is off
-by default: measured on the H200 it did not pay (docs/kernels.md, "Programmatic dependent launch").
+kernels (norms, activation, RoPE + cache store) release right after their wait for any non-zero mode. Default 1:
+on the H200 (llama-3-8b, batch 1) it made decode 2.0-2.4% faster in bf16 and 5.7% in int4, and changed nothing at
+batch 64 (docs/kernels.md, "Programmatic dependent launch"); with the GEMMs alone PDL-launched it did not pay.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import functools
 
 import torch
 
-MODE = 0
+MODE = 1
 
 
 @functools.cache
