@@ -167,7 +167,7 @@ if triton is not None:
                 # Lazy rescaling (as in FlashAttention-4): keep the stale max until some row's max grows by more
                 # than 2^RESCALE_LOG2, so most tiles skip the [M, D] accumulator rescale; p <= 2^RESCALE_LOG2
                 # meanwhile, far inside fp32 (and fp16 for p's cast: <= 65504).
-                grow = tl.where(m_new == m_i, 0.0, m_new - m_i)  # 0 where both are still -inf
+                grow = m_new - tl.maximum(m_i, -1e30)  # -inf while a row has seen no key, huge at its first
                 if tl.max(grow, axis=0) > RESCALE_LOG2:
                     m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
                     alpha = tl.exp2(m_i - m_sub)
