@@ -122,6 +122,13 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
     return int(min(want, by_len, by_pages, max_splits))
 
 
+def default_block_n(head_dim: int, variant: str) -> int:
+    """Keys per tile when the caller names none: 64 (32 past D 128); the CUDA-core "fma" tile holds a
+    [rows, block_n, D] product, so half that."""
+    block_n = 64 if head_dim <= 128 else 32
+    return block_n // 2 if variant == "fma" else block_n
+
+
 def split_align(block_size: int, block_n: int) -> int:
     """Keys a split's length is rounded up to: whole pages when a page holds whole tiles, else whole tiles."""
     return block_size if block_size % block_n == 0 else block_n
@@ -242,8 +249,8 @@ LOG2E = 1.4426950408889634
 # Stage-1 kernel per cache format when the caller names none (query_len 1). "old" everywhere until the H200
 # A/B (``roofline bench attention --decode-only --variants old,mma,fma``) says otherwise.
 DEFAULT_VARIANT = {KV_QUANT_NONE: "old", KV_QUANT_PER_TOKEN: "old", KV_QUANT_PER_HEAD: "old"}
-__all__ = ["MAX_PACKED_ROWS", "VARIANTS", "DEFAULT_VARIANT", "choose_num_splits", "paged_decode_attention",
-           "ref_decode_attention", "split_align"]
+__all__ = ["MAX_PACKED_ROWS", "VARIANTS", "DEFAULT_VARIANT", "choose_num_splits", "default_block_n",
+           "paged_decode_attention", "ref_decode_attention", "split_align"]
 
 
 def paged_decode_attention(
@@ -319,10 +326,7 @@ def paged_decode_attention(
     if variant != "old":
         packed_rows(group, query_len, variant == "mma")  # raises past MAX_PACKED_ROWS
     if block_n is None:
-        if variant == "fma":
-            block_n = 32 if head_dim <= 128 else 16
-        else:
-            block_n = 64 if head_dim <= 128 else 32
+        block_n = default_block_n(head_dim, variant)
     if num_splits is None:
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, num_sms=num_sms,
