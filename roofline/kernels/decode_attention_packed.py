@@ -63,9 +63,9 @@ if triton is not None:
         whose unit in the last place is 1, so a signed code added to its bits is added to its value)."""
         if MAGIC:
             if DTYPE == tl.float16:
-                return (codes.to(tl.int16) + 0x6480).to(tl.float16, bitcast=True) - 1152.0
+                return (codes.to(tl.int16) + 0x6480).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
             else:
-                return (codes.to(tl.int32) + 0x4B400000).to(tl.float32, bitcast=True) - 12582912.0
+                return (codes.to(tl.int32) + 0x4B400000).to(tl.int32).to(tl.float32, bitcast=True) - 12582912.0
         else:
             return codes.to(DTYPE)
 
@@ -74,12 +74,13 @@ if triton is not None:
         Q, KC, VC, KS, VS, BlockTables, SeqLens, MidO, MidLse,
         scale_log2e,
         stride_qt, stride_qh,
-        stride_kb, stride_ks, stride_kh,
-        stride_vb, stride_vs, stride_vh,
-        stride_s_slot,  # int8 scales viewed as [num_slots, H_kv]: H_kv
+        stride_kb, stride_kh,
+        stride_vb, stride_vh,
         stride_bt,
         stride_mt, stride_mh, stride_msp,  # MidO [num_seqs * QLEN, H, num_splits, D] (MidLse has no D dim)
         stride_lt, stride_lh,
+        STRIDE_KS: tl.constexpr, STRIDE_VS: tl.constexpr,  # slot strides of the caches (H_kv * D when contiguous)
+        S_SLOT: tl.constexpr,  # int8 scales viewed as [num_slots, H_kv]: H_kv (0 otherwise)
         GROUP: tl.constexpr, QLEN: tl.constexpr, BLOCK_M: tl.constexpr, PAGE: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_ALIGN: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, DOT_F16: tl.constexpr,
@@ -124,16 +125,30 @@ if triton is not None:
             offs_n = n + tl.arange(0, BLOCK_N)
             nmask = offs_n < end
             if PAGE % BLOCK_N == 0:
-                page = tl.load(bt_row + n // PAGE).to(tl.int64)  # the tile lies in one cache block
+                # The tile lies in one cache block: one scalar base pointer per operand, and per-element offsets
+                # that are compile-time constants (slot strides are constexpr), so no per-element 64-bit
+                # address arithmetic: the loads take [base + immediate] addresses.
+                page = tl.load(bt_row + n // PAGE).to(tl.int64)
+                slot0 = page * PAGE + n % PAGE  # scalar: the tile's first slot
+                k_tile = k_base + page * stride_kb + (n % PAGE) * STRIDE_KS
+                v_tile = v_base + page * stride_vb + (n % PAGE) * STRIDE_VS
+                local = tl.arange(0, BLOCK_N)
+                v_ptrs = v_tile + local[:, None] * STRIDE_VS + offs_d[None, :]
+                kt_ptrs = k_tile + local[None, :] * STRIDE_KS + offs_d[:, None]
+                k_ptrs = k_tile + local[:, None] * STRIDE_KS + offs_d[None, :]
+                s_off = slot0 * S_SLOT + kv_head + local * S_SLOT
             else:
                 page = tl.load(bt_row + offs_n // PAGE, mask=nmask, other=0).to(tl.int64)  # [BLOCK_N]
-            k_row = page * stride_kb + (offs_n % PAGE) * stride_ks
-            v_row = page * stride_vb + (offs_n % PAGE) * stride_vs
-            v = tl.load(v_base + v_row[:, None] + offs_d[None, :], mask=nmask[:, None] & dmask[None, :],
-                        other=0.0)  # [BLOCK_N, BLOCK_D]
+                k_row = page * stride_kb + (offs_n % PAGE) * STRIDE_KS
+                v_row = page * stride_vb + (offs_n % PAGE) * STRIDE_VS
+                v_ptrs = v_base + v_row[:, None] + offs_d[None, :]
+                kt_ptrs = k_base + k_row[None, :] + offs_d[:, None]
+                k_ptrs = k_base + k_row[:, None] + offs_d[None, :]
+                s_off = (page * PAGE + offs_n % PAGE) * S_SLOT + kv_head
+            v = tl.load(v_ptrs, mask=nmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
             if USE_DOT:
-                kt = tl.load(k_base + k_row[None, :] + offs_d[:, None], mask=nmask[None, :] & dmask[:, None],
-                             other=0.0)  # [BLOCK_D, BLOCK_N]: the B operand as stored, no transpose
+                # [BLOCK_D, BLOCK_N]: the B operand as stored, no transpose
+                kt = tl.load(kt_ptrs, mask=nmask[None, :] & dmask[:, None], other=0.0)
                 if QUANT == 1:
                     kt = _int8_codes_to(kt, cdt, INT8_MAGIC)
                     v = _int8_codes_to(v, cdt, INT8_MAGIC)
@@ -142,8 +157,7 @@ if triton is not None:
                     v = v.to(cdt)
                 qk = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
             else:
-                k = tl.load(k_base + k_row[:, None] + offs_d[None, :], mask=nmask[:, None] & dmask[None, :],
-                            other=0.0)  # [BLOCK_N, BLOCK_D]
+                k = tl.load(k_ptrs, mask=nmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
                 if QUANT == 1:
                     k = _int8_codes_to(k, tl.float32, INT8_MAGIC)
                     v = _int8_codes_to(v, tl.float32, INT8_MAGIC)
@@ -153,9 +167,8 @@ if triton is not None:
                 qk = tl.sum(q[:, None, :] * k[None, :, :], axis=2)  # [BLOCK_M, BLOCK_N] on CUDA cores
             if QUANT == 1:
                 # Per-key scales, masked loads (a stale slot's scale may be NaN): 0 there, and qk -> -inf below.
-                s_row = (page * PAGE + offs_n % PAGE) * stride_s_slot + kv_head
-                ks = tl.load(KS + s_row, mask=nmask, other=0.0)
-                vs = tl.load(VS + s_row, mask=nmask, other=0.0)
+                ks = tl.load(KS + s_off, mask=nmask, other=0.0)
+                vs = tl.load(VS + s_off, mask=nmask, other=0.0)
                 qk = qk * ks[None, :]
             if QLEN > 1:  # causal among the step's own positions: row t sees keys <= its position
                 visible = nmask[None, :] & (offs_n[None, :] <= q_pos[:, None])
@@ -227,12 +240,12 @@ def launch_packed_split(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
         block_tables, seq_lens, mid_o, mid_lse,
         scale_log2e,
         q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        per_token_stride,
+        k_cache.stride(0), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(2),
         block_tables.stride(0),
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
         mid_lse.stride(0), mid_lse.stride(1),
+        STRIDE_KS=k_cache.stride(1), STRIDE_VS=v_cache.stride(1), S_SLOT=per_token_stride,
         GROUP=group, QLEN=query_len, BLOCK_M=packed_rows(group, query_len, use_dot), PAGE=block_size,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, SPLIT_ALIGN=split_align,
         NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
