@@ -21,9 +21,20 @@ scales, the codes cast to q's dtype in registers, ``qk *= k_scale[None, :]`` aft
 layer's per-head scales, folded into the softmax scale (K) and the split's output (V). No dequantized
 copy of the cache is ever written.
 
+Stage-1 variants (``variant=``; issue 29): "old" is the kernel above. The quantized-KV version of it ran at
+0.42-0.64 of read bandwidth on the H200 (issue-bound: the same per-tile instructions as bf16 for half the
+bytes, 4 programs per SM at 138 registers; bench/results/attention-20261201/ncu-decode-quant.txt).
+"mma" and "fma" (``roofline.kernels.decode_attention_packed``) pack the GQA group's heads times the step's
+query positions into the tile's rows (``query_len`` > 1: a speculative verify step reads each KV byte once
+for all its positions), address a tile from one scalar base with constexpr strides, convert int8 codes
+by a magic-number add and rescale the accumulator lazily; "fma" computes on CUDA cores (no tl.dot, no
+padding to 16 rows). ``roofline bench attention --decode-only --variants old,mma,fma`` measures them
+against each other and bf16 in one process; :data:`DEFAULT_VARIANT` records the choice per format.
+
 CUDA graphs: the kernels read seq_lens and block_tables only as device tensors; ``num_splits`` is a launch
 constant. A captured graph therefore fixes num_splits; :func:`choose_num_splits` picks it from static
-quantities (batch, kv heads, the block table's width = the longest context the graph can see, SM count),
+quantities (batch, kv heads, the block table's width = the longest context the graph can see, the page
+size, SM count),
 and each split's length is derived in-kernel from the sequence's actual length (empty splits write
 lse = -inf and drop out of the reduction).
 """
