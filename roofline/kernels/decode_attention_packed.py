@@ -57,17 +57,20 @@ def packed_rows(group: int, query_len: int, use_dot: bool) -> int:
 if triton is not None:
 
     @triton.jit
-    def _int8_codes_to(codes, DTYPE: tl.constexpr, MAGIC: tl.constexpr):
-        """int8 codes -> DTYPE (fp16 or fp32), exact. MAGIC: one integer add into a float's mantissa and one
+    def _int8_codes_to(codes, F16: tl.constexpr, MAGIC: tl.constexpr):
+        """int8 codes -> fp16 (F16) or fp32, exact. MAGIC: one integer add into a float's mantissa and one
         float subtraction (fp16: 0x6400 is 1024, +128 biases the code positive; fp32: 0x4B400000 is 1.5 * 2^23,
         whose unit in the last place is 1, so a signed code added to its bits is added to its value)."""
         if MAGIC:
-            if DTYPE == tl.float16:
+            if F16:
                 return (codes.to(tl.int16) + 0x6480).to(tl.int16).to(tl.float16, bitcast=True) - 1152.0
             else:
                 return (codes.to(tl.int32) + 0x4B400000).to(tl.int32).to(tl.float32, bitcast=True) - 12582912.0
         else:
-            return codes.to(DTYPE)
+            if F16:
+                return codes.to(tl.float16)
+            else:
+                return codes.to(tl.float32)
 
     @triton.jit
     def _decode_packed_kernel(
@@ -85,6 +88,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_ALIGN: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, DOT_F16: tl.constexpr,
         USE_DOT: tl.constexpr, INT8_MAGIC: tl.constexpr, RESCALE_LOG2: tl.constexpr,
+        CODES_F16: tl.constexpr,  # the dots' operand dtype is fp16 (else q's: fp32)
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
@@ -108,10 +112,8 @@ if triton is not None:
         if USE_DOT:
             if DOT_F16:  # bf16 q with a quantized cache: both dots in fp16 (codes exact, 3 more mantissa bits)
                 q = q.to(tl.float16)
-            cdt = q.dtype
         else:
             q = q.to(tl.float32)
-            cdt = tl.float32
 
         m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -150,17 +152,17 @@ if triton is not None:
                 # [BLOCK_D, BLOCK_N]: the B operand as stored, no transpose
                 kt = tl.load(kt_ptrs, mask=nmask[None, :] & dmask[:, None], other=0.0)
                 if QUANT == 1:
-                    kt = _int8_codes_to(kt, cdt, INT8_MAGIC)
-                    v = _int8_codes_to(v, cdt, INT8_MAGIC)
+                    kt = _int8_codes_to(kt, CODES_F16, INT8_MAGIC)
+                    v = _int8_codes_to(v, CODES_F16, INT8_MAGIC)
                 elif QUANT == 2:
-                    kt = kt.to(cdt)
-                    v = v.to(cdt)
+                    kt = kt.to(q.dtype)
+                    v = v.to(q.dtype)
                 qk = tl.dot(q, kt, input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] fp32
             else:
                 k = tl.load(k_ptrs, mask=nmask[:, None] & dmask[None, :], other=0.0)  # [BLOCK_N, BLOCK_D]
                 if QUANT == 1:
-                    k = _int8_codes_to(k, tl.float32, INT8_MAGIC)
-                    v = _int8_codes_to(v, tl.float32, INT8_MAGIC)
+                    k = _int8_codes_to(k, False, INT8_MAGIC)
+                    v = _int8_codes_to(v, False, INT8_MAGIC)
                 else:
                     k = k.to(tl.float32)
                     v = v.to(tl.float32)
@@ -250,6 +252,6 @@ def launch_packed_split(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=block_n, SPLIT_ALIGN=split_align,
         NUM_SPLITS=num_splits, DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
         DOT_F16=bool(quant) and q.dtype == torch.bfloat16, USE_DOT=use_dot, INT8_MAGIC=int8_magic,
-        RESCALE_LOG2=rescale_log2,
+        RESCALE_LOG2=rescale_log2, CODES_F16=q.dtype in (torch.float16, torch.bfloat16),
         num_warps=num_warps, num_stages=num_stages,
     )
