@@ -70,8 +70,7 @@ def _check(variant, fmt, dtype, query_len, seq_lens, num_heads, num_kv_heads, he
 
 @pytest.mark.parametrize("variant", ["mma", "fma"])
 @pytest.mark.parametrize("fmt", [None, "int8", "fp8_e4m3"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("query_len", [1, 4])
+@pytest.mark.parametrize("dtype,query_len", [(torch.float32, 1), (torch.float32, 4), (torch.float16, 4)])
 def test_packed_variants_match_float64(variant, fmt, dtype, query_len):
     # GQA 4 (group x query_len = 4 or 16 packed rows), 3 splits: empty splits, a split boundary inside the
     # verify rows, block-boundary lengths and a sequence of exactly query_len keys.
