@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 29, the Triton parts, on the H200: one step per device call, each under 4 minutes.
-#   tests   the GPU tests of the packed decode variants, the tree mask, and the kernels they touch
+#   tests      the GPU tests of the packed decode variants, the tree mask and the backend's decode_variant
+#   tests-old  the existing GPU tests of the decode / quantized / prefill kernels (they changed too)
 #   bench   decode variants x KV formats vs bf16 in one process (8/64 x 4k/32k, block 64)
 #   splits  the page-aware split count: batch 1 x 4k/32k at block 16/64/128/256, default vs 8/16/32/64 splits
 #   verify  packed verify rows (query_len 4) vs one query, per variant and format (8/64 x 4k/32k)
@@ -15,11 +16,16 @@ R() { PYTHONPATH=$(pwd) python3 -m roofline.cli "$@"; }
 for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
   case "$step" in
-  tests)
+  tests)  # the new tests: packed variants (bf16 on bf16/int8/fp8 caches), tree mask, backend, bench flags
     PYTHONPATH=$(pwd) timeout 230 python3 -m pytest -q -m gpu --tb=short -rf -p no:cacheprovider \
       tests/kernels/test_decode_attention_variants.py tests/kernels/test_prefill_attention_tree.py \
+      tests/kernels/test_triton_attention_backend.py 2>&1 | tee "$OUT/gputests-new.log" \
+      | grep -E "^E |passed|failed|error" | tail -40
+    ;;
+  tests-old)  # the kernels' existing GPU tests ("old" decode with page-aligned splits, prefill with the tree args)
+    PYTHONPATH=$(pwd) timeout 230 python3 -m pytest -q -m gpu --tb=short -rf -p no:cacheprovider \
       tests/kernels/test_decode_attention.py tests/kernels/test_kv_quant.py tests/kernels/test_prefill_attention.py \
-      tests/kernels/test_triton_attention_backend.py 2>&1 | tee "$OUT/gputests.log" | grep -E "^E |passed|failed|error" | tail -40
+      2>&1 | tee "$OUT/gputests-old.log" | grep -E "^E |passed|failed|error" | tail -40
     ;;
   bench)
     timeout 230 bash -c "$(declare -f R); R bench attention --decode-only --kv-cache-dtype auto,int8,fp8_e4m3 \
