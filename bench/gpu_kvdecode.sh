@@ -4,6 +4,7 @@
 #   tests-old  the existing GPU tests of the decode / quantized / prefill kernels (they changed too)
 #   bench   decode variants x KV formats vs bf16 in one process (8/64 x 4k/32k, block 64)
 #   splits  the page-aware split count: batch 1 x 4k/32k at block 16/64/128/256, default vs 8/16/32/64 splits
+#   tiles   tile configs (BLOCK_N x warps x stages) of old / mma on int8 / fp8 beside bf16 (8/64 x 32k)
 #   verify  packed verify rows (query_len 4) vs one query, per variant and format (8/64 x 4k/32k)
 # Usage (repo root of the device copy; $OUT set by the device tool): ROOFLINE_GIT_SHA=<sha> bash bench/gpu_kvdecode.sh STEP...
 set -uo pipefail
@@ -37,6 +38,12 @@ for step in "$@"; do
       --ctxs 4k,32k --block-sizes 16,64,128,256 --variants old --num-splits 8,16,32,64 --out-dir $OUT" \
       > "$OUT/splits.log" 2>&1
     echo "splits rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/splits.log" | tail -45 | tee -a "$OUT/log"
+    ;;
+  tiles)  # tile configs of the old and mma variants on the quantized caches at 8 x 32k and 64 x 4k
+    timeout 230 bash -c "$(declare -f R); R bench attention --decode-only --kv-cache-dtype auto,int8,fp8_e4m3 \
+      --batches 8,64 --ctxs 32k --variants old,mma --block-size 64 --configs 128x4x2,64x2x2,64x4x3,128x8x3,32x4x3 \
+      --out-dir $OUT" > "$OUT/tiles.log" 2>&1
+    echo "tiles rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/tiles.log" | grep -A80 "^ *B " | tee -a "$OUT/log"
     ;;
   verify)
     timeout 230 bash -c "$(declare -f R); R bench attention --decode-only --kv-cache-dtype auto,int8,fp8_e4m3 \

@@ -359,6 +359,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--block-sizes", default="", help="--decode-only: KV block sizes to run (default --block-size)")
     p.add_argument("--num-splits", default="", help="--decode-only: split counts to time beside the default")
     p.add_argument("--query-lens", default="1", help="--decode-only: queries per sequence (1 + speculative tokens)")
+    p.add_argument("--configs", default="", help="--decode-only: tile configs BLOCK_NxWARPSxSTAGES to time beside "
+                                                 "the default, e.g. 128x4x2,64x8x3")
     p.add_argument("--out-dir", default="bench/results")
     p.set_defaults(func=run_attention_bench)
     return p

@@ -10,7 +10,8 @@ the variants of one point back to back so that they share the machine's state. F
 - time vs bf16: against the bf16 cache's "old" kernel at the same point (the engine's path today; for
   query_len > 1, against bf16's first packed variant), and vs "old" on the same format;
 - ``rel_err_vs_ref``: each variant's output against ``ref_decode_attention`` on the same cache (batch <= 8).
-``--num-splits`` adds split counts to time beside the default (``choose_num_splits``), per point.
+``--num-splits`` adds split counts and ``--configs`` tile configs (BLOCK_NxWARPSxSTAGES) to time beside the
+defaults (``choose_num_splits``, ``default_block_n``, 4 warps, 2 stages), per point and variant.
 The summary names, per format, the variant with the least total time (the candidate ``DEFAULT_VARIANT``).
 Writes ``<out-dir>/attention-decode-<date>-<sha>.json``.
 """
@@ -27,7 +28,7 @@ from typing import Any
 from roofline.bench.common import git_sha
 
 
-def _time_point(batch, ctx, block_size, query_len, fmt, variants, splits, read_bw, log) -> list[dict[str, Any]]:
+def _time_point(batch, ctx, block_size, query_len, fmt, variants, extras, read_bw, log) -> list[dict[str, Any]]:
     import torch
     from triton.testing import do_bench
 
@@ -55,15 +56,15 @@ def _time_point(batch, ctx, block_size, query_len, fmt, variants, splits, read_b
     for variant in variants:
         if variant == "old" and query_len > 1:
             continue
-        for num_splits in [None, *splits]:
-            def fn(variant=variant, num_splits=num_splits):
+        for params in [{}, *extras]:
+            def fn(variant=variant, params=params):
                 return paged_decode_attention(q, kc, vc, tables, seq_lens, scale, out=out, k_scale=ks, v_scale=vs,
-                                              variant=variant, query_len=query_len, num_splits=num_splits)
+                                              variant=variant, query_len=query_len, **params)
+            num_splits = params.get("num_splits") or choose_num_splits(
+                batch, kv_heads, tables.shape[1] * block_size, num_sms, block_size=block_size,
+                block_n=params.get("block_n") or default_block_n(head_dim, variant))
             row = dict(batch=batch, ctx=ctx, block_size=block_size, query_len=query_len, kv_cache_dtype=fmt,
-                       variant=variant, kv_bytes=kv_bytes, default_splits=num_splits is None,
-                       num_splits=num_splits or choose_num_splits(
-                           batch, kv_heads, tables.shape[1] * block_size, num_sms, block_size=block_size,
-                           block_n=default_block_n(head_dim, variant)))
+                       variant=variant, kv_bytes=kv_bytes, default=not params, params=params, num_splits=num_splits)
             try:
                 fn()
                 if ref is not None:
@@ -74,7 +75,7 @@ def _time_point(batch, ctx, block_size, query_len, fmt, variants, splits, read_b
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
             log(f"B={batch:>3} ctx={ctx:>6} bs={block_size:>3} ql={query_len} {fmt:>9} {variant:>3} "
-                f"splits={row['num_splits']:>3}{'' if num_splits is None else '*'}: "
+                f"splits={row['num_splits']:>3} {params or 'default'}: "
                 + (f"{row['ms'] * 1e3:8.1f} us {row['frac_of_read']:.3f} of read"
                    + (f" err {row['rel_err_vs_ref']:.1e}" if "rel_err_vs_ref" in row else "")
                    if "ms" in row else row["error"]))
@@ -83,11 +84,11 @@ def _time_point(batch, ctx, block_size, query_len, fmt, variants, splits, read_b
 
 def attach_ratios(rows: list[dict[str, Any]]) -> None:
     """time_vs_bf16 (against bf16 'old', or bf16's first variant for query_len > 1) and time_vs_old_same_kv,
-    at the same (batch, ctx, block_size, query_len) with default splits."""
+    at the same (batch, ctx, block_size, query_len) with default launch parameters."""
     base: dict[tuple, float] = {}
     old: dict[tuple, float] = {}
     for r in rows:
-        if "ms" not in r or not r["default_splits"]:
+        if "ms" not in r or not r["default"]:
             continue
         key = (r["batch"], r["ctx"], r["block_size"], r["query_len"])
         if r["kv_cache_dtype"] == "bfloat16" and key not in base:
@@ -124,6 +125,21 @@ def parse_formats_and_variants(kv_cache_dtype: str, variants: str) -> tuple[list
     return fmts, names
 
 
+def parse_extras(num_splits: str, configs: str) -> list[dict[str, int]]:
+    """``--num-splits 8,16`` and ``--configs 128x4x2,64x8x3`` (BLOCK_N x warps x stages) as launch-parameter dicts.
+
+    Raises:
+        ValueError: a config that is not three positive integers joined by 'x' (names it).
+    """
+    extras: list[dict[str, int]] = [dict(num_splits=int(x)) for x in num_splits.split(",") if x]
+    for c in (x for x in configs.split(",") if x):
+        parts = c.lower().split("x")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            raise ValueError(f"--configs entry {c!r} is not BLOCK_NxWARPSxSTAGES, e.g. 128x4x2")
+        extras.append(dict(block_n=int(parts[0]), num_warps=int(parts[1]), num_stages=int(parts[2])))
+    return extras
+
+
 def run_decode_only(args: argparse.Namespace) -> int:
     """The ``--decode-only`` run: time every (point, format, variant), print a table, write the JSON."""
     import torch
@@ -146,7 +162,7 @@ def run_decode_only(args: argparse.Namespace) -> int:
     bw = measure_read_bandwidth_cuda()
     log(f"read bandwidth {bw['read_bytes_per_s'] / 1e12:.2f} TB/s, copy {bw['copy_bytes_per_s'] / 1e12:.2f} TB/s")
     block_sizes = _parse_ints(args.block_sizes) if args.block_sizes else [args.block_size]
-    splits = _parse_ints(args.num_splits) if args.num_splits else []
+    extras = parse_extras(args.num_splits, args.configs)
     rows: list[dict[str, Any]] = []
     for batch in _parse_ints(args.batches):
         for ctx in _parse_ints(args.ctxs):
@@ -156,26 +172,26 @@ def run_decode_only(args: argparse.Namespace) -> int:
             for block_size in block_sizes:
                 for query_len in _parse_ints(args.query_lens):
                     for fmt in fmts:
-                        rows += _time_point(batch, ctx, block_size, query_len, fmt, variants, splits,
+                        rows += _time_point(batch, ctx, block_size, query_len, fmt, variants, extras,
                                             bw["read_bytes_per_s"], log)
                         torch.cuda.empty_cache()
     attach_ratios(rows)
 
     log("")
     log(f"{'B':>4} {'ctx':>6} {'bs':>4} {'ql':>3} {'KV':>9} {'var':>4} {'splits':>6} {'us':>8} {'of read':>8} "
-        f"{'vs bf16':>8} {'vs old':>7}")
+        f"{'vs bf16':>8} {'vs old':>7}  params")
     for r in rows:
         if "ms" not in r:
             continue
         log(f"{r['batch']:>4} {r['ctx']:>6} {r['block_size']:>4} {r['query_len']:>3} {r['kv_cache_dtype']:>9} "
-            f"{r['variant']:>4} {str(r['num_splits']) + ('' if r['default_splits'] else '*'):>6} "
+            f"{r['variant']:>4} {r['num_splits']:>6} "
             f"{r['ms'] * 1e3:>8.1f} {r['frac_of_read']:>8.3f} {r.get('time_vs_bf16', float('nan')):>8.3f} "
-            f"{r.get('time_vs_old_same_kv', float('nan')):>7.3f}")
+            f"{r.get('time_vs_old_same_kv', float('nan')):>7.3f}  {r['params'] or ''}")
     best: dict[str, Any] = {}
     for fmt in fmts:
         totals = {}
         for v in variants:
-            pts = [r for r in rows if r["kv_cache_dtype"] == fmt and r["variant"] == v and r["default_splits"]
+            pts = [r for r in rows if r["kv_cache_dtype"] == fmt and r["variant"] == v and r["default"]
                    and r["query_len"] == 1]
             if pts and all("ms" in r for r in pts):
                 totals[v] = sum(r["ms"] for r in pts)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from roofline.bench.attention import add_parser, run_attention_bench
-from roofline.bench.attention_decode import attach_ratios, parse_formats_and_variants
+from roofline.bench.attention_decode import attach_ratios, parse_extras, parse_formats_and_variants
 
 
 def test_decode_only_flags():
@@ -25,6 +25,11 @@ def test_decode_only_flags():
         parse_formats_and_variants("auto", "old,new")
     with pytest.raises(ValueError, match="unknown --kv-cache-dtype 'int4'; known: auto, bfloat16"):
         parse_formats_and_variants("int4", "old")
+    assert parse_extras(args.num_splits, "128x4x2,64X8x3") == [
+        dict(num_splits=16), dict(num_splits=32), dict(block_n=128, num_warps=4, num_stages=2),
+        dict(block_n=64, num_warps=8, num_stages=3)]
+    with pytest.raises(ValueError, match="--configs entry '128x4' is not BLOCK_NxWARPSxSTAGES"):
+        parse_extras("", "128x4")
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="needs a CUDA GPU"):
             run_attention_bench(args)
@@ -33,7 +38,7 @@ def test_decode_only_flags():
 def test_ratios_against_bf16_old_and_same_format_old():
     def row(fmt, variant, ms, ql=1, default=True):
         return dict(batch=8, ctx=32768, block_size=16, query_len=ql, kv_cache_dtype=fmt, variant=variant, ms=ms,
-                    default_splits=default)
+                    default=default, params={} if default else dict(num_splits=16))
 
     rows = [row("bfloat16", "old", 0.250), row("bfloat16", "mma", 0.260), row("int8", "old", 0.300),
             row("int8", "mma", 0.150), row("int8", "mma", 0.100, default=False),
