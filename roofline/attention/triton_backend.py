@@ -92,7 +92,10 @@ class TritonAttentionBackend(AttentionBackend):
             return paged_decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, self.scale,
                                           num_splits=num_splits, k_scale=ks, v_scale=vs,
                                           variant=self.decode_variant_for(cache.k.dtype))
-        return paged_prefill_attention(q, cache.k, cache.v, meta, self.scale, k_scale=ks, v_scale=vs)
+        # A tree-verification step's ancestor bitmasks ([num_seqs, <= 64] int64; prefill_attention's docstring),
+        # when the metadata carries them.
+        return paged_prefill_attention(q, cache.k, cache.v, meta, self.scale, k_scale=ks, v_scale=vs,
+                                       tree_mask=getattr(meta, "tree_mask", None))
 
     # ------------------------------------------------------------------------------ CUDA graphs
 

@@ -123,3 +123,26 @@ def test_backend_split_count_follows_the_pool_page(block_size, expected):
     backend._num_sms = 132  # the H200's count, so the value is the GPU's
     # batch 1, 4k context, 8 kv heads: shorter splits (2 tiles / 1 page each) while the grid is under-filled
     assert backend.num_splits_for(1, 4096, torch.device("cpu")) == expected
+
+
+def test_backend_prefill_reads_a_tree_mask_from_the_metadata():
+    # 4 new rows after 12 cached tokens, a tree: 0 the root, 1 under 0, 2 under 0, 3 under 2. A metadata object
+    # carrying tree_mask reaches the prefill kernel through forward (which rotates q in place and stores k/v).
+    from roofline.kernels.prefill_attention import ref_prefill_attention
+
+    q, kc, vc, meta = make_paged_case([4], [16], 4, 2, 32, 16, torch.float32, seed=9)
+    g = torch.Generator().manual_seed(10)
+    k, v = torch.randn(4, 2, 32, generator=g).to(DEVICE), torch.randn(4, 2, 32, generator=g).to(DEVICE)
+    backend = backend_with_cache("triton", 4, 2, 32, kc, vc)
+    tm = torch.tensor([[0b1, 0b11, 0b101, 0b1101]], dtype=torch.int64, device=DEVICE)
+    tmeta = backend.build_metadata(meta)
+    tmeta.tree_mask = tm
+    qr = q.clone()
+    out = backend.forward(qr, k, v, positions_of(meta), backend.kv_cache(0), tmeta)
+    assert not torch.equal(qr, q)  # rotated in place: qr is what the kernel attended with
+    cache = backend.kv_cache(0)
+    ref = ref_prefill_attention(qr, cache.k, cache.v, meta, backend.scale, tree_mask=tm)
+    plain = ref_prefill_attention(qr, cache.k, cache.v, meta, backend.scale)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    assert rel_err(out[:2], plain[:2]) < TOL[torch.float32]  # rows 0, 1 see every earlier row anyway
+    assert rel_err(out[2:], plain[2:]) > 1e-3  # rows 2, 3 do not see row 1
