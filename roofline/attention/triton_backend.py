@@ -63,7 +63,8 @@ class TritonAttentionBackend(AttentionBackend):
         block_size = self.kv_pool.block_size if self.kv_pool is not None else 1
         variant = self.decode_variant_for(self.kv_pool.dtype if self.kv_pool is not None else None)
         return choose_num_splits(batch_size, self.num_kv_heads, max_context, num_sms=self._num_sms,
-                                 block_size=block_size, block_n=default_block_n(self.head_dim, variant))
+                                 block_size=block_size,
+                                 block_n=default_block_n(self.head_dim, variant, self.num_heads // self.num_kv_heads))
 
     def decode_variant_for(self, cache_dtype: torch.dtype | None) -> str:
         """The decode kernel variant for a cache of ``cache_dtype`` (None: a 16-bit cache)."""

@@ -133,11 +133,15 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
     return int(min(want, by_len, by_pages, max_splits))
 
 
-def default_block_n(head_dim: int, variant: str) -> int:
-    """Keys per tile when the caller names none: 64 (32 past D 128); the CUDA-core "fma" tile holds a
-    [rows, block_n, D] product, so half that."""
-    block_n = 64 if head_dim <= 128 else 32
-    return block_n // 2 if variant == "fma" else block_n
+def default_block_n(head_dim: int, variant: str, group: int = 4, query_len: int = 1) -> int:
+    """Keys per tile when the caller names none: 64 (32 past D 128). The CUDA-core "fma" tile holds a
+    [rows, block_n, D] product, so its block_n keeps that at <= 16K elements (128 registers a thread at 4
+    warps): 32 for 4 rows at D 128, 8 for 16 rows."""
+    if variant != "fma":
+        return 64 if head_dim <= 128 else 32
+    rows = packed_rows(group, query_len, use_dot=False)
+    block_d = 1 << (head_dim - 1).bit_length()
+    return max(8, min(32, 16384 // (rows * block_d)))
 
 
 def split_align(block_size: int, block_n: int) -> int:
@@ -337,7 +341,7 @@ def paged_decode_attention(
     if variant != "old":
         packed_rows(group, query_len, variant == "mma")  # raises past MAX_PACKED_ROWS
     if block_n is None:
-        block_n = default_block_n(head_dim, variant)
+        block_n = default_block_n(head_dim, variant, group, query_len)
     if num_splits is None:
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, num_sms=num_sms,

@@ -30,6 +30,7 @@ from kernel_cases import (  # noqa: E402
 from roofline.kernels.decode_attention import (  # noqa: E402
     MAX_PACKED_ROWS,
     choose_num_splits,
+    default_block_n,
     paged_decode_attention,
     ref_decode_attention,
     split_align,
@@ -149,6 +150,14 @@ def test_choose_num_splits_accounts_for_page_size(args, expected):
     num_seqs, num_kv_heads, max_context, block_size = args
     assert choose_num_splits(num_seqs, num_kv_heads, max_context, num_sms=132, block_size=block_size,
                              block_n=64) == expected
+
+
+def test_default_tiles():
+    # MMA tiles: 64 keys (32 past D 128). CUDA-core tiles keep rows x block_n x D <= 16K elements.
+    assert [default_block_n(d, v) for d, v in ((128, "old"), (128, "mma"), (256, "mma"))] == [64, 64, 32]
+    assert default_block_n(128, "fma", group=4, query_len=1) == 32  # 4 x 32 x 128
+    assert default_block_n(128, "fma", group=4, query_len=4) == 8  # 16 x 8 x 128
+    assert default_block_n(256, "fma", group=2, query_len=1) == 32  # 2 x 32 x 256
 
 
 def test_split_align_and_bad_sizes():
