@@ -181,7 +181,8 @@ if triton is not None:
             if RESCALE_LOG2 > 0:
                 # Lazy rescaling (as in FlashAttention-4): keep the stale max until some row's max grows by more
                 # than 2^RESCALE_LOG2, so most tiles skip the [M, D] accumulator rescale; p <= 2^RESCALE_LOG2
-                # meanwhile, far inside fp32 (and fp16 for p's cast: <= 65504).
+                # meanwhile, far inside fp32, and p * v_scale inside fp16 (<= 65504) unless an int8 V scale
+                # exceeds 65504 / 2^RESCALE_LOG2 = 256 (|v| > 32512 at 8; rescale_log2=0 removes the bound).
                 grow = m_new - tl.maximum(m_i, -1e30)  # -inf while a row has seen no key, huge at its first
                 if tl.max(grow, axis=0) > RESCALE_LOG2:
                     m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
