@@ -22,7 +22,13 @@ import torch
 
 from roofline.attention.backend import AttentionBackend, AttentionMetadata
 from roofline.attention.kv_cache import KVCache
-from roofline.kernels.decode_attention import choose_num_splits, paged_decode_attention
+from roofline.kernels.common import KV_QUANT_NONE, KV_QUANT_PER_HEAD, KV_QUANT_PER_TOKEN
+from roofline.kernels.decode_attention import (
+    DEFAULT_VARIANT,
+    choose_num_splits,
+    default_block_n,
+    paged_decode_attention,
+)
 from roofline.kernels.prefill_attention import paged_prefill_attention
 from roofline.kernels.rope_cache import rope_and_cache
 
@@ -33,7 +39,9 @@ class TritonAttentionMetadata(AttentionMetadata):
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """``decode_num_splits`` (None = automatic, see module docstring) may be set to pin the split count."""
+    """``decode_num_splits`` (None = automatic, see module docstring) may be set to pin the split count, and
+    ``decode_variant`` (None = ``DEFAULT_VARIANT`` of the cache format; "old", "mma" or "fma") the decode
+    kernel's stage 1 (``roofline.kernels.decode_attention``). Set both before CUDA graphs are captured."""
 
     name = "triton"
     supports_cuda_graphs = True
@@ -41,6 +49,7 @@ class TritonAttentionBackend(AttentionBackend):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.decode_num_splits: int | None = None
+        self.decode_variant: str | None = None
         self._num_sms: int | None = None
         self._static: dict[str, torch.Tensor] = {}
 
@@ -51,7 +60,19 @@ class TritonAttentionBackend(AttentionBackend):
         if self._num_sms is None:
             self._num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
                              if device.type == "cuda" else 4)
-        return choose_num_splits(batch_size, self.num_kv_heads, max_context, num_sms=self._num_sms)
+        block_size = self.kv_pool.block_size if self.kv_pool is not None else 1
+        variant = self.decode_variant_for(self.kv_pool.dtype if self.kv_pool is not None else None)
+        return choose_num_splits(batch_size, self.num_kv_heads, max_context, num_sms=self._num_sms,
+                                 block_size=block_size,
+                                 block_n=default_block_n(self.head_dim, variant, self.num_heads // self.num_kv_heads))
+
+    def decode_variant_for(self, cache_dtype: torch.dtype | None) -> str:
+        """The decode kernel variant for a cache of ``cache_dtype`` (None: a 16-bit cache)."""
+        if self.decode_variant is not None:
+            return self.decode_variant
+        quant = {torch.int8: KV_QUANT_PER_TOKEN, torch.float8_e4m3fn: KV_QUANT_PER_HEAD}.get(cache_dtype,
+                                                                                             KV_QUANT_NONE)
+        return DEFAULT_VARIANT[quant]
 
     def build_metadata(self, meta: AttentionMetadata) -> TritonAttentionMetadata:
         out = TritonAttentionMetadata(**{f: getattr(meta, f) for f in AttentionMetadata.__dataclass_fields__})
@@ -70,8 +91,12 @@ class TritonAttentionBackend(AttentionBackend):
             # Decode: one query per sequence, q rows are sequences in order.
             num_splits = meta.num_splits if isinstance(meta, TritonAttentionMetadata) else None
             return paged_decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, self.scale,
-                                          num_splits=num_splits, k_scale=ks, v_scale=vs)
-        return paged_prefill_attention(q, cache.k, cache.v, meta, self.scale, k_scale=ks, v_scale=vs)
+                                          num_splits=num_splits, k_scale=ks, v_scale=vs,
+                                          variant=self.decode_variant_for(cache.k.dtype))
+        # A tree-verification step's ancestor bitmasks ([num_seqs, <= 64] int64; prefill_attention's docstring),
+        # when the metadata carries them.
+        return paged_prefill_attention(q, cache.k, cache.v, meta, self.scale, k_scale=ks, v_scale=vs,
+                                       tree_mask=getattr(meta, "tree_mask", None))
 
     # ------------------------------------------------------------------------------ CUDA graphs
 

@@ -267,6 +267,10 @@ def run_attention_bench(args: argparse.Namespace) -> int:
     """Run both parts, print a table, write the JSON. Needs CUDA and triton."""
     import torch
 
+    if args.decode_only:
+        from roofline.bench.attention_decode import run_decode_only
+
+        return run_decode_only(args)
     if not torch.cuda.is_available():
         raise ValueError("bench attention needs a CUDA GPU (torch.cuda.is_available() is False)")
     import triton
@@ -348,6 +352,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help=f"comma-separated KV-cache formats the decode part runs, each in the same run "
                         f"({', '.join(KV_FORMATS)}); the first is the baseline of 'time vs first'")
     p.add_argument("--sweep", action="store_true", help="also sweep kernel tile configs / split counts")
+    p.add_argument("--decode-only", action="store_true",
+                   help="only the decode kernel: every --variants x --kv-cache-dtype at each point, time vs bf16 "
+                        "and fraction of read bandwidth (roofline/bench/attention_decode.py); 'auto' = bfloat16")
+    p.add_argument("--variants", default="old,mma,fma", help="--decode-only: decode stage-1 kernels to time")
+    p.add_argument("--block-sizes", default="", help="--decode-only: KV block sizes to run (default --block-size)")
+    p.add_argument("--num-splits", default="", help="--decode-only: split counts to time beside the default")
+    p.add_argument("--query-lens", default="1", help="--decode-only: queries per sequence (1 + speculative tokens)")
+    p.add_argument("--configs", default="", help="--decode-only: tile configs BLOCK_NxWARPSxSTAGES to time beside "
+                                                 "the default, e.g. 128x4x2,64x8x3")
     p.add_argument("--out-dir", default="bench/results")
     p.set_defaults(func=run_attention_bench)
     return p

@@ -21,9 +21,20 @@ scales, the codes cast to q's dtype in registers, ``qk *= k_scale[None, :]`` aft
 layer's per-head scales, folded into the softmax scale (K) and the split's output (V). No dequantized
 copy of the cache is ever written.
 
+Stage-1 variants (``variant=``; issue 29): "old" is the kernel above. The quantized-KV version of it ran at
+0.42-0.64 of read bandwidth on the H200 (issue-bound: the same per-tile instructions as bf16 for half the
+bytes, 4 programs per SM at 138 registers; bench/results/attention-20261201/ncu-decode-quant.txt).
+"mma" and "fma" (``roofline.kernels.decode_attention_packed``) pack the GQA group's heads times the step's
+query positions into the tile's rows (``query_len`` > 1: a speculative verify step reads each KV byte once
+for all its positions), address a tile from one scalar base with constexpr strides, convert int8 codes
+by a magic-number add and rescale the accumulator lazily; "fma" computes on CUDA cores (no tl.dot, no
+padding to 16 rows). ``roofline bench attention --decode-only --variants old,mma,fma`` measures them
+against each other and bf16 in one process; :data:`DEFAULT_VARIANT` records the choice per format.
+
 CUDA graphs: the kernels read seq_lens and block_tables only as device tensors; ``num_splits`` is a launch
 constant. A captured graph therefore fixes num_splits; :func:`choose_num_splits` picks it from static
-quantities (batch, kv heads, the block table's width = the longest context the graph can see, SM count),
+quantities (batch, kv heads, the block table's width = the longest context the graph can see, the page
+size, SM count),
 and each split's length is derived in-kernel from the sequence's actual length (empty splits write
 lse = -inf and drop out of the reduction).
 """
@@ -34,7 +45,19 @@ import math
 
 import torch
 
-from roofline.kernels.common import KV_QUANT_PER_TOKEN, check_paged_attention_inputs, kv_quant_mode
+from roofline.kernels.common import (
+    KV_QUANT_NONE,
+    KV_QUANT_PER_HEAD,
+    KV_QUANT_PER_TOKEN,
+    check_paged_attention_inputs,
+    kv_quant_mode,
+)
+from roofline.kernels.decode_attention_packed import (
+    MAX_PACKED_ROWS,
+    VARIANTS,
+    launch_packed_split,
+    packed_rows,
+)
 from roofline.kernels.prefill_attention import ref_paged_attention
 
 try:
@@ -54,33 +77,76 @@ def ref_decode_attention(
     compute_dtype: torch.dtype = torch.float32,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    query_len: int = 1,
 ) -> torch.Tensor:
-    """Pure-torch twin: q [num_seqs, H, D]; the single query of sequence i sees keys [0, seq_lens[i]).
+    """Pure-torch twin: q [num_seqs * query_len, H, D]; sequence i's ``query_len`` queries are its last
+    positions, seq_lens[i] - query_len + t for t < query_len, and query t sees keys 0..that position.
 
-    The paged reference with one query per sequence; computes in ``compute_dtype``, returns q's dtype.
-    ``k_scale``/``v_scale``: the scales of an int8/fp8 cache (dequantized before attending).
+    The paged reference with ``query_len`` queries per sequence; computes in ``compute_dtype``, returns q's
+    dtype. ``k_scale``/``v_scale``: the scales of an int8/fp8 cache (dequantized before attending).
     """
-    query_start_loc = torch.arange(q.shape[0] + 1, device=q.device)
+    num_seqs = seq_lens.shape[0]
+    query_start_loc = torch.arange(num_seqs + 1, device=q.device) * query_len
     return ref_paged_attention(q, k_cache, v_cache, query_start_loc, seq_lens, block_tables, scale, compute_dtype,
                                k_scale, v_scale)
 
 
 def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sms: int = 132,
-                      min_keys_per_split: int = 512, max_splits: int = 64) -> int:
-    """Splits per (sequence, kv head): a power of two near 4 programs per SM.
+                      block_size: int = 16, block_n: int = 64, min_keys_per_split: int = 512,
+                      max_splits: int = 64) -> int:
+    """Splits per (sequence, kv head): a power of two near 4 programs per SM, in whole pages.
 
     Measured on the H200 (llama-3-8b shape, block_size 16; docs/kernels.md): batch 8 x 32k gives
     0.49/0.79/0.91/0.99/0.99 of read bandwidth at 2/4/5/8/16 splits, but 0.64 at 3 and 0.76 at 9 (odd
     counts are consistently slow, so only powers of two are used); batch 32 x 128k 1.07 at 2, 4, 8 or 16.
-    Each split keeps >= ``min_keys_per_split`` keys. Depends only on static sizes (module docstring).
+    Each split keeps >= ``min_keys_per_split`` keys while the grid has >= 1 program per SM.
+
+    Page size (issue 29): batch 1 x 4k took 38-42 us at block_size 16/64 but 116-120 us at 128/256
+    (bench/results/attention-blocksize-20261201.json), all at 8 splits of 512 keys: 64 programs on 132 SMs,
+    each a serial chain of 8 tiles, so latency-bound. A split is cut at a page boundary once pages are
+    at least a tile (:func:`split_align`), so it holds whole pages; and when the batch's (sequence, kv head)
+    pairs fill less than the SMs, a split may shrink to ``max(2 tiles, 1 page)`` keys so that more, shorter
+    chains run in parallel. The split count never exceeds the pages of ``max_context``.
+    Depends only on static sizes (module docstring).
+
+    Args:
+        num_seqs, num_kv_heads: the batch's (sequence, kv head) pairs, one program row each.
+        max_context: the longest context the launch can see (block-table width x block_size).
+        num_sms: streaming multiprocessors of the device. block_size: the KV cache's page, in tokens.
+        block_n: keys per tile of the kernel. min_keys_per_split, max_splits: bounds.
+
+    Raises:
+        ValueError: a block_size or block_n below 1 (names the value).
     """
+    if block_size < 1 or block_n < 1:
+        raise ValueError(f"block_size {block_size} and block_n {block_n} must be >= 1")
+
     def floor_pow2(n: int) -> int:
         return 1 << (max(1, n).bit_length() - 1)
 
     pairs = max(1, num_seqs * num_kv_heads)
     want = floor_pow2(math.ceil(4 * num_sms / pairs))
-    by_len = floor_pow2(max_context // min_keys_per_split)
-    return int(min(want, by_len, max_splits))
+    align = split_align(block_size, block_n)
+    min_keys = min_keys_per_split if pairs >= num_sms else max(2 * block_n, align)
+    by_len = floor_pow2(max_context // max(min_keys, align))
+    by_pages = floor_pow2(-(-max_context // block_size))
+    return int(min(want, by_len, by_pages, max_splits))
+
+
+def default_block_n(head_dim: int, variant: str, group: int = 4, query_len: int = 1) -> int:
+    """Keys per tile when the caller names none: 64 (32 past D 128). The CUDA-core "fma" tile holds a
+    [rows, block_n, D] product, so its block_n keeps that at <= 16K elements (128 registers a thread at 4
+    warps): 32 for 4 rows at D 128, 8 for 16 rows."""
+    if variant != "fma":
+        return 64 if head_dim <= 128 else 32
+    rows = packed_rows(group, query_len, use_dot=False)
+    block_d = 1 << (head_dim - 1).bit_length()
+    return max(8, min(32, 16384 // (rows * block_d)))
+
+
+def split_align(block_size: int, block_n: int) -> int:
+    """Keys a split's length is rounded up to: whole pages when a page holds whole tiles, else whole tiles."""
+    return block_size if block_size % block_n == 0 else block_n
 
 
 if triton is not None:
@@ -97,15 +163,16 @@ if triton is not None:
         stride_ms, stride_mh, stride_msp,  # MidO [num_seqs, H, num_splits, D] (MidLse has no D dim)
         stride_ls, stride_lh,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
-        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+        HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_ALIGN: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, DOT_F16: tl.constexpr,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
         seq_len = tl.load(SeqLens + seq)
-        # Split length rounded to whole BLOCK_N tiles, so a split's tiles start BLOCK_N-aligned.
-        split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        # Split length rounded to SPLIT_ALIGN keys (whole tiles, or whole pages when a page holds whole tiles),
+        # so a split's tiles start BLOCK_N-aligned.
+        split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), SPLIT_ALIGN) * SPLIT_ALIGN
         start = split * split_len
         end = tl.minimum(start + split_len, seq_len)
 
@@ -194,6 +261,11 @@ if triton is not None:
 
 
 LOG2E = 1.4426950408889634
+# Stage-1 kernel per cache format when the caller names none (query_len 1). "old" everywhere until the H200
+# A/B (``roofline bench attention --decode-only --variants old,mma,fma``) says otherwise.
+DEFAULT_VARIANT = {KV_QUANT_NONE: "old", KV_QUANT_PER_TOKEN: "old", KV_QUANT_PER_HEAD: "old"}
+__all__ = ["MAX_PACKED_ROWS", "VARIANTS", "DEFAULT_VARIANT", "choose_num_splits", "default_block_n",
+           "paged_decode_attention", "ref_decode_attention", "split_align"]
 
 
 def paged_decode_attention(
@@ -210,69 +282,106 @@ def paged_decode_attention(
     num_stages: int = 2,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    variant: str | None = None,
+    query_len: int = 1,
+    int8_magic: bool = True,
+    rescale_log2: float = 8.0,
 ) -> torch.Tensor:
     """One decode step of paged attention, split-KV.
 
     Args:
-        q: [num_seqs, H, D] fp32/fp16/bf16, one query per sequence (already RoPE'd).
+        q: [num_seqs * query_len, H, D] fp32/fp16/bf16 (already RoPE'd): ``query_len`` queries per
+            sequence, its last positions seq_lens[i] - query_len + t (t < query_len), each seeing keys up
+            to its own position (1 for plain decode, 1 + k for a speculative verify step).
         k_cache, v_cache: [num_blocks, block_size, H_kv, D], holding each sequence's first seq_lens[i]
-            keys (this step's key included) at the slots given by its block table. q's dtype, or int8 /
+            keys (this step's keys included) at the slots given by its block table. q's dtype, or int8 /
             float8_e4m3fn codes with ``k_scale``/``v_scale`` (float32; int8 [num_blocks, block_size, H_kv],
             fp8 [H_kv]; see ``roofline.kernels.common``).
         block_tables: [num_seqs, max_blocks] int32.
         seq_lens: [num_seqs] int32 context lengths (0 gives a zero output row: padding).
         scale: softmax scale, usually 1/sqrt(D).
         num_splits: KV chunks per (sequence, kv head); default :func:`choose_num_splits` from static sizes.
-        out: optional [num_seqs, H, D] output in q's dtype.
+        out: optional [num_seqs * query_len, H, D] output in q's dtype.
         block_n, num_warps, num_stages: tile/launch tuning (benchmarks sweep them).
+        variant: stage-1 kernel, one of ``VARIANTS`` (``roofline.kernels.decode_attention_packed``):
+            "old" (the group's heads padded to 16 rows for tl.dot, query_len 1 only), "mma" (all
+            query_len x group rows packed into the dot's M), "fma" (the packed rows on CUDA cores, tl.sum,
+            no tl.dot). None: :data:`DEFAULT_VARIANT` (by cache format), "mma" when query_len > 1.
+        int8_magic: packed variants: int8 codes converted by the magic-number add (else a plain cast).
+        rescale_log2: packed variants: rescale the accumulator only when a row's max grows by more than
+            2^rescale_log2 (0: every tile, as the "old" kernel does).
 
     Returns:
-        [num_seqs, H, D] in q's dtype. Softmax and accumulation in fp32.
+        [num_seqs * query_len, H, D] in q's dtype. Softmax and accumulation in fp32.
 
     Raises:
-        ValueError: H not a multiple of H_kv, shapes disagree, or scales that do not fit the cache dtype.
-            RuntimeError: triton missing.
+        ValueError: H not a multiple of H_kv, shapes disagree, scales that do not fit the cache dtype, an
+            unknown variant, query_len < 1, "old" with query_len > 1, q rows not num_seqs * query_len, or
+            more than ``MAX_PACKED_ROWS`` packed rows (each names the value and the allowed range).
+        RuntimeError: triton missing.
     """
     if triton is None:
         raise RuntimeError("triton is not installed; use ref_decode_attention on this machine")
-    num_seqs, num_heads, head_dim = q.shape
+    num_rows, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     check_paged_attention_inputs(q, k_cache, v_cache)
     quant = kv_quant_mode(k_cache, k_scale, v_scale)
     group = num_heads // num_kv_heads
+    num_seqs = seq_lens.shape[0]
+    if query_len < 1:
+        raise ValueError(f"query_len {query_len} must be >= 1")
+    if num_rows != num_seqs * query_len:
+        raise ValueError(f"q has {num_rows} rows; expected num_seqs {num_seqs} x query_len {query_len}")
+    if variant is None:
+        variant = DEFAULT_VARIANT[quant] if query_len == 1 else "mma"
+    if variant not in VARIANTS:
+        raise ValueError(f"unknown decode variant {variant!r}; known: {', '.join(VARIANTS)}")
+    if variant == "old" and query_len != 1:
+        raise ValueError(f"decode variant 'old' takes query_len 1, got {query_len}; use 'mma' or 'fma'")
+    if variant != "old":
+        packed_rows(group, query_len, variant == "mma")  # raises past MAX_PACKED_ROWS
     if block_n is None:
-        block_n = 64 if head_dim <= 128 else 32
+        block_n = default_block_n(head_dim, variant, group, query_len)
     if num_splits is None:
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
-        num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, num_sms=num_sms)
+        num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, num_sms=num_sms,
+                                       block_size=block_size, block_n=block_n)
     if out is None:
         out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    mid_o = torch.empty((num_seqs, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((num_seqs, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    mid_o = torch.empty((num_rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache,
-        k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,  # unused unless quantized
-        block_tables, seq_lens, mid_o, mid_lse,
-        scale * LOG2E,
-        q.stride(0), q.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        num_kv_heads if quant == KV_QUANT_PER_TOKEN else 0,
-        block_tables.stride(0),
-        mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
-        mid_lse.stride(0), mid_lse.stride(1),
-        GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), PAGE=block_size,
-        HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, NUM_SPLITS=num_splits,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
-        # H200, batch 8 x 32k / 64 x 4k (bench/results/attention-20261201/decode-quant-*.json): fp8 codes -> fp16
-        # (one packed cvt on sm_90) with fp16 dots runs 1.15-1.23x bf16 KV, codes -> bf16 0.94-1.15x.
-        DOT_F16=bool(quant) and q.dtype == torch.bfloat16,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    _decode_reduce_kernel[(num_seqs, num_heads)](
+    per_token_stride = num_kv_heads if quant == KV_QUANT_PER_TOKEN else 0
+    align = split_align(block_size, block_n)
+    if variant == "old":
+        _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+            q, k_cache, v_cache,
+            k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,  # unused unless quantized
+            block_tables, seq_lens, mid_o, mid_lse,
+            scale * LOG2E,
+            q.stride(0), q.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            per_token_stride,
+            block_tables.stride(0),
+            mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
+            mid_lse.stride(0), mid_lse.stride(1),
+            GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), PAGE=block_size,
+            HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_ALIGN=align, NUM_SPLITS=num_splits,
+            DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
+            # H200, batch 8 x 32k / 64 x 4k (bench/results/attention-20261201/decode-quant-*.json): fp8 codes ->
+            # fp16 (one packed cvt on sm_90) with fp16 dots runs 1.15-1.23x bf16 KV, codes -> bf16 0.94-1.15x.
+            DOT_F16=bool(quant) and q.dtype == torch.bfloat16,
+            num_warps=num_warps, num_stages=num_stages,
+        )
+    else:
+        launch_packed_split(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, mid_o, mid_lse,
+                            scale * LOG2E, quant, per_token_stride, query_len, num_splits, block_n, align,
+                            use_dot=variant == "mma", int8_magic=int8_magic, rescale_log2=rescale_log2,
+                            num_warps=num_warps, num_stages=num_stages)
+    _decode_reduce_kernel[(num_rows, num_heads)](
         mid_o, mid_lse, out,
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),

@@ -20,6 +20,17 @@ dtype in registers; int8's per-key scales multiply qk after the QK dot and p bef
 sum l uses the unscaled p); fp8's per-head scales fold into the softmax scale (K) and the output (V).
 The TMA path loads the code tiles with tensor descriptors as for 16-bit caches (1-byte elements, the same
 [num_slots, H_kv * D] view) and the int8 scales with pointer loads.
+
+Tree mask (speculative tree verification; issue 29): ``tree_mask`` [num_seqs, W] int64, W <= 64
+(``MAX_TREE_ROWS``). For sequence i the last r = min(q_len_i, W) query rows and the last r keys (the
+same tokens: this step's, already in the cache) form the tree region, nodes in topological order
+(a parent before its children). Region row j sees every key before the region (the cached prefix and
+earlier rows of the chunk, causally as usual) and region key a iff a <= j and bit a of
+``tree_mask[i, j]`` is set: its ancestors, itself included (its own bit must be set, or a row with no
+prefix sees nothing). Rows before the region are plain causal; a row of -1 (every bit) is plain causal,
+so an all -1 mask equals no mask. Columns j >= r are ignored. In the kernel the tree keys go through
+the masked (diagonal) loop, with the bit test added to the causal test; rows before a row's first
+visible key in a tile keep a -inf max and contribute p = 0.
 """
 
 from __future__ import annotations
@@ -41,6 +52,7 @@ except ImportError:  # pragma: no cover
     triton = None
 
 LOG2E = 1.4426950408889634
+MAX_TREE_ROWS = 64  # query rows a tree mask covers per request: one int64 ancestor bitmask per row
 
 
 def ref_paged_attention(
@@ -54,6 +66,7 @@ def ref_paged_attention(
     compute_dtype: torch.dtype = torch.float32,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Exact paged causal attention in plain torch: the one reference every attention kernel is checked against.
 
@@ -64,6 +77,7 @@ def ref_paged_attention(
         scale: softmax scale. compute_dtype: fp32, or fp64 for a tighter reference.
         k_scale, v_scale: scales of an int8 ([num_blocks, block_size, H_kv]) or fp8 ([H_kv]) cache; the
             sequence's keys are dequantized (``ref_dequantize``) before attending.
+        tree_mask: optional [num_seqs, W <= 64] int64 ancestor bitmasks (module docstring, "Tree mask").
 
     Returns:
         [num_tokens, H, D] in q's dtype. Query j of a chunk of q_len sits at position seq_len - q_len + j
@@ -73,6 +87,7 @@ def ref_paged_attention(
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     group = num_heads // num_kv_heads
     quant = kv_quant_mode(k_cache, k_scale, v_scale)
+    tree_rows = check_tree_mask(tree_mask, seq_lens.shape[0])
     out = torch.zeros_like(q)
     starts = query_start_loc.tolist()
     for i, seq_len in enumerate(seq_lens.tolist()):
@@ -96,7 +111,14 @@ def ref_paged_attention(
         scores = torch.einsum("qhd,khd->hqk", qi, k) * scale  # [H, q_len, seq_len]
         q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
         k_pos = torch.arange(seq_len, device=q.device)
-        scores.masked_fill_((k_pos[None, :] > q_pos[:, None])[None], float("-inf"))
+        hidden = k_pos[None, :] > q_pos[:, None]  # [q_len, seq_len]
+        if tree_mask is not None:
+            r = min(q_len, tree_rows)  # the last r rows and keys form the tree region
+            bits = tree_mask[i, :r].to(q.device)  # [r] int64, row j's ancestors
+            rel = torch.arange(r, device=q.device)
+            in_tree = ((bits[:, None] >> rel[None, :]) & 1) != 0  # [r, r]: key a visible to row j
+            hidden[q_len - r:, seq_len - r:] |= ~in_tree
+        scores.masked_fill_(hidden[None], float("-inf"))
         probs = torch.softmax(scores, dim=-1)
         out[start:start + q_len] = torch.einsum("hqk,khd->qhd", probs, v).to(q.dtype)
     return out
@@ -105,10 +127,32 @@ def ref_paged_attention(
 def ref_prefill_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedBatch, scale: float,
     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Pure-torch twin of :func:`paged_prefill_attention` (same arguments)."""
     return ref_paged_attention(q, k_cache, v_cache, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
-                               k_scale=k_scale, v_scale=v_scale)
+                               k_scale=k_scale, v_scale=v_scale, tree_mask=tree_mask)
+
+
+def check_tree_mask(tree_mask: torch.Tensor | None, num_seqs: int) -> int:
+    """The tree region's row count W of a [num_seqs, W] int64 ``tree_mask`` (MAX_TREE_ROWS when None).
+
+    Raises:
+        ValueError: not int64, not 2-D with num_seqs rows, W of 0 or above ``MAX_TREE_ROWS`` (names the limit),
+            or a last dim that is not contiguous.
+    """
+    if tree_mask is None:
+        return MAX_TREE_ROWS
+    if tree_mask.dtype != torch.int64 or tree_mask.dim() != 2 or tree_mask.shape[0] != num_seqs:
+        raise ValueError(f"tree_mask must be int64 [num_seqs={num_seqs}, <= {MAX_TREE_ROWS}], got "
+                         f"{tree_mask.dtype} {tuple(tree_mask.shape)}")
+    width = tree_mask.shape[1]
+    if not 1 <= width <= MAX_TREE_ROWS:
+        raise ValueError(f"tree_mask covers {width} query rows per request; the limit is {MAX_TREE_ROWS} "
+                         f"(one int64 ancestor bitmask per row)")
+    if tree_mask.stride(1) != 1:
+        raise ValueError("tree_mask needs a contiguous last dim")
+    return width
 
 
 if triton is not None:
@@ -117,10 +161,10 @@ if triton is not None:
     def _attend_tile(
         acc, l_i, m_i, q, k_base, v_base, k_desc, v_desc, kv_col, bt_row, start_n, offs_m_pos, seq_len,
         scale_log2e, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
-        ks_base, vs_base, stride_s_slot,
+        ks_base, vs_base, stride_s_slot, tree_bits, tree_start,
         MASKED: tl.constexpr, PAGE: tl.constexpr, BLOCK_N: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_TMA: tl.constexpr,
-        QUANT: tl.constexpr,
+        QUANT: tl.constexpr, TREE: tl.constexpr,
     ):
         offs_n = start_n + tl.arange(0, BLOCK_N)
         nmask = offs_n < seq_len
@@ -167,14 +211,24 @@ if triton is not None:
             qk = qk * ks[None, :]
         if MASKED:
             causal = (offs_n[None, :] <= offs_m_pos[:, None]) & nmask[None, :]
+            if TREE:
+                # Tree rows see a tree key only if its bit is set in the row's ancestor mask (module docstring).
+                rel = offs_n - tree_start  # [BLOCK_N] key index inside the tree region (< 0: the prefix)
+                bit = (tree_bits[:, None] >> tl.minimum(tl.maximum(rel, 0), 63).to(tl.int64)[None, :]) & 1
+                causal = causal & ((rel[None, :] < 0) | (bit != 0))
             qk = tl.where(causal, qk * scale_log2e, float("-inf"))
             m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            qk = qk - m_new[:, None]
+            if TREE:  # a row may see no key of a tile before its first visible one: subtract 0, not -inf
+                m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+            else:
+                m_sub = m_new
+            qk = qk - m_sub[:, None]
         else:
             m_new = tl.maximum(m_i, tl.max(qk, axis=1) * scale_log2e)
+            m_sub = m_new
             qk = qk * scale_log2e - m_new[:, None]
         p = tl.exp2(qk)
-        alpha = tl.exp2(m_i - m_new)
+        alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = acc * alpha[:, None]
         if USE_TMA:
@@ -199,17 +253,18 @@ if triton is not None:
 
     @triton.jit
     def _prefill_kernel(
-        Q, KC, VC, Out, BlockTables, QueryStartLoc, SeqLens, KDesc, VDesc, KS, VS,
+        Q, KC, VC, Out, BlockTables, QueryStartLoc, SeqLens, KDesc, VDesc, KS, VS, TreeMask,
         scale_log2e,
         stride_qt, stride_qh, stride_ot, stride_oh,
         stride_kb, stride_ks, stride_kh,
         stride_vb, stride_vs, stride_vh,
         stride_s_slot,  # int8 scales viewed as [num_slots, H_kv]: H_kv
-        stride_bt,
+        stride_bt, stride_tm,
         GROUP: tl.constexpr, PAGE: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, QUANT: tl.constexpr,
+        USE_TMA: tl.constexpr, WARP_SPEC: tl.constexpr, QUANT: tl.constexpr, TREE: tl.constexpr,
+        TREE_ROWS: tl.constexpr,
     ):
         seq = tl.program_id(1)
         head = tl.program_id(2)
@@ -247,28 +302,37 @@ if triton is not None:
 
         # Keys < ctx + m0 + 1 are visible to every row of the tile: no mask.
         full_end = ((ctx + m0 + 1) // BLOCK_N) * BLOCK_N
+        tree_start = seq_len - tl.minimum(q_len, TREE_ROWS)  # first key of the tree region (TREE only)
+        tree_bits = tl.full([BLOCK_M], -1, tl.int64)  # rows before the region: every bit (plain causal)
+        if TREE:
+            rel_m = offs_m_pos - tree_start  # [BLOCK_M] row index inside the tree region
+            in_tree = mmask & (rel_m >= 0)
+            tree_bits = tl.load(TreeMask + seq.to(tl.int64) * stride_tm + tl.maximum(rel_m, 0), mask=in_tree,
+                                other=-1)
+            # Tree keys go through the masked loop: the unmasked one stops at the region's first tile.
+            full_end = tl.minimum(full_end, (tree_start // BLOCK_N) * BLOCK_N)
         if WARP_SPEC:
             for start_n in tl.range(0, full_end, BLOCK_N, warp_specialize=True):
                 acc, l_i, m_i = _attend_tile(
                     acc, l_i, m_i, q, k_base, v_base, KDesc, VDesc, kv_col, bt_row, start_n, offs_m_pos,
                     seq_len, scale_log2e, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
-                    ks_base, vs_base, stride_s_slot,
-                    False, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, USE_TMA, QUANT)
+                    ks_base, vs_base, stride_s_slot, tree_bits, tree_start,
+                    False, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, USE_TMA, QUANT, TREE)
         else:
             for start_n in range(0, full_end, BLOCK_N):
                 acc, l_i, m_i = _attend_tile(
                     acc, l_i, m_i, q, k_base, v_base, KDesc, VDesc, kv_col, bt_row, start_n, offs_m_pos,
                     seq_len, scale_log2e, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
-                    ks_base, vs_base, stride_s_slot,
-                    False, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, USE_TMA, QUANT)
+                    ks_base, vs_base, stride_s_slot, tree_bits, tree_start,
+                    False, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, USE_TMA, QUANT, TREE)
         # Diagonal band: keys up to the tile's last row (or the sequence end), causal mask.
         band_end = tl.minimum(seq_len, ctx + m0 + BLOCK_M)
         for start_n in range(full_end, band_end, BLOCK_N):
             acc, l_i, m_i = _attend_tile(
                 acc, l_i, m_i, q, k_base, v_base, KDesc, VDesc, kv_col, bt_row, start_n, offs_m_pos,
                 seq_len, scale_log2e, stride_kb, stride_ks, stride_vb, stride_vs, offs_d, dmask,
-                ks_base, vs_base, stride_s_slot,
-                True, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, USE_TMA, QUANT)
+                ks_base, vs_base, stride_s_slot, tree_bits, tree_start,
+                True, PAGE, BLOCK_N, HEAD_DIM, BLOCK_D, DOT_PRECISION, USE_TMA, QUANT, TREE)
 
         # Every valid row saw key 0 at least, so l_i > 0 there; padded rows are not stored.
         out = acc / l_i[:, None]
@@ -311,8 +375,10 @@ def paged_prefill_attention(
     config: dict | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Causal varlen attention of new tokens over their paged context (prefill, chunked prefill, extend).
+    """Causal varlen attention of new tokens over their paged context (prefill, chunked prefill, extend,
+    speculative verification of a chain or, with ``tree_mask``, of a token tree).
 
     Args:
         q: [num_tokens, H, D] fp32/fp16/bf16 (RoPE'd), rows of sequence i at
@@ -327,12 +393,15 @@ def paged_prefill_attention(
         config: optional dict(BLOCK_M, BLOCK_N, num_warps, num_stages, USE_TMA, WARP_SPEC) overriding
             :func:`default_prefill_config` (benchmarks sweep it). USE_TMA (CUDA, block_size a multiple of
             BLOCK_N, power-of-2 D) loads K/V tiles with tensor descriptors; otherwise pointer loads.
+        tree_mask: optional [num_seqs, W] int64 ancestor bitmasks, W <= ``MAX_TREE_ROWS`` (64), for
+            tree verification (module docstring, "Tree mask"). None: plain causal.
 
     Returns:
         [num_tokens, H, D] in q's dtype; softmax statistics and accumulation in fp32.
 
     Raises:
-        ValueError: H not a multiple of H_kv, shapes disagree, or scales that do not fit the cache dtype.
+        ValueError: H not a multiple of H_kv, shapes disagree, scales that do not fit the cache dtype, or a
+            tree_mask of the wrong dtype/shape or wider than ``MAX_TREE_ROWS`` (names the limit).
             RuntimeError: triton missing.
     """
     if triton is None:
@@ -344,6 +413,7 @@ def paged_prefill_attention(
     if out is None:
         out = torch.empty_like(q)
     num_seqs = meta.query_start_loc.shape[0] - 1
+    tree_rows = check_tree_mask(tree_mask, num_seqs)
     if num_tokens == 0 or num_seqs == 0:
         return out
     cfg = dict(default_prefill_config(head_dim, q.dtype, q.is_cuda, block_size, meta.max_query_len))
@@ -362,17 +432,19 @@ def paged_prefill_attention(
     _prefill_kernel[grid](
         q, k_cache, v_cache, out, meta.block_tables, meta.query_start_loc, meta.seq_lens, k_desc, v_desc,
         k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,  # unused unless quantized
+        tree_mask if tree_mask is not None else meta.seq_lens,  # unused without a tree
         scale * LOG2E,
         q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         num_kv_heads if quant == KV_QUANT_PER_TOKEN else 0,
-        meta.block_tables.stride(0),
+        meta.block_tables.stride(0), tree_mask.stride(0) if tree_mask is not None else 0,
         GROUP=num_heads // num_kv_heads, PAGE=block_size,
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"],
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         USE_TMA=use_tma, WARP_SPEC=bool(cfg.get("WARP_SPEC", False)), QUANT=quant,
+        TREE=tree_mask is not None, TREE_ROWS=tree_rows,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out

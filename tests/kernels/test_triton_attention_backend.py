@@ -89,3 +89,60 @@ def test_backend_quantized_cache_matches_torch_backend(fmt, q_lens, seq_lens):
     else:
         assert (tc.k.view(torch.uint8) != rc.k.view(torch.uint8)).float().mean() < 1e-3
     assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("variant", ["mma", "fma"])
+def test_backend_decode_variant_matches_torch_backend(variant):
+    # The backend's decode_variant reaches the kernel: an int8 decode step against the torch backend.
+    from kernel_cases import quantize_cache
+
+    dtype = torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    q, kc, vc, meta = make_paged_case([1, 1, 1], [1, 16, 45], 8, 2, 64, 16, dtype, seed=6)
+    kq, vq, ks, vs = quantize_cache(kc, vc, "int8")
+    g = torch.Generator().manual_seed(7)
+    k = torch.randn(3, 2, 64, generator=g).to(dtype).to(DEVICE)
+    v = torch.randn(3, 2, 64, generator=g).to(dtype).to(DEVICE)
+    triton_b = _quantized_backend("triton", 8, 2, 64, kq, vq, ks, vs)
+    torch_b = _quantized_backend("torch", 8, 2, 64, kq, vq, ks, vs)
+    assert triton_b.decode_variant_for(torch.int8) == "old"  # DEFAULT_VARIANT until the H200 A/B
+    triton_b.decode_variant = variant
+    assert triton_b.decode_variant_for(torch.int8) == variant
+    pos = positions_of(meta)
+    out = triton_b.forward(q.clone(), k.clone(), v, pos, triton_b.kv_cache(0), triton_b.build_metadata(meta))
+    ref = torch_b.forward(q.clone(), k.clone(), v, pos, torch_b.kv_cache(0), torch_b.build_metadata(meta))
+    assert rel_err(out, ref) < TOL[dtype]
+
+
+@pytest.mark.parametrize("block_size,expected", [(16, 32), (256, 16)])
+def test_backend_split_count_follows_the_pool_page(block_size, expected):
+    from roofline.attention.backend import get_attention_backend
+    from roofline.layers.rotary import RotaryEmbedding
+
+    backend = get_attention_backend("triton")(32, 8, 128, RotaryEmbedding(128, 4096, 10000.0, device="cpu"))
+    backend.allocate_kv_cache(1, 4096 // block_size, block_size, torch.float32, torch.device("cpu"))
+    backend._num_sms = 132  # the H200's count, so the value is the GPU's
+    # batch 1, 4k context, 8 kv heads: shorter splits (2 tiles / 1 page each) while the grid is under-filled
+    assert backend.num_splits_for(1, 4096, torch.device("cpu")) == expected
+
+
+def test_backend_prefill_reads_a_tree_mask_from_the_metadata():
+    # 4 new rows after 12 cached tokens, a tree: 0 the root, 1 under 0, 2 under 0, 3 under 2. A metadata object
+    # carrying tree_mask reaches the prefill kernel through forward (which rotates q in place and stores k/v).
+    from roofline.kernels.prefill_attention import ref_prefill_attention
+
+    q, kc, vc, meta = make_paged_case([4], [16], 4, 2, 32, 16, torch.float32, seed=9)
+    g = torch.Generator().manual_seed(10)
+    k, v = torch.randn(4, 2, 32, generator=g).to(DEVICE), torch.randn(4, 2, 32, generator=g).to(DEVICE)
+    backend = backend_with_cache("triton", 4, 2, 32, kc, vc)
+    tm = torch.tensor([[0b1, 0b11, 0b101, 0b1101]], dtype=torch.int64, device=DEVICE)
+    tmeta = backend.build_metadata(meta)
+    tmeta.tree_mask = tm
+    qr = q.clone()
+    out = backend.forward(qr, k, v, positions_of(meta), backend.kv_cache(0), tmeta)
+    assert not torch.equal(qr, q)  # rotated in place: qr is what the kernel attended with
+    cache = backend.kv_cache(0)
+    ref = ref_prefill_attention(qr, cache.k, cache.v, meta, backend.scale, tree_mask=tm)
+    plain = ref_prefill_attention(qr, cache.k, cache.v, meta, backend.scale)
+    assert rel_err(out, ref) < TOL[torch.float32]
+    assert rel_err(out[:2], plain[:2]) < TOL[torch.float32]  # rows 0, 1 see every earlier row anyway
+    assert rel_err(out[2:], plain[2:]) > 1e-3  # rows 2, 3 do not see row 1
