@@ -261,9 +261,11 @@ if triton is not None:
 
 
 LOG2E = 1.4426950408889634
-# Stage-1 kernel per cache format when the caller names none (query_len 1). "old" everywhere until the H200
-# A/B (``roofline bench attention --decode-only --variants old,mma,fma``) says otherwise.
-DEFAULT_VARIANT = {KV_QUANT_NONE: "old", KV_QUANT_PER_TOKEN: "old", KV_QUANT_PER_HEAD: "old"}
+# Stage-1 kernel per cache format when the caller names none (query_len 1), from the H200 A/B of 2026-12-04
+# (``roofline bench attention --decode-only --kv-cache-dtype auto,int8,fp8_e4m3 --batches 8,64 --ctxs 4k,32k
+# --variants old,mma,fma``, bench/results/kvdecode-20261204/): "mma" took 0.89-1.00x of "old"'s time on int8 and
+# 0.97-1.00x on fp8 at every point; on bf16 it was 0.99-1.06x, so bf16 keeps "old". "fma" lost everywhere (2-13x).
+DEFAULT_VARIANT = {KV_QUANT_NONE: "old", KV_QUANT_PER_TOKEN: "mma", KV_QUANT_PER_HEAD: "mma"}
 __all__ = ["MAX_PACKED_ROWS", "VARIANTS", "DEFAULT_VARIANT", "choose_num_splits", "default_block_n",
            "paged_decode_attention", "ref_decode_attention", "split_align"]
 

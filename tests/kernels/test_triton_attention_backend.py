@@ -104,7 +104,7 @@ def test_backend_decode_variant_matches_torch_backend(variant):
     v = torch.randn(3, 2, 64, generator=g).to(dtype).to(DEVICE)
     triton_b = _quantized_backend("triton", 8, 2, 64, kq, vq, ks, vs)
     torch_b = _quantized_backend("torch", 8, 2, 64, kq, vq, ks, vs)
-    assert triton_b.decode_variant_for(torch.int8) == "old"  # DEFAULT_VARIANT until the H200 A/B
+    assert triton_b.decode_variant_for(torch.int8) == "mma"  # DEFAULT_VARIANT: the H200 A/B's pick for int8
     triton_b.decode_variant = variant
     assert triton_b.decode_variant_for(torch.int8) == variant
     pos = positions_of(meta)
