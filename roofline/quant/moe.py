@@ -99,7 +99,7 @@ class ChannelFusedMoEMethod(FusedMoEMethod):
                 tensor_parallel_all_reduce(amax, op="max")
             parts = [self.quantize(w[e], amax[e]) for e in range(w.shape[0])]
             delattr(layer, f"{name}_weight")
-            register_frozen(layer, f"{name}_weight", torch.stack([p.qweight for p in parts]))
+            register_frozen(layer, f"{name}_weight", torch.stack([p.q for p in parts]))
             register_frozen(layer, f"{name}_weight_scale", torch.stack([p.scales for p in parts]).float())
 
     def apply(self, layer, x, topk_weights, topk_ids):

@@ -1,0 +1,53 @@
+"""The MoE bound: expected touched experts, the floor's bytes, and ``roofline cost`` for an MoE preset."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from roofline.config import model_preset
+from roofline.costmodel.moe import MoEShape, expected_touched_experts, moe_decode_floor
+
+
+def test_expected_touched_experts():
+    assert expected_touched_experts(128, 8, 1) == pytest.approx(8.0)
+    assert expected_touched_experts(128, 8, 8) == pytest.approx(128 * (1 - (15 / 16) ** 8))  # 51.62
+    assert expected_touched_experts(8, 2, 64) == pytest.approx(8 * (1 - 0.75 ** 64))
+    assert expected_touched_experts(8, 2, 0) == 0.0
+    with pytest.raises(ValueError, match=r"num_experts_per_tok must be in \[1, num_experts=8\], got 9"):
+        expected_touched_experts(8, 9, 1)
+
+
+def test_moe_shape_and_floor_bytes():
+    mc = model_preset("qwen3-30b-a3b")
+    moe = MoEShape.from_model_config(mc)
+    assert (moe.num_experts, moe.top_k, moe.num_moe_layers) == (128, 8, 48)
+    assert moe.expert_params == 3 * 2048 * 768
+    # Qwen3-30B-A3B: 30.5 B parameters, 3.3 B active ("A3B").
+    assert mc.num_params == pytest.approx(30.53e9, rel=1e-3)
+    assert mc.num_active_params == pytest.approx(3.35e9, rel=1e-2)
+    r1 = moe_decode_floor(moe, 1, 0.0, 4.0e12, 7.5e14)
+    # batch 1: dense bytes + 8 experts in each of 48 layers, bf16
+    assert r1["weight_bytes"] == pytest.approx(2 * (moe.dense_params + 48 * 8 * moe.expert_params))
+    assert r1["floor_s"] == pytest.approx(r1["weight_bytes"] / 4.0e12)
+    r64 = moe_decode_floor(moe, 64, 0.0, 4.0e12, 7.5e14)
+    assert 8 < r64["touched_experts"] < 128 and r64["weight_bytes"] > r1["weight_bytes"]
+    mix = MoEShape.from_model_config(model_preset("mixtral-8x7b"))
+    assert mix.active_params == pytest.approx(12.9e9, rel=1e-2)
+    with pytest.raises(ValueError, match="llama-3-8b is not a mixture-of-experts model"):
+        MoEShape.from_model_config(model_preset("llama-3-8b"))
+
+
+def test_cost_cli_prints_touched_experts_by_batch(capsys):
+    from roofline.cost_cli import main
+
+    assert main(["cost", "--model", "qwen3-30b-a3b", "--batch", "1,8,64", "--format", "bf16"]) == 0
+    out = capsys.readouterr().out
+    assert "mixture of experts: 128 experts, top-8, 48 MoE layers" in out
+    rows = [line.split() for line in out.splitlines() if line.strip().split()[:1] in (["1"], ["8"], ["64"])]
+    touched = {int(r[0]): float(r[1]) for r in rows[-3:]}
+    assert touched == {1: 8.0, 8: round(expected_touched_experts(128, 8, 8), 2),
+                       64: round(expected_touched_experts(128, 8, 64), 2)}
+    assert math.isclose(touched[8], 51.62)
+    assert main(["cost", "--model", "qwen3-30b-a3b", "--batch", "0"]) == 2
