@@ -73,6 +73,23 @@ def ref_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_wei
     return out.to(x.dtype)
 
 
+def ref_fused_moe_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
+                        topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
+                        w2_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """``ref_fused_moe`` without data-dependent shapes (no host sync, so a CUDA graph can capture it): every
+    expert runs on every token, weighted by the token's routing weight for it (0 where not routed). E times
+    the FLOPs of the loop; the fallback for CUDA with the Triton kernels off. Same contract."""
+    out = torch.zeros_like(x, dtype=torch.float32)
+    num_inter = w2.shape[2]
+    for e in range(w13.shape[0]):
+        weight = ((topk_ids == e) * topk_weights).sum(dim=-1, dtype=torch.float32)  # [T]
+        g = w13[e].to(x.dtype) if w13_scale is None else (w13[e].float() * w13_scale[e][:, None]).to(x.dtype)
+        d = w2[e].to(x.dtype) if w2_scale is None else (w2[e].float() * w2_scale[e][:, None]).to(x.dtype)
+        gate, up = F.linear(x, g).split(num_inter, dim=-1)
+        out += F.linear(F.silu(gate) * up, d).float() * weight[:, None]
+    return out.to(x.dtype)
+
+
 # --------------------------------------------------------------------------------------------- alignment
 
 
@@ -118,9 +135,17 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
 if triton is not None:
 
     @triton.jit
+    def _dot(a, b, acc, IEEE: tl.constexpr):
+        """acc + a @ b; fp32 inputs in full fp32 (IEEE), not TF32, so fp32 models match the fp32 loop."""
+        if IEEE:
+            return tl.dot(a, b, acc, input_precision="ieee")
+        else:
+            return tl.dot(a, b, acc)
+
+    @triton.jit
     def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
                             num_valid, N, K, stride_xm, stride_we, stride_wn, stride_se, stride_hm,
-                            TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr,
+                            TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """h[pair, n] = silu(x[t] . w13[e, n]) * (x[t] . w13[e, N + n]) for one block of pairs of expert e."""
         pid = tl.program_id(0)
@@ -147,8 +172,8 @@ if triton is not None:
                 wmask = mask_k[:, None] & mask_n[None, :]
                 bg = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
                 bu = tl.load(w_base + (offs_n[None, :] + N) * stride_wn + offs_k[:, None], mask=wmask, other=0)
-                acc_g = tl.dot(a, bg.to(a.dtype), acc_g)
-                acc_u = tl.dot(a, bu.to(a.dtype), acc_u)
+                acc_g = _dot(a, bg.to(a.dtype), acc_g, IEEE)
+                acc_u = _dot(a, bu.to(a.dtype), acc_u, IEEE)
             if HAS_SCALE:
                 s_base = s_ptr + e.to(tl.int64) * stride_se
                 acc_g = acc_g * tl.load(s_base + offs_n, mask=mask_n, other=0.0)[None, :]
@@ -160,8 +185,8 @@ if triton is not None:
     @triton.jit
     def _moe_down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
                          num_valid, N, K, stride_hm, stride_we, stride_wn, stride_se, stride_om,
-                         HAS_SCALE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         """out[pair, n] = topk_weight[pair] * (h[pair] . w2[e, n]) for one block of pairs of expert e."""
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -184,7 +209,7 @@ if triton is not None:
                             mask=mask_m[:, None] & mask_k[None, :], other=0.0)
                 b = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None],
                             mask=mask_k[:, None] & mask_n[None, :], other=0)
-                acc = tl.dot(a, b.to(a.dtype), acc)
+                acc = _dot(a, b.to(a.dtype), acc, IEEE)
             if HAS_SCALE:
                 acc = acc * tl.load(s_ptr + e.to(tl.int64) * stride_se + offs_n, mask=mask_n, other=0.0)[None, :]
             tw = tl.load(tw_ptr + ids, mask=mask_m, other=0.0)
@@ -230,6 +255,16 @@ if triton is not None:
                 acc = acc * tl.load(tw_ptr + pair)
             tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty),
                      mask=mask_n)
+
+
+def _gemv_block_n(num_pairs: int, n: int, device: torch.device) -> int:
+    """Rows per GEMV program: the widest tile that still gives >= 4 programs per SM (at batch 1 a layer has few
+    pairs, and a GEMV is bound by the bytes in flight, so the grid must cover every SM several times)."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
+    for bn in (64, 32):
+        if num_pairs * triton.cdiv(n, bn) >= 4 * sms:
+            return bn
+    return 16
 
 
 def _block_m(num_pairs: int, num_experts: int) -> int:
@@ -288,27 +323,30 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     out = (torch.zeros if local is not False else torch.empty)(num_pairs, hidden, dtype=x.dtype, device=x.device)
     if small_m if small_m is not None else num_tokens <= SMALL_M_MAX_TOKENS:
         ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
-        bn, bk = 64, 128
+        bk = 128
+        bn = _gemv_block_n(num_pairs, inter, x.device)
         _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, bn))](
             x, w13, s13, h, tw, ids, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
             s13.stride(0) if has_scale else 0, h.stride(0), A_ROW_DIV=top_k, GATE_UP=True, HAS_SCALE=has_scale,
             MUL_WEIGHT=False, BLOCK_N=bn, BLOCK_K=bk)
+        bn = _gemv_block_n(num_pairs, hidden, x.device)
         _moe_gemv_kernel[(num_pairs, triton.cdiv(hidden, bn))](
             h, w2, s2, out, tw, ids, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1),
             s2.stride(0) if has_scale else 0, out.stride(0), A_ROW_DIV=1, GATE_UP=False, HAS_SCALE=has_scale,
             MUL_WEIGHT=True, BLOCK_N=bn, BLOCK_K=bk)
     else:
         bm = _block_m(num_pairs, num_experts)
+        ieee = x.dtype == torch.float32
         bn, bk = 64, 64
         sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, num_experts, bm)
         num_blocks = expert_ids.numel()
         _moe_gate_up_kernel[(num_blocks * triton.cdiv(inter, bn),)](
             x, w13, s13, h, sorted_ids, expert_ids, num_post, num_pairs, inter, hidden, x.stride(0),
             w13.stride(0), w13.stride(1), s13.stride(0) if has_scale else 0, h.stride(0), TOP_K=top_k,
-            HAS_SCALE=has_scale, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+            HAS_SCALE=has_scale, IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
         _moe_down_kernel[(num_blocks * triton.cdiv(hidden, bn),)](
             h, w2, s2, out, tw, sorted_ids, expert_ids, num_post, num_pairs, hidden, inter, h.stride(0),
             w2.stride(0), w2.stride(1), s2.stride(0) if has_scale else 0, out.stride(0), HAS_SCALE=has_scale,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+            IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
     # The top-k sum in a fixed order (slot 0, 1, ...), in fp32.
     return out.view(num_tokens, top_k, hidden).float().sum(dim=1).to(x.dtype)

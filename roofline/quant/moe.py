@@ -59,15 +59,18 @@ class FusedMoEMethod(ABC):
 def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
              topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None,
              w2_scale: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton fused kernel on CUDA (when kernels are on), else the expert loop."""
+    """The Triton fused kernel on CUDA (when kernels are on), else the expert loop (CPU) or its sync-free
+    dense twin (CUDA with the kernels off, so CUDA graphs still capture the step)."""
     from roofline.layers.dispatch import kernels_for
 
     if kernels_for(x) is not None:
         from roofline.kernels.fused_moe import fused_moe
 
         return fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-    from roofline.kernels.fused_moe import ref_fused_moe
+    from roofline.kernels.fused_moe import ref_fused_moe, ref_fused_moe_dense
 
+    if x.is_cuda:  # kernels off on a GPU: the loop's shapes depend on the routing (a host sync per expert)
+        return ref_fused_moe_dense(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     return ref_fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from roofline.kernels.fused_moe import fused_moe, moe_align_block_size, ref_fused_moe
+from roofline.kernels.fused_moe import fused_moe, moe_align_block_size, ref_fused_moe, ref_fused_moe_dense
 from roofline.layers.moe import FusedMoE, select_experts
 
 REL_TOL = 1e-5
@@ -45,8 +45,9 @@ def test_fused_moe_matches_float64_loop(shape, small_m):
     err = _rel(out, ref)
     print(f"{shape} small_m={small_m}: rel err {err:.1e}")
     assert err < REL_TOL
-    # The ref_ twin in fp32 (the CPU path of the model) meets the same bound.
+    # The ref_ twin in fp32 (the CPU path of the model) and its sync-free dense form meet the same bound.
     assert _rel(ref_fused_moe(x, w13, w2, weights, ids), ref) < REL_TOL
+    assert _rel(ref_fused_moe_dense(x, w13, w2, weights, ids), ref) < REL_TOL
 
 
 @pytest.mark.parametrize("small_m", [True, False])
@@ -62,6 +63,7 @@ def test_fused_moe_int8_and_remote_experts(small_m):
                         compute_dtype=torch.float64)
     torch.testing.assert_close(ref, deq)
     assert _rel(fused_moe(x, q13, q2, weights, ids, s13, s2, small_m=small_m), ref) < REL_TOL
+    assert _rel(ref_fused_moe_dense(x, q13, q2, weights, ids, s13, s2), ref) < REL_TOL
     # Dropping a pair changes the result (the -1 really removed it).
     full = ref_fused_moe(x, q13, q2, weights, ids.abs(), s13, s2, compute_dtype=torch.float64)
     assert (full[0] - ref[0]).abs().max() > 1e-3

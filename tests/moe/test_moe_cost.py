@@ -51,3 +51,18 @@ def test_cost_cli_prints_touched_experts_by_batch(capsys):
                        64: round(expected_touched_experts(128, 8, 64), 2)}
     assert math.isclose(touched[8], 51.62)
     assert main(["cost", "--model", "qwen3-30b-a3b", "--batch", "0"]) == 2
+
+
+def test_bench_decode_moe_floor_bytes():
+    """``bench decode``'s MoE floor: the engine's all-expert bytes with the routed share replaced by the expected
+    touched experts (the bf16 bytes of ``moe_decode_floor``); None for a dense model."""
+    from roofline.bench.moe import moe_step_bytes
+
+    mc = model_preset("qwen3-30b-a3b")
+    moe = MoEShape.from_model_config(mc)
+    all_experts = 2 * (moe.dense_params + 48 * 128 * moe.expert_params)  # bf16
+    for batch in (1, 8, 64):
+        wbytes, params = moe_step_bytes(mc, all_experts, batch)
+        assert wbytes == pytest.approx(moe_decode_floor(moe, batch, 0.0, 1.0, 1.0)["weight_bytes"])
+        assert params == mc.num_active_params
+    assert moe_step_bytes(model_preset("llama-3-8b"), 1e9, 1) is None
