@@ -25,6 +25,8 @@ import statistics
 import time
 from typing import Any
 
+from roofline.costmodel.moe import moe_step_bytes as _moe_step_bytes
+
 
 def _time(fn, device: str, iters: int, warmup: int = 3) -> float:
     """Median seconds of ``fn()`` (CUDA events on a GPU, perf_counter on a CPU)."""
@@ -180,17 +182,5 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     return p
 
 
-def moe_step_bytes(model_config: Any, weight_bytes_per_step: float, batch: int) -> tuple[float, float] | None:
-    """For ``bench decode`` on an MoE model: (weight bytes a decode step of ``batch`` tokens reads, parameters
-    one token multiplies by), or None for a dense model. The engine's ``weight_bytes_per_step`` counts every
-    expert; the routed experts' share of it (their parameters over the parameters it counts) is replaced by the
-    expected touched experts, E (1 - (1 - k/E)^B) per layer (``roofline.costmodel.moe``)."""
-    from roofline.costmodel.moe import MoEShape, expected_touched_experts
 
-    if not getattr(model_config, "is_moe", False):
-        return None
-    moe = MoEShape.from_model_config(model_config)
-    counted = moe.dense_params + moe.num_moe_layers * moe.num_experts * moe.expert_params
-    per_param = weight_bytes_per_step / counted
-    touched = expected_touched_experts(moe.num_experts, moe.top_k, batch)
-    return per_param * (moe.dense_params + moe.num_moe_layers * touched * moe.expert_params), moe.active_params
+moe_step_bytes = _moe_step_bytes  # bench decode's import (the function lives in roofline.costmodel.moe)

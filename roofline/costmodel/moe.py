@@ -96,3 +96,34 @@ def format_moe_table(moe: MoEShape, rows: list[dict[str, float]], fmt: str, hard
         lines.append(f"  {r['batch']:>6} {r['touched_experts']:>9.2f} {r['bytes'] / 1e9:>9.3f} "
                      f"{r['floor_s'] * 1e3:>9.3f} {r['floor_tok_per_s']:>12.1f} {r['bound_by']:>8}")
     return "\n".join(lines)
+
+
+def touched_experts_from_counts(counts: list[list[int]], top_k: int, batch: float) -> float:
+    """Distinct experts a batch of ``batch`` tokens touches per layer, in expectation under the routing
+    frequencies measured in a run: ``counts[l][e]`` tokens routed to expert e of MoE layer l. Token t picks e
+    with probability q_e = counts[l][e] / tokens_l (tokens_l = sum(counts[l]) / k), so the layer touches
+    sum_e 1 - (1 - q_e)^B (uniform q_e = k/E gives ``expected_touched_experts``). Mean over layers; 0 without
+    counts."""
+    per_layer = []
+    for row in counts:
+        tokens = sum(row) / top_k
+        if tokens > 0:
+            per_layer.append(sum(1.0 - (1.0 - min(1.0, c / tokens)) ** batch for c in row))
+    return sum(per_layer) / len(per_layer) if per_layer else 0.0
+
+
+def moe_step_bytes(model_config: Any, weight_bytes_per_step: float, batch: float,
+                   touched_per_layer: float | None = None) -> tuple[float, float] | None:
+    """For a measured run or ``bench decode`` on an MoE model: (weight bytes a decode step of ``batch`` tokens
+    reads, parameters one token multiplies by), or None for a dense model. The engine's
+    ``weight_bytes_per_step`` counts every expert; the routed experts' share of it (their parameters over the
+    parameters it counts) is replaced by ``touched_per_layer`` experts per MoE layer (None: the uniform
+    expectation E (1 - (1 - k/E)^B))."""
+    if not getattr(model_config, "is_moe", False):
+        return None
+    moe = MoEShape.from_model_config(model_config)
+    counted = moe.dense_params + moe.num_moe_layers * moe.num_experts * moe.expert_params
+    per_param = weight_bytes_per_step / counted
+    touched = (expected_touched_experts(moe.num_experts, moe.top_k, batch) if touched_per_layer is None
+               else touched_per_layer)
+    return per_param * (moe.dense_params + moe.num_moe_layers * touched * moe.expert_params), moe.active_params

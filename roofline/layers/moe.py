@@ -41,6 +41,26 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     return weights, ids
 
 
+# Whether FusedMoE layers count the tokens routed to each expert (the /metrics gauge, the run summary's
+# measured routing): None = on where the layer is built on a CPU, off on a GPU, where the count's two small
+# kernels per layer are a measurable share of a batch-1 decode step. Read when a layer is built (a CUDA graph
+# captures what the layer did then).
+_COUNT_EXPERT_TOKENS: bool | None = None
+
+
+def set_expert_counting(enabled: bool | None) -> None:
+    """Count tokens per expert in layers built from now on (True / False; None: on a CPU only)."""
+    global _COUNT_EXPERT_TOKENS
+    _COUNT_EXPERT_TOKENS = enabled
+
+
+def expert_token_counts(model: nn.Module) -> list[list[int]] | None:
+    """Tokens routed to each expert since the model was built, per MoE layer [layers][E] (one device -> host
+    copy for all layers), or None when the model has no counting MoE layer."""
+    layers = [m.expert_token_counts for m in model.modules() if isinstance(m, FusedMoE) and m.count_tokens]
+    return torch.stack(layers).tolist() if layers else None
+
+
 def expert_parallel_sizes(num_experts: int, limit: int) -> list[int]:
     """The expert-parallel sizes in [1, limit] that divide ``num_experts``."""
     return [n for n in range(1, limit + 1) if num_experts % n == 0]
@@ -101,7 +121,8 @@ class FusedMoE(nn.Module):
         # Tokens routed to each expert (all E, counted by every rank) since the last reset: a device tensor,
         # updated without a host sync (the /metrics gauge and the run summary read it once).
         self.register_buffer("expert_token_counts", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
-        self.count_tokens = False
+        self.count_tokens = (_COUNT_EXPERT_TOKENS if _COUNT_EXPERT_TOKENS is not None
+                             else self.expert_token_counts.device.type == "cpu")
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: tuple[int, int]) -> None:
         """Place checkpoint tensor ``loaded`` of expert ``shard_id[0]`` (global id), projection ``shard_id[1]``

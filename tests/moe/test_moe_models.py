@@ -149,3 +149,37 @@ def test_bad_moe_configs_are_refused(tmp_path):
     cfg.update(num_experts_per_tok=9, architectures=["MixtralForCausalLM"])
     with pytest.raises(ValueError, match=r"num_experts_per_tok must be in \[1, num_experts=8\], got 9"):
         ModelConfig.from_hf_config(cfg)
+
+
+def test_expert_token_counts_gauge_and_run_floor(case, capsys):
+    """Tokens per expert are counted on the device (CPU: on by default); /metrics exposes them, and the run
+    summary's floor counts the experts the measured routing touches, not all of them."""
+    from fastapi.testclient import TestClient
+
+    from roofline.layers.moe import expert_token_counts
+    from roofline.report import print_run_summary
+    from roofline.server.app import build_app
+
+    name, hf, llm, _ = case
+    model = llm.engine.worker.model
+    mc = llm.engine.model_config
+    before = expert_token_counts(model)
+    assert before is not None and len(before) == mc.num_moe_layers and len(before[0]) == mc.num_experts
+    llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    after = expert_token_counts(model)
+    # 7 prompt tokens + 3 decode steps (the 4th token is sampled, not run), k experts each, per layer
+    assert [sum(a) - sum(b) for a, b in zip(after, before, strict=True)] == [10 * mc.num_experts_per_tok] * len(after)
+    rep = llm.decode_floor(hardware="h200")
+    assert rep["moe"]["touched_source"] == "measured routing"
+    assert 0 < rep["moe"]["touched_experts_per_layer"] <= mc.num_experts_per_tok + 1e-9  # batch 1
+    print_run_summary(llm, hardware="h200")
+    assert "MoE floor:          the dense weights + " in capsys.readouterr().out
+    with TestClient(build_app(llm.engine)) as client:
+        text = client.get("/metrics").text
+    per_expert = [sum(col) for col in zip(*expert_token_counts(model), strict=True)]
+    for e, n in enumerate(per_expert):
+        assert f'roofline:moe_expert_tokens{{expert="{e}",model_name=' in text
+        assert any(line.startswith(f'roofline:moe_expert_tokens{{expert="{e}"') and line.endswith(f" {float(n)}")
+                   for line in text.splitlines())
+    assert "roofline:moe_expert_load_imbalance" in text
