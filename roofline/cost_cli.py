@@ -97,7 +97,7 @@ def _model_config(spec: str) -> Any:
 
 
 def _moe_section(spec: str, hw: Any, fmt: str, batches: list[int], context: int, kv_dtype: str,
-                 shape: cm.ModelShape) -> tuple[dict[str, Any], str] | None:
+                 shape: cm.ModelShape, ep: int | None = None, link: Any = None) -> tuple[dict[str, Any], str] | None:
     """Expected touched experts and the MoE floor per batch (``roofline.costmodel.moe``); None for dense models."""
     from roofline.costmodel.moe import MoEShape, format_moe_table, moe_decode_floor
 
@@ -110,7 +110,20 @@ def _moe_section(spec: str, hw: Any, fmt: str, batches: list[int], context: int,
     data = dict(num_experts=moe.num_experts, top_k=moe.top_k, num_moe_layers=moe.num_moe_layers,
                 expert_params=moe.expert_params, dense_params=moe.dense_params, active_params=moe.active_params,
                 format=fmt, context=context, rows=rows)
-    return data, format_moe_table(moe, rows, fmt, hw.name if hasattr(hw, "name") else str(hw))
+    text = format_moe_table(moe, rows, fmt, hw.name if hasattr(hw, "name") else str(hw))
+    if ep is not None and ep > 1:  # a projection for expert parallelism on ``ep`` GPUs
+        from roofline.costmodel.moe import moe_ep_projection
+
+        proj = [moe_ep_projection(moe, ep, b, kv, hw.memory_bandwidth, hw.peak("bf16"), mc.num_hidden_layers,
+                                  mc.hidden_size, link.bandwidth, link.latency_s, fmt) for b in batches]
+        data["expert_parallel_projection"] = dict(ep=ep, link=link.name, rows=proj)
+        text += (f"\nPROJECTION, expert parallel on {ep} GPUs (--tp {ep} --enable-expert-parallel; E/{ep} experts and "
+                 f"1/{ep} of attention per GPU, 2 all-reduces per layer over {link.name}; not measured):\n"
+                 f"  {'batch':>6} {'touched/GPU':>12} {'GB/GPU':>8} {'comm ms':>8} {'floor ms':>9} {'floor tok/s':>12}")
+        for r in proj:
+            text += (f"\n  {r['batch']:>6} {r['touched_per_gpu']:>12.2f} {r['weight_bytes_per_gpu'] / 1e9:>8.3f} "
+                     f"{r['comm_s'] * 1e3:>8.3f} {r['floor_s'] * 1e3:>9.3f} {r['floor_tok_per_s']:>12.1f}")
+    return data, text
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -198,7 +211,8 @@ def run_cost(args: argparse.Namespace) -> int:
             report["parallel"] = build_parallel(shape, hw, formats[0], batch, context, kv_dtype, args.tp, args.pp,
                                                 args.gpus, args.gpus_per_node, intra, inter, args.micro_batches,
                                                 args.best_layout)
-        moe = _moe_section(args.model, hw, formats[0], batches, context, kv_dtype, shape)
+        moe = _moe_section(args.model, hw, formats[0], batches, context, kv_dtype, shape, args.tp,
+                           load_interconnect(args.interconnect, args.link_bandwidth, args.link_latency_us))
         if moe is not None:
             report["moe"] = moe[0]
     except ValueError as e:

@@ -19,6 +19,7 @@ from typing import Any
 
 from roofline.costmodel.common import _check_non_negative, _check_positive
 from roofline.costmodel.formats import weight_bytes
+from roofline.costmodel.links import ring_allreduce_time
 
 
 def expected_touched_experts(num_experts: int, top_k: int, batch: float) -> float:
@@ -127,3 +128,29 @@ def moe_step_bytes(model_config: Any, weight_bytes_per_step: float, batch: float
     touched = (expected_touched_experts(moe.num_experts, moe.top_k, batch) if touched_per_layer is None
                else touched_per_layer)
     return per_param * (moe.dense_params + moe.num_moe_layers * touched * moe.expert_params), moe.active_params
+
+
+def moe_ep_projection(moe: MoEShape, ep: int, batch: int, kv_bytes_per_seq: float, bandwidth: float,
+                      peak_flops: float, num_layers: int, hidden_size: int, link_bandwidth: float,
+                      link_latency_s: float, fmt: str = "bf16", act_bytes: int = 2) -> dict[str, float]:
+    """A **projection** of one decode step on ``ep`` GPUs with expert parallelism (TP attention, E/ep experts
+    per GPU), per GPU: the dense weights and the KV split ``ep`` ways, the expected touched experts of its own
+    E/ep (touched / ep), compute over ``ep``, plus two ring all-reduces of [batch, hidden] per layer (attention
+    and the MoE combine; ``costmodel.links``). Routing skew, which loads one GPU more than the mean, is not
+    modelled (the /metrics gauge measures it).
+
+    Returns:
+        dict with ep, batch, touched_per_gpu, weight_bytes_per_gpu, comm_s, floor_s, floor_tok_per_s.
+    """
+    _check_positive("ep", ep)
+    if moe.num_experts % ep:
+        raise ValueError(f"expert parallel size {ep} does not divide the {moe.num_experts} experts; sizes that do: "
+                         + ", ".join(str(d) for d in range(1, moe.num_experts + 1) if moe.num_experts % d == 0))
+    touched = expected_touched_experts(moe.num_experts, moe.top_k, batch) / ep
+    wbytes = weight_bytes(moe.dense_params / ep + moe.num_moe_layers * touched * moe.expert_params, fmt)
+    mem = (wbytes + batch * kv_bytes_per_seq / ep) / bandwidth
+    comp = 2.0 * moe.active_params * batch / ep / peak_flops
+    comm = 2 * num_layers * ring_allreduce_time(batch * hidden_size * act_bytes, ep, link_bandwidth, link_latency_s)
+    floor = max(mem, comp) + comm
+    return dict(ep=ep, batch=batch, touched_per_gpu=touched, weight_bytes_per_gpu=wbytes, comm_s=comm,
+                floor_s=floor, floor_tok_per_s=batch / floor)

@@ -66,3 +66,23 @@ def test_bench_decode_moe_floor_bytes():
         assert wbytes == pytest.approx(moe_decode_floor(moe, batch, 0.0, 1.0, 1.0)["weight_bytes"])
         assert params == mc.num_active_params
     assert moe_step_bytes(model_preset("llama-3-8b"), 1e9, 1) is None
+
+
+def test_expert_parallel_projection():
+    """The EP projection per GPU: a 1/ep share of the dense weights and of the touched experts, plus two ring
+    all-reduces per layer; labelled a projection in the CLI."""
+    from roofline.cost_cli import main
+    from roofline.costmodel.links import ring_allreduce_time
+    from roofline.costmodel.moe import moe_ep_projection
+
+    mc = model_preset("qwen3-30b-a3b")
+    moe = MoEShape.from_model_config(mc)
+    r = moe_ep_projection(moe, 8, 1, 0.0, 4.0e12, 7.5e14, 48, 2048, 450e9, 1e-6)
+    assert r["touched_per_gpu"] == pytest.approx(1.0)
+    assert r["weight_bytes_per_gpu"] == pytest.approx(2 * (moe.dense_params / 8 + 48 * moe.expert_params))
+    assert r["comm_s"] == pytest.approx(96 * ring_allreduce_time(2048 * 2, 8, 450e9, 1e-6))
+    assert r["floor_s"] == pytest.approx(r["weight_bytes_per_gpu"] / 4.0e12 + r["comm_s"])
+    with pytest.raises(ValueError, match=r"expert parallel size 3 does not divide the 128 experts; sizes that do: "
+                                         r"1, 2, 4, 8, 16, 32, 64, 128"):
+        moe_ep_projection(moe, 3, 1, 0.0, 4.0e12, 7.5e14, 48, 2048, 450e9, 1e-6)
+    assert main(["cost", "--model", "qwen3-30b-a3b", "--batch", "1,64", "--tp", "8", "--format", "bf16"]) == 0
