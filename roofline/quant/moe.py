@@ -66,7 +66,7 @@ def _experts(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights:
     if kernels_for(x) is not None:
         from roofline.kernels.fused_moe import fused_moe
 
-        return fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+        return fused_moe(x.contiguous(), w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
     from roofline.kernels.fused_moe import ref_fused_moe, ref_fused_moe_dense
 
     if x.is_cuda:  # kernels off on a GPU: the loop's shapes depend on the routing (a host sync per expert)
