@@ -97,6 +97,7 @@ class EngineArgs:
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str | None = None
     pipeline_layer_partition: str | list[int] | None = None  # each stage's layer count ("16,14"); None: even
+    enable_expert_parallel: bool = False  # MoE: experts split over the tensor-parallel ranks (E / tp each)
     max_model_len: int | None = None
     block_size: int | None = None  # None: 64 with the triton attention backend (TMA prefill path), 16 otherwise
     num_kv_blocks: int | None = None
@@ -200,7 +201,8 @@ class EngineArgs:
 
             check_draft_vocab(loader.load_config(self._draft_source()), model_config)
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
-                                  self.distributed_executor_backend, _parse_partition(self.pipeline_layer_partition))
+                                  self.distributed_executor_backend, _parse_partition(self.pipeline_layer_partition),
+                                  enable_expert_parallel=self.enable_expert_parallel)
         parallel.check_model(model_config)
         pp = parallel.pipeline_parallel_size
         if parallel.world_size > 1:
@@ -282,6 +284,9 @@ class EngineArgs:
                                  "many micro-batches)")
         parser.add_argument("--pipeline-layer-partition", default=None,
                             help="each stage's layer count, comma-separated (16,14); default: even")
+        parser.add_argument("--enable-expert-parallel", action="store_true",
+                            help="MoE models: each tensor-parallel rank holds E/N whole experts instead of 1/N of "
+                                 "every expert; attention stays tensor-parallel (docs/distributed.md)")
         parser.add_argument("--distributed-executor-backend", choices=["uni", "mp", "external_launcher"],
                             default=None,
                             help="mp: worker processes (default above one rank); uni: the worker in this process; "

@@ -28,6 +28,7 @@ _BENCH_COMMANDS = [
     ("roofline.bench.attention", "add_parser"),
     ("roofline.bench.prefix", "add_parser"),
     ("roofline.bench.spec", "add_parser"),
+    ("roofline.bench.moe", "add_parser"),
 ]
 
 

@@ -73,9 +73,63 @@ def resolve_model(spec: str) -> tuple[cm.ModelShape, dict[str, Any]]:
                      "or of a directory holding one")
 
 
+def _batch_list(text: str) -> list[int]:
+    """``--batch``: one size or a comma-separated list (``1,8,64``)."""
+    try:
+        return [int(v) for v in str(text).split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--batch takes integers separated by commas, got {text!r}") from None
+
+
+def _batches(args: argparse.Namespace) -> list[int] | None:
+    return None if args.batch is None else [args.batch] if isinstance(args.batch, int) else list(args.batch)
+
+
+def _model_config(spec: str) -> Any:
+    """The engine's ModelConfig behind ``spec`` (None for the fixtures), for the MoE section."""
+    from roofline.config import MODEL_PRESETS, ModelConfig, model_preset
+
+    if spec in MODEL_PRESETS:
+        return model_preset(spec)
+    path = Path(spec)
+    path = path / "config.json" if path.is_dir() else path
+    return ModelConfig.from_hf_config(json.loads(path.read_text())) if path.is_file() else None
+
+
+def _moe_section(spec: str, hw: Any, fmt: str, batches: list[int], context: int, kv_dtype: str,
+                 shape: cm.ModelShape, ep: int | None = None, link: Any = None) -> tuple[dict[str, Any], str] | None:
+    """Expected touched experts and the MoE floor per batch (``roofline.costmodel.moe``); None for dense models."""
+    from roofline.costmodel.moe import MoEShape, format_moe_table, moe_decode_floor
+
+    mc = _model_config(spec) if spec not in cm.FIXTURE_SHAPES else None
+    if mc is None or not mc.is_moe:
+        return None
+    moe = MoEShape.from_model_config(mc)
+    kv = shape.kv_bytes_per_sequence(context, kv_dtype)
+    rows = [moe_decode_floor(moe, b, kv, hw.memory_bandwidth, hw.peak("bf16"), fmt) for b in batches]
+    data = dict(num_experts=moe.num_experts, top_k=moe.top_k, num_moe_layers=moe.num_moe_layers,
+                expert_params=moe.expert_params, dense_params=moe.dense_params, active_params=moe.active_params,
+                format=fmt, context=context, rows=rows)
+    text = format_moe_table(moe, rows, fmt, hw.name if hasattr(hw, "name") else str(hw))
+    if ep is not None and ep > 1:  # a projection for expert parallelism on ``ep`` GPUs
+        from roofline.costmodel.moe import moe_ep_projection
+
+        proj = [moe_ep_projection(moe, ep, b, kv, hw.memory_bandwidth, hw.peak("bf16"), mc.num_hidden_layers,
+                                  mc.hidden_size, link.bandwidth, link.latency_s, fmt) for b in batches]
+        data["expert_parallel_projection"] = dict(ep=ep, link=link.name, rows=proj)
+        text += (f"\nPROJECTION, expert parallel on {ep} GPUs (--tp {ep} --enable-expert-parallel; E/{ep} experts and "
+                 f"1/{ep} of attention per GPU, 2 all-reduces per layer over {link.name}; not measured):\n"
+                 f"  {'batch':>6} {'touched/GPU':>12} {'GB/GPU':>8} {'comm ms':>8} {'floor ms':>9} {'floor tok/s':>12}")
+        for r in proj:
+            text += (f"\n  {r['batch']:>6} {r['touched_per_gpu']:>12.2f} {r['weight_bytes_per_gpu'] / 1e9:>8.3f} "
+                     f"{r['comm_s'] * 1e3:>8.3f} {r['floor_s'] * 1e3:>9.3f} {r['floor_tok_per_s']:>12.1f}")
+    return data, text
+
+
 def _validate(args: argparse.Namespace) -> None:
-    if args.batch is not None and args.batch < 1:
-        raise ValueError(f"--batch must be an integer >= 1, got {args.batch}")
+    batches = _batches(args)
+    if batches is not None and min(batches) < 1:
+        raise ValueError(f"--batch must be an integer >= 1, got {min(batches)}")
     if args.context is not None and args.context < 0:
         raise ValueError(f"--context must be an integer >= 0 tokens, got {args.context}")
     if not (0.0 <= args.alpha < 1.0):
@@ -141,7 +195,8 @@ def run_cost(args: argparse.Namespace) -> int:
         formats = args.format or list(cm.DEFAULT_FORMATS)
         for f in formats:
             cm.parse_weight_format(f)
-        batch = args.batch if args.batch is not None else defaults.get("batch", DEFAULTS["batch"])
+        batches = _batches(args) or [defaults.get("batch", DEFAULTS["batch"])]
+        batch = batches[0]
         context = args.context if args.context is not None else defaults.get("context", DEFAULTS["context"])
         kv_dtype = args.kv_dtype or defaults.get("kv_dtype", DEFAULTS["kv_dtype"])
         plain = args.plain_step_ms / 1e3 if args.plain_step_ms is not None else defaults.get("plain_step_s")
@@ -156,6 +211,10 @@ def run_cost(args: argparse.Namespace) -> int:
             report["parallel"] = build_parallel(shape, hw, formats[0], batch, context, kv_dtype, args.tp, args.pp,
                                                 args.gpus, args.gpus_per_node, intra, inter, args.micro_batches,
                                                 args.best_layout)
+        moe = _moe_section(args.model, hw, formats[0], batches, context, kv_dtype, shape, args.tp,
+                           load_interconnect(args.interconnect, args.link_bandwidth, args.link_latency_us))
+        if moe is not None:
+            report["moe"] = moe[0]
     except ValueError as e:
         return _error("cost", str(e))
     if args.plot:
@@ -165,6 +224,9 @@ def run_cost(args: argparse.Namespace) -> int:
             return _error("cost", f"cannot write plot {args.plot!r}: {e}")
         report["plot"] = str(args.plot)
     print(json.dumps(report, indent=2) if args.json else format_table(report))
+    if moe is not None and not args.json:
+        print("\nThe table above counts every expert's weights (all touched: a large batch). By batch:")
+        print(moe[1])
     return 0
 
 
@@ -212,7 +274,9 @@ def add_cost_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--kv-dtype", default=None,
                    help=f"KV cache dtype ({', '.join(cm.KV_DTYPE_BYTES)}); default bf16. int8 also counts its "
                         "float32 scale per token and KV head, as the engine's pool does")
-    p.add_argument("--batch", type=int, default=None, help="sequences per step (default 32)")
+    p.add_argument("--batch", type=_batch_list, default=None,
+                   help="sequences per step (default 32); a list (1,8,64) adds rows to the MoE section, and the "
+                        "tables above use the first")
     p.add_argument("--context", type=int, default=None, help="tokens of KV per sequence (default 2048)")
     p.add_argument("--alpha", type=float, default=DEFAULTS["alpha"], help="acceptance rate in [0, 1)")
     p.add_argument("--gamma", type=int, default=DEFAULTS["gamma"], help="draft tokens per step")

@@ -15,7 +15,13 @@ SUPPORTED_ARCHITECTURES: dict[str, str] = {
     "MistralForCausalLM": "llama",
     "Qwen2ForCausalLM": "llama",
     "Qwen3ForCausalLM": "llama",
+    # Mixture-of-experts members of the family: the MLP of (some) layers is a routed MoE block.
+    "MixtralForCausalLM": "llama",
+    "Qwen2MoeForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "llama",
 }
+
+MOE_ARCHITECTURES = ("MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")
 
 
 def _check_positive(name: str, value: int | float) -> None:
@@ -51,6 +57,14 @@ class ModelConfig:
     bos_token_id: int | None = 1
     eos_token_ids: tuple[int, ...] = (2,)
     name: str = "custom"
+    # Mixture of experts (0 experts: a dense model). HF names: Mixtral's num_local_experts is num_experts here.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0  # top-k
+    moe_intermediate_size: int = 0  # each routed expert's width (Mixtral: intermediate_size)
+    norm_topk_prob: bool = True  # renormalize the top-k probabilities to sum to 1 (Mixtral: always)
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: an always-on expert with a sigmoid gate (0: none)
+    decoder_sparse_step: int = 1  # layer i is MoE when (i + 1) % step == 0 and i not in mlp_only_layers
+    mlp_only_layers: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         if self.architecture not in SUPPORTED_ARCHITECTURES:
@@ -75,6 +89,34 @@ class ModelConfig:
             object.__setattr__(self, "head_dim", self.hidden_size // self.num_attention_heads)
         if self.head_dim % 2 != 0:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+        if self.num_experts < 0:
+            raise ValueError(f"num_experts must be >= 0 (0: dense), got {self.num_experts}")
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(f"num_experts_per_tok must be in [1, num_experts={self.num_experts}], got "
+                                 f"{self.num_experts_per_tok}")
+            if self.moe_intermediate_size == 0:
+                object.__setattr__(self, "moe_intermediate_size", self.intermediate_size)
+            _check_positive("moe_intermediate_size", self.moe_intermediate_size)
+            _check_positive("decoder_sparse_step", self.decoder_sparse_step)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether decoder layer ``layer_id``'s MLP is the routed MoE block (HF's rule for Qwen-MoE)."""
+        return (self.num_experts > 0 and layer_id not in self.mlp_only_layers
+                and (layer_id + 1) % self.decoder_sparse_step == 0)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return sum(self.is_moe_layer(i) for i in range(self.num_hidden_layers))
+
+    @property
+    def expert_params(self) -> int:
+        """Parameters of one routed expert (gate, up and down: 3 * hidden * moe_intermediate_size)."""
+        return 3 * self.hidden_size * self.moe_intermediate_size if self.num_experts else 0
 
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
@@ -91,17 +133,34 @@ class ModelConfig:
     @property
     def num_params(self) -> int:
         """Parameter count (embeddings counted once when tied), the ``P`` of the bound model."""
-        h, i, layers = self.hidden_size, self.intermediate_size, self.num_hidden_layers
+        h, layers = self.hidden_size, self.num_hidden_layers
         attn = h * (self.q_size + 2 * self.kv_size) + self.q_size * h
         if self.attention_bias:
             attn += self.q_size + 2 * self.kv_size
         if self.qk_norm:
             attn += 2 * self.head_dim
-        mlp = 3 * h * i
-        per_layer = attn + mlp + 2 * h
+        per_layer = attn + 2 * h
         emb = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
-        return layers * per_layer + emb + head + h
+        mlp = sum(self._mlp_params(j) for j in range(layers))
+        return layers * per_layer + mlp + emb + head + h
+
+    def _mlp_params(self, layer_id: int) -> int:
+        h = self.hidden_size
+        if not self.is_moe_layer(layer_id):
+            return 3 * h * self.intermediate_size
+        shared = 3 * h * self.shared_expert_intermediate_size + h if self.shared_expert_intermediate_size else 0
+        return self.num_experts * (self.expert_params + h) + shared  # experts + router (+ shared and its gate)
+
+    @property
+    def num_routed_expert_params(self) -> int:
+        """Parameters in routed experts, all layers (the part a step reads only where tokens are routed)."""
+        return self.num_moe_layers * self.num_experts * self.expert_params
+
+    @property
+    def num_active_params(self) -> int:
+        """Parameters a single token reads: everything but the routed experts it is not sent to."""
+        return self.num_params - self.num_moe_layers * (self.num_experts - self.num_experts_per_tok) * self.expert_params
 
     @classmethod
     def from_hf_config(cls, cfg: dict[str, Any], name: str = "custom") -> ModelConfig:
@@ -132,8 +191,24 @@ class ModelConfig:
                 raise ValueError(f"unsupported rope_scaling type {rtype!r}; supported: 'llama3'")
         eos = cfg.get("eos_token_id", 2)
         eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        attention_bias = bool(cfg.get("attention_bias", arch == "Qwen2ForCausalLM"))
+        attention_bias = bool(cfg.get("attention_bias", cfg.get("qkv_bias", arch in ("Qwen2ForCausalLM",
+                                                                                      "Qwen2MoeForCausalLM"))))
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        moe: dict[str, Any] = {}
+        if arch in MOE_ARCHITECTURES:
+            num_experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+            if not num_experts:
+                raise ValueError(f"{arch} config has no num_experts (or num_local_experts) > 0, got {num_experts!r}")
+            moe = dict(num_experts=int(num_experts), num_experts_per_tok=int(cfg.get("num_experts_per_tok", 2)),
+                       decoder_sparse_step=int(cfg.get("decoder_sparse_step", 1)),
+                       mlp_only_layers=tuple(cfg.get("mlp_only_layers") or ()))
+            if arch == "MixtralForCausalLM":
+                moe.update(moe_intermediate_size=cfg["intermediate_size"], norm_topk_prob=True)
+            else:
+                moe.update(moe_intermediate_size=int(cfg["moe_intermediate_size"]),
+                           norm_topk_prob=bool(cfg.get("norm_topk_prob", False)),
+                           shared_expert_intermediate_size=int(cfg.get("shared_expert_intermediate_size") or 0)
+                           if arch == "Qwen2MoeForCausalLM" else 0)
         return cls(
             architecture=arch,
             vocab_size=cfg["vocab_size"],
@@ -149,16 +224,18 @@ class ModelConfig:
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             attention_bias=attention_bias,
-            qk_norm=arch == "Qwen3ForCausalLM",
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
             name=name,
+            **moe,
         )
 
     def to_hf_config(self) -> dict[str, Any]:
         """The inverse of :meth:`from_hf_config` (used to save checkpoints and to build HF oracles)."""
         model_type = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
-                      "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}[self.architecture]
+                      "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3", "MixtralForCausalLM": "mixtral",
+                      "Qwen2MoeForCausalLM": "qwen2_moe", "Qwen3MoeForCausalLM": "qwen3_moe"}[self.architecture]
         cfg: dict[str, Any] = {
             "architectures": [self.architecture],
             "model_type": model_type,
@@ -180,6 +257,14 @@ class ModelConfig:
         }
         if self.rope_scaling is not None:
             cfg["rope_scaling"] = dict(self.rope_scaling)
+        if self.architecture == "MixtralForCausalLM":
+            cfg.update(num_local_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok)
+        elif self.num_experts:
+            cfg.update(num_experts=self.num_experts, num_experts_per_tok=self.num_experts_per_tok,
+                       moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                       decoder_sparse_step=self.decoder_sparse_step, mlp_only_layers=list(self.mlp_only_layers),
+                       shared_expert_intermediate_size=self.shared_expert_intermediate_size,
+                       qkv_bias=self.attention_bias)
         return cfg
 
 
@@ -198,6 +283,18 @@ MODEL_PRESETS: dict[str, dict[str, Any]] = {
                      num_key_value_heads=8, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
                      max_position_embeddings=40960, qk_norm=True, bos_token_id=None,
                      eos_token_ids=(151645,)),
+    # Mixture of experts (mistralai/Mixtral-8x7B-v0.1, Qwen/Qwen3-30B-A3B config.json).
+    "mixtral-8x7b": dict(architecture="MixtralForCausalLM", vocab_size=32000, hidden_size=4096,
+                         intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, rms_norm_eps=1e-5, rope_theta=1000000.0,
+                         max_position_embeddings=32768, bos_token_id=1, eos_token_ids=(2,), num_experts=8,
+                         num_experts_per_tok=2, moe_intermediate_size=14336, norm_topk_prob=True),
+    "qwen3-30b-a3b": dict(architecture="Qwen3MoeForCausalLM", vocab_size=151936, hidden_size=2048,
+                          intermediate_size=6144, num_hidden_layers=48, num_attention_heads=32,
+                          num_key_value_heads=4, head_dim=128, rms_norm_eps=1e-6, rope_theta=1000000.0,
+                          max_position_embeddings=40960, qk_norm=True, bos_token_id=None,
+                          eos_token_ids=(151645,), num_experts=128, num_experts_per_tok=8,
+                          moe_intermediate_size=768, norm_topk_prob=True),
     "smollm2-135m": dict(architecture="LlamaForCausalLM", vocab_size=49152, hidden_size=576,
                          intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
                          num_key_value_heads=3, rms_norm_eps=1e-5, rope_theta=100000.0,

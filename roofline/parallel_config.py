@@ -55,6 +55,9 @@ class ParallelConfig:
     # engine and one rank's worker (multi-node; docs/distributed.md); None: "mp" above size 1, else "uni".
     distributed_executor_backend: str | None = None
     pipeline_layer_partition: tuple[int, ...] | None = None
+    # MoE: the tensor-parallel ranks of a stage split the experts (E / tp whole experts each) instead of
+    # each expert's width (vLLM's --enable-expert-parallel); attention and dense layers stay tensor-parallel.
+    enable_expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         if self.distributed_executor_backend not in (None, "uni", "mp", "external_launcher"):
@@ -84,8 +87,11 @@ class ParallelConfig:
         split evenly; KV heads are split, or replicated when ``tp`` exceeds them; the vocabulary is padded."""
         if model.num_attention_heads % tp:
             return f"does not divide the {model.num_attention_heads} attention heads"
-        if model.intermediate_size % tp:
+        dense_layers = model.num_hidden_layers - model.num_moe_layers
+        if model.intermediate_size % tp and dense_layers:
             return f"does not divide the MLP width {model.intermediate_size} (intermediate_size)"
+        if model.shared_expert_intermediate_size % tp:
+            return f"does not divide the shared expert's width {model.shared_expert_intermediate_size}"
         kv = model.num_key_value_heads
         if kv % tp and tp % kv:
             return f"and the {kv} KV heads must divide one another"
@@ -100,6 +106,19 @@ class ParallelConfig:
         stage_layer_ranges(model.num_hidden_layers, self.pipeline_parallel_size,
                            list(self.pipeline_layer_partition) if self.pipeline_layer_partition else None)
         tp = self.tensor_parallel_size
+        if model.is_moe and self.enable_expert_parallel and model.num_experts % tp:
+            sizes = [d for d in range(1, model.num_experts + 1) if model.num_experts % d == 0
+                     and self._shard_problem(model, d) is None]
+            raise ValueError(f"expert parallel size {tp} (tensor_parallel_size with enable_expert_parallel) does "
+                             f"not divide the {model.num_experts} experts of {model.name}; sizes that do: "
+                             + ", ".join(map(str, sizes)))
+        if model.is_moe and not self.enable_expert_parallel and model.moe_intermediate_size % tp:
+            raise ValueError(f"tensor_parallel_size {tp} does not divide the experts' width "
+                             f"{model.moe_intermediate_size} (moe_intermediate_size) of {model.name}; use "
+                             f"enable_expert_parallel or one of: "
+                             + ", ".join(str(d) for d in range(1, model.num_attention_heads + 1)
+                                         if model.moe_intermediate_size % d == 0
+                                         and self._shard_problem(model, d) is None))
         problem = self._shard_problem(model, tp)
         if problem is not None:
             allowed = [d for d in range(1, model.num_attention_heads + 1) if self._shard_problem(model, d) is None]

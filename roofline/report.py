@@ -35,16 +35,31 @@ def decode_floor(llm: Any, hardware: str | None = None) -> dict[str, Any] | None
         bandwidth = hw.measure_read_bandwidth(str(worker.device))
         peak = hw.measure_gemm_flops(str(worker.device), dtype)
         source = f"read bandwidth and {dtype} GEMM rate measured in-process on {worker.device}"
+    weight_bytes, params, moe = worker.weight_bytes_per_step, engine.model_config.num_params, None
+    if getattr(engine.model_config, "is_moe", False):
+        # MoE: the dense weights plus the experts a step of this batch touches, from the routing measured in
+        # this run (tokens per expert, counted on the device; uniform routing where not counted).
+        from roofline.costmodel.moe import moe_step_bytes, touched_experts_from_counts
+        from roofline.layers.moe import expert_token_counts
+
+        counts = expert_token_counts(worker.model) if getattr(worker, "model", None) is not None else None
+        mc = engine.model_config
+        touched = touched_experts_from_counts(counts, mc.num_experts_per_tok, mean_batch) if counts else None
+        weight_bytes, params = moe_step_bytes(mc, weight_bytes, mean_batch, touched)
+        moe = dict(touched_experts_per_layer=touched, touched_source="measured routing" if counts else
+                   "uniform routing (not counted)")
     report = costmodel.decode_floor_report(
-        weight_bytes=worker.weight_bytes_per_step,
+        weight_bytes=weight_bytes,
         kv_bytes_read=mean_ctx * worker.kv_bytes_per_token,
-        flops=2.0 * engine.model_config.num_params * mean_batch,
+        flops=2.0 * params * mean_batch,
         bandwidth_bytes_per_s=bandwidth,
         peak_flops=peak,
         measured_step_s=stats.mean_decode_step_s,
     )
     report.update(bandwidth_bytes_per_s=bandwidth, peak_flops=peak, bandwidth_source=source, mean_batch=mean_batch,
                   mean_context_tokens=mean_ctx / max(mean_batch, 1e-9))
+    if moe is not None:
+        report["moe"] = moe
     return report
 
 
@@ -85,4 +100,8 @@ def print_run_summary(llm: Any, floor: str = "probe", hardware: str | None = Non
     peak = f", {rep['peak_flops'] / 1e12:.3f} TFLOP/s" if rep.get("peak_flops") else ""
     print(f"floor inputs:       {rep['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s{peak} ({rep['bandwidth_source']}); "
           f"bound by {rep['bound_by']}")
+    if rep.get("moe") is not None:
+        t = rep["moe"]["touched_experts_per_layer"]
+        print(f"MoE floor:          the dense weights + {'expected (uniform)' if t is None else f'{t:.2f}'} experts "
+              f"per layer per decode step ({rep['moe']['touched_source']})")
     print(rep["text"])

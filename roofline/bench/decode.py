@@ -201,6 +201,7 @@ def _decode_points(args, engine, fmt, batches, contexts, bandwidth, peak, quanti
     """Rows carry ``quantization`` (the weight format, "none" when unquantized) and ``kv_cache_dtype`` (the
     KV-cache flag's value) as separate fields, and ``config``: the configuration's label in the table."""
     from roofline import costmodel
+    from roofline.bench.moe import moe_step_bytes
 
     worker = engine.worker
     capacity = engine.block_manager.num_blocks * engine.block_manager.block_size
@@ -221,14 +222,17 @@ def _decode_points(args, engine, fmt, batches, contexts, bandwidth, peak, quanti
             times = time_decode(engine, batch, context, args.steps, args.warmup)
             step = statistics.median(times)
             mean_ctx = context + args.warmup + args.steps / 2
+            # MoE: the dense weights plus the experts this batch is expected to touch (roofline.bench.moe).
+            moe = moe_step_bytes(engine.model_config, worker.weight_bytes_per_step, batch)
+            weight_bytes, params = moe or (worker.weight_bytes_per_step, engine.model_config.num_params)
             rep = costmodel.decode_floor_report(
-                weight_bytes=worker.weight_bytes_per_step,
+                weight_bytes=weight_bytes,
                 kv_bytes_read=batch * mean_ctx * worker.kv_bytes_per_token,
-                flops=2.0 * engine.model_config.num_params * batch,
+                flops=2.0 * params * batch,
                 bandwidth_bytes_per_s=bandwidth, peak_flops=peak, measured_step_s=step,
             )
             row = dict(config=fmt, quantization=quantization, kv_cache_dtype=kv_cache_dtype, batch=batch, context=context, step_ms=step * 1e3, tok_per_s=batch / step,
-                       floor_ms=rep["floor_s"] * 1e3, floor_tok_per_s=batch / rep["floor_s"],
+                       weight_bytes_read=weight_bytes, floor_ms=rep["floor_s"] * 1e3, floor_tok_per_s=batch / rep["floor_s"],
                        fraction_of_floor=rep["fraction_of_floor"], bound_by=rep["bound_by"],
                        async_scheduling=engine.config.async_scheduling,
                        step_ms_p10=sorted(times)[len(times) // 10] * 1e3,

@@ -29,6 +29,7 @@ class ParallelState:
     pp_size: int = 1
     tp_group: Any = None  # torch.distributed group of this stage's ranks (None: the default group)
     layer_range: tuple[int, int] | None = None  # this stage's decoder layers [start, end) (None: all)
+    enable_expert_parallel: bool = False  # MoE layers: experts split over the tp group (roofline.layers.moe)
 
     def __post_init__(self) -> None:
         for name, rank, size in (("tp", self.tp_rank, self.tp_size), ("pp", self.pp_rank, self.pp_size)):

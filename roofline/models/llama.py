@@ -1,5 +1,6 @@
 """One decoder for the Llama family: Llama 2/3/3.1, Mistral, Qwen2/2.5 (QKV bias), Qwen3 (q/k RMSNorm),
-SmolLM2 (tied embeddings). GQA and any head_dim.
+SmolLM2 (tied embeddings), and its mixture-of-experts members: Mixtral, Qwen2-MoE (shared expert with a
+sigmoid gate), Qwen3-MoE, whose MLP is a routed MoE block on the layers the config names. GQA and any head_dim.
 
 Module names match Hugging Face checkpoints (``model.layers.0.self_attn.qkv_proj`` holds HF's q/k/v), so
 loading is a name mapping plus each parameter's ``weight_loader``. The model holds no kernel code and no
@@ -16,7 +17,13 @@ from roofline.attention import Attention, AttentionBackend, AttentionMetadata
 from roofline.config import ModelConfig
 from roofline.distributed.parallel_state import get_parallel_state
 from roofline.layers.activation import silu_and_mul
-from roofline.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from roofline.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+)
+from roofline.layers.moe import FusedMoE
 from roofline.layers.norm import RMSNorm
 from roofline.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from roofline.quant.base import QuantConfig
@@ -55,16 +62,49 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str):
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str,
+                 intermediate_size: int | None = None):
         super().__init__()
+        width = intermediate_size or config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(
-            config.hidden_size, [config.intermediate_size] * 2, bias=False, quant_config=quant_config,
+            config.hidden_size, [width] * 2, bias=False, quant_config=quant_config,
             prefix=f"{prefix}.gate_up_proj")
-        self.down_proj = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=False,
+        self.down_proj = RowParallelLinear(width, config.hidden_size, bias=False,
                                            quant_config=quant_config, prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+# HF names of an expert's gate, up and down projections, per architecture (Qwen's are the default).
+_EXPERT_NAMES = {"MixtralForCausalLM": ("w1", "w3", "w2")}
+_QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+
+
+class LlamaSparseMoeBlock(nn.Module):
+    """The MLP of an MoE layer: router ``gate`` (16-bit, replicated) -> ``experts`` (``FusedMoE``: top-k
+    routing, the experts, the reduction across ranks), plus, for Qwen2-MoE, ``shared_expert`` (a dense MLP)
+    scaled by ``sigmoid(shared_expert_gate(x))``. Module names are HF's, so loading is a name mapping."""
+
+    def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str):
+        super().__init__()
+        self.gate = ReplicatedLinear(config.hidden_size, config.num_experts, bias=False, prefix=f"{prefix}.gate")
+        self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
+                                config.moe_intermediate_size, renormalize=config.norm_topk_prob,
+                                quant_config=quant_config, prefix=f"{prefix}.experts",
+                                checkpoint_names=_EXPERT_NAMES.get(config.architecture, _QWEN_EXPERT_NAMES))
+        self.has_shared_expert = config.shared_expert_intermediate_size > 0
+        if self.has_shared_expert:
+            self.shared_expert = LlamaMLP(config, quant_config, f"{prefix}.shared_expert",
+                                          intermediate_size=config.shared_expert_intermediate_size)
+            self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, bias=False,
+                                                       prefix=f"{prefix}.shared_expert_gate")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.experts(x, self.gate(x))  # [T, H]
+        if self.has_shared_expert:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -72,7 +112,14 @@ class LlamaDecoderLayer(nn.Module):
                  quant_config: QuantConfig | None, prefix: str):
         super().__init__()
         self.self_attn = LlamaAttention(config, backend, layer_id, quant_config, f"{prefix}.self_attn")
-        self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
+        hf_layer_id = int(prefix.rsplit(".", 1)[-1])
+        if config.is_moe_layer(hf_layer_id):
+            # Mixtral's checkpoint calls the MoE block ``block_sparse_moe``; Qwen's ``mlp``.
+            self.mlp_name = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
+            self.add_module(self.mlp_name, LlamaSparseMoeBlock(config, quant_config, f"{prefix}.{self.mlp_name}"))
+        else:
+            self.mlp_name = "mlp"
+            self.mlp = LlamaMLP(config, quant_config, f"{prefix}.mlp")
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -86,7 +133,7 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual)
         x = self.self_attn(positions, x, meta)
         x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return getattr(self, self.mlp_name)(x), residual
 
 
 class PPMissingLayer(nn.Identity):
@@ -169,6 +216,11 @@ class LlamaForCausalLM(nn.Module):
         ("gate_proj", "gate_up_proj", 0),
         ("up_proj", "gate_up_proj", 1),
     )
+    # MoE: an expert's HF projection -> (our stacked parameter of ``FusedMoE``, projection index), for
+    # ``<prefix>.experts.<e>.<name>.weight`` (matched before ``stacked_params``; vLLM's expert_params_mapping).
+    expert_params_mapping = {"w1": ("w13_weight", 0), "w3": ("w13_weight", 1), "w2": ("w2_weight", 2),
+                             "gate_proj": ("w13_weight", 0), "up_proj": ("w13_weight", 1),
+                             "down_proj": ("w2_weight", 2)}
 
     def __init__(self, config: ModelConfig, backend: AttentionBackend, quant_config: QuantConfig | None = None):
         super().__init__()

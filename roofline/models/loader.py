@@ -13,6 +13,7 @@ import importlib.util
 import json
 import logging
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -147,7 +148,7 @@ def sliding_window(cfg: dict[str, Any]) -> int | None:
     if window is None:
         return None
     arch = (cfg.get("architectures") or [""])[0]
-    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM") and not cfg.get("use_sliding_window", False):
+    if arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM") and not cfg.get("use_sliding_window", False):
         return None
     layer_types = cfg.get("layer_types")
     if layer_types is not None:
@@ -315,10 +316,25 @@ def _expected_shards(model: torch.nn.Module, params: dict[str, torch.nn.Paramete
         if (name == "lm_head.weight" and getattr(model.config, "tie_word_embeddings", False)
                 and "model.embed_tokens.weight" in params):  # the same tensor (a last stage alone owns it)
             continue
+        expert_shards = getattr(params[name], "expected_shards", None)  # FusedMoE: (expert, projection) pairs
+        if expert_shards is not None:
+            expected.update((name, s) for s in expert_shards)
+            continue
         module_name = name.rsplit(".", 1)[0]
         shards = shards_of.get(module_name.rsplit(".", 1)[-1])
         expected.update((name, s) for s in shards) if shards else expected.add((name, None))
     return expected
+
+
+_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.(\d+)\.(\w+)\.weight$")  # <prefix>.experts.<e>.<proj>.weight
+
+
+def _shard_label(params: dict[str, torch.nn.Parameter], name: str, shard: Any) -> str:
+    """How a missing (parameter, shard) is named: the checkpoint tensor for an expert, else ``name:shard``."""
+    expert_names = getattr(params[name], "expected_shards", None)
+    if expert_names is not None:
+        return expert_names[shard]
+    return f"{name}:{shard}" if shard is not None else name
 
 
 def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tensor]]) -> None:
@@ -335,6 +351,7 @@ def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tens
     """
     params = dict(model.named_parameters(remove_duplicate=False))
     stacked = getattr(model, "stacked_params", ())
+    experts = getattr(model, "expert_params_mapping", {})
     tied = getattr(model.config, "tie_word_embeddings", False)
     loaded: set[tuple[str, Any]] = set()
     stage_name = getattr(model, "checkpoint_name", None)  # pipeline parallelism: this stage's tensors only
@@ -347,10 +364,15 @@ def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tens
                 continue
             hf_name = name
         target, shard = hf_name, None
-        for hf_part, our_part, shard_id in stacked:
-            if f".{hf_part}." in hf_name:
-                target, shard = hf_name.replace(f".{hf_part}.", f".{our_part}."), shard_id
-                break
+        m = _EXPERT_TENSOR.match(hf_name) if experts else None
+        if m is not None and m.group(3) in experts and f"{m.group(1)}.{experts[m.group(3)][0]}" in params:
+            param_name, proj = experts[m.group(3)]
+            target, shard = f"{m.group(1)}.{param_name}", (int(m.group(2)), proj)
+        else:
+            for hf_part, our_part, shard_id in stacked:
+                if f".{hf_part}." in hf_name:
+                    target, shard = hf_name.replace(f".{hf_part}.", f".{our_part}."), shard_id
+                    break
         if target not in params:
             raise ValueError(f"checkpoint tensor {hf_name!r} has no matching parameter in the model")
         param = params[target]
@@ -363,7 +385,7 @@ def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tens
         except ValueError as e:
             raise ValueError(f"cannot load {hf_name!r}: {e}") from e
         loaded.add((target, shard))
-    missing = sorted(f"{n}:{s}" if s is not None else n for n, s in _expected_shards(model, params) - loaded)
+    missing = sorted(_shard_label(params, n, s) for n, s in _expected_shards(model, params) - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
         raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")

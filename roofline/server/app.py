@@ -145,6 +145,17 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return message, param
 
 
+def _expert_counts(async_engine: AsyncLLMEngine) -> Callable[[], list[list[int]] | None] | None:
+    """The MoE token-count reader for /metrics: the in-process worker's model (None for dense models or
+    worker processes, whose counts stay in their own process)."""
+    model = getattr(getattr(async_engine.engine, "worker", None), "model", None)
+    if model is None or not getattr(async_engine.engine.model_config, "is_moe", False):
+        return None
+    from roofline.layers.moe import expert_token_counts
+
+    return lambda: expert_token_counts(model)
+
+
 def build_app(
     engine: EngineArgs | LLMEngine | AsyncLLMEngine,
     *,
@@ -189,7 +200,7 @@ def build_app(
     # /v1/models lists the names the user gave (all of them, as vLLM), or else the one default name; the
     # default's other spelling (the config's name) is accepted in ``model`` as an alias, not listed.
     listed_names = config.served_model_names or model_names[:1]
-    metrics = ServerMetrics(model_names[0], async_engine.state)
+    metrics = ServerMetrics(model_names[0], async_engine.state, _expert_counts(async_engine))
     serving = OpenAIServing(async_engine, config, metrics, model_names)
 
     @asynccontextmanager

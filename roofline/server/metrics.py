@@ -65,9 +65,11 @@ CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 class _EngineCollector(Collector):
     """Gauges and the engine's counters (preemptions, prefix cache), read from ``AsyncLLMEngine.state()`` on every scrape."""
 
-    def __init__(self, state: Callable[[], EngineState], model_name: str):
+    def __init__(self, state: Callable[[], EngineState], model_name: str,
+                 expert_counts: Callable[[], list[list[int]] | None] | None = None):
         self._state = state
         self._model_name = model_name
+        self._expert_counts = expert_counts
 
     def collect(self) -> Iterator[Metric]:
         state = self._state()
@@ -101,6 +103,7 @@ class _EngineCollector(Collector):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric(values, float(value))
             yield c
+        yield from self._expert_metrics(labels, values)
         sd = snap.spec_decode
         if sd is None:
             return
@@ -133,10 +136,31 @@ class _EngineCollector(Collector):
             yield g
 
 
+    def _expert_metrics(self, labels: list[str], values: list[str]) -> Iterator[Metric]:
+        """MoE models: tokens routed to each expert, summed over the MoE layers, so that routing imbalance
+        (and, with expert parallelism, the load of each rank's experts) is visible; and max / mean over experts."""
+        counts = self._expert_counts() if self._expert_counts is not None else None
+        if not counts:
+            return
+        per_expert = [sum(col) for col in zip(*counts, strict=True)]
+        g = GaugeMetricFamily("roofline:moe_expert_tokens", "Tokens routed to each expert since start, summed "
+                              "over the MoE layers (top-k routing: each token counts k times per layer).",
+                              labels=labels + ["expert"])
+        for e, n in enumerate(per_expert):
+            g.add_metric(values + [str(e)], float(n))
+        yield g
+        mean = sum(per_expert) / len(per_expert)
+        g = GaugeMetricFamily("roofline:moe_expert_load_imbalance", "Max over mean of the per-expert token counts "
+                              "(1 = balanced; 0 before any token).", labels=labels)
+        g.add_metric(values, max(per_expert) / mean if mean else 0.0)
+        yield g
+
+
 class ServerMetrics:
     """All metrics of one app, in their own registry."""
 
-    def __init__(self, model_name: str, state: Callable[[], EngineState]):
+    def __init__(self, model_name: str, state: Callable[[], EngineState],
+                 expert_counts: Callable[[], list[list[int]] | None] | None = None):
         self.registry = CollectorRegistry()
         labels = ["model_name"]
         r = self.registry
@@ -162,7 +186,7 @@ class ServerMetrics:
         success = Counter("roofline:request_success", "Requests finished, by finish reason.",
                           labels + ["finished_reason"], registry=r)
         self.request_success = {reason: success.labels(model_name, reason) for reason in FINISH_REASONS}
-        r.register(_EngineCollector(state, model_name))
+        r.register(_EngineCollector(state, model_name, expert_counts))
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric."""

@@ -111,7 +111,8 @@ def init_parallel_state(config: EngineConfig, model_config: ModelConfig, rank: i
     partition = list(pc.pipeline_layer_partition) if pc.pipeline_layer_partition else None
     ranges = stage_layer_ranges(model_config.num_hidden_layers, pp, partition)
     stage = rank // tp
-    set_parallel_state(ParallelState(rank % tp, tp, stage, pp, groups[stage], ranges[stage] if pp > 1 else None))
+    set_parallel_state(ParallelState(rank % tp, tp, stage, pp, groups[stage], ranges[stage] if pp > 1 else None,
+                                     enable_expert_parallel=pc.enable_expert_parallel))
 
 
 def _worker_main(rank: int, world: int, init_method: str, config: EngineConfig, source: loader.ModelSource,
