@@ -112,7 +112,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
     counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device)
     counts.scatter_add_(0, key, torch.ones_like(key))
     padded = (counts + block_m - 1) // block_m * block_m
-    padded[num_experts] = 0
+    padded[num_experts:].zero_()  # a kernel, not a host scalar copy (allowed inside CUDA graph capture)
     ends = torch.cumsum(padded, 0)
     starts = ends - padded
     count_starts = torch.cumsum(counts, 0) - counts
@@ -143,10 +143,17 @@ if triton is not None:
             return tl.dot(a, b, acc)
 
     @triton.jit
+    def _codes(w, FP8: tl.constexpr):
+        # FP8 expert weights arrive as their bytes (Triton cannot fill a masked fp8 load with 0): bitcast at use.
+        if FP8:
+            return w.to(tl.float8e4nv, bitcast=True)
+        return w
+
+    @triton.jit
     def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
                             num_valid, N, K, stride_xm, stride_we, stride_wn, stride_se, stride_hm,
                             TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr = False):
         """h[pair, n] = silu(x[t] . w13[e, n]) * (x[t] . w13[e, N + n]) for one block of pairs of expert e."""
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -172,8 +179,8 @@ if triton is not None:
                 wmask = mask_k[:, None] & mask_n[None, :]
                 bg = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None], mask=wmask, other=0)
                 bu = tl.load(w_base + (offs_n[None, :] + N) * stride_wn + offs_k[:, None], mask=wmask, other=0)
-                acc_g = _dot(a, bg.to(a.dtype), acc_g, IEEE)
-                acc_u = _dot(a, bu.to(a.dtype), acc_u, IEEE)
+                acc_g = _dot(a, _codes(bg, FP8).to(a.dtype), acc_g, IEEE)
+                acc_u = _dot(a, _codes(bu, FP8).to(a.dtype), acc_u, IEEE)
             if HAS_SCALE:
                 s_base = s_ptr + e.to(tl.int64) * stride_se
                 acc_g = acc_g * tl.load(s_base + offs_n, mask=mask_n, other=0.0)[None, :]
@@ -186,7 +193,7 @@ if triton is not None:
     def _moe_down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
                          num_valid, N, K, stride_hm, stride_we, stride_wn, stride_se, stride_om,
                          HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr = False):
         """out[pair, n] = topk_weight[pair] * (h[pair] . w2[e, n]) for one block of pairs of expert e."""
         pid = tl.program_id(0)
         num_n = tl.cdiv(N, BLOCK_N)
@@ -209,7 +216,7 @@ if triton is not None:
                             mask=mask_m[:, None] & mask_k[None, :], other=0.0)
                 b = tl.load(w_base + offs_n[None, :] * stride_wn + offs_k[:, None],
                             mask=mask_k[:, None] & mask_n[None, :], other=0)
-                acc = _dot(a, b.to(a.dtype), acc, IEEE)
+                acc = _dot(a, _codes(b, FP8).to(a.dtype), acc, IEEE)
             if HAS_SCALE:
                 acc = acc * tl.load(s_ptr + e.to(tl.int64) * stride_se + offs_n, mask=mask_n, other=0.0)[None, :]
             tw = tl.load(tw_ptr + ids, mask=mask_m, other=0.0)
@@ -221,7 +228,7 @@ if triton is not None:
     def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, ids_ptr, N, K, stride_am, stride_we, stride_wn,
                          stride_se, stride_om, A_ROW_DIV: tl.constexpr, GATE_UP: tl.constexpr,
                          HAS_SCALE: tl.constexpr, MUL_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+                         BLOCK_K: tl.constexpr, FP8: tl.constexpr = False):
         """The small-M path: program (pair, N tile) streams expert ids[pair]'s rows [n-tile] (and, for
         gate_up, the matching up rows) once; a GEMV against the pair's activation row a[pair // A_ROW_DIV]."""
         pair = tl.program_id(0)
@@ -240,10 +247,10 @@ if triton is not None:
                 a = tl.load(a_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
                 wmask = mask_n[:, None] & mask_k[None, :]
                 w = tl.load(w_base + offs_n[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0)
-                acc += tl.sum(w.to(tl.float32) * a[None, :], axis=1)
+                acc += tl.sum(_codes(w, FP8).to(tl.float32) * a[None, :], axis=1)
                 if GATE_UP:
                     wu = tl.load(w_base + (offs_n[:, None] + N) * stride_wn + offs_k[None, :], mask=wmask, other=0)
-                    acc_u += tl.sum(wu.to(tl.float32) * a[None, :], axis=1)
+                    acc_u += tl.sum(_codes(wu, FP8).to(tl.float32) * a[None, :], axis=1)
             if HAS_SCALE:
                 s_base = s_ptr + e.to(tl.int64) * stride_se
                 acc = acc * tl.load(s_base + offs_n, mask=mask_n, other=0.0)
@@ -318,6 +325,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     has_scale = w13_scale is not None
     s13 = w13_scale if has_scale else tw  # a dummy pointer when unused
     s2 = w2_scale if has_scale else tw
+    fp8 = w13.dtype == torch.float8_e4m3fn
+    if fp8:  # the kernels read E4M3 codes as bytes and bitcast them (see _codes)
+        w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     local = bool((topk_ids < 0).any()) if not x.is_cuda else None  # CPU: cheap; CUDA: zero-fill below
     out = (torch.zeros if local is not False else torch.empty)(num_pairs, hidden, dtype=x.dtype, device=x.device)
@@ -328,12 +338,12 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, bn))](
             x, w13, s13, h, tw, ids, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
             s13.stride(0) if has_scale else 0, h.stride(0), A_ROW_DIV=top_k, GATE_UP=True, HAS_SCALE=has_scale,
-            MUL_WEIGHT=False, BLOCK_N=bn, BLOCK_K=bk)
+            MUL_WEIGHT=False, BLOCK_N=bn, BLOCK_K=bk, FP8=fp8)
         bn = _gemv_block_n(num_pairs, hidden, x.device)
         _moe_gemv_kernel[(num_pairs, triton.cdiv(hidden, bn))](
             h, w2, s2, out, tw, ids, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1),
             s2.stride(0) if has_scale else 0, out.stride(0), A_ROW_DIV=1, GATE_UP=False, HAS_SCALE=has_scale,
-            MUL_WEIGHT=True, BLOCK_N=bn, BLOCK_K=bk)
+            MUL_WEIGHT=True, BLOCK_N=bn, BLOCK_K=bk, FP8=fp8)
     else:
         bm = _block_m(num_pairs, num_experts)
         ieee = x.dtype == torch.float32
@@ -343,10 +353,10 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         _moe_gate_up_kernel[(num_blocks * triton.cdiv(inter, bn),)](
             x, w13, s13, h, sorted_ids, expert_ids, num_post, num_pairs, inter, hidden, x.stride(0),
             w13.stride(0), w13.stride(1), s13.stride(0) if has_scale else 0, h.stride(0), TOP_K=top_k,
-            HAS_SCALE=has_scale, IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+            HAS_SCALE=has_scale, IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP8=fp8)
         _moe_down_kernel[(num_blocks * triton.cdiv(hidden, bn),)](
             h, w2, s2, out, tw, sorted_ids, expert_ids, num_post, num_pairs, hidden, inter, h.stride(0),
             w2.stride(0), w2.stride(1), s2.stride(0) if has_scale else 0, out.stride(0), HAS_SCALE=has_scale,
-            IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk)
+            IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP8=fp8)
     # The top-k sum in a fixed order (slot 0, 1, ...), in fp32.
     return out.view(num_tokens, top_k, hidden).float().sum(dim=1).to(x.dtype)
