@@ -146,7 +146,7 @@ if triton is not None:
     def _codes(w, FP8: tl.constexpr):
         # FP8 expert weights arrive as their bytes (Triton cannot fill a masked fp8 load with 0): bitcast at use.
         if FP8:
-            return w.to(tl.float8e4nv, bitcast=True)
+            w = w.to(tl.float8e4nv, bitcast=True)
         return w
 
     @triton.jit
