@@ -218,7 +218,10 @@ class AsyncLLMEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._thread is not None and self._thread.is_alive()
+        # Not running from the moment the thread records its error (it fails every request first, then exits:
+        # /health must not answer 200 in between) or closes to new requests. No lock: callers may hold _lock,
+        # and each field is one atomic read.
+        return self._thread is not None and self._thread.is_alive() and self.error is None and not self._closed
 
     @property
     def snapshot(self) -> EngineSnapshot:
