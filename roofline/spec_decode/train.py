@@ -127,7 +127,7 @@ def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: 
     """Train a ``method`` head on sequences ``seqs`` [(ids, prompt length)] and their target features
     ``feats`` ([T, H] each). A 10% slice (at least one sequence) is held out for the top-1 agreement with the
     target (EAGLE: argmax of W f̂_{p+1} == argmax of W f_{p+1}; Medusa: head 0's argmax == the token two
-    ahead). EAGLE's token loss (and its agreement) uses ``cls_rows`` random rows per sequence.
+    ahead). The token losses (and the agreement) use ``cls_rows`` random rows per sequence (and Medusa head).
 
     Returns the config, the tensors to save, the loss of every step and ``{"val_top1": ..., "steps": ...,
     "seconds": ...}``.
@@ -181,11 +181,12 @@ def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: 
             hi = len(ids) - 2 - k
             if hi <= lo:
                 continue
-            logits = out[k, lo:hi] @ lm_head.T
-            labels = t[lo + 2 + k:hi + 2 + k]
+            rows = lo + torch.randperm(hi - lo)[:cls_rows]  # as EAGLE's token loss: the LM head dominates
+            logits = out[k, rows] @ lm_head.T
+            labels = t[rows + 2 + k]
             total = total + MEDUSA_DECAY ** k * F.cross_entropy(logits, labels)
             if k == 0:
-                agree, count = int((logits.argmax(-1) == labels).sum()), hi - lo
+                agree, count = int((logits.argmax(-1) == labels).sum()), len(rows)
         return total, agree, count
 
     from tqdm import tqdm

@@ -184,6 +184,13 @@ class Worker:
         else:
             budget = CPU_DEFAULT_KV_CACHE_BYTES
         num_blocks = KVCachePool.num_blocks_for(budget, per_token, self.block_size)
+        if self.proposer is not None and self.proposer.kv_bytes_per_token:
+            # The pool split's cost, stated once: a draft KV pool shrinks the target's by its share per token.
+            alone = KVCachePool.num_blocks_for(budget, self.kv_bytes_per_token, self.block_size)
+            logger.info("speculative decoding (%s): the draft's KV takes %d of %d bytes per token, so the pool "
+                        "holds %d tokens instead of %d (%.0f%% fewer)", self.config.speculative_config.method,
+                        self.proposer.kv_bytes_per_token, per_token, num_blocks * self.block_size,
+                        alone * self.block_size, 100 * (1 - num_blocks / max(alone, 1)))
         if num_blocks < 1:
             raise ValueError(
                 f"no room for the KV cache: budget {budget / 2**20:.1f} MiB < one block "

@@ -186,3 +186,27 @@ def test_bad_configs_and_mismatched_heads(tiny_dir, heads, tmp_path):
                                                "num_speculative_tokens": 2}, **COMMON)
     with pytest.raises(ValueError, match="needs \"model\".*none ships for the target"):
         LLM(str(tiny_dir), speculative_config={"method": "eagle", "num_speculative_tokens": 2}, **COMMON)
+
+
+DEFAULT = dict(max_model_len=512, dtype="float32", device="cpu", attention_backend="torch", kv_cache_memory="256MiB")
+CHATS = [[{"role": "user", "content": "Write a short poem about the sea."}],
+         [{"role": "user", "content": "Explain what a hash table is in three sentences."}]]
+
+
+@pytest.fixture(scope="module")
+def default_greedy_ref():
+    return [o.outputs[0].token_ids for o in
+            LLM(**DEFAULT).chat(CHATS, SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_shipped_heads_are_token_identical_on_the_default_model(default_greedy_ref, method):
+    """``{"method": "eagle"}`` (and ``"medusa"``) without ``model`` loads the head shipped for the default model;
+    greedy output is the target's, token for token, and some drafts are accepted."""
+    llm = LLM(speculative_config={"method": method, "num_speculative_tokens": 3, "adaptive": False}, **DEFAULT)
+    got = [o.outputs[0].token_ids for o in llm.chat(CHATS, SamplingParams(temperature=0.0, max_tokens=48),
+                                                    use_tqdm=False)]
+    assert got == default_greedy_ref
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
