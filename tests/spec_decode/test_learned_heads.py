@@ -210,3 +210,17 @@ def test_shipped_heads_are_token_identical_on_the_default_model(default_greedy_r
     assert got == default_greedy_ref
     stats = llm.engine.spec_stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+
+
+def test_the_pool_split_is_stated_at_start_up(tiny_dir, heads, caplog):
+    """The EAGLE layer's KV (1 of the tiny target's 2 layers) is named in bytes and pool tokens at start-up."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="roofline.worker.worker"):
+        llm = LLM(str(tiny_dir), speculative_config={"method": "eagle", "model": heads["eagle"][0],
+                                                     "num_speculative_tokens": 2}, **COMMON)
+    w = llm.engine.worker
+    assert (w.kv_bytes_per_token, w.proposer.kv_bytes_per_token) == (512, 256)  # fp32, 2 KV heads x 16 dims
+    alone = (16 << 20) // (512 * 16) * 16
+    assert (f"the draft's KV takes 256 of 768 bytes per token, so the pool holds {w.num_blocks * 16} tokens "
+            f"instead of {alone} (33% fewer)") in caplog.text
