@@ -123,12 +123,13 @@ def _init_eagle_from_target(head: EagleHead, llm: Any) -> None:
 def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: list[torch.Tensor], *,
                steps: int, batch_size: int = 8, lr: float = 5e-4, num_heads: int = 4, seed: int = 0,
                max_seconds: float | None = None, progress: bool = True, cls_rows: int = 48,
-               cls_weight: float = EAGLE_CLS_WEIGHT
+               cls_weight: float = EAGLE_CLS_WEIGHT, unroll: bool = False
                ) -> tuple[DraftHeadConfig, dict[str, torch.Tensor], list[float], dict[str, float]]:
     """Train a ``method`` head on sequences ``seqs`` [(ids, prompt length)] and their target features
     ``feats`` ([T, H] each). A 10% slice (at least one sequence) is held out for the top-1 agreement with the
     target (EAGLE: argmax of W f̂_{p+1} == argmax of W f_{p+1}; Medusa: head 0's argmax == the token two
-    ahead). ``cls_weight``: EAGLE's token-loss weight (0.1 in the paper). The token losses (and the agreement) use ``cls_rows`` random rows per sequence (and Medusa head).
+    ahead). ``cls_weight``: EAGLE's token-loss weight (0.1 in the paper); ``unroll``: add the losses of a second
+    pass that reads the head's own predicted features. The token losses (and the agreement) use ``cls_rows`` random rows per sequence (and Medusa head).
 
     Returns the config, the tensors to save, the loss of every step and ``{"val_top1": ..., "steps": ...,
     "seconds": ...}``.
@@ -173,6 +174,12 @@ def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: 
                 p_tgt = torch.softmax(tgt_logits, dim=-1)
             logits = pred[rows] @ lm_head.T
             cls = -(p_tgt * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+            if unroll:
+                # One unrolled step (after EAGLE-3's training-time test): row p reads the head's own f̂_p
+                # (predicted from f_{p-1}), as drafts past the first do at inference.
+                pred2 = model(torch.cat([f[:1], pred[:-1]]), embed[t[1:]], torch.arange(len(ids) - 1), cos_sin)
+                reg = reg + F.smooth_l1_loss(pred2, target)
+                cls = cls - (p_tgt * torch.log_softmax(pred2[rows] @ lm_head.T, dim=-1)).sum(-1).mean()
             agree = int((logits.argmax(-1) == tgt_logits.argmax(-1)).sum())
             return reg + cls_weight * cls, agree, len(tgt_logits)
         out = model(f)  # [K, T, H]
@@ -268,10 +275,10 @@ def run_train_draft(args: argparse.Namespace) -> int:
     cfg, tensors, losses, stats = train_head(llm, args.method, seqs, feats, steps=args.steps,
                                              batch_size=args.batch_size, lr=args.lr, num_heads=args.num_heads,
                                              seed=args.seed, max_seconds=args.max_train_seconds,
-                                             cls_weight=args.cls_weight)
+                                             cls_weight=args.cls_weight, unroll=args.unroll)
     stats.update(num_prompts=len(prompts), num_sequences=len(seqs), num_tokens=n_tokens,
                  max_tokens=args.max_tokens, regenerate_seconds=round(t_gen, 1), lr=args.lr,
-                 batch_size=args.batch_size, cls_weight=args.cls_weight, first_loss=losses[0], last_loss=losses[-1],
+                 batch_size=args.batch_size, cls_weight=args.cls_weight, unroll=args.unroll, first_loss=losses[0], last_loss=losses[-1],
                  total_seconds=round(time.perf_counter() - t_start, 1))
     cfg = replace(cfg, training=stats)
     save_head(args.output, cfg, tensors, torch.float16 if args.save_fp16 else torch.float32)
@@ -296,6 +303,8 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-heads", type=int, default=4, help="Medusa heads K (default 4)")
     p.add_argument("--cls-weight", type=float, default=EAGLE_CLS_WEIGHT,
                    help="EAGLE: the token loss's weight beside the feature regression (default 0.1, the paper's)")
+    p.add_argument("--unroll", action="store_true", help="EAGLE: also train on its own predicted features (one "
+                                                         "unrolled step)")
     p.add_argument("--max-train-seconds", type=float, default=None, help="stop training after this long")
     p.add_argument("--device", default="auto")
     p.add_argument("--kv-cache-memory", default="2GiB", help="the target's KV pool while regenerating (too small a "

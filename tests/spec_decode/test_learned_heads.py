@@ -87,6 +87,15 @@ def test_training_loss_falls(heads, method, factor, tmp_path):
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_unrolled_eagle_training_loss_falls(tiny, tiny_data):
+    """With ``unroll`` (a second pass on the head's own predicted features) the summed loss falls too."""
+    seqs, feats = tiny_data
+    _, tensors, losses, _ = train.train_head(tiny, "eagle", seqs, feats, steps=24, batch_size=4, lr=5e-3,
+                                             unroll=True, progress=False)
+    assert np.mean(losses[-4:]) < 0.8 * np.mean(losses[:4]), losses
+    assert tensors["fc.weight"].shape == (64, 128)
+
+
 def test_engine_eagle_layer_equals_the_trained_module(tiny_dir, heads):
     """The paged one-layer draft in the engine (fused qkv / gate_up, the backend's RoPE and KV cache) gives
     the training module's outputs on the same features and tokens, over 2 packed rows."""
