@@ -122,7 +122,8 @@ class EngineArgs:
     def __post_init__(self) -> None:
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
-        if self.speculative_config is not None and self.speculative_config.model is not None:
+        if (self.speculative_config is not None and self.speculative_config.model is not None
+                and self.speculative_config.method == "draft_model"):  # eagle/medusa heads: checked at load
             self._draft_source()  # a missing draft checkpoint fails here, before the target loads
         # The weight format is checked at construction (LLM(quantization=...) fails before any loading).
         if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
@@ -195,7 +196,7 @@ class EngineArgs:
         if spec is not None and spec.num_layers is not None and spec.num_layers >= model_config.num_hidden_layers:
             raise ValueError(f"speculative_config num_layers must be in [1, {model_config.num_hidden_layers - 1}] "
                              f"(the target has {model_config.num_hidden_layers} layers), got {spec.num_layers}")
-        if spec is not None and spec.model is not None:
+        if spec is not None and spec.model is not None and spec.method == "draft_model":
             from roofline.config import check_draft_vocab
             from roofline.models import loader
 

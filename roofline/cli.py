@@ -1,4 +1,4 @@
-"""``roofline {generate, chat, serve, bench, cost, probe, eval, quantize}``.
+"""``roofline {generate, chat, serve, bench, cost, probe, eval, quantize, train-draft}``.
 
 Subcommands live beside what they drive and register themselves through ``add_parser(subparsers)``;
 each module is imported only when its parser is built, and heavy imports happen inside handlers.
@@ -20,6 +20,7 @@ _COMMANDS = [
     ("roofline.cost_cli", "add_probe_parser"),
     ("roofline.eval.cli", "add_eval_parser"),
     ("roofline.quantize_cli", "add_quantize_parser"),
+    ("roofline.spec_decode.train", "add_train_draft_parser"),
 ]
 _BENCH_COMMANDS = [
     ("roofline.bench.serve", "add_parser"),

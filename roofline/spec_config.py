@@ -11,7 +11,8 @@ from typing import Any
 
 from roofline.model_config import ModelConfig
 
-SPECULATIVE_METHODS = ("ngram", "draft_model")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "medusa")
+LEARNED_HEAD_METHODS = ("eagle", "medusa")  # heads written by `roofline train-draft` (spec_decode/heads.py)
 _SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
               "quantization", "num_layers", "adaptive")
 MAX_SPECULATIVE_TOKENS = 16
@@ -26,6 +27,10 @@ class SpeculativeConfig:
     ``prompt_lookup_max`` .. ``prompt_lookup_min`` tokens) or ``draft_model``. ``num_speculative_tokens`` is
     gamma_max, the most drafts per request and step. ``adaptive`` (default True) lets the policy pick gamma in
     [0, gamma_max] each step (``roofline.spec_decode.policy``); False pins gamma_max.
+
+    ``eagle`` (EAGLE-1: one decoder layer on the target's features) and ``medusa`` (Medusa-1: residual heads,
+    ``num_speculative_tokens`` <= their count) read a head directory from ``model`` (``roofline train-draft``);
+    without ``model``, the head shipped for the target (the default model's EAGLE head) is used.
 
     ``draft_model`` drafts with:
     - ``model``: a separate checkpoint (HF directory, GGUF file, or ``default``) with the target's vocabulary,
@@ -73,6 +78,15 @@ class SpeculativeConfig:
             for name in ("model", "quantization", "num_layers"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"speculative_config {name} applies to method 'draft_model', not 'ngram'")
+            return
+        if self.method in LEARNED_HEAD_METHODS:
+            for name in ("prompt_lookup_min", "prompt_lookup_max", "quantization", "num_layers"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config {name} does not apply to method {self.method!r} (its keys: "
+                                     f"method, num_speculative_tokens, model, adaptive)")
+            if self.model is not None and not (isinstance(self.model, str) and self.model):
+                raise ValueError(f"speculative_config model must be a {self.method} head directory (written by "
+                                 f"`roofline train-draft --method {self.method}`), got {self.model!r}")
             return
         if self.method != "draft_model":
             return  # another registered proposer: its options are its own

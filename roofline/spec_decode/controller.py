@@ -58,6 +58,11 @@ class SpecController:
         elif spec.method == "draft_model":  # a separate draft: its weight bytes over the target's (decode reads)
             draft_cost = (profile.draft_weight_bytes / weight_bytes if profile.draft_weight_bytes is not None
                           else 0.5)
+        elif spec.method in ("eagle", "medusa"):  # a learned head: one layer (EAGLE) and the LM head per draft
+            mc = model_config
+            lm_head = mc.vocab_size * mc.hidden_size
+            layer = max(num_params - lm_head * (1 if mc.tie_word_embeddings else 2), 0) / mc.num_hidden_layers
+            draft_cost = ((layer if spec.method == "eagle" else mc.hidden_size ** 2) + lm_head) / num_params
         logger.info("speculative decoding: %s, gamma_max %d, %s; verify ratio from %.1f GB/s and %.2f TFLOP/s "
                     "(%s, measured)", spec.method, spec.num_speculative_tokens,
                     "adaptive gamma" if spec.adaptive else "fixed gamma", bandwidth / 1e9, peak / 1e12, profile.dtype)

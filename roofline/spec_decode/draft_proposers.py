@@ -39,6 +39,10 @@ class AutoregressiveProposer(DeviceProposer):
     def reset(self, row: int) -> None:  # noqa: B027
         """A new sequence in ``row`` of the persistent batch."""
 
+    def observe(self, worker: Any, step: Any, hidden: torch.Tensor) -> None:  # noqa: B027
+        """Every step's final hidden states [T, H] (flat, ``step.scheduled`` order), before the worker advances
+        ``num_computed_tokens``: the features a learned drafter reads (``roofline.spec_decode.eagle``)."""
+
     def rewind(self, row: int, num_valid: int) -> None:  # noqa: B027
         """After verification: the row's draft state is valid below ``num_valid`` positions at most."""
 

@@ -74,6 +74,8 @@ class NgramProposer(Proposer):
 PROPOSERS: dict[str, Any] = {
     "ngram": NgramProposer,
     "draft_model": "roofline.spec_decode.draft_proposers:draft_model_proposer",
+    "eagle": "roofline.spec_decode.eagle:EagleProposer",
+    "medusa": "roofline.spec_decode.medusa:MedusaProposer",
 }
 
 

@@ -20,7 +20,8 @@ CPU_STEP_TARGET_S = 0.5  # a CPU step's token budget aims below this (see profil
 
 
 @torch.inference_mode()
-def score(worker: Any, token_ids: list[int], block_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
+def score(worker: Any, token_ids: list[int], block_ids: list[int], chunk_size: int | None = None,
+          hidden_states: bool = False) -> torch.Tensor:
     """Next-token log-probabilities at every position of one sequence: the evaluation path.
 
     The sequence runs as a chunked prefill outside the step loop: chunks of ``chunk_size`` tokens (default:
@@ -38,7 +39,9 @@ def score(worker: Any, token_ids: list[int], block_ids: list[int], chunk_size: i
 
     Returns:
         [T, vocab_size] fp32 log-probabilities on the worker's device. Row t is the distribution of token
-        t+1 given tokens 0..t (the last row predicts past the sequence).
+        t+1 given tokens 0..t (the last row predicts past the sequence). With ``hidden_states``: the final
+        (normed) hidden states [T, hidden_size] in the model dtype instead, the LM head's input (the features
+        a learned drafter trains on, ``roofline.spec_decode.train``).
 
     Raises:
         ValueError: an empty or too long sequence, an id out of range, too few or out-of-range blocks,
@@ -65,12 +68,16 @@ def score(worker: Any, token_ids: list[int], block_ids: list[int], chunk_size: i
     pos = np.arange(n_tokens, dtype=np.int64)  # [T]
     slots = slot_mapping(table[None, :], np.zeros(n_tokens, dtype=np.int64), pos, bs)  # [T] flat cache slots
     ids, positions = torch.tensor(token_ids, dtype=torch.int64, device=dev), torch.from_numpy(pos).to(dev)
-    out = torch.empty(n_tokens, vocab, dtype=torch.float32, device=dev)
+    width = worker.model_config.hidden_size if hidden_states else vocab
+    out = torch.empty(n_tokens, width, dtype=worker.dtype if hidden_states else torch.float32, device=dev)
     for start in range(0, n_tokens, chunk):
         end = min(n_tokens, start + chunk)
         n = end - start
         meta = paged_metadata(slots[start:end], np.array([0, n]), np.array([end]), table[None, :], dev)
         hidden = worker.model(ids[start:end], positions[start:end], worker.backend.build_metadata(meta))
+        if hidden_states:
+            out[start:end] = hidden
+            continue
         out[start:end] = torch.log_softmax(worker.model.compute_logits(hidden), dim=-1)  # [n, V] fp32
     return out
 

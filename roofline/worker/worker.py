@@ -184,6 +184,13 @@ class Worker:
         else:
             budget = CPU_DEFAULT_KV_CACHE_BYTES
         num_blocks = KVCachePool.num_blocks_for(budget, per_token, self.block_size)
+        if self.proposer is not None and self.proposer.kv_bytes_per_token:
+            # The pool split's cost, stated once: a draft KV pool shrinks the target's by its share per token.
+            alone = KVCachePool.num_blocks_for(budget, self.kv_bytes_per_token, self.block_size)
+            logger.info("speculative decoding (%s): the draft's KV takes %d of %d bytes per token, so the pool "
+                        "holds %d tokens instead of %d (%.0f%% fewer)", self.config.speculative_config.method,
+                        self.proposer.kv_bytes_per_token, per_token, num_blocks * self.block_size,
+                        alone * self.block_size, 100 * (1 - num_blocks / max(alone, 1)))
         if num_blocks < 1:
             raise ValueError(
                 f"no room for the KV cache: budget {budget / 2**20:.1f} MiB < one block "
@@ -196,9 +203,11 @@ class Worker:
         """The per-step token budget whose prefill stays under ``CPU_STEP_TARGET_S`` (``scoring.profile_budget``)."""
         return scoring.profile_budget(self, probe_tokens)
 
-    def score(self, token_ids: list[int], block_ids: list[int], chunk_size: int | None = None) -> torch.Tensor:
-        """Next-token log-probabilities at every position of one sequence (``scoring.score``: shapes, errors)."""
-        return scoring.score(self, token_ids, block_ids, chunk_size)
+    def score(self, token_ids: list[int], block_ids: list[int], chunk_size: int | None = None,
+              hidden_states: bool = False) -> torch.Tensor:
+        """Next-token log-probabilities (or the final hidden states) at every position of one sequence
+        (``scoring.score``: shapes, errors)."""
+        return scoring.score(self, token_ids, block_ids, chunk_size, hidden_states)
 
     @property
     def draft(self) -> Any:
@@ -255,6 +264,8 @@ class Worker:
         if step.spec_token_ids or step.num_draft_tokens:
             pending.draft_duration_s = self._place_drafts(step)
         hidden, sample_rows, logits_indices = self.stage.forward(step)
+        if self.proposer is not None and hidden is not None:
+            self.proposer.observe(self, step, hidden)  # a learned drafter keeps the target's features
         prompt_plan = plan_prompt_logprobs(self.input_batch, step)  # None unless a scheduled request asks
         for (sid, n) in step.scheduled:
             self.input_batch.num_computed_tokens[self.input_batch.row_of[sid]] += n

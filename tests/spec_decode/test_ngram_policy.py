@@ -138,7 +138,8 @@ def test_stats_accounting():
 
 
 @pytest.mark.parametrize("cfg, match", [
-    ({"method": "eagle", "num_speculative_tokens": 2}, "method must be one of ngram, draft_model, got 'eagle'"),
+    ({"method": "lookahead", "num_speculative_tokens": 2},
+     "method must be one of ngram, draft_model, eagle, medusa, got 'lookahead'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 16\], got 0"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(2\)"),

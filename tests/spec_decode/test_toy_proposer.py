@@ -76,5 +76,6 @@ def test_a_toy_proposer_is_verified_exactly(monkeypatch, toy_llm, reference, off
 def test_an_unregistered_method_names_the_registered_ones():
     from roofline.config import SpeculativeConfig
 
-    with pytest.raises(ValueError, match=r"method must be one of ngram, draft_model(, toy)?, got 'medusa'"):
-        SpeculativeConfig(method="medusa", num_speculative_tokens=2)
+    with pytest.raises(ValueError, match=r"method must be one of ngram, draft_model, eagle, medusa(, toy)?, got "
+                                         r"'lookahead'"):
+        SpeculativeConfig(method="lookahead", num_speculative_tokens=2)

@@ -1,0 +1,201 @@
+"""The EAGLE-1 proposer (``"method": "eagle"``): one decoder layer of the target's architecture that reads the
+target's features (its final normed hidden states) and the next token's embedding, and predicts the next
+feature, which the target's own LM head turns into a draft distribution (``roofline.spec_decode.heads``).
+
+Positions (0-based; a row knows tokens t_0 .. t_{N-1}, the target has computed f_0 .. f_{N-2}, f_p being the
+feature whose LM head gives t_{p+1}):
+- the draft's row at position p reads (f_p, t_{p+1}) and predicts f̂_{p+1}, whose LM head gives t_{p+2};
+- a step's first pass catches the draft's KV up over the positions the target computed since the last
+  drafting step (``done[row]`` .. N - 2, real features) and drafts d_1 = t_N from position N - 2's output;
+- pass j > 0 reads (f̂_{N-2+j}, d_j) at position N - 2 + j (the previous pass's predicted feature) and drafts
+  d_{j+1}. These positions are recomputed from real features on the next step (``done`` stays at N - 1).
+
+The target's features come out of every step's forward (``observe``, called by the worker before it
+advances ``num_computed_tokens``) into a per-row ``FeatureStore``; only positions not yet read by the draft are
+kept. The draft's KV lives in its own one-layer pool indexed by the target's block ids and tables (as a
+separate draft model's does, ``roofline.spec_decode.draft_model``), so it costs 1 / num_layers of the
+target's KV per token. A prefix-cache hit reuses the draft KV of the cached blocks, which the sequence that
+wrote them filled from the same tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from roofline.attention.backend import get_attention_backend, paged_metadata, slot_mapping
+from roofline.attention.kv_cache import kv_bytes_per_token
+from roofline.spec_decode.draft_proposers import AutoregressiveProposer
+from roofline.spec_decode.heads import bundled_head, load_head
+
+logger = logging.getLogger(__name__)
+
+
+class FeatureStore:
+    """Per persistent-batch row, the target's features [n, H] at positions [start, start + n)."""
+
+    def __init__(self, max_rows: int):
+        self.start = np.zeros(max_rows, dtype=np.int64)
+        self.feats: list[torch.Tensor | None] = [None] * max_rows
+
+    def reset(self, row: int) -> None:
+        self.feats[row] = None
+
+    def observe(self, worker: Any, step: Any, hidden: torch.Tensor) -> None:
+        """Keep each scheduled row's features from this step's hidden states [T, H] (flat, in
+        ``step.scheduled`` order); positions from the row's ``num_computed_tokens`` (not yet advanced) on.
+        Features at or past that position from an earlier step (rejected drafts) are replaced."""
+        batch, offset = worker.input_batch, 0
+        for sid, n in step.scheduled:
+            row = batch.row_of[sid]
+            c = int(batch.num_computed_tokens[row])
+            new = hidden[offset:offset + n].clone()  # a CUDA graph's output buffer is reused next step
+            offset += n
+            old = self.feats[row]
+            if old is None or not self.start[row] <= c <= self.start[row] + len(old):
+                self.start[row], self.feats[row] = c, new
+            else:
+                self.feats[row] = torch.cat([old[:c - int(self.start[row])], new])
+
+    def get(self, row: int, lo: int, hi: int) -> torch.Tensor:
+        """Features at positions [lo, hi) of ``row``.
+
+        Raises:
+            RuntimeError: some of them were never observed (names the row and the ranges)."""
+        f, s = self.feats[row], int(self.start[row])
+        if f is None or lo < s or hi > s + len(f):
+            have = "none" if f is None else f"[{s}, {s + len(f)})"
+            raise RuntimeError(f"row {row}: target features for positions [{lo}, {hi}) were not observed "
+                               f"(held: {have})")
+        return f[lo - s:hi - s]
+
+    def drop_before(self, row: int, pos: int) -> None:
+        f, s = self.feats[row], int(self.start[row])
+        if f is not None and pos > s:
+            self.feats[row] = f[min(pos - s, len(f)):]
+            self.start[row] = min(pos, s + len(f))
+
+
+def resolve_head(spec: Any, method: str, mc: Any) -> tuple[Any, dict[str, torch.Tensor], str]:
+    """The head named by ``spec.model`` (or the one bundled for the target), checked against the target.
+
+    Raises:
+        ValueError: no head given and none bundled for the target; a directory that is not a head of this
+            method; a head made for another hidden size or vocabulary (names both of each).
+    """
+    path = spec.model or bundled_head(method, mc)
+    if path is None:
+        raise ValueError(f"speculative_config method {method!r} needs \"model\": a head directory written by "
+                         f"`roofline train-draft --method {method}` (none ships for the target {mc.name!r})")
+    cfg, tensors = load_head(path, method)
+    cfg.check_target(mc, path)
+    return cfg, tensors, path
+
+
+class EagleProposer(AutoregressiveProposer):
+    """See the module docstring."""
+
+    def __init__(self, spec_config: Any):
+        super().__init__(spec_config)
+        self.layer: Any = None
+
+    def load(self, worker: Any) -> None:
+        from roofline.distributed.parallel_state import get_tp_size
+        from roofline.layers.rotary import RotaryEmbedding
+        from roofline.models.llama import LlamaDecoderLayer
+
+        mc, dev, dtype = worker.model_config, worker.device, worker.dtype
+        if get_tp_size() > 1 or worker.pp.pp_size > 1:
+            raise ValueError("speculative_config method 'eagle' runs on one device (tensor and pipeline "
+                             "parallel size 1)")
+        cfg, t, self.path = resolve_head(self.spec_config, "eagle", mc)
+        backend_cls = get_attention_backend(worker.config.attention_backend)
+        self.backend = backend_cls(mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
+                                   RotaryEmbedding.from_config(mc, dev))
+        layer = LlamaDecoderLayer(mc, self.backend, 0, None, "layer")
+        sd = {"self_attn.qkv_proj.weight": torch.cat([t["layer.self_attn.q_proj.weight"],
+                                                       t["layer.self_attn.k_proj.weight"],
+                                                       t["layer.self_attn.v_proj.weight"]]),
+              "self_attn.o_proj.weight": t["layer.self_attn.o_proj.weight"],
+              "mlp.gate_up_proj.weight": torch.cat([t["layer.mlp.gate_proj.weight"], t["layer.mlp.up_proj.weight"]]),
+              "mlp.down_proj.weight": t["layer.mlp.down_proj.weight"],
+              "input_layernorm.weight": t["layer.input_layernorm.weight"],
+              "post_attention_layernorm.weight": t["layer.post_attention_layernorm.weight"]}
+        layer.load_state_dict(sd, strict=True)
+        self.layer = layer.to(device=dev, dtype=dtype).eval()
+        self.fc = nn.Linear(2 * mc.hidden_size, mc.hidden_size, bias=True)
+        self.fc.load_state_dict({"weight": t["fc.weight"], "bias": t["fc.bias"]})
+        self.fc = self.fc.to(device=dev, dtype=dtype).eval()
+        self.embed = worker.model.model.embed_tokens
+        self.kv_dtype = worker.kv_dtype
+        self.kv_bytes_per_token = kv_bytes_per_token(1, mc.num_key_value_heads, mc.head_dim, worker.kv_dtype)
+        self.weight_bytes = sum(p.numel() * p.element_size() for m in (self.layer, self.fc) for p in m.parameters())
+        rows = worker.config.scheduler_config.max_num_seqs
+        self.store = FeatureStore(rows)
+        self.done = np.full(rows, -1, dtype=np.int64)  # draft KV valid below this position (-1: from the store)
+        self.pred: dict[int, torch.Tensor] = {}  # row -> the last pass's predicted feature [H]
+        logger.info("EAGLE head %s: one decoder layer + fc, %.1f MB of weights; its KV costs %d B/token (%.1f%% "
+                    "of the target's %d)", self.path, self.weight_bytes / 1e6, self.kv_bytes_per_token,
+                    100 * self.kv_bytes_per_token / worker.kv_bytes_per_token, worker.kv_bytes_per_token)
+
+    def allocate_kv_cache(self, num_blocks: int, block_size: int) -> None:
+        self.backend.allocate_kv_cache(1, num_blocks, block_size, self.kv_dtype, self.layer.mlp.down_proj.weight.device)
+
+    def reset(self, row: int) -> None:
+        self.store.reset(row)
+        self.done[row] = -1
+        self.pred.pop(row, None)
+
+    def observe(self, worker: Any, step: Any, hidden: torch.Tensor) -> None:
+        self.store.observe(worker, step, hidden)
+
+    def _forward(self, worker: Any, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
+                 feats: torch.Tensor, next_ids: np.ndarray) -> torch.Tensor:
+        """Draft positions [starts[i], ends[i]) of rows[i], packed: features [T, H] and the ids of the tokens
+        one position later [T]. Returns the layer's output [T, H] (predicted next features)."""
+        batch, bs, dev = worker.input_batch, worker.block_size, worker.device
+        counts = ends - starts
+        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(counts, out=qsl[1:])
+        token_rows = np.repeat(rows, counts)
+        positions = np.repeat(starts - qsl[:-1], counts) + np.arange(int(qsl[-1]))
+        max_blocks = int(((ends + bs - 1) // bs).max())
+        meta = paged_metadata(slot_mapping(batch.block_table, token_rows, positions, bs), qsl, ends,
+                              batch.block_table[rows, :max_blocks], dev)
+        meta = self.backend.build_metadata(meta)
+        emb = self.embed(torch.from_numpy(next_ids).to(dev))
+        x = self.fc(torch.cat([feats.to(emb.dtype), emb], dim=-1))
+        pos = torch.from_numpy(positions).to(dev)
+        out, residual = self.layer(pos, x, None, meta)
+        return out + residual
+
+    def draft_logits(self, worker: Any, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        batch = worker.input_batch
+        first = positions == batch.num_tokens[rows] - 1  # the step's first pass (all rows or none)
+        if first.all():
+            ends = positions  # real features through position N - 2: draft rows [start, N - 1)
+            starts = np.array([max(int(self.done[r]), int(self.store.start[r])) if self.done[r] >= 0
+                               else int(self.store.start[r]) for r in rows], dtype=np.int64)
+            starts = np.minimum(starts, ends - 1)
+            feats = torch.cat([self.store.get(int(r), int(s), int(e)) for r, s, e in zip(rows, starts, ends,
+                                                                                         strict=True)])
+            ids = np.concatenate([batch.token_ids[r, s + 1:e + 1] for r, s, e in zip(rows, starts, ends,
+                                                                                      strict=True)])
+            out = self._forward(worker, rows, starts, ends, feats, ids)
+            last = torch.from_numpy(np.cumsum(ends - starts) - 1).to(out.device)
+            pred = out[last]
+            for r, e in zip(rows.tolist(), ends.tolist(), strict=True):
+                self.done[r] = e
+                self.store.drop_before(r, e)
+        else:
+            assert not first.any(), "a draft pass mixes first and later passes"
+            feats = torch.stack([self.pred[int(r)] for r in rows])
+            starts = positions - 1
+            pred = self._forward(worker, rows, starts, positions, feats, batch.token_ids[rows, positions])
+        for i, r in enumerate(rows.tolist()):
+            self.pred[r] = pred[i]
+        return worker.model.compute_logits(pred)

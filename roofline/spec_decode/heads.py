@@ -1,0 +1,228 @@
+"""Learned draft heads on the target's features (its final, normed hidden states, the LM head's input):
+the modules ``roofline train-draft`` trains, their JSON config and the safetensors layout the proposers load.
+
+- **EAGLE-1** (Li et al., "EAGLE: Speculative Sampling Requires Rethinking Feature Uncertainty", ICML 2024):
+  ``fc(concat(f_p, embed(t_{p+1})))`` [2H -> H] into one decoder layer of the target's architecture, predicting
+  the next feature f_{p+1}; the target's frozen LM head turns it into the distribution of t_{p+2}. Trained on
+  smooth-L1 feature regression plus 0.1 x cross-entropy against the target's own next-token distribution.
+- **Medusa-1** (Cai et al., "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding
+  Heads", 2024): K heads, head k (1-based) a residual block ``h + SiLU(W_k h + b_k)`` into the shared LM head,
+  predicting token t_{p+1+k} from f_p.
+
+Tensor names in ``model.safetensors`` (EAGLE): ``fc.weight`` [H, 2H], ``fc.bias`` [H],
+``layer.input_layernorm.weight``, ``layer.self_attn.{q,k,v,o}_proj.weight``, ``layer.mlp.{gate,up,down}_proj.weight``,
+``layer.post_attention_layernorm.weight`` (Hugging Face's names inside one Llama layer); (Medusa)
+``heads.{k}.weight`` [H, H] and ``heads.{k}.bias`` [H] for k in [0, K).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from roofline.kernels.rope_cache import ref_rotary
+
+HEAD_METHODS = ("eagle", "medusa")
+CONFIG_NAME = "config.json"
+WEIGHTS_NAME = "model.safetensors"
+
+
+@dataclass(frozen=True)
+class DraftHeadConfig:
+    """A trained head's ``config.json``: the method, the target's name and the sizes a loader checks
+    (``hidden_size``, ``vocab_size``), the EAGLE layer's shape (the target's), Medusa's head count, and how it
+    was trained (``training``: free-form figures for the record)."""
+
+    method: str
+    target: str
+    hidden_size: int
+    vocab_size: int
+    num_attention_heads: int = 0
+    num_key_value_heads: int = 0
+    head_dim: int = 0
+    intermediate_size: int = 0
+    rms_norm_eps: float = 1e-5
+    num_heads: int = 0  # Medusa's K
+    training: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.method not in HEAD_METHODS:
+            raise ValueError(f"draft head method must be one of {', '.join(HEAD_METHODS)}, got {self.method!r}")
+        if self.method == "medusa" and not 1 <= self.num_heads <= 16:
+            raise ValueError(f"a Medusa head config needs num_heads in [1, 16], got {self.num_heads!r}")
+
+    @classmethod
+    def for_target(cls, method: str, mc: Any, num_heads: int = 0) -> DraftHeadConfig:
+        """The config of a ``method`` head for target ``mc`` (a ``ModelConfig``)."""
+        return cls(method=method, target=mc.name, hidden_size=mc.hidden_size, vocab_size=mc.vocab_size,
+                   num_attention_heads=mc.num_attention_heads, num_key_value_heads=mc.num_key_value_heads,
+                   head_dim=mc.head_dim, intermediate_size=mc.intermediate_size, rms_norm_eps=mc.rms_norm_eps,
+                   num_heads=num_heads)
+
+    def check_target(self, mc: Any, path: str) -> None:
+        """Raises ValueError naming both hidden sizes and both vocabularies when the head at ``path`` was not
+        made for a target of ``mc``'s shape."""
+        if (self.hidden_size, self.vocab_size) != (mc.hidden_size, mc.vocab_size):
+            raise ValueError(
+                f"speculative_config model {path!r}: this {self.method} head was trained for {self.target!r} "
+                f"(hidden size {self.hidden_size}, vocabulary {self.vocab_size}); the target {mc.name!r} has "
+                f"hidden size {mc.hidden_size} and vocabulary {mc.vocab_size}")
+        if self.method == "eagle" and (self.num_attention_heads, self.num_key_value_heads, self.head_dim,
+                                       self.intermediate_size) != (mc.num_attention_heads, mc.num_key_value_heads,
+                                                                   mc.head_dim, mc.intermediate_size):
+            raise ValueError(f"speculative_config model {path!r}: the EAGLE layer's shape (heads "
+                             f"{self.num_attention_heads}/{self.num_key_value_heads}, head_dim {self.head_dim}, "
+                             f"MLP {self.intermediate_size}) is not the target {mc.name!r}'s "
+                             f"({mc.num_attention_heads}/{mc.num_key_value_heads}, {mc.head_dim}, "
+                             f"{mc.intermediate_size})")
+
+
+def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
+
+
+class EagleLayer(nn.Module):
+    """One Llama decoder layer in plain torch (training; causal attention over one sequence at a time)."""
+
+    def __init__(self, cfg: DraftHeadConfig):
+        super().__init__()
+        h, nh, nkv, d = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+        self.cfg = cfg
+        self.input_layernorm = nn.Parameter(torch.ones(h))
+        self.post_attention_layernorm = nn.Parameter(torch.ones(h))
+        self.q_proj = nn.Linear(h, nh * d, bias=False)
+        self.k_proj = nn.Linear(h, nkv * d, bias=False)
+        self.v_proj = nn.Linear(h, nkv * d, bias=False)
+        self.o_proj = nn.Linear(nh * d, h, bias=False)
+        self.gate_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(h, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
+        """x [T, H], positions [T] (one sequence) -> [T, H]."""
+        c = self.cfg
+        t = x.shape[0]
+        h = _rmsnorm(x, self.input_layernorm, c.rms_norm_eps)
+        q = self.q_proj(h).view(t, c.num_attention_heads, c.head_dim)
+        k = self.k_proj(h).view(t, c.num_key_value_heads, c.head_dim)
+        v = self.v_proj(h).view(t, c.num_key_value_heads, c.head_dim)
+        q, k = ref_rotary(positions, q, k, cos_sin)
+        rep = c.num_attention_heads // c.num_key_value_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
+        x = x + self.o_proj(a.transpose(0, 1).reshape(t, -1))
+        h = _rmsnorm(x, self.post_attention_layernorm, c.rms_norm_eps)
+        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+
+    def hf_state_dict(self) -> dict[str, torch.Tensor]:
+        """Hugging Face's names inside one layer (see the module docstring)."""
+        sd = {"input_layernorm.weight": self.input_layernorm, "post_attention_layernorm.weight":
+              self.post_attention_layernorm}
+        for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            sd[f"self_attn.{n}.weight"] = getattr(self, n).weight
+        for n in ("gate_proj", "up_proj", "down_proj"):
+            sd[f"mlp.{n}.weight"] = getattr(self, n).weight
+        return {k: v.detach() for k, v in sd.items()}
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        with torch.no_grad():
+            self.input_layernorm.copy_(sd["input_layernorm.weight"])
+            self.post_attention_layernorm.copy_(sd["post_attention_layernorm.weight"])
+            for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
+                getattr(self, n).weight.copy_(sd[f"self_attn.{n}.weight"])
+            for n in ("gate_proj", "up_proj", "down_proj"):
+                getattr(self, n).weight.copy_(sd[f"mlp.{n}.weight"])
+
+
+class EagleHead(nn.Module):
+    """EAGLE-1's draft (module docstring). ``forward(features [T, H], next_embeds [T, H], positions [T])`` ->
+    predicted next features [T, H]: row p reads f_p and the embedding of token p + 1."""
+
+    def __init__(self, cfg: DraftHeadConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
+        self.layer = EagleLayer(cfg)
+
+    def forward(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor,
+                cos_sin: torch.Tensor) -> torch.Tensor:
+        return self.layer(self.fc(torch.cat([features, next_embeds], dim=-1)), positions, cos_sin)
+
+    def export(self) -> dict[str, torch.Tensor]:
+        sd = {"fc.weight": self.fc.weight.detach(), "fc.bias": self.fc.bias.detach()}
+        sd.update({f"layer.{k}": v for k, v in self.layer.hf_state_dict().items()})
+        return sd
+
+
+class MedusaHeads(nn.Module):
+    """Medusa-1's K residual blocks. ``forward(features [N, H])`` -> [K, N, H], head k's input to the LM head
+    (token p + 2 + k for k in [0, K) from the feature at p). ``W_k`` starts at zero, so every head starts as
+    the target's own next-token head (Medusa's initialization)."""
+
+    def __init__(self, cfg: DraftHeadConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.heads = nn.ModuleList(nn.Linear(cfg.hidden_size, cfg.hidden_size) for _ in range(cfg.num_heads))
+        for h in self.heads:
+            nn.init.zeros_(h.weight)
+            nn.init.zeros_(h.bias)
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        return torch.stack([features + F.silu(h(features)) for h in self.heads])
+
+    def export(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach() for k, v in self.state_dict().items()}
+
+
+def save_head(directory: str, cfg: DraftHeadConfig, tensors: dict[str, torch.Tensor],
+              dtype: torch.dtype = torch.float32) -> None:
+    """Write ``config.json`` and ``model.safetensors`` (``dtype``, contiguous) into ``directory``."""
+    from safetensors.torch import save_file
+
+    os.makedirs(directory, exist_ok=True)
+    save_file({k: v.detach().to(dtype).contiguous().cpu() for k, v in tensors.items()},
+              os.path.join(directory, WEIGHTS_NAME))
+    with open(os.path.join(directory, CONFIG_NAME), "w") as f:
+        json.dump(asdict(cfg), f, indent=1)
+
+
+def load_head(directory: str, method: str) -> tuple[DraftHeadConfig, dict[str, torch.Tensor]]:
+    """The config and fp32 tensors of the head in ``directory``.
+
+    Raises:
+        ValueError: the directory lacks ``config.json`` or ``model.safetensors``, or holds a head of another
+            method (names both).
+    """
+    from safetensors.torch import load_file
+
+    cpath, wpath = os.path.join(directory, CONFIG_NAME), os.path.join(directory, WEIGHTS_NAME)
+    if not (os.path.isfile(cpath) and os.path.isfile(wpath)):
+        raise ValueError(f"speculative_config model {directory!r} is not a draft head directory (it needs "
+                         f"{CONFIG_NAME} and {WEIGHTS_NAME}, as `roofline train-draft` writes)")
+    with open(cpath) as f:
+        raw = json.load(f)
+    known = set(DraftHeadConfig.__dataclass_fields__)
+    cfg = DraftHeadConfig(**{k: v for k, v in raw.items() if k in known})
+    if cfg.method != method:
+        raise ValueError(f"speculative_config model {directory!r} holds a {cfg.method} head, not a {method} "
+                         f"head; use method {cfg.method!r}")
+    return cfg, {k: v.float() for k, v in load_file(wpath).items()}
+
+
+_BUNDLED = {"SmolLM2-135M-Instruct": "smollm2-135m"}  # target name prefix -> heads/ directory stem
+
+
+def bundled_head(method: str, mc: Any) -> str | None:
+    """The directory of the head shipped in the package for target ``mc`` (``heads/<name>-<method>``), or None."""
+    name = next((d for prefix, d in _BUNDLED.items() if mc.name.startswith(prefix)), None)
+    if name is None:
+        return None
+    path = os.path.join(os.path.dirname(__file__), "heads", f"{name}-{method}")
+    return path if os.path.isfile(os.path.join(path, CONFIG_NAME)) else None

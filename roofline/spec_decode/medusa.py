@@ -1,0 +1,58 @@
+"""The Medusa-1 proposer (``"method": "medusa"``): K residual heads on the target's last feature
+(``roofline.spec_decode.heads``). With a row's tokens t_0 .. t_{N-1} and the target's features through
+f_{N-2}, draft j (1-based, j <= K) is head j - 1's LM-head distribution at f_{N-2}: head k predicts the token
+k + 2 positions past the feature it reads, and t_{N-1} (the target's own token) is already known.
+
+Medusa's drafts do not condition on each other; each is sampled from the distribution the verifier receives
+as its q, so rejection sampling keeps the target's distribution exactly as for any draft. It keeps no KV:
+only each row's latest feature (``eagle.FeatureStore``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from roofline.spec_decode.draft_proposers import AutoregressiveProposer
+from roofline.spec_decode.eagle import FeatureStore, resolve_head
+
+
+class MedusaProposer(AutoregressiveProposer):
+    """See the module docstring."""
+
+    def load(self, worker: Any) -> None:
+        """Load the heads (``speculative_config.model`` or the bundled ones).
+
+        Raises:
+            ValueError: as ``eagle.resolve_head``; ``num_speculative_tokens`` above the head count (names the
+                allowed range [1, K])."""
+        mc, dev, dtype = worker.model_config, worker.device, worker.dtype
+        cfg, t, self.path = resolve_head(self.spec_config, "medusa", mc)
+        k = self.spec_config.num_speculative_tokens
+        if not 1 <= k <= cfg.num_heads:
+            raise ValueError(f"speculative_config num_speculative_tokens must be in [1, {cfg.num_heads}] for the "
+                             f"Medusa head {self.path!r} ({cfg.num_heads} heads), got {k}")
+        self.weight = torch.stack([t[f"heads.{i}.weight"] for i in range(cfg.num_heads)]).to(dev, dtype)  # [K, H, H]
+        self.bias = torch.stack([t[f"heads.{i}.bias"] for i in range(cfg.num_heads)]).to(dev, dtype)  # [K, H]
+        self.weight_bytes = self.weight.numel() * self.weight.element_size()
+        self.store = FeatureStore(worker.config.scheduler_config.max_num_seqs)
+
+    def reset(self, row: int) -> None:
+        self.store.reset(row)
+
+    def observe(self, worker: Any, step: Any, hidden: torch.Tensor) -> None:
+        self.store.observe(worker, step, hidden)
+
+    def draft_logits(self, worker: Any, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        n = worker.input_batch.num_tokens[rows]
+        j = positions - (n - 1)  # this pass's draft index, 0-based (the same for every row)
+        f = torch.stack([self.store.get(int(r), int(m) - 2, int(m) - 1)[0] for r, m in zip(rows, n, strict=True)])
+        k = int(j[0])
+        if k == 0:
+            for r, m in zip(rows.tolist(), n.tolist(), strict=True):
+                self.store.drop_before(r, m - 2)
+        h = f + F.silu(f.to(self.weight.dtype) @ self.weight[k].T + self.bias[k])
+        return worker.model.compute_logits(h)

@@ -1,0 +1,235 @@
+"""Learned drafters (``roofline.spec_decode.{train,heads,eagle,medusa}``): training on a tiny random-weight
+Llama (its loss falls), the EAGLE layer in the engine equal to the one trained, greedy identity and exact
+sampling (chi-square) through the engine, and the errors. The default model's shipped head is tested in the
+slow tests at the end.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from roofline import LLM, SamplingParams
+from roofline.spec_config import SpeculativeConfig
+from roofline.spec_decode import train
+from roofline.spec_decode.heads import DraftHeadConfig, EagleHead, load_head, save_head
+
+VOCAB = 48
+TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
+        "rope_theta": 10000.0, "eos_token_id": 1}
+COMMON = dict(load_format="dummy", device="cpu", attention_backend="torch", dtype="float32", max_model_len=128,
+              max_num_seqs=64, block_size=16, kv_cache_memory="16MiB")
+
+
+@pytest.fixture(scope="module")
+def tiny_dir(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("tiny_llama")
+    (path / "config.json").write_text(json.dumps(TINY))
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_dir):
+    return LLM(str(tiny_dir), **COMMON)
+
+
+@pytest.fixture(scope="module")
+def tiny_data(tiny):
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(2, VOCAB, size=int(rng.integers(6, 14))).tolist() for _ in range(12)]
+    seqs = train.regenerate(tiny, prompts, max_tokens=20)
+    feats = [train.target_features(tiny, ids) for ids, _ in seqs]
+    return seqs, feats
+
+
+@pytest.fixture(scope="module")
+def heads(tiny, tiny_data, tmp_path_factory):
+    """{method: (dir, losses)}: each head trained 12 steps on the tiny model's own answers."""
+    seqs, feats = tiny_data
+    out = {}
+    for method in ("eagle", "medusa"):
+        cfg, tensors, losses, stats = train.train_head(tiny, method, seqs, feats, steps=24, batch_size=4, lr=5e-3,
+                                                       num_heads=3, progress=False)
+        d = tmp_path_factory.mktemp(method)
+        save_head(str(d), cfg, tensors)
+        out[method] = (str(d), losses, stats)
+    return out
+
+
+def test_regenerate_and_features(tiny, tiny_data):
+    seqs, feats = tiny_data
+    assert len(seqs) == 12 and all(len(ids) > plen + 1 for ids, plen in seqs)
+    ids = seqs[0][0]
+    assert feats[0].shape == (len(ids), 64) and feats[0].dtype == torch.float32
+    # The features are the LM head's input: the head over them gives the engine's own log-probabilities.
+    lp = tiny.score_logprobs(ids)
+    head = tiny.engine.worker.model.lm_head.weight.detach()
+    torch.testing.assert_close(torch.log_softmax(feats[0] @ head.T, -1), lp, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize(("method", "factor"), [("eagle", 0.8), ("medusa", 0.95)])
+def test_training_loss_falls(heads, method, factor, tmp_path):
+    """The last 4 steps' mean loss is below ``factor`` x the first 4's (Medusa's heads start as the target's
+    own LM head on a random-weight model whose tokens two or more ahead are hard to guess: a smaller drop)."""
+    d, losses, stats = heads[method]
+    assert len(losses) == 24 and all(np.isfinite(losses))
+    assert np.mean(losses[-4:]) < factor * np.mean(losses[:4]), losses
+    cfg, tensors = load_head(d, method)
+    assert (cfg.hidden_size, cfg.vocab_size) == (64, VOCAB)
+    assert 0.0 <= stats["val_top1"] <= 1.0
+    train.plot_losses(losses, str(tmp_path / "loss.png"), method)
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_unrolled_eagle_training_loss_falls(tiny, tiny_data):
+    """With ``unroll`` (a second pass on the head's own predicted features) the summed loss falls too."""
+    seqs, feats = tiny_data
+    _, tensors, losses, _ = train.train_head(tiny, "eagle", seqs, feats, steps=24, batch_size=4, lr=5e-3,
+                                             unroll=True, progress=False)
+    assert np.mean(losses[-4:]) < 0.8 * np.mean(losses[:4]), losses
+    assert tensors["fc.weight"].shape == (64, 128)
+
+
+def test_engine_eagle_layer_equals_the_trained_module(tiny_dir, heads):
+    """The paged one-layer draft in the engine (fused qkv / gate_up, the backend's RoPE and KV cache) gives
+    the training module's outputs on the same features and tokens, over 2 packed rows."""
+    d = heads["eagle"][0]
+    llm = LLM(str(tiny_dir), speculative_config={"method": "eagle", "model": d, "num_speculative_tokens": 2},
+              **COMMON)
+    w, p = llm.engine.worker, llm.engine.worker.proposer
+    cfg, tensors = load_head(d, "eagle")
+    ref = EagleHead(cfg)
+    ref.fc.load_state_dict({"weight": tensors["fc.weight"], "bias": tensors["fc.bias"]})
+    ref.layer.load_hf_state_dict({k[len("layer."):]: v for k, v in tensors.items() if k.startswith("layer.")})
+    g = torch.Generator().manual_seed(0)
+    lens = [21, 9]
+    feats = [torch.randn(n, 64, generator=g) for n in lens]
+    ids = [torch.randint(0, VOCAB, (n,), generator=g) for n in lens]
+    cos_sin = w.backend.rotary.cos_sin_cache
+    embed = w.model.model.embed_tokens.weight.detach()
+    with torch.no_grad():
+        want = torch.cat([ref(f, embed[t], torch.arange(len(f)), cos_sin) for f, t in zip(feats, ids, strict=True)])
+    table = np.array([[0, 1, 2, -1], [3, 4, -1, -1]], dtype=np.int32)
+    fake = SimpleNamespace(input_batch=SimpleNamespace(block_table=table), block_size=w.block_size, device=w.device)
+    with torch.inference_mode():
+        got = p._forward(fake, np.array([0, 1]), np.zeros(2, dtype=np.int64), np.array(lens), torch.cat(feats),
+                         torch.cat(ids).numpy())
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_greedy_is_token_identical_on_the_tiny_model(tiny, tiny_dir, heads, method):
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(2, VOCAB, size=int(n)).tolist()} for n in (5, 17, 33)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in tiny.generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(str(tiny_dir), speculative_config={"method": method, "model": heads[method][0],
+                                                 "num_speculative_tokens": 3, "adaptive": False}, **COMMON)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == ref
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_drafts > 0
+
+
+def test_eagle_sampling_keeps_the_targets_distribution(tiny, tiny_dir, heads):
+    """Chi-square goodness of fit of the second sampled token (the first one verified against EAGLE's drafts,
+    gamma fixed at 3) to the target's exact marginal sum_t1 p(t1) p(t2 | t1), from 1200 seeded samples at
+    temperature 1. Cells with expected count < 5 are pooled; p-value threshold 1e-3."""
+    prompt = [5, 9, 17, 3, 22, 40, 11]
+    lp1 = tiny.score_logprobs(prompt)[-1].exp().double()  # p(t1)
+    p2 = torch.zeros(VOCAB, dtype=torch.float64)
+    for t1 in range(VOCAB):
+        p2 += lp1[t1] * tiny.score_logprobs(prompt + [t1])[-1].exp().double()
+    # Every sample in one batch, prefilled in one step, so the step that samples t2 drafts for all of them.
+    big = {**COMMON, "max_num_seqs": 1024, "max_num_batched_tokens": 8192}
+    llm = LLM(str(tiny_dir), speculative_config={"method": "eagle", "model": heads["eagle"][0],
+                                                 "num_speculative_tokens": 3, "adaptive": False}, **big)
+    n = 1200
+    sps = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=1234 + 10_000 * i, n=n // 2)
+           for i in range(2)]
+    outs = [llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0] for sp in sps]
+    counts = np.bincount([c.token_ids[1] for o in outs for c in o.outputs], minlength=VOCAB).astype(float)
+    assert llm.engine.spec_stats.num_drafts >= n
+    expected = p2.numpy() * n
+    big = expected >= 5
+    obs, exp = counts[big], expected[big]
+    if expected[~big].sum() > 0:  # the pooled rare cells
+        obs, exp = np.append(obs, counts[~big].sum()), np.append(exp, expected[~big].sum())
+    exp = exp * obs.sum() / exp.sum()
+    stat = float(((obs - exp) ** 2 / exp).sum())
+    pvalue = float(torch.special.gammaincc(torch.tensor((len(obs) - 1) / 2, dtype=torch.float64),
+                                           torch.tensor(stat / 2, dtype=torch.float64)))
+    assert pvalue > 1e-3, (stat, len(obs))
+
+
+def test_bad_configs_and_mismatched_heads(tiny_dir, heads, tmp_path):
+    with pytest.raises(ValueError, match="num_layers does not apply to method 'eagle'"):
+        SpeculativeConfig.from_dict({"method": "eagle", "num_speculative_tokens": 2, "num_layers": 3})
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be an integer in \[1, 16\], got 40"):
+        SpeculativeConfig.from_dict({"method": "medusa", "num_speculative_tokens": 40})
+    with pytest.raises(ValueError, match="unknown key.*'tree_budget'"):
+        SpeculativeConfig.from_dict({"method": "eagle", "num_speculative_tokens": 2, "tree_budget": 8})
+    # Medusa with more drafts than heads (3).
+    with pytest.raises(ValueError, match=r"num_speculative_tokens must be in \[1, 3\].*got 4"):
+        LLM(str(tiny_dir), speculative_config={"method": "medusa", "model": heads["medusa"][0],
+                                               "num_speculative_tokens": 4}, **COMMON)
+    # A head made for another model: both hidden sizes and both vocabularies are named.
+    other = DraftHeadConfig(method="eagle", target="other", hidden_size=96, vocab_size=1000, num_attention_heads=4,
+                            num_key_value_heads=2, head_dim=24, intermediate_size=128)
+    save_head(str(tmp_path / "other"), other, {"fc.weight": torch.zeros(1)})
+    with pytest.raises(ValueError, match="hidden size 96, vocabulary 1000.*hidden size 64 and vocabulary 48"):
+        LLM(str(tiny_dir), speculative_config={"method": "eagle", "model": str(tmp_path / "other"),
+                                               "num_speculative_tokens": 2}, **COMMON)
+    # A Medusa head passed as EAGLE, a directory that is no head, and no head for a model without a bundled one.
+    with pytest.raises(ValueError, match="holds a medusa head, not a eagle head"):
+        LLM(str(tiny_dir), speculative_config={"method": "eagle", "model": heads["medusa"][0],
+                                               "num_speculative_tokens": 2}, **COMMON)
+    with pytest.raises(ValueError, match="is not a draft head directory"):
+        LLM(str(tiny_dir), speculative_config={"method": "eagle", "model": str(tmp_path),
+                                               "num_speculative_tokens": 2}, **COMMON)
+    with pytest.raises(ValueError, match="needs \"model\".*none ships for the target"):
+        LLM(str(tiny_dir), speculative_config={"method": "eagle", "num_speculative_tokens": 2}, **COMMON)
+
+
+DEFAULT = dict(max_model_len=512, dtype="float32", device="cpu", attention_backend="torch", kv_cache_memory="256MiB")
+CHATS = [[{"role": "user", "content": "Write a short poem about the sea."}],
+         [{"role": "user", "content": "Explain what a hash table is in three sentences."}]]
+
+
+@pytest.fixture(scope="module")
+def default_greedy_ref():
+    return [o.outputs[0].token_ids for o in
+            LLM(**DEFAULT).chat(CHATS, SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_shipped_heads_are_token_identical_on_the_default_model(default_greedy_ref, method):
+    """``{"method": "eagle"}`` (and ``"medusa"``) without ``model`` loads the head shipped for the default model;
+    greedy output is the target's, token for token, and some drafts are accepted."""
+    llm = LLM(speculative_config={"method": method, "num_speculative_tokens": 3, "adaptive": False}, **DEFAULT)
+    got = [o.outputs[0].token_ids for o in llm.chat(CHATS, SamplingParams(temperature=0.0, max_tokens=48),
+                                                    use_tqdm=False)]
+    assert got == default_greedy_ref
+    stats = llm.engine.spec_stats
+    assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0
+
+
+def test_the_pool_split_is_stated_at_start_up(tiny_dir, heads, caplog):
+    """The EAGLE layer's KV (1 of the tiny target's 2 layers) is named in bytes and pool tokens at start-up."""
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="roofline.worker.worker"):
+        llm = LLM(str(tiny_dir), speculative_config={"method": "eagle", "model": heads["eagle"][0],
+                                                     "num_speculative_tokens": 2}, **COMMON)
+    w = llm.engine.worker
+    assert (w.kv_bytes_per_token, w.proposer.kv_bytes_per_token) == (512, 256)  # fp32, 2 KV heads x 16 dims
+    alone = (16 << 20) // (512 * 16) * 16
+    assert (f"the draft's KV takes 256 of 768 bytes per token, so the pool holds {w.num_blocks * 16} tokens "
+            f"instead of {alone} (33% fewer)") in caplog.text
