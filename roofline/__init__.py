@@ -1,5 +1,7 @@
 """roofline: an LLM inference engine that measures every run against its physical floor."""
 
+# First: sets OMP_WAIT_POLICY=PASSIVE before anything loads torch (libgomp reads it once; see roofline.cpu).
+import roofline.cpu  # noqa: F401, I001
 from roofline.sampling_params import SamplingParams
 
 __version__ = "0.1.0"

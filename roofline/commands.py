@@ -94,6 +94,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
         load_hardware(args.hardware)  # fail now, not after the run
     llm = LLM(**engine_args.to_dict())
+    if (cpu_summary := getattr(llm.engine.worker, "cpu_summary", None)) is not None:
+        print(cpu_summary, flush=True)
     print(llm.engine.kv_cache_summary, flush=True)
     params_list = None
     if args.prompt:

@@ -3,13 +3,32 @@
 ``detect_cpu_features`` reads the x86 flags of ``/proc/cpuinfo`` once and reports which matrix extensions
 oneDNN/FBGEMM can use: AMX (``amx_tile`` with ``amx_bf16``/``amx_int8``), AVX-512 BF16 (``avx512_bf16``),
 AVX-512 VNNI (``avx512_vnni``), AVX-512F. Source: Linux ``arch/x86/include/asm/cpufeatures.h`` flag names.
-``startup_line`` is the one line the CLI prints to say what the machine offers.
+``startup_line`` is the one line the CLI prints to say what the machine offers and what was chosen.
+
+Thread policy (``choose_threads``, applied once at start-up by ``apply_thread_policy``): OpenMP's fork/join
+per op makes every op wait for its slowest thread, so an intra-op pool larger than the cores left free by
+other processes collapses *when the waiting threads spin* (issue 32: 1,939 ms per decode step with 2
+threads beside one busy process on 2 cores, 159 ms with 1). ``import roofline`` sets ``OMP_WAIT_POLICY=PASSIVE``
+before torch loads; with passive waiting, measured beside busy processes (README, CPU section), 2 threads
+stayed faster than 1, so the pool keeps every usable core. Where the policy did not take effect (torch was
+imported first, or the user chose ACTIVE), start-up samples ``/proc/stat`` for ~0.1 s (``other_busy_cores``)
+and sizes the pool to the cores other processes leave free. ``OMP_NUM_THREADS`` set by the user wins.
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import sys
+import time
 from dataclasses import dataclass
+
+# OpenMP threads that spin between ops collapse when another process shares the cores (issue 32: 12x slower
+# decode beside one busy process); passive waiting does not. libgomp reads this once, when torch loads, so
+# ``import roofline`` imports this module first, before anything imports torch.
+TORCH_LOADED_BEFORE_ROOFLINE = "torch" in sys.modules
+if not TORCH_LOADED_BEFORE_ROOFLINE:
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 @dataclass(frozen=True)
@@ -66,9 +85,101 @@ def detect_cpu_features(path: str = "/proc/cpuinfo") -> CpuFeatures:
         return parse_cpuinfo("")
 
 
-def startup_line(features: CpuFeatures, dtype: str, threads: int) -> str:
-    """One line: CPU model, the matrix extensions found, and the dtype and thread count in use."""
+def startup_line(features: CpuFeatures, dtype: str, threads: int, why: str = "") -> str:
+    """One line: CPU model, the matrix extensions found, the dtype and thread count in use, and why that count."""
     isa = [n for n, on in (("AMX", features.amx_bf16 or features.amx_int8), ("AVX-512 BF16", features.avx512_bf16),
                            ("AVX-512 VNNI", features.avx512_vnni), ("AVX-512F", features.avx512f)) if on]
     return (f"CPU: {features.model} ({features.cores} cores; {', '.join(isa) or 'no AVX-512/AMX'}); "
-            f"dtype {dtype}, {threads} thread{'s' if threads != 1 else ''}")
+            f"dtype {dtype}, {threads} thread{'s' if threads != 1 else ''}" + (f" ({why})" if why else ""))
+
+
+def _proc_stat_times(path: str = "/proc/stat") -> tuple[int, int, int] | None:
+    """(busy, total jiffies summed over all CPUs, number of CPUs) from /proc/stat, None if unreadable."""
+    try:
+        with open(path) as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    fields = [int(x) for x in lines[0].split()[1:9]]  # user nice system idle iowait irq softirq steal
+    ncpu = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+    idle = fields[3] + fields[4]
+    return sum(fields) - idle, sum(fields), max(ncpu, 1)
+
+
+def other_busy_cores(interval_s: float = 0.1) -> float | None:
+    """Cores kept busy by *other* processes over ``interval_s`` seconds (>= 0.0), or None without /proc/stat.
+
+    Whole-machine busy time from /proc/stat minus this process's own CPU time (``time.process_time``) over
+    the same interval; this process sleeps meanwhile, so its share is only the probe's own overhead.
+    """
+    a = _proc_stat_times()
+    if a is None:
+        return None
+    own0, t0 = time.process_time(), time.monotonic()
+    time.sleep(interval_s)
+    b = _proc_stat_times()
+    own, wall = time.process_time() - own0, time.monotonic() - t0
+    if b is None or b[1] <= a[1]:
+        return None
+    busy_cores = (b[0] - a[0]) / (b[1] - a[1]) * a[2]
+    return max(0.0, busy_cores - own / wall)
+
+
+def choose_threads(cores: int, other_busy: float | None, requested: int | None = None,
+                   passive: bool = False) -> tuple[int, str]:
+    """The intra-op thread count for ``cores`` usable cores with ``other_busy`` cores taken by other processes,
+    and why. ``requested`` (``OMP_NUM_THREADS``) wins; with ``passive`` OpenMP waiting, every core (sleeping
+    threads do not collapse under sharing); otherwise the free cores, rounded, at least 1.
+
+    Raises:
+        ValueError: ``cores`` < 1 or ``requested`` < 1.
+    """
+    if cores < 1:
+        raise ValueError(f"cores must be >= 1, got {cores}")
+    if requested is not None:
+        if requested < 1:
+            raise ValueError(f"OMP_NUM_THREADS must be >= 1, got {requested}")
+        return requested, f"OMP_NUM_THREADS={requested}"
+    if passive:
+        return cores, f"{cores} usable cores, OpenMP wait policy passive"
+    if other_busy is None:
+        return cores, f"{cores} usable cores, load unknown"
+    threads = max(1, min(cores, int(cores - other_busy + 0.5)))
+    return threads, f"{cores} usable cores, {other_busy:.1f} busy with other processes at start-up"
+
+
+def usable_cores() -> int:
+    """Cores this process may run on (its affinity mask), at least 1."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):
+        return max(1, os.cpu_count() or 1)
+
+
+def wait_policy_is_passive() -> bool:
+    """Whether libgomp loaded with ``OMP_WAIT_POLICY=PASSIVE``: set in the environment before torch was imported
+    (``import roofline`` sets it when it comes first)."""
+    return (not TORCH_LOADED_BEFORE_ROOFLINE
+            and os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE")
+
+
+def apply_thread_policy(dtype: str) -> str:
+    """Size torch's intra-op pool with ``choose_threads`` (sampling the load now) and return the start-up line.
+
+    Raises:
+        ValueError: ``OMP_NUM_THREADS`` is set but not an integer >= 1.
+    """
+    import torch
+
+    env = os.environ.get("OMP_NUM_THREADS")
+    requested = None
+    if env:
+        try:
+            requested = int(env)
+        except ValueError:
+            raise ValueError(f"OMP_NUM_THREADS must be an integer >= 1, got {env!r}") from None
+    passive = wait_policy_is_passive()
+    busy = None if requested is not None or passive else other_busy_cores()
+    threads, why = choose_threads(usable_cores(), busy, requested, passive)
+    torch.set_num_threads(threads)
+    return startup_line(detect_cpu_features(), dtype, threads, why)

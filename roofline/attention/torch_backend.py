@@ -1,13 +1,20 @@
 """Exact pure-torch paged attention: the CPU path, and the reference backend on GPUs.
 
-``build_metadata`` does every piece of host work once per step:
-- decode rows (one new token) are sorted by context length and cut into groups whose longest context is
-  at most 1.5x the shortest (+16), so padding each group to its longest context wastes little on ragged
-  batches; each group gets its gather indices [n, L] into the flat cache and its padding mask;
-- each row with several new tokens (a prefill chunk) gets its key slots [seq_len] and its causal mask
-  (the chunk sees its cached prefix and itself, causally).
-Per layer, ``forward`` rotates q/k and stores k/v (``ref_rope_and_cache``), then runs one batched
-softmax(QK^T)V per decode group and one ``scaled_dot_product_attention`` per prefill chunk.
+``build_metadata`` does every piece of host work once per step (shared by all layers):
+- decode rows (one new token) are padded to a length bucket that depends on **the row's own context
+  length only** (``decode_bucket``: whole blocks, at most ~25% padding), and rows with the same bucket form
+  one group. A row's reductions (QK^T, softmax, PV) therefore run over the same padded length whatever its
+  batch-mates are, so its output is bitwise the same alone and in any batch (issue 31 item 4: the former
+  groups padded to their longest row, which moved fp8 greedy outputs with the batch);
+- each group gets the block ids of its rows, [n * bucket] (padding blocks repeat the row's first block,
+  which is written, so finite), its padding mask, and the flat positions of the stale tail of each row's
+  last block (zeroed after the gather: a freed request may have left inf/NaN there, and 0 * NaN is NaN);
+- each row with several new tokens (a prefill chunk) gets its block ids and its causal mask (the chunk
+  sees its cached prefix and itself, causally).
+Per layer, ``forward`` rotates q/k and stores k/v (``ref_rope_and_cache``), gathers K/V as whole blocks
+(one ``index_select`` per group on the [num_blocks, block_size * H_kv * D] view: no per-token index
+arithmetic), and runs ``scaled_dot_product_attention`` (its flash CPU kernel, GQA without copies) per
+decode group and per prefill chunk.
 
 Quantized caches (int8, fp8_e4m3; ``roofline.kernels.common``): the store quantizes with the ref twins of
 the Triton store kernel, and both decode and prefill read K/V back from the cache and dequantize the rows
@@ -21,6 +28,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 from roofline.attention.backend import AttentionBackend, AttentionMetadata
 from roofline.attention.kv_cache import KVCache
@@ -28,19 +36,36 @@ from roofline.kernels.common import ref_dequantize
 from roofline.kernels.rope_cache import ref_rope_and_cache, ref_rotary, ref_write_kv_rows
 
 
+def decode_bucket(num_blocks: int) -> int:
+    """Blocks a decode row with ``num_blocks`` blocks of context is padded to: 1, 2, 3, 4, then steps of ~25%
+    (5, 7, 9, 12, 15, 19, 24, ...). A function of the row alone, so its padding never depends on the batch.
+
+    Raises:
+        ValueError: ``num_blocks`` < 1.
+    """
+    if num_blocks < 1:
+        raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
+    b = 1
+    while b < num_blocks:
+        b = b + 1 if b < 4 else (b * 5 + 3) // 4
+    return b
+
+
 @dataclass
 class DecodeGroup:
     rows: torch.Tensor  # [n] int64, the group's rows in the flat batch
-    slots: torch.Tensor  # [n, L] int64, flat cache slots of each row's keys (L = the group's blocks x block_size;
-    # padding positions repeat the row's first slot)
-    pad: torch.Tensor  # [n, L] bool, True past the row's context (masked)
+    blocks: torch.Tensor  # [n * B] int64, each row's B block ids (B = the group's bucket; padding repeats block 0)
+    pad: torch.Tensor  # [n, 1, 1, B * block_size] bool, True = attend (within the row's context)
+    stale: torch.Tensor  # [k] int64, flat positions in [n * B * block_size] past a row's context inside its
+    # last block (zeroed after the gather)
 
 
 @dataclass
 class PrefillChunk:
     start: int  # first row in the flat batch
     num_rows: int
-    slots: torch.Tensor  # [seq_len] int64, flat cache slots of the sequence's keys
+    seq_len: int  # keys the chunk attends to (its cached prefix and itself)
+    blocks: torch.Tensor  # [ceil(seq_len / block_size)] int64, the sequence's block ids
     mask: torch.Tensor  # [num_rows, seq_len] bool, True = attend
 
 
@@ -50,13 +75,6 @@ class TorchAttentionMetadata(AttentionMetadata):
     prefills: list[PrefillChunk] = field(default_factory=list)
     # Every row has a cache slot (no -1 padding), checked on the host: the store can skip the masked gather.
     all_slots_valid: bool = False
-
-
-def _block_slots(block_tables: torch.Tensor, num_blocks: int, block_size: int) -> torch.Tensor:
-    """[n, W] block ids -> [n, num_blocks * block_size] flat slots of their first ``num_blocks`` blocks."""
-    offs = torch.arange(block_size, device=block_tables.device)
-    table = block_tables[:, :num_blocks].long()
-    return (table[:, :, None] * block_size + offs).reshape(table.shape[0], num_blocks * block_size)
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -74,34 +92,33 @@ class TorchAttentionBackend(AttentionBackend):
         out = TorchAttentionMetadata(**{f: getattr(meta, f) for f in AttentionMetadata.__dataclass_fields__})
         # Free on CPU; on a GPU it would sync, and the triton backend handles the store there.
         out.all_slots_valid = dev.type == "cpu" and bool((meta.slot_mapping >= 0).all())
-        decode_rows = sorted((i for i, n in enumerate(qlens) if n == 1), key=lambda i: slens[i])
-        groups: list[list[int]] = []
-        for i in decode_rows:
-            if groups and slens[i] <= 1.5 * slens[groups[-1][0]] + 16:
-                groups[-1].append(i)
-            else:
-                groups.append([i])
-        for g in groups:
-            max_len = slens[g[-1]]
-            num_blocks = (max_len + bs - 1) // bs
-            sel = torch.tensor(g, dtype=torch.long, device=dev)
-            slots = _block_slots(meta.block_tables[sel], num_blocks, bs)
-            lens = meta.seq_lens[sel]
-            pad = torch.arange(slots.shape[1], device=dev)[None, :] >= lens[:, None]
-            # Padded keys read the row's first slot (written, so finite) instead of stale slots that may
-            # hold inf/NaN from a freed request: their probability is exactly 0, so the sum is unchanged and
-            # V needs no masking (0 * NaN would be NaN).
-            slots = torch.where(pad, slots[:, :1], slots)
-            rows = torch.tensor([first_row[i] for i in g], dtype=torch.long, device=dev)
-            out.decode_groups.append(DecodeGroup(rows, slots, pad))
+        tables = meta.block_tables.cpu() if dev.type != "cpu" else meta.block_tables
+        groups: dict[int, list[int]] = {}
+        for i, n in enumerate(qlens):
+            if n == 1:
+                groups.setdefault(decode_bucket(-(-slens[i] // bs)), []).append(i)
+        for bucket, rows in sorted(groups.items()):
+            ids, stale = [], []
+            for j, i in enumerate(rows):
+                nb = -(-slens[i] // bs)
+                row_ids = tables[i, :nb].tolist()
+                ids += row_ids + row_ids[:1] * (bucket - nb)
+                base = j * bucket * bs
+                stale += range(base + slens[i], base + nb * bs)
+            lens = torch.tensor([slens[i] for i in rows])
+            keep = torch.arange(bucket * bs)[None, :] < lens[:, None]
+            out.decode_groups.append(DecodeGroup(
+                rows=torch.tensor([first_row[i] for i in rows], dtype=torch.long, device=dev),
+                blocks=torch.tensor(ids, dtype=torch.long, device=dev),
+                pad=keep[:, None, None, :].to(dev), stale=torch.tensor(stale, dtype=torch.long, device=dev)))
         for i, (q_len, seq_len) in enumerate(zip(qlens, slens, strict=True)):
             if q_len <= 1:
                 continue
-            num_blocks = (seq_len + bs - 1) // bs
-            slots = _block_slots(meta.block_tables[i:i + 1], num_blocks, bs)[0, :seq_len]
+            nb = -(-seq_len // bs)
             q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)
             k_pos = torch.arange(seq_len, device=dev)
-            out.prefills.append(PrefillChunk(first_row[i], q_len, slots, k_pos[None, :] <= q_pos[:, None]))
+            out.prefills.append(PrefillChunk(first_row[i], q_len, seq_len, tables[i, :nb].long().to(dev),
+                                             k_pos[None, :] <= q_pos[:, None]))
         return out
 
     def forward(self, q, k, v, positions, cache: KVCache, meta):
@@ -110,46 +127,52 @@ class TorchAttentionBackend(AttentionBackend):
         if not isinstance(meta, TorchAttentionMetadata):
             meta = self.build_metadata(meta)
         num_kv_heads, head_dim = self.num_kv_heads, self.head_dim
-        group = self.num_heads // num_kv_heads
-        k_flat = cache.k.view(-1, num_kv_heads, head_dim)  # [num_slots, H_kv, D]
-        v_flat = cache.v.view(-1, num_kv_heads, head_dim)
+        num_blocks, bs = cache.k.shape[:2]
         if meta.all_slots_valid:  # same values as ref_rope_and_cache, without its boolean-mask gathers
             q, k = ref_rotary(positions, q, k, self.rotary.cos_sin_cache)
             if cache.is_quantized:
                 ref_write_kv_rows(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
             else:
-                k_flat[meta.slot_mapping] = k.to(k_flat.dtype)
-                v_flat[meta.slot_mapping] = v.to(v_flat.dtype)
+                cache.k.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = k.to(cache.k.dtype)
+                cache.v.view(-1, num_kv_heads, head_dim)[meta.slot_mapping] = v.to(cache.v.dtype)
         else:
             ref_rope_and_cache(q, k, v, positions, self.rotary.cos_sin_cache, cache.k, cache.v, meta.slot_mapping,
                                cache.k_scale, cache.v_scale)
-        # int8: per-slot scales viewed [num_slots, H_kv] (gathered with the rows); fp8: per-head [H_kv].
+        # int8: per-slot scales [num_blocks, block_size, H_kv] (gathered with the blocks); fp8: per-head [H_kv].
         per_slot = cache.k_scale is not None and cache.k_scale.dim() == 3
-        ks_flat = cache.k_scale.view(-1, num_kv_heads) if per_slot else cache.k_scale
-        vs_flat = cache.v_scale.view(-1, num_kv_heads) if per_slot else cache.v_scale
+        k_blocks = cache.k.view(num_blocks, -1)  # [num_blocks, block_size * H_kv * D]: one row per block
+        v_blocks = cache.v.view(num_blocks, -1)
 
-        def gather(flat: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor, dtype: torch.dtype):
-            """Cache rows at ``slots`` (any shape), dequantized to ``dtype``: [*slots.shape, H_kv, D]."""
-            return ref_dequantize(flat[slots], scales[slots] if per_slot else scales, dtype)
+        def gather(blocks: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
+            """The cache's ``blocks`` [m] as rows, dequantized to q's dtype: [m * block_size, H_kv, D]."""
+            rows = codes.index_select(0, blocks).view(-1, num_kv_heads, head_dim)
+            if scales is not None and per_slot:
+                scales = scales.view(num_blocks, -1).index_select(0, blocks).view(-1, num_kv_heads)
+            return ref_dequantize(rows, scales, q.dtype) if scales is not None or rows.dtype != q.dtype else rows
 
         out = torch.empty_like(q)
         for g in meta.decode_groups:
             n = g.rows.shape[0]
-            qg = q[g.rows].float().reshape(n, num_kv_heads, group, head_dim)  # query heads by KV head
-            kg = gather(k_flat, ks_flat, g.slots, torch.float32)  # [n, L, H_kv, D]
-            vg = gather(v_flat, vs_flat, g.slots, torch.float32)
-            scores = torch.einsum("nhgd,nlhd->nhgl", qg, kg) * self.scale  # [n, H_kv, G, L]
-            scores.masked_fill_(g.pad[:, None, None, :], float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
-            o = torch.einsum("nhgl,nlhd->nhgd", probs, vg)
-            out[g.rows] = o.reshape(n, self.num_heads, head_dim).to(q.dtype)
+            kg = gather(g.blocks, k_blocks, cache.k_scale)  # [n * L, H_kv, D]
+            vg = gather(g.blocks, v_blocks, cache.v_scale)
+            if g.stale.numel():
+                kg.index_fill_(0, g.stale, 0)
+                vg.index_fill_(0, g.stale, 0)
+            kg = kg.view(n, -1, num_kv_heads, head_dim).transpose(1, 2)  # [n, H_kv, L, D] (a view)
+            vg = vg.view(n, -1, num_kv_heads, head_dim).transpose(1, 2)
+            qg = q.index_select(0, g.rows)[:, :, None, :]  # [n, H, 1, D]
+            pad = g.pad
+            if n == 1:
+                # SDPA's CPU kernel reduces a batch of one in another order than a batch of several (torch 2.13,
+                # 2 threads): a lone row is run as two (a stride-0 copy) so it matches itself in any batch.
+                qg, kg, vg, pad = (t.expand(2, *t.shape[1:]) for t in (qg, kg, vg, pad))
+            o = F.scaled_dot_product_attention(qg, kg, vg, attn_mask=pad, scale=self.scale, enable_gqa=True)
+            out.index_copy_(0, g.rows, o[:n, :, 0])
         for p in meta.prefills:
             qi = q[p.start:p.start + p.num_rows].transpose(0, 1)  # [H, q_len, D]
-            ki = gather(k_flat, ks_flat, p.slots, q.dtype).transpose(0, 1)  # [H_kv, L, D], read back from the cache
-            vi = gather(v_flat, vs_flat, p.slots, q.dtype).transpose(0, 1)
-            if group > 1:
-                ki = ki.repeat_interleave(group, dim=0)
-                vi = vi.repeat_interleave(group, dim=0)
-            o = torch.nn.functional.scaled_dot_product_attention(qi, ki, vi, attn_mask=p.mask, scale=self.scale)
+            # [H_kv, L, D], read back from the cache
+            ki = gather(p.blocks, k_blocks, cache.k_scale)[:p.seq_len].transpose(0, 1)
+            vi = gather(p.blocks, v_blocks, cache.v_scale)[:p.seq_len].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qi, ki, vi, attn_mask=p.mask, scale=self.scale, enable_gqa=True)
             out[p.start:p.start + p.num_rows] = o.transpose(0, 1)
         return out

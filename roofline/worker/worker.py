@@ -62,6 +62,14 @@ class Worker:
         self.dtype = _DTYPES[config.dtype]
         self.kv_dtype = _KV_DTYPES[config.cache_config.kv_cache_dtype]
         self.block_size = config.cache_config.block_size
+        # The CPU start-up line (model, matrix extensions, dtype, threads and why): one process owning the
+        # cores sizes torch's pool here; worker processes of a parallel run are sized by their executor.
+        self.cpu_summary: str | None = None
+        if self.device.type == "cpu" and config.parallel_config.world_size == 1:
+            from roofline.cpu import apply_thread_policy
+
+            self.cpu_summary = apply_thread_policy(config.dtype)
+            logger.info("%s", self.cpu_summary)
         dispatch.set_kernels_enabled(config.use_triton_kernels)
         tp = get_tp_size()
         self.pp = get_parallel_state()  # pipeline stage (the whole model at pipeline size 1)

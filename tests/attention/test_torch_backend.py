@@ -123,7 +123,8 @@ def test_metadata_is_built_once_per_step():
     meta = make_meta([[1, 2], [3]], [5, 0], [1, 3])
     built = backend.build_metadata(meta)
     assert [g.rows.tolist() for g in built.decode_groups] == [[0]]
-    assert built.decode_groups[0].slots.tolist() == [[4, 5, 6, 7, 8, 9, 4, 4]]  # padding reads slot 4 (finite)
-    assert built.decode_groups[0].pad.tolist() == [[False] * 6 + [True] * 2]
-    assert [(p.start, p.num_rows, p.slots.tolist()) for p in built.prefills] == [(1, 3, [12, 13, 14])]
+    assert built.decode_groups[0].blocks.tolist() == [1, 2]  # context 6 = 2 blocks of 4, bucket 2
+    assert built.decode_groups[0].pad.flatten().tolist() == [True] * 6 + [False] * 2
+    assert built.decode_groups[0].stale.tolist() == [6, 7]  # the stale tail of block 2, zeroed after the gather
+    assert [(p.start, p.num_rows, p.seq_len, p.blocks.tolist()) for p in built.prefills] == [(1, 3, 3, [3])]
     assert built.prefills[0].mask.tolist() == [[True, False, False], [True, True, False], [True, True, True]]
