@@ -32,7 +32,7 @@ def _time_point(batch, ctx, block_size, query_len, fmt, variants, extras, read_b
     import torch
     from triton.testing import do_bench
 
-    from roofline.bench.attention import _decode_inputs, decode_kv_bytes
+    from roofline.bench.attention_inputs import _decode_inputs, decode_kv_bytes
     from roofline.kernels.decode_attention import (
         choose_num_splits,
         default_block_n,
@@ -111,7 +111,7 @@ def parse_formats_and_variants(kv_cache_dtype: str, variants: str) -> tuple[list
     Raises:
         ValueError: an unknown format or variant (lists the known ones).
     """
-    from roofline.bench.attention import KV_FORMATS
+    from roofline.bench.attention_inputs import KV_FORMATS
     from roofline.kernels.decode_attention_packed import VARIANTS
 
     fmts = ["bfloat16" if x == "auto" else x for x in kv_cache_dtype.split(",") if x]
@@ -148,7 +148,7 @@ def run_decode_only(args: argparse.Namespace) -> int:
         raise ValueError("bench attention needs a CUDA GPU (torch.cuda.is_available() is False)")
     import triton
 
-    from roofline.bench.attention import _parse_ints, measure_read_bandwidth_cuda
+    from roofline.bench.attention_inputs import _parse_ints, measure_read_bandwidth_cuda
     from roofline.kernels.decode_attention import DEFAULT_VARIANT
 
     fmts, variants = parse_formats_and_variants(args.kv_cache_dtype, args.variants)
