@@ -207,6 +207,34 @@ class AsyncLLMEngine:
             self._closed = False
         self._thread = threading.Thread(target=self._run, name="roofline-engine", daemon=True)
         self._thread.start()
+        if not getattr(self.engine.executor, "has_step_watchdog", False):
+            threading.Thread(target=self._watch, args=(self._thread,), name="roofline-watchdog", daemon=True).start()
+
+    def _watch(self, engine_thread: threading.Thread) -> None:
+        """The step watchdog of a one-process engine (worker processes have the executor's): a step that runs past
+        ``--step-timeout`` (default ``step_timeout_for`` the step budget: 300 s + 10 ms per token) marks the engine
+        dead with a reason that names the device and the step, and fails every in-flight request; /health then
+        answers 503. The stuck step cannot be interrupted from Python, so the engine does not recover: restart it.
+        If the step ever returns, the engine thread sees the error and stops."""
+        from roofline.worker.multiproc_executor import step_timeout_for
+
+        cfg = self.engine.config
+        limit = step_timeout_for(cfg.scheduler_config.max_num_batched_tokens, cfg.step_timeout)
+        poll = min(1.0, limit / 10)
+        while engine_thread.is_alive() and self.error is None:
+            started = self._step_started_at
+            if started is not None and time.monotonic() - started > limit:
+                step = self._num_steps + 1
+                msg = (f"step {step} stalled: the device ({cfg.device}) did not finish it within {limit:g} s "
+                       f"(step timeout, --step-timeout); the engine is stopped, restart it")
+                logger.error(msg)
+                self.error = EngineDeadError(msg)
+                with self._lock:
+                    self._closed = True
+                for stream in list(self._streams.values()):  # put() is thread-safe; the engine thread is stuck
+                    stream.put(EngineDeadError(msg))
+                return
+            time.sleep(poll)
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """Ask the engine thread to abort everything and exit; wait up to ``timeout_s`` seconds."""
@@ -385,8 +413,10 @@ class AsyncLLMEngine:
         try:
             outputs = self.engine.step()
             self._num_steps += 1
-        except ExecutorDeadError:
-            raise  # a dead worker process: the engine thread stops, /health and new requests answer 503
+            if self.error is not None:  # the watchdog gave up on this step meanwhile: its requests have ended
+                raise EngineDeadError(str(self.error))
+        except (ExecutorDeadError, EngineDeadError):
+            raise  # a dead worker process or a stalled step: the thread stops, /health and new requests answer 503
         except Exception as e:
             # The engine state is suspect after a failed step: end every request with the error.
             logger.exception("engine step failed; aborting all requests")

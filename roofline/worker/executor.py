@@ -25,6 +25,9 @@ class Executor(ABC):
     a rank's figures taken at start-up (``MultiprocExecutor``): dtype, device, weight and KV bytes."""
 
     worker: Any
+    # True where the executor enforces --step-timeout itself (worker processes); the server's one-process
+    # watchdog (``AsyncLLMEngine``) covers the others.
+    has_step_watchdog = False
 
     @abstractmethod
     def execute_model_async(self, step: StepInput) -> Any:

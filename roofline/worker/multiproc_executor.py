@@ -212,6 +212,8 @@ class MultiprocExecutor(Executor):
         ExecutorDeadError: a rank failed or died during start-up (names it, with its error or exit code).
     """
 
+    has_step_watchdog = True  # the driver waits for each rank at most step_timeout_for(...) seconds
+
     def __init__(self, config: EngineConfig, source: loader.ModelSource, model_config: ModelConfig):
         world = config.parallel_config.world_size
         if os.environ.get("MASTER_ADDR"):

@@ -70,3 +70,58 @@ def test_a_stopped_worker_trips_the_step_watchdog():
                 pass
         engine.stop()
         engine.engine.executor.shutdown()
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")  # the engine thread's exit
+def test_a_stalled_step_trips_the_one_process_watchdog(tmp_path):
+    """One process (no worker to stop): a step that never returns is noticed within --step-timeout: /health
+    turns 503 naming the device and the step, the in-flight request ends with an error, new ones get 503."""
+    import asyncio
+    import json
+
+    from roofline.args import EngineArgs
+    from roofline.sampling_params import SamplingParams
+    from roofline.server.app import BackgroundServer, build_app
+    from roofline.server.async_engine import AsyncLLMEngine, EngineDeadError
+
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 256}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs(
+        model=str(tmp_path), load_format="dummy", device="cpu", dtype="float32", max_model_len=128,
+        step_timeout=0.5))
+    assert not engine.engine.executor.has_step_watchdog
+    release = threading.Event()
+    real_step = engine.engine.step
+
+    def stuck_step():
+        release.wait(30)  # a device that never answers (released at the end so the thread can exit)
+        return real_step()
+
+    engine.engine.step = stuck_step
+    engine.start()
+    try:
+        with BackgroundServer(build_app(engine)) as srv:
+            assert httpx.get(srv.url + "/health").status_code == 200
+
+            async def one() -> BaseException | None:
+                try:
+                    async for _ in engine.generate("r0", [1, 2, 3], SamplingParams(max_tokens=4)):
+                        pass
+                except BaseException as e:  # noqa: BLE001 - the error is what we check
+                    return e
+                return None
+
+            t0 = time.monotonic()
+            err = asyncio.run(one())
+            assert isinstance(err, EngineDeadError), err
+            assert "step 1 stalled: the device (cpu)" in str(err) and "0.5 s" in str(err)
+            assert time.monotonic() - t0 < 10
+            health = httpx.get(srv.url + "/health")
+            assert health.status_code == 503 and "the device (cpu)" in health.text
+            late = httpx.post(srv.url + "/v1/completions", json={"prompt": [1, 2], "max_tokens": 2})
+            assert late.status_code == 503, late.text
+    finally:
+        release.set()
+        engine.stop()
