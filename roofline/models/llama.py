@@ -112,7 +112,8 @@ class LlamaDecoderLayer(nn.Module):
                  quant_config: QuantConfig | None, prefix: str):
         super().__init__()
         self.self_attn = LlamaAttention(config, backend, layer_id, quant_config, f"{prefix}.self_attn")
-        hf_layer_id = int(prefix.rsplit(".", 1)[-1])
+        tail = prefix.rsplit(".", 1)[-1]  # "model.layers.7": the checkpoint's layer index (PP stages offset it)
+        hf_layer_id = int(tail) if tail.isdigit() else layer_id  # a drafter's lone layer ("layer") has none
         if config.is_moe_layer(hf_layer_id):
             # Mixtral's checkpoint calls the MoE block ``block_sparse_moe``; Qwen's ``mlp``.
             self.mlp_name = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"

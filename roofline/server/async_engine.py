@@ -207,7 +207,8 @@ class AsyncLLMEngine:
             self._closed = False
         self._thread = threading.Thread(target=self._run, name="roofline-engine", daemon=True)
         self._thread.start()
-        if not getattr(self.engine.executor, "has_step_watchdog", False):
+        executor = getattr(self.engine, "executor", None)
+        if executor is not None and not getattr(executor, "has_step_watchdog", False):
             threading.Thread(target=self._watch, args=(self._thread,), name="roofline-watchdog", daemon=True).start()
 
     def _watch(self, engine_thread: threading.Thread) -> None:
