@@ -152,7 +152,7 @@ class EngineArgs:
         max_model_len = self.max_model_len or min(model_config.max_position_embeddings, 8192)
         if self.step_timeout is not None and not (isinstance(self.step_timeout, (int, float))
                                                   and 0 < self.step_timeout < float("inf")):
-            raise ValueError(f"step_timeout must be a number of seconds > 0, got {self.step_timeout!r}")
+            raise ValueError(f"step_timeout must be a finite number of seconds > 0, got {self.step_timeout!r}")
         if max_model_len > model_config.max_position_embeddings:
             raise ValueError(
                 f"max_model_len ({max_model_len}) exceeds the model's max_position_embeddings "

@@ -5,6 +5,7 @@ executor backend, and each stage's decoder layers (:func:`stage_layer_ranges`). 
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 from roofline.model_config import ModelConfig
@@ -106,6 +107,10 @@ class ParallelConfig:
         stage_layer_ranges(model.num_hidden_layers, self.pipeline_parallel_size,
                            list(self.pipeline_layer_partition) if self.pipeline_layer_partition else None)
         tp = self.tensor_parallel_size
+        if self.enable_expert_parallel and not model.is_moe:
+            logging.getLogger(__name__).warning(
+                "enable_expert_parallel has no effect: %s is a dense model (no experts); its layers stay "
+                "tensor-parallel over %d rank(s)", model.name, tp)
         if model.is_moe and self.enable_expert_parallel and model.num_experts % tp:
             sizes = [d for d in range(1, model.num_experts + 1) if model.num_experts % d == 0
                      and self._shard_problem(model, d) is None]

@@ -139,7 +139,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         members = list(dict.fromkeys(str(e["loc"][2]) for e in same_field if len(e.get("loc", ())) > 2))
         if len(members) > 1:
             return f"{loc[0]}: got {shown}, expected one of: {', '.join(members)}", param
-    message = f"{'.'.join(loc) or 'body'}: {first.get('msg')}, got {shown}"
+    message = f"{'.'.join(loc) or 'body'}: {str(first.get('msg')).removeprefix('Value error, ')}, got {shown}"
     if len(errors) > 1:
         message += f" (and {len(errors) - 1} more errors)"
     return message, param

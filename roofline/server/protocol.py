@@ -10,10 +10,11 @@ ignored. Only types are checked here; value ranges are checked where the request
 from __future__ import annotations
 
 import time
+import typing
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
 
 def random_id(prefix: str) -> str:
@@ -133,6 +134,19 @@ class _SamplingFields(BaseModel):
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _json_types_as_written(cls, value: Any, info: ValidationInfo) -> Any:
+        """No lax coercion between JSON booleans and numbers or strings: ``"temperature": true`` or
+        ``"logprobs": "yes"`` is a 400 naming the field, not 1.0 or True (pydantic's lax mode takes both)."""
+        ann = cls.model_fields[info.field_name].annotation
+        kinds = set(typing.get_args(ann)) or {ann}
+        if isinstance(value, bool) and bool not in kinds and kinds & {int, float}:
+            raise ValueError("must be a number, not a JSON boolean")
+        if kinds <= {bool, type(None)} and bool in kinds and value is not None and not isinstance(value, bool):
+            raise ValueError("must be true or false")
+        return value
 
 
 # ---------------------------------------------------------------------------------------------- completions

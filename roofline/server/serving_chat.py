@@ -7,6 +7,7 @@ choice, as OpenAI sends it.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -84,8 +85,8 @@ async def create_chat_completion(serving: OpenAIServing, req: P.ChatCompletionRe
     if req.tools:
         raise bad_request("tools are not supported; send null", param="tools")
     if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request(f"response_format type {req.response_format.get('type')!r} is not supported; only "
-                          f"'text'", param="response_format")
+        raise bad_request(f"response_format type {json.dumps(req.response_format.get('type'))} is not supported; "
+                          f"only \"text\"", param="response_format")
     logprobs: int | None = None
     if req.top_logprobs is not None:
         if not req.logprobs:

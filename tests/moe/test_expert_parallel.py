@@ -88,3 +88,14 @@ def test_expert_parallel_size_not_dividing_experts_is_refused(checkpoint):
     with pytest.raises(ValueError, match=r"expert parallel size 4 \(tensor_parallel_size with enable_expert_parallel\) "
                                          r"does not divide the 6 experts of .*; sizes that do: 1, 2, 3, 6"):
         LLM(checkpoint, tensor_parallel_size=4, enable_expert_parallel=True, **COMMON)
+
+
+def test_expert_parallel_on_a_dense_model_is_a_logged_no_op(caplog):
+    # Accepted, as vLLM does, but never silent: the start-up log says the flag does nothing here.
+    from roofline.model_config import model_preset
+    from roofline.parallel_config import ParallelConfig
+
+    dense = model_preset("llama-3-8b")
+    with caplog.at_level("WARNING", logger="roofline.parallel_config"):
+        ParallelConfig(tensor_parallel_size=2, enable_expert_parallel=True).check_model(dense)
+    assert "enable_expert_parallel has no effect: llama-3-8b is a dense model" in caplog.text

@@ -471,3 +471,18 @@ def test_json_input_errors_quote_json_not_python(server, body, shown):
     r = _post(server, "/v1/completions", body)
     assert r.status_code == 400, r.text
     assert shown in r.json()["error"]["message"], r.json()
+
+
+@pytest.mark.parametrize(("path", "body", "message"), [
+    ("/v1/completions", {"prompt": "hi", "temperature": True}, "temperature: must be a number, not a JSON boolean, got true"),
+    ("/v1/completions", {"prompt": "hi", "max_tokens": True}, "max_tokens: must be a number, not a JSON boolean, got true"),
+    ("/v1/completions", {"prompt": "hi", "repetition_penalty": False}, "repetition_penalty: must be a number"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"},
+     'logprobs: must be true or false, got "yes"'),
+])
+def test_json_booleans_are_not_numbers_and_strings_not_booleans(server, path, body, message):
+    # Pydantic's lax mode read `"temperature": true` as 1.0 and `"logprobs": "yes"` as True: a silent 200.
+    r = _post(server, path, body)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["message"].startswith(message), r.json()
+    assert r.json()["error"]["param"] == message.split(":")[0]
