@@ -268,6 +268,14 @@ def build_app(
         cards = [P.ModelCard(id=name, max_model_len=serving.max_model_len) for name in listed_names]
         return JSONResponse(P.ModelList(data=cards).model_dump())
 
+    @app.get("/v1/models/{model_id:path}", dependencies=auth)
+    async def retrieve_model(model_id: str) -> JSONResponse:
+        """OpenAI's retrieve-model: a listed id or an accepted alias gets its card (under the name asked for)."""
+        if model_id not in model_names and model_id not in listed_names:
+            return error_json(404, f"The model {json.dumps(model_id)} does not exist; this server serves: "
+                              f"{', '.join(listed_names)}", param="model", code="model_not_found")
+        return JSONResponse(P.ModelCard(id=model_id, max_model_len=serving.max_model_len).model_dump())
+
     @app.post("/v1/completions", dependencies=auth)
     async def completions(request: P.CompletionRequest, raw_request: Request) -> Response:
         return await create_completion(serving, request, raw_request)

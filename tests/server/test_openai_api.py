@@ -57,6 +57,11 @@ def test_models_and_health(server, client, async_engine):
     assert r.json()["data"][0]["max_model_len"] == MAX_MODEL_LEN
     h = httpx.get(server.url + "/health")
     assert (h.status_code, h.json()) == (200, {"status": "ok"})
+    # OpenAI's retrieve-model: the listed id and the alias answer, an unknown id is a 404 naming it.
+    assert client.models.retrieve(MODEL).id == MODEL and client.models.retrieve(alias).id == alias
+    missing = httpx.get(server.url + "/v1/models/no-such-model")
+    assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
+    assert '"no-such-model"' in missing.json()["error"]["message"]
 
 
 def test_completion_greedy_text_usage_and_finish_reason(client, tokenizer):
