@@ -32,6 +32,7 @@ from roofline.bench.attention_inputs import (  # noqa: F401 - re-exported
     _decode_inputs,
     _parse_ints,
     decode_kv_bytes,
+    logged_bandwidth,
     measure_read_bandwidth_cuda,
 )
 from roofline.bench.common import git_sha
@@ -207,15 +208,7 @@ def run_attention_bench(args: argparse.Namespace) -> int:
         raise ValueError("bench attention needs a CUDA GPU (torch.cuda.is_available() is False)")
     import triton
 
-    lines: list[str] = []
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        lines.append(msg)
-
-    torch.manual_seed(0)
-    bw = measure_read_bandwidth_cuda()
-    log(f"read bandwidth {bw['read_bytes_per_s'] / 1e12:.2f} TB/s, copy {bw['copy_bytes_per_s'] / 1e12:.2f} TB/s")
+    log, lines, bw = logged_bandwidth()
     prefill_cfgs = tma_cfgs = None
     if args.sweep:
         prefill_cfgs = [dict(BLOCK_M=m, BLOCK_N=n, num_warps=w, num_stages=s)

@@ -148,19 +148,11 @@ def run_decode_only(args: argparse.Namespace) -> int:
         raise ValueError("bench attention needs a CUDA GPU (torch.cuda.is_available() is False)")
     import triton
 
-    from roofline.bench.attention_inputs import _parse_ints, measure_read_bandwidth_cuda
+    from roofline.bench.attention_inputs import _parse_ints, logged_bandwidth
     from roofline.kernels.decode_attention import DEFAULT_VARIANT
 
     fmts, variants = parse_formats_and_variants(args.kv_cache_dtype, args.variants)
-    lines: list[str] = []
-
-    def log(msg: str) -> None:
-        print(msg, flush=True)
-        lines.append(msg)
-
-    torch.manual_seed(0)
-    bw = measure_read_bandwidth_cuda()
-    log(f"read bandwidth {bw['read_bytes_per_s'] / 1e12:.2f} TB/s, copy {bw['copy_bytes_per_s'] / 1e12:.2f} TB/s")
+    log, lines, bw = logged_bandwidth()
     block_sizes = _parse_ints(args.block_sizes) if args.block_sizes else [args.block_size]
     extras = parse_extras(args.num_splits, args.configs)
     rows: list[dict[str, Any]] = []

@@ -5,6 +5,7 @@ decode kernel reads from it. Its own module so the two benchmarks do not import 
 from __future__ import annotations
 
 import math
+from typing import Any
 
 KV_FORMATS = ("bfloat16", "float16", "int8", "fp8_e4m3", "fp8")
 
@@ -79,3 +80,20 @@ def measure_read_bandwidth_cuda(nbytes: int = 4 << 30) -> dict[str, float]:
 
 def _parse_ints(s: str) -> list[int]:
     return [int(float(x.lower().replace("k", "")) * (1024 if "k" in x.lower() else 1)) for x in s.split(",") if x]
+
+
+def logged_bandwidth() -> tuple[Any, list[str], dict[str, float]]:
+    """The attention benchmarks' start: a ``log`` that prints and keeps each line, those lines, and the read /
+    copy bandwidth measured here (already logged)."""
+    import torch
+
+    lines: list[str] = []
+
+    def log(msg: str) -> None:
+        print(msg, flush=True)
+        lines.append(msg)
+
+    torch.manual_seed(0)
+    bw = measure_read_bandwidth_cuda()
+    log(f"read bandwidth {bw['read_bytes_per_s'] / 1e12:.2f} TB/s, copy {bw['copy_bytes_per_s'] / 1e12:.2f} TB/s")
+    return log, lines, bw

@@ -22,32 +22,16 @@ from __future__ import annotations
 import argparse
 import functools
 import statistics
-import time
 from typing import Any
 
 from roofline.costmodel.moe import moe_step_bytes as _moe_step_bytes
 
 
 def _time(fn, device: str, iters: int, warmup: int = 3) -> float:
-    """Median seconds of ``fn()`` (CUDA events on a GPU, perf_counter on a CPU)."""
-    import torch
+    """Median seconds of ``fn()`` (``hardware._time_rounds``: CUDA events on a GPU, perf_counter on a CPU)."""
+    from roofline.hardware import _time_rounds
 
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        if device.startswith("cuda"):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(_time_rounds(fn, device, iters, warmup))
 
 
 def _graphed(fn, device: str):

@@ -394,13 +394,19 @@ def w8a16_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     Raises:
         ValueError: shapes or dtypes that disagree. RuntimeError: triton missing.
     """
+    return _channel_w16(FMT_INT8, "int8", "w8a16_gemm", torch.int8, x, q, scales, config)
+
+
+def _channel_w16(fmt: int, table: str, name: str, code_dtype: torch.dtype, x: torch.Tensor, q: torch.Tensor,
+                 scales: torch.Tensor, config: GemmConfig | None) -> torch.Tensor:
+    """The weight-only per-channel 8-bit GEMMs (INT8, FP8 E4M3): checks, then the shared launcher."""
     n, k = q.shape
-    _check_float_act(x, "w8a16_gemm")
-    if q.dtype != torch.int8 or scales.numel() != n:
-        raise ValueError(f"w8a16_gemm: want int8 q [N, K] and scales [N], got {q.dtype} {tuple(q.shape)} / "
-                         f"{tuple(scales.shape)}")
-    x2 = _as_rows(x, k, "w8a16_gemm")
-    out = _launch_gemm(FMT_INT8, "int8", x2, q.contiguous(), scales.float().reshape(-1).contiguous(), None, None,
+    _check_float_act(x, name)
+    if q.dtype != code_dtype or scales.numel() != n:
+        raise ValueError(f"{name}: want {str(code_dtype).removeprefix('torch.')} q [N, K] and scales [N], got "
+                         f"{q.dtype} {tuple(q.shape)} / {tuple(scales.shape)}")
+    x2 = _as_rows(x, k, name)
+    out = _launch_gemm(fmt, table, x2, q.contiguous(), scales.float().reshape(-1).contiguous(), None, None,
                        n, 1, x.dtype, config)
     return out.view(*x.shape[:-1], n)
 
@@ -426,15 +432,7 @@ def fp8_w8a16_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor,
     Raises:
         ValueError: shapes or dtypes that disagree. RuntimeError: triton missing.
     """
-    n, k = q.shape
-    _check_float_act(x, "fp8_w8a16_gemm")
-    if q.dtype != torch.float8_e4m3fn or scales.numel() != n:
-        raise ValueError(f"fp8_w8a16_gemm: want float8_e4m3fn q [N, K] and scales [N], got {q.dtype} "
-                         f"{tuple(q.shape)} / {tuple(scales.shape)}")
-    x2 = _as_rows(x, k, "fp8_w8a16_gemm")
-    out = _launch_gemm(FMT_FP8_W8A16, "fp8_w8a16", x2, q.contiguous(), scales.float().reshape(-1).contiguous(), None,
-                       None, n, 1, x.dtype, config)
-    return out.view(*x.shape[:-1], n)
+    return _channel_w16(FMT_FP8_W8A16, "fp8_w8a16", "fp8_w8a16_gemm", torch.float8_e4m3fn, x, q, scales, config)
 
 
 def ref_fp8_w8a16_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
