@@ -139,16 +139,22 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     quants = [None if q in ("none", "") else q for q in args.quantization.split(",")]
     executors = [None if e in ("", "auto") else e for e in args.executor.split(",")]
     pdls = [int(p) for p in str(getattr(args, "pdl", "") or "").split(",") if p != ""] or [None]
-    configs = [(q, kv, ex, pdl) for ex in executors for q in quants for pdl in pdls
-               for kv in args.kv_cache_dtype.split(",") if kv]
+    int4ks = [k for k in str(getattr(args, "int4_kernel", "") or "").split(",") if k] or [None]
+    configs = [(q, kv, ex, pdl, i4) for ex in executors for q in quants for pdl in pdls
+               for i4 in (int4ks if q == "int4" else [None]) for kv in args.kv_cache_dtype.split(",") if kv]
     formats = [_label(q, kv, len(quants) > 1) + (f"@{ex}" if len(executors) > 1 else "")
-               + (f"+pdl{pdl}" if len(pdls) > 1 else "") for q, kv, ex, pdl in configs]
+               + (f"+pdl{pdl}" if len(pdls) > 1 else "") + (f"+{i4}" if i4 and len(int4ks) > 1 else "")
+               for q, kv, ex, pdl, i4 in configs]
     rows, meta, bandwidth, peak = [], {}, None, None
-    for (quant, kv, ex, pdl), fmt in zip(configs, formats, strict=True):
+    for (quant, kv, ex, pdl, i4), fmt in zip(configs, formats, strict=True):
         if pdl is not None:  # the GEMM kernels' programmatic-dependent-launch mode, before the graphs are captured
             from roofline.kernels import pdl as pdl_mod
 
             pdl_mod.MODE = pdl
+        if i4 is not None:  # which INT4 decode GEMM the layers prepare for (at load, so before the graphs)
+            from roofline.kernels import w4a16_mma
+
+            w4a16_mma.ENABLED = i4 == "mma"
         engine = build_engine(args, max(batches), max(contexts), kv_cache_dtype=kv, quantization=quant, executor=ex)
         worker = engine.worker
         device = str(worker.device)
@@ -276,6 +282,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="comma list of programmatic-dependent-launch modes for our decode kernels (0 off; GEMMs: 1 "
                         "release the next kernel after the wait, 2 after the K loop; sm_90+), each measured in turn "
                         "(roofline.kernels.pdl)")
+    p.add_argument("--int4-kernel", default="",
+                   help="comma list of INT4 decode GEMMs to measure in turn for --quantization int4: mma (the "
+                        "Gluon tensor-core kernel, the default where it applies) or triton (roofline.kernels."
+                        "w4a16_mma)")
     p.add_argument("--out-dir", default="bench/results")
     p.set_defaults(func=run_decode_bench)
     return p

@@ -168,6 +168,26 @@ def prepare_w4a16(w: Int4Weight, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     return {"qweight": p.qweight, "scales": p.scales, "zeros": p.zeros}
 
 
+_MMA_SKIPPED: set[str] = set()
+_INT4_MMA_MAX_M = 64  # roofline.kernels.w4a16_mma.MMA_MAX_M (not imported here: that module loads Gluon lazily)
+
+
+def prepare_w4a16_mma(qweight: torch.Tensor, group_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """``{"qweight_mma": ...}``: the tensor-core layout of ``prepare_w4a16``'s GPU ``qweight`` for decode-sized M
+    (``roofline.kernels.w4a16_mma``), or {} where that kernel does not apply (the reason is logged once per
+    reason). Held as a non-persistent buffer beside ``qweight`` (which serves larger M): a step reads one."""
+    from roofline.kernels import w4a16_mma
+
+    k, n = qweight.shape[0] * 8, qweight.shape[1]
+    why = w4a16_mma.mma_supported(n, k, group_size, dtype, qweight.device)
+    if why is not None:
+        if qweight.device.type == "cuda" and why not in _MMA_SKIPPED:
+            _MMA_SKIPPED.add(why)
+            logger.info("INT4 tensor-core decode GEMM (Gluon) not used: %s; the Triton INT4 kernels run", why)
+        return {}
+    return {"qweight_mma": w4a16_mma.repack_int4_mma(qweight)}
+
+
 # Above this M the CPU path dequantizes the layer and runs one fp32 GEMM: torch's int4 kernel costs time linear in
 # M (measured on the 2-core AVX-512 machine, N=3072 K=576 G=64: 13.6 ms at M=1, 47 at 4, 579 at 64, 2281 at 256,
 # against 46 / 48 / 40 / 69 ms for dequantize + F.linear).
@@ -200,8 +220,13 @@ def w4a16(x: torch.Tensor, layer, bias: torch.Tensor | None = None) -> torch.Ten
 
     qw, s, z = layer.qweight, layer.scales, layer.zeros
     qk = _quant_kernels(x)
+    qm = getattr(layer, "qweight_mma", None)
     if qk is None:
         out = quant_gemm.ref_w4a16_gemm(x2, qw, s, z, g)
+    elif qm is not None and x2.shape[0] <= _INT4_MMA_MAX_M and x2.dtype == torch.bfloat16:
+        from roofline.kernels.w4a16_mma import w4a16_mma_gemm
+
+        out = w4a16_mma_gemm(x2, qm, s, z)
     elif use_fused("int4", x2.shape[0], qw.shape[1], qw.shape[0] * 8, x.device):
         out = qk.w4a16_gemm(x2, qw, s, z, g, config=gemv_config("int4", x2.shape[0], qw.shape[1], qw.shape[0] * 8,
                                                                 x.device))

@@ -86,8 +86,12 @@ class Int4LinearMethod(QuantizedLinearMethod):
         if perm is not None:
             register_frozen(layer, "input_perm", perm.to(w.q.device))
         layer.int4_group_size = w.group_size
-        for name, tensor in gemm.prepare_w4a16(w, layer.params_dtype).items():
+        prepared = gemm.prepare_w4a16(w, layer.params_dtype)
+        for name, tensor in prepared.items():
             register_frozen(layer, name, tensor)
+        if w.q.device.type == "cuda":  # decode-sized M on tensor cores: a second layout, read instead of qweight
+            for name, tensor in gemm.prepare_w4a16_mma(prepared["qweight"], w.group_size, layer.params_dtype).items():
+                layer.register_buffer(name, tensor, persistent=False)
         if w.q.device.type == "cpu":
             for name, tensor in gemm.prepare_w4a16_cpu_prefill(w).items():
                 layer.register_buffer(name, tensor, persistent=False)

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Device call steps for round 6 (H200): the INT4 tensor-core decode GEMM (issue 28) and the helpers' GPU steps.
+# Run from the repo root of the device copy: bash bench/gpu_round6.sh STEP...  Everything under $OUT is packed
+# into $OUT/round6.tgz at the end (a call brings back at most 8 files), beside the plain log.
+set -uo pipefail
+export PYTHONUNBUFFERED=1
+NEW=$(pwd)
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader | tee -a "$OUT/log"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$OUT/log"
+git log --oneline -1 2>/dev/null | tee -a "$OUT/log"
+R() { PYTHONPATH="$NEW" python3 -m roofline.cli "$@"; }
+for step in "$@"; do
+  echo "=== $step $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
+  case "$step" in
+  w4tests)  # the Gluon INT4 mma GEMM against float64, in a CUDA graph with PDL, through the layer dispatch
+    PYTHONPATH=$NEW timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/kernels/test_w4a16_mma.py \
+      2>&1 | tee "$OUT/w4tests.log" | grep -E "^E |passed|failed|error" | tail -25 | tee -a "$OUT/log"
+    ;;
+  w4sweep)  # per projection and M: mma tiles/splits vs the Triton INT4 path vs bf16 cuBLAS
+    PYTHONPATH=$NEW timeout ${W4SWEEP_TIMEOUT:-240} python3 bench/gpu_w4a16_mma.py --out "$OUT/w4a16_mma.json" \
+      --ms "${W4MS:-1,2,4,8,16,32,64}" > "$OUT/w4sweep.log" 2>&1
+    echo "w4sweep rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/w4sweep.log" | grep -E "M=|WRONG|FAIL|Error|done|TB/s" | tail -45 | tee -a "$OUT/log"
+    ;;
+  w4decode)  # end to end, one process: bf16, INT4 with the mma kernel, INT4 with the Triton kernels
+    timeout ${DECODE_TIMEOUT:-300} bash -c "$(declare -f R); NEW=$NEW; R bench decode --model llama-3-8b --batch-sizes ${BATCHES:-1,8,64} --contexts 1k --quantization ${QUANTS:-none,int4} --int4-kernel mma,triton --out-dir $OUT" \
+      > "$OUT/w4decode.log" 2>&1
+    echo "w4decode rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/w4decode.log" | grep -E "x$|^ +[0-9]|^model|rc|Error|measured" | tail -30 | tee -a "$OUT/log"
+    ;;
+  fa3) timeout 330 bash bench/gpu_fa3.sh 2>&1 | tail -40 | tee -a "$OUT/log" ;;
+  moe) timeout 380 bash bench/gpu_moe.sh 2>&1 | tail -40 | tee -a "$OUT/log" ;;
+  gputests)
+    PYTHONPATH=$NEW timeout ${GPUTESTS_TIMEOUT:-420} python3 -m pytest -q -m gpu --continue-on-collection-errors --tb=line -rf -p no:cacheprovider ${GPUTESTS:-tests} 2>&1 | tee "$OUT/gputests.log" \
+      | grep -E "^/|^E |passed|failed|error" | tail -40 | tee -a "$OUT/log"
+    ;;
+  *) echo "unknown step $step" | tee -a "$OUT/log" ;;
+  esac
+done
+cd "$OUT" && tar czf round6.tgz --exclude round6.tgz --exclude log . && find . -mindepth 1 ! -name round6.tgz ! -name log -delete
+ls -la "$OUT"

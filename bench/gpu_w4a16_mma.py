@@ -1,0 +1,119 @@
+"""INT4 decode GEMMs on the GPU, per Llama-3-8B projection and M: the Gluon tensor-core kernel
+(``roofline.kernels.w4a16_mma``, every tile and split) against the Triton INT4 path the dispatch table picks
+today and bf16 cuBLAS, in one process. Each time is a cold-L2 CUDA-graph replay (``gpu_quant_sweep.Sweep``);
+each mma config is checked against a float64 oracle first. Prints a table (us, fraction of the measured read
+bandwidth counting codes + scales + zeros + activations, speedups) and writes JSON.
+
+    python bench/gpu_w4a16_mma.py --out $OUT/w4a16_mma.json [--ms 1,2,4,8,16,32,64] [--shapes qkv,o,gate_up,down]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+TILES = [(64, 4), (128, 4), (128, 8), (256, 8)]  # (BN, num_warps)
+SPLITS = [None, 1, 2, 4, 8, 16]
+TOL = 4e-3
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--ms", default="1,2,4,8,16,32,64")
+    ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--reps", type=int, default=20)
+    args = ap.parse_args(argv)
+
+    import torch
+    import torch.nn.functional as F
+    from gpu_quant_sweep import Sweep
+
+    from roofline.hardware import measure_read_bandwidth
+    from roofline.kernels import linear_dispatch
+    from roofline.kernels.quant_gemm import prepare_int4
+    from roofline.kernels.quant_layouts import unpack_int4
+    from roofline.kernels.switch import set_kernels_enabled
+    from roofline.kernels.w4a16_mma import pick_tile, repack_int4_mma, w4a16_mma_gemm
+    from roofline.quant.quantize import quantize_int4_rtn
+
+    set_kernels_enabled(True)
+    sw = Sweep(SimpleNamespace(dry_run=False, reps=args.reps))
+    bw = measure_read_bandwidth("cuda")
+    print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  read bandwidth {bw / 1e12:.3f} TB/s", flush=True)
+    rows, best = [], []
+    t0 = time.time()
+    for shape in args.shapes.split(","):
+        n, k = SHAPES[shape]
+        w = torch.randn(n, k, device="cuda") * 0.02
+        p = prepare_int4(quantize_int4_rtn(w, 128), torch.bfloat16)
+        qm = repack_int4_mma(p.qweight)
+        q = unpack_int4(p.qweight).float()
+        sc = p.scales.float().t().repeat_interleave(128, dim=1)
+        zr = p.zeros.float().t().repeat_interleave(128, dim=1)
+        dense = ((q - zr) * sc).bfloat16()  # the same weight in bf16, for cuBLAS
+        w64 = ((q.double() - zr.double()) * sc.double())
+        del q, sc, zr, w
+        layer = SimpleNamespace(qweight=p.qweight, scales=p.scales, zeros=p.zeros, int4_group_size=128)
+        wbytes = n * k // 2 + 2 * (k // 128) * n * 2
+        for m in [int(v) for v in args.ms.split(",")]:
+            x = (torch.randn(m, k, device="cuda") * 0.5).bfloat16()
+            ref = x.double() @ w64.t()
+            act = m * (k + n) * 2
+            floor_us = (wbytes + act) / bw * 1e6
+            t_bf16 = sw.time_us(lambda: F.linear(x, dense))
+            t_old = sw.time_us(lambda: linear_dispatch.w4a16(x, layer))
+            err_old = sw.rel(linear_dispatch.w4a16(x, layer), ref)
+            bm = pick_tile(m)[0]
+            cands = []
+            for bn, nw in TILES:
+                if n % bn:
+                    continue
+                for split in SPLITS:
+                    tile = (bm, bn, nw)
+                    try:
+                        out = w4a16_mma_gemm(x, qm, p.scales, p.zeros, tile=tile, split_k=split)
+                        err = sw.rel(out, ref)
+                        if not err < TOL:
+                            rows.append(dict(shape=shape, m=m, tile=tile, split=split, error=f"rel err {err:.2e}"))
+                            print(f"  WRONG {shape} M={m} {tile} split {split}: rel err {err:.2e}", flush=True)
+                            continue
+                        us = sw.time_us(lambda tile=tile, split=split: w4a16_mma_gemm(
+                            x, qm, p.scales, p.zeros, tile=tile, split_k=split))
+                    except Exception as e:  # noqa: BLE001 - compile / launch failures are recorded, the sweep goes on
+                        rows.append(dict(shape=shape, m=m, tile=tile, split=split,
+                                         error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
+                        print(f"  FAIL {shape} M={m} {tile} split {split}: {rows[-1]['error']}", flush=True)
+                        continue
+                    cands.append((us, tile, split, err))
+                    rows.append(dict(shape=shape, m=m, tile=tile, split=split, us=us, rel_err=err,
+                                     frac_of_read_bw=floor_us / us))
+            default_us = None
+            if cands:
+                us, tile, split, err = min(cands, key=lambda c: c[0])
+                default = [c for c in cands if c[1] == pick_tile(m) and c[2] is None]
+                default_us = default[0][0] if default else None
+                best.append(dict(shape=shape, n=n, k=k, m=m, tile=tile, split=split, us=us, default_us=default_us,
+                                 triton_us=t_old, bf16_us=t_bf16, floor_us=floor_us, rel_err=err,
+                                 triton_rel_err=err_old))
+                print(f"{shape:>8} M={m:<3} mma {us:7.1f} us ({floor_us / us:.2f} of read BW) {tile} split {split} "
+                      f"| default {default_us if default_us is None else round(default_us, 1)} | triton {t_old:7.1f} "
+                      f"| bf16 {t_bf16:7.1f} | mma vs triton {t_old / us:.2f}x, vs bf16 {t_bf16 / us:.2f}x",
+                      flush=True)
+    print(f"done in {time.time() - t0:.0f} s")
+    Path(args.out).write_text(json.dumps(dict(
+        bench="gpu_w4a16_mma", device=torch.cuda.get_device_name(), torch=torch.__version__,
+        triton=__import__("triton").__version__, read_bytes_per_s=bw, best=best, rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()

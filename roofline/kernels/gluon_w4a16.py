@@ -1,0 +1,205 @@
+"""INT4 (W4A16) GEMM for small M on sm_80+ in Gluon: weights dequantized in registers straight into the tensor
+core's B-operand fragments (``mma.sync m16n8k16``), no shared memory, after a one-time repack at load.
+
+Why: at M = 1-64 the Triton INT4 kernels are instruction-bound. The plain GEMV spends ~6 SASS instructions
+per weight (one LOP3, FADD, FFMA per weight plus x broadcast and addressing: 393 per 64-weight tile on sm_90);
+the 16-row ``tl.dot`` kernel stages every dequantized tile through shared memory because Hopper's ``wgmma``
+takes B from shared memory. Here each thread's 32-bit word holds exactly the eight 4-bit codes of its B
+fragments (the *mma layout*, written by ``quant_layouts.repack_int4_mma``): per word three shifts, four LOP3
+(two codes each into a bf16 pair with the exponent magic ``0x4300`` = 128.0), four ``fma.rn.bf16x2`` (minus
+``128 + z``: exact) and one HMMA per 4 words: ~3 SASS instructions per weight (``bench/gluon_aot_w4a16.py``
+prints the inner loop's mix). The group scale multiplies the fp32 accumulator once per group, so the products
+``x * (q - z)`` are exact in the tensor core, as in the FP32 GEMV.
+
+The operands use ``k_width = 8``: within each k32 block, lane column t (0..3) of a warp holds input channels
+``8 t .. 8 t + 7`` of both A (x) and B (the weights); the k order inside an ``mma`` differs from the natural
+one identically for A and B, which leaves the dot product unchanged. So a thread loads x with 16-byte loads
+and needs one word per (k32 block, column).
+
+The mma layout: int32 ``[K / 128, N * 16]``; the word at ``[kt, 16 n + 4 t + rb]`` holds the codes of input
+channels ``128 kt + 32 rb + 8 t + j`` (j = 0..7) at bit ``16 (j % 2) + 4 (j // 2)`` (pairs (j, j + 1) share one
+LOP3). One 16-byte load per (t, n) brings a thread a k-tile's 4 words; a warp's loads are 512 contiguous bytes.
+
+This module imports no torch (so it compiles ahead of time for sm_90 in a Triton-only environment);
+``roofline.kernels.quant_gemm.w4a16_mma_gemm`` launches it.
+
+References: Frantar et al. 2024, "MARLIN: Mixed-Precision Auto-Regressive Parallel Inference on Large Language
+Models" (fragment-layout repack, LOP3 exponent-magic dequantization); NVIDIA PTX ISA 8.x,
+``mma.sync.aligned.m16n8k16`` fragment layouts, ``lop3.b32``, ``fma.rn.bf16x2``.
+"""
+
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+except ImportError:  # pragma: no cover - Triton without Gluon
+    gluon = None
+
+MMA_K_TILE = 128  # input channels per word tile of the mma layout (4 words per (t, n))
+
+if gluon is not None:
+
+    @gluon.jit
+    def _gdc_wait():
+        # griddepcontrol.wait (PTX ISA 7.8, sm_90): as triton.language.extra.cuda.gdc_wait, which Gluon cannot call.
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+    @gluon.jit
+    def _gdc_launch_dependents():
+        gl.inline_asm_elementwise("griddepcontrol.launch_dependents; // dummy $0", "=r", [], dtype=gl.int32,
+                                  is_pure=False, pack=1)
+
+    @gluon.jit
+    def _dequant8(w, zz):
+        # w int32: the codes of 8 input channels j = 0..7, nibble j at bit 16 (j % 2) + 4 (j // 2); zz int32:
+        # the bf16 pair (128 + z, 128 + z). Returns q_j - z as 8 bf16 values, exact.
+        return gl.inline_asm_elementwise(
+            """
+            {
+            .reg .b32 q, p0, p1, p2, p3;
+            .reg .b32 one;
+            mov.b32 one, 0x3F803F80;
+            lop3.b32 p0, $8, 0x000F000F, 0x43004300, 0xEA;
+            shr.u32 q, $8, 4;
+            lop3.b32 p1, q, 0x000F000F, 0x43004300, 0xEA;
+            shr.u32 q, $8, 8;
+            lop3.b32 p2, q, 0x000F000F, 0x43004300, 0xEA;
+            shr.u32 q, $8, 12;
+            lop3.b32 p3, q, 0x000F000F, 0x43004300, 0xEA;
+            xor.b32 q, $9, 0x80008000;
+            fma.rn.bf16x2 p0, p0, one, q;
+            fma.rn.bf16x2 p1, p1, one, q;
+            fma.rn.bf16x2 p2, p2, one, q;
+            fma.rn.bf16x2 p3, p3, one, q;
+            mov.b32 {$0, $1}, p0;
+            mov.b32 {$2, $3}, p1;
+            mov.b32 {$4, $5}, p2;
+            mov.b32 {$6, $7}, p3;
+            }
+            """,
+            "=h,=h,=h,=h,=h,=h,=h,=h,r,r",
+            [w, zz],
+            dtype=(gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16,
+                   gl.bfloat16, gl.bfloat16, gl.bfloat16, gl.bfloat16),
+            is_pure=True,
+            pack=1,
+        )
+
+    @gluon.jit
+    def _a_fragment(w, zz, BN: gl.constexpr, A_LAYOUT: gl.constexpr):
+        # w int32 [BN / 16, 2, 8, 4] (c, h, g, t): one k32 block's words of rows n = 16 c + 8 h + g; zz the
+        # matching (128 + z) pairs -> bf16 [BN, 32] (q - z), k = 8 t + j, in A_LAYOUT (no data movement).
+        v0, v1, v2, v3, v4, v5, v6, v7 = _dequant8(w, zz)
+        # The first join is the innermost register pair: (j, j + 1) share a 32-bit register, as in the MMA.
+        a = gl.join(gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7)))
+        a = gl.permute(a, (0, 1, 2, 3, 6, 5, 4))  # [c, h, g, t, j0, j1, j2] -> [c, h, g, t, j2, j1, j0]
+        a = gl.reshape(a, [BN, 32])
+        return gl.convert_layout(a, A_LAYOUT, assert_trivial=True)
+
+    @gluon.jit
+    def _w4a16_mma_kernel(
+        X, W, S, Z, Out, Partials, Counters,
+        M, N, K, k_tiles_per_split, SPLIT_K,
+        stride_xm, stride_sg, stride_om,
+        BLOCK_M: gl.constexpr, BN: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr = 0,
+    ):
+        # PDL (roofline.kernels.pdl): 0 off; 1 wait for the previous kernel once the first weight tile is in
+        # flight (the weights never depend on it; x does), then release the next kernel; 2 release after the loop.
+        # out^T [N, M] = W [N, K] @ x^T [K, M] ("swap AB": the weights are the MMA's A operand, 16 output
+        # channels per m16n8k16 row block; the activations are B, 8 rows per n8 block, so M = 1-8 wastes
+        # only B's few registers). X bf16 [M, K] (M <= BLOCK_M, a multiple of 8); W int32 [K / 128, N * 16]
+        # (mma layout); S, Z bf16 [K / 128, N] (group 128); Out bf16 [M, N]; Partials fp32 [SPLIT_K, M, N]
+        # and Counters int32 [N / BN] for split-K. Grid (N / BN, SPLIT_K); BN a multiple of 16 * NUM_WARPS.
+        pid_n = gl.program_id(0)
+        split = gl.program_id(1)
+        C: gl.constexpr = BN // 16
+        mma: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[NUM_WARPS, 1],
+                                                      instr_shape=[16, 8])
+        a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
+        b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
+        # words [C, 2 (h), 8 (g), 4 (t), 4 (rb)] for rows n = 16 c + 8 h + g: rb and h in registers (one
+        # 16-byte load per (n, t)), lanes t fastest then g, warps along c.
+        w_layout: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 4], [1, 1, 8, 4, 1], [NUM_WARPS, 1, 1, 1, 1],
+                                                  [4, 1, 3, 2, 0])
+        q_layout: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1], [1, 1, 8, 4], [NUM_WARPS, 1, 1, 1], [1, 3, 2, 0])
+        l4: gl.constexpr = gl.SliceLayout(4, w_layout)
+        offs_c = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, l4))))
+        offs_h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, l4))))
+        offs_g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, l4))))
+        offs_t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, l4))))
+        offs_rb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3,
+                                                                                                        w_layout)))))
+        n4 = pid_n * BN + offs_c[:, None, None, None] * 16 + offs_h[None, :, None, None] * 8 \
+            + offs_g[None, None, :, None]  # [C, 2, 8, 1]
+        w_off = ((n4 * 16 + offs_t[None, None, None, :] * 4)[:, :, :, :, None]
+                 + offs_rb[None, None, None, None, :])  # [C, 2, 8, 4, 4]
+        tile_words = 16 * N  # one k-tile (128 input channels) of the mma layout
+
+        # zero points in the words' layout (per row n), scales on the accumulator rows
+        qc = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, q_layout))))
+        qh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, q_layout))))
+        qg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, q_layout))))
+        offs_zn = pid_n * BN + qc[:, None, None, None] * 16 + qh[None, :, None, None] * 8 \
+            + qg[None, None, :, None]  # [C, 2, 8, 1]
+        offs_sn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        offs_bk = gl.arange(0, 32, layout=gl.SliceLayout(1, b_layout))
+        offs_bm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, b_layout))
+        bmask = (offs_bm < M)[None, :]
+        x_cols = X + offs_bm[None, :].to(gl.int64) * stride_xm + offs_bk[:, None]  # x^T [32, BLOCK_M]
+
+        k_tiles = K // 128
+        kt_start = split * k_tiles_per_split
+        kt_end = gl.minimum(kt_start + k_tiles_per_split, k_tiles)
+        acc = gl.zeros([BN, BLOCK_M], gl.float32, mma)
+        w_next = gl.load(W + kt_start.to(gl.int64) * tile_words + w_off)
+        if PDL:
+            _gdc_wait()
+            if PDL == 1:
+                _gdc_launch_dependents()
+        for kt in range(kt_start, kt_end):
+            words = w_next
+            kn = gl.minimum(kt + 1, kt_end - 1)
+            w_next = gl.load(W + kn.to(gl.int64) * tile_words + w_off)
+            z = gl.load(Z + kt * stride_sg + offs_zn).to(gl.float32)
+            zb = (z + 128.0).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+            zz = zb | (zb << 16)  # [C, 2, 8, 1] bf16x2 (128 + z, 128 + z)
+            s = gl.load(S + kt * stride_sg + offs_sn).to(gl.float32)
+            w01, w23 = gl.split(gl.reshape(words, [C, 2, 8, 4, 2, 2]))  # rb = 2 a + b: (rb 0, 2) | (rb 1, 3)
+            w0, w2 = gl.split(w01)
+            w1, w3 = gl.split(w23)
+            accg = gl.zeros([BN, BLOCK_M], gl.float32, mma)
+            xk = x_cols + kt * 128
+            accg = mma_v2(_a_fragment(gl.convert_layout(w0, q_layout, assert_trivial=True), zz, BN, a_layout),
+                          gl.load(xk, mask=bmask, other=0.0), accg)
+            accg = mma_v2(_a_fragment(gl.convert_layout(w1, q_layout, assert_trivial=True), zz, BN, a_layout),
+                          gl.load(xk + 32, mask=bmask, other=0.0), accg)
+            accg = mma_v2(_a_fragment(gl.convert_layout(w2, q_layout, assert_trivial=True), zz, BN, a_layout),
+                          gl.load(xk + 64, mask=bmask, other=0.0), accg)
+            accg = mma_v2(_a_fragment(gl.convert_layout(w3, q_layout, assert_trivial=True), zz, BN, a_layout),
+                          gl.load(xk + 96, mask=bmask, other=0.0), accg)
+            acc += accg * s[:, None]
+        if PDL == 2:
+            _gdc_launch_dependents()
+
+        offs_on = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
+        offs_om = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, mma))
+        omask = (offs_on < N)[:, None] & (offs_om < M)[None, :]
+        out_ptrs = Out + offs_om[None, :].to(gl.int64) * stride_om + offs_on[:, None]
+        if SPLIT_K == 1:
+            gl.store(out_ptrs, acc.to(gl.bfloat16), mask=omask)
+        else:
+            # Split-K: the last program of the column tile to arrive sums the partials in split order
+            # (deterministic) and re-arms the counter, as roofline.kernels.splitk._splitk_epilogue.
+            mn = offs_om[None, :].to(gl.int64) * N + offs_on[:, None]
+            gl.store(Partials + split.to(gl.int64) * M * N + mn, acc, mask=omask)
+            gl.thread_barrier()
+            arrived = gl.atomic_add(Counters + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = gl.zeros([BN, BLOCK_M], gl.float32, mma)
+                for sp in range(SPLIT_K):
+                    total += gl.load(Partials + sp * M * N + mn, mask=omask, other=0.0, cache_modifier=".cg")
+                gl.store(out_ptrs, total.to(gl.bfloat16), mask=omask)
+                gl.atomic_xchg(Counters + pid_n, 0)
