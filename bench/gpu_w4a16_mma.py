@@ -70,8 +70,8 @@ def main(argv=None):
             ref = x.double() @ w64.t()
             act = m * (k + n) * 2
             floor_us = (wbytes + act) / bw * 1e6
-            t_bf16 = sw.time_us(lambda: F.linear(x, dense))
-            t_old = sw.time_us(lambda: linear_dispatch.w4a16(x, layer))
+            t_bf16 = sw.time_us(lambda x=x, dense=dense: F.linear(x, dense))
+            t_old = sw.time_us(lambda x=x, layer=layer: linear_dispatch.w4a16(x, layer))
             err_old = sw.rel(linear_dispatch.w4a16(x, layer), ref)
             bm = pick_tile(m)[0]
             cands = []
@@ -87,7 +87,7 @@ def main(argv=None):
                             rows.append(dict(shape=shape, m=m, tile=tile, split=split, error=f"rel err {err:.2e}"))
                             print(f"  WRONG {shape} M={m} {tile} split {split}: rel err {err:.2e}", flush=True)
                             continue
-                        us = sw.time_us(lambda tile=tile, split=split: w4a16_mma_gemm(
+                        us = sw.time_us(lambda x=x, qm=qm, p=p, tile=tile, split=split: w4a16_mma_gemm(
                             x, qm, p.scales, p.zeros, tile=tile, split_k=split))
                     except Exception as e:  # noqa: BLE001 - compile / launch failures are recorded, the sweep goes on
                         rows.append(dict(shape=shape, m=m, tile=tile, split=split,

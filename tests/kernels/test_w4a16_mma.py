@@ -12,8 +12,14 @@ import pytest
 import torch
 
 from roofline.kernels.quant_layouts import pack_int4
-from roofline.kernels.w4a16_mma import (_NIBBLE_SHIFT, DEFAULT_TILES, mma_supported, pick_tile, repack_int4_mma,
-                                        unpack_int4_mma)
+from roofline.kernels.w4a16_mma import (
+    _NIBBLE_SHIFT,
+    DEFAULT_TILES,
+    mma_supported,
+    pick_tile,
+    repack_int4_mma,
+    unpack_int4_mma,
+)
 
 
 def _codes(n, k, seed=0):
