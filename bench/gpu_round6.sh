@@ -18,7 +18,7 @@ for step in "$@"; do
     ;;
   w4sweep)  # per projection and M: mma tiles/splits vs the Triton INT4 path vs bf16 cuBLAS
     PYTHONPATH=$NEW timeout ${W4SWEEP_TIMEOUT:-240} python3 bench/gpu_w4a16_mma.py --out "$OUT/w4a16_mma.json" \
-      --ms "${W4MS:-1,2,4,8,16,32,64}" > "$OUT/w4sweep.log" 2>&1
+      --ms "${W4MS:-1,4,8,16,32,64}" --table roofline/kernels/dispatch_tables/NVIDIA_H200.json > "$OUT/w4sweep.log" 2>&1; cp roofline/kernels/dispatch_tables/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
     echo "w4sweep rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/w4sweep.log" | grep -E "M=|WRONG|FAIL|Error|done|TB/s" | tail -45 | tee -a "$OUT/log"
     ;;
   w4decode)  # end to end, one process: bf16, INT4 with the mma kernel, INT4 with the Triton kernels

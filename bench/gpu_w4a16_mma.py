@@ -5,6 +5,8 @@ each mma config is checked against a float64 oracle first. Prints a table (us, f
 bandwidth counting codes + scales + zeros + activations, speedups) and writes JSON.
 
     python bench/gpu_w4a16_mma.py --out $OUT/w4a16_mma.json [--ms 1,2,4,8,16,32,64] [--shapes qkv,o,gate_up,down]
+        [--table roofline/kernels/dispatch_tables/NVIDIA_H200.json]   # write the fastest config per (shape, M)
+                                                                      # as the table's "int4_mma" rows
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-TILES = [(64, 4), (128, 4), (128, 8), (256, 8)]  # (BN, num_warps)
+TILES = [(128, 4), (128, 8), (256, 8)]  # (BN, num_warps); (64, 4) never won in the first sweep
 SPLITS = [None, 1, 2, 4, 8, 16]
 TOL = 4e-3
 
@@ -32,6 +34,7 @@ def main(argv=None):
     ap.add_argument("--ms", default="1,2,4,8,16,32,64")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--table", default=None, help="a dispatch table JSON to update with the int4_mma rows")
     args = ap.parse_args(argv)
 
     import torch
@@ -43,7 +46,7 @@ def main(argv=None):
     from roofline.kernels.quant_gemm import prepare_int4
     from roofline.kernels.quant_layouts import unpack_int4
     from roofline.kernels.switch import set_kernels_enabled
-    from roofline.kernels.w4a16_mma import pick_tile, repack_int4_mma, w4a16_mma_gemm
+    from roofline.kernels.w4a16_mma import MmaConfig, pick_tile, repack_int4_mma, w4a16_mma_gemm
     from roofline.quant.quantize import quantize_int4_rtn
 
     set_kernels_enabled(True)
@@ -73,39 +76,42 @@ def main(argv=None):
             t_bf16 = sw.time_us(lambda x=x, dense=dense: F.linear(x, dense))
             t_old = sw.time_us(lambda x=x, layer=layer: linear_dispatch.w4a16(x, layer))
             err_old = sw.rel(linear_dispatch.w4a16(x, layer), ref)
-            bm = pick_tile(m)[0]
+            bm = pick_tile(m).block_m
             cands = []
             for bn, nw in TILES:
                 if n % bn:
                     continue
-                for split in SPLITS:
-                    tile = (bm, bn, nw)
-                    try:
-                        out = w4a16_mma_gemm(x, qm, p.scales, p.zeros, tile=tile, split_k=split)
-                        err = sw.rel(out, ref)
-                        if not err < TOL:
-                            rows.append(dict(shape=shape, m=m, tile=tile, split=split, error=f"rel err {err:.2e}"))
-                            print(f"  WRONG {shape} M={m} {tile} split {split}: rel err {err:.2e}", flush=True)
-                            continue
-                        us = sw.time_us(lambda x=x, qm=qm, p=p, tile=tile, split=split: w4a16_mma_gemm(
-                            x, qm, p.scales, p.zeros, tile=tile, split_k=split))
-                    except Exception as e:  # noqa: BLE001 - compile / launch failures are recorded, the sweep goes on
-                        rows.append(dict(shape=shape, m=m, tile=tile, split=split,
-                                         error=f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
-                        print(f"  FAIL {shape} M={m} {tile} split {split}: {rows[-1]['error']}", flush=True)
-                        continue
-                    cands.append((us, tile, split, err))
-                    rows.append(dict(shape=shape, m=m, tile=tile, split=split, us=us, rel_err=err,
-                                     frac_of_read_bw=floor_us / us))
+                for stages in (1, 2):
+                    for pre in ((True, False) if bm <= 16 else (False,)):
+                        for split in SPLITS:
+                            cfg = MmaConfig(bm, bn, nw, stages, pre, split)
+                            try:
+                                out = w4a16_mma_gemm(x, qm, p.scales, p.zeros, config=cfg)
+                                err = sw.rel(out, ref)
+                                if not err < TOL:
+                                    rows.append(dict(shape=shape, m=m, config=cfg._asdict(), error=f"rel err {err:.2e}"))
+                                    print(f"  WRONG {shape} M={m} {cfg}: rel err {err:.2e}", flush=True)
+                                    continue
+                                us = sw.time_us(lambda x=x, qm=qm, p=p, cfg=cfg: w4a16_mma_gemm(
+                                    x, qm, p.scales, p.zeros, config=cfg))
+                            except Exception as e:  # noqa: BLE001 - compile / launch failures recorded, sweep goes on
+                                msg = str(e).splitlines()[0][:200] if str(e) else ""
+                                rows.append(dict(shape=shape, m=m, config=cfg._asdict(),
+                                                 error=f"{type(e).__name__}: {msg}"))
+                                print(f"  FAIL {shape} M={m} {cfg}: {rows[-1]['error']}", flush=True)
+                                continue
+                            cands.append((us, cfg, err))
+                            rows.append(dict(shape=shape, m=m, config=cfg._asdict(), us=us, rel_err=err,
+                                             frac_of_read_bw=floor_us / us))
             default_us = None
             if cands:
-                us, tile, split, err = min(cands, key=lambda c: c[0])
-                default = [c for c in cands if c[1] == pick_tile(m) and c[2] is None]
+                us, cfg, err = min(cands, key=lambda c: c[0])
+                default = [c for c in cands if c[1] == pick_tile(m)]
                 default_us = default[0][0] if default else None
-                best.append(dict(shape=shape, n=n, k=k, m=m, tile=tile, split=split, us=us, default_us=default_us,
+                best.append(dict(shape=shape, n=n, k=k, m=m, config=cfg._asdict(), us=us, default_us=default_us,
                                  triton_us=t_old, bf16_us=t_bf16, floor_us=floor_us, rel_err=err,
                                  triton_rel_err=err_old))
-                print(f"{shape:>8} M={m:<3} mma {us:7.1f} us ({floor_us / us:.2f} of read BW) {tile} split {split} "
+                print(f"{shape:>8} M={m:<3} mma {us:7.1f} us ({floor_us / us:.2f} of read BW) {tuple(cfg)} "
                       f"| default {default_us if default_us is None else round(default_us, 1)} | triton {t_old:7.1f} "
                       f"| bf16 {t_bf16:7.1f} | mma vs triton {t_old / us:.2f}x, vs bf16 {t_bf16 / us:.2f}x",
                       flush=True)
@@ -113,6 +119,12 @@ def main(argv=None):
     Path(args.out).write_text(json.dumps(dict(
         bench="gpu_w4a16_mma", device=torch.cuda.get_device_name(), torch=torch.__version__,
         triton=__import__("triton").__version__, read_bytes_per_s=bw, best=best, rows=rows), indent=1))
+    if args.table:
+        table = json.loads(Path(args.table).read_text()) if Path(args.table).is_file() else {}
+        table["int4_mma"] = [dict(n=b["n"], k=b["k"], m=b["m"], config=b["config"], us=b["us"],
+                                  triton_us=b["triton_us"]) for b in best]
+        Path(args.table).write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {len(best)} int4_mma rows to {args.table}")
 
 
 if __name__ == "__main__":

@@ -104,9 +104,11 @@ if gluon is not None:
         X, W, S, Z, Out, Partials, Counters,
         M, N, K, k_tiles_per_split, SPLIT_K,
         stride_xm, stride_sg, stride_om,
-        BLOCK_M: gl.constexpr, BN: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr = 0,
+        BLOCK_M: gl.constexpr, BN: gl.constexpr, NUM_WARPS: gl.constexpr, STAGES: gl.constexpr = 1,
+        XPRE: gl.constexpr = 1, PDL: gl.constexpr = 0,
     ):
-        # PDL (roofline.kernels.pdl): 0 off; 1 wait for the previous kernel once the first weight tile is in
+        # STAGES: how many k-tiles of weights are in flight per thread (1 or 2); XPRE: x (the B operand) loaded
+        # one tile ahead too (its registers spill at BLOCK_M > 16). PDL (roofline.kernels.pdl): 0 off; 1 wait for the previous kernel once the first weight tile is in
         # flight (the weights never depend on it; x does), then release the next kernel; 2 release after the loop.
         # out^T [N, M] = W [N, K] @ x^T [K, M] ("swap AB": the weights are the MMA's A operand, 16 output
         # channels per m16n8k16 row block; the activations are B, 8 rows per n8 block, so M = 1-8 wastes
@@ -154,32 +156,60 @@ if gluon is not None:
         kt_start = split * k_tiles_per_split
         kt_end = gl.minimum(kt_start + k_tiles_per_split, k_tiles)
         acc = gl.zeros([BN, BLOCK_M], gl.float32, mma)
+        # Everything tile kt needs is loaded one iteration ahead (the words STAGES ahead), so no load in the loop
+        # is waited on in the iteration that issues it. Weights, scales and zeros never depend on the previous
+        # kernel: they are issued before the PDL wait; x after it.
         w_next = gl.load(W + kt_start.to(gl.int64) * tile_words + w_off)
+        w_next2 = w_next
+        if STAGES == 2:
+            w_next2 = gl.load(W + gl.minimum(kt_start + 1, kt_end - 1).to(gl.int64) * tile_words + w_off)
+        z_next = gl.load(Z + kt_start * stride_sg + offs_zn)
+        s_next = gl.load(S + kt_start * stride_sg + offs_sn)
         if PDL:
             _gdc_wait()
             if PDL == 1:
                 _gdc_launch_dependents()
+        xk = x_cols + kt_start * 128
+        x0n = gl.load(xk, mask=bmask & XPRE, other=0.0)
+        x1n = gl.load(xk + 32, mask=bmask & XPRE, other=0.0)
+        x2n = gl.load(xk + 64, mask=bmask & XPRE, other=0.0)
+        x3n = gl.load(xk + 96, mask=bmask & XPRE, other=0.0)
         for kt in range(kt_start, kt_end):
             words = w_next
-            kn = gl.minimum(kt + 1, kt_end - 1)
-            w_next = gl.load(W + kn.to(gl.int64) * tile_words + w_off)
-            z = gl.load(Z + kt * stride_sg + offs_zn).to(gl.float32)
+            z = z_next.to(gl.float32)
+            s = s_next.to(gl.float32)
+            if XPRE:
+                x0, x1, x2, x3 = x0n, x1n, x2n, x3n
+            else:
+                xk = x_cols + kt * 128
+                x0 = gl.load(xk, mask=bmask, other=0.0)
+                x1 = gl.load(xk + 32, mask=bmask, other=0.0)
+                x2 = gl.load(xk + 64, mask=bmask, other=0.0)
+                x3 = gl.load(xk + 96, mask=bmask, other=0.0)
+            kn = gl.minimum(kt + 1, kt_end - 1)  # the last iteration re-reads its own tile (an L2 hit)
+            if STAGES == 2:
+                w_next = w_next2
+                w_next2 = gl.load(W + gl.minimum(kt + 2, kt_end - 1).to(gl.int64) * tile_words + w_off)
+            else:
+                w_next = gl.load(W + kn.to(gl.int64) * tile_words + w_off)
+            z_next = gl.load(Z + kn * stride_sg + offs_zn)
+            s_next = gl.load(S + kn * stride_sg + offs_sn)
+            if XPRE:
+                xk = x_cols + kn * 128
+                x0n = gl.load(xk, mask=bmask, other=0.0)
+                x1n = gl.load(xk + 32, mask=bmask, other=0.0)
+                x2n = gl.load(xk + 64, mask=bmask, other=0.0)
+                x3n = gl.load(xk + 96, mask=bmask, other=0.0)
             zb = (z + 128.0).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
             zz = zb | (zb << 16)  # [C, 2, 8, 1] bf16x2 (128 + z, 128 + z)
-            s = gl.load(S + kt * stride_sg + offs_sn).to(gl.float32)
             w01, w23 = gl.split(gl.reshape(words, [C, 2, 8, 4, 2, 2]))  # rb = 2 a + b: (rb 0, 2) | (rb 1, 3)
             w0, w2 = gl.split(w01)
             w1, w3 = gl.split(w23)
             accg = gl.zeros([BN, BLOCK_M], gl.float32, mma)
-            xk = x_cols + kt * 128
-            accg = mma_v2(_a_fragment(gl.convert_layout(w0, q_layout, assert_trivial=True), zz, BN, a_layout),
-                          gl.load(xk, mask=bmask, other=0.0), accg)
-            accg = mma_v2(_a_fragment(gl.convert_layout(w1, q_layout, assert_trivial=True), zz, BN, a_layout),
-                          gl.load(xk + 32, mask=bmask, other=0.0), accg)
-            accg = mma_v2(_a_fragment(gl.convert_layout(w2, q_layout, assert_trivial=True), zz, BN, a_layout),
-                          gl.load(xk + 64, mask=bmask, other=0.0), accg)
-            accg = mma_v2(_a_fragment(gl.convert_layout(w3, q_layout, assert_trivial=True), zz, BN, a_layout),
-                          gl.load(xk + 96, mask=bmask, other=0.0), accg)
+            accg = mma_v2(_a_fragment(gl.convert_layout(w0, q_layout, assert_trivial=True), zz, BN, a_layout), x0, accg)
+            accg = mma_v2(_a_fragment(gl.convert_layout(w1, q_layout, assert_trivial=True), zz, BN, a_layout), x1, accg)
+            accg = mma_v2(_a_fragment(gl.convert_layout(w2, q_layout, assert_trivial=True), zz, BN, a_layout), x2, accg)
+            accg = mma_v2(_a_fragment(gl.convert_layout(w3, q_layout, assert_trivial=True), zz, BN, a_layout), x3, accg)
             acc += accg * s[:, None]
         if PDL == 2:
             _gdc_launch_dependents()

@@ -169,7 +169,27 @@ def prepare_w4a16(w: Int4Weight, dtype: torch.dtype) -> dict[str, torch.Tensor]:
 
 
 _MMA_SKIPPED: set[str] = set()
-_INT4_MMA_MAX_M = 64  # roofline.kernels.w4a16_mma.MMA_MAX_M (not imported here: that module loads Gluon lazily)
+_INT4_MMA_MAX_M = 64  # roofline.kernels.w4a16_mma.MMA_MAX_M
+
+
+def int4_mma_config(m: int, n: int, k: int, device: torch.device):
+    """The INT4 tensor-core kernel's config for ``m`` rows of an [N, K] weight (a ``w4a16_mma.MmaConfig``), or None
+    where the Triton INT4 path is faster. From the measured table's ``int4_mma`` rows for the nearest (N, K): the
+    row of the smallest measured M >= ``m`` (its fastest config, and whether it beat the Triton path there);
+    without a table, ``w4a16_mma.pick_tile`` up to M = 64."""
+    from roofline.kernels.w4a16_mma import MmaConfig, pick_tile
+
+    if m > _INT4_MMA_MAX_M:
+        return None
+    rows = _table(device).get("int4_mma")
+    if not rows:
+        return pick_tile(m)
+    near = _nearest(rows, n, k)
+    same = sorted((r for r in rows if (r["n"], r["k"]) == (near["n"], near["k"])), key=lambda r: r["m"])
+    row = next((r for r in same if r["m"] >= m), same[-1])
+    if row["us"] > row["triton_us"]:
+        return None
+    return MmaConfig(**row["config"])
 
 
 def prepare_w4a16_mma(qweight: torch.Tensor, group_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -223,10 +243,11 @@ def w4a16(x: torch.Tensor, layer, bias: torch.Tensor | None = None) -> torch.Ten
     qm = getattr(layer, "qweight_mma", None)
     if qk is None:
         out = quant_gemm.ref_w4a16_gemm(x2, qw, s, z, g)
-    elif qm is not None and x2.shape[0] <= _INT4_MMA_MAX_M and x2.dtype == torch.bfloat16:
+    elif (qm is not None and x2.dtype == torch.bfloat16
+          and (mma := int4_mma_config(x2.shape[0], qw.shape[1], qw.shape[0] * 8, x.device)) is not None):
         from roofline.kernels.w4a16_mma import w4a16_mma_gemm
 
-        out = w4a16_mma_gemm(x2, qm, s, z)
+        out = w4a16_mma_gemm(x2, qm, s, z, config=mma)
     elif use_fused("int4", x2.shape[0], qw.shape[1], qw.shape[0] * 8, x.device):
         out = qk.w4a16_gemm(x2, qw, s, z, g, config=gemv_config("int4", x2.shape[0], qw.shape[1], qw.shape[0] * 8,
                                                                 x.device))

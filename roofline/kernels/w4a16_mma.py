@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from typing import NamedTuple
 
 import torch
 
@@ -22,9 +23,25 @@ log = logging.getLogger(__name__)
 ENABLED = True
 MMA_K_TILE = 128  # input channels per word tile; also the only group size the kernel takes
 MMA_MAX_M = 64  # rows of x one launch takes (BLOCK_M <= 64)
-# (BLOCK_M, BN, num_warps) by the largest M each serves; from sm_90 compiles without spills
-# (``bench/gluon_aot_w4a16.py``): 2.3 SASS instructions per weight at BLOCK_M 8, BN 128.
-DEFAULT_TILES = ((8, 8, 128, 4), (16, 16, 128, 4), (32, 32, 64, 4), (64, 64, 64, 4))
+
+
+class MmaConfig(NamedTuple):
+    """A launch configuration: rows of x per program (a multiple of 8), output channels per program (a multiple
+    of 16 * num_warps), k-tiles of weights in flight per thread (1, 2), x prefetched a tile ahead, K splits
+    (None: by the grid, ``quant_gemm.choose_split_k``)."""
+
+    block_m: int
+    block_n: int
+    num_warps: int
+    stages: int = 1
+    prefetch_x: bool = True
+    split_k: int | None = None
+
+
+# Defaults by the largest M each serves, where no measured table row exists: the fastest tiles of the first
+# H200 sweep (bench/results/int4-mma-20261204/w4a16_mma-call1.json), compiled without spills for sm_90.
+DEFAULT_TILES = ((8, MmaConfig(8, 128, 8)), (16, MmaConfig(16, 128, 4)), (32, MmaConfig(32, 128, 4, prefetch_x=False)),
+                 (64, MmaConfig(64, 64, 4, prefetch_x=False)))
 # Bit of nibble j of a word in the mma layout: pairs (j, j + 1) share one LOP3 (low and high bf16 halves).
 _NIBBLE_SHIFT = (0, 16, 4, 20, 8, 24, 12, 28)
 
@@ -90,24 +107,27 @@ def mma_supported(n: int, k: int, group_size: int, dtype: torch.dtype, device: t
     return None
 
 
-def pick_tile(m: int) -> tuple[int, int, int]:
-    """(BLOCK_M, BN, num_warps) for ``m`` rows from :data:`DEFAULT_TILES`."""
-    for max_m, bm, bn, nw in DEFAULT_TILES:
+def pick_tile(m: int) -> MmaConfig:
+    """The default :class:`MmaConfig` for ``m`` rows (:data:`DEFAULT_TILES`).
+
+    Raises:
+        ValueError: ``m`` above :data:`MMA_MAX_M`.
+    """
+    for max_m, cfg in DEFAULT_TILES:
         if m <= max_m:
-            return bm, bn, nw
+            return cfg
     raise ValueError(f"w4a16_mma_gemm takes M <= {MMA_MAX_M} rows, got {m}")
 
 
 def w4a16_mma_gemm(x: torch.Tensor, qweight_mma: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
-                   tile: tuple[int, int, int] | None = None, split_k: int | None = None,
-                   pdl_mode: int | None = None) -> torch.Tensor:
+                   config: MmaConfig | None = None, pdl_mode: int | None = None) -> torch.Tensor:
     """``x @ W^T`` for an INT4 weight in the mma layout, on tensor cores; fp32 accumulation.
 
     Args:
         x: [..., K] bfloat16, CUDA, at most :data:`MMA_MAX_M` rows.
         qweight_mma: int32 [K / 128, N * 16] (:func:`repack_int4_mma`).
         scales, zeros: bfloat16 [K / 128, N] (group size 128; zeros are the integer zero points 0..15).
-        tile: (BLOCK_M, BN, num_warps), default :func:`pick_tile`; split_k: K splits, default by the grid.
+        config: the launch configuration, default :func:`pick_tile`.
         pdl_mode: programmatic dependent launch mode (``roofline.kernels.pdl``), default the process-wide one.
 
     Returns:
@@ -128,14 +148,15 @@ def w4a16_mma_gemm(x: torch.Tensor, qweight_mma: torch.Tensor, scales: torch.Ten
                          f"disagree (want bf16 x, int32 [K/128, N*16], bf16 [K/128, N] with group 128)")
     x2 = _as_rows(x, k, "w4a16_mma_gemm")
     m = x2.shape[0]
-    bm, bn, nw = tile or pick_tile(m)
+    cfg = config or pick_tile(m)
+    bm, bn, nw = cfg.block_m, cfg.block_n, cfg.num_warps
     if m > bm or n % bn:
         raise ValueError(f"w4a16_mma_gemm: M={m} rows and N={n} do not fit the tile BLOCK_M={bm}, BN={bn}")
     out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], n)
     tiles = n // bn
-    split = split_k or choose_split_k(tiles, kt, _num_sms(x.device))
+    split = cfg.split_k or choose_split_k(tiles, kt, _num_sms(x.device))
     split = max(1, min(split, kt))
     per_split = -(-kt // split)
     split = -(-kt // per_split)
@@ -146,6 +167,6 @@ def w4a16_mma_gemm(x: torch.Tensor, qweight_mma: torch.Tensor, scales: torch.Ten
         x2, qweight_mma, scales, zeros, out, partials, counters,
         m, n, k, per_split, split,
         x2.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_M=bm, BN=bn, NUM_WARPS=nw, num_warps=nw, **launch,
+        BLOCK_M=bm, BN=bn, NUM_WARPS=nw, STAGES=cfg.stages, XPRE=bool(cfg.prefetch_x), num_warps=nw, **launch,
     )
     return out.view(*x.shape[:-1], n)

@@ -15,6 +15,7 @@ from roofline.kernels.quant_layouts import pack_int4
 from roofline.kernels.w4a16_mma import (
     _NIBBLE_SHIFT,
     DEFAULT_TILES,
+    MmaConfig,
     mma_supported,
     pick_tile,
     repack_int4_mma,
@@ -65,10 +66,27 @@ def test_mma_is_declined_with_a_reason_off_gpu_and_for_unsupported_shapes():
         assert "K=576" in mma_supported(4096, 576, 128, torch.bfloat16, dev)
 
 
+def test_measured_table_picks_the_mma_kernel_only_where_it_won(monkeypatch):
+    from roofline.kernels import linear_dispatch
+
+    rows = [dict(n=4096, k=4096, m=m, config=dict(block_m=max(8, m), block_n=128, num_warps=4, stages=2,
+                                                     prefetch_x=m <= 16, split_k=4),
+                 us=10.0 * m, triton_us=10.0 * m + (5 if m <= 16 else -5)) for m in (1, 8, 16, 32, 64)]
+    monkeypatch.setattr(linear_dispatch, "_table", lambda device: {"int4_mma": rows})
+    dev = torch.device("cpu")
+    assert linear_dispatch.int4_mma_config(1, 4096, 4096, dev) == MmaConfig(8, 128, 4, 2, True, 4)
+    assert linear_dispatch.int4_mma_config(5, 4000, 4096, dev).block_m == 8  # nearest shape, next measured M
+    assert linear_dispatch.int4_mma_config(12, 4096, 4096, dev).block_m == 16
+    assert linear_dispatch.int4_mma_config(17, 4096, 4096, dev) is None  # the Triton path won at M = 32
+    assert linear_dispatch.int4_mma_config(65, 4096, 4096, dev) is None
+    monkeypatch.setattr(linear_dispatch, "_table", lambda device: {})
+    assert linear_dispatch.int4_mma_config(3, 4096, 4096, dev) == pick_tile(3)
+
+
 def test_tile_table_covers_every_decode_m():
-    assert [pick_tile(m)[0] for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
-    for _, bm, bn, nw in DEFAULT_TILES:
-        assert bm % 8 == 0 and bn % (16 * nw) == 0
+    assert [pick_tile(m).block_m for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
+    for max_m, cfg in DEFAULT_TILES:
+        assert cfg.block_m >= max_m and cfg.block_m % 8 == 0 and cfg.block_n % (16 * cfg.num_warps) == 0
     with pytest.raises(ValueError, match="M <= 64.*65"):
         pick_tile(65)
 
@@ -111,12 +129,15 @@ def test_gpu_mma_gemm_matches_float64(m, n, k):
     p, qm = _gpu_case(n, k)
     x = (torch.randn(m, k, device="cuda") * 0.5).bfloat16()
     ref = _oracle(x, p)
-    tiles = {pick_tile(m)} | {(bm, bn, nw) for _, bm, bn, nw in DEFAULT_TILES if bm >= m and n % bn == 0}
+    tiles = {pick_tile(m)} | {c for _, c in DEFAULT_TILES if c.block_m >= m and n % c.block_n == 0}
     for tile in tiles:
-        for split in (1, 2, 3, None):
-            out = w4a16_mma_gemm(x, qm, p.scales, p.zeros, tile=tile, split_k=split)
-            err = ((out.double() - ref).norm() / ref.norm()).item()
-            assert err < 4e-3, (tile, split, err)  # bf16 output rounding (2^-9 relative) plus fp32 sums
+        for stages in (1, 2):
+            for prefetch_x in ((True, False) if tile.block_m <= 16 else (False,)):
+                for split in (1, 2, 3, None):
+                    cfg = tile._replace(stages=stages, prefetch_x=prefetch_x, split_k=split)
+                    out = w4a16_mma_gemm(x, qm, p.scales, p.zeros, config=cfg)
+                    err = ((out.double() - ref).norm() / ref.norm()).item()
+                    assert err < 4e-3, (cfg, err)  # bf16 output rounding (2^-9 relative) plus fp32 sums
 
 
 @pytest.mark.gpu
@@ -126,7 +147,7 @@ def test_gpu_mma_gemm_in_a_cuda_graph_with_pdl_equals_eager():
 
     p, qm = _gpu_case(1024, 2048, seed=3)
     x = (torch.randn(1, 2048, device="cuda") * 0.5).bfloat16()
-    eager = w4a16_mma_gemm(x, qm, p.scales, p.zeros, pdl_mode=0)
+    eager = w4a16_mma_gemm(x, qm, p.scales, p.zeros, pdl_mode=0)  # the default config: one-tile prefetch
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
