@@ -1,6 +1,6 @@
 """Compile the Gluon INT4 mma GEMM (``roofline/kernels/gluon_w4a16.py``) for sm_90 without a GPU and print its
 resources and inner-loop SASS mix. Run with a Triton that has Gluon (3.6, as on the H200), e.g.
-``/work/tr36/bin/python bench/gluon_aot_w4a16.py 16,128,4 64,128,4``  (BLOCK_M,BN,NUM_WARPS[,PDL])."""
+``/work/tr36/bin/python bench/gluon_aot_w4a16.py 16,128,4 64,128,4``  (BLOCK_M,BN,NUM_WARPS[,PDL[,STAGES]])."""
 
 import collections
 import importlib.util
@@ -21,15 +21,15 @@ mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
 
 
-def compile_kernel(bm, bn, nw, pdl=0):
+def compile_kernel(bm, bn, nw, pdl=0, stages=1):
     sig = {"X": "*bf16", "W": "*i32", "S": "*bf16", "Z": "*bf16", "Out": "*bf16", "Partials": "*fp32",
            "Counters": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_tiles_per_split": "i32", "SPLIT_K": "i32",
            "stride_xm": "i32", "stride_sg": "i32", "stride_om": "i32",
-           "BLOCK_M": "constexpr", "BN": "constexpr", "NUM_WARPS": "constexpr", "PDL": "constexpr"}
+           "BLOCK_M": "constexpr", "BN": "constexpr", "NUM_WARPS": "constexpr", "STAGES": "constexpr", "PDL": "constexpr"}
     names = list(sig)
     div = ["X", "W", "S", "Z", "Out", "Partials", "N", "K", "stride_xm", "stride_sg", "stride_om"]
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
-    consts = {"BLOCK_M": bm, "BN": bn, "NUM_WARPS": nw, "PDL": pdl}
+    consts = {"BLOCK_M": bm, "BN": bn, "NUM_WARPS": nw, "STAGES": stages, "PDL": pdl}
     fn = mod._w4a16_mma_kernel
     src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
@@ -70,11 +70,12 @@ for arg in sys.argv[1:] or ["16,128,4"]:
     parts = arg.split(",")
     bm, bn, nw = map(int, parts[:3])
     pdl = int(parts[3]) if len(parts) > 3 else 0
-    k = compile_kernel(bm, bn, nw, pdl)
+    stages = int(parts[4]) if len(parts) > 4 else 1
+    k = compile_kernel(bm, bn, nw, pdl, stages)
     ops = sass_mix(k)
     n = sum(ops.values())
     weights = 128 * bn // (32 * nw)  # per thread per k-tile
     ttg = k.asm["ttgir"]
-    print(f"PDL={pdl} BLOCK_M={bm} BN={bn} warps={nw}: smem {k.metadata.shared} {resources(k)} "
+    print(f"PDL={pdl} STAGES={stages} BLOCK_M={bm} BN={bn} warps={nw}: smem {k.metadata.shared} {resources(k)} "
           f"local_alloc {ttg.count('local_alloc')} | loop SASS {n} = {n / weights:.2f} per weight "
           f"{dict(ops.most_common(12))}")

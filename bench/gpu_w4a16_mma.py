@@ -23,7 +23,9 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-TILES = [(128, 4), (128, 8), (256, 8)]  # (BN, num_warps); (64, 4) never won in the first sweep
+# (BN, num_warps) by BLOCK_M: in the first sweep (64, 4) won only at M > 16, (256, 8) only at M <= 16
+TILES = {8: [(128, 4), (128, 8), (256, 8)], 16: [(128, 4), (128, 8), (256, 8)], 32: [(64, 4), (128, 4), (128, 8)],
+         64: [(64, 4), (128, 4), (64, 8)]}
 SPLITS = [None, 1, 2, 4, 8, 16]
 TOL = 4e-3
 
@@ -78,7 +80,7 @@ def main(argv=None):
             err_old = sw.rel(linear_dispatch.w4a16(x, layer), ref)
             bm = pick_tile(m).block_m
             cands = []
-            for bn, nw in TILES:
+            for bn, nw in TILES[bm]:
                 if n % bn:
                     continue
                 for stages in (1, 2):
