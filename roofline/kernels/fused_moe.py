@@ -169,7 +169,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 if triton is not None:
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_pairs", "max_rows", "num_blocks"])
     def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, cursor_ptr, num_pairs, max_rows,
                           num_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
                           CHUNK_B: tl.constexpr):
@@ -242,7 +242,8 @@ if triton is not None:
         pid_n = (pid % per_group) // size_m
         return pid_m, pid_n
 
-    @triton.jit
+    # Runtime counts are not specialized (divisible-by-16 or == 1 would compile a variant per M).
+    @triton.jit(do_not_specialize=["num_valid", "num_blocks", "top_k"])
     def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
                             num_valid, num_blocks, top_k, N, K, stride_xm, stride_we, stride_wn, stride_se, stride_hm,
                             HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -280,7 +281,7 @@ if triton is not None:
             tl.store(h_ptr + ids[:, None].to(tl.int64) * stride_hm + offs_n[None, :],
                      h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_valid", "num_blocks"])
     def _moe_down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
                          num_valid, num_blocks, N, K, stride_hm, stride_we, stride_wn, stride_se, stride_om,
                          HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -313,7 +314,7 @@ if triton is not None:
             tl.store(out_ptr + ids[:, None].to(tl.int64) * stride_om + offs_n[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["a_row_div"])
     def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, ids_ptr, N, K, a_row_div, stride_am, stride_we,
                          stride_wn, stride_se, stride_om, GATE_UP: tl.constexpr, HAS_SCALE: tl.constexpr,
                          MUL_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
