@@ -44,7 +44,7 @@ for step in $STEPS; do
     PYTHONPATH=$NEW timeout $(( ${TUNE_BUDGET:-170} + 70 )) python3 bench/gpu_moe_tune.py --budget-s "${TUNE_BUDGET:-170}" \
       --out "$OUT/moe_tune.json" --table "$OUT/NVIDIA_H200.json" > "$OUT/moe-tune.log" 2>&1
     echo "tune rc $?" | tee -a "$OUT/log"; grep -E "M=|budget|wrote|Error" "$OUT/moe-tune.log" | tail -90 | tee -a "$OUT/log"
-    [ -s "$OUT/NVIDIA_H200.json" ] && cp "$OUT/NVIDIA_H200.json" $TABLE
+    [ -s "$OUT/NVIDIA_H200.json" ] && mkdir -p "$(dirname $TABLE)" && cp "$OUT/NVIDIA_H200.json" $TABLE
     ;;
   after)  # the table in roofline/kernels/moe_configs/ (the fresh tune, if that step ran)
     bench after

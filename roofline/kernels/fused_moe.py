@@ -387,6 +387,10 @@ if triton is not None:
                 out = out * tl.load(tw_ptr + pair)
             tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty),
                      mask=mask_n)
+        elif MUL_WEIGHT:  # a pair routed to another rank adds 0 to the top-k sum (out needs no zero fill)
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n,
+                     tl.zeros([BLOCK_N], out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
@@ -458,11 +462,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if fp8:  # the kernels read E4M3 codes as bytes and bitcast them (see _codes)
         w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    local = bool((topk_ids < 0).any()) if not x.is_cuda else None  # CPU: cheap; CUDA: zero-fill below
-    out = (torch.zeros if local is not False else torch.empty)(num_pairs, hidden, dtype=x.dtype, device=x.device)
     c = config
+    # The grouped path never visits a pair routed to another rank (-1): its rows of out must start at 0. CPU:
+    # checked (cheap); CUDA: zero-filled (no host sync). The GEMV path writes every row.
+    remote = None if x.is_cuda or c.path == "gemv" else bool((topk_ids < 0).any())
+    zero_fill = c.path != "gemv" and remote is not False
+    out = (torch.zeros if zero_fill else torch.empty)(num_pairs, hidden, dtype=x.dtype, device=x.device)
     if c.path == "gemv":
-        ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
+        ids = topk_ids.reshape(-1).contiguous()  # int64 or int32, read as is (no cast kernel)
         for a, w, s, dst, n, k, gate_up in ((x, w13, s13, h, inter, hidden, True),
                                             (h, w2, s2, out, hidden, inter, False)):
             _moe_gemv_kernel[(num_pairs, triton.cdiv(n, c.block_n))](
@@ -485,5 +492,6 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
             w2.stride(0), w2.stride(1), s2.stride(0) if has_scale else 0, out.stride(0), HAS_SCALE=has_scale,
             IEEE=ieee, BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, FP8=fp8,
             num_warps=c.num_warps, num_stages=c.num_stages)
-    # The top-k sum in a fixed order (slot 0, 1, ...), in fp32.
-    return out.view(num_tokens, top_k, hidden).float().sum(dim=1).to(x.dtype)
+    # The top-k sum over the k slots of each token in one reduction kernel (accumulated in fp32 for 16-bit
+    # dtypes, torch's reduction accumulator; rounded to x's dtype once).
+    return out.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -239,3 +239,19 @@ def test_format_without_expert_kernel_is_named():
     with pytest.raises(ValueError, match=r"m\.experts: quantization 'int4' has no expert \(MoE\) kernel; formats with "
                                          r"one: int8, fp8"):
         FusedMoE(4, 2, 32, 16, quant_config=get_quantization_config("int4").from_config(), prefix="m.experts")
+
+
+def test_committed_moe_config_tables_parse():
+    """Every committed table (``roofline/kernels/moe_configs/*.json``) loads into valid ``MoeConfig``s keyed by
+    shape and M (a field out of range raises, naming it)."""
+    tables = sorted(fused_moe_config._TABLES.glob("*.json"))
+    for path in tables:
+        fused_moe_config.set_config_table(path)
+        try:
+            entries = fused_moe_config.load_table("any")
+        finally:
+            fused_moe_config.set_config_table(None)
+        assert entries, path
+        for key, by_m in entries.items():
+            assert key.startswith("E=") and ",dtype=" in key
+            assert all(isinstance(m, int) and m >= 1 and isinstance(c, MoeConfig) for m, c in by_m.items())
