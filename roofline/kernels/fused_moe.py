@@ -452,7 +452,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if config.path == "loop":
         if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
             return ref_fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
-        config = default_config(num_tokens, num_experts, top_k, inter, hidden, w13_scale is not None, 1)
+        config = config.fused_config or default_config(num_tokens, num_experts, top_k, inter, hidden,
+                                                       w13_scale is not None, 1)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     has_scale = w13_scale is not None
     s13 = w13_scale if has_scale else tw  # a dummy pointer when unused

@@ -35,6 +35,7 @@ class MoeConfig:
             path uses block_n (rows per program) and block_k (elements per row per step).
         group_m: blocks of rows that share one weight column tile in launch order (the L2 swizzle).
         num_warps, num_stages: Triton's launch options (num_stages: the software pipeline depth of tl.dot).
+        fused_config: on the loop path, the fastest kernel config (what runs inside CUDA-graph capture).
     """
 
     path: str = "grouped"
@@ -44,6 +45,7 @@ class MoeConfig:
     group_m: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    fused_config: MoeConfig | None = None
 
     def __post_init__(self):
         if self.path not in ("grouped", "gemv", "loop"):
@@ -83,9 +85,16 @@ def load_table(device_name: str) -> dict:
     if not path.is_file():
         return {}
     raw = json.loads(path.read_text())
-    return {key: {int(m): MoeConfig(**{f: v for f, v in cfg.items() if f in MoeConfig.__dataclass_fields__})
-                  for m, cfg in entry.items()}
-            for key, entry in raw.items() if not key.startswith("_")}
+    return {key: {int(m): _config(cfg) for m, cfg in entry.items()} for key, entry in raw.items()
+            if not key.startswith("_")}
+
+
+def _config(fields: dict) -> MoeConfig:
+    """A table entry -> MoeConfig (timings and other extra fields dropped)."""
+    kw = {f: v for f, v in fields.items() if f in MoeConfig.__dataclass_fields__}
+    if kw.get("fused_config") is not None:
+        kw["fused_config"] = _config(kw["fused_config"])
+    return MoeConfig(**kw)
 
 
 def default_config(num_tokens: int, num_experts: int, top_k: int, inter: int, hidden: int, coded: bool,

@@ -138,7 +138,7 @@ def test_config_table_lookup_and_heuristic(tmp_path):
     key = fused_moe_config.table_key(8, 32, 64, "float32")
     table = {"_source": "test", key: {"1": dict(path="gemv", block_n=4, block_k=32, num_warps=4, num_stages=1),
                                       "64": dict(block_m=32, block_n=32, block_k=32, group_m=2, us=1.0),
-                                      "1024": dict(path="loop")}}
+                                      "1024": dict(path="loop", us=9.0, fused_config=dict(block_m=64, group_m=8))}}
     path = tmp_path / "table.json"
     path.write_text(__import__("json").dumps(table))
     fused_moe_config.set_config_table(path)
@@ -149,7 +149,8 @@ def test_config_table_lookup_and_heuristic(tmp_path):
             get = fused_moe_config.get_config
             assert get(1, 8, 2, 32, 64, "float32", fake).path == "gemv"
             assert get(40, 8, 2, 32, 64, "float32", fake) == MoeConfig(block_m=32, block_n=32, block_k=32, group_m=2)
-            assert get(900, 8, 2, 32, 64, "float32", fake).path == "loop"
+            loop = get(900, 8, 2, 32, 64, "float32", fake)
+            assert loop.path == "loop" and loop.fused_config == MoeConfig(block_m=64, group_m=8)
         # The loop path runs the expert loop (on the CPU: exactly ref_fused_moe).
         x, w13, w2, weights, ids = _case(6, 8, 2, 64, 32)
         out = fused_moe(x, w13, w2, weights, ids, config=MoeConfig(path="loop"))
