@@ -45,6 +45,7 @@ except ImportError:  # pragma: no cover - the ref_ twin still works
     triton = None
 
 from roofline.kernels.fused_moe_config import MoeConfig, default_config, get_config
+from roofline.kernels.pdl import mode as pdl_mode
 
 # --------------------------------------------------------------------------------------------- reference
 
@@ -168,6 +169,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
 # --------------------------------------------------------------------------------------------- kernels
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit(do_not_specialize=["num_pairs", "max_rows", "num_blocks"])
     def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, cursor_ptr, num_pairs, max_rows,
@@ -318,15 +320,23 @@ if triton is not None:
     def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, ids_ptr, N, K, a_row_div, stride_am, stride_we,
                          stride_wn, stride_se, stride_om, GATE_UP: tl.constexpr, HAS_SCALE: tl.constexpr,
                          MUL_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, FP8: tl.constexpr = False, INT8: tl.constexpr = False):
+                         EVEN_K: tl.constexpr, FP8: tl.constexpr = False, INT8: tl.constexpr = False,
+                         PDL: tl.constexpr = 0):
         """The small-M path: program (pair, N tile) streams expert ids[pair]'s rows [n-tile] (and, for gate_up,
         the matching up rows) once; a GEMV against the pair's activation row a[pair // a_row_div].
 
         As ``quant_gemv``'s one-row stream: [BLOCK_N, BLOCK_K] tiles with 16-byte loads along K, the next tile's
         loads issued before this tile's FMAs (register double buffering, one tile of DRAM latency in flight per
-        program), products accumulated element-wise and reduced over K once after the loop."""
+        program), products accumulated element-wise and reduced over K once after the loop.
+
+        PDL (``roofline.kernels.pdl``; 0 off): gate_up waits for the previous kernel first (its expert ids come
+        from the router); down, launched while gate_up drains, reads its expert id (written before gate_up began)
+        and issues its first weight tile, then waits for h. Both release the next kernel after the wait."""
         pair = tl.program_id(0)
         pid_n = tl.program_id(1)
+        if PDL and GATE_UP:
+            gdc_wait()
+            gdc_launch_dependents()
         e = tl.load(ids_ptr + pair)
         if e >= 0:
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -340,12 +350,17 @@ if triton is not None:
             acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
             acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
             last = (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K
+            kin = offs_k < K
             if EVEN_K:
                 g_next = tl.load(g_ptrs, mask=mask_n[:, None], other=0)
+            else:
+                g_next = tl.load(g_ptrs, mask=mask_n[:, None] & kin[None, :], other=0)
+            if PDL and not GATE_UP:
+                gdc_wait()  # the first weight tile is in flight; h comes from the gate_up kernel
+                gdc_launch_dependents()
+            if EVEN_K:
                 x_next = tl.load(x_ptrs)
             else:
-                kin = offs_k < K
-                g_next = tl.load(g_ptrs, mask=mask_n[:, None] & kin[None, :], other=0)
                 x_next = tl.load(x_ptrs, mask=kin[None, :], other=0.0)
             if GATE_UP:
                 if EVEN_K:
@@ -388,6 +403,9 @@ if triton is not None:
             tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty),
                      mask=mask_n)
         elif MUL_WEIGHT:  # a pair routed to another rank adds 0 to the top-k sum (out needs no zero fill)
+            if PDL:
+                gdc_wait()
+                gdc_launch_dependents()
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n,
                      tl.zeros([BLOCK_N], out_ptr.dtype.element_ty), mask=offs_n < N)
@@ -471,13 +489,14 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     out = (torch.zeros if zero_fill else torch.empty)(num_pairs, hidden, dtype=x.dtype, device=x.device)
     if c.path == "gemv":
         ids = topk_ids.reshape(-1).contiguous()  # int64 or int32, read as is (no cast kernel)
+        pdl = {"PDL": 1, "launch_pdl": True} if pdl_mode(x.device) else {}
         for a, w, s, dst, n, k, gate_up in ((x, w13, s13, h, inter, hidden, True),
                                             (h, w2, s2, out, hidden, inter, False)):
             _moe_gemv_kernel[(num_pairs, triton.cdiv(n, c.block_n))](
                 a, w, s, dst, tw, ids, n, k, top_k if gate_up else 1, a.stride(0), w.stride(0), w.stride(1),
                 s.stride(0) if has_scale else 0, dst.stride(0), GATE_UP=gate_up, HAS_SCALE=has_scale,
                 MUL_WEIGHT=not gate_up, BLOCK_N=c.block_n, BLOCK_K=c.block_k, EVEN_K=k % c.block_k == 0, FP8=fp8,
-                INT8=int8, num_warps=c.num_warps, num_stages=1)
+                INT8=int8, num_warps=c.num_warps, num_stages=1, **pdl)
     else:
         bm = c.block_m
         ieee = x.dtype == torch.float32
