@@ -12,8 +12,13 @@ For each weight format (``--quantization none,int8,fp8``) and M the table prints
   and the two paths forced (``gemv``: the small-M path; ``grouped``: sort/align + two grouped GEMMs);
 - the bound: max(bytes / read bandwidth, FLOPs / bf16 GEMM rate), both measured in this process; bytes are
   the distinct experts this routing touches times one expert's bytes, plus activations in and out;
-- ``loop/fused`` and ``of bound`` (bound time / fused time).
+- ``loop/fused`` and ``of bound`` (bound time / fused time);
+- ``align us``: the sort/align step alone (one Triton program), at the default config's BLOCK_M, and ``config``:
+  the path and tiles the default dispatch picked (``fused_moe_config``: the measured table, or the heuristic
+  with ``--moe-config none``; ``--moe-config PATH`` loads another table, e.g. a fresh tune).
 With several formats, each row also gives its fused time over the first format's (int8 vs bf16 experts).
+Each timed call runs ``--rotate`` routings in turn (different experts each, so the weights come from DRAM, not
+the L2) and its time is divided by that count; ``touched`` and the bound are the mean over them.
 Times are ``triton.testing.do_bench``-style medians of CUDA-event timings. Writes ``bench/results/moe-*.json``.
 """
 
@@ -52,6 +57,17 @@ def _graphed(fn, device: str):
     return graph.replay
 
 
+def _cfg_text(cfg: dict | None) -> str:
+    if not cfg:
+        return "-"
+    if cfg["path"] == "gemv":
+        return f"gemv n{cfg['block_n']} k{cfg['block_k']} w{cfg['num_warps']}"
+    if cfg["path"] == "loop":
+        return "loop"
+    return (f"{cfg['block_m']}x{cfg['block_n']}x{cfg['block_k']} g{cfg['group_m']} w{cfg['num_warps']} "
+            f"s{cfg['num_stages']}")
+
+
 def make_experts(num_experts: int, hidden: int, inter: int, dtype, device: str, quantization: str | None,
                  seed: int = 0) -> dict[str, Any]:
     """Random experts (uniform in +-0.02, as dummy weights) in ``quantization`` (None, int8 or fp8)."""
@@ -80,7 +96,8 @@ def run_moe_bench(args: argparse.Namespace) -> int:
     from roofline.bench.common import parse_sizes, write_result
     from roofline.config import model_preset
     from roofline.hardware import measure_gemm_flops, measure_read_bandwidth
-    from roofline.kernels.fused_moe import fused_moe, ref_fused_moe
+    from roofline.kernels import fused_moe_config
+    from roofline.kernels.fused_moe import fused_moe, moe_align_block_size, ref_fused_moe
     from roofline.layers.moe import select_experts
 
     device = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
@@ -92,6 +109,8 @@ def run_moe_bench(args: argparse.Namespace) -> int:
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
     sizes = parse_sizes(args.tokens)
     quants = [None if q in ("none", "") else q for q in args.quantization.split(",")]
+    if args.moe_config != "default":
+        fused_moe_config.set_config_table(args.moe_config)
     bandwidth = measure_read_bandwidth(device)
     peak = measure_gemm_flops(device, n=8192 if on_cuda else 1024, rounds=10)
     print(f"{torch.cuda.get_device_name() if on_cuda else 'CPU'}: read {bandwidth / 1e12:.3f} TB/s, dense GEMM "
@@ -106,29 +125,46 @@ def run_moe_bench(args: argparse.Namespace) -> int:
         expert_bytes = sum(t.numel() * t.element_size() for t in w.values()) / num_experts
         print(f"\nexperts {quant or args.dtype}: {expert_bytes / 1e6:.1f} MB each")
         print(f"{'M':>6} {'touched':>8} {'loop ms':>9} {'fused ms':>9} {'gemv ms':>9} {'grouped ms':>10} "
-              f"{'bound ms':>9} {'loop/fused':>10} {'of bound':>9}" + ("  vs first" if len(quants) > 1 else ""))
+              f"{'bound ms':>9} {'loop/fused':>10} {'of bound':>9} {'align us':>8}  config"
+              + ("  vs first" if len(quants) > 1 else ""))
         for m in sizes:
             gen = torch.Generator(device=device).manual_seed(m)
-            x = torch.randn(m, hidden, dtype=dtype, device=device, generator=gen)
-            logits = torch.randn(m, num_experts, device=device, generator=gen)
-            tw, ids = select_experts(logits, top_k, True)
-            touched = int(torch.unique(ids).numel())
+            # R routings (and inputs), run in turn: consecutive calls touch different experts, so a small shape's
+            # weights (Qwen3's 8 int8 experts are 38 MB) are not served from the 50 MB L2 on the next call.
+            routes = []
+            for _ in range(args.rotate):
+                x = torch.randn(m, hidden, dtype=dtype, device=device, generator=gen)
+                tw, ids = select_experts(torch.randn(m, num_experts, device=device, generator=gen), top_k, True)
+                routes.append((x, tw, ids))
+            touched = statistics.mean(int(torch.unique(r[2]).numel()) for r in routes)
             moved = touched * expert_bytes + 2 * m * hidden * x.element_size()
             bound = max(moved / bandwidth, 2.0 * m * top_k * 3 * hidden * inter / peak)
-            args_ = (x, w["w13"], w["w2"], tw, ids, s13, s2)
-            loop = _time(functools.partial(ref_fused_moe, *args_), device, args.iters)
+            wts = (w["w13"], w["w2"])
+
+            def each(fn, routes=routes, wts=wts, scales=(s13, s2), **kw):
+                return lambda: [fn(x, *wts, tw, ids, *scales, **kw) for x, tw, ids in routes]
+            loop = _time(each(ref_fused_moe), device, args.iters) / args.rotate
             row: dict[str, Any] = dict(quantization=quant or "none", tokens=m, touched_experts=touched,
-                                       bytes=moved, bound_ms=bound * 1e3, loop_ms=loop * 1e3)
+                                       bytes=moved, bound_ms=bound * 1e3, loop_ms=loop * 1e3, rotate=args.rotate)
             if on_cuda:
+                fmt_name = {None: args.dtype}.get(quant, quant)
+                cfg = fused_moe_config.get_config(m, num_experts, top_k, inter, hidden, fmt_name, torch.device(device))
+                row["config"] = cfg.to_dict()
+                align = _graphed(functools.partial(moe_align_block_size, routes[0][2], num_experts,
+                                                   cfg.block_m if cfg.path == "grouped" else 16), device)
+                row["align_us"] = _time(align, device, args.iters) * 1e6
                 for name, small in (("fused", None), ("gemv", True), ("grouped", False)):
                     if small and m > args.gemv_max_tokens:
                         row[f"{name}_ms"] = None
                         continue
-                    fn = _graphed(functools.partial(fused_moe, *args_, small_m=small), device)
-                    row[f"{name}_ms"] = _time(fn, device, args.iters) * 1e3
+                    fn = each(fused_moe, small_m=small)
+                    if not (name == "fused" and cfg.path == "loop"):  # the loop syncs: eager, not captured
+                        fn = _graphed(fn, device)
+                    row[f"{name}_ms"] = _time(fn, device, args.iters) * 1e3 / args.rotate
+                x, tw, ids = routes[0]
                 if m <= 64:  # the kernel against the float64 loop, as the GPU test bounds it
-                    ref = ref_fused_moe(x, w["w13"], w["w2"], tw, ids, s13, s2, compute_dtype=torch.float64)
-                    out = fused_moe(x, w["w13"], w["w2"], tw, ids, s13, s2).double()
+                    ref = ref_fused_moe(x, *wts, tw, ids, s13, s2, compute_dtype=torch.float64)
+                    out = fused_moe(x, *wts, tw, ids, s13, s2).double()
                     row["rel_err"] = ((out - ref).abs().max() / ref.abs().max()).item()
                 row["loop_over_fused"] = row["loop_ms"] / row["fused_ms"]
                 row["fraction_of_bound"] = row["bound_ms"] / row["fused_ms"]
@@ -138,13 +174,13 @@ def run_moe_bench(args: argparse.Namespace) -> int:
 
             def fmt(v, width=9):
                 return f"{v:>{width}.3f}" if isinstance(v, float) else f"{'-':>{width}}"
-            print(f"{m:>6} {touched:>8} {fmt(row['loop_ms'])} {fmt(row.get('fused_ms'))} {fmt(row.get('gemv_ms'))} "
+            print(f"{m:>6} {touched:>8.1f} {fmt(row['loop_ms'])} {fmt(row.get('fused_ms'))} {fmt(row.get('gemv_ms'))} "
                   f"{fmt(row.get('grouped_ms'), 10)} {fmt(row['bound_ms'])} {fmt(row.get('loop_over_fused'), 10)} "
-                  f"{fmt(row.get('fraction_of_bound'))}"
+                  f"{fmt(row.get('fraction_of_bound'))} {fmt(row.get('align_us'), 8)}  {_cfg_text(row.get('config'))}"
                   + (f"  {row['fused_vs_first']:.2f}x" if len(quants) > 1 and on_cuda else ""), flush=True)
         if on_cuda:
             torch.cuda.empty_cache()
-    path = write_result(args.out_dir, f"moe-{args.model}", dict(
+    path = write_result(args.out_dir, f"moe-{args.model}", dict(moe_config=args.moe_config,
         model=args.model, device=device, dtype=args.dtype, num_experts=num_experts, top_k=top_k, hidden=hidden,
         intermediate=inter, read_bandwidth_bytes_per_s=bandwidth, peak_flops=peak, rows=rows))
     print(f"wrote {path}")
@@ -159,6 +195,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--quantization", default="none,int8",
                    help="expert formats, comma-separated (none, int8, fp8); the first is the baseline")
     p.add_argument("--gemv-max-tokens", type=int, default=64, help="largest M at which the GEMV path is timed")
+    p.add_argument("--moe-config", default="default",
+                   help="tile configs: default (the committed table of this device, else the heuristic), none (the "
+                        "heuristic by M), or a table JSON (bench/gpu_moe_tune.py --table)")
+    p.add_argument("--rotate", type=int, default=4,
+                   help="routings run in turn per timed call (weights from DRAM, not L2); times are per call")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--device", default="auto")
     p.add_argument("--out-dir", default="bench/results")

@@ -9,24 +9,31 @@ Weights are stacked per expert as in vLLM: ``w13`` [E, 2I, H] (gate rows [0, I),
 [E, 2I], ``w2_scale`` [E, H]); the kernel dequantizes by scaling the fp32 accumulator (exact: the scale is
 constant along K).
 
-The grouped path (any M):
-1. ``moe_align_block_size``: the (token, slot) pairs are sorted by expert and each expert's run is padded to
-   a multiple of ``BLOCK_M``, so every block of rows belongs to one expert (padding rows point past the
-   last pair and are masked). It runs on the device with no host sync: the buffers are sized by the worst
-   case and the blocks past the real end exit at once.
-2. ``_moe_gate_up_kernel``: per (block, N tile) one expert's gate and up tiles, two accumulators, SiLU-and-mul
-   in registers -> ``h`` [T*k, I].
-3. ``_moe_down_kernel``: ``h @ w2[e]^T`` times the pair's routing weight -> [T*k, H]; then the top-k sum
-   over the k slots of each token (a fixed-order sum, so the result does not depend on scheduling).
+Three paths, picked per (E, I, H, format, M) by ``fused_moe_config.get_config`` (the table measured on the
+device by ``bench/gpu_moe_tune.py``, else a heuristic by M):
 
-The small-M path (decode at batch 1..``SMALL_M_MAX_TOKENS``): one program per (pair, N tile) streams its
-expert's rows once as a GEMV; only the touched experts' weights are read.
+- grouped (any M):
+  1. ``moe_align_block_size``: the (token, slot) pairs are sorted by expert and each expert's run is padded
+     to a multiple of ``BLOCK_M``, so every block of rows belongs to one expert (padding rows point past the
+     last pair and are masked). One Triton program, no host sync: the buffers are sized by the worst case and
+     the blocks past the real end exit at once.
+  2. ``_moe_gate_up_kernel``: per (block, N tile) one expert's gate and up tiles, two accumulators,
+     SiLU-and-mul in registers -> ``h`` [T*k, I].
+  3. ``_moe_down_kernel``: ``h @ w2[e]^T`` times the pair's routing weight -> [T*k, H]; then the top-k sum
+     over the k slots of each token (a fixed-order sum, so the result does not depend on scheduling).
+  Both GEMMs walk their tiles with the GROUP_M swizzle (row blocks of one expert share a weight tile in L2).
+- gemv (decode at small M): one program per (pair, ``block_n`` rows) streams its expert's rows once; only
+  the touched experts' weights are read.
+- loop: the expert loop (``ref_fused_moe``, cuBLAS per expert), where the table measured it faster; outside
+  CUDA-graph capture only (it syncs with the host).
 
 Expert parallelism passes ``topk_ids`` already mapped to this rank's local experts, with -1 for pairs routed
 to another rank's experts; those pairs contribute zero here.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import torch.nn.functional as F
@@ -37,8 +44,8 @@ try:
 except ImportError:  # pragma: no cover - the ref_ twin still works
     triton = None
 
-SMALL_M_MAX_TOKENS = 4  # tokens at or below which the GEMV path runs (bench moe prints both paths per M)
-
+from roofline.kernels.fused_moe_config import MoeConfig, default_config, get_config
+from roofline.kernels.pdl import mode as pdl_mode
 
 # --------------------------------------------------------------------------------------------- reference
 
@@ -93,9 +100,10 @@ def ref_fused_moe_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
 # --------------------------------------------------------------------------------------------- alignment
 
 
-def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
-                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort the T*k (token, slot) pairs by expert, each expert's run padded to a multiple of ``block_m``.
+def ref_moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the T*k (token, slot) pairs by expert, each expert's run padded to a multiple of ``block_m`` (torch
+    ops, stable: pairs in pair order within an expert).
 
     Args:
         topk_ids: [T, k] int local expert ids in [0, num_experts), or -1 (the pair is not computed here).
@@ -119,8 +127,7 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
     order = torch.argsort(key, stable=True)
     sorted_key = key[order]
     rank = torch.arange(n, device=device) - count_starts[sorted_key]
-    max_rows = n + min(n, num_experts) * (block_m - 1)
-    max_rows = (max_rows + block_m - 1) // block_m * block_m
+    max_rows = _max_rows(n, num_experts, block_m)
     dest = torch.where(sorted_key < num_experts, starts[sorted_key] + rank, max_rows)  # invalid -> scratch row
     sorted_ids = torch.full((max_rows + 1,), n, dtype=torch.int32, device=device)
     sorted_ids.scatter_(0, dest, order.to(torch.int32))
@@ -130,9 +137,73 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
     return sorted_ids[:max_rows], expert_ids, ends[num_experts - 1:num_experts].to(torch.int32)
 
 
+def _max_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
+    rows = num_pairs + min(num_pairs, num_experts) * (block_m - 1)
+    return (rows + block_m - 1) // block_m * block_m
+
+
+def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``ref_moe_align_block_size``'s contract in one Triton launch (one program, no host sync; vLLM's
+    ``moe_align_block_size``): a histogram of the expert ids, the padded prefix sum, the block -> expert map, then
+    each pair placed at its expert's cursor by an atomic add. The order of the pairs inside an expert's run is
+    therefore not fixed on a GPU; the kernels compute each row on its own, so the result does not depend on it.
+    Falls back to the torch ops where Triton cannot run (no Triton; CPU without ``TRITON_INTERPRET=1``)."""
+    if triton is None or not (topk_ids.is_cuda or os.environ.get("TRITON_INTERPRET") == "1"):
+        return ref_moe_align_block_size(topk_ids, num_experts, block_m)
+    device = topk_ids.device
+    n = topk_ids.numel()
+    max_rows = _max_rows(n, num_experts, block_m)
+    num_blocks = max_rows // block_m
+    sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=device)
+    expert_ids = torch.empty(num_blocks, dtype=torch.int32, device=device)
+    num_post = torch.empty(1, dtype=torch.int32, device=device)
+    e_pad = triton.next_power_of_2(num_experts)
+    cursor = torch.empty(e_pad, dtype=torch.int32, device=device)
+    _moe_align_kernel[(1,)](topk_ids.reshape(-1), sorted_ids, expert_ids, num_post, cursor, n, max_rows, num_blocks,
+                            BLOCK_M=block_m, E_PAD=e_pad, CHUNK=1024, CHUNK_B=max(16, 8192 // e_pad),
+                            num_warps=8)
+    return sorted_ids, expert_ids, num_post
+
+
 # --------------------------------------------------------------------------------------------- kernels
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    @triton.jit(do_not_specialize=["num_pairs", "max_rows", "num_blocks"])
+    def _moe_align_kernel(ids_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr, cursor_ptr, num_pairs, max_rows,
+                          num_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                          CHUNK_B: tl.constexpr):
+        """One program: counts -> padded starts -> expert of each block -> pairs scattered (see
+        ``moe_align_block_size``). Experts >= E (the power-of-two padding) count 0 and own no block."""
+        offs_e = tl.arange(0, E_PAD)
+        counts = tl.zeros([E_PAD], dtype=tl.int32)
+        for c0 in range(0, num_pairs, CHUNK):
+            offs = c0 + tl.arange(0, CHUNK)
+            e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+            valid = e >= 0
+            counts += tl.histogram(tl.where(valid, e, 0), E_PAD, mask=valid)
+        padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+        ends = tl.cumsum(padded, 0)
+        total = tl.sum(padded, 0)
+        tl.store(num_post_ptr, total)
+        tl.store(cursor_ptr + offs_e, ends - padded)
+        for b0 in range(0, num_blocks, CHUNK_B):
+            offs_b = b0 + tl.arange(0, CHUNK_B)
+            row0 = offs_b * BLOCK_M
+            owner = tl.sum((ends[None, :] <= row0[:, None]).to(tl.int32), axis=1)  # experts ending at or before
+            tl.store(expert_ids_ptr + offs_b, tl.where(row0 < total, owner, -1), mask=offs_b < num_blocks)
+        for r0 in range(0, max_rows, CHUNK):
+            offs = r0 + tl.arange(0, CHUNK)
+            tl.store(sorted_ids_ptr + offs, tl.zeros([CHUNK], tl.int32) + num_pairs, mask=offs < max_rows)
+        tl.debug_barrier()  # the cursors and the padding fill are visible to every thread of the program
+        for c0 in range(0, num_pairs, CHUNK):
+            offs = c0 + tl.arange(0, CHUNK)
+            e = tl.load(ids_ptr + offs, mask=offs < num_pairs, other=-1).to(tl.int32)
+            valid = e >= 0
+            row = tl.atomic_add(cursor_ptr + tl.where(valid, e, 0), 1, mask=valid)
+            tl.store(sorted_ids_ptr + row, offs, mask=valid)
 
     @triton.jit
     def _dot(a, b, acc, IEEE: tl.constexpr):
@@ -150,22 +221,45 @@ if triton is not None:
         return w
 
     @triton.jit
-    def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
-                            num_valid, N, K, stride_xm, stride_we, stride_wn, stride_se, stride_hm,
-                            TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr = False):
-        """h[pair, n] = silu(x[t] . w13[e, n]) * (x[t] . w13[e, N + n]) for one block of pairs of expert e."""
-        pid = tl.program_id(0)
+    def _codes_f32(w, FP8: tl.constexpr, INT8: tl.constexpr):
+        # Codes -> fp32 values (before the channel scale). INT8: 0x4B000080 + q is the float 2^23 + 128 + q
+        # (q in [-128, 127]), one integer add and one float subtract (quant_gemv's conversion).
+        if FP8:
+            return w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        elif INT8:
+            return (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
+        else:
+            return w.to(tl.float32)
+
+    @triton.jit
+    def _tile_ids(pid, num_blocks, N, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+        # (block of rows, column tile) of program pid: GROUP_M consecutive row blocks walk one column tile
+        # before the next (the L2 swizzle of Triton's matmul tutorial), so the row blocks of one expert read
+        # each weight tile from DRAM once. GROUP_M = 1: the column tiles of a row block are neighbours.
         num_n = tl.cdiv(N, BLOCK_N)
-        pid_m = pid // num_n
-        pid_n = pid % num_n
+        per_group = GROUP_M * num_n
+        first_m = (pid // per_group) * GROUP_M
+        size_m = tl.minimum(num_blocks - first_m, GROUP_M)
+        pid_m = first_m + (pid % per_group) % size_m
+        pid_n = (pid % per_group) // size_m
+        return pid_m, pid_n
+
+    # Runtime counts are not specialized (divisible-by-16 or == 1 would compile a variant per M).
+    @triton.jit(do_not_specialize=["num_valid", "num_blocks", "top_k"])
+    def _moe_gate_up_kernel(x_ptr, w_ptr, s_ptr, h_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
+                            num_valid, num_blocks, top_k, N, K, stride_xm, stride_we, stride_wn, stride_se, stride_hm,
+                            HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
+                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                            FP8: tl.constexpr = False):
+        """h[pair, n] = silu(x[t] . w13[e, n]) * (x[t] . w13[e, N + n]) for one block of pairs of expert e."""
+        pid_m, pid_n = _tile_ids(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
         num_post = tl.load(num_post_ptr)
         e = tl.load(expert_ids_ptr + pid_m)
         if pid_m * BLOCK_M < num_post and e >= 0:
             offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
             ids = tl.load(sorted_ids_ptr + offs_m)
             mask_m = ids < num_valid
-            tok = ids // TOP_K
+            tok = ids // top_k
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             mask_n = offs_n < N
             w_base = w_ptr + e.to(tl.int64) * stride_we
@@ -189,16 +283,14 @@ if triton is not None:
             tl.store(h_ptr + ids[:, None].to(tl.int64) * stride_hm + offs_n[None, :],
                      h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
-    @triton.jit
+    @triton.jit(do_not_specialize=["num_valid", "num_blocks"])
     def _moe_down_kernel(h_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, sorted_ids_ptr, expert_ids_ptr, num_post_ptr,
-                         num_valid, N, K, stride_hm, stride_we, stride_wn, stride_se, stride_om,
+                         num_valid, num_blocks, N, K, stride_hm, stride_we, stride_wn, stride_se, stride_om,
                          HAS_SCALE: tl.constexpr, IEEE: tl.constexpr, BLOCK_M: tl.constexpr,
-                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr = False):
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                         FP8: tl.constexpr = False):
         """out[pair, n] = topk_weight[pair] * (h[pair] . w2[e, n]) for one block of pairs of expert e."""
-        pid = tl.program_id(0)
-        num_n = tl.cdiv(N, BLOCK_N)
-        pid_m = pid // num_n
-        pid_n = pid % num_n
+        pid_m, pid_n = _tile_ids(tl.program_id(0), num_blocks, N, BLOCK_N, GROUP_M)
         num_post = tl.load(num_post_ptr)
         e = tl.load(expert_ids_ptr + pid_m)
         if pid_m * BLOCK_M < num_post and e >= 0:
@@ -224,60 +316,103 @@ if triton is not None:
             tl.store(out_ptr + ids[:, None].to(tl.int64) * stride_om + offs_n[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
-    @triton.jit
-    def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, ids_ptr, N, K, stride_am, stride_we, stride_wn,
-                         stride_se, stride_om, A_ROW_DIV: tl.constexpr, GATE_UP: tl.constexpr,
-                         HAS_SCALE: tl.constexpr, MUL_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr, FP8: tl.constexpr = False):
-        """The small-M path: program (pair, N tile) streams expert ids[pair]'s rows [n-tile] (and, for
-        gate_up, the matching up rows) once; a GEMV against the pair's activation row a[pair // A_ROW_DIV]."""
+    @triton.jit(do_not_specialize=["a_row_div"])
+    def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, ids_ptr, N, K, a_row_div, stride_am, stride_we,
+                         stride_wn, stride_se, stride_om, GATE_UP: tl.constexpr, HAS_SCALE: tl.constexpr,
+                         MUL_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         EVEN_K: tl.constexpr, FP8: tl.constexpr = False, INT8: tl.constexpr = False,
+                         PDL: tl.constexpr = 0):
+        """The small-M path: program (pair, N tile) streams expert ids[pair]'s rows [n-tile] (and, for gate_up,
+        the matching up rows) once; a GEMV against the pair's activation row a[pair // a_row_div].
+
+        As ``quant_gemv``'s one-row stream: [BLOCK_N, BLOCK_K] tiles with 16-byte loads along K, the next tile's
+        loads issued before this tile's FMAs (register double buffering, one tile of DRAM latency in flight per
+        program), products accumulated element-wise and reduced over K once after the loop.
+
+        PDL (``roofline.kernels.pdl``; 0 off): gate_up waits for the previous kernel first (its expert ids come
+        from the router); down, launched while gate_up drains, reads its expert id (written before gate_up began)
+        and issues its first weight tile, then waits for h. Both release the next kernel after the wait."""
         pair = tl.program_id(0)
         pid_n = tl.program_id(1)
+        if PDL and GATE_UP:
+            gdc_wait()
+            gdc_launch_dependents()
         e = tl.load(ids_ptr + pair)
         if e >= 0:
             offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
             mask_n = offs_n < N
-            a_row = a_ptr + (pair // A_ROW_DIV).to(tl.int64) * stride_am
+            offs_k = tl.arange(0, BLOCK_K)
             w_base = w_ptr + e.to(tl.int64) * stride_we
-            acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            acc_u = tl.zeros((BLOCK_N,), dtype=tl.float32)
-            for k0 in range(0, K, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                mask_k = offs_k < K
-                a = tl.load(a_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-                wmask = mask_n[:, None] & mask_k[None, :]
-                w = tl.load(w_base + offs_n[:, None] * stride_wn + offs_k[None, :], mask=wmask, other=0)
-                acc += tl.sum(_codes(w, FP8).to(tl.float32) * a[None, :], axis=1)
-                if GATE_UP:
-                    wu = tl.load(w_base + (offs_n[:, None] + N) * stride_wn + offs_k[None, :], mask=wmask, other=0)
-                    acc_u += tl.sum(_codes(wu, FP8).to(tl.float32) * a[None, :], axis=1)
-            if HAS_SCALE:
-                s_base = s_ptr + e.to(tl.int64) * stride_se
-                acc = acc * tl.load(s_base + offs_n, mask=mask_n, other=0.0)
-                if GATE_UP:
-                    acc_u = acc_u * tl.load(s_base + N + offs_n, mask=mask_n, other=0.0)
+            g_ptrs = w_base + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BN, BK]
+            u_ptrs = g_ptrs + N * stride_wn
+            # x through [BN, BK] pointers (every row the same): the load takes the weight tile's layout.
+            x_ptrs = a_ptr + (pair // a_row_div).to(tl.int64) * stride_am + offs_k[None, :] + 0 * offs_n[:, None]
+            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+            last = (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K
+            kin = offs_k < K
+            if EVEN_K:
+                g_next = tl.load(g_ptrs, mask=mask_n[:, None], other=0)
+            else:
+                g_next = tl.load(g_ptrs, mask=mask_n[:, None] & kin[None, :], other=0)
+            if PDL and not GATE_UP:
+                gdc_wait()  # the first weight tile is in flight; h comes from the gate_up kernel
+                gdc_launch_dependents()
+            if EVEN_K:
+                x_next = tl.load(x_ptrs)
+            else:
+                x_next = tl.load(x_ptrs, mask=kin[None, :], other=0.0)
             if GATE_UP:
-                acc = acc * tl.sigmoid(acc) * acc_u
+                if EVEN_K:
+                    u_next = tl.load(u_ptrs, mask=mask_n[:, None], other=0)
+                else:
+                    u_next = tl.load(u_ptrs, mask=mask_n[:, None] & kin[None, :], other=0)
+            else:
+                u_next = g_next
+            for k0 in range(0, K, BLOCK_K):
+                g = g_next
+                u = u_next
+                x = x_next.to(tl.float32)
+                # Prefetch the next tile (the last iteration re-reads its own tile, an L1/L2 hit).
+                k1 = tl.minimum(k0 + BLOCK_K, last)
+                if EVEN_K:
+                    g_next = tl.load(g_ptrs + k1, mask=mask_n[:, None], other=0)
+                    x_next = tl.load(x_ptrs + k1)
+                    if GATE_UP:
+                        u_next = tl.load(u_ptrs + k1, mask=mask_n[:, None], other=0)
+                else:
+                    kin = (k1 + offs_k) < K
+                    g_next = tl.load(g_ptrs + k1, mask=mask_n[:, None] & kin[None, :], other=0)
+                    x_next = tl.load(x_ptrs + k1, mask=kin[None, :], other=0.0)
+                    if GATE_UP:
+                        u_next = tl.load(u_ptrs + k1, mask=mask_n[:, None] & kin[None, :], other=0)
+                acc += x * _codes_f32(g, FP8, INT8)
+                if GATE_UP:
+                    acc_u += x * _codes_f32(u, FP8, INT8)
+            out = tl.sum(acc, axis=1)
+            s_base = s_ptr + e.to(tl.int64) * stride_se
+            if HAS_SCALE:
+                out = out * tl.load(s_base + offs_n, mask=mask_n, other=0.0)
+            if GATE_UP:
+                up = tl.sum(acc_u, axis=1)
+                if HAS_SCALE:
+                    up = up * tl.load(s_base + N + offs_n, mask=mask_n, other=0.0)
+                out = out * tl.sigmoid(out) * up
             if MUL_WEIGHT:
-                acc = acc * tl.load(tw_ptr + pair)
-            tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, acc.to(out_ptr.dtype.element_ty),
+                out = out * tl.load(tw_ptr + pair)
+            tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty),
                      mask=mask_n)
+        elif MUL_WEIGHT:  # a pair routed to another rank adds 0 to the top-k sum (out needs no zero fill)
+            if PDL:
+                gdc_wait()
+                gdc_launch_dependents()
+            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n,
+                     tl.zeros([BLOCK_N], out_ptr.dtype.element_ty), mask=offs_n < N)
 
 
-def _gemv_block_n(num_pairs: int, n: int, device: torch.device) -> int:
-    """Rows per GEMV program: the widest tile that still gives >= 4 programs per SM (at batch 1 a layer has few
-    pairs, and a GEMV is bound by the bytes in flight, so the grid must cover every SM several times)."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 1
-    for bn in (64, 32):
-        if num_pairs * triton.cdiv(n, bn) >= 4 * sms:
-            return bn
-    return 16
-
-
-def _block_m(num_pairs: int, num_experts: int) -> int:
-    """Rows per block: the expected pairs per expert, rounded to 16..64 (16 is tl.dot's minimum)."""
-    per_expert = num_pairs / max(1, num_experts)
-    return 16 if per_expert <= 16 else 32 if per_expert <= 32 else 64
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
+                torch.int8: "int8", torch.float8_e4m3fn: "fp8"}
 
 
 def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
@@ -300,14 +435,17 @@ def _check(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: t
 
 def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None,
-              small_m: bool | None = None) -> torch.Tensor:
+              small_m: bool | None = None, config: MoeConfig | None = None) -> torch.Tensor:
     """The routed experts of one MoE layer (see the module docstring); same contract as ``ref_fused_moe``.
 
     Args:
-        x: [T, H] fp16/bf16/fp32, contiguous. w13 [E, 2I, H], w2 [E, H, I]: x's dtype, or int8 with
-            ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H] float32. topk_weights [T, k] float; topk_ids [T, k] int
-            (local ids, -1: another rank's expert).
-        small_m: force the GEMV path (True) or the grouped path (False); None: GEMV for T <= SMALL_M_MAX_TOKENS.
+        x: [T, H] fp16/bf16/fp32, contiguous. w13 [E, 2I, H], w2 [E, H, I]: x's dtype, or int8 / float8_e4m3fn
+            with ``w13_scale`` [E, 2I] / ``w2_scale`` [E, H] float32. topk_weights [T, k] float; topk_ids [T, k]
+            int (local ids, -1: another rank's expert).
+        small_m: force the GEMV path (True) or the grouped path (False), each with its default tiles; None: as
+            ``config`` says.
+        config: the launch config (``fused_moe_config.MoeConfig``); None: the measured table's entry for this
+            shape, format and the nearest measured M on this device, else the heuristic by M.
     Returns:
         [T, H] in x's dtype: the top-k sum, accumulated in fp32 within each expert's GEMMs.
     Raises:
@@ -321,42 +459,59 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     num_pairs = num_tokens * top_k
     if num_tokens == 0:
         return torch.zeros_like(x)
+    if config is None:
+        if small_m is not None:
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 1
+            config = default_config(1 if small_m else max(num_tokens, 5), num_experts, top_k, inter, hidden,
+                                    w13.dtype in (torch.int8, torch.float8_e4m3fn), sms)
+        else:
+            config = get_config(num_tokens, num_experts, top_k, inter, hidden, _DTYPE_NAMES.get(w13.dtype, "?"),
+                                x.device)
+    if config.path == "loop":
+        if not (x.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return ref_fused_moe(x, w13, w2, topk_weights, topk_ids, w13_scale, w2_scale)
+        config = config.fused_config or default_config(num_tokens, num_experts, top_k, inter, hidden,
+                                                       w13_scale is not None, 1)
     tw = topk_weights.reshape(-1).to(torch.float32).contiguous()
     has_scale = w13_scale is not None
     s13 = w13_scale if has_scale else tw  # a dummy pointer when unused
     s2 = w2_scale if has_scale else tw
     fp8 = w13.dtype == torch.float8_e4m3fn
+    int8 = w13.dtype == torch.int8
     if fp8:  # the kernels read E4M3 codes as bytes and bitcast them (see _codes)
         w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
-    local = bool((topk_ids < 0).any()) if not x.is_cuda else None  # CPU: cheap; CUDA: zero-fill below
-    out = (torch.zeros if local is not False else torch.empty)(num_pairs, hidden, dtype=x.dtype, device=x.device)
-    if small_m if small_m is not None else num_tokens <= SMALL_M_MAX_TOKENS:
-        ids = topk_ids.reshape(-1).to(torch.int32).contiguous()
-        bk = 128
-        bn = _gemv_block_n(num_pairs, inter, x.device)
-        _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, bn))](
-            x, w13, s13, h, tw, ids, inter, hidden, x.stride(0), w13.stride(0), w13.stride(1),
-            s13.stride(0) if has_scale else 0, h.stride(0), A_ROW_DIV=top_k, GATE_UP=True, HAS_SCALE=has_scale,
-            MUL_WEIGHT=False, BLOCK_N=bn, BLOCK_K=bk, FP8=fp8)
-        bn = _gemv_block_n(num_pairs, hidden, x.device)
-        _moe_gemv_kernel[(num_pairs, triton.cdiv(hidden, bn))](
-            h, w2, s2, out, tw, ids, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1),
-            s2.stride(0) if has_scale else 0, out.stride(0), A_ROW_DIV=1, GATE_UP=False, HAS_SCALE=has_scale,
-            MUL_WEIGHT=True, BLOCK_N=bn, BLOCK_K=bk, FP8=fp8)
+    c = config
+    # The grouped path never visits a pair routed to another rank (-1): its rows of out must start at 0. CPU:
+    # checked (cheap); CUDA: zero-filled (no host sync). The GEMV path writes every row.
+    remote = None if x.is_cuda or c.path == "gemv" else bool((topk_ids < 0).any())
+    zero_fill = c.path != "gemv" and remote is not False
+    out = (torch.zeros if zero_fill else torch.empty)(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    if c.path == "gemv":
+        ids = topk_ids.reshape(-1).contiguous()  # int64 or int32, read as is (no cast kernel)
+        pdl = {"PDL": 1, "launch_pdl": True} if pdl_mode(x.device) else {}
+        for a, w, s, dst, n, k, gate_up in ((x, w13, s13, h, inter, hidden, True),
+                                            (h, w2, s2, out, hidden, inter, False)):
+            _moe_gemv_kernel[(num_pairs, triton.cdiv(n, c.block_n))](
+                a, w, s, dst, tw, ids, n, k, top_k if gate_up else 1, a.stride(0), w.stride(0), w.stride(1),
+                s.stride(0) if has_scale else 0, dst.stride(0), GATE_UP=gate_up, HAS_SCALE=has_scale,
+                MUL_WEIGHT=not gate_up, BLOCK_N=c.block_n, BLOCK_K=c.block_k, EVEN_K=k % c.block_k == 0, FP8=fp8,
+                INT8=int8, num_warps=c.num_warps, num_stages=1, **pdl)
     else:
-        bm = _block_m(num_pairs, num_experts)
+        bm = c.block_m
         ieee = x.dtype == torch.float32
-        bn, bk = 64, 64
         sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, num_experts, bm)
         num_blocks = expert_ids.numel()
-        _moe_gate_up_kernel[(num_blocks * triton.cdiv(inter, bn),)](
-            x, w13, s13, h, sorted_ids, expert_ids, num_post, num_pairs, inter, hidden, x.stride(0),
-            w13.stride(0), w13.stride(1), s13.stride(0) if has_scale else 0, h.stride(0), TOP_K=top_k,
-            HAS_SCALE=has_scale, IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP8=fp8)
-        _moe_down_kernel[(num_blocks * triton.cdiv(hidden, bn),)](
-            h, w2, s2, out, tw, sorted_ids, expert_ids, num_post, num_pairs, hidden, inter, h.stride(0),
+        _moe_gate_up_kernel[(num_blocks * triton.cdiv(inter, c.block_n),)](
+            x, w13, s13, h, sorted_ids, expert_ids, num_post, num_pairs, num_blocks, top_k, inter, hidden,
+            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if has_scale else 0, h.stride(0),
+            HAS_SCALE=has_scale, IEEE=ieee, BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+            FP8=fp8, num_warps=c.num_warps, num_stages=c.num_stages)
+        _moe_down_kernel[(num_blocks * triton.cdiv(hidden, c.block_n),)](
+            h, w2, s2, out, tw, sorted_ids, expert_ids, num_post, num_pairs, num_blocks, hidden, inter, h.stride(0),
             w2.stride(0), w2.stride(1), s2.stride(0) if has_scale else 0, out.stride(0), HAS_SCALE=has_scale,
-            IEEE=ieee, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, FP8=fp8)
-    # The top-k sum in a fixed order (slot 0, 1, ...), in fp32.
-    return out.view(num_tokens, top_k, hidden).float().sum(dim=1).to(x.dtype)
+            IEEE=ieee, BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, FP8=fp8,
+            num_warps=c.num_warps, num_stages=c.num_stages)
+    # The top-k sum over the k slots of each token in one reduction kernel (accumulated in fp32 for 16-bit
+    # dtypes, torch's reduction accumulator; rounded to x's dtype once).
+    return out.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -102,3 +102,67 @@ def test_moe_model_dummy_decode_on_gpu(monkeypatch):
     outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [8, 8, 8]
     assert calls, "the MoE layer did not call the fused kernel on the GPU"
+
+
+GPU_FAMILIES = [  # (path, block_m, block_n, block_k, group_m, num_warps, num_stages): the tuner's families
+    ("gemv", 64, 4, 512, 1, 4, 1), ("gemv", 64, 16, 256, 1, 4, 1), ("gemv", 64, 8, 1024, 1, 8, 1),
+    ("grouped", 16, 64, 256, 1, 4, 3), ("grouped", 32, 128, 64, 1, 4, 4), ("grouped", 64, 128, 128, 8, 4, 3),
+    ("grouped", 128, 128, 64, 8, 8, 3), ("grouped", 128, 256, 64, 8, 8, 2), ("grouped", 64, 256, 64, 8, 8, 3),
+]
+
+
+@pytest.mark.parametrize("quantization", [None, "int8", "fp8"])
+@pytest.mark.parametrize("shape,m", [("qwen3-30b-a3b", 300), ("odd", 40)])
+def test_fused_moe_config_families_bf16(shape, m, quantization):
+    """Every tile family the tuner times, in bf16 with 16-bit and 8-bit experts, against the float64 loop (the
+    odd shape has K tails for every block_k). A family that does not fit in shared memory is not an error here
+    only if Triton says so (OutOfResources): the tuner skips those too."""
+    from triton.runtime.errors import OutOfResources
+
+    from roofline.bench.moe import make_experts
+    from roofline.kernels.fused_moe import fused_moe, ref_fused_moe
+    from roofline.kernels.fused_moe_config import MoeConfig
+
+    x, w13, w2, tw, ids = _case(shape, m)
+    num_experts, _, hidden, inter = SHAPES[shape]
+    w = make_experts(num_experts, hidden, inter, torch.bfloat16, "cuda", quantization) if quantization else \
+        dict(w13=w13, w2=w2)
+    args = (w["w13"], w["w2"], tw, ids, w.get("w13_scale"), w.get("w2_scale"))
+    ref = ref_fused_moe(x, *args, compute_dtype=torch.float64)
+    for path, bm, bn, bk, g, nw, ns in GPU_FAMILIES:
+        cfg = MoeConfig(path=path, block_m=bm, block_n=bn, block_k=bk, group_m=g, num_warps=nw, num_stages=ns)
+        try:
+            out = fused_moe(x, *args, config=cfg)
+        except OutOfResources:
+            print(f"{cfg}: out of resources (skipped, as the tuner does)")
+            continue
+        err = _rel(out, ref)
+        print(f"{shape} M={m} {quantization} {cfg}: rel err {err:.2e}")
+        assert err < BF16_TOL, cfg
+
+
+def test_committed_table_configs_run():
+    """Every config in this device's committed table runs at its shape, format and M (capped at 512 tokens) and
+    meets the bf16 bound against the float64 loop."""
+    from roofline.bench.moe import make_experts
+    from roofline.kernels.fused_moe import fused_moe, ref_fused_moe
+    from roofline.kernels.fused_moe_config import load_table
+    from roofline.layers.moe import select_experts
+
+    table = load_table(torch.cuda.get_device_name())
+    if not table:
+        pytest.skip("no committed MoE config table for this device")
+    for key, entry in table.items():
+        fields = dict(kv.split("=") for kv in key.split(","))
+        num_experts, inter, hidden = int(fields["E"]), int(fields["N"]), int(fields["K"])
+        quant = None if fields["dtype"] in ("bfloat16", "float16") else fields["dtype"]
+        w = make_experts(num_experts, hidden, inter, torch.bfloat16, "cuda", quant)
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        for m, cfg in entry.items():
+            m = min(m, 512)
+            x = torch.randn(m, hidden, device="cuda", generator=gen).to(torch.bfloat16)
+            top_k = 8 if num_experts == 128 else 2
+            tw, ids = select_experts(torch.randn(m, num_experts, device="cuda", generator=gen), top_k, True)
+            args = (x, w["w13"], w["w2"], tw, ids, w.get("w13_scale"), w.get("w2_scale"))
+            err = _rel(fused_moe(*args, config=cfg), ref_fused_moe(*args, compute_dtype=torch.float64))
+            assert err < BF16_TOL, (key, m, cfg)
