@@ -5,7 +5,7 @@ Run with the torch-free Triton 3.6 venv that matches the H200 machine (the kerne
     /work/tr36/bin/python bench/gluon_aot_check.py [--sass]
 
 Exit status 1 if any variant fails to compile. Variants: head_dim 64/128 x bf16/fp16 x block_size
-(PAGE) 16/32/64/128/256 x BLOCK_N 64/128 x stages 2/3 (the set ``roofline.kernels.gluon_prefill`` may launch).
+(PAGE) 16/32/64/128/256 x BLOCK_N 64/128 x stages 2/3 x plain / pipelined (the set ``roofline.kernels.gluon_prefill`` may launch).
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def desc_sig(dtype: str, block: list[int], layout) -> str:
 
 
 def compile_variant(mod, dtype: str, head_dim: int, page: int, block_m: int, block_n: int, stages: int,
-                    num_warps: int):
+                    num_warps: int, pipeline: bool = False):
     gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
     page_rows = min(page, block_n)
     q_layout = gl.NVMMASharedLayout.get_default_for([block_m, head_dim], gdt)
@@ -56,7 +56,8 @@ def compile_variant(mod, dtype: str, head_dim: int, page: int, block_m: int, blo
     }
     constexprs = dict(GROUP=4, PAGE=page, PAGE_ROWS=page_rows, HEAD_DIM=head_dim, BLOCK_M=block_m,
                       BLOCK_N=block_n, NUM_STAGES=stages, num_warps=num_warps)
-    src = GluonASTSource(mod.gluon_prefill_kernel, sig, constexprs=constexprs)
+    fn = mod.gluon_prefill_kernel_pipelined if pipeline else mod.gluon_prefill_kernel
+    src = GluonASTSource(fn, sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
 
 
@@ -86,12 +87,14 @@ def main() -> int:
             for page in (16, 32, 64, 128, 256):
                 for block_n in (128, 64):
                     for stages in (2, 3):
-                        variants.append((dtype, head_dim, page, 128, block_n, stages, 8))
+                        for pipeline in (False, True):
+                            variants.append((dtype, head_dim, page, 128, block_n, stages, 8, pipeline))
     if args.quick:
-        variants = [v for v in variants if v[0] == "bf16" and v[4] == 128 and v[5] == 2 and v[2] in (16, 128)]
+        variants = [v for v in variants if v[0] == "bf16" and v[1] == 128 and v[2] in (16, 128)
+                    and (v[4], v[5], v[7]) in ((128, 2, False), (64, 3, True), (128, 2, True))]
     failed = 0
     print(f"{'dtype':5} {'D':>4} {'page':>4} {'BM':>4} {'BN':>4} {'st':>3} {'warps':>5} {'regs':>5} {'spill':>5} "
-          f"{'smem':>7} wgmma tma")
+          f"{'smem':>7} pipe wgmma tma")
     for v in variants:
         try:
             k = compile_variant(mod, *v)
@@ -105,7 +108,7 @@ def main() -> int:
         md = k.metadata
         regs, spills = ptxas_usage(ptx)
         print(f"{v[0]:5} {v[1]:>4} {v[2]:>4} {v[3]:>4} {v[4]:>4} {v[5]:>3} {v[6]:>5} {str(regs):>5} "
-              f"{str(spills if spills is not None else '-'):>5} {md.shared:>7} {'wgmma' in ptx!s:5} "
+              f"{spills:>5} {md.shared:>7} {v[7]!s:5} {'wgmma' in ptx!s:5} "
               f"{'cp.async.bulk.tensor' in ptx}")
         if args.sass and "sass" in k.asm:
             sass = k.asm["sass"]

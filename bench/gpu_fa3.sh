@@ -23,13 +23,13 @@ echo "rc $?" | tee -a "$OUT/log"
 grep -E "^(FAILED|ERROR)|^E  |passed|failed|error" "$OUT/tests_gluon.log" | tail -40 | tee -a "$OUT/log"
 
 echo "=== 2 backend tests with ROOFLINE_PREFILL_KERNEL=gluon $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
-ROOFLINE_PREFILL_KERNEL=gluon timeout 60 python3 -m pytest -q --tb=short -rf -p no:cacheprovider -m gpu \
+ROOFLINE_PREFILL_KERNEL=gluon timeout 30 python3 -m pytest -q --tb=short -rf -p no:cacheprovider -m gpu \
   tests/kernels/test_triton_attention_backend.py > "$OUT/tests_backend.log" 2>&1
 echo "rc $?" | tee -a "$OUT/log"
 grep -E "^(FAILED|ERROR)|^E  |passed|failed|error" "$OUT/tests_backend.log" | tail -20 | tee -a "$OUT/log"
 
 echo "=== 3 bench $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
-timeout 150 python3 bench/gpu_fa3_bench.py --out "$OUT/fa3_bench.json" > "$OUT/bench.log" 2>&1
+timeout 110 python3 bench/gpu_fa3_bench.py --out "$OUT/fa3_bench.json" > "$OUT/bench.log" 2>&1
 echo "rc $?" | tee -a "$OUT/log"
 grep -vi warn "$OUT/bench.log" | grep -v "^\[" | tail -30 | tee -a "$OUT/log"
 grep -E "BAD|Error" "$OUT/bench.log" | head -20 | tee -a "$OUT/log"

@@ -37,7 +37,7 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from roofline.kernels.gluon_prefill_kernels import gluon_prefill_kernel
+    from roofline.kernels.gluon_prefill_kernels import gluon_prefill_kernel, gluon_prefill_kernel_pipelined
 except Exception:  # pragma: no cover - no triton, or a triton without gluon
     gl = None
 
@@ -46,8 +46,10 @@ _logged: set[str] = set()
 
 def default_gluon_config(head_dim: int, block_size: int) -> dict:
     """Tile sizes: BLOCK_M 128 (two warpgroups of 64 rows, 8 warps), BLOCK_N 128, a 2-stage K/V ring
-    (Q 32 KB + K/V 128 KB of shared memory at D 128). Not yet tuned on the H200."""
-    return dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=2, num_warps=8)
+    (Q 32 KB + K/V 128 KB of shared memory at D 128), the plain (not PIPELINE) kernel. Not yet tuned on the
+    H200. PIPELINE=True selects ``gluon_prefill_kernel_pipelined`` (QK and PV of consecutive tiles in flight
+    during the softmax; meant for BLOCK_N 64 and 3 stages)."""
+    return dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=2, num_warps=8, PIPELINE=False)
 
 
 def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None = None,
@@ -72,8 +74,8 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if tree_mask is not None:
         return "tree_mask given (tree verification runs the Triton kernel)"
     cfg = {**default_gluon_config(head_dim, block_size), **(config or {})}
-    if cfg["BLOCK_N"] not in (64, 128) or cfg["BLOCK_M"] != 16 * cfg["num_warps"]:
-        return f"config {cfg}: BLOCK_N must be 64 or 128 and BLOCK_M 16 * num_warps"
+    if cfg["BLOCK_N"] not in (64, 128) or cfg["BLOCK_M"] != 16 * cfg["num_warps"] or cfg["NUM_STAGES"] < 2:
+        return f"config {cfg}: BLOCK_N must be 64 or 128, BLOCK_M 16 * num_warps and NUM_STAGES >= 2"
     if q.stride(2) != 1 or q.stride(1) != head_dim or q.stride(0) % 8 or q.data_ptr() % 16:
         return f"q strides {q.stride()}: rows must be [H, D] contiguous and 16-byte aligned for TMA"
     num_kv_heads = k_cache.shape[2]
@@ -112,8 +114,8 @@ def gluon_prefill_attention(
         meta: query_start_loc [num_seqs+1] int32, seq_lens [num_seqs] int32, block_tables [num_seqs, W] int32,
             max_query_len (host int).
         scale: softmax scale. out: optional [num_tokens, H, D] output.
-        config: optional dict(BLOCK_M, BLOCK_N, NUM_STAGES, num_warps) over ``default_gluon_config``; passed on
-            to the Triton kernel only when falling back and it holds Triton keys.
+        config: optional dict(BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, PIPELINE) over ``default_gluon_config``;
+            a fallback runs the Triton kernel with its own default config.
         k_scale, v_scale, tree_mask: as ``paged_prefill_attention``; any of them sends the call to Triton.
 
     Returns:
@@ -129,8 +131,7 @@ def gluon_prefill_attention(
     reason = "quantized KV cache" if quant else gluon_unsupported_reason(q, k_cache, v_cache, tree_mask, config)
     if reason is not None:
         _log_once(reason)
-        triton_cfg = {k: v for k, v in (config or {}).items() if k != "NUM_STAGES"} or None
-        return paged_prefill_attention(q, k_cache, v_cache, meta, scale, out=out, config=triton_cfg,
+        return paged_prefill_attention(q, k_cache, v_cache, meta, scale, out=out,
                                        k_scale=k_scale, v_scale=v_scale, tree_mask=tree_mask)
     num_tokens, num_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
@@ -150,7 +151,8 @@ def gluon_prefill_attention(
     k_desc, v_desc = (TensorDescriptor(c, [num_slots, num_kv_heads * head_dim], [c.stride(1), 1],
                                        [page_rows, head_dim], kv_layout) for c in (k_cache, v_cache))
     grid = ((meta.max_query_len + block_m - 1) // block_m, num_seqs, num_heads)
-    gluon_prefill_kernel[grid](
+    kernel = gluon_prefill_kernel_pipelined if cfg["PIPELINE"] else gluon_prefill_kernel
+    kernel[grid](
         q_desc, k_desc, v_desc, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
         scale * LOG2E, out.stride(0), out.stride(1), meta.block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, PAGE=block_size, PAGE_ROWS=page_rows, HEAD_DIM=head_dim,
