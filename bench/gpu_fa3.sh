@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
 # Issue 29, Gluon (sm_90) prefill on the H200, one device call, under 5 minutes in all:
+#   0. smoke: each Gluon variant on small cases in its own process under `timeout` (hangs named, skipped later)
 #   1. the Gluon prefill GPU tests (vs float64 / ref_ / the Triton kernel; fallbacks)
 #   2. the Triton backend's GPU tests with ROOFLINE_PREFILL_KERNEL=gluon (the backend's prefill through the wrapper)
 #   3. the benchmark: Gluon variants vs our Triton kernel vs SDPA (repeat-KV and enable_gqa) at 4k/8k/16k,
@@ -16,11 +17,24 @@ mkdir -p "$OUT"
   git log --oneline -1 2>/dev/null
 } 2>&1 | tee -a "$OUT/log"
 
+echo "=== 0 smoke: each Gluon variant in its own process (a hang is named and skipped) $(date -u +%H:%M:%S)" \
+  | tee -a "$OUT/log"
+GOOD=""
+for v in $(python3 -c "import sys; sys.path.insert(0, 'bench'); from gpu_fa3_bench import GLUON_VARIANTS as G; \
+print(' '.join(G))"); do
+  timeout 30 python3 bench/gpu_fa3_smoke.py "$v" > "$OUT/smoke_$v.log" 2>&1
+  rc=$?
+  echo "smoke $v rc $rc" | tee -a "$OUT/log"; grep -E "^smoke|Error" "$OUT/smoke_$v.log" | tail -4 | tee -a "$OUT/log"
+  [ $rc -eq 0 ] && GOOD="$GOOD,$v"
+done
+echo "variants that passed: ${GOOD#,}" | tee -a "$OUT/log"
+
 echo "=== 1 gluon tests $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
-timeout 150 python3 -m pytest -q --tb=short -rf -p no:cacheprovider tests/kernels/test_gluon_prefill.py \
+timeout 150 python3 -m pytest -v --tb=short -rf -p no:cacheprovider tests/kernels/test_gluon_prefill.py \
   > "$OUT/tests_gluon.log" 2>&1
 echo "rc $?" | tee -a "$OUT/log"
-grep -E "^(FAILED|ERROR)|^E  |passed|failed|error" "$OUT/tests_gluon.log" | tail -40 | tee -a "$OUT/log"
+grep -E "^(FAILED|ERROR)|^E  | passed| failed|error" "$OUT/tests_gluon.log" | tail -40 | tee -a "$OUT/log"
+tail -2 "$OUT/tests_gluon.log" | tee -a "$OUT/log"  # the last test started, if it hung
 
 echo "=== 2 backend tests with ROOFLINE_PREFILL_KERNEL=gluon $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
 ROOFLINE_PREFILL_KERNEL=gluon timeout 30 python3 -m pytest -q --tb=short -rf -p no:cacheprovider -m gpu \
@@ -29,7 +43,8 @@ echo "rc $?" | tee -a "$OUT/log"
 grep -E "^(FAILED|ERROR)|^E  |passed|failed|error" "$OUT/tests_backend.log" | tail -20 | tee -a "$OUT/log"
 
 echo "=== 3 bench $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
-timeout 110 python3 bench/gpu_fa3_bench.py --out "$OUT/fa3_bench.json" > "$OUT/bench.log" 2>&1
+timeout 110 python3 bench/gpu_fa3_bench.py --out "$OUT/fa3_bench.json" --variants "${GOOD#,}" \
+  > "$OUT/bench.log" 2>&1
 echo "rc $?" | tee -a "$OUT/log"
 grep -vi warn "$OUT/bench.log" | grep -v "^\[" | tail -30 | tee -a "$OUT/log"
 grep -E "BAD|Error" "$OUT/bench.log" | head -20 | tee -a "$OUT/log"

@@ -133,8 +133,14 @@ def main() -> int:
     ap.add_argument("--kv-heads", type=int, default=8)
     ap.add_argument("--head-dim", type=int, default=128)
     ap.add_argument("--out", default="fa3_bench.json")
+    ap.add_argument("--variants", default=",".join(GLUON_VARIANTS),
+                    help="Gluon variants to run (comma list; bench/gpu_fa3.sh passes those its smoke step passed)")
     args = ap.parse_args()
     t0 = time.time()
+    keep = [v for v in args.variants.split(",") if v]
+    for name in list(GLUON_VARIANTS):
+        if name not in keep:
+            del GLUON_VARIANTS[name]
 
     def log(msg):
         print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
