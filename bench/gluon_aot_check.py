@@ -25,6 +25,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
+WS_MAXNREG = 168  # as roofline.kernels.gluon_prefill passes for the warp-specialized kernel
 
 
 def load_kernels():
@@ -56,9 +57,13 @@ def compile_variant(mod, dtype: str, head_dim: int, page: int, block_m: int, blo
     }
     constexprs = dict(GROUP=4, PAGE=page, PAGE_ROWS=page_rows, HEAD_DIM=head_dim, BLOCK_M=block_m,
                       BLOCK_N=block_n, NUM_STAGES=stages, num_warps=num_warps)
-    fn = mod.gluon_prefill_kernel_pipelined if pipeline else mod.gluon_prefill_kernel
+    fn = {False: mod.gluon_prefill_kernel, True: mod.gluon_prefill_kernel_pipelined,
+          "ws": mod.gluon_prefill_kernel_ws}[pipeline]
     src = GluonASTSource(fn, sig, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps})
+    options = {"num_warps": num_warps}
+    if pipeline == "ws":
+        options["maxnreg"] = WS_MAXNREG
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
 def ptxas_usage(ptx: str) -> tuple[str, str]:
@@ -87,11 +92,11 @@ def main() -> int:
             for page in (16, 32, 64, 128, 256):
                 for block_n in (128, 64):
                     for stages in (2, 3):
-                        for pipeline in (False, True):
+                        for pipeline in (False, True, "ws"):
                             variants.append((dtype, head_dim, page, 128, block_n, stages, 8, pipeline))
     if args.quick:
         variants = [v for v in variants if v[0] == "bf16" and v[1] == 128 and v[2] in (16, 128)
-                    and (v[4], v[5], v[7]) in ((128, 2, False), (64, 3, True), (128, 2, True))]
+                    and (v[4], v[5], v[7]) in ((128, 2, False), (64, 3, True), (128, 2, True), (64, 3, "ws"))]
     failed = 0
     print(f"{'dtype':5} {'D':>4} {'page':>4} {'BM':>4} {'BN':>4} {'st':>3} {'warps':>5} {'regs':>5} {'spill':>5} "
           f"{'smem':>7} pipe wgmma tma")

@@ -31,9 +31,12 @@ GLUON_VARIANTS = {
     "gluon_n128_s2": dict(BLOCK_N=128, NUM_STAGES=2),
     "gluon_n64_s2": dict(BLOCK_N=64, NUM_STAGES=2),
     "gluon_n64_s3": dict(BLOCK_N=64, NUM_STAGES=3),
-    "gluon_pipe_n64_s3": dict(PIPELINE=True, BLOCK_N=64, NUM_STAGES=3),
-    "gluon_pipe_n64_s2": dict(PIPELINE=True, BLOCK_N=64, NUM_STAGES=2),
-    "gluon_pipe_n128_s2": dict(PIPELINE=True, BLOCK_N=128, NUM_STAGES=2),
+    "gluon_pipe_n64_s3": dict(VARIANT="pipelined", BLOCK_N=64, NUM_STAGES=3),
+    "gluon_pipe_n64_s2": dict(VARIANT="pipelined", BLOCK_N=64, NUM_STAGES=2),
+    "gluon_pipe_n128_s2": dict(VARIANT="pipelined", BLOCK_N=128, NUM_STAGES=2),
+    "gluon_ws_n64_s3": dict(VARIANT="ws", BLOCK_N=64, NUM_STAGES=3),
+    "gluon_ws_n64_s4": dict(VARIANT="ws", BLOCK_N=64, NUM_STAGES=4),
+    "gluon_ws_n128_s2": dict(VARIANT="ws", BLOCK_N=128, NUM_STAGES=2),
 }
 LAYOUTS = {"contig": 256, "paged16": 16, "paged64": 64}
 MAX_REL_ERR = 1e-2

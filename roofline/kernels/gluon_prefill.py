@@ -32,12 +32,21 @@ PREFILL_KERNEL_ENV = "ROOFLINE_PREFILL_KERNEL"  # "triton" (default) or "gluon"
 PREFILL_KERNELS = ("triton", "gluon")
 GLUON_HEAD_DIMS = (64, 128)
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
+GLUON_VARIANTS = ("plain", "pipelined", "ws")
+WS_MAXNREG = 168  # warp-specialized: 12 warps x 168 = the register file; the loader drops to 32, consumers get 240
 
 try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from roofline.kernels.gluon_prefill_kernels import gluon_prefill_kernel, gluon_prefill_kernel_pipelined
+    from roofline.kernels.gluon_prefill_kernels import (
+        gluon_prefill_kernel,
+        gluon_prefill_kernel_pipelined,
+        gluon_prefill_kernel_ws,
+    )
+
+    GLUON_KERNELS = {"plain": gluon_prefill_kernel, "pipelined": gluon_prefill_kernel_pipelined,
+                     "ws": gluon_prefill_kernel_ws}
 except Exception:  # pragma: no cover - no triton, or a triton without gluon
     gl = None
 
@@ -45,11 +54,12 @@ _logged: set[str] = set()
 
 
 def default_gluon_config(head_dim: int, block_size: int) -> dict:
-    """Tile sizes: BLOCK_M 128 (two warpgroups of 64 rows, 8 warps), BLOCK_N 128, a 2-stage K/V ring
-    (Q 32 KB + K/V 128 KB of shared memory at D 128), the plain (not PIPELINE) kernel. Not yet tuned on the
-    H200. PIPELINE=True selects ``gluon_prefill_kernel_pipelined`` (QK and PV of consecutive tiles in flight
-    during the softmax; meant for BLOCK_N 64 and 3 stages)."""
-    return dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=2, num_warps=8, PIPELINE=False)
+    """Tile sizes and kernel: BLOCK_M 128 (two warpgroups of 64 rows, 8 warps), BLOCK_N 128, a 2-stage K/V ring
+    (Q 32 KB + K/V 128 KB of shared memory at D 128), the "plain" kernel. Not yet tuned on the H200.
+    VARIANT (``roofline.kernels.gluon_prefill_kernels``): "plain" (TMA ring, one tile's QK, softmax, PV in
+    turn), "pipelined" (QK and PV of consecutive tiles in flight during the softmax; meant for BLOCK_N 64 and
+    3 stages), "ws" (pipelined consumers + a 1-warp TMA loader partition, ``WS_MAXNREG``)."""
+    return dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=2, num_warps=8, VARIANT="plain")
 
 
 def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None = None,
@@ -74,8 +84,10 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if tree_mask is not None:
         return "tree_mask given (tree verification runs the Triton kernel)"
     cfg = {**default_gluon_config(head_dim, block_size), **(config or {})}
-    if cfg["BLOCK_N"] not in (64, 128) or cfg["BLOCK_M"] != 16 * cfg["num_warps"] or cfg["NUM_STAGES"] < 2:
-        return f"config {cfg}: BLOCK_N must be 64 or 128, BLOCK_M 16 * num_warps and NUM_STAGES >= 2"
+    if cfg["BLOCK_N"] not in (64, 128) or cfg["BLOCK_M"] != 16 * cfg["num_warps"] or cfg["NUM_STAGES"] < 2 \
+            or cfg["VARIANT"] not in GLUON_VARIANTS:
+        return (f"config {cfg}: BLOCK_N must be 64 or 128, BLOCK_M 16 * num_warps, NUM_STAGES >= 2 and VARIANT "
+                f"one of {GLUON_VARIANTS}")
     if q.stride(2) != 1 or q.stride(1) != head_dim or q.stride(0) % 8 or q.data_ptr() % 16:
         return f"q strides {q.stride()}: rows must be [H, D] contiguous and 16-byte aligned for TMA"
     num_kv_heads = k_cache.shape[2]
@@ -114,7 +126,7 @@ def gluon_prefill_attention(
         meta: query_start_loc [num_seqs+1] int32, seq_lens [num_seqs] int32, block_tables [num_seqs, W] int32,
             max_query_len (host int).
         scale: softmax scale. out: optional [num_tokens, H, D] output.
-        config: optional dict(BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, PIPELINE) over ``default_gluon_config``;
+        config: optional dict(BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, VARIANT) over ``default_gluon_config``;
             a fallback runs the Triton kernel with its own default config.
         k_scale, v_scale, tree_mask: as ``paged_prefill_attention``; any of them sends the call to Triton.
 
@@ -151,12 +163,12 @@ def gluon_prefill_attention(
     k_desc, v_desc = (TensorDescriptor(c, [num_slots, num_kv_heads * head_dim], [c.stride(1), 1],
                                        [page_rows, head_dim], kv_layout) for c in (k_cache, v_cache))
     grid = ((meta.max_query_len + block_m - 1) // block_m, num_seqs, num_heads)
-    kernel = gluon_prefill_kernel_pipelined if cfg["PIPELINE"] else gluon_prefill_kernel
-    kernel[grid](
+    extra = dict(maxnreg=WS_MAXNREG) if cfg["VARIANT"] == "ws" else {}
+    GLUON_KERNELS[cfg["VARIANT"]][grid](
         q_desc, k_desc, v_desc, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
         scale * LOG2E, out.stride(0), out.stride(1), meta.block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, PAGE=block_size, PAGE_ROWS=page_rows, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"],
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"], **extra,
     )
     return out
 

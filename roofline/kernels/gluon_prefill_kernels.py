@@ -238,11 +238,12 @@ def _softmax_step(s, m_i, l_i, tile, offs_m_pos, seq_len, scale_log2e, MASKED: g
 
 @gluon.jit
 def _pipelined_step(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile, n_tiles, seq_len,
-                    kv_col, acc, m_i, l_i, p_prev, offs_m_pos, scale_log2e,
+                    kv_col, acc, m_i, l_i, p_prev, offs_m_pos, scale_log2e, empty_bars,
                     MASKED: gl.constexpr, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr,
-                    o_layout: gl.constexpr, num_warps: gl.constexpr):
-    """Tile ``tile`` >= 1: S_tile and O += P_{tile-1} V_{tile-1} in flight together, softmax of S_tile."""
+                    o_layout: gl.constexpr, num_warps: gl.constexpr, WS: gl.constexpr):
+    """Tile ``tile`` >= 1: S_tile and O += P_{tile-1} V_{tile-1} in flight together, softmax of S_tile.
+    WS: a loader partition refills the ring; the freed stage is signalled on ``empty_bars`` instead."""
     stage = tile % NUM_STAGES
     prev = (tile - 1) % NUM_STAGES
     mbarrier.wait(k_bars.index(stage), (tile // NUM_STAGES) & 1)
@@ -259,10 +260,13 @@ def _pipelined_step(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_r
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     # Tile - 1's stage is consumed by both warpgroups: refill it with tile - 1 + NUM_STAGES.
     gl.thread_barrier()
-    nxt = tile - 1 + NUM_STAGES
-    if nxt < n_tiles:
-        _issue_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, nxt, seq_len, kv_col,
-                       PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
+    if WS:
+        mbarrier.arrive(empty_bars.index(prev), count=1)
+    else:
+        nxt = tile - 1 + NUM_STAGES
+        if nxt < n_tiles:
+            _issue_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, nxt, seq_len, kv_col,
+                           PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
     return acc, m_i, l_i, p_op
 
 
@@ -345,13 +349,13 @@ def gluon_prefill_kernel_pipelined(
         for tile in range(1, n_full):
             acc, m_i, l_i, p_op = _pipelined_step(
                 q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile, n_tiles, seq_len, kv_col,
-                acc, m_i, l_i, p_op, offs_m_pos, scale_log2e,
-                False, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, num_warps)
+                acc, m_i, l_i, p_op, offs_m_pos, scale_log2e, k_bars,
+                False, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, num_warps, False)
         for tile in range(gl.maximum(n_full, 1), n_tiles):
             acc, m_i, l_i, p_op = _pipelined_step(
                 q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile, n_tiles, seq_len, kv_col,
-                acc, m_i, l_i, p_op, offs_m_pos, scale_log2e,
-                True, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, num_warps)
+                acc, m_i, l_i, p_op, offs_m_pos, scale_log2e, k_bars,
+                True, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, num_warps, False)
         # The last tile's PV product.
         last = n_tiles - 1
         mbarrier.wait(v_bars.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
@@ -370,3 +374,114 @@ def gluon_prefill_kernel_pipelined(
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
         gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Warp-specialized variant (FA3's producer/consumer split): a 1-warp loader partition issues every K/V TMA copy
+# into the ring, waiting on per-stage "empty" mbarriers; the default partition (the two consumer warpgroups)
+# runs the pipelined loop above and arrives on a stage's empty barrier once both warpgroups' PV product of it
+# has landed. Register budgets: the loader 32 per thread, the consumers what ``maxnreg`` leaves (the wrapper
+# passes maxnreg=168: (168 * 12 warps * 32 - 32 * 4 warps * 32) / 256 = 240 per consumer thread).
+
+
+@gluon.jit
+def _ws_loader(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, bt_row, n_tiles, seq_len, kv_col,
+               PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    for tile in range(0, n_tiles):
+        stage = tile % NUM_STAGES
+        # Barriers start in phase 0 not completed: waiting on parity 1 passes at once (the ring starts empty).
+        mbarrier.wait(empty_bars.index(stage), ((tile // NUM_STAGES) & 1) ^ 1)
+        _issue_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, tile, seq_len, kv_col,
+                       PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
+
+
+@gluon.jit
+def _ws_consumer(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, k_desc, v_desc, bt_row, Out,
+                 n_full, n_tiles, seq_len, kv_col, ctx, m0, q_start, q_len, head, stride_ot, stride_oh,
+                 scale_log2e,
+                 PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    offs_m_pos = ctx + offs_m
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    mbarrier.wait(q_bar, 0)
+    if n_full > 0:
+        p_op, m_i, l_i = _first_tile(q_smem, k_smem, k_bars, offs_m_pos, seq_len, scale_log2e, False,
+                                     BLOCK_M, BLOCK_N, s_layout, o_layout, v_desc.dtype)
+    else:
+        p_op, m_i, l_i = _first_tile(q_smem, k_smem, k_bars, offs_m_pos, seq_len, scale_log2e, True,
+                                     BLOCK_M, BLOCK_N, s_layout, o_layout, v_desc.dtype)
+    for tile in range(1, n_full):
+        acc, m_i, l_i, p_op = _pipelined_step(
+            q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile, n_tiles, seq_len, kv_col,
+            acc, m_i, l_i, p_op, offs_m_pos, scale_log2e, empty_bars,
+            False, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, num_warps, True)
+    for tile in range(gl.maximum(n_full, 1), n_tiles):
+        acc, m_i, l_i, p_op = _pipelined_step(
+            q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile, n_tiles, seq_len, kv_col,
+            acc, m_i, l_i, p_op, offs_m_pos, scale_log2e, empty_bars,
+            True, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, num_warps, True)
+    last = n_tiles - 1
+    mbarrier.wait(v_bars.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
+    _zero_v_tail(v_smem.index(last % NUM_STAGES), last, seq_len, BLOCK_N, num_warps)
+    acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = acc / l_o[:, None]
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
+    gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+@gluon.jit
+def gluon_prefill_kernel_ws(
+    q_desc, k_desc, v_desc, Out, BlockTables, QueryStartLoc, SeqLens,
+    scale_log2e, stride_ot, stride_oh, stride_bt,
+    GROUP: gl.constexpr, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    """As ``gluon_prefill_kernel`` (same arguments and grid), warp-specialized (section above)."""
+    seq = gl.program_id(1)
+    head = gl.program_id(2)
+    q_start = gl.load(QueryStartLoc + seq)
+    q_len = gl.load(QueryStartLoc + seq + 1) - q_start
+    m_block = gl.num_programs(0) - 1 - gl.program_id(0)
+    m0 = m_block * BLOCK_M
+    if m0 < q_len:
+        seq_len = gl.load(SeqLens + seq)
+        ctx = seq_len - q_len
+        kv_col = (head // GROUP) * HEAD_DIM
+        bt_row = BlockTables + seq.to(gl.int64) * stride_bt
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+            mbarrier.init(empty_bars.index(i), count=1)
+        fence_async_shared()
+
+        n_full = (ctx + m0 + 1) // BLOCK_N
+        n_tiles = gl.cdiv(gl.minimum(seq_len, ctx + m0 + BLOCK_M), BLOCK_N)
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
+
+        gl.warp_specialize([
+            (_ws_consumer, (q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, k_desc, v_desc, bt_row, Out,
+                            n_full, n_tiles, seq_len, kv_col, ctx, m0, q_start, q_len, head, stride_ot, stride_oh,
+                            scale_log2e, PAGE, PAGE_ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, num_warps)),
+            (_ws_loader, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, bt_row, n_tiles, seq_len,
+                          kv_col, PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)),
+        ], [1], [32])

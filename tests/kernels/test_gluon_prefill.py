@@ -59,15 +59,14 @@ def _run_both(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, d
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
-@pytest.mark.parametrize("pipeline", [False, True])
-@pytest.mark.parametrize("block_size", [16, 64, 128])
-@pytest.mark.parametrize("heads", [(32, 8), (8, 8)])
+@pytest.mark.parametrize("variant", ["plain", "pipelined", "ws"])
+@pytest.mark.parametrize("heads,block_size", [((32, 8), 16), ((32, 8), 64), ((32, 8), 128), ((8, 8), 16)])
 @pytest.mark.parametrize("case", list(SMALL))
-def test_gluon_matches_float64(case, heads, block_size, pipeline):
+def test_gluon_matches_float64(case, heads, block_size, variant):
     """bf16, D 128, GQA 32/8 and MHA 8/8, pages of 16/64/128 (a 128-key tile spans 8/2/1 pages), NaN in every
-    stale cache slot; the plain kernel (BLOCK_N 128) and the pipelined one (BLOCK_N 64, 3 stages)."""
+    stale cache slot; the plain kernel (BLOCK_N 128), the pipelined and warp-specialized ones (BLOCK_N 64, 3 stages)."""
     q_lens, seq_lens = SMALL[case]
-    config = dict(PIPELINE=True, BLOCK_N=64, NUM_STAGES=3) if pipeline else None
+    config = None if variant == "plain" else dict(VARIANT=variant, BLOCK_N=64, NUM_STAGES=3)
     q, kc, vc, meta, scale, out, tri = _run_both(q_lens, seq_lens, *heads, 128, block_size, torch.bfloat16,
                                                  seed=block_size + heads[0], poison=True, config=config)
     ref64 = attention_f64(q, kc, vc, meta, scale)
@@ -80,7 +79,8 @@ def test_gluon_matches_float64(case, heads, block_size, pipeline):
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
 @pytest.mark.parametrize("config", [None, dict(BLOCK_N=64), dict(NUM_STAGES=3, BLOCK_N=64),
-                                    dict(PIPELINE=True, BLOCK_N=64, NUM_STAGES=3), dict(PIPELINE=True)])
+                                    dict(VARIANT="pipelined", BLOCK_N=64, NUM_STAGES=3), dict(VARIANT="pipelined"),
+                                    dict(VARIANT="ws", BLOCK_N=64, NUM_STAGES=3), dict(VARIANT="ws", NUM_STAGES=2)])
 @pytest.mark.parametrize("head_dim,dtype", [(128, torch.bfloat16), (64, torch.bfloat16), (128, torch.float16)])
 def test_gluon_variants(head_dim, dtype, config):
     """Tile variants, head_dim 64 and fp16, chunked with a prefix, pages of 16 (the default block size)."""
@@ -95,14 +95,14 @@ def test_gluon_variants(head_dim, dtype, config):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
-@pytest.mark.parametrize("pipeline", [False, True])
+@pytest.mark.parametrize("variant", ["plain", "pipelined", "ws"])
 @pytest.mark.parametrize("block_size", [16, 128])
 @pytest.mark.parametrize("case", list(LARGE))
-def test_gluon_long_sequences(case, block_size, pipeline):
+def test_gluon_long_sequences(case, block_size, variant):
     """4k-token prefills and chunks over a 6k context (GQA 32/8, D 128, bf16) against the fp32 ref_ on the GPU
     and the Triton kernel (the float64 oracle on the host would take minutes here)."""
     q_lens, seq_lens = LARGE[case]
-    config = dict(PIPELINE=True, BLOCK_N=64, NUM_STAGES=3) if pipeline else None
+    config = None if variant == "plain" else dict(VARIANT=variant, BLOCK_N=64, NUM_STAGES=3)
     q, kc, vc, meta, scale, out, tri = _run_both(q_lens, seq_lens, 32, 8, 128, block_size, torch.bfloat16,
                                                  seed=block_size, config=config)
     ref = ref_prefill_attention(q, kc, vc, meta, scale)
