@@ -21,8 +21,17 @@ asynchronous units spelled out (FlashAttention-3, Shah et al. 2024):
 - the tile holding the sequence's end has stale cache rows past seq_len (possibly NaN): their V rows are
   zeroed in shared memory before the PV product (p = 0 there, but 0 * NaN = NaN).
 
-The loop is software pipelined with TMA only: the loads of tile i + NUM_STAGES are issued as soon as tile i's
-PV product has completed, so NUM_STAGES - 1 tiles of K/V are in flight behind the MMAs.
+Three kernels, same arguments and grid (cdiv(max_query_len, BLOCK_M), num_seqs, H), heaviest M tiles first:
+
+- ``gluon_prefill_kernel`` ("plain"): per tile QK, softmax, PV in turn; the loads of tile i + NUM_STAGES are
+  issued as soon as tile i's PV product has completed (NUM_STAGES - 1 tiles of K/V in flight behind the MMAs).
+- ``gluon_prefill_kernel_pipelined``: FA3's intra-warpgroup overlap (S_j and P_{j-1} V_{j-1} in flight while
+  the softmax of S_j runs), same in-line TMA issue.
+- ``gluon_prefill_kernel_ws``: the pipelined consumers plus a 1-warp TMA loader partition (``gl.warp_specialize``)
+  with per-stage empty mbarriers and register reallocation (setmaxnreg through ``maxnreg``).
+
+Not yet done: the inter-warpgroup ping-pong (named barriers ordering the two warpgroups' softmax against each
+other's GEMMs), a persistent grid with causal load balancing, a TMA store of O.
 """
 
 from __future__ import annotations
