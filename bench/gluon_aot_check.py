@@ -5,7 +5,9 @@ Run with the torch-free Triton 3.6 venv that matches the H200 machine (the kerne
     /work/tr36/bin/python bench/gluon_aot_check.py [--sass]
 
 Exit status 1 if any variant fails to compile. Variants: head_dim 64/128 x bf16/fp16 x block_size
-(PAGE) 16/32/64/128/256 x BLOCK_N 64/128 x stages 2/3 x plain / pipelined (the set ``roofline.kernels.gluon_prefill`` may launch).
+(PAGE) 16/32/64/128/256 x BLOCK_N 64/128 x stages 2/3 x plain / pipelined / ws (the set
+``roofline.kernels.gluon_prefill`` may launch). The "regs" column is ptxas's kernel-wide count (for ws: the
+maxnreg cap; the partitions' setmaxnreg budgets apply at run time).
 """
 
 from __future__ import annotations
@@ -72,8 +74,8 @@ def ptxas_usage(ptx: str) -> tuple[str, str]:
     with tempfile.TemporaryDirectory() as tmp:
         src = pathlib.Path(tmp) / "k.ptx"
         src.write_text(ptx)
-        res = subprocess.run([str(ptxas), "-v", "--gpu-name", "sm_90a", str(src), "-o", str(src.with_suffix(".o"))],
-                             capture_output=True, text=True)
+        cmd = [str(ptxas), "-v", "--gpu-name", "sm_90a", str(src), "-o", str(src.with_suffix(".o"))]
+        res = subprocess.run(cmd, capture_output=True, text=True)
     report = res.stdout + res.stderr
     regs = re.search(r"Used (\d+) registers", report)
     spill = re.search(r"(\d+) bytes spill stores", report)
@@ -98,8 +100,8 @@ def main() -> int:
         variants = [v for v in variants if v[0] == "bf16" and v[1] == 128 and v[2] in (16, 128)
                     and (v[4], v[5], v[7]) in ((128, 2, False), (64, 3, True), (128, 2, True), (64, 3, "ws"))]
     failed = 0
-    print(f"{'dtype':5} {'D':>4} {'page':>4} {'BM':>4} {'BN':>4} {'st':>3} {'warps':>5} {'regs':>5} {'spill':>5} "
-          f"{'smem':>7} pipe wgmma tma")
+    print(f"{'dtype':5} {'D':>4} {'page':>4} {'BM':>4} {'BN':>4} {'st':>3} {'warps':>5} {'regs':>5} "
+          f"{'spill':>5} {'smem':>7} kind  wgmma tma")
     for v in variants:
         try:
             k = compile_variant(mod, *v)
@@ -117,7 +119,8 @@ def main() -> int:
               f"{'cp.async.bulk.tensor' in ptx}")
         if args.sass and "sass" in k.asm:
             sass = k.asm["sass"]
-            print("   SASS lines", sass.count("\n"), "HGMMA", sass.count("HGMMA"), "UTMALDG", sass.count("UTMALDG"))
+            print("   SASS lines", sass.count("\n"), "HGMMA", sass.count("HGMMA"), "UTMALDG",
+                  sass.count("UTMALDG"))
     print(f"{len(variants) - failed}/{len(variants)} compiled")
     return 1 if failed else 0
 

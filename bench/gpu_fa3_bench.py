@@ -28,9 +28,9 @@ from roofline.kernels.gluon_prefill import gluon_prefill_attention, gluon_unsupp
 from roofline.kernels.prefill_attention import default_prefill_config, paged_prefill_attention
 
 GLUON_VARIANTS = {
-    "gluon_n128_s2": dict(BLOCK_N=128, NUM_STAGES=2),
-    "gluon_n64_s2": dict(BLOCK_N=64, NUM_STAGES=2),
-    "gluon_n64_s3": dict(BLOCK_N=64, NUM_STAGES=3),
+    "gluon_plain_n128_s2": dict(BLOCK_N=128, NUM_STAGES=2),
+    "gluon_plain_n64_s2": dict(BLOCK_N=64, NUM_STAGES=2),
+    "gluon_plain_n64_s3": dict(BLOCK_N=64, NUM_STAGES=3),
     "gluon_pipe_n64_s3": dict(VARIANT="pipelined", BLOCK_N=64, NUM_STAGES=3),
     "gluon_pipe_n64_s2": dict(VARIANT="pipelined", BLOCK_N=64, NUM_STAGES=2),
     "gluon_pipe_n128_s2": dict(VARIANT="pipelined", BLOCK_N=128, NUM_STAGES=2),

@@ -1,7 +1,7 @@
-"""One Gluon prefill variant on small cases, in its own process (bench/gpu_fa3.sh runs it under `timeout`, so a
-kernel that hangs on an mbarrier is named and skipped instead of stalling the run).
+"""Gluon prefill variants on small cases, one kernel kind per process (bench/gpu_fa3.sh runs each under `timeout`,
+so a kernel that hangs on an mbarrier is named and skipped instead of stalling the run).
 
-    python3 bench/gpu_fa3_smoke.py VARIANT     (a name of gpu_fa3_bench.GLUON_VARIANTS)
+    python3 bench/gpu_fa3_smoke.py VARIANT...   (names of gpu_fa3_bench.GLUON_VARIANTS; prints "PASS name" per pass)
 
 Cases: a chunked ragged batch over a 1k-4k context (ctx > 0), GQA 32/8, D 128, bf16, pages of 16 and 128, NaN
 in every stale cache slot; checked against the Triton kernel (max-abs < 3e-2) . Exit status 0 if all pass.
@@ -25,8 +25,7 @@ from roofline.kernels.gluon_prefill import gluon_prefill_attention, gluon_unsupp
 from roofline.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 
 
-def main() -> int:
-    name = sys.argv[1]
+def smoke(name: str) -> bool:
     cfg = GLUON_VARIANTS[name]
     ok = True
     for block_size in (16, 128):
@@ -42,7 +41,17 @@ def main() -> int:
         good = math.isfinite(err) and err < 3e-2
         ok &= good
         print(f"smoke {name} block {block_size}: max-abs vs triton {err:.3e} {'OK' if good else 'BAD'}", flush=True)
-    return 0 if ok else 1
+    return ok
+
+
+def main() -> int:
+    failed = 0
+    for name in sys.argv[1:]:
+        print(f"start {name}", flush=True)  # the last "start" without a PASS/FAIL names a hang
+        ok = smoke(name)
+        print(f"{'PASS' if ok else 'FAIL'} {name}", flush=True)
+        failed += not ok
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
