@@ -86,33 +86,13 @@ def _attend_tile(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row,
     s = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
-    if MASKED:
-        offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = (offs_n[None, :] <= offs_m_pos[:, None]) & (offs_n[None, :] < seq_len)
-        s = gl.where(visible, s * scale_log2e, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        s = s - m_new[:, None]
-    else:
-        m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2e)
-        s = s * scale_log2e - m_new[:, None]
-    p = gl.exp2(s)
-    alpha = gl.exp2(m_i - m_new)
-    l_i = l_i * alpha + gl.sum(p, axis=1)
+    p, m_new, l_i, alpha = _softmax_step(s, m_i, l_i, tile, offs_m_pos, seq_len, scale_log2e, MASKED, BLOCK_N,
+                                         s_layout)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-
-    p_op = gl.convert_layout(p.to(v_desc.dtype),
-                             gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    p_op = gl.convert_layout(p.to(v_desc.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     mbarrier.wait(v_bars.index(stage), phase)
     if MASKED:
-        if tile * BLOCK_N + BLOCK_N > seq_len:
-            # Stale slots past the sequence end (maybe NaN) would poison p @ v even with p = 0: zero them.
-            v_reg_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
-            v_rows = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_reg_layout))
-            v_val = v_buf.load(v_reg_layout)
-            v_val = gl.where((v_rows < seq_len)[:, None], v_val, gl.zeros_like(v_val))
-            v_buf.store(v_val)
-            fence_async_shared()
-            gl.thread_barrier()
+        _zero_v_tail(v_buf, tile, seq_len, BLOCK_N, num_warps)
     acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
     acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))  # p's registers live until it lands
 
