@@ -29,7 +29,7 @@ from roofline.kernels.decode_attention import (
     default_block_n,
     paged_decode_attention,
 )
-from roofline.kernels.prefill_attention import paged_prefill_attention
+from roofline.kernels.gluon_prefill import choose_prefill_kernel
 from roofline.kernels.rope_cache import rope_and_cache
 
 
@@ -52,6 +52,9 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_variant: str | None = None
         self._num_sms: int | None = None
         self._static: dict[str, torch.Tensor] = {}
+        # Prefill/extend kernel, chosen once: Triton, or Gluon on sm_90 with ROOFLINE_PREFILL_KERNEL=gluon
+        # (roofline.kernels.gluon_prefill; falls back to Triton per call where it does not apply).
+        self.prefill_attention = choose_prefill_kernel()
 
     def num_splits_for(self, batch_size: int, max_context: int, device: torch.device) -> int:
         """Split count of a decode step from static sizes only (CUDA-graph safe)."""
@@ -95,8 +98,8 @@ class TritonAttentionBackend(AttentionBackend):
                                           variant=self.decode_variant_for(cache.k.dtype))
         # A tree-verification step's ancestor bitmasks ([num_seqs, <= 64] int64; prefill_attention's docstring),
         # when the metadata carries them.
-        return paged_prefill_attention(q, cache.k, cache.v, meta, self.scale, k_scale=ks, v_scale=vs,
-                                       tree_mask=getattr(meta, "tree_mask", None))
+        return self.prefill_attention(q, cache.k, cache.v, meta, self.scale, k_scale=ks, v_scale=vs,
+                                      tree_mask=getattr(meta, "tree_mask", None))
 
     # ------------------------------------------------------------------------------ CUDA graphs
 

@@ -1,0 +1,129 @@
+"""Compile every Gluon prefill variant for sm_90 without a GPU and print registers / shared memory / spills.
+
+Run with the torch-free Triton 3.6 venv that matches the H200 machine (the kernels' module imports no torch):
+
+    /work/tr36/bin/python bench/gluon_aot_check.py [--sass]
+
+Exit status 1 if any variant fails to compile. Variants: head_dim 64/128 x bf16/fp16 x block_size
+(PAGE) 16/32/64/128/256 x BLOCK_N 64/128 x stages 2/3 x plain / pipelined / ws (the set
+``roofline.kernels.gluon_prefill`` may launch). The "regs" column is ptxas's kernel-wide count (for ws: the
+maxnreg cap; the partitions' setmaxnreg budgets apply at run time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import pathlib
+import re
+import subprocess
+import sys
+import tempfile
+import traceback
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+WS_MAXNREG = 168  # as roofline.kernels.gluon_prefill passes for the warp-specialized kernel
+
+
+def load_kernels():
+    path = ROOT / "roofline" / "kernels" / "gluon_prefill_kernels.py"
+    spec = importlib.util.spec_from_file_location("gluon_prefill_kernels", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def desc_sig(dtype: str, block: list[int], layout) -> str:
+    return f"tensordesc<{dtype}[{block[0]},{block[1]}],{layout!r}>"
+
+
+def compile_variant(mod, dtype: str, head_dim: int, page: int, block_m: int, block_n: int, stages: int,
+                    num_warps: int, pipeline: bool = False):
+    gdt = {"bf16": gl.bfloat16, "fp16": gl.float16}[dtype]
+    page_rows = min(page, block_n)
+    q_layout = gl.NVMMASharedLayout.get_default_for([block_m, head_dim], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdt)
+    sig = {
+        "q_desc": desc_sig(dtype, [block_m, head_dim], q_layout),
+        "k_desc": desc_sig(dtype, [page_rows, head_dim], kv_layout),
+        "v_desc": desc_sig(dtype, [page_rows, head_dim], kv_layout),
+        "Out": f"*{dtype}", "BlockTables": "*i32", "QueryStartLoc": "*i32", "SeqLens": "*i32",
+        "scale_log2e": "fp32", "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32",
+        "GROUP": "constexpr", "PAGE": "constexpr", "PAGE_ROWS": "constexpr", "HEAD_DIM": "constexpr",
+        "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr", "num_warps": "constexpr",
+    }
+    constexprs = dict(GROUP=4, PAGE=page, PAGE_ROWS=page_rows, HEAD_DIM=head_dim, BLOCK_M=block_m,
+                      BLOCK_N=block_n, NUM_STAGES=stages, num_warps=num_warps)
+    fn = {False: mod.gluon_prefill_kernel, True: mod.gluon_prefill_kernel_pipelined,
+          "ws": mod.gluon_prefill_kernel_ws}[pipeline]
+    src = GluonASTSource(fn, sig, constexprs=constexprs)
+    options = {"num_warps": num_warps}
+    if pipeline == "ws":
+        options["maxnreg"] = WS_MAXNREG
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+
+
+def ptxas_usage(ptx: str) -> tuple[str, str]:
+    """Registers and spill bytes from the bundled ptxas -v (the kernel is not loaded, so no n_regs)."""
+    ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    with tempfile.TemporaryDirectory() as tmp:
+        src = pathlib.Path(tmp) / "k.ptx"
+        src.write_text(ptx)
+        cmd = [str(ptxas), "-v", "--gpu-name", "sm_90a", str(src), "-o", str(src.with_suffix(".o"))]
+        res = subprocess.run(cmd, capture_output=True, text=True)
+    report = res.stdout + res.stderr
+    regs = re.search(r"Used (\d+) registers", report)
+    spill = re.search(r"(\d+) bytes spill stores", report)
+    return (regs.group(1) if regs else "?"), (spill.group(1) if spill else "?")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sass", action="store_true", help="also count SASS instructions (needs nvdisasm)")
+    ap.add_argument("--quick", action="store_true", help="only the default variants")
+    args = ap.parse_args()
+    mod = load_kernels()
+    variants = []
+    for dtype in ("bf16", "fp16"):
+        for head_dim in (128, 64):
+            for page in (16, 32, 64, 128, 256):
+                for block_n in (128, 64):
+                    for stages in (2, 3):
+                        for pipeline in (False, True, "ws"):
+                            variants.append((dtype, head_dim, page, 128, block_n, stages, 8, pipeline))
+    if args.quick:
+        variants = [v for v in variants if v[0] == "bf16" and v[1] == 128 and v[2] in (16, 128)
+                    and (v[4], v[5], v[7]) in ((128, 2, False), (64, 3, True), (128, 2, True), (64, 3, "ws"))]
+    failed = 0
+    print(f"{'dtype':5} {'D':>4} {'page':>4} {'BM':>4} {'BN':>4} {'st':>3} {'warps':>5} {'regs':>5} "
+          f"{'spill':>5} {'smem':>7} kind  wgmma tma")
+    for v in variants:
+        try:
+            k = compile_variant(mod, *v)
+        except Exception as e:  # report and go on: every variant is checked
+            failed += 1
+            print(" ".join(map(str, v)), "FAILED:", type(e).__name__, str(e).splitlines()[0][:200])
+            if failed == 1:
+                traceback.print_exc()
+            continue
+        ptx = k.asm["ptx"]
+        md = k.metadata
+        regs, spills = ptxas_usage(ptx)
+        print(f"{v[0]:5} {v[1]:>4} {v[2]:>4} {v[3]:>4} {v[4]:>4} {v[5]:>3} {v[6]:>5} {str(regs):>5} "
+              f"{spills:>5} {md.shared:>7} {v[7]!s:5} {'wgmma' in ptx!s:5} "
+              f"{'cp.async.bulk.tensor' in ptx}")
+        if args.sass and "sass" in k.asm:
+            sass = k.asm["sass"]
+            print("   SASS lines", sass.count("\n"), "HGMMA", sass.count("HGMMA"), "UTMALDG",
+                  sass.count("UTMALDG"))
+    print(f"{len(variants) - failed}/{len(variants)} compiled")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

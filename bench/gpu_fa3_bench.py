@@ -1,0 +1,171 @@
+"""Issue 29 prefill benchmark on the H200: the Gluon sm_90 kernel (each variant) against our Triton prefill kernel
+and cuDNN SDPA (repeated KV heads and enable_gqa=True; the faster counts), in one process.
+
+Causal full prefill, bf16, GQA 32/8, head_dim 128, S in 4k/8k/16k with batch = tokens / S (32k tokens),
+FLOPs = 2 * 2 * S^2 / 2 * D * H * batch. KV layouts: "contig" (block 256, identity block table: each sequence's
+keys in consecutive slots), "paged16" and "paged64" (shuffled blocks of 16 / 64). Every variant is checked
+against SDPA's output (relative Frobenius error, must be < 1e-2 to count) and caught on failure, so one broken
+variant does not stop the others. Prints a table and writes JSON.
+
+    python3 bench/gpu_fa3_bench.py --out $OUT/fa3_bench.json [--seqs 4096,8192,16384] [--tokens 32768]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+import traceback
+
+import torch
+import torch.nn.functional as F
+from triton.testing import do_bench
+
+from roofline.bench.attention import _dense_kv, _paged_prefill_inputs
+from roofline.kernels.gluon_prefill import gluon_prefill_attention, gluon_unsupported_reason
+from roofline.kernels.prefill_attention import default_prefill_config, paged_prefill_attention
+
+GLUON_VARIANTS = {
+    "gluon_plain_n128_s2": dict(BLOCK_N=128, NUM_STAGES=2),
+    "gluon_plain_n64_s2": dict(BLOCK_N=64, NUM_STAGES=2),
+    "gluon_plain_n64_s3": dict(BLOCK_N=64, NUM_STAGES=3),
+    "gluon_pipe_n64_s3": dict(VARIANT="pipelined", BLOCK_N=64, NUM_STAGES=3),
+    "gluon_pipe_n64_s2": dict(VARIANT="pipelined", BLOCK_N=64, NUM_STAGES=2),
+    "gluon_pipe_n128_s2": dict(VARIANT="pipelined", BLOCK_N=128, NUM_STAGES=2),
+    "gluon_ws_n64_s3": dict(VARIANT="ws", BLOCK_N=64, NUM_STAGES=3),
+    "gluon_ws_n64_s4": dict(VARIANT="ws", BLOCK_N=64, NUM_STAGES=4),
+    "gluon_ws_n128_s2": dict(VARIANT="ws", BLOCK_N=128, NUM_STAGES=2),
+}
+LAYOUTS = {"contig": 256, "paged16": 16, "paged64": 64}
+MAX_REL_ERR = 1e-2
+
+
+def inputs(layout, batch, seq, heads, kv_heads, head_dim):
+    block_size = LAYOUTS[layout]
+    q, kc, vc, meta = _paged_prefill_inputs(batch, seq, heads, kv_heads, head_dim, block_size, torch.bfloat16,
+                                            "cuda")
+    if layout == "contig":  # identity table: sequence b's blocks are b * nb .. (b + 1) * nb - 1
+        nb = meta.block_tables.shape[1]
+        meta.block_tables = torch.arange(batch * nb, device="cuda", dtype=torch.int32).view(batch, nb)
+        pos = torch.arange(seq, device="cuda")
+        meta.slot_mapping = (meta.block_tables.long()[:, pos // block_size] * block_size
+                             + pos % block_size).reshape(-1)
+    return q, kc, vc, meta
+
+
+def _record(row, name, fn, ref_bhsd, to_bhsd, log):
+    """Run ``fn`` once, check it against ``ref_bhsd`` ([B, H, S, D]), time it; failures are recorded, not raised."""
+    try:
+        out = fn()
+        torch.cuda.synchronize()
+        err = float((to_bhsd(out).float() - ref_bhsd.float()).norm() / ref_bhsd.float().norm())
+        ms = do_bench(fn, return_mode="median")
+        r = dict(ms=ms, tflops=row["flops"] / ms / 1e9, rel_err_vs_sdpa=err, ok=err < MAX_REL_ERR)
+    except Exception as e:  # noqa: BLE001 - record and go on with the other variants
+        traceback.print_exc()
+        r = dict(error=f"{type(e).__name__}: {str(e)[:300]}", ok=False)
+    row["kernels"][name] = r
+    log(f"  S={row['seq']:>6} B={row['batch']:>2} {name:<24} {r.get('tflops', float('nan')):8.1f} TFLOP/s  "
+        f"err {r.get('rel_err_vs_sdpa', float('nan')):.2e}  {'' if r['ok'] else 'BAD ' + r.get('error', 'wrong')}")
+
+
+def _bench_sdpa(row, q, kc, vc, meta, log):
+    """cuDNN/flash SDPA on dense [B, H, S, D] copies: repeated KV heads and enable_gqa=True."""
+    batch, seq, heads, head_dim = row["batch"], row["seq"], row["heads"], row["head_dim"]
+    qd = q.view(batch, seq, heads, head_dim).transpose(1, 2).contiguous()
+    kd, vd = _dense_kv(kc, meta, batch, seq), _dense_kv(vc, meta, batch, seq)
+    group = heads // row["kv_heads"]
+    kr, vr = kd.repeat_interleave(group, 1), vd.repeat_interleave(group, 1)
+    ref = F.scaled_dot_product_attention(qd, kr, vr, is_causal=True)
+    _record(row, "sdpa_repeat_kv", lambda: F.scaled_dot_product_attention(qd, kr, vr, is_causal=True), ref,
+            lambda o: o, log)
+    _record(row, "sdpa_enable_gqa",
+            lambda: F.scaled_dot_product_attention(qd, kd, vd, is_causal=True, enable_gqa=True), ref, lambda o: o, log)
+
+
+def _bench_layout(row, layout, log):
+    batch, seq, heads, head_dim = row["batch"], row["seq"], row["heads"], row["head_dim"]
+    scale = 1.0 / math.sqrt(head_dim)
+    q, kc, vc, meta = inputs(layout, batch, seq, heads, row["kv_heads"], head_dim)
+    if layout == "contig":
+        _bench_sdpa(row, q, kc, vc, meta, log)
+
+    def to_bhsd(o):
+        return o.view(batch, seq, heads, head_dim).transpose(1, 2)
+
+    qd = to_bhsd(q).contiguous()
+    ref = F.scaled_dot_product_attention(qd, _dense_kv(kc, meta, batch, seq), _dense_kv(vc, meta, batch, seq),
+                                         is_causal=True, enable_gqa=True)
+    del qd
+    out = torch.empty_like(q)
+    cfg = default_prefill_config(head_dim, torch.bfloat16, True, LAYOUTS[layout], seq)
+    _record(row, f"triton_{layout}", lambda: paged_prefill_attention(q, kc, vc, meta, scale, out=out, config=cfg),
+            ref, to_bhsd, log)
+    reason = gluon_unsupported_reason(q, kc, vc)
+    if reason is not None:
+        log(f"  gluon not run: {reason}")
+        return
+    for name, gcfg in GLUON_VARIANTS.items():
+        _record(row, f"{name}_{layout}",
+                lambda gcfg=gcfg: gluon_prefill_attention(q, kc, vc, meta, scale, out=out, config=gcfg),
+                ref, to_bhsd, log)
+
+
+def bench_point(seq, batch, heads, kv_heads, head_dim, log):
+    flops = batch * 4 * seq * seq * heads * head_dim / 2
+    row = dict(seq=seq, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, flops=flops, kernels={})
+    for layout in LAYOUTS:
+        _bench_layout(row, layout, log)
+        torch.cuda.empty_cache()
+    ks = row["kernels"]
+    sdpa = max((ks[k].get("tflops", 0.0) for k in ("sdpa_repeat_kv", "sdpa_enable_gqa") if ks[k]["ok"]), default=0.0)
+    row["sdpa_best_tflops"] = sdpa
+    for r in ks.values():
+        if r["ok"] and sdpa:
+            r["ratio_vs_sdpa"] = r["tflops"] / sdpa
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--seqs", default="4096,8192,16384")
+    ap.add_argument("--tokens", type=int, default=32768)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--out", default="fa3_bench.json")
+    ap.add_argument("--variants", default=",".join(GLUON_VARIANTS),
+                    help="Gluon variants to run (comma list; bench/gpu_fa3.sh passes those its smoke step passed)")
+    args = ap.parse_args()
+    t0 = time.time()
+    keep = [v for v in args.variants.split(",") if v]
+    for name in list(GLUON_VARIANTS):
+        if name not in keep:
+            del GLUON_VARIANTS[name]
+
+    def log(msg):
+        print(f"[{time.time() - t0:6.1f}s] {msg}", flush=True)
+
+    log(f"{torch.cuda.get_device_name()} torch {torch.__version__}")
+    rows = []
+    for seq in (int(s) for s in args.seqs.split(",")):
+        rows.append(bench_point(seq, max(1, args.tokens // seq), args.heads, args.kv_heads, args.head_dim, log))
+        with open(args.out, "w") as f:  # after every point: a timeout keeps what was measured
+            json.dump(dict(rows=rows, device=torch.cuda.get_device_name()), f, indent=1)
+    print(f"\nTFLOP/s (ratio vs the faster SDPA); causal, bf16, GQA {args.heads}/{args.kv_heads}, D {args.head_dim}")
+    names = sorted({n for r in rows for n in r["kernels"]})
+    print(f"{'kernel':<26}" + "".join(f"{'S=' + str(r['seq']):>18}" for r in rows))
+    for n in names:
+        cells = []
+        for r in rows:
+            k = r["kernels"].get(n, {})
+            cells.append(f"{k['tflops']:8.1f} ({k.get('ratio_vs_sdpa', float('nan')):.2f})" if k.get("ok")
+                         else f"{'FAIL' if k else '-':>15}")
+        print(f"{n:<26}" + "".join(f"{c:>18}" for c in cells))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,189 @@
+"""Paged causal prefill attention with a Gluon kernel for Hopper (sm_90): TMA, async wgmma (issue 29).
+
+``gluon_prefill_attention`` has the signature of ``roofline.kernels.prefill_attention.paged_prefill_attention``
+and computes the same thing (query j of a chunk at position ctx + j; chunked prefill, prefix hits and chain
+verification). Kernel design: ``roofline.kernels.gluon_prefill_kernels``.
+
+What the Gluon kernel covers (``gluon_unsupported_reason`` says why not, else None): a CUDA device of compute
+capability 9.x, Triton with ``triton.experimental.gluon``, q and cache in bf16 or fp16 (no int8/fp8 codes),
+head_dim 64 or 128, any block_size that is a power of two >= 16 (a tile of BLOCK_N keys is BLOCK_N /
+block_size TMA copies when block_size < BLOCK_N) and no ``tree_mask``. Anything else runs the Triton kernel,
+with one log line per reason.
+
+Off by default until an H200 run shows it exact and faster: the Triton backend picks it when
+``ROOFLINE_PREFILL_KERNEL=gluon`` (``PREFILL_KERNEL_ENV``) is set at backend init
+(``choose_prefill_kernel``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+
+import torch
+
+from roofline.kernels.common import PagedBatch, check_paged_attention_inputs, kv_quant_mode
+from roofline.kernels.prefill_attention import LOG2E, check_tree_mask, paged_prefill_attention
+
+logger = logging.getLogger(__name__)
+
+PREFILL_KERNEL_ENV = "ROOFLINE_PREFILL_KERNEL"  # "triton" (default) or "gluon"
+PREFILL_KERNELS = ("triton", "gluon")
+GLUON_HEAD_DIMS = (64, 128)
+GLUON_DTYPES = (torch.bfloat16, torch.float16)
+GLUON_VARIANTS = ("plain", "pipelined", "ws")
+WS_MAXNREG = 168  # warp-specialized: 12 warps x 168 = the register file; the loader drops to 32, consumers get 240
+
+try:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from roofline.kernels.gluon_prefill_kernels import (
+        gluon_prefill_kernel,
+        gluon_prefill_kernel_pipelined,
+        gluon_prefill_kernel_ws,
+    )
+
+    GLUON_KERNELS = {"plain": gluon_prefill_kernel, "pipelined": gluon_prefill_kernel_pipelined,
+                     "ws": gluon_prefill_kernel_ws}
+except Exception:  # pragma: no cover - no triton, or a triton without gluon
+    gl = None
+
+_logged: set[str] = set()
+
+
+def default_gluon_config(head_dim: int, block_size: int) -> dict:
+    """Tile sizes and kernel: BLOCK_M 128 (two warpgroups of 64 rows, 8 warps), BLOCK_N 128, a 2-stage K/V ring
+    (Q 32 KB + K/V 128 KB of shared memory at D 128), the "plain" kernel. Not yet tuned on the H200.
+    VARIANT (``roofline.kernels.gluon_prefill_kernels``): "plain" (TMA ring, one tile's QK, softmax, PV in
+    turn), "pipelined" (QK and PV of consecutive tiles in flight during the softmax; meant for BLOCK_N 64 and
+    3 stages), "ws" (pipelined consumers + a 1-warp TMA loader partition, ``WS_MAXNREG``)."""
+    return dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=2, num_warps=8, VARIANT="plain")
+
+
+def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None = None,
+                             tree_mask: torch.Tensor | None = None,
+                             config: dict | None = None) -> str | None:
+    """Why the Gluon kernel cannot run this call (a short phrase naming the value), or None if it can."""
+    if gl is None:
+        return "triton.experimental.gluon is not importable"
+    if not q.is_cuda:
+        return f"device {q.device} is not CUDA"
+    cap = torch.cuda.get_device_capability(q.device)
+    if cap[0] != 9:
+        return f"compute capability {cap[0]}.{cap[1]} is not 9.x (Hopper)"
+    if q.dtype not in GLUON_DTYPES or k_cache.dtype != q.dtype:
+        return f"dtype q {q.dtype} / cache {k_cache.dtype}: needs both bf16 or both fp16"
+    head_dim = q.shape[2]
+    if head_dim not in GLUON_HEAD_DIMS:
+        return f"head_dim {head_dim} not in {GLUON_HEAD_DIMS}"
+    block_size = k_cache.shape[1]
+    if block_size < 16 or block_size & (block_size - 1):
+        return f"block_size {block_size} is not a power of two >= 16"
+    if tree_mask is not None:
+        return "tree_mask given (tree verification runs the Triton kernel)"
+    cfg = {**default_gluon_config(head_dim, block_size), **(config or {})}
+    if cfg["BLOCK_N"] not in (64, 128) or cfg["BLOCK_M"] != 16 * cfg["num_warps"] or cfg["NUM_STAGES"] < 2 \
+            or cfg["VARIANT"] not in GLUON_VARIANTS:
+        return (f"config {cfg}: BLOCK_N must be 64 or 128, BLOCK_M 16 * num_warps, NUM_STAGES >= 2 and VARIANT "
+                f"one of {GLUON_VARIANTS}")
+    if q.stride(2) != 1 or q.stride(1) != head_dim or q.stride(0) % 8 or q.data_ptr() % 16:
+        return f"q strides {q.stride()}: rows must be [H, D] contiguous and 16-byte aligned for TMA"
+    num_kv_heads = k_cache.shape[2]
+    row = num_kv_heads * head_dim
+    if k_cache.stride() != (block_size * row, row, head_dim, 1) or k_cache.data_ptr() % 16:
+        return f"cache strides {k_cache.stride()}: TMA views the cache as [num_blocks * block_size, H_kv * D]"
+    if v_cache is not None and (v_cache.stride() != k_cache.stride() or v_cache.data_ptr() % 16):
+        return f"v_cache strides {v_cache.stride()} differ from k_cache's {k_cache.stride()}"
+    return None
+
+
+def _log_once(reason: str) -> None:
+    if reason not in _logged:
+        _logged.add(reason)
+        logger.info("gluon prefill: %s; using the Triton prefill kernel", reason)
+
+
+def gluon_prefill_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    meta: PagedBatch,
+    scale: float,
+    out: torch.Tensor | None = None,
+    config: dict | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
+    tree_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Causal varlen attention of new tokens over their paged context, by the Gluon sm_90 kernel when it applies
+    (module docstring), else by ``paged_prefill_attention`` (same arguments; one log line per reason).
+
+    Args:
+        q: [num_tokens, H, D] bf16/fp16, rows of sequence i at query_start_loc[i]:query_start_loc[i+1].
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D], already holding this step's keys/values.
+        meta: query_start_loc [num_seqs+1] int32, seq_lens [num_seqs] int32, block_tables [num_seqs, W] int32,
+            max_query_len (host int).
+        scale: softmax scale. out: optional [num_tokens, H, D] output.
+        config: optional dict(BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, VARIANT) over ``default_gluon_config``;
+            a fallback runs the Triton kernel with its own default config.
+        k_scale, v_scale, tree_mask: as ``paged_prefill_attention``; any of them sends the call to Triton.
+
+    Returns:
+        [num_tokens, H, D] in q's dtype (fp32 softmax statistics and accumulation).
+
+    Raises:
+        ValueError: as ``paged_prefill_attention`` (shapes, H not a multiple of H_kv, a tree_mask wider than 64).
+    """
+    check_paged_attention_inputs(q, k_cache, v_cache)
+    quant = kv_quant_mode(k_cache, k_scale, v_scale)
+    num_seqs = meta.query_start_loc.shape[0] - 1
+    check_tree_mask(tree_mask, num_seqs)
+    reason = "quantized KV cache" if quant else gluon_unsupported_reason(q, k_cache, v_cache, tree_mask, config)
+    if reason is not None:
+        _log_once(reason)
+        return paged_prefill_attention(q, k_cache, v_cache, meta, scale, out=out,
+                                       k_scale=k_scale, v_scale=v_scale, tree_mask=tree_mask)
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    if out is None:
+        out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    cfg = {**default_gluon_config(head_dim, block_size), **(config or {})}
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    page_rows = min(block_size, block_n)
+    gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
+    q_layout = gl.NVMMASharedLayout.get_default_for([block_m, head_dim], gdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gdt)
+    q2 = q.as_strided((num_tokens, num_heads * head_dim), (q.stride(0), 1))  # q may be a view of a fused qkv
+    q_desc = TensorDescriptor(q2, list(q2.shape), [q2.stride(0), 1], [block_m, head_dim], q_layout)
+    num_slots = k_cache.shape[0] * block_size
+    k_desc, v_desc = (TensorDescriptor(c, [num_slots, num_kv_heads * head_dim], [c.stride(1), 1],
+                                       [page_rows, head_dim], kv_layout) for c in (k_cache, v_cache))
+    grid = ((meta.max_query_len + block_m - 1) // block_m, num_seqs, num_heads)
+    extra = dict(maxnreg=WS_MAXNREG) if cfg["VARIANT"] == "ws" else {}
+    GLUON_KERNELS[cfg["VARIANT"]][grid](
+        q_desc, k_desc, v_desc, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
+        scale * LOG2E, out.stride(0), out.stride(1), meta.block_tables.stride(0),
+        GROUP=num_heads // num_kv_heads, PAGE=block_size, PAGE_ROWS=page_rows, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"], **extra,
+    )
+    return out
+
+
+def choose_prefill_kernel(requested: str | None = None) -> Callable[..., torch.Tensor]:
+    """The prefill entry point a backend uses, decided once at backend init: ``requested`` or the
+    ``ROOFLINE_PREFILL_KERNEL`` environment variable, "triton" (default) or "gluon".
+
+    Raises:
+        ValueError: a name outside ``PREFILL_KERNELS`` (names the allowed ones).
+    """
+    name = requested if requested is not None else os.environ.get(PREFILL_KERNEL_ENV, "triton")
+    if name not in PREFILL_KERNELS:
+        raise ValueError(f"{PREFILL_KERNEL_ENV}={name!r}: the prefill kernel must be one of {PREFILL_KERNELS}")
+    if name == "gluon":
+        logger.info("prefill attention: Gluon sm_90 kernel where it applies (%s=gluon)", PREFILL_KERNEL_ENV)
+        return gluon_prefill_attention
+    return paged_prefill_attention

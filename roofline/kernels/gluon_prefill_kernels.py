@@ -1,0 +1,476 @@
+"""Gluon (Hopper, sm_90) paged causal prefill attention: the @gluon.jit kernels only, no torch import, so the
+ahead-of-time check (bench/gluon_aot_check.py) can compile them for sm_90 in a torch-free Triton 3.6 venv.
+The wrapper, fallback rules and docs of the arguments live in ``roofline.kernels.gluon_prefill``.
+
+Same math and masking as ``roofline.kernels.prefill_attention._prefill_kernel`` (query j of a chunk at
+position ctx + j sees keys 0..ctx + j; FlashAttention-2's online softmax in log2 units), with Hopper's
+asynchronous units spelled out (FlashAttention-3, Shah et al. 2024):
+
+- one program = BLOCK_M (128) query rows of one head, ``num_warps`` 8 = two warpgroups of 64 rows each
+  (the wgmma accumulator layout tiles M over 8 warps);
+- Q: one TMA copy [BLOCK_M, D] from q viewed as [num_tokens, H * D] (rows past the chunk are other
+  sequences' rows or TMA zero fill, never stored);
+- K, V: a ring of NUM_STAGES shared-memory stages, one mbarrier per stage and operand, filled by TMA from
+  the cache viewed as [num_slots, H_kv * D]; a BLOCK_N tile is BLOCK_N / PAGE_ROWS copies of PAGE_ROWS
+  rows, PAGE_ROWS = min(block_size, BLOCK_N), each at [block_id * block_size + offset, kv_head * D];
+- S = Q K^T: ``warpgroup_mma`` (async) from shared Q and K^T (a permuted view), fp32 accumulator;
+- P (bf16/fp16, registers, the wgmma A operand layout) times V from shared memory accumulates into O in
+  registers (fp32);
+- keys every row of the tile may see run without a mask; the diagonal band (at most
+  ceil(BLOCK_M / BLOCK_N) + 1 tiles) runs with the causal mask;
+- the tile holding the sequence's end has stale cache rows past seq_len (possibly NaN): their V rows are
+  zeroed in shared memory before the PV product (p = 0 there, but 0 * NaN = NaN).
+
+Three kernels, same arguments and grid (cdiv(max_query_len, BLOCK_M), num_seqs, H), heaviest M tiles first:
+
+- ``gluon_prefill_kernel`` ("plain"): per tile QK, softmax, PV in turn; the loads of tile i + NUM_STAGES are
+  issued as soon as tile i's PV product has completed (NUM_STAGES - 1 tiles of K/V in flight behind the MMAs).
+- ``gluon_prefill_kernel_pipelined``: FA3's intra-warpgroup overlap (S_j and P_{j-1} V_{j-1} in flight while
+  the softmax of S_j runs), same in-line TMA issue.
+- ``gluon_prefill_kernel_ws``: the pipelined consumers plus a 1-warp TMA loader partition (``gl.warp_specialize``)
+  with per-stage empty mbarriers and register reallocation (setmaxnreg through ``maxnreg``).
+
+Not yet done: the inter-warpgroup ping-pong (named barriers ordering the two warpgroups' softmax against each
+other's GEMMs), a persistent grid with causal load balancing, a TMA store of O.
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+
+@gluon.jit
+def _issue_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, tile, seq_len, kv_col,
+                   PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                   NUM_STAGES: gl.constexpr):
+    """TMA copies of K and V tile ``tile`` (keys tile * BLOCK_N ...) into ring stage tile % NUM_STAGES."""
+    stage = tile % NUM_STAGES
+    k_dst = k_smem.index(stage)
+    v_dst = v_smem.index(stage)
+    k_bar = k_bars.index(stage)
+    v_bar = v_bars.index(stage)
+    mbarrier.expect(k_bar, BLOCK_N * k_desc.block_type.shape[1] * k_desc.dtype.primitive_bitwidth // 8)
+    mbarrier.expect(v_bar, BLOCK_N * v_desc.block_type.shape[1] * v_desc.dtype.primitive_bitwidth // 8)
+    start_n = tile * BLOCK_N
+    last_block = (seq_len - 1) // PAGE  # block-table entries past the sequence may be garbage: clamp
+    for c in gl.static_range(BLOCK_N // PAGE_ROWS):
+        key = start_n + c * PAGE_ROWS
+        page = gl.load(bt_row + gl.minimum(key // PAGE, last_block))
+        row = page * PAGE + key % PAGE
+        tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_bar, k_dst.slice(c * PAGE_ROWS, PAGE_ROWS))
+        tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_bar, v_dst.slice(c * PAGE_ROWS, PAGE_ROWS))
+
+
+@gluon.jit
+def _attend_tile(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile, n_tiles, seq_len, kv_col,
+                 acc, m_i, l_i, offs_m_pos, scale_log2e,
+                 MASKED: gl.constexpr, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr,
+                 s_layout: gl.constexpr, o_layout: gl.constexpr, num_warps: gl.constexpr):
+    stage = tile % NUM_STAGES
+    phase = (tile // NUM_STAGES) & 1
+    k_buf = k_smem.index(stage)
+    v_buf = v_smem.index(stage)
+
+    # S = Q K^T (fp32, [BLOCK_M, BLOCK_N]); K^T is a transposed view of the [BLOCK_N, D] stage.
+    mbarrier.wait(k_bars.index(stage), phase)
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+
+    p, m_new, l_i, alpha = _softmax_step(s, m_i, l_i, tile, offs_m_pos, seq_len, scale_log2e, MASKED, BLOCK_N,
+                                         s_layout)
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p_op = gl.convert_layout(p.to(v_desc.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    mbarrier.wait(v_bars.index(stage), phase)
+    if MASKED:
+        _zero_v_tail(v_buf, tile, seq_len, BLOCK_N, num_warps)
+    acc = warpgroup_mma(p_op, v_buf, acc, is_async=True)
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))  # p's registers live until it lands
+
+    # Both products of this stage are done: refill it with tile + NUM_STAGES.
+    gl.thread_barrier()
+    nxt = tile + NUM_STAGES
+    if nxt < n_tiles:
+        _issue_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, nxt, seq_len, kv_col,
+                       PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
+    return acc, m_new, l_i
+
+
+@gluon.jit
+def gluon_prefill_kernel(
+    q_desc, k_desc, v_desc, Out, BlockTables, QueryStartLoc, SeqLens,
+    scale_log2e, stride_ot, stride_oh, stride_bt,
+    GROUP: gl.constexpr, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    """Grid (cdiv(max_query_len, BLOCK_M), num_seqs, H); heaviest M tiles first (as the Triton kernel)."""
+    seq = gl.program_id(1)
+    head = gl.program_id(2)
+    q_start = gl.load(QueryStartLoc + seq)
+    q_len = gl.load(QueryStartLoc + seq + 1) - q_start
+    m_block = gl.num_programs(0) - 1 - gl.program_id(0)
+    m0 = m_block * BLOCK_M
+    if m0 < q_len:
+        seq_len = gl.load(SeqLens + seq)
+        ctx = seq_len - q_len
+        kv_head = head // GROUP
+        kv_col = kv_head * HEAD_DIM
+        bt_row = BlockTables + seq.to(gl.int64) * stride_bt
+
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+        fence_async_shared()
+
+        # Keys < ctx + m0 + 1 are visible to every row of the tile; the band up to ctx + m0 + BLOCK_M is masked.
+        n_full = (ctx + m0 + 1) // BLOCK_N
+        n_tiles = gl.cdiv(gl.minimum(seq_len, ctx + m0 + BLOCK_M), BLOCK_N)
+
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
+        for i in gl.static_range(NUM_STAGES):
+            if i < n_tiles:
+                _issue_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, i, seq_len, kv_col,
+                               PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
+
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        offs_m_pos = ctx + offs_m
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+        mbarrier.wait(q_bar, 0)
+
+        for tile in range(0, n_full):
+            acc, m_i, l_i = _attend_tile(
+                q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile, n_tiles, seq_len, kv_col,
+                acc, m_i, l_i, offs_m_pos, scale_log2e,
+                False, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, s_layout, o_layout, num_warps)
+        for tile in range(n_full, n_tiles):
+            acc, m_i, l_i = _attend_tile(
+                q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile, n_tiles, seq_len, kv_col,
+                acc, m_i, l_i, offs_m_pos, scale_log2e,
+                True, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, s_layout, o_layout, num_warps)
+
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+
+        # Every valid row saw key 0 at least (l_i > 0); rows past the chunk are not stored.
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        out = acc / l_o[:, None]
+        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
+        gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Pipelined variant (FA3's intra-warpgroup overlap, Shah et al. 2024, Algorithm 2): while the tensor cores run
+# S_j = Q K_j^T and O += P_{j-1} V_{j-1} (both issued async), the warpgroup waits only for S_j and computes its
+# softmax; O is rescaled after the PV product lands. P of the previous tile stays in registers across the
+# iteration, so BLOCK_N 64 keeps the register budget (S 32 + P 16 + O 64 fp32/bf16 registers per thread).
+
+
+@gluon.jit
+def _zero_v_tail(v_buf, tile, seq_len, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+    """Zero the V rows of ``tile`` at or past seq_len (stale cache slots, maybe NaN) in shared memory."""
+    if tile * BLOCK_N + BLOCK_N > seq_len:
+        v_reg_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+        v_rows = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, v_reg_layout))
+        v_val = v_buf.load(v_reg_layout)
+        v_val = gl.where((v_rows < seq_len)[:, None], v_val, gl.zeros_like(v_val))
+        v_buf.store(v_val)
+        fence_async_shared()
+        gl.thread_barrier()
+
+
+@gluon.jit
+def _softmax_step(s, m_i, l_i, tile, offs_m_pos, seq_len, scale_log2e, MASKED: gl.constexpr,
+                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Online softmax of one S tile (log2 units): returns p, the new max, the new sum and the rescale alpha."""
+    if MASKED:
+        offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = (offs_n[None, :] <= offs_m_pos[:, None]) & (offs_n[None, :] < seq_len)
+        s = gl.where(visible, s * scale_log2e, float("-inf"))
+        m_new = gl.maximum(m_i, gl.max(s, axis=1))
+        s = s - m_new[:, None]
+    else:
+        m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2e)
+        s = s * scale_log2e - m_new[:, None]
+    p = gl.exp2(s)
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _pipelined_step(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile, n_tiles, seq_len,
+                    kv_col, acc, m_i, l_i, p_prev, offs_m_pos, scale_log2e, empty_bars,
+                    MASKED: gl.constexpr, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
+                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr,
+                    o_layout: gl.constexpr, num_warps: gl.constexpr, WS: gl.constexpr):
+    """Tile ``tile`` >= 1: S_tile and O += P_{tile-1} V_{tile-1} in flight together, softmax of S_tile.
+    WS: a loader partition refills the ring; the freed stage is signalled on ``empty_bars`` instead."""
+    stage = tile % NUM_STAGES
+    prev = (tile - 1) % NUM_STAGES
+    mbarrier.wait(k_bars.index(stage), (tile // NUM_STAGES) & 1)
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
+    mbarrier.wait(v_bars.index(prev), ((tile - 1) // NUM_STAGES) & 1)
+    _zero_v_tail(v_smem.index(prev), tile - 1, seq_len, BLOCK_N, num_warps)
+    acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S lands first (issued first)
+    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, tile, offs_m_pos, seq_len, scale_log2e, MASKED, BLOCK_N,
+                                       s_layout)
+    p_op = gl.convert_layout(p.to(v_desc.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))  # p_prev read by the async PV
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    # Tile - 1's stage is consumed by both warpgroups: refill it with tile - 1 + NUM_STAGES.
+    gl.thread_barrier()
+    if WS:
+        mbarrier.arrive(empty_bars.index(prev), count=1)
+    else:
+        nxt = tile - 1 + NUM_STAGES
+        if nxt < n_tiles:
+            _issue_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, nxt, seq_len, kv_col,
+                           PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
+    return acc, m_i, l_i, p_op
+
+
+@gluon.jit
+def _first_tile(q_smem, k_smem, k_bars, offs_m_pos, seq_len, scale_log2e, MASKED: gl.constexpr,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+                dtype: gl.constexpr):
+    mbarrier.wait(k_bars.index(0), 0)
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(q_smem, k_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, offs_m_pos, seq_len, scale_log2e, MASKED, BLOCK_N, s_layout)
+    p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    return p_op, m_i, l_i
+
+
+@gluon.jit
+def gluon_prefill_kernel_pipelined(
+    q_desc, k_desc, v_desc, Out, BlockTables, QueryStartLoc, SeqLens,
+    scale_log2e, stride_ot, stride_oh, stride_bt,
+    GROUP: gl.constexpr, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    """As ``gluon_prefill_kernel`` (same arguments and grid), with the QK / PV products of consecutive tiles
+    overlapped with the softmax (module section above). NUM_STAGES >= 3 lets the refill of tile j + 2 land while
+    tile j + 1 is being consumed."""
+    seq = gl.program_id(1)
+    head = gl.program_id(2)
+    q_start = gl.load(QueryStartLoc + seq)
+    q_len = gl.load(QueryStartLoc + seq + 1) - q_start
+    m_block = gl.num_programs(0) - 1 - gl.program_id(0)
+    m0 = m_block * BLOCK_M
+    if m0 < q_len:
+        seq_len = gl.load(SeqLens + seq)
+        ctx = seq_len - q_len
+        kv_head = head // GROUP
+        kv_col = kv_head * HEAD_DIM
+        bt_row = BlockTables + seq.to(gl.int64) * stride_bt
+
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 16])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_DIM, 16])
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+        fence_async_shared()
+
+        n_full = (ctx + m0 + 1) // BLOCK_N
+        n_tiles = gl.cdiv(gl.minimum(seq_len, ctx + m0 + BLOCK_M), BLOCK_N)
+
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
+        for i in gl.static_range(NUM_STAGES):
+            if i < n_tiles:
+                _issue_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, i, seq_len, kv_col,
+                               PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
+
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        offs_m_pos = ctx + offs_m
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+        mbarrier.wait(q_bar, 0)
+
+        if n_full > 0:
+            p_op, m_i, l_i = _first_tile(q_smem, k_smem, k_bars, offs_m_pos, seq_len, scale_log2e, False,
+                                         BLOCK_M, BLOCK_N, s_layout, o_layout, v_desc.dtype)
+        else:
+            p_op, m_i, l_i = _first_tile(q_smem, k_smem, k_bars, offs_m_pos, seq_len, scale_log2e, True,
+                                         BLOCK_M, BLOCK_N, s_layout, o_layout, v_desc.dtype)
+        for tile in range(1, n_full):
+            acc, m_i, l_i, p_op = _pipelined_step(
+                q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile, n_tiles, seq_len, kv_col,
+                acc, m_i, l_i, p_op, offs_m_pos, scale_log2e, k_bars,
+                False, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, num_warps, False)
+        for tile in range(gl.maximum(n_full, 1), n_tiles):
+            acc, m_i, l_i, p_op = _pipelined_step(
+                q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile, n_tiles, seq_len, kv_col,
+                acc, m_i, l_i, p_op, offs_m_pos, scale_log2e, k_bars,
+                True, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, num_warps, False)
+        # The last tile's PV product.
+        last = n_tiles - 1
+        mbarrier.wait(v_bars.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
+        _zero_v_tail(v_smem.index(last % NUM_STAGES), last, seq_len, BLOCK_N, num_warps)
+        acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
+        acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        out = acc / l_o[:, None]
+        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
+        gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Warp-specialized variant (FA3's producer/consumer split): a 1-warp loader partition issues every K/V TMA copy
+# into the ring, waiting on per-stage "empty" mbarriers; the default partition (the two consumer warpgroups)
+# runs the pipelined loop above and arrives on a stage's empty barrier once both warpgroups' PV product of it
+# has landed. Register budgets: the loader 32 per thread, the consumers what ``maxnreg`` leaves (the wrapper
+# passes maxnreg=168: (168 * 12 warps * 32 - 32 * 4 warps * 32) / 256 = 240 per consumer thread).
+
+
+@gluon.jit
+def _ws_loader(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, bt_row, n_tiles, seq_len, kv_col,
+               PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    for tile in range(0, n_tiles):
+        stage = tile % NUM_STAGES
+        # Barriers start in phase 0 not completed: waiting on parity 1 passes at once (the ring starts empty).
+        mbarrier.wait(empty_bars.index(stage), ((tile // NUM_STAGES) & 1) ^ 1)
+        _issue_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, tile, seq_len, kv_col,
+                       PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
+
+
+@gluon.jit
+def _ws_consumer(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, k_desc, v_desc, bt_row, Out,
+                 n_full, n_tiles, seq_len, kv_col, ctx, m0, q_start, q_len, head, stride_ot, stride_oh,
+                 scale_log2e,
+                 PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                 BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+    offs_m_pos = ctx + offs_m
+    acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    mbarrier.wait(q_bar, 0)
+    if n_full > 0:
+        p_op, m_i, l_i = _first_tile(q_smem, k_smem, k_bars, offs_m_pos, seq_len, scale_log2e, False,
+                                     BLOCK_M, BLOCK_N, s_layout, o_layout, v_desc.dtype)
+    else:
+        p_op, m_i, l_i = _first_tile(q_smem, k_smem, k_bars, offs_m_pos, seq_len, scale_log2e, True,
+                                     BLOCK_M, BLOCK_N, s_layout, o_layout, v_desc.dtype)
+    for tile in range(1, n_full):
+        acc, m_i, l_i, p_op = _pipelined_step(
+            q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile, n_tiles, seq_len, kv_col,
+            acc, m_i, l_i, p_op, offs_m_pos, scale_log2e, empty_bars,
+            False, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, num_warps, True)
+    for tile in range(gl.maximum(n_full, 1), n_tiles):
+        acc, m_i, l_i, p_op = _pipelined_step(
+            q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile, n_tiles, seq_len, kv_col,
+            acc, m_i, l_i, p_op, offs_m_pos, scale_log2e, empty_bars,
+            True, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, num_warps, True)
+    last = n_tiles - 1
+    mbarrier.wait(v_bars.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
+    _zero_v_tail(v_smem.index(last % NUM_STAGES), last, seq_len, BLOCK_N, num_warps)
+    acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = acc / l_o[:, None]
+    rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
+    gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+@gluon.jit
+def gluon_prefill_kernel_ws(
+    q_desc, k_desc, v_desc, Out, BlockTables, QueryStartLoc, SeqLens,
+    scale_log2e, stride_ot, stride_oh, stride_bt,
+    GROUP: gl.constexpr, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+):
+    """As ``gluon_prefill_kernel`` (same arguments and grid), warp-specialized (section above)."""
+    seq = gl.program_id(1)
+    head = gl.program_id(2)
+    q_start = gl.load(QueryStartLoc + seq)
+    q_len = gl.load(QueryStartLoc + seq + 1) - q_start
+    m_block = gl.num_programs(0) - 1 - gl.program_id(0)
+    m0 = m_block * BLOCK_M
+    if m0 < q_len:
+        seq_len = gl.load(SeqLens + seq)
+        ctx = seq_len - q_len
+        kv_col = (head // GROUP) * HEAD_DIM
+        bt_row = BlockTables + seq.to(gl.int64) * stride_bt
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+            mbarrier.init(empty_bars.index(i), count=1)
+        fence_async_shared()
+
+        n_full = (ctx + m0 + 1) // BLOCK_N
+        n_tiles = gl.cdiv(gl.minimum(seq_len, ctx + m0 + BLOCK_M), BLOCK_N)
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
+
+        gl.warp_specialize([
+            (_ws_consumer, (q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, k_desc, v_desc, bt_row, Out,
+                            n_full, n_tiles, seq_len, kv_col, ctx, m0, q_start, q_len, head, stride_ot, stride_oh,
+                            scale_log2e, PAGE, PAGE_ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, num_warps)),
+            (_ws_loader, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, bt_row, n_tiles, seq_len,
+                          kv_col, PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)),
+        ], [1], [32])
