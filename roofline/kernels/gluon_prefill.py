@@ -32,7 +32,10 @@ PREFILL_KERNEL_ENV = "ROOFLINE_PREFILL_KERNEL"  # "triton" (default) or "gluon"
 PREFILL_KERNELS = ("triton", "gluon")
 GLUON_HEAD_DIMS = (64, 128)
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
-GLUON_VARIANTS = ("plain", "pipelined", "ws")
+GLUON_VARIANTS = ("plain", "pipelined", "ws", "pingpong", "ws2")
+# Variants whose consumer warpgroups are separate partitions (launched with num_warps 4: warpgroup 0 is the
+# default partition; warpgroup 1 and the loader are workers). "ws2" is "pingpong" without the named barriers.
+TWO_CONSUMER_VARIANTS = {"pingpong": True, "ws2": False}
 WS_MAXNREG = 168  # warp-specialized: 12 warps x 168 = the register file; the loader drops to 32, consumers get 240
 
 try:
@@ -41,12 +44,14 @@ try:
 
     from roofline.kernels.gluon_prefill_kernels import (
         gluon_prefill_kernel,
+        gluon_prefill_kernel_pingpong,
         gluon_prefill_kernel_pipelined,
         gluon_prefill_kernel_ws,
     )
 
     GLUON_KERNELS = {"plain": gluon_prefill_kernel, "pipelined": gluon_prefill_kernel_pipelined,
-                     "ws": gluon_prefill_kernel_ws}
+                     "ws": gluon_prefill_kernel_ws, "pingpong": gluon_prefill_kernel_pingpong,
+                     "ws2": gluon_prefill_kernel_pingpong}
 except Exception:  # pragma: no cover - no triton, or a triton without gluon
     gl = None
 
@@ -58,7 +63,9 @@ def default_gluon_config(head_dim: int, block_size: int) -> dict:
     (Q 32 KB + K/V 128 KB of shared memory at D 128), the "plain" kernel. Not yet tuned on the H200.
     VARIANT (``roofline.kernels.gluon_prefill_kernels``): "plain" (TMA ring, one tile's QK, softmax, PV in
     turn), "pipelined" (QK and PV of consecutive tiles in flight during the softmax; meant for BLOCK_N 64 and
-    3 stages), "ws" (pipelined consumers + a 1-warp TMA loader partition, ``WS_MAXNREG``)."""
+    3 stages), "ws" (pipelined consumers + a 1-warp TMA loader partition, ``WS_MAXNREG``), "pingpong" (FA3's
+    ping-pong: the two consumer warpgroups are separate partitions whose GEMM issue alternates through named
+    barriers, each with the intra-warpgroup overlap; BLOCK_M 128 only), "ws2" (pingpong without the barriers)."""
     return dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=2, num_warps=8, VARIANT="plain")
 
 
@@ -85,9 +92,10 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
         return "tree_mask given (tree verification runs the Triton kernel)"
     cfg = {**default_gluon_config(head_dim, block_size), **(config or {})}
     if cfg["BLOCK_N"] not in (64, 128) or cfg["BLOCK_M"] != 16 * cfg["num_warps"] or cfg["NUM_STAGES"] < 2 \
-            or cfg["VARIANT"] not in GLUON_VARIANTS:
-        return (f"config {cfg}: BLOCK_N must be 64 or 128, BLOCK_M 16 * num_warps, NUM_STAGES >= 2 and VARIANT "
-                f"one of {GLUON_VARIANTS}")
+            or cfg["VARIANT"] not in GLUON_VARIANTS \
+            or (cfg["VARIANT"] in TWO_CONSUMER_VARIANTS and cfg["BLOCK_M"] != 128):
+        return (f"config {cfg}: BLOCK_N must be 64 or 128, BLOCK_M 16 * num_warps (128 for "
+                f"{tuple(TWO_CONSUMER_VARIANTS)}), NUM_STAGES >= 2 and VARIANT one of {GLUON_VARIANTS}")
     if q.stride(2) != 1 or q.stride(1) != head_dim or q.stride(0) % 8 or q.data_ptr() % 16:
         return f"q strides {q.stride()}: rows must be [H, D] contiguous and 16-byte aligned for TMA"
     num_kv_heads = k_cache.shape[2]
@@ -163,12 +171,17 @@ def gluon_prefill_attention(
     k_desc, v_desc = (TensorDescriptor(c, [num_slots, num_kv_heads * head_dim], [c.stride(1), 1],
                                        [page_rows, head_dim], kv_layout) for c in (k_cache, v_cache))
     grid = ((meta.max_query_len + block_m - 1) // block_m, num_seqs, num_heads)
-    extra = dict(maxnreg=WS_MAXNREG) if cfg["VARIANT"] == "ws" else {}
-    GLUON_KERNELS[cfg["VARIANT"]][grid](
+    variant = cfg["VARIANT"]
+    num_warps = cfg["num_warps"]
+    extra = dict(maxnreg=WS_MAXNREG) if variant in ("ws", *TWO_CONSUMER_VARIANTS) else {}
+    if variant in TWO_CONSUMER_VARIANTS:  # 3 partitions of 4 + 4 + 1 warps (padded to 12), 168 x 384 registers
+        num_warps = 4
+        extra["PINGPONG"] = TWO_CONSUMER_VARIANTS[variant]
+    GLUON_KERNELS[variant][grid](
         q_desc, k_desc, v_desc, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
         scale * LOG2E, out.stride(0), out.stride(1), meta.block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, PAGE=block_size, PAGE_ROWS=page_rows, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"], **extra,
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=cfg["NUM_STAGES"], num_warps=num_warps, **extra,
     )
     return out
 

@@ -474,3 +474,215 @@ def gluon_prefill_kernel_ws(
             (_ws_loader, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, bt_row, n_tiles, seq_len,
                           kv_col, PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)),
         ], [1], [32])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Ping-pong variant (FA3, Shah et al. 2024, section 3.1 "pingpong scheduling" and Algorithm 2): the two consumer
+# warpgroups are separate partitions of 64 rows each (the default partition = warpgroup 0, a 4-warp worker =
+# warpgroup 1) plus the TMA loader; named barriers order their GEMM issue so that warpgroup 0 issues its QK / PV
+# products, then warpgroup 1, then warpgroup 0 ...: while one warpgroup runs its softmax (exp2 on the SFU) the
+# tensor cores run the other's products. Inside each warpgroup the QK of tile j and PV of tile j - 1 are in
+# flight together during the softmax of tile j (the pipelined step above).
+#
+# Barrier protocol (hardware named barriers 14 + w, 256 threads = both warpgroups): warpgroup w runs
+# K = n_tiles + 1 "GEMM sections" (each: wait for its turn with bar.sync 14 + w, issue the async wgmmas, then
+# bar.arrive 15 - w to hand the turn over). Warpgroup 1 arrives once on barrier 14 before its first section and
+# skips the hand-over after its last one, so each barrier gets exactly K syncs and K arrivals (nothing pending at
+# exit). Ids 14 / 15: Triton's own partition barriers (gl.thread_barrier in a partition) use low ids.
+# Registers: the launch passes maxnreg=168 (3 warpgroups x 128 threads x 168 = 64512 of the 65536-entry file);
+# the partitions' setmaxnreg budgets are 240 (each consumer warpgroup) and 24 (the loader).
+# The ring's empty barriers count 2 arrivals per stage (one per warpgroup). _zero_v_tail runs in both
+# warpgroups on the last tile: both write the same zeros (benign), each before its own PV product.
+
+
+@gluon.jit
+def _pp_wait_turn(WG: gl.constexpr):
+    """bar.sync on warpgroup WG's named barrier (14 + WG): returns once the other warpgroup handed over."""
+    if WG == 0:
+        gl.inline_asm_elementwise("bar.sync 14, 256; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        gl.inline_asm_elementwise("bar.sync 15, 256; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _pp_hand_over(WG: gl.constexpr):
+    """bar.arrive on the other warpgroup's named barrier (non-blocking)."""
+    if WG == 0:
+        gl.inline_asm_elementwise("bar.arrive 15, 256; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+    else:
+        gl.inline_asm_elementwise("bar.arrive 14, 256; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
+@gluon.jit
+def _pp_step(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, tile, seq_len, acc, m_i, l_i, p_prev,
+             offs_m_pos, scale_log2e, MASKED: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
+             BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr,
+             o_layout: gl.constexpr, dtype: gl.constexpr):
+    """One warpgroup's tile ``tile`` >= 1 (64 rows): S_tile and O += P_{tile-1} V_{tile-1} issued in its turn,
+    softmax of S_tile while the other warpgroup's products run."""
+    stage = tile % NUM_STAGES
+    prev = (tile - 1) % NUM_STAGES
+    mbarrier.wait(k_bars.index(stage), (tile // NUM_STAGES) & 1)
+    mbarrier.wait(v_bars.index(prev), ((tile - 1) // NUM_STAGES) & 1)
+    if MASKED:
+        _zero_v_tail(v_smem.index(prev), tile - 1, seq_len, BLOCK_N, 4)
+    if PINGPONG:
+        _pp_wait_turn(WG)
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(q_smem, k_smem.index(stage).permute((1, 0)), s, use_acc=False, is_async=True)
+    acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
+    if PINGPONG:
+        _pp_hand_over(WG)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, tile, offs_m_pos, seq_len, scale_log2e, MASKED, BLOCK_N,
+                                       s_layout)
+    p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+    acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    gl.thread_barrier()  # this warpgroup's 4 warps are done with stage prev
+    mbarrier.arrive(empty_bars.index(prev), count=1)
+    return acc, m_i, l_i, p_op
+
+
+@gluon.jit
+def _pp_consumer(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out, n_full, n_tiles, seq_len, ctx,
+                 m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e,
+                 WG: gl.constexpr, PINGPONG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                 NUM_STAGES: gl.constexpr):
+    """Warpgroup WG (4 warps) of the ping-pong kernel: rows m0 + 64 WG ... m0 + 64 WG + 63 of the tile."""
+    HALF: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    dtype: gl.constexpr = q_smem.dtype
+    q_half = q_smem.slice(WG * HALF, HALF)  # [64, D]
+    r0 = m0 + WG * HALF
+    offs_m_pos = ctx + r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
+    if PINGPONG:
+        if WG == 1:
+            _pp_hand_over(WG)  # warpgroup 0 goes first
+    mbarrier.wait(q_bar, 0)
+
+    # Tile 0: S only (no previous P).
+    mbarrier.wait(k_bars.index(0), 0)
+    if PINGPONG:
+        _pp_wait_turn(WG)
+    s = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(q_half, k_smem.index(0).permute((1, 0)), s, use_acc=False, is_async=True)
+    if PINGPONG:
+        _pp_hand_over(WG)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    if n_full > 0:
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, offs_m_pos, seq_len, scale_log2e, False, BLOCK_N,
+                                           s_layout)
+    else:
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, offs_m_pos, seq_len, scale_log2e, True, BLOCK_N,
+                                           s_layout)
+    p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+
+    for tile in range(1, n_full):
+        acc, m_i, l_i, p_op = _pp_step(q_half, k_smem, v_smem, k_bars, v_bars, empty_bars, tile, seq_len, acc, m_i,
+                                       l_i, p_op, offs_m_pos, scale_log2e, False, WG, PINGPONG, HALF, BLOCK_N,
+                                       NUM_STAGES, s_layout, o_layout, dtype)
+    for tile in range(gl.maximum(n_full, 1), n_tiles):
+        acc, m_i, l_i, p_op = _pp_step(q_half, k_smem, v_smem, k_bars, v_bars, empty_bars, tile, seq_len, acc, m_i,
+                                       l_i, p_op, offs_m_pos, scale_log2e, True, WG, PINGPONG, HALF, BLOCK_N,
+                                       NUM_STAGES, s_layout, o_layout, dtype)
+
+    # The last tile's PV product: the (n_tiles + 1)-th section; warpgroup 1 does not hand over after it.
+    last = n_tiles - 1
+    mbarrier.wait(v_bars.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
+    _zero_v_tail(v_smem.index(last % NUM_STAGES), last, seq_len, BLOCK_N, 4)
+    if PINGPONG:
+        _pp_wait_turn(WG)
+    acc = warpgroup_mma(p_op, v_smem.index(last % NUM_STAGES), acc, is_async=True)
+    if PINGPONG:
+        if WG == 0:
+            _pp_hand_over(WG)
+    acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = acc / l_o[:, None]
+    rows = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
+    gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+@gluon.jit
+def _pp_consumer1(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out, n_full, n_tiles, seq_len, ctx,
+                  m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e,
+                  PINGPONG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    _pp_consumer(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out, n_full, n_tiles, seq_len, ctx,
+                 m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e,
+                 1, PINGPONG, HEAD_DIM, BLOCK_N, NUM_STAGES)
+
+
+@gluon.jit
+def _pp_consumer0(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out, n_full, n_tiles, seq_len, ctx,
+                  m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e,
+                  PINGPONG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    _pp_consumer(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out, n_full, n_tiles, seq_len, ctx,
+                 m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e,
+                 0, PINGPONG, HEAD_DIM, BLOCK_N, NUM_STAGES)
+
+
+@gluon.jit
+def gluon_prefill_kernel_pingpong(
+    q_desc, k_desc, v_desc, Out, BlockTables, QueryStartLoc, SeqLens,
+    scale_log2e, stride_ot, stride_oh, stride_bt,
+    GROUP: gl.constexpr, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+    PINGPONG: gl.constexpr = True,
+):
+    """As ``gluon_prefill_kernel`` (same arguments and grid; BLOCK_M 128, launched with num_warps 4: the default
+    partition is warpgroup 0, the workers warpgroup 1 (4 warps) and the loader (1 warp)). PINGPONG False drops
+    the named barriers (two free-running consumer warpgroups: the "ws2" variant, for comparison)."""
+    seq = gl.program_id(1)
+    head = gl.program_id(2)
+    q_start = gl.load(QueryStartLoc + seq)
+    q_len = gl.load(QueryStartLoc + seq + 1) - q_start
+    m_block = gl.num_programs(0) - 1 - gl.program_id(0)
+    m0 = m_block * BLOCK_M
+    if m0 < q_len:
+        seq_len = gl.load(SeqLens + seq)
+        ctx = seq_len - q_len
+        kv_col = (head // GROUP) * HEAD_DIM
+        bt_row = BlockTables + seq.to(gl.int64) * stride_bt
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+            mbarrier.init(empty_bars.index(i), count=2)  # one arrival per consumer warpgroup
+        fence_async_shared()
+
+        n_full = (ctx + m0 + 1) // BLOCK_N
+        n_tiles = gl.cdiv(gl.minimum(seq_len, ctx + m0 + BLOCK_M), BLOCK_N)
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
+
+        # (the argument tuples are spelled out: a tuple variable would turn the constexprs into tensors)
+        gl.warp_specialize([
+            (_pp_consumer0, (q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out, n_full, n_tiles, seq_len, ctx,
+                             m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e,
+                             PINGPONG, HEAD_DIM, BLOCK_N, NUM_STAGES)),
+            (_pp_consumer1, (q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out, n_full, n_tiles, seq_len, ctx,
+                             m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e,
+                             PINGPONG, HEAD_DIM, BLOCK_N, NUM_STAGES)),
+            (_ws_loader, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, bt_row, n_tiles, seq_len,
+                          kv_col, PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)),
+        ], [4, 1], [240, 24])
