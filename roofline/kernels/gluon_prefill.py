@@ -7,8 +7,8 @@ verification). Kernel design: ``roofline.kernels.gluon_prefill_kernels``.
 What the Gluon kernel covers (``gluon_unsupported_reason`` says why not, else None): a CUDA device of compute
 capability 9.x, Triton with ``triton.experimental.gluon``, q and cache in bf16 or fp16 (no int8/fp8 codes),
 head_dim 64 or 128, any block_size that is a power of two >= 16 (a tile of BLOCK_N keys is BLOCK_N /
-block_size TMA copies when block_size < BLOCK_N) and no ``tree_mask``. Anything else runs the Triton kernel,
-with one log line per reason.
+block_size TMA copies when block_size < BLOCK_N); a ``tree_mask`` only with the warp-specialized variants
+(``TREE_VARIANTS``). Anything else runs the Triton kernel, with one log line per reason.
 
 Off by default until an H200 run shows it exact and faster: the Triton backend picks it when
 ``ROOFLINE_PREFILL_KERNEL=gluon`` (``PREFILL_KERNEL_ENV``) is set at backend init
@@ -34,8 +34,14 @@ GLUON_HEAD_DIMS = (64, 128)
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
 GLUON_VARIANTS = ("plain", "pipelined", "ws", "pingpong", "ws2")
 # Variants whose consumer warpgroups are separate partitions (launched with num_warps 4: warpgroup 0 is the
-# default partition; warpgroup 1 and the loader are workers). "ws2" is "pingpong" without the named barriers.
+# default partition; warpgroup 1 and the loader are workers; FA3's ping-pong: their GEMM issue alternates through
+# named barriers, each with the intra-warpgroup overlap; BLOCK_M 128 only). "ws2" is "pingpong" without the
+# named barriers. The value is the kernel's PINGPONG flag.
 TWO_CONSUMER_VARIANTS = {"pingpong": True, "ws2": False}
+# Variants with the tree mask (speculative tree verification). A tree call runs with BLOCK_N at most
+# TREE_BLOCK_N: the BLOCK_N 128 tree specialization spills (96 B under the 168-register cap; 0 at 64).
+TREE_VARIANTS = ("ws", "pingpong", "ws2")
+TREE_BLOCK_N = 64
 WS_MAXNREG = 168  # warp-specialized: 12 warps x 168 = the register file; the loader drops to 32, consumers get 240
 
 try:
@@ -63,9 +69,7 @@ def default_gluon_config(head_dim: int, block_size: int) -> dict:
     (Q 32 KB + K/V 128 KB of shared memory at D 128), the "plain" kernel. Not yet tuned on the H200.
     VARIANT (``roofline.kernels.gluon_prefill_kernels``): "plain" (TMA ring, one tile's QK, softmax, PV in
     turn), "pipelined" (QK and PV of consecutive tiles in flight during the softmax; meant for BLOCK_N 64 and
-    3 stages), "ws" (pipelined consumers + a 1-warp TMA loader partition, ``WS_MAXNREG``), "pingpong" (FA3's
-    ping-pong: the two consumer warpgroups are separate partitions whose GEMM issue alternates through named
-    barriers, each with the intra-warpgroup overlap; BLOCK_M 128 only), "ws2" (pingpong without the barriers)."""
+    3 stages), "ws" (pipelined consumers + a 1-warp TMA loader partition, ``WS_MAXNREG``)."""
     return dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=2, num_warps=8, VARIANT="plain")
 
 
@@ -88,9 +92,9 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     block_size = k_cache.shape[1]
     if block_size < 16 or block_size & (block_size - 1):
         return f"block_size {block_size} is not a power of two >= 16"
-    if tree_mask is not None:
-        return "tree_mask given (tree verification runs the Triton kernel)"
     cfg = {**default_gluon_config(head_dim, block_size), **(config or {})}
+    if tree_mask is not None and cfg.get("VARIANT") not in TREE_VARIANTS:
+        return f"tree_mask with VARIANT {cfg.get('VARIANT')!r}: the Gluon tree mask is in {TREE_VARIANTS} only"
     if cfg["BLOCK_N"] not in (64, 128) or cfg["BLOCK_M"] != 16 * cfg["num_warps"] or cfg["NUM_STAGES"] < 2 \
             or cfg["VARIANT"] not in GLUON_VARIANTS \
             or (cfg["VARIANT"] in TWO_CONSUMER_VARIANTS and cfg["BLOCK_M"] != 128):
@@ -136,7 +140,9 @@ def gluon_prefill_attention(
         scale: softmax scale. out: optional [num_tokens, H, D] output.
         config: optional dict(BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, VARIANT) over ``default_gluon_config``;
             a fallback runs the Triton kernel with its own default config.
-        k_scale, v_scale, tree_mask: as ``paged_prefill_attention``; any of them sends the call to Triton.
+        k_scale, v_scale: as ``paged_prefill_attention``; either sends the call to Triton.
+        tree_mask: as ``paged_prefill_attention`` ([num_seqs, W <= 64] int64 ancestor bitmasks); Gluon runs it
+            with the ``TREE_VARIANTS`` (BLOCK_N capped at ``TREE_BLOCK_N``), the others fall back.
 
     Returns:
         [num_tokens, H, D] in q's dtype (fp32 softmax statistics and accumulation).
@@ -160,6 +166,8 @@ def gluon_prefill_attention(
     if num_tokens == 0 or num_seqs == 0:
         return out
     cfg = {**default_gluon_config(head_dim, block_size), **(config or {})}
+    if tree_mask is not None:
+        cfg["BLOCK_N"] = min(cfg["BLOCK_N"], TREE_BLOCK_N)
     block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
     page_rows = min(block_size, block_n)
     gdt = gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16
@@ -174,6 +182,10 @@ def gluon_prefill_attention(
     variant = cfg["VARIANT"]
     num_warps = cfg["num_warps"]
     extra = dict(maxnreg=WS_MAXNREG) if variant in ("ws", *TWO_CONSUMER_VARIANTS) else {}
+    if variant in TREE_VARIANTS:  # TreeMask is any pointer without a tree (unused)
+        tm = tree_mask if tree_mask is not None else meta.seq_lens
+        extra.update(TreeMask=tm, stride_tm=tree_mask.stride(0) if tree_mask is not None else 0,
+                     TREE=tree_mask is not None, TREE_ROWS=check_tree_mask(tree_mask, num_seqs))
     if variant in TWO_CONSUMER_VARIANTS:  # 3 partitions of 4 + 4 + 1 warps (padded to 12), 168 x 384 registers
         num_warps = 4
         extra["PINGPONG"] = TWO_CONSUMER_VARIANTS[variant]

@@ -86,8 +86,8 @@ def _attend_tile(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row,
     s = warpgroup_mma(q_smem, k_buf.permute((1, 0)), s, use_acc=False, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
 
-    p, m_new, l_i, alpha = _softmax_step(s, m_i, l_i, tile, offs_m_pos, seq_len, scale_log2e, MASKED, BLOCK_N,
-                                         s_layout)
+    p, m_new, l_i, alpha = _softmax_step(s, m_i, l_i, tile, offs_m_pos, seq_len, scale_log2e, 0, 0, MASKED, False,
+                                         BLOCK_N, s_layout)
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(v_desc.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     mbarrier.wait(v_bars.index(stage), phase)
@@ -207,30 +207,44 @@ def _zero_v_tail(v_buf, tile, seq_len, BLOCK_N: gl.constexpr, num_warps: gl.cons
 
 
 @gluon.jit
-def _softmax_step(s, m_i, l_i, tile, offs_m_pos, seq_len, scale_log2e, MASKED: gl.constexpr,
-                  BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
-    """Online softmax of one S tile (log2 units): returns p, the new max, the new sum and the rescale alpha."""
+def _softmax_step(s, m_i, l_i, tile, offs_m_pos, seq_len, scale_log2e, tree_bits, tree_start, MASKED: gl.constexpr,
+                  TREE: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Online softmax of one S tile (log2 units): returns p, the new max, the new sum and the rescale alpha.
+    TREE (masked tiles only): a key at tree-region index a = key - tree_start >= 0 is visible to a row only if
+    bit a of the row's ``tree_bits`` (int64 [rows], -1 for rows before the region) is set, as the Triton
+    kernel's tree mask (``roofline.kernels.prefill_attention``); a row may then see no key of a tile, so its max
+    stays -inf and 0 is subtracted instead."""
     if MASKED:
         offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         visible = (offs_n[None, :] <= offs_m_pos[:, None]) & (offs_n[None, :] < seq_len)
+        if TREE:
+            rel = offs_n - tree_start  # [BLOCK_N] key index inside the tree region (< 0: the prefix)
+            shift = gl.minimum(gl.maximum(rel, 0), 63).to(gl.int64)
+            bit = (tree_bits[:, None] >> shift[None, :]) & 1
+            visible = visible & ((rel[None, :] < 0) | (bit != 0))
         s = gl.where(visible, s * scale_log2e, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s, axis=1))
-        s = s - m_new[:, None]
+        if TREE:
+            m_sub = gl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_sub = m_new
+        s = s - m_sub[:, None]
     else:
         m_new = gl.maximum(m_i, gl.max(s, axis=1) * scale_log2e)
+        m_sub = m_new
         s = s * scale_log2e - m_new[:, None]
     p = gl.exp2(s)
-    alpha = gl.exp2(m_i - m_new)
+    alpha = gl.exp2(m_i - m_sub)
     l_i = l_i * alpha + gl.sum(p, axis=1)
     return p, m_new, l_i, alpha
 
 
 @gluon.jit
 def _pipelined_step(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile, n_tiles, seq_len,
-                    kv_col, acc, m_i, l_i, p_prev, offs_m_pos, scale_log2e, empty_bars,
+                    kv_col, acc, m_i, l_i, p_prev, offs_m_pos, scale_log2e, empty_bars, tree_bits, tree_start,
                     MASKED: gl.constexpr, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
                     BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr,
-                    o_layout: gl.constexpr, num_warps: gl.constexpr, WS: gl.constexpr):
+                    o_layout: gl.constexpr, num_warps: gl.constexpr, WS: gl.constexpr, TREE: gl.constexpr):
     """Tile ``tile`` >= 1: S_tile and O += P_{tile-1} V_{tile-1} in flight together, softmax of S_tile.
     WS: a loader partition refills the ring; the freed stage is signalled on ``empty_bars`` instead."""
     stage = tile % NUM_STAGES
@@ -242,8 +256,8 @@ def _pipelined_step(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_r
     _zero_v_tail(v_smem.index(prev), tile - 1, seq_len, BLOCK_N, num_warps)
     acc = warpgroup_mma(p_prev, v_smem.index(prev), acc, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # S lands first (issued first)
-    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, tile, offs_m_pos, seq_len, scale_log2e, MASKED, BLOCK_N,
-                                       s_layout)
+    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, tile, offs_m_pos, seq_len, scale_log2e, tree_bits, tree_start,
+                                       MASKED, TREE, BLOCK_N, s_layout)
     p_op = gl.convert_layout(p.to(v_desc.dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))  # p_prev read by the async PV
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -260,7 +274,8 @@ def _pipelined_step(q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_r
 
 
 @gluon.jit
-def _first_tile(q_smem, k_smem, k_bars, offs_m_pos, seq_len, scale_log2e, MASKED: gl.constexpr,
+def _first_tile(q_smem, k_smem, k_bars, offs_m_pos, seq_len, scale_log2e, tree_bits, tree_start, MASKED: gl.constexpr,
+                TREE: gl.constexpr,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
                 dtype: gl.constexpr):
     mbarrier.wait(k_bars.index(0), 0)
@@ -269,7 +284,8 @@ def _first_tile(q_smem, k_smem, k_bars, offs_m_pos, seq_len, scale_log2e, MASKED
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
-    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, offs_m_pos, seq_len, scale_log2e, MASKED, BLOCK_N, s_layout)
+    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, offs_m_pos, seq_len, scale_log2e, tree_bits, tree_start,
+                                       MASKED, TREE, BLOCK_N, s_layout)
     p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     return p_op, m_i, l_i
 
@@ -330,21 +346,21 @@ def gluon_prefill_kernel_pipelined(
         mbarrier.wait(q_bar, 0)
 
         if n_full > 0:
-            p_op, m_i, l_i = _first_tile(q_smem, k_smem, k_bars, offs_m_pos, seq_len, scale_log2e, False,
+            p_op, m_i, l_i = _first_tile(q_smem, k_smem, k_bars, offs_m_pos, seq_len, scale_log2e, 0, 0, False, False,
                                          BLOCK_M, BLOCK_N, s_layout, o_layout, v_desc.dtype)
         else:
-            p_op, m_i, l_i = _first_tile(q_smem, k_smem, k_bars, offs_m_pos, seq_len, scale_log2e, True,
+            p_op, m_i, l_i = _first_tile(q_smem, k_smem, k_bars, offs_m_pos, seq_len, scale_log2e, 0, 0, True, False,
                                          BLOCK_M, BLOCK_N, s_layout, o_layout, v_desc.dtype)
         for tile in range(1, n_full):
             acc, m_i, l_i, p_op = _pipelined_step(
                 q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile, n_tiles, seq_len, kv_col,
-                acc, m_i, l_i, p_op, offs_m_pos, scale_log2e, k_bars,
-                False, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, num_warps, False)
+                acc, m_i, l_i, p_op, offs_m_pos, scale_log2e, k_bars, 0, 0,
+                False, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, num_warps, False, False)
         for tile in range(gl.maximum(n_full, 1), n_tiles):
             acc, m_i, l_i, p_op = _pipelined_step(
                 q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile, n_tiles, seq_len, kv_col,
-                acc, m_i, l_i, p_op, offs_m_pos, scale_log2e, k_bars,
-                True, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, num_warps, False)
+                acc, m_i, l_i, p_op, offs_m_pos, scale_log2e, k_bars, 0, 0,
+                True, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, num_warps, False, False)
         # The last tile's PV product.
         last = n_tiles - 1
         mbarrier.wait(v_bars.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
@@ -374,6 +390,18 @@ def gluon_prefill_kernel_pipelined(
 
 
 @gluon.jit
+def _load_tree_bits(tree_row, offs_m, offs_m_pos, q_len, tree_start, TREE: gl.constexpr):
+    """Each row's tree ancestor bitmask (int64 [rows]): tree_mask[seq, row - region start] for rows in the tree
+    region, -1 (every key, plain causal) for the rows before it and past the chunk. 0 (unused) without TREE."""
+    if TREE:
+        rel_m = offs_m_pos - tree_start
+        bits = gl.load(tree_row + gl.maximum(rel_m, 0), mask=(offs_m < q_len) & (rel_m >= 0), other=-1)
+    else:
+        bits = 0
+    return bits
+
+
+@gluon.jit
 def _ws_loader(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, bt_row, n_tiles, seq_len, kv_col,
                PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     for tile in range(0, n_tiles):
@@ -387,8 +415,8 @@ def _ws_loader(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, bt_ro
 @gluon.jit
 def _ws_consumer(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, k_desc, v_desc, bt_row, Out,
                  n_full, n_tiles, seq_len, kv_col, ctx, m0, q_start, q_len, head, stride_ot, stride_oh,
-                 scale_log2e,
-                 PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                 scale_log2e, tree_row, tree_start,
+                 TREE: gl.constexpr, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                  BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr):
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -396,24 +424,27 @@ def _ws_consumer(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, k_de
                                                        instr_shape=[16, HEAD_DIM, 16])
     offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
     offs_m_pos = ctx + offs_m
+    tree_bits = _load_tree_bits(tree_row, offs_m, offs_m_pos, q_len, tree_start, TREE)
     acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
     mbarrier.wait(q_bar, 0)
     if n_full > 0:
-        p_op, m_i, l_i = _first_tile(q_smem, k_smem, k_bars, offs_m_pos, seq_len, scale_log2e, False,
+        p_op, m_i, l_i = _first_tile(q_smem, k_smem, k_bars, offs_m_pos, seq_len, scale_log2e, tree_bits, tree_start,
+                                     False, TREE,
                                      BLOCK_M, BLOCK_N, s_layout, o_layout, v_desc.dtype)
     else:
-        p_op, m_i, l_i = _first_tile(q_smem, k_smem, k_bars, offs_m_pos, seq_len, scale_log2e, True,
+        p_op, m_i, l_i = _first_tile(q_smem, k_smem, k_bars, offs_m_pos, seq_len, scale_log2e, tree_bits, tree_start,
+                                     True, TREE,
                                      BLOCK_M, BLOCK_N, s_layout, o_layout, v_desc.dtype)
     for tile in range(1, n_full):
         acc, m_i, l_i, p_op = _pipelined_step(
             q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile, n_tiles, seq_len, kv_col,
-            acc, m_i, l_i, p_op, offs_m_pos, scale_log2e, empty_bars,
-            False, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, num_warps, True)
+            acc, m_i, l_i, p_op, offs_m_pos, scale_log2e, empty_bars, tree_bits, tree_start,
+            False, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, num_warps, True, TREE)
     for tile in range(gl.maximum(n_full, 1), n_tiles):
         acc, m_i, l_i, p_op = _pipelined_step(
             q_smem, k_smem, v_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile, n_tiles, seq_len, kv_col,
-            acc, m_i, l_i, p_op, offs_m_pos, scale_log2e, empty_bars,
-            True, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, num_warps, True)
+            acc, m_i, l_i, p_op, offs_m_pos, scale_log2e, empty_bars, tree_bits, tree_start,
+            True, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, o_layout, num_warps, True, TREE)
     last = n_tiles - 1
     mbarrier.wait(v_bars.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
     _zero_v_tail(v_smem.index(last % NUM_STAGES), last, seq_len, BLOCK_N, num_warps)
@@ -431,11 +462,14 @@ def _ws_consumer(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, k_de
 @gluon.jit
 def gluon_prefill_kernel_ws(
     q_desc, k_desc, v_desc, Out, BlockTables, QueryStartLoc, SeqLens,
-    scale_log2e, stride_ot, stride_oh, stride_bt,
+    scale_log2e, stride_ot, stride_oh, stride_bt, TreeMask, stride_tm,
     GROUP: gl.constexpr, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+    TREE: gl.constexpr, TREE_ROWS: gl.constexpr,
 ):
-    """As ``gluon_prefill_kernel`` (same arguments and grid), warp-specialized (section above)."""
+    """As ``gluon_prefill_kernel`` (same grid), warp-specialized (section above). TreeMask [num_seqs, TREE_ROWS]
+    int64 (row stride stride_tm) when TREE: the tree mask of ``roofline.kernels.prefill_attention`` (any pointer
+    otherwise)."""
     seq = gl.program_id(1)
     head = gl.program_id(2)
     q_start = gl.load(QueryStartLoc + seq)
@@ -464,13 +498,17 @@ def gluon_prefill_kernel_ws(
 
         n_full = (ctx + m0 + 1) // BLOCK_N
         n_tiles = gl.cdiv(gl.minimum(seq_len, ctx + m0 + BLOCK_M), BLOCK_N)
+        tree_start = seq_len - gl.minimum(q_len, TREE_ROWS)  # first key of the tree region (TREE only)
+        if TREE:  # tree keys go through the masked loop
+            n_full = gl.minimum(n_full, tree_start // BLOCK_N)
+        tree_row = TreeMask + seq.to(gl.int64) * stride_tm
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
 
         gl.warp_specialize([
             (_ws_consumer, (q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, k_desc, v_desc, bt_row, Out,
                             n_full, n_tiles, seq_len, kv_col, ctx, m0, q_start, q_len, head, stride_ot, stride_oh,
-                            scale_log2e, PAGE, PAGE_ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, num_warps)),
+                            scale_log2e, tree_row, tree_start, TREE, PAGE, PAGE_ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES, num_warps)),
             (_ws_loader, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, bt_row, n_tiles, seq_len,
                           kv_col, PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)),
         ], [1], [32])
@@ -517,7 +555,8 @@ def _pp_hand_over(WG: gl.constexpr):
 
 @gluon.jit
 def _pp_step(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, tile, seq_len, acc, m_i, l_i, p_prev,
-             offs_m_pos, scale_log2e, MASKED: gl.constexpr, WG: gl.constexpr, PINGPONG: gl.constexpr,
+             offs_m_pos, scale_log2e, tree_bits, tree_start, MASKED: gl.constexpr, TREE: gl.constexpr,
+             WG: gl.constexpr, PINGPONG: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr,
              o_layout: gl.constexpr, dtype: gl.constexpr):
     """One warpgroup's tile ``tile`` >= 1 (64 rows): S_tile and O += P_{tile-1} V_{tile-1} issued in its turn,
@@ -536,8 +575,8 @@ def _pp_step(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, tile, seq_len, 
     if PINGPONG:
         _pp_hand_over(WG)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
-    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, tile, offs_m_pos, seq_len, scale_log2e, MASKED, BLOCK_N,
-                                       s_layout)
+    p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, tile, offs_m_pos, seq_len, scale_log2e, tree_bits, tree_start,
+                                       MASKED, TREE, BLOCK_N, s_layout)
     p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
@@ -548,8 +587,8 @@ def _pp_step(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, tile, seq_len, 
 
 @gluon.jit
 def _pp_consumer(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out, n_full, n_tiles, seq_len, ctx,
-                 m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e,
-                 WG: gl.constexpr, PINGPONG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                 m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e, tree_row, tree_start,
+                 WG: gl.constexpr, PINGPONG: gl.constexpr, TREE: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
                  NUM_STAGES: gl.constexpr):
     """Warpgroup WG (4 warps) of the ping-pong kernel: rows m0 + 64 WG ... m0 + 64 WG + 63 of the tile."""
     HALF: gl.constexpr = 64
@@ -560,7 +599,9 @@ def _pp_consumer(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out,
     dtype: gl.constexpr = q_smem.dtype
     q_half = q_smem.slice(WG * HALF, HALF)  # [64, D]
     r0 = m0 + WG * HALF
-    offs_m_pos = ctx + r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    offs_m = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    offs_m_pos = ctx + offs_m
+    tree_bits = _load_tree_bits(tree_row, offs_m, offs_m_pos, q_len, tree_start, TREE)
     acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
     m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
     l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
@@ -579,20 +620,22 @@ def _pp_consumer(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out,
         _pp_hand_over(WG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
     if n_full > 0:
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, offs_m_pos, seq_len, scale_log2e, False, BLOCK_N,
-                                           s_layout)
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, offs_m_pos, seq_len, scale_log2e, tree_bits, tree_start,
+                                           False, TREE, BLOCK_N, s_layout)
     else:
-        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, offs_m_pos, seq_len, scale_log2e, True, BLOCK_N,
-                                           s_layout)
+        p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, offs_m_pos, seq_len, scale_log2e, tree_bits, tree_start,
+                                           True, TREE, BLOCK_N, s_layout)
     p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
 
     for tile in range(1, n_full):
         acc, m_i, l_i, p_op = _pp_step(q_half, k_smem, v_smem, k_bars, v_bars, empty_bars, tile, seq_len, acc, m_i,
-                                       l_i, p_op, offs_m_pos, scale_log2e, False, WG, PINGPONG, HALF, BLOCK_N,
+                                       l_i, p_op, offs_m_pos, scale_log2e, tree_bits, tree_start, False, TREE, WG,
+                                       PINGPONG, HALF, BLOCK_N,
                                        NUM_STAGES, s_layout, o_layout, dtype)
     for tile in range(gl.maximum(n_full, 1), n_tiles):
         acc, m_i, l_i, p_op = _pp_step(q_half, k_smem, v_smem, k_bars, v_bars, empty_bars, tile, seq_len, acc, m_i,
-                                       l_i, p_op, offs_m_pos, scale_log2e, True, WG, PINGPONG, HALF, BLOCK_N,
+                                       l_i, p_op, offs_m_pos, scale_log2e, tree_bits, tree_start, True, TREE, WG,
+                                       PINGPONG, HALF, BLOCK_N,
                                        NUM_STAGES, s_layout, o_layout, dtype)
 
     # The last tile's PV product: the (n_tiles + 1)-th section; warpgroup 1 does not hand over after it.
@@ -617,29 +660,29 @@ def _pp_consumer(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out,
 
 @gluon.jit
 def _pp_consumer1(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out, n_full, n_tiles, seq_len, ctx,
-                  m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e,
-                  PINGPONG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+                  m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e, tree_row, tree_start,
+                  PINGPONG: gl.constexpr, TREE: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     _pp_consumer(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out, n_full, n_tiles, seq_len, ctx,
-                 m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e,
-                 1, PINGPONG, HEAD_DIM, BLOCK_N, NUM_STAGES)
+                 m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e, tree_row, tree_start,
+                 1, PINGPONG, TREE, HEAD_DIM, BLOCK_N, NUM_STAGES)
 
 
 @gluon.jit
 def _pp_consumer0(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out, n_full, n_tiles, seq_len, ctx,
-                  m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e,
-                  PINGPONG: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+                  m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e, tree_row, tree_start,
+                  PINGPONG: gl.constexpr, TREE: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
     _pp_consumer(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out, n_full, n_tiles, seq_len, ctx,
-                 m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e,
-                 0, PINGPONG, HEAD_DIM, BLOCK_N, NUM_STAGES)
+                 m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e, tree_row, tree_start,
+                 0, PINGPONG, TREE, HEAD_DIM, BLOCK_N, NUM_STAGES)
 
 
 @gluon.jit
 def gluon_prefill_kernel_pingpong(
     q_desc, k_desc, v_desc, Out, BlockTables, QueryStartLoc, SeqLens,
-    scale_log2e, stride_ot, stride_oh, stride_bt,
+    scale_log2e, stride_ot, stride_oh, stride_bt, TreeMask, stride_tm,
     GROUP: gl.constexpr, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
     BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
-    PINGPONG: gl.constexpr = True,
+    TREE: gl.constexpr, TREE_ROWS: gl.constexpr, PINGPONG: gl.constexpr,
 ):
     """As ``gluon_prefill_kernel`` (same arguments and grid; BLOCK_M 128, launched with num_warps 4: the default
     partition is warpgroup 0, the workers warpgroup 1 (4 warps) and the loader (1 warp)). PINGPONG False drops
@@ -672,17 +715,21 @@ def gluon_prefill_kernel_pingpong(
 
         n_full = (ctx + m0 + 1) // BLOCK_N
         n_tiles = gl.cdiv(gl.minimum(seq_len, ctx + m0 + BLOCK_M), BLOCK_N)
+        tree_start = seq_len - gl.minimum(q_len, TREE_ROWS)  # first key of the tree region (TREE only)
+        if TREE:  # tree keys go through the masked loop
+            n_full = gl.minimum(n_full, tree_start // BLOCK_N)
+        tree_row = TreeMask + seq.to(gl.int64) * stride_tm
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
 
         # (the argument tuples are spelled out: a tuple variable would turn the constexprs into tensors)
         gl.warp_specialize([
             (_pp_consumer0, (q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out, n_full, n_tiles, seq_len, ctx,
-                             m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e,
-                             PINGPONG, HEAD_DIM, BLOCK_N, NUM_STAGES)),
+                             m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e, tree_row, tree_start,
+                             PINGPONG, TREE, HEAD_DIM, BLOCK_N, NUM_STAGES)),
             (_pp_consumer1, (q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out, n_full, n_tiles, seq_len, ctx,
-                             m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e,
-                             PINGPONG, HEAD_DIM, BLOCK_N, NUM_STAGES)),
+                             m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e, tree_row, tree_start,
+                             PINGPONG, TREE, HEAD_DIM, BLOCK_N, NUM_STAGES)),
             (_ws_loader, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, bt_row, n_tiles, seq_len,
                           kv_col, PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)),
         ], [4, 1], [240, 24])

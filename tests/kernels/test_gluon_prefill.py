@@ -26,7 +26,11 @@ from roofline.kernels.gluon_prefill import (  # noqa: E402
     gluon_prefill_attention,
     gluon_unsupported_reason,
 )
-from roofline.kernels.prefill_attention import paged_prefill_attention, ref_prefill_attention  # noqa: E402
+from roofline.kernels.prefill_attention import (  # noqa: E402
+    paged_prefill_attention,
+    ref_paged_attention,
+    ref_prefill_attention,
+)
 
 HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 MAX_ABS_VS_TRITON = 3e-2
@@ -44,12 +48,17 @@ LARGE = {
 }
 
 
+# Round 2 variants (FA3 ping-pong of the two consumer warpgroups; "ws2": the same partitions, no named barriers).
+NEW_VARIANTS = {"pingpong": dict(VARIANT="pingpong"), "ws2": dict(VARIANT="ws2"),
+                "pingpong_n64_s3": dict(VARIANT="pingpong", BLOCK_N=64, NUM_STAGES=3)}
+
+
 def _run_both(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed, poison=False, **kw):
     q, kc, vc, meta = make_paged_case(q_lens, seq_lens, num_heads, num_kv_heads, head_dim, block_size, dtype, seed)
     if poison:
         poison_stale_slots(kc, vc, meta)
     scale = 1.0 / math.sqrt(head_dim)
-    reason = gluon_unsupported_reason(q, kc, vc)
+    reason = gluon_unsupported_reason(q, kc, vc, config=kw.get("config"))
     assert reason is None, reason  # the case must run the Gluon kernel, not the fallback
     out = torch.full_like(q, float("nan"))  # poison: unwritten rows fail
     gluon_prefill_attention(q, kc, vc, meta, scale, out=out, **kw)
@@ -130,15 +139,16 @@ def test_gluon_q_view_of_fused_qkv():
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
 def test_gluon_falls_back_for_tree_mask_and_head_dim():
-    """A tree mask or head_dim 96 runs the Triton kernel: the result equals it bit for bit."""
+    """A tree mask with the plain kernel, or head_dim 96, runs the Triton kernel: the result equals it bit for bit."""
     q, kc, vc, meta = make_paged_case([40, 9], [100, 9], 8, 2, 96, 16, torch.bfloat16, seed=5)
     scale = 1 / math.sqrt(96)
     assert "head_dim 96" in gluon_unsupported_reason(q, kc, vc)
     assert torch.equal(gluon_prefill_attention(q, kc, vc, meta, scale), paged_prefill_attention(q, kc, vc, meta, scale))
     q, kc, vc, meta = make_paged_case([40, 9], [100, 9], 8, 2, 128, 16, torch.bfloat16, seed=6)
     tree = torch.full((2, 8), -1, dtype=torch.int64, device=q.device)
-    assert "tree_mask" in gluon_unsupported_reason(q, kc, vc, tree_mask=tree)
-    assert torch.equal(gluon_prefill_attention(q, kc, vc, meta, scale, tree_mask=tree),
+    plain = dict(VARIANT="plain")  # the tree mask is in the warp-specialized kernels only
+    assert "tree_mask with VARIANT 'plain'" in gluon_unsupported_reason(q, kc, vc, tree_mask=tree, config=plain)
+    assert torch.equal(gluon_prefill_attention(q, kc, vc, meta, scale, tree_mask=tree, config=plain),
                        paged_prefill_attention(q, kc, vc, meta, scale, tree_mask=tree))
 
 
@@ -165,3 +175,100 @@ def test_choose_prefill_kernel(monkeypatch):
     monkeypatch.setenv("ROOFLINE_PREFILL_KERNEL", "fa3")
     with pytest.raises(ValueError, match=r"'fa3'.*one of \('triton', 'gluon'\)"):
         choose_prefill_kernel()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("variant", list(NEW_VARIANTS))
+@pytest.mark.parametrize("heads,block_size", [((32, 8), 16), ((8, 8), 128)])
+@pytest.mark.parametrize("case", list(SMALL))
+def test_gluon_pingpong_matches_float64(case, heads, block_size, variant):
+    """The two-consumer-partition kernels (ping-pong and ws2; BLOCK_N 128 / 2 stages and 64 / 3): same bounds as
+    ``test_gluon_matches_float64``, NaN in every stale slot, rows past each chunk poisoned in out."""
+    q_lens, seq_lens = SMALL[case]
+    q, kc, vc, meta, scale, out, tri = _run_both(q_lens, seq_lens, *heads, 128, block_size, torch.bfloat16,
+                                                 seed=block_size + heads[0], poison=True,
+                                                 config=NEW_VARIANTS[variant])
+    ref64 = attention_f64(q, kc, vc, meta, scale)
+    err, err_tri = rel_err(out.cpu(), ref64), rel_err(tri.cpu(), ref64)
+    assert err < TOL[torch.bfloat16], f"vs float64: {err:.2e}"
+    assert err <= 1.5 * err_tri + 1e-4, f"gluon {err:.2e} vs triton {err_tri:.2e}"
+    assert (out.float() - tri.float()).abs().max().item() < MAX_ABS_VS_TRITON
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("variant", list(NEW_VARIANTS))
+@pytest.mark.parametrize("head_dim,dtype", [(64, torch.bfloat16), (128, torch.float16)])
+def test_gluon_pingpong_head_dim_and_fp16(head_dim, dtype, variant):
+    q_lens, seq_lens = SMALL["chunked"]
+    q, kc, vc, meta, scale, out, tri = _run_both(q_lens, seq_lens, 32, 8, head_dim, 16, dtype, seed=head_dim,
+                                                 poison=True, config=NEW_VARIANTS[variant])
+    ref64 = attention_f64(q, kc, vc, meta, scale)
+    err, err_tri = rel_err(out.cpu(), ref64), rel_err(tri.cpu(), ref64)
+    assert err < TOL[dtype], f"vs float64: {err:.2e}"
+    assert err <= 1.5 * err_tri + 1e-4, f"gluon {err:.2e} vs triton {err_tri:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("variant", ["pingpong", "ws2"])
+@pytest.mark.parametrize("case", ["full_4k", "two_2k"])
+def test_gluon_pingpong_long_sequences(case, variant):
+    """Many tiles per program (the named-barrier hand-over runs n_tiles + 1 times per warpgroup)."""
+    q_lens, seq_lens = LARGE[case]
+    q, kc, vc, meta, scale, out, tri = _run_both(q_lens, seq_lens, 32, 8, 128, 16, torch.bfloat16, seed=7,
+                                                 config=NEW_VARIANTS[variant])
+    ref = ref_prefill_attention(q, kc, vc, meta, scale)
+    err, err_tri = rel_err(out, ref), rel_err(tri, ref)
+    assert err < TOL[torch.bfloat16], f"vs fp32 ref_: {err:.2e}"
+    assert err <= 1.5 * err_tri + 1e-4, f"gluon {err:.2e} vs triton {err_tri:.2e}"
+    assert (out.float() - tri.float()).abs().max().item() < MAX_ABS_VS_TRITON
+
+
+def _random_tree_mask(q_lens, width, seed):
+    """[num_seqs, width] int64 ancestor bitmasks: region row j (the last min(q_len, width) rows) gets a random
+    parent p < j (or none: a root) and sees itself and p's ancestors; some rows stay -1 (plain causal)."""
+    g = torch.Generator().manual_seed(seed)
+    rows = []
+    for q_len in q_lens:
+        r = min(q_len, width)
+        masks = []
+        for j in range(r):
+            parent = int(torch.randint(-1, j, (1,), generator=g)) if j else -1
+            m = (1 << j) | (masks[parent] if parent >= 0 else 0)
+            masks.append(m)
+        signed = [m - (1 << 64) if m >= 1 << 63 else m for m in masks]
+        row = signed + [-1] * (width - r)
+        if r > 3:
+            row[1] = -1  # a plain causal row inside the region
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.int64)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("variant", ["ws", "pingpong", "ws2"])
+@pytest.mark.parametrize("block_size,width", [(16, 64), (128, 37)])
+def test_gluon_tree_mask(block_size, width, variant):
+    """Tree verification in the Gluon kernels (no fallback): random ancestor masks over a cached prefix, trees of
+    fewer rows than the width, a region that straddles a 64-key tile, NaN in stale slots; against ref_ with the
+    same mask in float64 (on the GPU) and against the Triton kernel with the mask."""
+    q_lens, seq_lens = [64, 5, 100, 1, 40], [64, 300, 1000, 77, 4000]
+    q, kc, vc, meta = make_paged_case(q_lens, seq_lens, 32, 8, 128, block_size, torch.bfloat16, seed=width)
+    poison_stale_slots(kc, vc, meta)
+    tree = _random_tree_mask(q_lens, width, seed=block_size).to(q.device)
+    config = dict(VARIANT=variant)
+    scale = 1 / math.sqrt(128)
+    assert gluon_unsupported_reason(q, kc, vc, tree_mask=tree, config=config) is None
+    out = torch.full_like(q, float("nan"))
+    gluon_prefill_attention(q, kc, vc, meta, scale, out=out, config=config, tree_mask=tree)
+    tri = paged_prefill_attention(q, kc, vc, meta, scale, tree_mask=tree)
+    ref = ref_paged_attention(q, kc, vc, meta.query_start_loc, meta.seq_lens, meta.block_tables, scale,
+                              compute_dtype=torch.float64, tree_mask=tree)  # float64 on the GPU: fast enough here
+    plain = paged_prefill_attention(q, kc, vc, meta, scale)
+    assert (tri.float() - plain.float()).abs().max().item() > 0.1  # the mask changes the output
+    err, err_tri = rel_err(out.double(), ref.double()), rel_err(tri.double(), ref.double())
+    assert err < TOL[torch.bfloat16], f"vs float64 ref_: {err:.2e}"
+    assert err <= 1.5 * err_tri + 1e-4, f"gluon {err:.2e} vs triton {err_tri:.2e}"
+    assert (out.float() - tri.float()).abs().max().item() < MAX_ABS_VS_TRITON
