@@ -8,6 +8,7 @@ against SDPA's output (relative Frobenius error, must be < 1e-2 to count) and ca
 variant does not stop the others. Prints a table and writes JSON.
 
     python3 bench/gpu_fa3_bench.py --out $OUT/fa3_bench.json [--seqs 4096,8192,16384] [--tokens 32768]
+        [--variants gluon_pp_n128_s2,...] [--layouts contig,paged16]
 """
 
 from __future__ import annotations
@@ -37,8 +38,14 @@ GLUON_VARIANTS = {
     "gluon_ws_n64_s3": dict(VARIANT="ws", BLOCK_N=64, NUM_STAGES=3),
     "gluon_ws_n64_s4": dict(VARIANT="ws", BLOCK_N=64, NUM_STAGES=4),
     "gluon_ws_n128_s2": dict(VARIANT="ws", BLOCK_N=128, NUM_STAGES=2),
+    # round 2: FA3 ping-pong (two consumer warpgroup partitions, named barriers) and ws2 (same, no barriers)
+    "gluon_pp_n128_s2": dict(VARIANT="pingpong", BLOCK_N=128, NUM_STAGES=2),
+    "gluon_pp_n128_s3": dict(VARIANT="pingpong", BLOCK_N=128, NUM_STAGES=3),
+    "gluon_pp_n64_s3": dict(VARIANT="pingpong", BLOCK_N=64, NUM_STAGES=3),
+    "gluon_ws2_n128_s2": dict(VARIANT="ws2", BLOCK_N=128, NUM_STAGES=2),
 }
 LAYOUTS = {"contig": 256, "paged16": 16, "paged64": 64}
+ACTIVE_LAYOUTS = set(LAYOUTS)  # --layouts; SDPA runs with "contig"
 MAX_REL_ERR = 1e-2
 
 
@@ -57,6 +64,7 @@ def inputs(layout, batch, seq, heads, kv_heads, head_dim):
 
 def _record(row, name, fn, ref_bhsd, to_bhsd, log):
     """Run ``fn`` once, check it against ``ref_bhsd`` ([B, H, S, D]), time it; failures are recorded, not raised."""
+    log(f"  run {name}")  # the last "run" line before a timeout names a hung kernel
     try:
         out = fn()
         torch.cuda.synchronize()
@@ -117,10 +125,13 @@ def bench_point(seq, batch, heads, kv_heads, head_dim, log):
     flops = batch * 4 * seq * seq * heads * head_dim / 2
     row = dict(seq=seq, batch=batch, heads=heads, kv_heads=kv_heads, head_dim=head_dim, flops=flops, kernels={})
     for layout in LAYOUTS:
+        if layout not in ACTIVE_LAYOUTS:
+            continue
         _bench_layout(row, layout, log)
         torch.cuda.empty_cache()
     ks = row["kernels"]
-    sdpa = max((ks[k].get("tflops", 0.0) for k in ("sdpa_repeat_kv", "sdpa_enable_gqa") if ks[k]["ok"]), default=0.0)
+    sdpa = max((ks[k].get("tflops", 0.0) for k in ("sdpa_repeat_kv", "sdpa_enable_gqa") if k in ks and ks[k]["ok"]),
+               default=0.0)
     row["sdpa_best_tflops"] = sdpa
     for r in ks.values():
         if r["ok"] and sdpa:
@@ -138,8 +149,10 @@ def main() -> int:
     ap.add_argument("--out", default="fa3_bench.json")
     ap.add_argument("--variants", default=",".join(GLUON_VARIANTS),
                     help="Gluon variants to run (comma list; bench/gpu_fa3.sh passes those its smoke step passed)")
+    ap.add_argument("--layouts", default=",".join(LAYOUTS), help="KV layouts (comma list of LAYOUTS keys)")
     args = ap.parse_args()
     t0 = time.time()
+    ACTIVE_LAYOUTS.intersection_update(args.layouts.split(","))
     keep = [v for v in args.variants.split(",") if v]
     for name in list(GLUON_VARIANTS):
         if name not in keep:

@@ -182,7 +182,7 @@ def test_choose_prefill_kernel(monkeypatch):
 @pytest.mark.parametrize("variant", list(NEW_VARIANTS))
 @pytest.mark.parametrize("heads,block_size", [((32, 8), 16), ((8, 8), 128)])
 @pytest.mark.parametrize("case", list(SMALL))
-def test_gluon_pingpong_matches_float64(case, heads, block_size, variant):
+def test_gluon_two_consumer_matches_float64(case, heads, block_size, variant):
     """The two-consumer-partition kernels (ping-pong and ws2; BLOCK_N 128 / 2 stages and 64 / 3): same bounds as
     ``test_gluon_matches_float64``, NaN in every stale slot, rows past each chunk poisoned in out."""
     q_lens, seq_lens = SMALL[case]
@@ -200,7 +200,7 @@ def test_gluon_pingpong_matches_float64(case, heads, block_size, variant):
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
 @pytest.mark.parametrize("variant", list(NEW_VARIANTS))
 @pytest.mark.parametrize("head_dim,dtype", [(64, torch.bfloat16), (128, torch.float16)])
-def test_gluon_pingpong_head_dim_and_fp16(head_dim, dtype, variant):
+def test_gluon_two_consumer_head_dim_and_fp16(head_dim, dtype, variant):
     q_lens, seq_lens = SMALL["chunked"]
     q, kc, vc, meta, scale, out, tri = _run_both(q_lens, seq_lens, 32, 8, head_dim, 16, dtype, seed=head_dim,
                                                  poison=True, config=NEW_VARIANTS[variant])
@@ -214,7 +214,7 @@ def test_gluon_pingpong_head_dim_and_fp16(head_dim, dtype, variant):
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
 @pytest.mark.parametrize("variant", ["pingpong", "ws2"])
 @pytest.mark.parametrize("case", ["full_4k", "two_2k"])
-def test_gluon_pingpong_long_sequences(case, variant):
+def test_gluon_two_consumer_long_sequences(case, variant):
     """Many tiles per program (the named-barrier hand-over runs n_tiles + 1 times per warpgroup)."""
     q_lens, seq_lens = LARGE[case]
     q, kc, vc, meta, scale, out, tri = _run_both(q_lens, seq_lens, 32, 8, 128, 16, torch.bfloat16, seed=7,
