@@ -5,8 +5,8 @@ Run with the torch-free Triton 3.6 venv that matches the H200 machine (the kerne
     /work/tr36/bin/python bench/gluon_aot_check.py [--sass]
 
 Exit status 1 if any variant fails to compile. Variants: head_dim 64/128 x bf16/fp16 x block_size
-(PAGE) 16/32/64/128/256 x BLOCK_N 64/128 x stages 2/3 x plain / pipelined / ws / pingpong / ws2, and ws /
-pingpong with the tree mask (the set ``roofline.kernels.gluon_prefill`` may launch). The "regs" column is ptxas's kernel-wide count (for ws: the
+(PAGE) 16/32/64/128/256 x BLOCK_N 64/128 x stages 2/3 x plain / pipelined / ws / pingpong / ws2 / persistent, and ws /
+pingpong / persistent with the tree mask (the set ``roofline.kernels.gluon_prefill`` may launch). The "regs" column is ptxas's kernel-wide count (for ws: the
 maxnreg cap; the partitions' setmaxnreg budgets apply at run time).
 """
 
@@ -59,21 +59,24 @@ def compile_variant(mod, dtype: str, head_dim: int, page: int, block_m: int, blo
     }
     constexprs = dict(GROUP=4, PAGE=page, PAGE_ROWS=page_rows, HEAD_DIM=head_dim, BLOCK_M=block_m,
                       BLOCK_N=block_n, NUM_STAGES=stages, num_warps=num_warps)
-    if pipeline in ("ws", "pingpong", "ws2"):  # the kernels with a tree mask
+    if pipeline in ("ws", "pingpong", "ws2", "persistent"):  # the kernels with a tree mask
+        extra = {"num_seqs": "i32", "num_heads": "i32", "num_m_blocks": "i32"} if pipeline == "persistent" else {}
         sig = {**{k: v for k, v in sig.items() if k != "GROUP" and v != "constexpr"}, "TreeMask": "*i64",
-               "stride_tm": "i32", **{k: v for k, v in sig.items() if v == "constexpr"},
+               "stride_tm": "i32", **extra, **{k: v for k, v in sig.items() if v == "constexpr"},
                "TREE": "constexpr", "TREE_ROWS": "constexpr"}
         constexprs.update(TREE=tree, TREE_ROWS=64)
-    if pipeline in ("pingpong", "ws2"):  # 4 + 4 + 1 warps: warpgroup 0 is the default partition
-        sig["PINGPONG"] = "constexpr"
-        constexprs.update(PINGPONG=pipeline == "pingpong", num_warps=4)
+    if pipeline in ("pingpong", "ws2", "persistent"):  # 4 + 4 + 1 warps: warpgroup 0 is the default partition
+        if pipeline != "persistent":
+            sig["PINGPONG"] = "constexpr"
+            constexprs.update(PINGPONG=pipeline == "pingpong")
+        constexprs.update(num_warps=4)
         num_warps = 4
     fn = {False: mod.gluon_prefill_kernel, True: mod.gluon_prefill_kernel_pipelined,
           "ws": mod.gluon_prefill_kernel_ws, "pingpong": mod.gluon_prefill_kernel_pingpong,
-          "ws2": mod.gluon_prefill_kernel_pingpong}[pipeline]
+          "ws2": mod.gluon_prefill_kernel_pingpong, "persistent": mod.gluon_prefill_kernel_persistent}[pipeline]
     src = GluonASTSource(fn, sig, constexprs=constexprs)
     options = {"num_warps": num_warps}
-    if pipeline in ("ws", "pingpong", "ws2"):
+    if pipeline in ("ws", "pingpong", "ws2", "persistent"):
         options["maxnreg"] = WS_MAXNREG
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
@@ -105,9 +108,9 @@ def main() -> int:
             for page in (16, 32, 64, 128, 256):
                 for block_n in (128, 64):
                     for stages in (2, 3):
-                        for pipeline in (False, True, "ws", "pingpong", "ws2"):
+                        for pipeline in (False, True, "ws", "pingpong", "ws2", "persistent"):
                             variants.append((dtype, head_dim, page, 128, block_n, stages, 8, pipeline, False))
-                        for pipeline in ("ws", "pingpong"):
+                        for pipeline in ("ws", "pingpong", "persistent"):
                             variants.append((dtype, head_dim, page, 128, block_n, stages, 8, pipeline, True))
     if args.quick:
         variants = [v for v in variants if v[0] == "bf16" and v[1] == 128 and v[2] in (16, 128)
@@ -115,7 +118,7 @@ def main() -> int:
                                                (128, 2, "ws"), (128, 2, "pingpong"), (128, 2, "ws2"))]
     if args.new:
         variants = [v for v in variants if v[0] == "bf16" and v[2] in (16, 128) and v[5] == 2 + (v[4] == 64)
-                    and (v[7] in ("pingpong", "ws2") or v[8])]
+                    and (v[7] in ("pingpong", "ws2", "persistent") or v[8])]
     failed = 0
     print(f"{'dtype':5} {'D':>4} {'page':>4} {'BM':>4} {'BN':>4} {'st':>3} {'warps':>5} {'regs':>5} "
           f"{'spill':>5} {'smem':>7} kind     tree wgmma tma")

@@ -21,17 +21,20 @@ mkdir -p "$OUT"
 
 if [ "${1:-}" = quick ]; then
   # Round 2 (<= 150 s in all, each step under `timeout` and a shared deadline; a hang or failure of one variant
-  # does not stop the others): smoke of the new kinds (pp = pingpong, ws2), one process each; the benchmark of
+  # does not stop the others): smoke of the new kinds (pp = pingpong, ws2, pst = persistent), one process each;
+  # the benchmark of
   # the variants that passed + ws n128 s2 + Triton + SDPA at 4k/8k/16k, contiguous and paged 16 (a bench that
   # times out is rerun without the variant it hung in); the GPU tests of the new variants and the tree mask.
   T0=$SECONDS
   left() { local l=$((${1} - (SECONDS - T0))); [ $l -lt 5 ] && l=5; echo $l; }  # seconds to deadline ${1}
   echo "=== quick 0 smoke $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
   GOOD="gluon_ws_n128_s2"
-  for kind in pp ws2; do
-    names=$(python3 -c "import sys; sys.path.insert(0, 'bench'); from gpu_fa3_bench import GLUON_VARIANTS as G; \
-print(' '.join(n for n in G if n.split('_')[1] == '$kind'))")
-    timeout $(left $([ $kind = pp ] && echo 30 || echo 45)) python3 bench/gpu_fa3_smoke.py $names \
+  for kind in pp ws2 pst; do
+    case $kind in  # names of gpu_fa3_bench.GLUON_VARIANTS, spelled out (a python lookup costs a torch import)
+      pp) names="gluon_pp_n128_s2 gluon_pp_n64_s3 gluon_pp_n128_s3";; ws2) names="gluon_ws2_n128_s2";;
+      pst) names="gluon_pst_n128_s2";;
+    esac
+    timeout $(left $(case $kind in pp) echo 30;; ws2) echo 44;; *) echo 58;; esac)) python3 bench/gpu_fa3_smoke.py $names \
       > "$OUT/smoke_$kind.log" 2>&1
     echo "smoke $kind rc $? at $((SECONDS - T0)) s" | tee -a "$OUT/log"
     grep -E "^(smoke|start|PASS|FAIL)|Error" "$OUT/smoke_$kind.log" | tail -12 | tee -a "$OUT/log"
@@ -41,7 +44,7 @@ print(' '.join(n for n in G if n.split('_')[1] == '$kind'))")
   echo "=== quick 1 bench $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
   VARS=$GOOD
   for attempt in 1 2; do
-    timeout $(left 100) python3 bench/gpu_fa3_bench.py --out "$OUT/fa3_bench_quick$attempt.json" --variants "$VARS" \
+    timeout $(left $((80 + 25 * attempt))) python3 bench/gpu_fa3_bench.py --out "$OUT/fa3_bench_quick$attempt.json" --variants "$VARS" \
       --layouts contig,paged16 > "$OUT/bench_quick$attempt.log" 2>&1
     rc=$?
     echo "bench attempt $attempt rc $rc at $((SECONDS - T0)) s" | tee -a "$OUT/log"
@@ -54,9 +57,10 @@ print(' '.join(n for n in G if n.split('_')[1] == '$kind'))")
     VARS=$(echo ",$VARS," | sed "s/,$hung,/,/; s/^,//; s/,$//")
   done
   echo "=== quick 2 tests (new variants, tree mask) $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
-  KEXPR="pingpong or ws2 or tree"  # a kind whose smoke failed (or hung) is left out: a hang would eat the budget
+  KEXPR="pingpong or ws2 or persistent or tree"  # a kind whose smoke failed (or hung) is left out: a hang would eat the budget
   echo ",$GOOD," | grep -q ",gluon_pp_n128_s2," || KEXPR="($KEXPR) and not pingpong"
   echo ",$GOOD," | grep -q ",gluon_ws2_n128_s2," || KEXPR="($KEXPR) and not ws2"
+  echo ",$GOOD," | grep -q ",gluon_pst_n128_s2," || KEXPR="($KEXPR) and not persistent"
   echo "pytest -k \"$KEXPR\"" | tee -a "$OUT/log"
   timeout $(left 148) python3 -m pytest -v --tb=short -rf -p no:cacheprovider tests/kernels/test_gluon_prefill.py \
     -k "$KEXPR" > "$OUT/tests_quick.log" 2>&1
@@ -72,7 +76,7 @@ fi
 echo "=== 0 smoke: each Gluon kernel kind in its own process (a hang is named and skipped) $(date -u +%H:%M:%S)" \
   | tee -a "$OUT/log"
 GOOD=""
-for kind in plain pipe ws pp ws2; do
+for kind in plain pipe ws pp ws2 pst; do
   names=$(python3 -c "import sys; sys.path.insert(0, 'bench'); from gpu_fa3_bench import GLUON_VARIANTS as G; \
 print(' '.join(n for n in G if n.split('_')[1] == '$kind'))")
   timeout 45 python3 bench/gpu_fa3_smoke.py $names > "$OUT/smoke_$kind.log" 2>&1

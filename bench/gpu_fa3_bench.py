@@ -43,6 +43,7 @@ GLUON_VARIANTS = {
     "gluon_pp_n128_s3": dict(VARIANT="pingpong", BLOCK_N=128, NUM_STAGES=3),
     "gluon_pp_n64_s3": dict(VARIANT="pingpong", BLOCK_N=64, NUM_STAGES=3),
     "gluon_ws2_n128_s2": dict(VARIANT="ws2", BLOCK_N=128, NUM_STAGES=2),
+    "gluon_pst_n128_s2": dict(VARIANT="persistent", BLOCK_N=128, NUM_STAGES=2),  # persistent ping-pong
 }
 LAYOUTS = {"contig": 256, "paged16": 16, "paged64": 64}
 ACTIVE_LAYOUTS = set(LAYOUTS)  # --layouts; SDPA runs with "contig"

@@ -32,15 +32,17 @@ PREFILL_KERNEL_ENV = "ROOFLINE_PREFILL_KERNEL"  # "triton" (default) or "gluon"
 PREFILL_KERNELS = ("triton", "gluon")
 GLUON_HEAD_DIMS = (64, 128)
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
-GLUON_VARIANTS = ("plain", "pipelined", "ws", "pingpong", "ws2")
+GLUON_VARIANTS = ("plain", "pipelined", "ws", "pingpong", "ws2", "persistent")
 # Variants whose consumer warpgroups are separate partitions (launched with num_warps 4: warpgroup 0 is the
 # default partition; warpgroup 1 and the loader are workers; FA3's ping-pong: their GEMM issue alternates through
 # named barriers, each with the intra-warpgroup overlap; BLOCK_M 128 only). "ws2" is "pingpong" without the
 # named barriers. The value is the kernel's PINGPONG flag.
-TWO_CONSUMER_VARIANTS = {"pingpong": True, "ws2": False}
+TWO_CONSUMER_VARIANTS = {"pingpong": True, "ws2": False, "persistent": True}
+# "persistent": the ping-pong kernel with a persistent grid (one CTA per SM looping over (m-tile, seq, head)
+# work items, heaviest causal m-tiles first; the loader partition also loads Q).
 # Variants with the tree mask (speculative tree verification). A tree call runs with BLOCK_N at most
 # TREE_BLOCK_N: the BLOCK_N 128 tree specialization spills (96 B under the 168-register cap; 0 at 64).
-TREE_VARIANTS = ("ws", "pingpong", "ws2")
+TREE_VARIANTS = ("ws", "pingpong", "ws2", "persistent")
 TREE_BLOCK_N = 64
 WS_MAXNREG = 168  # warp-specialized: 12 warps x 168 = the register file; the loader drops to 32, consumers get 240
 
@@ -50,6 +52,7 @@ try:
 
     from roofline.kernels.gluon_prefill_kernels import (
         gluon_prefill_kernel,
+        gluon_prefill_kernel_persistent,
         gluon_prefill_kernel_pingpong,
         gluon_prefill_kernel_pipelined,
         gluon_prefill_kernel_ws,
@@ -57,7 +60,7 @@ try:
 
     GLUON_KERNELS = {"plain": gluon_prefill_kernel, "pipelined": gluon_prefill_kernel_pipelined,
                      "ws": gluon_prefill_kernel_ws, "pingpong": gluon_prefill_kernel_pingpong,
-                     "ws2": gluon_prefill_kernel_pingpong}
+                     "ws2": gluon_prefill_kernel_pingpong, "persistent": gluon_prefill_kernel_persistent}
 except Exception:  # pragma: no cover - no triton, or a triton without gluon
     gl = None
 
@@ -188,7 +191,13 @@ def gluon_prefill_attention(
                      TREE=tree_mask is not None, TREE_ROWS=check_tree_mask(tree_mask, num_seqs))
     if variant in TWO_CONSUMER_VARIANTS:  # 3 partitions of 4 + 4 + 1 warps (padded to 12), 168 x 384 registers
         num_warps = 4
-        extra["PINGPONG"] = TWO_CONSUMER_VARIANTS[variant]
+        if variant == "persistent":
+            num_mb = grid[0]
+            items = num_mb * num_seqs * num_heads
+            grid = (min(items, _num_sms(q.device)),)
+            extra.update(num_seqs=num_seqs, num_heads=num_heads, num_m_blocks=num_mb)
+        else:
+            extra["PINGPONG"] = TWO_CONSUMER_VARIANTS[variant]
     GLUON_KERNELS[variant][grid](
         q_desc, k_desc, v_desc, out, meta.block_tables, meta.query_start_loc, meta.seq_lens,
         scale * LOG2E, out.stride(0), out.stride(1), meta.block_tables.stride(0),
@@ -196,6 +205,17 @@ def gluon_prefill_attention(
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=cfg["NUM_STAGES"], num_warps=num_warps, **extra,
     )
     return out
+
+
+_SMS: dict[int, int] = {}
+
+
+def _num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (the persistent grid: one CTA per SM), cached."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _SMS:
+        _SMS[index] = torch.cuda.get_device_properties(index).multi_processor_count
+    return _SMS[index]
 
 
 def choose_prefill_kernel(requested: str | None = None) -> Callable[..., torch.Tensor]:

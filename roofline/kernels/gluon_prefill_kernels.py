@@ -52,7 +52,15 @@ def _issue_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, tile,
                    PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr):
     """TMA copies of K and V tile ``tile`` (keys tile * BLOCK_N ...) into ring stage tile % NUM_STAGES."""
-    stage = tile % NUM_STAGES
+    _issue_kv_slot(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, tile, tile, seq_len, kv_col,
+                   PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
+
+
+@gluon.jit
+def _issue_kv_slot(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, tile, slot, seq_len, kv_col,
+                   PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """As ``_issue_kv_tile`` into ring stage slot % NUM_STAGES (a persistent kernel's ring runs on across items)."""
+    stage = slot % NUM_STAGES
     k_dst = k_smem.index(stage)
     v_dst = v_smem.index(stage)
     k_bar = k_bars.index(stage)
@@ -555,16 +563,18 @@ def _pp_hand_over(WG: gl.constexpr):
 
 @gluon.jit
 def _pp_step(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, tile, seq_len, acc, m_i, l_i, p_prev,
-             offs_m_pos, scale_log2e, tree_bits, tree_start, MASKED: gl.constexpr, TREE: gl.constexpr,
+             offs_m_pos, scale_log2e, tree_bits, tree_start, ring, MASKED: gl.constexpr, TREE: gl.constexpr,
              WG: gl.constexpr, PINGPONG: gl.constexpr,
              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr,
              o_layout: gl.constexpr, dtype: gl.constexpr):
     """One warpgroup's tile ``tile`` >= 1 (64 rows): S_tile and O += P_{tile-1} V_{tile-1} issued in its turn,
-    softmax of S_tile while the other warpgroup's products run."""
-    stage = tile % NUM_STAGES
-    prev = (tile - 1) % NUM_STAGES
-    mbarrier.wait(k_bars.index(stage), (tile // NUM_STAGES) & 1)
-    mbarrier.wait(v_bars.index(prev), ((tile - 1) // NUM_STAGES) & 1)
+    softmax of S_tile while the other warpgroup's products run. ``ring``: the ring slot of this item's tile 0
+    (0 unless persistent: the ring's stages and phases run on across work items)."""
+    slot = ring + tile
+    stage = slot % NUM_STAGES
+    prev = (slot - 1) % NUM_STAGES
+    mbarrier.wait(k_bars.index(stage), (slot // NUM_STAGES) & 1)
+    mbarrier.wait(v_bars.index(prev), ((slot - 1) // NUM_STAGES) & 1)
     if MASKED:
         _zero_v_tail(v_smem.index(prev), tile - 1, seq_len, BLOCK_N, 4)
     if PINGPONG:
@@ -629,12 +639,12 @@ def _pp_consumer(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out,
 
     for tile in range(1, n_full):
         acc, m_i, l_i, p_op = _pp_step(q_half, k_smem, v_smem, k_bars, v_bars, empty_bars, tile, seq_len, acc, m_i,
-                                       l_i, p_op, offs_m_pos, scale_log2e, tree_bits, tree_start, False, TREE, WG,
+                                       l_i, p_op, offs_m_pos, scale_log2e, tree_bits, tree_start, 0, False, TREE, WG,
                                        PINGPONG, HALF, BLOCK_N,
                                        NUM_STAGES, s_layout, o_layout, dtype)
     for tile in range(gl.maximum(n_full, 1), n_tiles):
         acc, m_i, l_i, p_op = _pp_step(q_half, k_smem, v_smem, k_bars, v_bars, empty_bars, tile, seq_len, acc, m_i,
-                                       l_i, p_op, offs_m_pos, scale_log2e, tree_bits, tree_start, True, TREE, WG,
+                                       l_i, p_op, offs_m_pos, scale_log2e, tree_bits, tree_start, 0, True, TREE, WG,
                                        PINGPONG, HALF, BLOCK_N,
                                        NUM_STAGES, s_layout, o_layout, dtype)
 
@@ -733,3 +743,207 @@ def gluon_prefill_kernel_pingpong(
             (_ws_loader, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, bt_row, n_tiles, seq_len,
                           kv_col, PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)),
         ], [4, 1], [240, 24])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Persistent ping-pong variant: grid = one CTA per SM; each CTA loops over work items (m-tile, seq, head) in
+# the order heaviest causal m-tiles first (item i -> m-tile num_m_blocks - 1 - i // (num_seqs * H), then seq, then
+# head: the heads of one KV group are neighbours, for L2 reuse of K/V), items i = pid, pid + grid, ...
+# All three partitions walk the same item sequence. The loader also loads Q (q_full / q_empty barriers, the
+# consumers free Q once their last QK product of the item has landed), so the next item's Q and first K/V tiles
+# load while the consumers finish the current item. The K/V ring's slots and phases continue across items
+# (``ring`` counts the tiles this CTA has consumed). Named-barrier protocol as above, continued across items:
+# warpgroup 1 arrives once on barrier 14 at the start and both warpgroups hand over after every section;
+# warpgroup 0 ends with one extra bar.sync 14 that takes warpgroup 1's last hand-over (nothing pending at exit).
+
+
+@gluon.jit
+def _persist_item(i, QueryStartLoc, SeqLens, num_seqs, num_heads, num_m_blocks, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr):
+    """Work item i -> (seq, head, m0, q_start, q_len, seq_len, n_full, n_tiles)."""
+    per_mb = num_seqs * num_heads
+    m_block = num_m_blocks - 1 - i // per_mb
+    rem = i % per_mb
+    seq = rem // num_heads
+    head = rem % num_heads
+    q_start = gl.load(QueryStartLoc + seq)
+    q_len = gl.load(QueryStartLoc + seq + 1) - q_start
+    seq_len = gl.load(SeqLens + seq)
+    m0 = m_block * BLOCK_M
+    ctx = seq_len - q_len
+    n_full = (ctx + m0 + 1) // BLOCK_N
+    n_tiles = gl.cdiv(gl.minimum(seq_len, ctx + m0 + BLOCK_M), BLOCK_N)
+    return seq, head, m0, q_start, q_len, seq_len, n_full, n_tiles
+
+
+@gluon.jit
+def _persist_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_bars, v_bars, empty_bars,
+                    BlockTables, QueryStartLoc, SeqLens, stride_bt, num_seqs, num_heads, num_m_blocks, num_items,
+                    GROUP: gl.constexpr, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    ring = 0
+    n_done = 0
+    for i in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        seq, head, m0, q_start, q_len, seq_len, n_full, n_tiles = _persist_item(
+            i, QueryStartLoc, SeqLens, num_seqs, num_heads, num_m_blocks, BLOCK_M, BLOCK_N)
+        if m0 < q_len:
+            mbarrier.wait(q_empty, (n_done & 1) ^ 1)  # both consumers are done with the previous item's Q
+            mbarrier.expect(q_full, q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_start + m0, head * HEAD_DIM], q_full, q_smem)
+            bt_row = BlockTables + seq.to(gl.int64) * stride_bt
+            kv_col = (head // GROUP) * HEAD_DIM
+            for tile in range(0, n_tiles):
+                slot = ring + tile
+                mbarrier.wait(empty_bars.index(slot % NUM_STAGES), ((slot // NUM_STAGES) & 1) ^ 1)
+                _issue_kv_slot(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, tile, slot, seq_len, kv_col,
+                               PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
+            ring += n_tiles
+            n_done += 1
+
+
+@gluon.jit
+def _persist_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_bars, v_bars, empty_bars, Out, QueryStartLoc,
+                      SeqLens, TreeMask, stride_tm, stride_ot, stride_oh, scale_log2e, num_seqs, num_heads, num_m_blocks,
+                      num_items,
+                      WG: gl.constexpr, TREE: gl.constexpr, TREE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                      BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    HALF: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 16])
+    dtype: gl.constexpr = q_smem.dtype
+    q_half = q_smem.slice(WG * HALF, HALF)  # [64, D]
+    if WG == 1:
+        _pp_hand_over(WG)  # warpgroup 0 goes first
+    ring = 0
+    n_done = 0
+    for i in range(gl.program_id(0), num_items, gl.num_programs(0)):
+        seq, head, m0, q_start, q_len, seq_len, n_full, n_tiles = _persist_item(
+            i, QueryStartLoc, SeqLens, num_seqs, num_heads, num_m_blocks, BLOCK_M, BLOCK_N)
+        if m0 < q_len:
+            ctx = seq_len - q_len
+            tree_start = seq_len - gl.minimum(q_len, TREE_ROWS)
+            if TREE:
+                n_full = gl.minimum(n_full, tree_start // BLOCK_N)
+            r0 = m0 + WG * HALF
+            offs_m = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+            offs_m_pos = ctx + offs_m
+            tree_bits = _load_tree_bits(TreeMask + seq.to(gl.int64) * stride_tm, offs_m, offs_m_pos, q_len,
+                                        tree_start, TREE)
+            acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+            m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+            l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
+            mbarrier.wait(q_full, n_done & 1)
+
+            # Tile 0: S only.
+            stage0 = ring % NUM_STAGES
+            mbarrier.wait(k_bars.index(stage0), (ring // NUM_STAGES) & 1)
+            _pp_wait_turn(WG)
+            s = gl.zeros([HALF, BLOCK_N], gl.float32, s_layout)
+            s = warpgroup_mma(q_half, k_smem.index(stage0).permute((1, 0)), s, use_acc=False, is_async=True)
+            _pp_hand_over(WG)
+            s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            if n_full > 0:
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, offs_m_pos, seq_len, scale_log2e, tree_bits,
+                                                   tree_start, False, TREE, BLOCK_N, s_layout)
+            else:
+                p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, offs_m_pos, seq_len, scale_log2e, tree_bits,
+                                                   tree_start, True, TREE, BLOCK_N, s_layout)
+            p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
+            for tile in range(1, n_full):
+                acc, m_i, l_i, p_op = _pp_step(q_half, k_smem, v_smem, k_bars, v_bars, empty_bars, tile, seq_len,
+                                               acc, m_i, l_i, p_op, offs_m_pos, scale_log2e, tree_bits, tree_start,
+                                               ring, False, TREE, WG, True, HALF, BLOCK_N, NUM_STAGES, s_layout,
+                                               o_layout, dtype)
+            for tile in range(gl.maximum(n_full, 1), n_tiles):
+                acc, m_i, l_i, p_op = _pp_step(q_half, k_smem, v_smem, k_bars, v_bars, empty_bars, tile, seq_len,
+                                               acc, m_i, l_i, p_op, offs_m_pos, scale_log2e, tree_bits, tree_start,
+                                               ring, True, TREE, WG, True, HALF, BLOCK_N, NUM_STAGES, s_layout,
+                                               o_layout, dtype)
+            # Every QK product of this item has landed: Q may be overwritten with the next item's.
+            gl.thread_barrier()
+            mbarrier.arrive(q_empty, count=1)
+
+            last = ring + n_tiles - 1
+            v_last = v_smem.index(last % NUM_STAGES)
+            mbarrier.wait(v_bars.index(last % NUM_STAGES), (last // NUM_STAGES) & 1)
+            _zero_v_tail(v_last, n_tiles - 1, seq_len, BLOCK_N, 4)
+            _pp_wait_turn(WG)
+            acc = warpgroup_mma(p_op, v_last, acc, is_async=True)
+            _pp_hand_over(WG)
+            acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
+            gl.thread_barrier()
+            mbarrier.arrive(empty_bars.index(last % NUM_STAGES), count=1)
+
+            l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+            out = acc / l_o[:, None]
+            rows = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+            cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+            ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
+            gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < q_len)[:, None])
+            ring += n_tiles
+            n_done += 1
+    if WG == 0:
+        _pp_wait_turn(WG)  # takes warpgroup 1's last hand-over
+
+
+@gluon.jit
+def _persist_consumer0(q_smem, k_smem, v_smem, q_full, q_empty, k_bars, v_bars, empty_bars, Out, QueryStartLoc,
+                       SeqLens, TreeMask, stride_tm, stride_ot, stride_oh, scale_log2e, num_seqs, num_heads, num_m_blocks,
+                       num_items, TREE: gl.constexpr, TREE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    _persist_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_bars, v_bars, empty_bars, Out, QueryStartLoc,
+                      SeqLens, TreeMask, stride_tm, stride_ot, stride_oh, scale_log2e, num_seqs, num_heads, num_m_blocks,
+                      num_items, 0, TREE, TREE_ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES)
+
+
+@gluon.jit
+def _persist_consumer1(q_smem, k_smem, v_smem, q_full, q_empty, k_bars, v_bars, empty_bars, Out, QueryStartLoc,
+                       SeqLens, TreeMask, stride_tm, stride_ot, stride_oh, scale_log2e, num_seqs, num_heads, num_m_blocks,
+                       num_items, TREE: gl.constexpr, TREE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+                       BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    _persist_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_bars, v_bars, empty_bars, Out, QueryStartLoc,
+                      SeqLens, TreeMask, stride_tm, stride_ot, stride_oh, scale_log2e, num_seqs, num_heads, num_m_blocks,
+                      num_items, 1, TREE, TREE_ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES)
+
+
+@gluon.jit
+def gluon_prefill_kernel_persistent(
+    q_desc, k_desc, v_desc, Out, BlockTables, QueryStartLoc, SeqLens,
+    scale_log2e, stride_ot, stride_oh, stride_bt, TreeMask, stride_tm, num_seqs, num_heads, num_m_blocks,
+    GROUP: gl.constexpr, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+    TREE: gl.constexpr, TREE_ROWS: gl.constexpr,
+):
+    """Persistent ping-pong (section above): grid (min(num SMs, items),), items num_m_blocks * num_seqs * num_heads with
+    num_m_blocks = cdiv(max_query_len, BLOCK_M); launched as the pingpong kernel (num_warps 4, maxnreg 168)."""
+    num_items = num_m_blocks * num_seqs * num_heads
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+    q_full = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_full, count=1)
+    mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
+    for i in gl.static_range(NUM_STAGES):
+        mbarrier.init(k_bars.index(i), count=1)
+        mbarrier.init(v_bars.index(i), count=1)
+        mbarrier.init(empty_bars.index(i), count=2)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_persist_consumer0, (q_smem, k_smem, v_smem, q_full, q_empty, k_bars, v_bars, empty_bars, Out,
+                              QueryStartLoc, SeqLens, TreeMask, stride_tm, stride_ot, stride_oh, scale_log2e,
+                              num_seqs, num_heads, num_m_blocks, num_items, TREE, TREE_ROWS, HEAD_DIM, BLOCK_M, BLOCK_N,
+                              NUM_STAGES)),
+        (_persist_consumer1, (q_smem, k_smem, v_smem, q_full, q_empty, k_bars, v_bars, empty_bars, Out,
+                              QueryStartLoc, SeqLens, TreeMask, stride_tm, stride_ot, stride_oh, scale_log2e,
+                              num_seqs, num_heads, num_m_blocks, num_items, TREE, TREE_ROWS, HEAD_DIM, BLOCK_M, BLOCK_N,
+                              NUM_STAGES)),
+        (_persist_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_empty, k_bars, v_bars,
+                           empty_bars, BlockTables, QueryStartLoc, SeqLens, stride_bt, num_seqs, num_heads, num_m_blocks,
+                           num_items, GROUP, PAGE, PAGE_ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES)),
+    ], [4, 1], [240, 24])
