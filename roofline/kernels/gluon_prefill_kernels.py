@@ -21,7 +21,8 @@ asynchronous units spelled out (FlashAttention-3, Shah et al. 2024):
 - the tile holding the sequence's end has stale cache rows past seq_len (possibly NaN): their V rows are
   zeroed in shared memory before the PV product (p = 0 there, but 0 * NaN = NaN).
 
-Three kernels, same arguments and grid (cdiv(max_query_len, BLOCK_M), num_seqs, H), heaviest M tiles first:
+Kernels (the first three with the same arguments and grid (cdiv(max_query_len, BLOCK_M), num_seqs, H), heaviest M
+tiles first; the others add the tree-mask arguments, the persistent one its own grid):
 
 - ``gluon_prefill_kernel`` ("plain"): per tile QK, softmax, PV in turn; the loads of tile i + NUM_STAGES are
   issued as soon as tile i's PV product has completed (NUM_STAGES - 1 tiles of K/V in flight behind the MMAs).
@@ -29,9 +30,17 @@ Three kernels, same arguments and grid (cdiv(max_query_len, BLOCK_M), num_seqs, 
   the softmax of S_j runs), same in-line TMA issue.
 - ``gluon_prefill_kernel_ws``: the pipelined consumers plus a 1-warp TMA loader partition (``gl.warp_specialize``)
   with per-stage empty mbarriers and register reallocation (setmaxnreg through ``maxnreg``).
+- ``gluon_prefill_kernel_pingpong`` (VARIANT "pingpong"; "ws2" with PINGPONG False): FA3's inter-warpgroup
+  ping-pong: the two consumer warpgroups are separate partitions of 64 rows whose GEMM issue alternates through
+  hardware named barriers (bar.sync / bar.arrive 14 and 15), each with the intra-warpgroup overlap.
+- ``gluon_prefill_kernel_persistent`` (VARIANT "persistent"): the ping-pong kernel on a persistent grid (one CTA
+  per SM looping over (m-tile, seq, head) work items, heaviest causal m-tiles first).
 
-Not yet done: the inter-warpgroup ping-pong (named barriers ordering the two warpgroups' softmax against each
-other's GEMMs), a persistent grid with causal load balancing, a TMA store of O.
+The ws, pingpong / ws2 and persistent kernels also take the tree mask of speculative tree verification
+(TREE, ``roofline.kernels.prefill_attention``'s semantics: a region key is visible to a region row only if its
+bit is set in the row's int64 ancestor mask; tree keys go through the masked loop).
+
+Not yet done: a TMA store of O, FP8 (E4M3) K/V.
 """
 
 from __future__ import annotations
