@@ -179,55 +179,6 @@ def test_choose_prefill_kernel(monkeypatch):
         choose_prefill_kernel()
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
-@pytest.mark.parametrize("variant", ["pingpong", "ws2", "persistent"])
-@pytest.mark.parametrize("heads,block_size", [((32, 8), 16), ((8, 8), 128)])
-@pytest.mark.parametrize("case", list(SMALL))
-def test_gluon_two_consumer_matches_float64(case, heads, block_size, variant):
-    """The two-consumer-partition kernels (ping-pong and ws2; BLOCK_N 128 / 2 stages and 64 / 3): same bounds as
-    ``test_gluon_matches_float64``, NaN in every stale slot, rows past each chunk poisoned in out."""
-    q_lens, seq_lens = SMALL[case]
-    q, kc, vc, meta, scale, out, tri = _run_both(q_lens, seq_lens, *heads, 128, block_size, torch.bfloat16,
-                                                 seed=block_size + heads[0], poison=True,
-                                                 config=NEW_VARIANTS[variant])
-    ref64 = attention_f64(q, kc, vc, meta, scale)
-    err, err_tri = rel_err(out.cpu(), ref64), rel_err(tri.cpu(), ref64)
-    assert err < TOL[torch.bfloat16], f"vs float64: {err:.2e}"
-    assert err <= 1.5 * err_tri + 1e-4, f"gluon {err:.2e} vs triton {err_tri:.2e}"
-    assert (out.float() - tri.float()).abs().max().item() < MAX_ABS_VS_TRITON
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
-@pytest.mark.parametrize("variant", list(NEW_VARIANTS))
-@pytest.mark.parametrize("head_dim,dtype", [(64, torch.bfloat16), (128, torch.float16)])
-def test_gluon_two_consumer_head_dim_and_fp16(head_dim, dtype, variant):
-    q_lens, seq_lens = SMALL["chunked"]
-    q, kc, vc, meta, scale, out, tri = _run_both(q_lens, seq_lens, 32, 8, head_dim, 16, dtype, seed=head_dim,
-                                                 poison=True, config=NEW_VARIANTS[variant])
-    ref64 = attention_f64(q, kc, vc, meta, scale)
-    err, err_tri = rel_err(out.cpu(), ref64), rel_err(tri.cpu(), ref64)
-    assert err < TOL[dtype], f"vs float64: {err:.2e}"
-    assert err <= 1.5 * err_tri + 1e-4, f"gluon {err:.2e} vs triton {err_tri:.2e}"
-
-
-@pytest.mark.gpu
-@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
-@pytest.mark.parametrize("variant", ["pingpong", "ws2", "persistent"])
-@pytest.mark.parametrize("case", ["full_4k", "two_2k"])
-def test_gluon_two_consumer_long_sequences(case, variant):
-    """Many tiles per program (the named-barrier hand-over runs n_tiles + 1 times per warpgroup)."""
-    q_lens, seq_lens = LARGE[case]
-    q, kc, vc, meta, scale, out, tri = _run_both(q_lens, seq_lens, 32, 8, 128, 16, torch.bfloat16, seed=7,
-                                                 config=NEW_VARIANTS[variant])
-    ref = ref_prefill_attention(q, kc, vc, meta, scale)
-    err, err_tri = rel_err(out, ref), rel_err(tri, ref)
-    assert err < TOL[torch.bfloat16], f"vs fp32 ref_: {err:.2e}"
-    assert err <= 1.5 * err_tri + 1e-4, f"gluon {err:.2e} vs triton {err_tri:.2e}"
-    assert (out.float() - tri.float()).abs().max().item() < MAX_ABS_VS_TRITON
-
-
 def _random_tree_mask(q_lens, width, seed):
     """[num_seqs, width] int64 ancestor bitmasks: region row j (the last min(q_len, width) rows) gets a random
     parent p < j (or none: a root) and sees itself and p's ancestors; some rows stay -1 (plain causal)."""
@@ -274,3 +225,53 @@ def test_gluon_tree_mask(block_size, width, variant):
     assert err < TOL[torch.bfloat16], f"vs float64 ref_: {err:.2e}"
     assert err <= 1.5 * err_tri + 1e-4, f"gluon {err:.2e} vs triton {err_tri:.2e}"
     assert (out.float() - tri.float()).abs().max().item() < MAX_ABS_VS_TRITON
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("variant", ["pingpong", "ws2", "persistent"])
+@pytest.mark.parametrize("heads,block_size", [((32, 8), 16), ((8, 8), 128)])
+@pytest.mark.parametrize("case", list(SMALL))
+def test_gluon_two_consumer_matches_float64(case, heads, block_size, variant):
+    """The two-consumer-partition kernels (ping-pong and ws2; BLOCK_N 128 / 2 stages and 64 / 3): same bounds as
+    ``test_gluon_matches_float64``, NaN in every stale slot, rows past each chunk poisoned in out."""
+    q_lens, seq_lens = SMALL[case]
+    q, kc, vc, meta, scale, out, tri = _run_both(q_lens, seq_lens, *heads, 128, block_size, torch.bfloat16,
+                                                 seed=block_size + heads[0], poison=True,
+                                                 config=NEW_VARIANTS[variant])
+    ref64 = attention_f64(q, kc, vc, meta, scale)
+    err, err_tri = rel_err(out.cpu(), ref64), rel_err(tri.cpu(), ref64)
+    assert err < TOL[torch.bfloat16], f"vs float64: {err:.2e}"
+    assert err <= 1.5 * err_tri + 1e-4, f"gluon {err:.2e} vs triton {err_tri:.2e}"
+    assert (out.float() - tri.float()).abs().max().item() < MAX_ABS_VS_TRITON
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("variant", ["pingpong", "pingpong_n64_s3", "persistent"])
+@pytest.mark.parametrize("head_dim,dtype", [(64, torch.bfloat16), (128, torch.float16)])
+def test_gluon_two_consumer_head_dim_and_fp16(head_dim, dtype, variant):
+    q_lens, seq_lens = SMALL["chunked"]
+    q, kc, vc, meta, scale, out, tri = _run_both(q_lens, seq_lens, 32, 8, head_dim, 16, dtype, seed=head_dim,
+                                                 poison=True, config=NEW_VARIANTS[variant])
+    ref64 = attention_f64(q, kc, vc, meta, scale)
+    err, err_tri = rel_err(out.cpu(), ref64), rel_err(tri.cpu(), ref64)
+    assert err < TOL[dtype], f"vs float64: {err:.2e}"
+    assert err <= 1.5 * err_tri + 1e-4, f"gluon {err:.2e} vs triton {err_tri:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("variant", ["pingpong", "ws2", "persistent"])
+@pytest.mark.parametrize("case", ["full_4k", "two_2k"])
+def test_gluon_two_consumer_long_sequences(case, variant):
+    """Many tiles per program (the named-barrier hand-over runs n_tiles + 1 times per warpgroup)."""
+    q_lens, seq_lens = LARGE[case]
+    q, kc, vc, meta, scale, out, tri = _run_both(q_lens, seq_lens, 32, 8, 128, 16, torch.bfloat16, seed=7,
+                                                 config=NEW_VARIANTS[variant])
+    ref = ref_prefill_attention(q, kc, vc, meta, scale)
+    err, err_tri = rel_err(out, ref), rel_err(tri, ref)
+    assert err < TOL[torch.bfloat16], f"vs fp32 ref_: {err:.2e}"
+    assert err <= 1.5 * err_tri + 1e-4, f"gluon {err:.2e} vs triton {err_tri:.2e}"
+    assert (out.float() - tri.float()).abs().max().item() < MAX_ABS_VS_TRITON
+
