@@ -76,6 +76,27 @@ def default_gluon_config(head_dim: int, block_size: int) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=2, num_warps=8, VARIANT="plain")
 
 
+SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on sm_90 (H100/H200)
+
+
+def gluon_config_reason(cfg: dict, head_dim: int, tree: bool = False) -> str | None:
+    """Why the full config ``cfg`` (BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, VARIANT) cannot run, or None.
+    Host-only (no device query): the rules of the kernels in ``roofline.kernels.gluon_prefill_kernels``."""
+    variant = cfg.get("VARIANT")
+    if tree and variant not in TREE_VARIANTS:
+        return f"tree_mask with VARIANT {variant!r}: the Gluon tree mask is in {TREE_VARIANTS} only"
+    if cfg["BLOCK_N"] not in (64, 128) or cfg["BLOCK_M"] != 16 * cfg["num_warps"] or cfg["NUM_STAGES"] < 2 \
+            or variant not in GLUON_VARIANTS or (variant in TWO_CONSUMER_VARIANTS and cfg["BLOCK_M"] != 128):
+        return (f"config {cfg}: BLOCK_N must be 64 or 128, BLOCK_M 16 * num_warps (128 for "
+                f"{tuple(TWO_CONSUMER_VARIANTS)}), NUM_STAGES >= 2 and VARIANT one of {GLUON_VARIANTS}")
+    block_n = min(cfg["BLOCK_N"], TREE_BLOCK_N) if tree else cfg["BLOCK_N"]
+    smem = 2 * head_dim * (cfg["BLOCK_M"] + 2 * cfg["NUM_STAGES"] * block_n)  # Q + the K/V ring, 16-bit
+    if smem > SMEM_LIMIT:
+        return (f"config {cfg}: Q + {cfg['NUM_STAGES']} K/V stages need {smem} B of shared memory at head_dim "
+                f"{head_dim}, above the {SMEM_LIMIT} B a CTA may use")
+    return None
+
+
 def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor | None = None,
                              tree_mask: torch.Tensor | None = None,
                              config: dict | None = None) -> str | None:
@@ -96,13 +117,9 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     if block_size < 16 or block_size & (block_size - 1):
         return f"block_size {block_size} is not a power of two >= 16"
     cfg = {**default_gluon_config(head_dim, block_size), **(config or {})}
-    if tree_mask is not None and cfg.get("VARIANT") not in TREE_VARIANTS:
-        return f"tree_mask with VARIANT {cfg.get('VARIANT')!r}: the Gluon tree mask is in {TREE_VARIANTS} only"
-    if cfg["BLOCK_N"] not in (64, 128) or cfg["BLOCK_M"] != 16 * cfg["num_warps"] or cfg["NUM_STAGES"] < 2 \
-            or cfg["VARIANT"] not in GLUON_VARIANTS \
-            or (cfg["VARIANT"] in TWO_CONSUMER_VARIANTS and cfg["BLOCK_M"] != 128):
-        return (f"config {cfg}: BLOCK_N must be 64 or 128, BLOCK_M 16 * num_warps (128 for "
-                f"{tuple(TWO_CONSUMER_VARIANTS)}), NUM_STAGES >= 2 and VARIANT one of {GLUON_VARIANTS}")
+    reason = gluon_config_reason(cfg, head_dim, tree_mask is not None)
+    if reason is not None:
+        return reason
     if q.stride(2) != 1 or q.stride(1) != head_dim or q.stride(0) % 8 or q.data_ptr() % 16:
         return f"q strides {q.stride()}: rows must be [H, D] contiguous and 16-byte aligned for TMA"
     num_kv_heads = k_cache.shape[2]

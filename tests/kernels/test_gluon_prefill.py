@@ -22,7 +22,10 @@ pytest.importorskip("triton")
 from kernel_cases import TOL, attention_f64, make_paged_case, poison_stale_slots, rel_err  # noqa: E402
 
 from roofline.kernels.gluon_prefill import (  # noqa: E402
+    TREE_VARIANTS,
     choose_prefill_kernel,
+    default_gluon_config,
+    gluon_config_reason,
     gluon_prefill_attention,
     gluon_unsupported_reason,
 )
@@ -177,6 +180,26 @@ def test_choose_prefill_kernel(monkeypatch):
     monkeypatch.setenv("ROOFLINE_PREFILL_KERNEL", "fa3")
     with pytest.raises(ValueError, match=r"'fa3'.*one of \('triton', 'gluon'\)"):
         choose_prefill_kernel()
+
+
+def test_gluon_config_reason():
+    """The host-side config rules (no GPU needed): messages name the value and the allowed range."""
+    cfg = default_gluon_config(128, 16)
+    assert gluon_config_reason(cfg, 128) is None
+    for variant in ("pingpong", "ws2", "persistent"):
+        assert gluon_config_reason({**cfg, "VARIANT": variant}, 128) is None
+        assert gluon_config_reason({**cfg, "VARIANT": variant}, 128, tree=True) is None
+        bad = gluon_config_reason({**cfg, "VARIANT": variant, "BLOCK_M": 64, "num_warps": 4}, 128)
+        assert bad is not None and "128 for ('pingpong', 'ws2', 'persistent')" in bad
+    assert gluon_config_reason({**cfg, "VARIANT": "plain"}, 128, tree=True) == (
+        f"tree_mask with VARIANT 'plain': the Gluon tree mask is in {TREE_VARIANTS} only")
+    assert "VARIANT one of" in gluon_config_reason({**cfg, "VARIANT": "fa4"}, 128)
+    # Q 32 KB + 3 stages of K/V at BLOCK_N 128 (192 KB) fits in 227 KB; 4 stages (256 KB) do not.
+    assert gluon_config_reason({**cfg, "VARIANT": "pingpong", "NUM_STAGES": 3}, 128) is None
+    big = gluon_config_reason({**cfg, "VARIANT": "pingpong", "NUM_STAGES": 4}, 128)
+    assert big is not None and "294912 B of shared memory at head_dim 128, above the 232448 B" in big
+    # A tree call runs with BLOCK_N 64: 4 stages fit then (Q 32 KB + 128 KB).
+    assert gluon_config_reason({**cfg, "VARIANT": "ws", "NUM_STAGES": 4}, 128, tree=True) is None
 
 
 def _random_tree_mask(q_lens, width, seed):
