@@ -27,6 +27,22 @@ for step in "$@"; do
     echo "w4decode rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/w4decode.log" | grep -E "x$|^ +[0-9]|^model|rc|Error|measured" | tail -30 | tee -a "$OUT/log"
     ;;
   fa3) timeout 330 bash bench/gpu_fa3.sh 2>&1 | tail -40 | tee -a "$OUT/log" ;;
+  fa3quick) timeout ${FA3_TIMEOUT:-170} bash bench/gpu_fa3.sh quick 2>&1 | tail -40 | tee -a "$OUT/log" ;;
+  moedecode)  # decode at the MoE shapes (dummy weights, built on the GPU): fractions of the MoE floor
+    timeout ${MOE_DECODE_TIMEOUT:-170} bash -c "$(declare -f R); NEW=$NEW; R bench decode --model mixtral-8x7b --batch-sizes 1,64 --contexts 512 --steps 16 --out-dir $OUT" \
+      > "$OUT/moe-decode-mixtral.log" 2>&1; echo "decode mixtral rc $?" | tee -a "$OUT/log"
+    grep -vi warn "$OUT/moe-decode-mixtral.log" | grep -E "^model|^ +[0-9]|Error|floor" | tail -8 | tee -a "$OUT/log"
+    [ -n "${MOE_QWEN:-}" ] && { timeout 100 bash -c "$(declare -f R); NEW=$NEW; R bench decode --model qwen3-30b-a3b --batch-sizes 1,64 --contexts 512 --steps 16 --out-dir $OUT" \
+      > "$OUT/moe-decode-qwen3.log" 2>&1; echo "decode qwen3 rc $?" | tee -a "$OUT/log"
+      grep -vi warn "$OUT/moe-decode-qwen3.log" | grep -E "^model|^ +[0-9]|Error|floor" | tail -6 | tee -a "$OUT/log"; }
+    ;;
+  enginetests)  # the engine-level GPU tests on the default model (its GGUF carried in two parts, .model/smol.part.*)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+    cat .model/smol.part.* > /tmp/smol.gguf && sha256sum /tmp/smol.gguf | tee -a "$OUT/log"
+    ROOFLINE_TEST_GGUF=/tmp/smol.gguf PYTHONPATH=$NEW:/tmp/site timeout ${ENGINE_TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu --tb=short -rf -p no:cacheprovider \
+      ${ENGINE_TESTS:-tests/test_gpu_backends.py tests/test_prefix_cache.py tests/spec_decode} 2>&1 | tee "$OUT/enginetests.log" \
+      | grep -E "^E |passed|failed|error|FAILED" | tail -25 | tee -a "$OUT/log"
+    ;;
   moe) timeout 380 bash bench/gpu_moe.sh 2>&1 | tail -40 | tee -a "$OUT/log" ;;
   gputests)
     PYTHONPATH=$NEW timeout ${GPUTESTS_TIMEOUT:-420} python3 -m pytest -q -m gpu --continue-on-collection-errors --tb=line -rf -p no:cacheprovider ${GPUTESTS:-tests} 2>&1 | tee "$OUT/gputests.log" \
