@@ -13,16 +13,16 @@ for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
   case "$step" in
   w4tests)  # the Gluon INT4 mma GEMM against float64, in a CUDA graph with PDL, through the layer dispatch
-    PYTHONPATH=$NEW timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/kernels/test_w4a16_mma.py \
+    PYTHONPATH=$NEW timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/kernels/test_w4a16_mma.py ${W4K:+-k "$W4K"} \
       2>&1 | tee "$OUT/w4tests.log" | grep -E "^E |passed|failed|error" | tail -25 | tee -a "$OUT/log"
     ;;
   w4sweep)  # per projection and M: mma tiles/splits vs the Triton INT4 path vs bf16 cuBLAS
     PYTHONPATH=$NEW timeout ${W4SWEEP_TIMEOUT:-240} python3 bench/gpu_w4a16_mma.py --out "$OUT/w4a16_mma.json" \
-      --ms "${W4MS:-1,4,8,16,32,64}" --table roofline/kernels/dispatch_tables/NVIDIA_H200.json > "$OUT/w4sweep.log" 2>&1; cp roofline/kernels/dispatch_tables/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+      --ms "${W4MS:-1,4,8,16,32,64}" --stages "${W4STAGES:-1,2}" --splits "${W4SPLITS:-none,1,2,4,8,16}" --table roofline/kernels/dispatch_tables/NVIDIA_H200.json > "$OUT/w4sweep.log" 2>&1; cp roofline/kernels/dispatch_tables/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
     echo "w4sweep rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/w4sweep.log" | grep -E "M=|WRONG|FAIL|Error|done|TB/s" | tail -45 | tee -a "$OUT/log"
     ;;
   w4decode)  # end to end, one process: bf16, INT4 with the mma kernel, INT4 with the Triton kernels
-    timeout ${DECODE_TIMEOUT:-300} bash -c "$(declare -f R); NEW=$NEW; R bench decode --model llama-3-8b --batch-sizes ${BATCHES:-1,8,64} --contexts 1k --quantization ${QUANTS:-none,int4} --int4-kernel mma,triton --out-dir $OUT" \
+    timeout ${DECODE_TIMEOUT:-300} bash -c "$(declare -f R); NEW=$NEW; R bench decode --model llama-3-8b --batch-sizes ${BATCHES:-1,8,64} --contexts 1k --quantization ${QUANTS:-none,int4} --int4-kernel ${INT4K:-mma,triton} --out-dir $OUT" \
       > "$OUT/w4decode.log" 2>&1
     echo "w4decode rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/w4decode.log" | grep -E "x$|^ +[0-9]|^model|rc|Error|measured" | tail -30 | tee -a "$OUT/log"
     ;;
