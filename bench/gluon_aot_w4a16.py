@@ -25,11 +25,11 @@ def compile_kernel(bm, bn, nw, pdl=0, stages=1):
     sig = {"X": "*bf16", "W": "*i32", "S": "*bf16", "Z": "*bf16", "Out": "*bf16", "Partials": "*fp32",
            "Counters": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_tiles_per_split": "i32", "SPLIT_K": "i32",
            "stride_xm": "i32", "stride_sg": "i32", "stride_om": "i32",
-           "BLOCK_M": "constexpr", "BN": "constexpr", "NUM_WARPS": "constexpr", "STAGES": "constexpr", "PDL": "constexpr"}
+           "BLOCK_M": "constexpr", "BN": "constexpr", "NUM_WARPS": "constexpr", "STAGES": "constexpr", "XPRE": "constexpr", "PDL": "constexpr"}
     names = list(sig)
     div = ["X", "W", "S", "Z", "Out", "Partials", "N", "K", "stride_xm", "stride_sg", "stride_om"]
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
-    consts = {"BLOCK_M": bm, "BN": bn, "NUM_WARPS": nw, "STAGES": stages, "PDL": pdl}
+    consts = {"BLOCK_M": bm, "BN": bn, "NUM_WARPS": nw, "STAGES": stages, "XPRE": int(bm <= 16), "PDL": pdl}
     fn = mod._w4a16_mma_kernel
     src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})

@@ -13,20 +13,36 @@ for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
   case "$step" in
   w4tests)  # the Gluon INT4 mma GEMM against float64, in a CUDA graph with PDL, through the layer dispatch
-    PYTHONPATH=$NEW timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/kernels/test_w4a16_mma.py \
+    PYTHONPATH=$NEW timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/kernels/test_w4a16_mma.py ${W4K:+-k "$W4K"} \
       2>&1 | tee "$OUT/w4tests.log" | grep -E "^E |passed|failed|error" | tail -25 | tee -a "$OUT/log"
     ;;
   w4sweep)  # per projection and M: mma tiles/splits vs the Triton INT4 path vs bf16 cuBLAS
     PYTHONPATH=$NEW timeout ${W4SWEEP_TIMEOUT:-240} python3 bench/gpu_w4a16_mma.py --out "$OUT/w4a16_mma.json" \
-      --ms "${W4MS:-1,4,8,16,32,64}" --table roofline/kernels/dispatch_tables/NVIDIA_H200.json > "$OUT/w4sweep.log" 2>&1; cp roofline/kernels/dispatch_tables/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+      --ms "${W4MS:-1,4,8,16,32,64}" --stages "${W4STAGES:-1,2}" --splits "${W4SPLITS:-none,1,2,4,8,16}" --table roofline/kernels/dispatch_tables/NVIDIA_H200.json > "$OUT/w4sweep.log" 2>&1; cp roofline/kernels/dispatch_tables/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
     echo "w4sweep rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/w4sweep.log" | grep -E "M=|WRONG|FAIL|Error|done|TB/s" | tail -45 | tee -a "$OUT/log"
     ;;
   w4decode)  # end to end, one process: bf16, INT4 with the mma kernel, INT4 with the Triton kernels
-    timeout ${DECODE_TIMEOUT:-300} bash -c "$(declare -f R); NEW=$NEW; R bench decode --model llama-3-8b --batch-sizes ${BATCHES:-1,8,64} --contexts 1k --quantization ${QUANTS:-none,int4} --int4-kernel mma,triton --out-dir $OUT" \
+    timeout ${DECODE_TIMEOUT:-300} bash -c "$(declare -f R); NEW=$NEW; R bench decode --model llama-3-8b --batch-sizes ${BATCHES:-1,8,64} --contexts 1k --quantization ${QUANTS:-none,int4} --int4-kernel ${INT4K:-mma,triton} --out-dir $OUT" \
       > "$OUT/w4decode.log" 2>&1
     echo "w4decode rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/w4decode.log" | grep -E "x$|^ +[0-9]|^model|rc|Error|measured" | tail -30 | tee -a "$OUT/log"
     ;;
   fa3) timeout 330 bash bench/gpu_fa3.sh 2>&1 | tail -40 | tee -a "$OUT/log" ;;
+  fa3quick) timeout ${FA3_TIMEOUT:-170} bash bench/gpu_fa3.sh quick 2>&1 | tail -40 | tee -a "$OUT/log" ;;
+  moedecode)  # decode at the MoE shapes (dummy weights, built on the GPU): fractions of the MoE floor
+    timeout ${MOE_DECODE_TIMEOUT:-170} bash -c "$(declare -f R); NEW=$NEW; R bench decode --model mixtral-8x7b --batch-sizes 1,64 --contexts 512 --steps 16 --out-dir $OUT" \
+      > "$OUT/moe-decode-mixtral.log" 2>&1; echo "decode mixtral rc $?" | tee -a "$OUT/log"
+    grep -vi warn "$OUT/moe-decode-mixtral.log" | grep -E "^model|^ +[0-9]|Error|floor" | tail -8 | tee -a "$OUT/log"
+    [ -n "${MOE_QWEN:-}" ] && { timeout 100 bash -c "$(declare -f R); NEW=$NEW; R bench decode --model qwen3-30b-a3b --batch-sizes 1,64 --contexts 512 --steps 16 --out-dir $OUT" \
+      > "$OUT/moe-decode-qwen3.log" 2>&1; echo "decode qwen3 rc $?" | tee -a "$OUT/log"
+      grep -vi warn "$OUT/moe-decode-qwen3.log" | grep -E "^model|^ +[0-9]|Error|floor" | tail -6 | tee -a "$OUT/log"; }
+    ;;
+  enginetests)  # the engine-level GPU tests on the default model (its GGUF carried in two parts, .model/smol.part.*)
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
+    cat .model/smol.part.* > /tmp/smol.gguf && sha256sum /tmp/smol.gguf | tee -a "$OUT/log"
+    ROOFLINE_TEST_GGUF=/tmp/smol.gguf PYTHONPATH=$NEW:/tmp/site timeout ${ENGINE_TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu --tb=short -rf -p no:cacheprovider \
+      ${ENGINE_TESTS:-tests/test_gpu_backends.py tests/test_prefix_cache.py tests/spec_decode} 2>&1 | tee "$OUT/enginetests.log" \
+      | grep -E "^E |passed|failed|error|FAILED" | tail -25 | tee -a "$OUT/log"
+    ;;
   moe) timeout 380 bash bench/gpu_moe.sh 2>&1 | tail -40 | tee -a "$OUT/log" ;;
   gputests)
     PYTHONPATH=$NEW timeout ${GPUTESTS_TIMEOUT:-420} python3 -m pytest -q -m gpu --continue-on-collection-errors --tb=line -rf -p no:cacheprovider ${GPUTESTS:-tests} 2>&1 | tee "$OUT/gputests.log" \

@@ -36,7 +36,10 @@ def main(argv=None):
     ap.add_argument("--ms", default="1,2,4,8,16,32,64")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--table", default=None, help="a dispatch table JSON to update with the int4_mma rows")
+    ap.add_argument("--table", default=None, help="a dispatch table JSON whose int4_mma rows for the measured (N, K, M) "
+                    "are replaced (rows of other M are kept)")
+    ap.add_argument("--stages", default="1,2", help="comma list of MmaConfig.stages to sweep (>= 3: the cp.async ring)")
+    ap.add_argument("--splits", default="none,1,2,4,8,16")
     args = ap.parse_args(argv)
 
     import torch
@@ -83,9 +86,9 @@ def main(argv=None):
             for bn, nw in TILES[bm]:
                 if n % bn:
                     continue
-                for stages in (1, 2):
+                for stages in [int(v) for v in args.stages.split(",")]:
                     for pre in ((True, False) if bm <= 16 else (False,)):
-                        for split in SPLITS:
+                        for split in [None if v == "none" else int(v) for v in args.splits.split(",")]:
                             cfg = MmaConfig(bm, bn, nw, stages, pre, split)
                             try:
                                 out = w4a16_mma_gemm(x, qm, p.scales, p.zeros, config=cfg)
@@ -123,8 +126,10 @@ def main(argv=None):
         triton=__import__("triton").__version__, read_bytes_per_s=bw, best=best, rows=rows), indent=1))
     if args.table:
         table = json.loads(Path(args.table).read_text()) if Path(args.table).is_file() else {}
-        table["int4_mma"] = [dict(n=b["n"], k=b["k"], m=b["m"], config=b["config"], us=b["us"],
-                                  triton_us=b["triton_us"]) for b in best]
+        fresh = {(b["n"], b["k"], b["m"]): dict(n=b["n"], k=b["k"], m=b["m"], config=b["config"], us=b["us"],
+                                                 triton_us=b["triton_us"]) for b in best}
+        kept = [r for r in table.get("int4_mma", []) if (r["n"], r["k"], r["m"]) not in fresh]  # other M buckets
+        table["int4_mma"] = sorted(kept + list(fresh.values()), key=lambda r: (r["n"], r["k"], r["m"]))
         Path(args.table).write_text(json.dumps(table, indent=1) + "\n")
         print(f"wrote {len(best)} int4_mma rows to {args.table}")
 

@@ -28,8 +28,8 @@ from roofline.kernels.prefill_attention import LOG2E, check_tree_mask, paged_pre
 
 logger = logging.getLogger(__name__)
 
-PREFILL_KERNEL_ENV = "ROOFLINE_PREFILL_KERNEL"  # "triton" (default) or "gluon"
-PREFILL_KERNELS = ("triton", "gluon")
+PREFILL_KERNEL_ENV = "ROOFLINE_PREFILL_KERNEL"  # "auto" (default: gluon on sm_90), "triton" or "gluon"
+PREFILL_KERNELS = ("auto", "triton", "gluon")
 GLUON_HEAD_DIMS = (64, 128)
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
 GLUON_VARIANTS = ("plain", "pipelined", "ws", "pingpong", "ws2", "persistent")
@@ -68,12 +68,14 @@ _logged: set[str] = set()
 
 
 def default_gluon_config(head_dim: int, block_size: int) -> dict:
-    """Tile sizes and kernel: BLOCK_M 128 (two warpgroups of 64 rows, 8 warps), BLOCK_N 128, a 2-stage K/V ring
-    (Q 32 KB + K/V 128 KB of shared memory at D 128), the "plain" kernel. Not yet tuned on the H200.
+    """Tile sizes and kernel: BLOCK_M 128 (two warpgroups of 64 rows, 8 warps + the loader warp), BLOCK_N 128, a
+    2-stage K/V ring (Q 32 KB + K/V 128 KB of shared memory at D 128), the warp-specialized "ws" kernel: the
+    fastest on the H200 (``bench/results/fa3-20261204/``, causal GQA 32/8 D 128, 4k/8k/16k: 0.82/0.85/0.84x SDPA
+    contiguous, 0.79/0.84/0.83x at block 16 where the Triton kernel reaches 0.59/0.64/0.63x).
     VARIANT (``roofline.kernels.gluon_prefill_kernels``): "plain" (TMA ring, one tile's QK, softmax, PV in
     turn), "pipelined" (QK and PV of consecutive tiles in flight during the softmax; meant for BLOCK_N 64 and
     3 stages), "ws" (pipelined consumers + a 1-warp TMA loader partition, ``WS_MAXNREG``)."""
-    return dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=2, num_warps=8, VARIANT="plain")
+    return dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=2, num_warps=8, VARIANT="ws")
 
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on sm_90 (H100/H200)
@@ -237,14 +239,19 @@ def _num_sms(device: torch.device) -> int:
 
 def choose_prefill_kernel(requested: str | None = None) -> Callable[..., torch.Tensor]:
     """The prefill entry point a backend uses, decided once at backend init: ``requested`` or the
-    ``ROOFLINE_PREFILL_KERNEL`` environment variable, "triton" (default) or "gluon".
+    ``ROOFLINE_PREFILL_KERNEL`` environment variable: "auto" (default: "gluon" where the current CUDA device is
+    sm_90 and Gluon imports, else "triton"), "triton" or "gluon" (which still falls back per call, logged, where
+    the Gluon kernel does not apply).
 
     Raises:
         ValueError: a name outside ``PREFILL_KERNELS`` (names the allowed ones).
     """
-    name = requested if requested is not None else os.environ.get(PREFILL_KERNEL_ENV, "triton")
+    name = requested if requested is not None else os.environ.get(PREFILL_KERNEL_ENV, "auto")
     if name not in PREFILL_KERNELS:
         raise ValueError(f"{PREFILL_KERNEL_ENV}={name!r}: the prefill kernel must be one of {PREFILL_KERNELS}")
+    if name == "auto":
+        hopper = gl is not None and torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+        name = "gluon" if hopper else "triton"
     if name == "gluon":
         logger.info("prefill attention: Gluon sm_90 kernel where it applies (%s=gluon)", PREFILL_KERNEL_ENV)
         return gluon_prefill_attention

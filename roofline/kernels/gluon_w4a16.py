@@ -33,7 +33,7 @@ from __future__ import annotations
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.ampere import mma_v2
+    from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 except ImportError:  # pragma: no cover - Triton without Gluon
     gluon = None
 
@@ -107,7 +107,8 @@ if gluon is not None:
         BLOCK_M: gl.constexpr, BN: gl.constexpr, NUM_WARPS: gl.constexpr, STAGES: gl.constexpr = 1,
         XPRE: gl.constexpr = 1, PDL: gl.constexpr = 0,
     ):
-        # STAGES: how many k-tiles of weights are in flight per thread (1 or 2); XPRE: x (the B operand) loaded
+        # STAGES: k-tiles of weights in flight per thread: 1 or 2 in registers, >= 3 through a cp.async ring in
+        # shared memory (STAGES - 1 ahead); XPRE: x (the B operand) loaded
         # one tile ahead too (its registers spill at BLOCK_M > 16). PDL (roofline.kernels.pdl): 0 off; 1 wait for the previous kernel once the first weight tile is in
         # flight (the weights never depend on it; x does), then release the next kernel; 2 release after the loop.
         # out^T [N, M] = W [N, K] @ x^T [K, M] ("swap AB": the weights are the MMA's A operand, 16 output
@@ -159,7 +160,19 @@ if gluon is not None:
         # Everything tile kt needs is loaded one iteration ahead (the words STAGES ahead), so no load in the loop
         # is waited on in the iteration that issues it. Weights, scales and zeros never depend on the previous
         # kernel: they are issued before the PDL wait; x after it.
-        w_next = gl.load(W + kt_start.to(gl.int64) * tile_words + w_off)
+        if STAGES >= 3:
+            # A ring of STAGES k-tiles of words in shared memory, filled by cp.async (LDGSTS) STAGES - 1 tiles
+            # ahead. Each thread reads back exactly the 16-byte chunks it copied (same layout both ways), so its
+            # own cp.async.wait_group is the only synchronization a slot needs.
+            ring_layout: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [4, 3, 2, 1, 0])
+            ring = gl.allocate_shared_memory(gl.int32, [STAGES, C, 2, 8, 4, 4], ring_layout)
+            for i in gl.static_range(STAGES - 1):
+                kt_i = gl.minimum(kt_start + i, kt_end - 1)
+                async_copy.async_copy_global_to_shared(ring.index(i), W + kt_i.to(gl.int64) * tile_words + w_off)
+                async_copy.commit_group()
+            w_next = gl.zeros([C, 2, 8, 4, 4], gl.int32, w_layout)  # unused on this path
+        else:
+            w_next = gl.load(W + kt_start.to(gl.int64) * tile_words + w_off)
         w_next2 = w_next
         if STAGES == 2:
             w_next2 = gl.load(W + gl.minimum(kt_start + 1, kt_end - 1).to(gl.int64) * tile_words + w_off)
@@ -169,13 +182,28 @@ if gluon is not None:
             _gdc_wait()
             if PDL == 1:
                 _gdc_launch_dependents()
-        xk = x_cols + kt_start * 128
-        x0n = gl.load(xk, mask=bmask & XPRE, other=0.0)
-        x1n = gl.load(xk + 32, mask=bmask & XPRE, other=0.0)
-        x2n = gl.load(xk + 64, mask=bmask & XPRE, other=0.0)
-        x3n = gl.load(xk + 96, mask=bmask & XPRE, other=0.0)
+        if XPRE:
+            xk = x_cols + kt_start * 128
+            x0n = gl.load(xk, mask=bmask, other=0.0)
+            x1n = gl.load(xk + 32, mask=bmask, other=0.0)
+            x2n = gl.load(xk + 64, mask=bmask, other=0.0)
+            x3n = gl.load(xk + 96, mask=bmask, other=0.0)
+        else:  # loop-carried but unused
+            x0n = gl.zeros([32, BLOCK_M], gl.bfloat16, b_layout)
+            x1n = x0n
+            x2n = x0n
+            x3n = x0n
         for kt in range(kt_start, kt_end):
-            words = w_next
+            if STAGES >= 3:
+                j = kt - kt_start
+                async_copy.wait_group(STAGES - 2)  # tile j has landed (S - 1 + j groups committed so far)
+                words = ring.index(j % STAGES).load(w_layout)
+                kf = gl.minimum(kt + STAGES - 1, kt_end - 1)  # into the slot read in the previous iteration
+                async_copy.async_copy_global_to_shared(ring.index((j + STAGES - 1) % STAGES),
+                                                       W + kf.to(gl.int64) * tile_words + w_off)
+                async_copy.commit_group()
+            else:
+                words = w_next
             z = z_next.to(gl.float32)
             s = s_next.to(gl.float32)
             if XPRE:
@@ -190,7 +218,7 @@ if gluon is not None:
             if STAGES == 2:
                 w_next = w_next2
                 w_next2 = gl.load(W + gl.minimum(kt + 2, kt_end - 1).to(gl.int64) * tile_words + w_off)
-            else:
+            elif STAGES == 1:
                 w_next = gl.load(W + kn.to(gl.int64) * tile_words + w_off)
             z_next = gl.load(Z + kn * stride_sg + offs_zn)
             s_next = gl.load(S + kn * stride_sg + offs_sn)
@@ -211,6 +239,8 @@ if gluon is not None:
             accg = mma_v2(_a_fragment(gl.convert_layout(w2, q_layout, assert_trivial=True), zz, BN, a_layout), x2, accg)
             accg = mma_v2(_a_fragment(gl.convert_layout(w3, q_layout, assert_trivial=True), zz, BN, a_layout), x3, accg)
             acc += accg * s[:, None]
+        if STAGES >= 3:
+            async_copy.wait_group(0)  # the clamped copies of the last iterations
         if PDL == 2:
             _gdc_launch_dependents()
 

@@ -27,7 +27,8 @@ MMA_MAX_M = 64  # rows of x one launch takes (BLOCK_M <= 64)
 
 class MmaConfig(NamedTuple):
     """A launch configuration: rows of x per program (a multiple of 8), output channels per program (a multiple
-    of 16 * num_warps), k-tiles of weights in flight per thread (1, 2), x prefetched a tile ahead, K splits
+    of 16 * num_warps), k-tiles of weights in flight per thread (1 or 2 prefetched in registers; 3 or more: a
+    cp.async ring of that many tiles in shared memory, 8 KB each at BN 128), x prefetched a tile ahead, K splits
     (None: by the grid, ``quant_gemm.choose_split_k``)."""
 
     block_m: int

@@ -173,12 +173,15 @@ def test_gluon_wrapper_falls_back_off_hopper():
 
 def test_choose_prefill_kernel(monkeypatch):
     monkeypatch.delenv("ROOFLINE_PREFILL_KERNEL", raising=False)
-    assert choose_prefill_kernel() is paged_prefill_attention  # off by default
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
+    # "auto" (the default): the Gluon kernel on sm_90 only
+    assert choose_prefill_kernel() is (gluon_prefill_attention if hopper else paged_prefill_attention)
+    assert choose_prefill_kernel("triton") is paged_prefill_attention
     assert choose_prefill_kernel("gluon") is gluon_prefill_attention
     monkeypatch.setenv("ROOFLINE_PREFILL_KERNEL", "gluon")
     assert choose_prefill_kernel() is gluon_prefill_attention
     monkeypatch.setenv("ROOFLINE_PREFILL_KERNEL", "fa3")
-    with pytest.raises(ValueError, match=r"'fa3'.*one of \('triton', 'gluon'\)"):
+    with pytest.raises(ValueError, match=r"'fa3'.*one of \('auto', 'triton', 'gluon'\)"):
         choose_prefill_kernel()
 
 

@@ -131,7 +131,7 @@ def test_gpu_mma_gemm_matches_float64(m, n, k):
     ref = _oracle(x, p)
     tiles = {pick_tile(m)} | {c for _, c in DEFAULT_TILES if c.block_m >= m and n % c.block_n == 0}
     for tile in tiles:
-        for stages in (1, 2):
+        for stages in (1, 2, 4):
             for prefetch_x in ((True, False) if tile.block_m <= 16 else (False,)):
                 for split in (1, 2, 3, None):
                     cfg = tile._replace(stages=stages, prefetch_x=prefetch_x, split_k=split)
