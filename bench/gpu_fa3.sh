@@ -65,7 +65,7 @@ if [ "${1:-}" = quick ]; then
   timeout $(left 148) python3 -m pytest -v --tb=short -rf -p no:cacheprovider tests/kernels/test_gluon_prefill.py \
     -k "$KEXPR" > "$OUT/tests_quick.log" 2>&1
   echo "rc $? at $((SECONDS - T0)) s" | tee -a "$OUT/log"
-  grep -E "^(FAILED|ERROR)|^E  " "$OUT/tests_quick.log" | head -30 | tee -a "$OUT/log"
+  grep -E "^(FAILED|ERROR)|^E  " "$OUT/tests_quick.log" | head -12 | tee -a "$OUT/log"
   echo "passed $(grep -c PASSED "$OUT/tests_quick.log") failed $(grep -c FAILED "$OUT/tests_quick.log")" \
     | tee -a "$OUT/log"
   tail -2 "$OUT/tests_quick.log" | tee -a "$OUT/log"  # the last test started, if it was cut off
