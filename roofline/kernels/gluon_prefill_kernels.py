@@ -61,15 +61,7 @@ def _issue_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, tile,
                    PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
                    NUM_STAGES: gl.constexpr):
     """TMA copies of K and V tile ``tile`` (keys tile * BLOCK_N ...) into ring stage tile % NUM_STAGES."""
-    _issue_kv_slot(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, tile, tile, seq_len, kv_col,
-                   PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
-
-
-@gluon.jit
-def _issue_kv_slot(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, tile, slot, seq_len, kv_col,
-                   PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
-    """As ``_issue_kv_tile`` into ring stage slot % NUM_STAGES (a persistent kernel's ring runs on across items)."""
-    stage = slot % NUM_STAGES
+    stage = tile % NUM_STAGES
     k_dst = k_smem.index(stage)
     v_dst = v_smem.index(stage)
     k_bar = k_bars.index(stage)
@@ -546,8 +538,47 @@ def gluon_prefill_kernel_ws(
 # exit). Ids 14 / 15: Triton's own partition barriers (gl.thread_barrier in a partition) use low ids.
 # Registers: the launch passes maxnreg=168 (3 warpgroups x 128 threads x 168 = 64512 of the 65536-entry file);
 # the partitions' setmaxnreg budgets are 240 (each consumer warpgroup) and 24 (the loader).
-# The ring's empty barriers count 2 arrivals per stage (one per warpgroup). _zero_v_tail runs in both
+# The ring's empty barriers count 2 arrivals per stage (one per warpgroup), separately for K (released once the
+# QK product landed) and V (once the PV product landed), as FA3's two pipelines. _zero_v_tail runs in both
 # warpgroups on the last tile: both write the same zeros (benign), each before its own PV product.
+
+
+@gluon.jit
+def _issue_one(desc, smem, bars, bt_row, tile, slot, seq_len, kv_col, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr,
+               BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """TMA copies of one operand (K or V) of tile ``tile`` into ring stage slot % NUM_STAGES."""
+    stage = slot % NUM_STAGES
+    dst = smem.index(stage)
+    bar = bars.index(stage)
+    mbarrier.expect(bar, BLOCK_N * desc.block_type.shape[1] * desc.dtype.primitive_bitwidth // 8)
+    start_n = tile * BLOCK_N
+    last_block = (seq_len - 1) // PAGE  # block-table entries past the sequence may be garbage: clamp
+    for c in gl.static_range(BLOCK_N // PAGE_ROWS):
+        key = start_n + c * PAGE_ROWS
+        page = gl.load(bt_row + gl.minimum(key // PAGE, last_block))
+        tma.async_copy_global_to_shared(desc, [page * PAGE + key % PAGE, kv_col], bar,
+                                        dst.slice(c * PAGE_ROWS, PAGE_ROWS))
+
+
+@gluon.jit
+def _pp_issue_tile(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, bt_row, tile, slot, seq_len, kv_col,
+                   PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    """Loader side of the split K / V ring: K of ``tile`` once both warpgroups released the stage's K (their QK
+    product landed: empty_bars[stage]), V once they released its V (PV landed: empty_bars[NUM_STAGES + stage])."""
+    stage = slot % NUM_STAGES
+    parity = ((slot // NUM_STAGES) & 1) ^ 1  # barriers start in phase 0: parity 1 passes at once (empty ring)
+    mbarrier.wait(empty_bars.index(stage), parity)
+    _issue_one(k_desc, k_smem, k_bars, bt_row, tile, slot, seq_len, kv_col, PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
+    mbarrier.wait(empty_bars.index(NUM_STAGES + stage), parity)
+    _issue_one(v_desc, v_smem, v_bars, bt_row, tile, slot, seq_len, kv_col, PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
+
+
+@gluon.jit
+def _pp_loader(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, bt_row, n_tiles, seq_len, kv_col,
+               PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr):
+    for tile in range(0, n_tiles):
+        _pp_issue_tile(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, bt_row, tile, tile, seq_len,
+                       kv_col, PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
 
 
 @gluon.jit
@@ -594,13 +625,15 @@ def _pp_step(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, tile, seq_len, 
     if PINGPONG:
         _pp_hand_over(WG)
     s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+    gl.thread_barrier()  # this warpgroup's 4 warps are done with K of stage `stage`: the loader may refill it
+    mbarrier.arrive(empty_bars.index(stage), count=1)
     p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, tile, offs_m_pos, seq_len, scale_log2e, tree_bits, tree_start,
                                        MASKED, TREE, BLOCK_N, s_layout)
     p_op = gl.convert_layout(p.to(dtype), gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2))
     acc, p_prev = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_prev))
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-    gl.thread_barrier()  # this warpgroup's 4 warps are done with stage prev
-    mbarrier.arrive(empty_bars.index(prev), count=1)
+    gl.thread_barrier()  # ... and with V of stage prev
+    mbarrier.arrive(empty_bars.index(NUM_STAGES + prev), count=1)
     return acc, m_i, l_i, p_op
 
 
@@ -638,6 +671,8 @@ def _pp_consumer(q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out,
     if PINGPONG:
         _pp_hand_over(WG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    gl.thread_barrier()
+    mbarrier.arrive(empty_bars.index(0), count=1)  # K of stage 0 consumed
     if n_full > 0:
         p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, offs_m_pos, seq_len, scale_log2e, tree_bits, tree_start,
                                            False, TREE, BLOCK_N, s_layout)
@@ -724,12 +759,15 @@ def gluon_prefill_kernel_pingpong(
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
         v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-        empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        # empty_bars[stage]: K of the stage free, empty_bars[NUM_STAGES + stage]: its V free (FA3's separate K / V
+        # pipelines: K of tile j + NUM_STAGES loads once QK_j landed, before PV_j is done)
+        empty_bars = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
         for i in gl.static_range(NUM_STAGES):
             mbarrier.init(k_bars.index(i), count=1)
             mbarrier.init(v_bars.index(i), count=1)
             mbarrier.init(empty_bars.index(i), count=2)  # one arrival per consumer warpgroup
+            mbarrier.init(empty_bars.index(NUM_STAGES + i), count=2)
         fence_async_shared()
 
         n_full = (ctx + m0 + 1) // BLOCK_N
@@ -749,7 +787,7 @@ def gluon_prefill_kernel_pingpong(
             (_pp_consumer1, (q_smem, k_smem, v_smem, k_bars, v_bars, empty_bars, q_bar, Out, n_full, n_tiles, seq_len, ctx,
                              m0, q_start, q_len, head, stride_ot, stride_oh, scale_log2e, tree_row, tree_start,
                              PINGPONG, TREE, HEAD_DIM, BLOCK_N, NUM_STAGES)),
-            (_ws_loader, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, bt_row, n_tiles, seq_len,
+            (_pp_loader, (k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, bt_row, n_tiles, seq_len,
                           kv_col, PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)),
         ], [4, 1], [240, 24])
 
@@ -802,10 +840,8 @@ def _persist_loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_full, q_em
             bt_row = BlockTables + seq.to(gl.int64) * stride_bt
             kv_col = (head // GROUP) * HEAD_DIM
             for tile in range(0, n_tiles):
-                slot = ring + tile
-                mbarrier.wait(empty_bars.index(slot % NUM_STAGES), ((slot // NUM_STAGES) & 1) ^ 1)
-                _issue_kv_slot(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, tile, slot, seq_len, kv_col,
-                               PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
+                _pp_issue_tile(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, empty_bars, bt_row, tile, ring + tile,
+                               seq_len, kv_col, PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
             ring += n_tiles
             n_done += 1
 
@@ -853,6 +889,8 @@ def _persist_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_bars, v_bars, e
             s = warpgroup_mma(q_half, k_smem.index(stage0).permute((1, 0)), s, use_acc=False, is_async=True)
             _pp_hand_over(WG)
             s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+            gl.thread_barrier()
+            mbarrier.arrive(empty_bars.index(stage0), count=1)  # K of this stage consumed
             if n_full > 0:
                 p, m_i, l_i, alpha = _softmax_step(s, m_i, l_i, 0, offs_m_pos, seq_len, scale_log2e, tree_bits,
                                                    tree_start, False, TREE, BLOCK_N, s_layout)
@@ -883,7 +921,7 @@ def _persist_consumer(q_smem, k_smem, v_smem, q_full, q_empty, k_bars, v_bars, e
             _pp_hand_over(WG)
             acc, p_op = warpgroup_mma_wait(num_outstanding=0, deps=(acc, p_op))
             gl.thread_barrier()
-            mbarrier.arrive(empty_bars.index(last % NUM_STAGES), count=1)
+            mbarrier.arrive(empty_bars.index(NUM_STAGES + last % NUM_STAGES), count=1)  # V consumed
 
             l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
             out = acc / l_o[:, None]
@@ -935,13 +973,14 @@ def gluon_prefill_kernel_persistent(
     q_empty = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
     v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
-    empty_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+    empty_bars = gl.allocate_shared_memory(gl.int64, [2 * NUM_STAGES, 1], mbarrier.MBarrierLayout())  # K, V
     mbarrier.init(q_full, count=1)
     mbarrier.init(q_empty, count=2)  # one arrival per consumer warpgroup
     for i in gl.static_range(NUM_STAGES):
         mbarrier.init(k_bars.index(i), count=1)
         mbarrier.init(v_bars.index(i), count=1)
         mbarrier.init(empty_bars.index(i), count=2)
+        mbarrier.init(empty_bars.index(NUM_STAGES + i), count=2)
     fence_async_shared()
     gl.warp_specialize([
         (_persist_consumer0, (q_smem, k_smem, v_smem, q_full, q_empty, k_bars, v_bars, empty_bars, Out,
