@@ -10,9 +10,8 @@ head_dim 64 or 128, any block_size that is a power of two >= 16 (a tile of BLOCK
 block_size TMA copies when block_size < BLOCK_N); a ``tree_mask`` only with the warp-specialized variants
 (``TREE_VARIANTS``). Anything else runs the Triton kernel, with one log line per reason.
 
-Off by default until an H200 run shows it exact and faster: the Triton backend picks it when
-``ROOFLINE_PREFILL_KERNEL=gluon`` (``PREFILL_KERNEL_ENV``) is set at backend init
-(``choose_prefill_kernel``).
+The Triton backend picks it at init (``choose_prefill_kernel``): ``ROOFLINE_PREFILL_KERNEL``
+(``PREFILL_KERNEL_ENV``) "auto" (the default: Gluon on sm_90), "gluon" or "triton".
 """
 
 from __future__ import annotations
