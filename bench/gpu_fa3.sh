@@ -21,30 +21,32 @@ mkdir -p "$OUT"
 
 if [ "${1:-}" = quick ]; then
   # Round 2 (<= 150 s in all, each step under `timeout` and a shared deadline; a hang or failure of one variant
-  # does not stop the others): smoke of the new kinds (pp = pingpong, ws2, pst = persistent), one process each;
-  # the benchmark of
-  # the variants that passed + ws n128 s2 + Triton + SDPA at 4k/8k/16k, contiguous and paged 16 (a bench that
-  # times out is rerun without the variant it hung in); the GPU tests of the new variants and the tree mask.
+  # does not stop the others): smoke of ws n128 s2 (main's default) and the new kinds (pp = pingpong, ws2,
+  # pst = persistent), one process each; the benchmark of the variants that passed + Triton + SDPA at
+  # 4k/8k/16k, contiguous and paged 16 (a bench that times out is rerun without the variant it hung in); the GPU
+  # tests of the new variants and the tree mask (tree tests first).
   T0=$SECONDS
   left() { local l=$((${1} - (SECONDS - T0))); [ $l -lt 5 ] && l=5; echo $l; }  # seconds to deadline ${1}
   echo "=== quick 0 smoke $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
-  GOOD="gluon_ws_n128_s2"
-  for kind in pp ws2 pst; do
+  GOOD=""
+  for kind in ws pp ws2 pst; do
     case $kind in  # names of gpu_fa3_bench.GLUON_VARIANTS, spelled out (a python lookup costs a torch import)
+      ws) names="gluon_ws_n128_s2";;  # main's default: round 2 changed its kernel (tree mask arguments)
       pp) names="gluon_pp_n128_s2 gluon_pp_n64_s3 gluon_pp_n128_s3";; ws2) names="gluon_ws2_n128_s2";;
       pst) names="gluon_pst_n128_s2";;
     esac
-    timeout $(left $(case $kind in pp) echo 30;; ws2) echo 44;; *) echo 58;; esac)) python3 bench/gpu_fa3_smoke.py $names \
+    timeout $(left $(case $kind in ws) echo 25;; pp) echo 47;; ws2) echo 59;; *) echo 71;; esac)) python3 bench/gpu_fa3_smoke.py $names \
       > "$OUT/smoke_$kind.log" 2>&1
     echo "smoke $kind rc $? at $((SECONDS - T0)) s" | tee -a "$OUT/log"
     grep -E "^(smoke|start|PASS|FAIL)|Error" "$OUT/smoke_$kind.log" | tail -12 | tee -a "$OUT/log"
     for v in $(grep "^PASS " "$OUT/smoke_$kind.log" | cut -d" " -f2); do GOOD="$GOOD,$v"; done
   done
+  GOOD=${GOOD#,}
   echo "variants that passed: $GOOD" | tee -a "$OUT/log"
   echo "=== quick 1 bench $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
   VARS=$GOOD
   for attempt in 1 2; do
-    timeout $(left $((80 + 25 * attempt))) python3 bench/gpu_fa3_bench.py --out "$OUT/fa3_bench_quick$attempt.json" --variants "$VARS" \
+    timeout $(left $((86 + 22 * attempt))) python3 bench/gpu_fa3_bench.py --out "$OUT/fa3_bench_quick$attempt.json" --variants "$VARS" \
       --layouts contig,paged16 > "$OUT/bench_quick$attempt.log" 2>&1
     rc=$?
     echo "bench attempt $attempt rc $rc at $((SECONDS - T0)) s" | tee -a "$OUT/log"
@@ -61,6 +63,7 @@ if [ "${1:-}" = quick ]; then
   echo ",$GOOD," | grep -q ",gluon_pp_n128_s2," || KEXPR="($KEXPR) and not pingpong"
   echo ",$GOOD," | grep -q ",gluon_ws2_n128_s2," || KEXPR="($KEXPR) and not ws2"
   echo ",$GOOD," | grep -q ",gluon_pst_n128_s2," || KEXPR="($KEXPR) and not persistent"
+  echo ",$GOOD," | grep -q ",gluon_ws_n128_s2," || KEXPR="($KEXPR) and not ws-"
   echo "pytest -k \"$KEXPR\"" | tee -a "$OUT/log"
   timeout $(left 148) python3 -m pytest -v --tb=short -rf -p no:cacheprovider tests/kernels/test_gluon_prefill.py \
     -k "$KEXPR" > "$OUT/tests_quick.log" 2>&1
