@@ -63,7 +63,7 @@ if [ "${1:-}" = quick ]; then
   echo ",$GOOD," | grep -q ",gluon_pp_n128_s2," || KEXPR="($KEXPR) and not pingpong"
   echo ",$GOOD," | grep -q ",gluon_ws2_n128_s2," || KEXPR="($KEXPR) and not ws2"
   echo ",$GOOD," | grep -q ",gluon_pst_n128_s2," || KEXPR="($KEXPR) and not persistent"
-  echo ",$GOOD," | grep -q ",gluon_ws_n128_s2," || KEXPR="($KEXPR) and not ws-"
+  echo ",$GOOD," | grep -q ",gluon_ws_n128_s2," || KEXPR="($KEXPR) and not ws_tree"
   echo "pytest -k \"$KEXPR\"" | tee -a "$OUT/log"
   timeout $(left 148) python3 -m pytest -v --tb=short -rf -p no:cacheprovider tests/kernels/test_gluon_prefill.py \
     -k "$KEXPR" > "$OUT/tests_quick.log" 2>&1

@@ -227,7 +227,8 @@ def _random_tree_mask(q_lens, width, seed):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
-@pytest.mark.parametrize("variant", ["ws", "pingpong", "ws2", "persistent"])
+@pytest.mark.parametrize("variant", ["ws", "pingpong", "ws2", "persistent"],
+                         ids=["ws_tree", "pingpong", "ws2", "persistent"])  # "ws_tree": no substring of "ws2"
 @pytest.mark.parametrize("block_size,width", [(16, 64), (128, 37)])
 def test_gluon_tree_mask(block_size, width, variant):
     """Tree verification in the Gluon kernels (no fallback): random ancestor masks over a cached prefix, trees of
