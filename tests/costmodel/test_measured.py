@@ -184,8 +184,9 @@ def test_worker_floor_counts_int4_codes_scales_zeros_once(tmp_path):
               "intermediate_size": inter, "num_hidden_layers": layers, "num_attention_heads": heads,
               "num_key_value_heads": kv_heads, "max_position_embeddings": 512, "tie_word_embeddings": False}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    w = LLM(str(tmp_path), load_format="dummy", device="cpu", attention_backend="torch", dtype="float32",
-            quantization="int4", max_model_len=64, num_kv_blocks=8).engine.worker
+    llm = LLM(str(tmp_path), load_format="dummy", device="cpu", attention_backend="torch", dtype="float32",
+              quantization="int4", max_model_len=64, num_kv_blocks=8)
+    w = llm.engine.worker
     d = hidden // heads
     shapes = [((heads + 2 * kv_heads) * d, hidden), (hidden, heads * d), (2 * inter, hidden), (hidden, inter)]
     g = 128
@@ -197,3 +198,17 @@ def test_worker_floor_counts_int4_codes_scales_zeros_once(tmp_path):
     layer = next(m for m in w.model.modules() if hasattr(m, "int4_group_size"))
     layer.register_buffer("qweight_mma", torch.zeros(1 << 16, dtype=torch.int32), persistent=False)
     assert w.weight_bytes_per_step == before
+    # the run summary's floor is this format's: its bytes, named
+    from roofline import SamplingParams
+
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True),
+                 use_tqdm=False)
+    rep = llm.decode_floor(hardware="h200")
+    assert rep["memory_floor_s"] >= before / 4.8e12
+    assert f"for int4 weights, {before / 1e9:.2f} GB per step" in rep["text"]
+
+
+def test_floor_text_names_the_format_and_its_bytes():
+    r = cm.decode_floor_report(4_758_970_368, 0.0, 0.0, 4.383e12, None, 2.633e-3, weights="int4")
+    assert r["text"] == "decode step 2.6 ms, floor 1.1 ms for int4 weights, 4.76 GB per step (41% of floor)"
+    assert r["fraction_of_floor"] == pytest.approx(4_758_970_368 / 4.383e12 / 2.633e-3)
