@@ -185,8 +185,9 @@ def format_parallel(par: dict[str, Any]) -> list[str]:
 
 def format_quantization(sec: dict[str, Any], hw_name: str, bandwidth: float) -> list[str]:
     """The readable lines of a :func:`build_quantization` artifact: bound beside predicted (measured kernels)."""
-    lines = [f"per --quantization, context {sec['context']}, KV {sec['kv_dtype']}: bound = the engine's bytes per step "
-             f"(codes + scales + zeros; LM head, norms, embedding rows 16-bit) at {bandwidth / 1e12:.3f} TB/s ({hw_name})"]
+    lines = [f"per --quantization, one GPU, context {sec['context']}, KV {sec['kv_dtype']}: bound = the engine's bytes "
+             f"per step (codes + scales + zeros; LM head, norms, embedding rows 16-bit) at {bandwidth / 1e12:.3f} TB/s "
+             f"({hw_name})"]
     if sec["device"] is not None:
         lines.append(f"predicted (measured kernels) = each projection's dispatched kernel measured on the {sec['device']} "
                      "at M = batch + the rest of a measured bf16 step (step minus its projection kernels);")
