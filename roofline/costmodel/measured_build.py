@@ -42,7 +42,6 @@ H200_SOURCES = {
 H200_MODEL = {"name": "llama-3-8b", "num_layers": 32, "vocab_size": 128256,
               "projections": {"qkv": [6144, 4096], "o": [4096, 4096], "gate_up": [28672, 4096],
                               "down": [4096, 14336]}}
-KV_BYTES_PER_TOKEN_BF16 = 131072  # llama-3-8b: 2 x 32 layers x 8 KV heads x 128 x 2 bytes
 
 
 def _row(rows: list[dict], n: int, k: int, **match: Any) -> dict:
@@ -121,7 +120,7 @@ def build_table(sources: dict[str, str], model: dict[str, Any], root: Path = ROO
             "source": f"{sources['decode_run']} (bench decode, commit {run['git_commit'][:7]}, {run['date'][:10]}): "
                       "bf16 decode steps",
             "quantization": "none", "context": context, "kv_cache_dtype": "auto",
-            "kv_bytes_per_sequence": KV_BYTES_PER_TOKEN_BF16 * context,
+            "kv_bytes_per_sequence": run["kv_formats"][bf16[0]["config"]]["kv_bytes_per_token"] * context,
             "read_bandwidth_bytes_per_s": run["read_bandwidth_bytes_per_s"],
             "steps": [[r["batch"], r["step_ms"] * 1e-3] for r in bf16],
         },
