@@ -85,6 +85,11 @@ class SpeculativeConfig:
                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config adaptive must be true or false, got {self.adaptive!r}")
+        if self.method not in LEARNED_HEAD_METHODS:
+            for name in ("tree_topk", "tree_budget"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config {name} applies to methods {' and '.join(LEARNED_HEAD_METHODS)}"
+                                     f" (token trees), not {self.method!r}")
         if self.method == "ngram":
             if self.prompt_lookup_min is None:
                 object.__setattr__(self, "prompt_lookup_min", 2)
@@ -100,11 +105,6 @@ class SpeculativeConfig:
                 if getattr(self, name) is not None:
                     raise ValueError(f"speculative_config {name} applies to method 'draft_model', not 'ngram'")
             return
-        if self.method not in LEARNED_HEAD_METHODS:
-            for name in ("tree_topk", "tree_budget"):
-                if getattr(self, name) is not None:
-                    raise ValueError(f"speculative_config {name} applies to methods {' and '.join(LEARNED_HEAD_METHODS)}"
-                                     f" (token trees), not {self.method!r}")
         if self.method in LEARNED_HEAD_METHODS:
             for name in ("prompt_lookup_min", "prompt_lookup_max", "quantization", "num_layers"):
                 if getattr(self, name) is not None:
