@@ -114,10 +114,16 @@ def check_tree_backend(spec: Any, worker: Any) -> int:
 
     Raises:
         ValueError: a tree on a backend without ``supports_tree_mask`` (names the backend)."""
+    from roofline.distributed.parallel_state import get_tp_size
+
     topk = getattr(spec, "tree_topk", None) or 0
     if topk and not worker.backend.supports_tree_mask:
         raise ValueError(f"speculative_config tree_topk needs an attention backend that applies tree masks; the "
                          f"{worker.backend.name} backend does not (drop tree_topk for a chain)")
+    if topk and (get_tp_size() > 1 or worker.pp.pp_size > 1):
+        # A tree's acceptance walk draws on the host; ranks and stages would each draw their own.
+        raise ValueError(f"speculative_config tree_topk runs on one device (tensor and pipeline parallel size 1), "
+                         f"got tensor {get_tp_size()} and pipeline {worker.pp.pp_size}; drop tree_topk for a chain")
     return topk
 
 
@@ -244,7 +250,7 @@ class EagleProposer(AutoregressiveProposer):
         ancestors only. Positions from n - 1 on are recomputed from the target's features next step."""
         if not self.tree_topk:
             return super().propose_draft_token_ids(worker, rows, num_drafts)
-        from roofline.spec_decode.tree import DraftTree, select_nodes
+        from roofline.spec_decode.tree import DraftTree, place_tree, select_nodes
 
         batch, k, depth_max = worker.input_batch, self.tree_topk, self.spec_config.num_speculative_tokens
         n = batch.num_tokens[rows].copy()
@@ -304,8 +310,7 @@ class EagleProposer(AutoregressiveProposer):
         for i, r in enumerate(rows.tolist()):
             c = cands[i]
             tree, _ = select_nodes(c["parent"], c["token"], c["score"], c["depth"], int(num_drafts[i]))
-            batch.token_ids[r, n[i]:n[i] + len(tree)] = tree.tokens
-            worker.inputs.trees[r] = tree
+            place_tree(worker, r, tree, int(num_drafts[i]))
         return {}
 
     def _forward_tree(self, worker: Any, rows: np.ndarray, n: np.ndarray, trees: list[Any],

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 from roofline.spec_decode.draft_proposers import AutoregressiveProposer
 from roofline.spec_decode.eagle import FeatureStore, check_tree_backend, resolve_head
-from roofline.spec_decode.tree import best_first_tree
+from roofline.spec_decode.tree import best_first_tree, place_tree
 
 
 class MedusaProposer(AutoregressiveProposer):
@@ -77,9 +77,7 @@ class MedusaProposer(AutoregressiveProposer):
         tok = top.indices.view(len(rows), depth, -1).cpu().numpy()
         val = top.values.view(len(rows), depth, -1).cpu().numpy()
         for i, r in enumerate(rows.tolist()):
-            tree = best_first_tree(tok[i], val[i], int(num_drafts[i]))
-            batch.token_ids[r, n[i]:n[i] + len(tree)] = tree.tokens
-            worker.inputs.trees[r] = tree
+            place_tree(worker, r, best_first_tree(tok[i], val[i], int(num_drafts[i])), int(num_drafts[i]))
         return {}
 
     def draft_logits(self, worker: Any, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:

@@ -215,6 +215,32 @@ def walk(tree: DraftTree, child_p: np.ndarray, argmax: np.ndarray, greedy: bool,
         node = nxt
 
 
+def residual_sample(probs: torch.Tensor, rejected: list[int], generator: torch.Generator | None = None) -> int:
+    """One token from ``probs`` [V] with the ``rejected`` tokens removed (renormalized: an exponential race,
+    ``argmax(r / E)``), the last draw of recursive rejection; ``probs`` itself when nothing is left (the
+    rejected children held all its mass, up to rounding)."""
+    residual = probs.clone()
+    if rejected:
+        residual[torch.tensor(rejected, device=probs.device)] = 0.0
+    if float(residual.sum()) <= 0:
+        residual = probs
+    noise = torch.empty_like(residual).exponential_(generator=generator)
+    return int((residual / noise).argmax())
+
+
+def place_tree(worker: Any, row: int, tree: DraftTree, num_drafts: int) -> None:
+    """Write ``tree``'s tokens into ``row``'s ``token_ids`` after its known tokens (node order) and hand the tree
+    to the step's inputs (``InputPreparer.trees``), which read them as the row's query rows.
+
+    Raises:
+        RuntimeError: the tree's node count is not the ``num_drafts`` slots the scheduler reserved."""
+    if len(tree) != num_drafts:
+        raise RuntimeError(f"row {row}: a tree of {len(tree)} nodes for {num_drafts} reserved draft slots")
+    n = int(worker.input_batch.num_tokens[row])
+    worker.input_batch.token_ids[row, n:n + len(tree)] = tree.tokens
+    worker.inputs.trees[row] = tree
+
+
 def compact_kv(caches: list[Any], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
     """Copy the K/V (and an int8 cache's per-slot scales) at ``src_slots`` [m] to ``dst_slots`` [m] in every
     layer's ``KVCache`` (flat slot ids; the accepted path's nodes to their final positions)."""

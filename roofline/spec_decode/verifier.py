@@ -129,7 +129,7 @@ def verify_tree(worker: Any, hidden: torch.Tensor, rows: np.ndarray, last_indice
     """
     from roofline.attention.backend import slot_mapping
     from roofline.layers.sampler import processed_probs, token_logprobs
-    from roofline.spec_decode.tree import compact_kv, walk
+    from roofline.spec_decode.tree import compact_kv, residual_sample, walk
 
     batch, dev, trees = worker.input_batch, worker.device, worker.inputs.trees
     worker.inputs.trees = {}
@@ -157,13 +157,7 @@ def verify_tree(worker: Any, hidden: torch.Tensor, rows: np.ndarray, last_indice
             return float(torch.rand((), generator=g, device=dev)) if g is not None else float(torch.rand(()))
 
         def final_sample(node: int, rejected: list[int], g=g, base=base) -> int:
-            residual = probs[base + 1 + node].clone()
-            if rejected:
-                residual[torch.tensor(rejected, device=dev)] = 0.0
-            if float(residual.sum()) <= 0:  # the children held all the mass (rounding): the target itself
-                residual = probs[base + 1 + node]
-            noise = torch.empty_like(residual).exponential_(generator=g)
-            return int((residual / noise).argmax())
+            return residual_sample(probs[base + 1 + node], rejected, g)
 
         off = int(np.sum(sizes[:i]))
         results.append(walk(trees[r], child_p[off:off + sizes[i]], argmax[base:base + counts[i]],

@@ -18,7 +18,15 @@ from roofline.attention.backend import paged_metadata, slot_mapping
 from roofline.spec_config import SpeculativeConfig, max_tree_nodes
 from roofline.spec_decode import train
 from roofline.spec_decode.heads import save_head
-from roofline.spec_decode.tree import DraftTree, best_first_tree, compact_kv, region_mask, select_nodes, walk
+from roofline.spec_decode.tree import (
+    DraftTree,
+    best_first_tree,
+    compact_kv,
+    region_mask,
+    residual_sample,
+    select_nodes,
+    walk,
+)
 
 VOCAB = 48
 TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
@@ -143,10 +151,11 @@ def test_tree_sampling_keeps_the_targets_distribution():
     p /= p.sum(1, keepdims=True)
     child_p = np.array([p[par + 1, tok] for par, tok in zip(TREE7.parents, TREE7.tokens, strict=True)])
 
-    def final(node, rejected):
-        r = p[node + 1].copy()
-        r[rejected] = 0
-        return int(rng.choice(v, p=r / r.sum()))
+    probs = torch.from_numpy(p)
+    gen = torch.Generator().manual_seed(7)
+
+    def final(node, rejected):  # the verifier's last draw
+        return residual_sample(probs[node + 1], rejected, gen)
 
     n = 40_000
     first, second = np.zeros(v), np.zeros(v)
@@ -256,6 +265,29 @@ def test_tree_sampling_through_the_engine_is_seeded_and_valid(tiny_dir, heads):
     a = [c.token_ids for c in llm.generate({"prompt_token_ids": [5, 9, 17, 3]}, sp, use_tqdm=False)[0].outputs]
     b = [c.token_ids for c in llm.generate({"prompt_token_ids": [5, 9, 17, 3]}, sp, use_tqdm=False)[0].outputs]
     assert a == b and all(len(t) == 12 and all(0 <= x < VOCAB for x in t) for t in a)
+
+
+def test_eagle_tree_sampling_keeps_the_targets_distribution_through_the_engine(tiny, tiny_dir, heads):
+    """As the chain's test (test_learned_heads): chi-square goodness of fit of the second sampled token (the
+    first one verified against an EAGLE tree: depth 3, top-2, 6 nodes) to the target's exact marginal
+    sum_t1 p(t1) p(t2 | t1), from 1200 seeded samples at temperature 1; cells with expected count < 5 pooled,
+    p-value threshold 1e-3."""
+    prompt = [5, 9, 17, 3, 22, 40, 11]
+    lp1 = tiny.score_logprobs(prompt)[-1].exp().double()
+    p2 = torch.zeros(VOCAB, dtype=torch.float64)
+    for t1 in range(VOCAB):
+        p2 += lp1[t1] * tiny.score_logprobs(prompt + [t1])[-1].exp().double()
+    big = {**COMMON, "max_num_seqs": 1024, "max_num_batched_tokens": 8192}
+    llm = LLM(str(tiny_dir), speculative_config={"method": "eagle", "model": heads["eagle"], "adaptive": False,
+                                                 "num_speculative_tokens": 3, "tree_topk": 2, "tree_budget": 6},
+              **big)
+    n = 1200
+    sps = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=1234 + 10_000 * i, n=n // 2)
+           for i in range(2)]
+    outs = [llm.generate({"prompt_token_ids": prompt}, sp, use_tqdm=False)[0] for sp in sps]
+    counts = np.bincount([c.token_ids[1] for o in outs for c in o.outputs], minlength=VOCAB).astype(float)
+    assert llm.engine.spec_stats.num_drafts >= n
+    assert _chisq_pvalue(counts, p2.numpy() * n) > 1e-3
 
 
 def test_bad_tree_configs_are_refused():
