@@ -257,6 +257,23 @@ def test_tree_greedy_is_token_identical_on_the_tiny_model(tiny, tiny_dir, heads,
     assert llm.engine.spec_stats.num_drafts > 0
 
 
+def test_tree_logprobs_are_the_targets(tiny, tiny_dir, heads):
+    """Greedy with logprobs=2: a tree's emitted tokens carry the target's logprobs at their positions (the root's
+    and the accepted path's rows of the verify pass), as plain decoding reports them."""
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True, logprobs=2)
+    prompt = {"prompt_token_ids": [4, 8, 15, 16, 23, 42, 7, 3]}
+    ref = tiny.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    llm = LLM(str(tiny_dir), speculative_config={"method": "medusa", "model": heads["medusa"], "adaptive": False,
+                                                 "num_speculative_tokens": 3, "tree_topk": 3}, **COMMON)
+    got = llm.generate(prompt, sp, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == ref.token_ids and llm.engine.spec_stats.num_drafts > 0
+    for t, a, b in zip(got.token_ids, got.logprobs, ref.logprobs, strict=True):
+        assert set(a) == set(b) and t in a
+        for tok in a:
+            assert a[tok].logprob == pytest.approx(b[tok].logprob, abs=1e-4)
+            assert a[tok].rank == b[tok].rank
+
+
 def test_tree_sampling_through_the_engine_is_seeded_and_valid(tiny_dir, heads):
     """Seeded sampling with an EAGLE tree repeats itself and emits the requested number of tokens."""
     llm = LLM(str(tiny_dir), speculative_config={"method": "eagle", "model": heads["eagle"], "adaptive": False,
