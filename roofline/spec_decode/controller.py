@@ -47,9 +47,13 @@ class SpecController:
         kv_per_token, bandwidth, peak = profile.kv_bytes_per_token, profile.read_bandwidth, profile.gemm_flops
         self.context = 512  # keys per sequence assumed by the verify ratio; updated from the batch
 
+        self.is_tree = bool(getattr(spec, "tree_topk", None))
+
         def verify_ratio(batch: int, gamma: int) -> float:
+            # A tree's verify pass scores tree_budget drafts per request whatever depth the policy prices.
+            rows = spec.tree_budget if self.is_tree and gamma > 0 else gamma
             return costmodel.verify_cost_ratio(num_params, weight_bytes, self.context * kv_per_token, batch,
-                                               bandwidth, peak, gamma)
+                                               bandwidth, peak, rows)
 
         # The starting estimate of c (a draft step over a target step), until the engine has timed both.
         draft_cost = 0.0
@@ -68,7 +72,6 @@ class SpecController:
                     "adaptive gamma" if spec.adaptive else "fixed gamma", bandwidth / 1e9, peak / 1e12, profile.dtype)
         self.policy = SpecPolicy(spec.num_speculative_tokens, spec.adaptive, verify_ratio, draft_cost)
         self.refill: tuple[int, int] | None = None  # (batch, gamma) of a drafting step the next async step follows
-        self.is_tree = bool(getattr(spec, "tree_topk", None))
 
     def gamma(self, num_drafts: int) -> int:
         """The chain length the policy prices for ``num_drafts`` drafts: a tree of N nodes as its depth bound

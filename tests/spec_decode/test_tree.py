@@ -257,6 +257,25 @@ def test_tree_greedy_is_token_identical_on_the_tiny_model(tiny, tiny_dir, heads,
     assert llm.engine.spec_stats.num_drafts > 0
 
 
+def test_trees_respect_max_tokens_and_max_model_len(tiny, tiny_dir, heads):
+    """Near a request's max_tokens a tree is no deeper than the tokens left (the controller sends fewer nodes
+    than the depth), and near max_model_len (128) no wider than the slots left: outputs equal plain decoding's
+    and stop exactly at the limit."""
+    llm = LLM(str(tiny_dir), speculative_config={"method": "eagle", "model": heads["eagle"], "adaptive": False,
+                                                 "num_speculative_tokens": 3, "tree_topk": 2}, **COMMON)
+    prompts = [{"prompt_token_ids": [3 + i, 9, 27, 5, 11][:4 + i % 2]} for i in range(4)]
+    for m in (1, 2, 3, 5):
+        sp = SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True)
+        ref = [o.outputs[0].token_ids for o in tiny.generate(prompts, sp, use_tqdm=False)]
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+        assert got == ref and all(len(t) == m for t in got)
+    long = {"prompt_token_ids": [(7 * i) % (VOCAB - 2) + 2 for i in range(118)]}  # 10 slots to max_model_len
+    sp = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    ref = tiny.generate(long, sp, use_tqdm=False)[0].outputs[0].token_ids
+    got = llm.generate(long, sp, use_tqdm=False)[0].outputs[0].token_ids
+    assert got == ref and len(got) == 10
+
+
 def test_tree_logprobs_are_the_targets(tiny, tiny_dir, heads):
     """Greedy with logprobs=2: a tree's emitted tokens carry the target's logprobs at their positions (the root's
     and the accepted path's rows of the verify pass), as plain decoding reports them."""
