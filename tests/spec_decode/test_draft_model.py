@@ -189,3 +189,17 @@ def test_draft_pass_fills_short_spans_as_decode_rows(draft_dir):
         err = ((got - ref).abs().amax(dim=-1) / ref.abs().amax(dim=-1)).max().item()
         assert err < 1e-4, (prefill_to, err)
         assert torch.equal(got.argmax(dim=-1), ref.argmax(dim=-1))
+
+
+def test_draft_kv_share_rule():
+    """``check_draft_kv_share``: refused from a draft KV per token equal to the target's (the pool halves) on an
+    automatically sized pool; allowed below it, or on a pool the user sized."""
+    from types import SimpleNamespace
+
+    from roofline.spec_decode.proposer import check_draft_kv_share
+
+    spec = SimpleNamespace(method="draft_model", quantization="int4")
+    check_draft_kv_share(spec, 46079, 46080, 23297, 46592, sized_by_user=False)  # just under half: allowed
+    check_draft_kv_share(spec, 46080, 46080, 23296, 46592, sized_by_user=True)  # the user's split
+    with pytest.raises(ValueError, match=r"\(draft_model, int4 at load\).*from 46592 to 23296 tokens \(50% fewer\)"):
+        check_draft_kv_share(spec, 46080, 46080, 23296, 46592, sized_by_user=False)
