@@ -152,9 +152,9 @@ class SpeculativeConfig:
             object.__setattr__(self, "tree_budget", most)
             return
         if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= most:
-            raise ValueError(f"speculative_config tree_budget must be an integer in [1, {most}] (at most "
-                             f"{MAX_TREE_BUDGET}, the tree mask's limit, and the nodes a {self.method} tree with "
-                             f"tree_topk {topk} and depth {self.num_speculative_tokens} offers), got {budget!r}")
+            raise ValueError(f"speculative_config tree_budget must be an integer in [1, {most}] (the nodes method "
+                             f"{self.method!r} offers with tree_topk {topk} and depth {self.num_speculative_tokens}, "
+                             f"at most {MAX_TREE_BUDGET} for the tree mask), got {budget!r}")
 
     @property
     def is_tree(self) -> bool:
