@@ -12,7 +12,7 @@ import torch
 from roofline import LLM, SamplingParams
 
 SPEC = {"method": "draft_model", "quantization": "int8", "num_speculative_tokens": 3, "adaptive": False}
-llm = LLM(model="smollm2-135m", load_format="dummy", device="cuda", dtype="bfloat16", max_model_len=512,
+llm = LLM(model="smollm2-135m", load_format="dummy", device="cuda", dtype="bfloat16", max_model_len=512, kv_cache_memory="4GiB",
           speculative_config=SPEC)
 draft = llm.engine.worker.draft
 sp = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)

@@ -331,7 +331,9 @@ class EngineArgs:
         parser.add_argument("--speculative-config", default=None,
                             help='speculative decoding, JSON as vLLM: {"method": "ngram", "num_speculative_tokens": '
                                  '4, "prompt_lookup_min": 2, "prompt_lookup_max": 5} or {"method": "draft_model", '
-                                 '"num_layers": 8, "num_speculative_tokens": 4}; "adaptive": false pins gamma')
+                                 '"num_layers": 8, "num_speculative_tokens": 4}; "adaptive": false pins gamma; '
+                                 '{"method": "eagle", "num_speculative_tokens": 4, "tree_topk": 4, "tree_budget": 16} '
+                                 'drafts a token tree (eagle, medusa; budget <= 64 nodes)')
         parser.add_argument("--disable-triton-kernels", action="store_true",
                             help="pure-torch RMSNorm/SiLU on CUDA (was ROOFLINE_DISABLE_KERNELS=1)")
         return parser

@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from roofline import costmodel as cm
-from roofline.costmodel.artifact import build_parallel, build_report
+from roofline.costmodel.artifact import build_parallel, build_quantization, build_report
 from roofline.costmodel.plot import write_plot
 from roofline.costmodel.table import format_table
 from roofline.hardware import HARDWARE_PRESETS, INTERCONNECT_PRESETS, load_hardware, load_interconnect
@@ -79,6 +79,25 @@ def _batch_list(text: str) -> list[int]:
         return [int(v) for v in str(text).split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"--batch takes integers separated by commas, got {text!r}") from None
+
+
+def _quantizations(text: str | None) -> list[str]:
+    """``--quantization``: one vLLM method or a comma-separated list (``none,int4``).
+
+    Raises:
+        ValueError: an unknown method (lists the known ones).
+    """
+    from roofline.costmodel.measured import ENGINE_QUANTIZATIONS
+
+    if text is None:
+        return []
+    names = [v.strip() for v in str(text).split(",") if v.strip()]
+    for q in names:
+        if q not in ENGINE_QUANTIZATIONS:
+            raise ValueError(f"unknown --quantization {q!r}; known: {', '.join(ENGINE_QUANTIZATIONS)}")
+    if not names:
+        raise ValueError(f"--quantization needs at least one of {', '.join(ENGINE_QUANTIZATIONS)}, got {text!r}")
+    return names
 
 
 def _batches(args: argparse.Namespace) -> list[int] | None:
@@ -192,7 +211,8 @@ def run_cost(args: argparse.Namespace) -> int:
         shape, defaults = resolve_model(args.model)
         hw = load_hardware(args.hardware)
         hw.peak("bf16")
-        formats = args.format or list(cm.DEFAULT_FORMATS)
+        quants = _quantizations(args.quantization)
+        formats = args.format or [("bf16" if q == "none" else q) for q in quants] or list(cm.DEFAULT_FORMATS)
         for f in formats:
             cm.parse_weight_format(f)
         batches = _batches(args) or [defaults.get("batch", DEFAULTS["batch"])]
@@ -211,6 +231,11 @@ def run_cost(args: argparse.Namespace) -> int:
             report["parallel"] = build_parallel(shape, hw, formats[0], batch, context, kv_dtype, args.tp, args.pp,
                                                 args.gpus, args.gpus_per_node, intra, inter, args.micro_batches,
                                                 args.best_layout)
+        if quants:
+            if shape.intermediate_size <= 0:
+                raise ValueError(f"--quantization needs a dense model with an intermediate_size; {args.model!r} "
+                                 "has none (the fixture, or a MoE model)")
+            report["quantization"] = build_quantization(shape, hw, quants, batches, context, kv_dtype)
         moe = _moe_section(args.model, hw, formats[0], batches, context, kv_dtype, shape, args.tp,
                            load_interconnect(args.interconnect, args.link_bandwidth, args.link_latency_us))
         if moe is not None:
@@ -271,12 +296,17 @@ def add_cost_parser(subparsers: Any) -> argparse.ArgumentParser:
     p.add_argument("--format", action="append", default=None,
                    help=f"weight format, repeatable (default {' '.join(cm.DEFAULT_FORMATS)}); also int4_g64 "
                         "or bits per weight")
+    p.add_argument("--quantization", default=None, metavar="METHOD[,METHOD]",
+                   help="vLLM's load-time methods (none, int4, int8, fp8, smoothquant; a comma list): per method and "
+                        "--batch, the bound from the engine's bytes (codes + scales + zeros) and, where the "
+                        "--hardware has a measured kernel table (h200), the step predicted from measured kernels; "
+                        "also sets the formats of the tables above unless --format is given")
     p.add_argument("--kv-dtype", default=None,
                    help=f"KV cache dtype ({', '.join(cm.KV_DTYPE_BYTES)}); default bf16. int8 also counts its "
                         "float32 scale per token and KV head, as the engine's pool does")
     p.add_argument("--batch", type=_batch_list, default=None,
-                   help="sequences per step (default 32); a list (1,8,64) adds rows to the MoE section, and the "
-                        "tables above use the first")
+                   help="sequences per step (default 32); a list (1,8,64) adds rows to the --quantization and MoE "
+                        "sections, and the tables above use the first")
     p.add_argument("--context", type=int, default=None, help="tokens of KV per sequence (default 2048)")
     p.add_argument("--alpha", type=float, default=DEFAULTS["alpha"], help="acceptance rate in [0, 1)")
     p.add_argument("--gamma", type=int, default=DEFAULTS["gamma"], help="draft tokens per step")

@@ -55,6 +55,7 @@ def decode_floor(llm: Any, hardware: str | None = None) -> dict[str, Any] | None
         bandwidth_bytes_per_s=bandwidth,
         peak_flops=peak,
         measured_step_s=stats.mean_decode_step_s,
+        weights=getattr(engine.config, "quantization", None) or dtype,
     )
     report.update(bandwidth_bytes_per_s=bandwidth, peak_flops=peak, bandwidth_source=source, mean_batch=mean_batch,
                   mean_context_tokens=mean_ctx / max(mean_batch, 1e-9))

@@ -14,8 +14,21 @@ from roofline.model_config import ModelConfig
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "medusa")
 LEARNED_HEAD_METHODS = ("eagle", "medusa")  # heads written by `roofline train-draft` (spec_decode/heads.py)
 _SPEC_KEYS = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max", "model",
-              "quantization", "num_layers", "adaptive")
+              "quantization", "num_layers", "adaptive", "tree_topk", "tree_budget")
 MAX_SPECULATIVE_TOKENS = 16
+MAX_TREE_TOPK = 16
+MAX_TREE_BUDGET = 64  # the prefill kernel's ancestor-mask limit (one int64 bitmask per query row)
+
+
+def max_tree_nodes(method: str, topk: int, depth: int) -> int:
+    """The most nodes a ``method`` tree of branching ``topk`` and depth ``depth`` can offer (capped at
+    ``MAX_TREE_BUDGET``): Medusa's Cartesian product has sum_{d<=D} k^d; EAGLE's dynamic tree expands k nodes
+    per depth below the last, so it has k + k^2 (D - 1) candidates (``roofline.spec_decode.tree``)."""
+    if method == "medusa":
+        total = sum(topk ** d for d in range(1, depth + 1))
+    else:
+        total = topk + topk * topk * (depth - 1)
+    return min(total, MAX_TREE_BUDGET)
 DRAFT_QUANTIZATIONS = ("int4", "int8", "fp8")  # load-time methods a draft (or a quantized self) may use
 
 
@@ -31,6 +44,12 @@ class SpeculativeConfig:
     ``eagle`` (EAGLE-1: one decoder layer on the target's features) and ``medusa`` (Medusa-1: residual heads,
     ``num_speculative_tokens`` <= their count) read a head directory from ``model`` (``roofline train-draft``);
     without ``model``, the head shipped for the target (the default model's EAGLE head) is used.
+
+    Trees (``eagle`` and ``medusa``; ``roofline.spec_decode.tree``): ``tree_topk`` k in [1, 16] drafts a token
+    tree, ``num_speculative_tokens`` being its depth D, pruned to ``tree_budget`` nodes in [1, min(64, what a
+    tree of k and D offers)] (default: that maximum). SGLang's ``speculative_eagle_topk`` is ``tree_topk`` and
+    its ``speculative_num_draft_tokens`` is ``tree_budget + 1`` (it counts the root). A verify pass then scores
+    1 + tree_budget rows per request; the adaptive policy turns the tree on or off as a whole.
 
     ``draft_model`` drafts with:
     - ``model``: a separate checkpoint (HF directory, GGUF file, or ``default``) with the target's vocabulary,
@@ -49,6 +68,8 @@ class SpeculativeConfig:
     quantization: str | None = None
     num_layers: int | None = None
     adaptive: bool = True
+    tree_topk: int | None = None  # eagle / medusa: draft a token tree with this branching (None: a chain)
+    tree_budget: int | None = None  # the tree's nodes (default: as many as it can offer, at most 64)
 
     def __post_init__(self) -> None:
         from roofline.spec_decode.proposer import (
@@ -64,6 +85,11 @@ class SpeculativeConfig:
                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config adaptive must be true or false, got {self.adaptive!r}")
+        if self.method not in LEARNED_HEAD_METHODS:
+            for name in ("tree_topk", "tree_budget"):
+                if getattr(self, name) is not None:
+                    raise ValueError(f"speculative_config {name} applies to methods {' and '.join(LEARNED_HEAD_METHODS)}"
+                                     f" (token trees), not {self.method!r}")
         if self.method == "ngram":
             if self.prompt_lookup_min is None:
                 object.__setattr__(self, "prompt_lookup_min", 2)
@@ -83,7 +109,8 @@ class SpeculativeConfig:
             for name in ("prompt_lookup_min", "prompt_lookup_max", "quantization", "num_layers"):
                 if getattr(self, name) is not None:
                     raise ValueError(f"speculative_config {name} does not apply to method {self.method!r} (its keys: "
-                                     f"method, num_speculative_tokens, model, adaptive)")
+                                     f"method, num_speculative_tokens, model, adaptive, tree_topk, tree_budget)")
+            self._check_tree()
             if self.model is not None and not (isinstance(self.model, str) and self.model):
                 raise ValueError(f"speculative_config model must be a {self.method} head directory (written by "
                                  f"`roofline train-draft --method {self.method}`), got {self.model!r}")
@@ -110,6 +137,28 @@ class SpeculativeConfig:
                              "layer-truncated self); the target's own full weights would only repeat it")
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
             raise ValueError(f"speculative_config num_layers must be an integer >= 1, got {self.num_layers!r}")
+
+    def _check_tree(self) -> None:
+        topk, budget = self.tree_topk, self.tree_budget
+        if topk is None:
+            if budget is not None:
+                raise ValueError("speculative_config tree_budget needs tree_topk (the tree's branching, in "
+                                 f"[1, {MAX_TREE_TOPK}])")
+            return
+        if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TREE_TOPK:
+            raise ValueError(f"speculative_config tree_topk must be an integer in [1, {MAX_TREE_TOPK}], got {topk!r}")
+        most = max_tree_nodes(self.method, topk, self.num_speculative_tokens)
+        if budget is None:
+            object.__setattr__(self, "tree_budget", most)
+            return
+        if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= most:
+            raise ValueError(f"speculative_config tree_budget must be an integer in [1, {most}] (the nodes method "
+                             f"{self.method!r} offers with tree_topk {topk} and depth {self.num_speculative_tokens}, "
+                             f"at most {MAX_TREE_BUDGET} for the tree mask), got {budget!r}")
+
+    @property
+    def is_tree(self) -> bool:
+        return self.tree_topk is not None
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | str) -> SpeculativeConfig:

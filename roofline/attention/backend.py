@@ -57,6 +57,10 @@ class AttentionMetadata:
         block_tables: [num_seqs, max_num_blocks_per_seq] int32, padded with 0 (never read past seq_lens).
         max_query_len: host int, max new tokens of one sequence in this step.
         query_lens_cpu, seq_lens_cpu: host lists of the per-sequence new-token counts and context lengths.
+        tree_mask: None, or [num_seqs, W <= 64] int64 ancestor bitmasks of a speculative tree-verification step
+            (the last min(q_len, W) rows of each sequence form its tree region; a row of -1 is plain causal;
+            ``roofline.kernels.prefill_attention``'s docstring, "Tree mask"). A backend without
+            ``supports_tree_mask`` refuses it.
     """
 
     slot_mapping: torch.Tensor
@@ -66,6 +70,7 @@ class AttentionMetadata:
     max_query_len: int
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
+    tree_mask: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -84,7 +89,8 @@ def slot_mapping(block_table: np.ndarray, token_rows: np.ndarray, positions: np.
 
 
 def paged_metadata(slots: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
-                   to_device: Callable[[str, np.ndarray], torch.Tensor] | torch.device) -> AttentionMetadata:
+                   to_device: Callable[[str, np.ndarray], torch.Tensor] | torch.device,
+                   tree_mask: np.ndarray | None = None) -> AttentionMetadata:
     """The one ``AttentionMetadata`` builder: host arrays in, device tensors and host lists out.
 
     Args:
@@ -94,6 +100,7 @@ def paged_metadata(slots: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.
         block_tables: [S, max_blocks] int32 (each row's table, cut to the blocks any row reads).
         to_device: a device (plain copies), or ``to_device(name, array)`` (the worker's pinned staging, whose
             buffer names are ``slot_mapping``, ``query_start_loc``, ``seq_lens`` and ``block_tables``).
+        tree_mask: optional [S, W <= 64] int64 ancestor bitmasks (``AttentionMetadata.tree_mask``).
     """
     if isinstance(to_device, torch.device):
         dev = to_device
@@ -109,7 +116,26 @@ def paged_metadata(slots: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.
         max_query_len=int(counts.max()),
         query_lens_cpu=counts.tolist(),
         seq_lens_cpu=seq_lens.tolist(),
+        tree_mask=None if tree_mask is None else to_device("tree_mask", np.ascontiguousarray(tree_mask, np.int64)),
     )
+
+
+def tree_visibility(bits: torch.Tensor, q_len: int, seq_len: int) -> torch.Tensor:
+    """[q_len, seq_len] bool, True = attend: one sequence's causal mask with its tree region applied, the rule
+    of ``ref_paged_attention`` (``roofline.kernels.prefill_attention``): the last r = min(q_len, W) rows and keys
+    form the region, region row j sees region key a iff a <= j and bit a of ``bits[j]`` is set.
+
+    Args:
+        bits: [W] int64 ancestor bitmasks of the sequence (-1: plain causal).
+    """
+    dev = bits.device
+    q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)
+    visible = torch.arange(seq_len, device=dev)[None, :] <= q_pos[:, None]
+    r = min(q_len, bits.shape[0])
+    rel = torch.arange(r, device=dev)
+    in_tree = ((bits[:r, None] >> rel[None, :]) & 1) != 0  # [r, r]
+    visible[q_len - r:, seq_len - r:] &= in_tree
+    return visible
 
 
 class AttentionBackend(ABC):
@@ -127,6 +153,9 @@ class AttentionBackend(ABC):
 
     name: str = "abstract"
     supports_cuda_graphs: bool = False
+    # Honours ``AttentionMetadata.tree_mask`` (speculative tree verification); one that does not raises in
+    # ``build_metadata`` and a tree proposer falls back to a chain.
+    supports_tree_mask: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding,
                  scale: float | None = None):
@@ -158,8 +187,18 @@ class AttentionBackend(ABC):
     # ------------------------------------------------------------------------------ per step
 
     def build_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
-        """Precompute, once per step, what every layer's ``forward`` needs. Default: nothing."""
+        """Precompute, once per step, what every layer's ``forward`` needs. Default: nothing.
+
+        Raises:
+            ValueError: a ``tree_mask`` on a backend without ``supports_tree_mask``."""
+        self.check_tree_mask(meta)
         return meta
+
+    def check_tree_mask(self, meta: AttentionMetadata) -> None:
+        """Raises ValueError when ``meta`` carries a tree mask this backend cannot honour."""
+        if meta.tree_mask is not None and not self.supports_tree_mask:
+            raise ValueError(f"the {self.name} attention backend cannot apply a speculative tree's ancestor mask; "
+                             f"use a chain (no tree_topk in speculative_config) or the torch/triton backend")
 
     @abstractmethod
     def forward(

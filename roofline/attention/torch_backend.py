@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from roofline.attention.backend import AttentionBackend, AttentionMetadata
+from roofline.attention.backend import AttentionBackend, AttentionMetadata, tree_visibility
 from roofline.attention.kv_cache import KVCache
 from roofline.kernels.common import ref_dequantize
 from roofline.kernels.rope_cache import ref_rope_and_cache, ref_rotary, ref_write_kv_rows
@@ -80,6 +80,7 @@ class TorchAttentionMetadata(AttentionMetadata):
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
     supports_cuda_graphs = False
+    supports_tree_mask = True  # a prefill chunk's mask takes the tree region (``tree_visibility``)
 
     def build_metadata(self, meta: AttentionMetadata) -> TorchAttentionMetadata:
         assert self.kv_pool is not None
@@ -115,10 +116,12 @@ class TorchAttentionBackend(AttentionBackend):
             if q_len <= 1:
                 continue
             nb = -(-seq_len // bs)
-            q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)
-            k_pos = torch.arange(seq_len, device=dev)
-            out.prefills.append(PrefillChunk(first_row[i], q_len, seq_len, tables[i, :nb].long().to(dev),
-                                             k_pos[None, :] <= q_pos[:, None]))
+            if meta.tree_mask is not None:  # a tree-verification step: ancestors only inside the tree region
+                mask = tree_visibility(meta.tree_mask[i].to(dev), q_len, seq_len)
+            else:
+                q_pos = torch.arange(seq_len - q_len, seq_len, device=dev)
+                mask = torch.arange(seq_len, device=dev)[None, :] <= q_pos[:, None]
+            out.prefills.append(PrefillChunk(first_row[i], q_len, seq_len, tables[i, :nb].long().to(dev), mask))
         return out
 
     def forward(self, q, k, v, positions, cache: KVCache, meta):

@@ -45,6 +45,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     name = "triton"
     supports_cuda_graphs = True
+    supports_tree_mask = True  # paged_prefill_attention(tree_mask=...)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -96,10 +97,10 @@ class TritonAttentionBackend(AttentionBackend):
             return paged_decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, self.scale,
                                           num_splits=num_splits, k_scale=ks, v_scale=vs,
                                           variant=self.decode_variant_for(cache.k.dtype))
-        # A tree-verification step's ancestor bitmasks ([num_seqs, <= 64] int64; prefill_attention's docstring),
-        # when the metadata carries them.
+        # A tree-verification step's ancestor bitmasks ([num_seqs, <= 64] int64; prefill_attention's docstring).
+        # The Gluon kernel hands a tree mask to the Triton kernel (gluon_prefill's fallbacks).
         return self.prefill_attention(q, cache.k, cache.v, meta, self.scale, k_scale=ks, v_scale=vs,
-                                      tree_mask=getattr(meta, "tree_mask", None))
+                                      tree_mask=meta.tree_mask)
 
     # ------------------------------------------------------------------------------ CUDA graphs
 

@@ -28,7 +28,9 @@ One module per part, all re-exported here (``from roofline.costmodel import X``)
 - :mod:`~roofline.costmodel.links`: links between GPUs, all-reduce and send times, the interconnect presets;
 - :mod:`~roofline.costmodel.parallel`: TP x PP shards, bounds and layouts.
 
-The ``roofline cost`` artifact, its table and its plot (:mod:`~roofline.costmodel.artifact`,
+The engine's bytes per step under a ``--quantization`` and the step predicted from kernels measured on the device
+(:mod:`~roofline.costmodel.measured`, built by :mod:`~roofline.costmodel.measured_build`), the ``roofline cost``
+artifact, its table and its plot (:mod:`~roofline.costmodel.artifact`,
 :mod:`~roofline.costmodel.table`, :mod:`~roofline.costmodel.plot`) are imported on their own.
 """
 

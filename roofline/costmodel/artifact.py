@@ -197,3 +197,41 @@ def build_parallel(shape: cm.ModelShape, hw: Device, fmt: str, batch: int, conte
     at_batch = cm.parallel_step(shape, tp, pp, batch, num_micro_batches=num_micro_batches, **common)
     out["layout"] = {"tp": tp, "pp": pp, "token": token.as_dict(), "at_batch": at_batch.as_dict()}
     return out
+
+
+def build_quantization(shape: cm.ModelShape, hw: Device, quantizations: list[str], batches: list[int],
+                       context: int, kv_dtype: str) -> dict[str, Any]:
+    """The ``quantization`` part of the artifact: per ``--quantization`` and batch, the bound from the engine's
+    bytes per step (:func:`roofline.costmodel.measured.quantized_weight_bytes_per_step`) and, where the device
+    has a measured kernel table, the predicted step from measured kernels
+    (:func:`roofline.costmodel.measured.predict_decode_step`), or the reason there is none. Seconds.
+
+    Raises:
+        ValueError: an unknown quantization, or a model without projection shapes (names the model).
+    """
+    from roofline.costmodel import measured as ms
+
+    table = ms.measured_table(hw.name)
+    kv_seq = shape.kv_bytes_per_sequence(context, kv_dtype)
+    rows = []
+    for q in quantizations:
+        w = ms.quantized_weight_bytes_per_step(shape, q)
+        for b in batches:
+            sb = cm.step_bound(shape.num_params, w, kv_seq, b, hw.memory_bandwidth, hw.peak("bf16"))
+            row: dict[str, Any] = {"quantization": q, "batch": b, "weight_bytes_per_step": w, "bound_s": sb.bound_s,
+                                   "bound_by": sb.bound_by, "predicted_s": None, "fraction_of_floor": None,
+                                   "why_not_predicted": ms.why_not_predicted(table, shape, q, b)}
+            if row["why_not_predicted"] is None:
+                p = ms.predict_decode_step(table, shape, q, b, context, kv_seq)  # type: ignore[arg-type]
+                row.update(predicted_s=p["predicted_s"], fraction_of_floor=sb.bound_s / p["predicted_s"],
+                           projections_s=p["projections_s"], rest_s=p["rest_s"], kernels=p["kernels"])
+            rows.append(row)
+    return {
+        "note": "bound: the engine's weight bytes per step (codes + scales + zero points; LM head, norms and the "
+                "embedding rows in 16 bits) + KV, over the device bandwidth (Pope et al. 2022); predicted: each "
+                "projection's dispatched kernel measured on the device at M = batch, plus the rest of a measured "
+                "bf16 decode step (its step minus its projection kernels)",
+        "device": None if table is None else table["device"],
+        "calibration": None if table is None else table["calibration"]["source"],
+        "context": context, "kv_dtype": kv_dtype, "rows": rows,
+    }

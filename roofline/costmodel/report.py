@@ -9,7 +9,7 @@ from roofline.costmodel.common import _check_non_negative, _check_positive
 
 def decode_floor_report(weight_bytes: int, kv_bytes_read: float, flops: float,
                         bandwidth_bytes_per_s: float, peak_flops: float | None,
-                        measured_step_s: float) -> dict[str, Any]:
+                        measured_step_s: float, weights: str | None = None) -> dict[str, Any]:
     """The measured mean decode step beside its floor (lower bound), for the end of a run.
 
     Args:
@@ -19,11 +19,15 @@ def decode_floor_report(weight_bytes: int, kv_bytes_read: float, flops: float,
         bandwidth_bytes_per_s: measured (probe) or datasheet read bandwidth.
         peak_flops: FLOP/s, or ``None`` to bound by memory only.
         measured_step_s: mean measured decode-step time.
+        weights: the weight format the floor is for (``"int4"``, ``"bf16"``), named in the text with its bytes.
 
     Returns:
         ``floor_s``, ``measured_s``, ``fraction_of_floor`` (= floor / measured, 1.0 at the floor),
         ``memory_floor_s``, ``compute_floor_s``, ``bound_by`` and ``text``, e.g.
-        ``"decode step 41.2 ms, floor 12.3 ms (30% of floor)"`` (Pope et al. 2022 bound).
+        ``"decode step 41.2 ms, floor 12.3 ms (30% of floor)"``, with ``weights``
+        ``"decode step 2.6 ms, floor 1.1 ms for int4 weights, 4.76 GB per step (42% of floor)"`` (Pope et al. 2022
+        bound). The floor is per format: ``weight_bytes`` is what that format's tensors hold (for INT4 codes,
+        scales and zero points), so a quantized run is measured against its own floor, not the 16-bit one.
     """
     _check_non_negative("weight_bytes", weight_bytes)
     _check_non_negative("kv_bytes_read", kv_bytes_read)
@@ -37,7 +41,9 @@ def decode_floor_report(weight_bytes: int, kv_bytes_read: float, flops: float,
         comp = flops / peak_flops
     floor = max(mem, comp)
     fraction = floor / measured_step_s
-    text = f"decode step {measured_step_s * 1e3:.1f} ms, floor {floor * 1e3:.1f} ms ({fraction * 100:.0f}% of floor)"
+    of = f" for {weights} weights, {weight_bytes / 1e9:.2f} GB per step" if weights else ""
+    text = (f"decode step {measured_step_s * 1e3:.1f} ms, floor {floor * 1e3:.1f} ms{of} "
+            f"({fraction * 100:.0f}% of floor)")
     return {"floor_s": floor, "measured_s": measured_step_s, "fraction_of_floor": fraction,
             "memory_floor_s": mem, "compute_floor_s": comp,
             "bound_by": "compute" if comp > mem else "memory", "text": text}

@@ -32,6 +32,7 @@ class ModelShape:
     num_attention_heads: int = 0
     vocab_size: int = 0
     tie_word_embeddings: bool = False
+    intermediate_size: int = 0  # the MLP width (0: unknown, as for the fixture); the per-projection shapes need it
 
     def __post_init__(self) -> None:
         for field_name in ("num_params", "num_layers", "num_kv_heads", "head_dim", "hidden_size"):
@@ -40,6 +41,7 @@ class ModelShape:
             object.__setattr__(self, "num_attention_heads", max(1, self.hidden_size // self.head_dim))
         _check_positive("num_attention_heads", self.num_attention_heads)
         _check_non_negative("vocab_size", self.vocab_size)
+        _check_non_negative("intermediate_size", self.intermediate_size)
         if self.num_attention_heads % self.num_kv_heads:
             raise ValueError(f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                              f"num_kv_heads ({self.num_kv_heads})")
@@ -69,7 +71,23 @@ class ModelShape:
         return cls(name=cfg.name, num_params=float(cfg.num_params), num_layers=cfg.num_hidden_layers,
                    num_kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, hidden_size=cfg.hidden_size,
                    num_attention_heads=cfg.num_attention_heads, vocab_size=cfg.vocab_size,
-                   tie_word_embeddings=bool(cfg.tie_word_embeddings))
+                   tie_word_embeddings=bool(cfg.tie_word_embeddings),
+                   intermediate_size=0 if getattr(cfg, "is_moe", False) else int(cfg.intermediate_size))
+
+    def projection_shapes(self) -> dict[str, tuple[int, int]]:
+        """``{"qkv", "o", "gate_up", "down"}`` -> ``(N, K)`` of each decoder layer's linear projections (a Llama
+        layer; the weight is [N, K], a step multiplies [M, K] activations by it).
+
+        Raises:
+            ValueError: ``intermediate_size`` is 0 (unknown: the fixture, or a MoE model whose experts differ).
+        """
+        if self.intermediate_size <= 0:
+            raise ValueError(f"model {self.name!r} has no intermediate_size (the fixture, or a MoE model): "
+                             "its projection shapes are unknown")
+        h, d = self.hidden_size, self.head_dim
+        q, kv = self.num_attention_heads * d, self.num_kv_heads * d
+        return {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * self.intermediate_size, h),
+                "down": (h, self.intermediate_size)}
 
     def kv_bytes_per_sequence(self, context_tokens: int, kv_dtype: str = "bf16") -> float:
         """KV bytes of one sequence of ``context_tokens`` in ``kv_dtype`` (scales included)."""

@@ -80,6 +80,8 @@ def format_table(r: dict[str, Any]) -> str:
         lines += ["", *format_sweep(r["sweep"])]
     if "parallel" in r:
         lines += ["", *format_parallel(r["parallel"])]
+    if "quantization" in r:
+        lines += ["", *format_quantization(r["quantization"], hw["name"], hw["memory_bandwidth_bytes_per_s"])]
     return "\n".join(lines)
 
 
@@ -179,3 +181,35 @@ def format_parallel(par: dict[str, Any]) -> list[str]:
         del rows[1]  # the batch-1 step is the token line
     w = max(len(k) for k, _ in rows)
     return lines + [f"  {k:<{w}}  {v}" for k, v in rows]
+
+
+def format_quantization(sec: dict[str, Any], hw_name: str, bandwidth: float) -> list[str]:
+    """The readable lines of a :func:`build_quantization` artifact: bound beside predicted (measured kernels)."""
+    lines = [f"per --quantization, one GPU, context {sec['context']}, KV {sec['kv_dtype']}: bound = the engine's bytes "
+             f"per step (codes + scales + zeros; LM head, norms, embedding rows 16-bit) at {bandwidth / 1e12:.3f} TB/s "
+             f"({hw_name})"]
+    if sec["device"] is not None:
+        lines.append(f"predicted (measured kernels) = each projection's dispatched kernel measured on the {sec['device']} "
+                     "at M = batch + the rest of a measured bf16 step (step minus its projection kernels);")
+        lines.append(f"  calibration: {sec['calibration']}")
+    head = ["quantization", "batch", "weights GB/step", "bound", "predicted", "bound/predicted", "predicted tok/s",
+            "qkv/o/gate_up/down us (kernel)"]
+    body, notes = [], []
+    for r in sec["rows"]:
+        if r["predicted_s"] is None:
+            pred = frac = tok = "-"
+            kern = "bound only"
+            notes.append(f"  {r['quantization']} batch {r['batch']}: bound only: {r['why_not_predicted']}")
+        else:
+            pred, frac = _ms(r["predicted_s"]), f"{r['fraction_of_floor']:.2f}"
+            tok = f"{r['batch'] / r['predicted_s']:,.0f}"
+            ks = r["kernels"].values()
+            kern = "/".join(f"{k['us']:.1f}" for k in ks) + " (" + "/".join(
+                dict.fromkeys(k["path"].split(" (")[0] for k in ks)) + ")"
+        body.append([r["quantization"], str(r["batch"]), f"{r['weight_bytes_per_step'] / 1e9:.3f}",
+                     f"{_ms(r['bound_s'])} {r['bound_by'][:3]}", pred, frac, tok, kern])
+    widths = [max(len(h), *(len(row[i]) for row in body)) for i, h in enumerate(head)]
+    for row in [head, *body]:
+        lines.append("  ".join(f"{v:>{w}}" if i < len(head) - 1 else v for i, (v, w) in enumerate(zip(row, widths,
+                                                                                                      strict=True))))
+    return lines + notes

@@ -47,9 +47,13 @@ class SpecController:
         kv_per_token, bandwidth, peak = profile.kv_bytes_per_token, profile.read_bandwidth, profile.gemm_flops
         self.context = 512  # keys per sequence assumed by the verify ratio; updated from the batch
 
+        self.is_tree = bool(getattr(spec, "tree_topk", None))
+
         def verify_ratio(batch: int, gamma: int) -> float:
+            # A tree's verify pass scores tree_budget drafts per request whatever depth the policy prices.
+            rows = spec.tree_budget if self.is_tree and gamma > 0 else gamma
             return costmodel.verify_cost_ratio(num_params, weight_bytes, self.context * kv_per_token, batch,
-                                               bandwidth, peak, gamma)
+                                               bandwidth, peak, rows)
 
         # The starting estimate of c (a draft step over a target step), until the engine has timed both.
         draft_cost = 0.0
@@ -68,6 +72,11 @@ class SpecController:
                     "adaptive gamma" if spec.adaptive else "fixed gamma", bandwidth / 1e9, peak / 1e12, profile.dtype)
         self.policy = SpecPolicy(spec.num_speculative_tokens, spec.adaptive, verify_ratio, draft_cost)
         self.refill: tuple[int, int] | None = None  # (batch, gamma) of a drafting step the next async step follows
+
+    def gamma(self, num_drafts: int) -> int:
+        """The chain length the policy prices for ``num_drafts`` drafts: a tree of N nodes as its depth bound
+        (its acceptance is at most that deep), so the policy's gamma and alpha stay a chain's."""
+        return min(num_drafts, self.spec_config.num_speculative_tokens) if self.is_tree else num_drafts
 
     # ------------------------------------------------------------------------------ before the step
 
@@ -110,6 +119,11 @@ class SpecController:
             if p.max_tokens is not None:
                 room = min(room, p.max_tokens - seq.num_output_tokens - 1)
             k = min(spec.num_speculative_tokens, room) if self.may_speculate(seq) else 0
+            if k > 0 and getattr(spec, "tree_topk", None):
+                # A tree: tree_budget nodes in the KV slots (room to max_model_len), at most k deep (a tree of
+                # fewer nodes than the depth is no deeper than its node count).
+                slots = self.max_model_len - seq.num_tokens - 1
+                k = min(spec.tree_budget, slots) if k == spec.num_speculative_tokens else min(k, slots)
             if k <= 0:
                 d = []
             elif self.proposer is not None:
@@ -117,7 +131,7 @@ class SpecController:
             else:
                 d = [0] * k
             cands.append(seq)
-            caps.append(len(d))
+            caps.append(self.gamma(len(d)))
             drafts.append(d)
         if not cands or max(caps) == 0:
             if cands:  # nothing to draft (no n-gram match): not a policy decision, not counted as off
@@ -133,7 +147,7 @@ class SpecController:
             # A seeded random request drafts gamma_max (what it can): its draws then depend on its own tokens
             # and seed only, not on the batch or on timings.
             pinned = p.seed is not None and not p.is_greedy
-            seq.spec_token_ids = d if pinned else d[:gamma]
+            seq.spec_token_ids = d if pinned or (self.is_tree and gamma > 0) else d[:gamma]
 
     def skip(self, running: list[Any]) -> None:
         """A step run without drafts (async): clear any drafts a sequence kept from a drafting step that did
@@ -158,6 +172,7 @@ class SpecController:
         """Acceptance counters and the policy's estimates (alpha per request, the draft cost c)."""
         policy = self.policy
         self.stats.num_steps_on += 1
+        spec_seqs = {sid: self.gamma(k) for sid, k in spec_seqs.items()}
         for sid, k in spec_seqs.items():
             a = result.num_accepted.get(sid, 0)
             self.stats.record(k, a)
@@ -173,7 +188,7 @@ class SpecController:
         work, and the processing of its tokens: a verify pass emits several per request, each detokenized and
         checked for stops, on a host-bound model a large part of a step), the draft model's time excluded (it
         is c). A drafting step (``mode`` "draft") that drafted leaves ``refill`` for the async step after it."""
-        gamma = max(spec_seqs.values(), default=0)
+        gamma = self.gamma(max(spec_seqs.values(), default=0))
         self.policy.record_step(batch, gamma, time.perf_counter() - wall_t0 - result.draft_duration_s)
         if gamma > 0 and mode == "draft":
             self.refill = (batch, gamma)

@@ -16,6 +16,9 @@ kept. The draft's KV lives in its own one-layer pool indexed by the target's blo
 separate draft model's does, ``roofline.spec_decode.draft_model``), so it costs 1 / num_layers of the
 target's KV per token. A prefix-cache hit reuses the draft KV of the cached blocks, which the sequence that
 wrote them filled from the same tokens.
+
+With ``tree_topk`` the proposer drafts EAGLE-2's dynamic tree (``propose_draft_token_ids``,
+``roofline.spec_decode.tree``) instead of a chain.
 """
 
 from __future__ import annotations
@@ -73,6 +76,16 @@ class FeatureStore:
                                f"(held: {have})")
         return f[lo - s:hi - s]
 
+    def accept_tree(self, row: int, root_pos: int, path: list[int]) -> None:
+        """After a tree's verify pass (whose features were observed in node order: the root at ``root_pos``,
+        node c at ``root_pos + 1 + c``): keep the root's and the accepted ``path``'s features at positions
+        ``root_pos .. root_pos + len(path)``, the positions they now hold."""
+        f, s = self.feats[row], int(self.start[row])
+        if f is None or not s <= root_pos < s + len(f):
+            return
+        keep = torch.tensor([root_pos - s] + [root_pos - s + 1 + c for c in path], device=f.device)
+        self.feats[row] = torch.cat([f[:root_pos - s], f[keep]])
+
     def drop_before(self, row: int, pos: int) -> None:
         f, s = self.feats[row], int(self.start[row])
         if f is not None and pos > s:
@@ -94,6 +107,24 @@ def resolve_head(spec: Any, method: str, mc: Any) -> tuple[Any, dict[str, torch.
     cfg, tensors = load_head(path, method)
     cfg.check_target(mc, path)
     return cfg, tensors, path
+
+
+def check_tree_backend(spec: Any, worker: Any) -> int:
+    """``spec.tree_topk`` (0 for a chain) once the worker's attention backend is known to honour tree masks.
+
+    Raises:
+        ValueError: a tree on a backend without ``supports_tree_mask`` (names the backend)."""
+    from roofline.distributed.parallel_state import get_tp_size
+
+    topk = getattr(spec, "tree_topk", None) or 0
+    if topk and not worker.backend.supports_tree_mask:
+        raise ValueError(f"speculative_config tree_topk needs an attention backend that applies tree masks; the "
+                         f"{worker.backend.name} backend does not (drop tree_topk for a chain)")
+    if topk and (get_tp_size() > 1 or worker.pp.pp_size > 1):
+        # A tree's acceptance walk draws on the host; ranks and stages would each draw their own.
+        raise ValueError(f"speculative_config tree_topk runs on one device (tensor and pipeline parallel size 1), "
+                         f"got tensor {get_tp_size()} and pipeline {worker.pp.pp_size}; drop tree_topk for a chain")
+    return topk
 
 
 class EagleProposer(AutoregressiveProposer):
@@ -135,6 +166,7 @@ class EagleProposer(AutoregressiveProposer):
         self.kv_bytes_per_token = kv_bytes_per_token(1, mc.num_key_value_heads, mc.head_dim, worker.kv_dtype)
         self.weight_bytes = sum(p.numel() * p.element_size() for m in (self.layer, self.fc) for p in m.parameters())
         rows = worker.config.scheduler_config.max_num_seqs
+        self.tree_topk = check_tree_backend(self.spec_config, worker)
         self.store = FeatureStore(rows)
         self.done = np.full(rows, -1, dtype=np.int64)  # draft KV valid below this position (-1: from the store)
         self.pred: dict[int, torch.Tensor] = {}  # row -> the last pass's predicted feature [H]
@@ -152,6 +184,9 @@ class EagleProposer(AutoregressiveProposer):
 
     def observe(self, worker: Any, step: Any, hidden: torch.Tensor) -> None:
         self.store.observe(worker, step, hidden)
+
+    def accept_tree(self, row: int, root_pos: int, path: list[int]) -> None:
+        self.store.accept_tree(row, root_pos, path)
 
     def _forward(self, worker: Any, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                  feats: torch.Tensor, next_ids: np.ndarray) -> torch.Tensor:
@@ -199,3 +234,108 @@ class EagleProposer(AutoregressiveProposer):
         for i, r in enumerate(rows.tolist()):
             self.pred[r] = pred[i]
         return worker.model.compute_logits(pred)
+
+    # ------------------------------------------------------------------------------ tree drafting
+
+    def propose_draft_token_ids(self, worker: Any, rows: np.ndarray, num_drafts: np.ndarray) -> dict[int, Any]:
+        """A chain (``AutoregressiveProposer``), or with ``tree_topk`` EAGLE-2's dynamic tree per row
+        (``roofline.spec_decode.tree``): depth 1's candidates are the top-k of the first pass; each later depth
+        runs the draft layer on the top-k candidates of the depth before (the frontier, by cumulative
+        log-probability), each giving its top-k children; the row keeps its ``num_drafts`` best candidates.
+        At most ``num_drafts`` nodes are expanded in all, and none past depth ``num_speculative_tokens``.
+
+        The draft layer's rows for the expanded nodes sit in the draft pool at positions n - 1 .. n - 2 + E
+        (E expanded so far; inside the slots the scheduler reserved for the tree) and attend through the
+        ancestor mask; every depth recomputes the E rows (one layer; E <= 64), since a row attends to its
+        ancestors only. Positions from n - 1 on are recomputed from the target's features next step."""
+        if not self.tree_topk:
+            return super().propose_draft_token_ids(worker, rows, num_drafts)
+        from roofline.spec_decode.tree import DraftTree, place_tree, select_nodes
+
+        batch, k, depth_max = worker.input_batch, self.tree_topk, self.spec_config.num_speculative_tokens
+        n = batch.num_tokens[rows].copy()
+        root_logits = self.draft_logits(worker, rows, n - 1)  # catches up; self.pred[r]: the root's output
+        top = torch.log_softmax(root_logits.float(), dim=-1).topk(k, dim=-1)
+        tok0, val0 = top.indices.cpu().numpy(), top.values.cpu().numpy()
+        # Per row: candidates (parent candidate, token, score, depth), expanded candidates in order, and the
+        # draft layer's input feature and output of each expanded one.
+        cands = [dict(parent=[-1] * k, token=tok0[i].tolist(), score=val0[i].tolist(), depth=[1] * k)
+                 for i in range(len(rows))]
+        expanded: list[list[int]] = [[] for _ in rows]
+        self.out: dict[int, torch.Tensor] = {}  # row index i -> the draft layer's outputs of its expanded nodes
+        feats_in: list[list[torch.Tensor]] = [[] for _ in rows]
+        for d in range(1, depth_max):
+            new_rows = []
+            for i, r in enumerate(rows.tolist()):
+                c = cands[i]
+                room = int(num_drafts[i]) - len(expanded[i])
+                frontier = sorted((j for j in range(len(c["token"])) if c["depth"][j] == d),
+                                  key=lambda j, c=c: -c["score"][j])[:max(0, min(k, room))]
+                for j in frontier:
+                    p = c["parent"][j]
+                    feats_in[i].append(self.pred[r] if p < 0 else self.out[i][expanded[i].index(p)])
+                expanded[i] += frontier
+                if frontier:
+                    new_rows.append((i, len(frontier)))
+            if not new_rows:
+                break
+            act = np.array([i for i, _ in new_rows], dtype=np.int64)
+            trees = []
+            for i in act.tolist():
+                c, e = cands[i], expanded[i]
+                pos = {cj: m for m, cj in enumerate(e)}
+                trees.append(DraftTree(np.array([c["token"][j] for j in e], dtype=np.int64),
+                                       np.array([pos.get(c["parent"][j], -1) for j in e], dtype=np.int64),
+                                       np.array([c["depth"][j] for j in e], dtype=np.int64)))
+            out = self._forward_tree(worker, rows[act], n[act], trees,
+                                     torch.cat([torch.stack(feats_in[i]) for i in act.tolist()]))
+            sizes = [len(t) for t in trees]
+            offs = np.cumsum([0] + sizes)
+            self.out = {int(i): out[offs[a]:offs[a + 1]] for a, i in enumerate(act.tolist())}
+            last = torch.cat([torch.arange(offs[a + 1] - m, offs[a + 1]) for a, (_, m) in enumerate(new_rows)])
+            lp = torch.log_softmax(worker.model.compute_logits(out[last.to(out.device)]).float(), dim=-1)
+            top = lp.topk(k, dim=-1)
+            tok, val = top.indices.cpu().numpy(), top.values.cpu().numpy()
+            q = 0
+            for i, m in new_rows:
+                c = cands[i]
+                for j in expanded[i][-m:]:
+                    for t, v in zip(tok[q].tolist(), val[q].tolist(), strict=True):
+                        c["parent"].append(j)
+                        c["token"].append(t)
+                        c["score"].append(c["score"][j] + v)
+                        c["depth"].append(d + 1)
+                    q += 1
+        self.out = {}
+        for i, r in enumerate(rows.tolist()):
+            c = cands[i]
+            tree, _ = select_nodes(c["parent"], c["token"], c["score"], c["depth"], int(num_drafts[i]))
+            place_tree(worker, r, tree, int(num_drafts[i]))
+        return {}
+
+    def _forward_tree(self, worker: Any, rows: np.ndarray, n: np.ndarray, trees: list[Any],
+                      feats: torch.Tensor) -> torch.Tensor:
+        """The draft layer on each row's expanded nodes (``trees[i]``, E_i nodes, packed): node m of row i
+        reads (its parent's predicted feature ``feats``, its token) at position n_i - 2 + depth, is stored at
+        position n_i - 1 + m of the draft pool, and attends to the draft KV below n_i - 1 and its ancestors.
+        Returns the predicted features [sum E_i, H]."""
+        from roofline.spec_decode.tree import region_mask
+
+        batch, bs, dev = worker.input_batch, worker.block_size, worker.device
+        sizes = np.array([len(t) for t in trees], dtype=np.int64)
+        qsl = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(sizes, out=qsl[1:])
+        token_rows = np.repeat(rows, sizes)
+        slot_pos = np.concatenate([n[i] - 1 + np.arange(sizes[i]) for i in range(len(rows))])
+        rope_pos = np.concatenate([n[i] - 2 + t.depth for i, t in enumerate(trees)])
+        ends = n - 1 + sizes
+        width = int(sizes.max())
+        mask = np.stack([region_mask(t, width, q_len=len(t)) for t in trees])
+        max_blocks = int(((ends + bs - 1) // bs).max())
+        meta = paged_metadata(slot_mapping(batch.block_table, token_rows, slot_pos, bs), qsl, ends,
+                              batch.block_table[rows, :max_blocks], dev, mask)
+        meta = self.backend.build_metadata(meta)
+        emb = self.embed(torch.from_numpy(np.concatenate([t.tokens for t in trees])).to(dev))
+        x = self.fc(torch.cat([feats.to(emb.dtype), emb], dim=-1))
+        out, residual = self.layer(torch.from_numpy(rope_pos).to(dev), x, None, meta)
+        return out + residual

@@ -6,6 +6,9 @@ k + 2 positions past the feature it reads, and t_{N-1} (the target's own token) 
 Medusa's drafts do not condition on each other; each is sampled from the distribution the verifier receives
 as its q, so rejection sampling keeps the target's distribution exactly as for any draft. It keeps no KV:
 only each row's latest feature (``eagle.FeatureStore``).
+
+With ``tree_topk`` (``roofline.spec_decode.tree``) it drafts a tree instead: the Cartesian product of the heads'
+top-k tokens, pruned to the tree budget by summed log-probability.
 """
 
 from __future__ import annotations
@@ -17,7 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from roofline.spec_decode.draft_proposers import AutoregressiveProposer
-from roofline.spec_decode.eagle import FeatureStore, resolve_head
+from roofline.spec_decode.eagle import FeatureStore, check_tree_backend, resolve_head
+from roofline.spec_decode.tree import best_first_tree, place_tree
 
 
 class MedusaProposer(AutoregressiveProposer):
@@ -39,12 +43,42 @@ class MedusaProposer(AutoregressiveProposer):
         self.bias = torch.stack([t[f"heads.{i}.bias"] for i in range(cfg.num_heads)]).to(dev, dtype)  # [K, H]
         self.weight_bytes = self.weight.numel() * self.weight.element_size()
         self.store = FeatureStore(worker.config.scheduler_config.max_num_seqs)
+        self.tree_topk = check_tree_backend(self.spec_config, worker)
 
     def reset(self, row: int) -> None:
         self.store.reset(row)
 
     def observe(self, worker: Any, step: Any, hidden: torch.Tensor) -> None:
         self.store.observe(worker, step, hidden)
+
+    def accept_tree(self, row: int, root_pos: int, path: list[int]) -> None:
+        self.store.accept_tree(row, root_pos, path)
+
+    def heads(self, f: torch.Tensor, k: int) -> torch.Tensor:
+        """Head ``k``'s input to the LM head from features ``f`` [R, H] (Medusa-1's residual block)."""
+        return f + F.silu(f.to(self.weight.dtype) @ self.weight[k].T + self.bias[k])
+
+    def propose_draft_token_ids(self, worker: Any, rows: np.ndarray, num_drafts: np.ndarray) -> dict[int, Any]:
+        """A chain (``AutoregressiveProposer``), or with ``tree_topk`` a tree per row: the Cartesian product of
+        heads 0 .. D - 1's top-k tokens (D = ``num_speculative_tokens``), pruned to the row's ``num_drafts``
+        best paths by summed log-probability (``tree.best_first_tree``); the nodes go into ``token_ids`` after
+        the row's known tokens and the tree into ``worker.inputs.trees``. No q: a tree's drafts are
+        deterministic (``roofline.spec_decode.tree``)."""
+        if not self.tree_topk:
+            return super().propose_draft_token_ids(worker, rows, num_drafts)
+        batch, depth = worker.input_batch, self.spec_config.num_speculative_tokens
+        n = batch.num_tokens[rows]
+        f = torch.stack([self.store.get(int(r), int(m) - 2, int(m) - 1)[0] for r, m in zip(rows, n, strict=True)])
+        for r, m in zip(rows.tolist(), n.tolist(), strict=True):
+            self.store.drop_before(r, m - 2)
+        h = torch.stack([self.heads(f, k) for k in range(depth)], dim=1)  # [R, D, H]
+        lp = torch.log_softmax(worker.model.compute_logits(h.flatten(0, 1)).float(), dim=-1)  # [R * D, V]
+        top = lp.topk(self.tree_topk, dim=-1)
+        tok = top.indices.view(len(rows), depth, -1).cpu().numpy()
+        val = top.values.view(len(rows), depth, -1).cpu().numpy()
+        for i, r in enumerate(rows.tolist()):
+            place_tree(worker, r, best_first_tree(tok[i], val[i], int(num_drafts[i])), int(num_drafts[i]))
+        return {}
 
     def draft_logits(self, worker: Any, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         n = worker.input_batch.num_tokens[rows]
@@ -54,5 +88,4 @@ class MedusaProposer(AutoregressiveProposer):
         if k == 0:
             for r, m in zip(rows.tolist(), n.tolist(), strict=True):
                 self.store.drop_before(r, m - 2)
-        h = f + F.silu(f.to(self.weight.dtype) @ self.weight[k].T + self.bias[k])
-        return worker.model.compute_logits(h)
+        return worker.model.compute_logits(self.heads(f, k))

@@ -1,6 +1,8 @@
 """Verification: the target's logits at each speculating row's 1 + k positions and its drafts in, the
 accepted drafts and one more token out (``rejection.rejection_sample``), copied to the host without a sync.
 
+A token tree (``roofline.spec_decode.tree``) is verified by ``verify_tree`` in the same place.
+
 ``verify`` runs in the worker's step, right after the forward pass; ``Verified.collect`` runs in the step's
 ``result()`` (after its one host sync): it writes the emitted tokens into the persistent batch and the
 ``StepOutput``, with the target's logprobs of each emitted token when a request asks.
@@ -71,6 +73,8 @@ def verify(worker: Any, hidden: torch.Tensor, rows: np.ndarray, last_indices: np
     from roofline.layers.sampler import processed_probs, token_logprobs
     from roofline.spec_decode.rejection import rejection_sample
 
+    if worker.inputs.trees:  # a tree proposer drafted this step (every speculating row holds a tree)
+        return verify_tree(worker, hidden, rows, last_indices)
     batch, dev = worker.input_batch, worker.device
     s, kmax = len(rows), int(ks.max())
     counts = ks + 1
@@ -111,4 +115,84 @@ def verify(worker: Any, hidden: torch.Tensor, rows: np.ndarray, last_indices: np
         host.update(logprobs=worker.to_host(so.logprobs), ranks=worker.to_host(so.ranks),
                     top_ids=worker.to_host(so.top_ids), top_logprobs=worker.to_host(so.top_logprobs))
         spec_counts = counts.tolist()
+    return Verified(row_list, [batch.seq_ids[r] for r in row_list], host, spec_counts)
+
+
+def verify_tree(worker: Any, hidden: torch.Tensor, rows: np.ndarray, last_indices: np.ndarray) -> Verified:
+    """Verify each speculating row's token tree (``worker.inputs.trees[row]``, a ``tree.DraftTree`` of N nodes
+    whose 1 + N query rows end at ``last_indices``) in the step's one target pass: walk it (``tree.walk``: greedy
+    longest matching path, or recursive rejection over children), compact the accepted path's KV in every
+    layer (and the proposer's features) into positions n .. n - 1 + a, and copy the emitted tokens to the host.
+
+    A sampling row's acceptance tests run on the host from its [N] child probabilities (one device -> host copy
+    of the step); its last token is drawn on the device from the residual. The trees are cleared.
+    """
+    from roofline.attention.backend import slot_mapping
+    from roofline.layers.sampler import processed_probs, token_logprobs
+    from roofline.spec_decode.tree import compact_kv, residual_sample, walk
+
+    batch, dev, trees = worker.input_batch, worker.device, worker.inputs.trees
+    worker.inputs.trees = {}
+    row_list = rows.tolist()
+    sizes = np.array([len(trees[r]) for r in row_list], dtype=np.int64)
+    counts = sizes + 1
+    flat_idx = np.concatenate([np.arange(e - n, e + 1) for e, n in zip(last_indices.tolist(), sizes.tolist(),
+                                                                      strict=True)])
+    first = np.cumsum(counts) - counts  # [S] flat index (in the gathered rows) of each row's root
+    logits = worker.model.compute_logits(hidden[torch.from_numpy(flat_idx).to(dev)])  # [F, V] fp32
+    md = worker.prepare_sampling(np.repeat(rows, counts), tag="spec_")
+    probs = processed_probs(logits, md)  # [F, V]
+    # The probability of each node's token at its parent's row, and every row's argmax: one host copy.
+    parent_flat = np.concatenate([first[i] + 1 + trees[r].parents for i, r in enumerate(row_list)])
+    node_tok = np.concatenate([trees[r].tokens for r in row_list])
+    child_p = probs[torch.from_numpy(parent_flat).to(dev), torch.from_numpy(node_tok).to(dev)].cpu().numpy()
+    argmax = logits.argmax(dim=-1).cpu().numpy()
+    temps = batch.temperature[rows]
+    gens = [md.generators[f] for f in first.tolist()]
+    results = []
+    for i, r in enumerate(row_list):
+        g, base = gens[i], int(first[i])
+
+        def uniform(g=g) -> float:
+            return float(torch.rand((), generator=g, device=dev)) if g is not None else float(torch.rand(()))
+
+        def final_sample(node: int, rejected: list[int], g=g, base=base) -> int:
+            return residual_sample(probs[base + 1 + node], rejected, g)
+
+        off = int(np.sum(sizes[:i]))
+        results.append(walk(trees[r], child_p[off:off + sizes[i]], argmax[base:base + counts[i]],
+                            bool(temps[i] < 1e-5), uniform, final_sample))
+    depth = max(len(w.path) for w in results)
+    tokens = torch.full((len(row_list), depth + 1), -1, dtype=torch.int64)
+    src, dst = [], []
+    sel_flat: list[int] = []  # gathered-row index of each emitted token's distribution (root, then the path)
+    for i, (r, w) in enumerate(zip(row_list, results, strict=True)):
+        t = trees[r]
+        emitted = [int(t.tokens[c]) for c in w.path] + [w.token]
+        tokens[i, :len(emitted)] = torch.tensor(emitted)
+        n = int(batch.num_tokens[r])
+        for j, c in enumerate(w.path, start=1):  # node c sits at position n + c, belongs at n - 1 + j
+            if n + c != n - 1 + j:
+                src.append((r, n + c))
+                dst.append((r, n - 1 + j))
+        sel_flat += [int(first[i])] + [int(first[i]) + 1 + c for c in w.path]
+        if worker.proposer is not None and hasattr(worker.proposer, "accept_tree"):
+            worker.proposer.accept_tree(r, n - 1, w.path)
+    if src:
+        bs = worker.block_size
+        s_rows, s_pos = np.array(src).T
+        d_rows, d_pos = np.array(dst).T
+        compact_kv(worker.backend.kv_pool.caches,
+                   torch.from_numpy(slot_mapping(batch.block_table, s_rows, s_pos, bs)).to(dev),
+                   torch.from_numpy(slot_mapping(batch.block_table, d_rows, d_pos, bs)).to(dev))
+    num_accepted = torch.tensor([len(w.path) for w in results], dtype=torch.int64)
+    host = {"token_ids": tokens, "num_accepted": num_accepted}
+    spec_counts: list[int] = []
+    if int(batch.num_logprobs[rows].max()) >= 0:
+        emitted_ids = torch.cat([tokens[i, :len(w.path) + 1] for i, w in enumerate(results)]).to(dev)
+        so = token_logprobs(logits[torch.tensor(sel_flat, device=dev)], emitted_ids,
+                            int(batch.num_logprobs[rows].max()))
+        host.update(logprobs=worker.to_host(so.logprobs), ranks=worker.to_host(so.ranks),
+                    top_ids=worker.to_host(so.top_ids), top_logprobs=worker.to_host(so.top_logprobs))
+        spec_counts = [len(w.path) + 1 for w in results]
     return Verified(row_list, [batch.seq_ids[r] for r in row_list], host, spec_counts)

@@ -9,6 +9,7 @@ tables and query_start_loc; they go to the device from pinned host buffers with 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -37,6 +38,9 @@ class InputPreparer:
         self.num_spec = np.zeros(len(batch.num_tokens), dtype=np.int64)
         self.prev_sampled: torch.Tensor | None = None
         self.generators: dict[int, torch.Generator] = {}
+        # row -> this step's token tree (``roofline.spec_decode.tree.DraftTree``) from a tree proposer; its
+        # nodes sit in token_ids after the row's known tokens, and the verifier clears the dict.
+        self.trees: dict[int, Any] = {}
 
     def to_device(self, name: str, array: np.ndarray) -> torch.Tensor:
         """Copy a host array to the device: through a pinned staging buffer and a non-blocking copy on CUDA.
@@ -86,7 +90,21 @@ class InputPreparer:
         max_blocks = int(batch.num_blocks[rows].max())
         num_spec = self.num_spec[rows]
         samples = seq_lens - num_spec == batch.num_tokens[rows]  # drafts sit past num_tokens
-        if num_spec.any() and samples.all() and (counts == 1 + num_spec).all():
+        tree_mask = None
+        if self.trees:
+            # A tree-verification step: node i of a row is read from slot n + i (in node order) but sits at
+            # position n - 1 + depth_i, and the rows attend through the ancestor mask (the prefill path).
+            from roofline.spec_decode.tree import region_mask
+
+            width = max(len(t) for t in self.trees.values())
+            tree_mask = np.full((len(rows), width), -1, dtype=np.int64)
+            for i, r in enumerate(rows.tolist()):
+                t = self.trees.get(r)
+                if t is not None and counts[i] == 1 + len(t):
+                    lo = query_start[i] + 1
+                    positions[lo:lo + len(t)] = start[i] + t.depth
+                    tree_mask[i] = region_mask(t, width)
+        if tree_mask is None and num_spec.any() and samples.all() and (counts == 1 + num_spec).all():
             # A verify step (every request decodes its last token + its drafts): one decode row per token,
             # row j of a request seeing start + j + 1 keys through the request's block table. The cache store
             # precedes attention, so this is the causal extend, with the decode kernel's fixed shapes (CUDA
@@ -95,7 +113,7 @@ class InputPreparer:
         else:
             attn_rows, attn_starts, attn_lens = rows, query_start, seq_lens
         meta = paged_metadata(slots, attn_starts, attn_lens, batch.block_table[attn_rows, :max_blocks],
-                              lambda name, a: self.to_device(tag + name, a))
+                              lambda name, a: self.to_device(tag + name, a), tree_mask)
         ids = self.to_device(tag + "input_ids", input_ids)
         pos = self.to_device(tag + "positions", positions)
         # A sequence's newest token may still be on its way from the previous step (async scheduling): read

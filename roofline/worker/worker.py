@@ -30,7 +30,7 @@ from roofline.layers.rotary import RotaryEmbedding
 from roofline.layers.sampler import NONFINITE_MESSAGE, Sampler, SamplingMetadata
 from roofline.models import loader
 from roofline.quant import get_quant_config
-from roofline.spec_decode.proposer import make_proposer
+from roofline.spec_decode.proposer import check_draft_kv_share, make_proposer
 from roofline.spec_decode.verifier import Verified, verify
 from roofline.step import Logprob, StepInput, StepOutput
 from roofline.worker import scoring
@@ -195,6 +195,9 @@ class Worker:
         if self.proposer is not None and self.proposer.kv_bytes_per_token:
             # The pool split's cost, stated once: a draft KV pool shrinks the target's by its share per token.
             alone = KVCachePool.num_blocks_for(budget, self.kv_bytes_per_token, self.block_size)
+            check_draft_kv_share(self.config.speculative_config, self.proposer.kv_bytes_per_token,
+                                 self.kv_bytes_per_token, num_blocks * self.block_size, alone * self.block_size,
+                                 sized_by_user=cc.kv_cache_memory is not None)
             logger.info("speculative decoding (%s): the draft's KV takes %d of %d bytes per token, so the pool "
                         "holds %d tokens instead of %d (%.0f%% fewer)", self.config.speculative_config.method,
                         self.proposer.kv_bytes_per_token, per_token, num_blocks * self.block_size,

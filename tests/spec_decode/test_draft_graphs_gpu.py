@@ -18,6 +18,7 @@ def test_separate_draft_decode_replays_cuda_graphs_like_eager():
     pass returns logits within a few bf16 ulps (rtol 2e-2, atol 5e-2) of the eager pass's, with the same argmax at 99% of rows or more, and
     the emitted tokens are identical (the target decides them). A batch of 3 also exercises graph padding."""
     llm = LLM(model="smollm2-135m", load_format="dummy", device="cuda", dtype="bfloat16", max_model_len=512,
+              kv_cache_memory="4GiB",  # a quantized self mirrors the target's KV: an auto-sized pool refuses it
               speculative_config={"method": "draft_model", "quantization": "int8", "num_speculative_tokens": 3,
                                   "adaptive": False})
     draft = llm.engine.worker.draft

@@ -83,7 +83,11 @@ def test_separate_draft_checkpoint_is_token_identical(draft_dir, plain, greedy_r
 
 def test_int4_self_draft_is_token_identical(greedy_ref):
     cfg = {"method": "draft_model", "quantization": "int4", "num_speculative_tokens": 2, "adaptive": False}
-    llm = LLM(speculative_config=cfg, **COMMON)
+    # Its KV mirrors the target's: an automatically sized pool refuses it (``check_draft_kv_share``), naming why.
+    with pytest.raises(ValueError, match=r"the draft's own KV \(46080 bytes per token, the target's 46080\) would "
+                                         r"cut the KV pool from \d+ to \d+ tokens \(50% fewer\).*refused"):
+        LLM(speculative_config=cfg, **COMMON)
+    llm = LLM(speculative_config=cfg, kv_cache_memory="64MiB", **COMMON)  # a pool the user sized: the split is theirs
     draft = llm.engine.worker.draft
     # 4-bit codes (and, on CPU, a uint8 copy for prefill-sized GEMMs); the tied fp32 embedding stays
     assert draft is not None and draft.weight_bytes < llm.engine.worker.weight_bytes / 2
@@ -116,7 +120,7 @@ def test_draft_preset_with_dummy_weights_and_a_missing_draft_path():
     prompt = [{"prompt_token_ids": list(range(100, 130))}]
     sp = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
     cfg = {"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 2, "adaptive": False}
-    llm = LLM(speculative_config=cfg, **kw)
+    llm = LLM(speculative_config=cfg, kv_cache_memory="64MiB", **kw)  # a same-size draft: the user sizes the pool
     assert llm.engine.worker.draft is not None and llm.engine.worker.draft.source.format == "dummy"
     assert _ids(llm.generate(prompt, sp, use_tqdm=False)) == _ids(LLM(**kw).generate(prompt, sp, use_tqdm=False))
     _check_accounting(llm)
@@ -185,3 +189,17 @@ def test_draft_pass_fills_short_spans_as_decode_rows(draft_dir):
         err = ((got - ref).abs().amax(dim=-1) / ref.abs().amax(dim=-1)).max().item()
         assert err < 1e-4, (prefill_to, err)
         assert torch.equal(got.argmax(dim=-1), ref.argmax(dim=-1))
+
+
+def test_draft_kv_share_rule():
+    """``check_draft_kv_share``: refused from a draft KV per token equal to the target's (the pool halves) on an
+    automatically sized pool; allowed below it, or on a pool the user sized."""
+    from types import SimpleNamespace
+
+    from roofline.spec_decode.proposer import check_draft_kv_share
+
+    spec = SimpleNamespace(method="draft_model", quantization="int4")
+    check_draft_kv_share(spec, 46079, 46080, 23297, 46592, sized_by_user=False)  # just under half: allowed
+    check_draft_kv_share(spec, 46080, 46080, 23296, 46592, sized_by_user=True)  # the user's split
+    with pytest.raises(ValueError, match=r"\(draft_model, int4 at load\).*from 46592 to 23296 tokens \(50% fewer\)"):
+        check_draft_kv_share(spec, 46080, 46080, 23296, 46592, sized_by_user=False)

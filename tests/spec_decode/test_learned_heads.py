@@ -173,8 +173,8 @@ def test_bad_configs_and_mismatched_heads(tiny_dir, heads, tmp_path):
         SpeculativeConfig.from_dict({"method": "eagle", "num_speculative_tokens": 2, "num_layers": 3})
     with pytest.raises(ValueError, match=r"num_speculative_tokens must be an integer in \[1, 16\], got 40"):
         SpeculativeConfig.from_dict({"method": "medusa", "num_speculative_tokens": 40})
-    with pytest.raises(ValueError, match="unknown key.*'tree_budget'"):
-        SpeculativeConfig.from_dict({"method": "eagle", "num_speculative_tokens": 2, "tree_budget": 8})
+    with pytest.raises(ValueError, match="unknown key.*'tree_depth'"):
+        SpeculativeConfig.from_dict({"method": "eagle", "num_speculative_tokens": 2, "tree_depth": 8})
     # Medusa with more drafts than heads (3).
     with pytest.raises(ValueError, match=r"num_speculative_tokens must be in \[1, 3\].*got 4"):
         LLM(str(tiny_dir), speculative_config={"method": "medusa", "model": heads["medusa"][0],
