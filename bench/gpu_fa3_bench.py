@@ -38,6 +38,7 @@ GLUON_VARIANTS = {
     "gluon_ws_n64_s3": dict(VARIANT="ws", BLOCK_N=64, NUM_STAGES=3),
     "gluon_ws_n64_s4": dict(VARIANT="ws", BLOCK_N=64, NUM_STAGES=4),
     "gluon_ws_n128_s2": dict(VARIANT="ws", BLOCK_N=128, NUM_STAGES=2),
+    "gluon_ws_n128_s3": dict(VARIANT="ws", BLOCK_N=128, NUM_STAGES=3),  # 224 KB of shared memory
     # round 2: FA3 ping-pong (two consumer warpgroup partitions, named barriers) and ws2 (same, no barriers)
     "gluon_pp_n128_s2": dict(VARIANT="pingpong", BLOCK_N=128, NUM_STAGES=2),
     "gluon_pp_n128_s3": dict(VARIANT="pingpong", BLOCK_N=128, NUM_STAGES=3),
