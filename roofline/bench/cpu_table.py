@@ -1,0 +1,198 @@
+"""The CPU formats table (issue 32), run through ``python -m roofline.bench.cpu --gemm | --table [...]``.
+
+``--gemm``: the default model's linears of one decode step (30 layers x qkv 960x576, o 576x576, gate_up
+3072x576, down 576x1536, plus lm_head 49152x576), each layer its own weight so that nothing stays in cache,
+in fp32, bf16, INT8 W8A16 (``torch._weight_int8pack_mm``) and INT8 W8A8 dynamic (``roofline.quant.cpu_int8``),
+at M = 1 and 32; the formats alternate inside each of 3 rounds; the best round per format; ratio fp32 / format.
+
+``--table [--rounds R] [--tokens N] [--llamacpp] [--no-hf] [--json PATH]``: end to end on the default model.
+Roofline fp32, bf16 and int8 (``--quantization int8``: W8A8 on CPU) engines are built once, then each round
+runs every format at batch 1 (one prompt, N greedy tokens) and batch 32 (32 prompts, N / 2 tokens each),
+in turn, so drift on a shared machine hits all alike; the best round's mean decode step is kept, and its
+floor (``LLM.decode_floor``: that format's weight bytes plus the KV read, over the read bandwidth measured in
+this process; against FLOPs over the measured GEMM rate of the model dtype) is printed beside it. HF
+transformers eager fp32 (batch 1, the same prompt, ``use_cache``) and llama.cpp (``--llamacpp``:
+``llama_cpp.Llama`` on the same GGUF with ``n_threads`` = ours, greedy) run in the same rounds.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from roofline.cpu import detect_cpu_features, startup_line
+
+PROMPT = "Once upon a time"
+# (name, rows, K) of the default model's linears, and how many of each one decode step runs
+SHAPES = [("qkv", 960, 576, 30), ("o", 576, 576, 30), ("gate_up", 3072, 576, 30), ("down", 576, 1536, 30),
+          ("lm_head", 49152, 576, 1)]
+
+
+def gemm_rates(rounds: int = 3) -> dict[str, dict[str, float]]:
+    """ms per decode step's linears for each format at M = 1 and 32: {"M=1": {"fp32": ms, ...}, ...}."""
+    from roofline.quant.cpu_int8 import w8a8_dynamic_linear
+    from roofline.quant.quantize import quantize_int8_per_channel
+
+    gen = torch.Generator().manual_seed(0)
+    layers = []
+    for _, n, k, count in SHAPES:
+        for _ in range(count):
+            w = torch.randn(n, k, generator=gen) * 0.02
+            cw = quantize_int8_per_channel(w)
+            layers.append((w, w.bfloat16(), cw.q.contiguous(), cw.scales.float().contiguous()))
+    fns = {
+        "fp32": lambda x, lay: torch.nn.functional.linear(x, lay[0]),
+        "bf16": lambda x, lay: torch.nn.functional.linear(x.bfloat16(), lay[1]),
+        "int8 W8A16": lambda x, lay: torch._weight_int8pack_mm(x, lay[2], lay[3]),
+        "int8 W8A8": lambda x, lay: w8a8_dynamic_linear(x, lay[2], lay[3]),
+    }
+    out: dict[str, dict[str, float]] = {}
+    for m in (1, 32):
+        xs = {k: torch.randn(m, k, generator=gen) for _, _, k, _ in SHAPES}
+        best = {name: float("inf") for name in fns}
+        for _ in range(rounds):
+            for name, fn in fns.items():
+                t = time.perf_counter()
+                for lay in layers:
+                    fn(xs[lay[0].shape[1]], lay)
+                best[name] = min(best[name], time.perf_counter() - t)
+        out[f"M={m}"] = {name: v * 1e3 for name, v in best.items()}
+        print(f"linears of one decode step, M={m}: " + ", ".join(
+            f"{name} {v * 1e3:.1f} ms ({best['fp32'] / v:.2f}x fp32)" for name, v in best.items()))
+    return out
+
+
+def _roofline_step(llm, batch: int, tokens: int) -> float:
+    """Mean decode step (s) of one greedy run of ``batch`` copies of the prompt, ``tokens`` new tokens each."""
+    from roofline import SamplingParams
+
+    params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+    prompts = [f"{PROMPT} {i}" for i in range(batch)] if batch > 1 else [PROMPT]
+    llm.generate(prompts, params, use_tqdm=False)
+    return llm.last_run_stats.mean_decode_step_s
+
+
+class _HF:
+    """HF transformers eager fp32 on the same GGUF weights: greedy, one sequence, KV cache on."""
+
+    def __init__(self, path: Path):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
+        self.model = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                          dtype=torch.float32).eval()
+        self.ids = tok(PROMPT, return_tensors="pt").input_ids
+
+    @torch.inference_mode()
+    def step_s(self, tokens: int) -> float:
+        out = self.model(self.ids, use_cache=True)
+        pkv, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        t = time.perf_counter()
+        for _ in range(tokens - 1):
+            out = self.model(nxt, past_key_values=pkv, use_cache=True)
+            pkv, nxt = out.past_key_values, out.logits[:, -1].argmax(-1, keepdim=True)
+        return (time.perf_counter() - t) / (tokens - 1)
+
+
+class _LlamaCpp:
+    """llama.cpp (llama-cpp-python) on the same GGUF: greedy (top_k 1), ``threads`` threads, batch 1."""
+
+    def __init__(self, path: Path, threads: int):
+        import llama_cpp
+
+        self.llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=512,
+                                   verbose=False, seed=0)
+        self.version = getattr(llama_cpp, "__version__", "?")
+
+    def step_s(self, tokens: int) -> float:
+        """Per decode token: (time of ``tokens`` new tokens - time of 1) / (tokens - 1), prompt cache reset."""
+        def run(n: int) -> float:
+            self.llm.reset()
+            t = time.perf_counter()
+            self.llm.create_completion(PROMPT, max_tokens=n, temperature=0.0, top_k=1)
+            return time.perf_counter() - t
+        return (run(tokens) - run(1)) / (tokens - 1)
+
+
+def table(rounds: int = 3, tokens: int = 64, llamacpp: bool = False, hf: bool = True,
+          json_path: str | None = None) -> list[dict]:
+    """The README's CPU table (module docstring), printed and returned as rows."""
+    from roofline import LLM
+    from roofline.models.loader import default_model_path
+
+    threads = torch.get_num_threads()
+    feats = detect_cpu_features()
+    print(startup_line(feats, "float32", threads))
+    engines = {
+        "roofline fp32": LLM(device="cpu", dtype="float32", max_model_len=512),
+        "roofline bf16": LLM(device="cpu", dtype="bfloat16", max_model_len=512),
+        "roofline int8 (W8A8)": LLM(device="cpu", dtype="float32", quantization="int8", max_model_len=512),
+    }
+    others: dict[str, object] = {}
+    if hf:
+        others["HF transformers eager fp32"] = _HF(default_model_path())
+    if llamacpp:
+        try:
+            lc = _LlamaCpp(default_model_path(), threads)
+            others[f"llama.cpp {lc.version} (llama-cpp-python)"] = lc
+        except ImportError:
+            print("llama.cpp: llama_cpp is not importable here (pip install llama-cpp-python; see the README)")
+    for llm in engines.values():  # warm-up: first-call allocations, oneDNN primitive caches
+        _roofline_step(llm, 1, 4)
+        _roofline_step(llm, 32, 4)
+    best: dict[tuple[str, int], float] = {}
+    floors: dict[tuple[str, int], dict] = {}
+    for r in range(rounds):
+        for name, llm in engines.items():
+            for batch in (1, 32):
+                s = _roofline_step(llm, batch, tokens if batch == 1 else tokens // 2)
+                if s < best.get((name, batch), float("inf")):
+                    best[name, batch] = s
+                    if r == rounds - 1 or (name, batch) not in floors:
+                        floors[name, batch] = llm.decode_floor() or {}
+        for name, other in others.items():
+            s = other.step_s(tokens)
+            best[name, 1] = min(best.get((name, 1), float("inf")), s)
+    rows = []
+    base = best["roofline fp32", 1]
+    hf_s = best.get(("HF transformers eager fp32", 1))
+    print(f"{'engine':38s} {'batch':>5s} {'step ms':>8s} {'tok/s':>8s} {'floor ms':>8s} {'of floor':>8s} "
+          f"{'tok/s / fp32 b1':>10s} {'vs HF':>6s}")
+    for (name, batch), s in sorted(best.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        fl = floors.get((name, batch), {})
+        floor_ms = fl.get("floor_s", 0.0) * 1e3
+        row = dict(engine=name, batch=batch, step_ms=s * 1e3, tok_per_s=batch / s, floor_ms=floor_ms or None,
+                   fraction_of_floor=(fl["floor_s"] / s) if fl else None)
+        rows.append(row)
+        floor_txt = f"{floor_ms:8.2f} {fl['floor_s'] / s:8.0%}" if fl else f"{'-':>8s} {'-':>8s}"
+        vs_hf = f"{hf_s / s:6.2f}" if hf_s and batch == 1 else f"{'':>6s}"
+        print(f"{name:38s} {batch:5d} {s * 1e3:8.2f} {batch / s:8.1f} {floor_txt} {base / s * batch:10.2f} {vs_hf}")
+    if json_path:
+        Path(json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(json_path).write_text(json.dumps(dict(cpu=startup_line(feats, "float32", threads), rounds=rounds,
+                                                   tokens=tokens, rows=rows), indent=1))
+    return rows
+
+
+def main(argv: list[str]) -> None:
+    import argparse
+
+    p = argparse.ArgumentParser(prog="python -m roofline.bench.cpu")
+    p.add_argument("--gemm", action="store_true")
+    p.add_argument("--table", action="store_true")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=64)
+    p.add_argument("--llamacpp", action="store_true")
+    p.add_argument("--no-hf", action="store_true")
+    p.add_argument("--json", default=None)
+    args = p.parse_args(argv)
+    if args.rounds < 1 or args.tokens < 4:
+        raise SystemExit(f"--rounds must be >= 1 and --tokens >= 4; got {args.rounds} and {args.tokens}")
+    if args.gemm:
+        print(startup_line(detect_cpu_features(), "float32", torch.get_num_threads()))
+        gemm_rates()
+    if args.table:
+        table(args.rounds, args.tokens, args.llamacpp, not args.no_hf, args.json)
