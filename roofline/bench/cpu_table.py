@@ -6,11 +6,12 @@ in fp32, bf16, INT8 W8A16 (``torch._weight_int8pack_mm``) and INT8 W8A8 dynamic 
 at M = 1 and 32; the formats alternate inside each of 3 rounds; the best round per format; ratio fp32 / format.
 
 ``--table [--rounds R] [--tokens N] [--llamacpp] [--no-hf] [--json PATH]``: end to end on the default model.
-Roofline fp32, bf16 and int8 (``--quantization int8``: W8A8 on CPU) engines are built once, then each round
+Roofline fp32, bf16, int8 (``--quantization int8``: W8A8 on CPU) and bf16 + int8 (the int8 linears with bf16
+norms, attention and lm_head) engines are built once, then each round
 runs every format at batch 1 (one prompt, N greedy tokens) and batch 32 (32 prompts, N / 2 tokens each),
 in turn, so drift on a shared machine hits all alike; the best round's mean decode step is kept, and its
-floor (``LLM.decode_floor``: that format's weight bytes plus the KV read, over the read bandwidth measured in
-this process; against FLOPs over the measured GEMM rate of the model dtype) is printed beside it. HF
+floor (``_floors``: that format's weight bytes plus the KV read, over one read bandwidth measured in this
+process; against FLOPs over the measured GEMM rate of the format's arithmetic) is printed beside it. HF
 transformers eager fp32 (batch 1, the same prompt, ``use_cache``) and llama.cpp (``--llamacpp``:
 ``llama_cpp.Llama`` on the same GGUF with ``n_threads`` = ours, greedy) run in the same rounds.
 """
@@ -117,6 +118,38 @@ class _LlamaCpp:
         return (run(tokens) - run(1)) / (tokens - 1)
 
 
+def _floors(engines: dict, best: dict, shape: dict) -> dict[tuple[str, int], dict]:
+    """Each roofline row's floor (``costmodel.decode_floor_report``): that engine's weight bytes per step plus
+    the KV bytes its mean context reads, over one read bandwidth (the best of 3 probes here, so that every row
+    is held to the same machine), against 2 x params x batch FLOPs over the GEMM rate of the format's
+    arithmetic (fp32, bf16, or int8 for W8A8), the best of 3 probes each, in this process."""
+    from roofline import costmodel
+    from roofline import hardware as hw
+
+    bandwidth = max(hw.measure_read_bandwidth("cpu") for _ in range(3))
+    peaks: dict[str, float] = {}
+    out = {}
+    for (name, batch), s in best.items():
+        llm = engines.get(name)
+        if llm is None:
+            continue
+        w = llm.engine.worker
+        dtype = "int8" if w.quant_config is not None and w.quant_config.name == "int8" else \
+            costmodel.canonical_dtype(w.dtype)
+        if dtype not in peaks:
+            peaks[dtype] = max(hw.measure_gemm_flops("cpu", dtype) for _ in range(3))
+        mean_batch, kv_tokens = shape[name, batch]
+        out[name, batch] = costmodel.decode_floor_report(
+            weight_bytes=w.weight_bytes_per_step, kv_bytes_read=kv_tokens * w.kv_bytes_per_token,
+            flops=2.0 * llm.engine.model_config.num_params * mean_batch, bandwidth_bytes_per_s=bandwidth,
+            peak_flops=peaks[dtype], measured_step_s=s)
+        out[name, batch].update(bandwidth_bytes_per_s=bandwidth, peak_flops=peaks[dtype],
+                                weight_bytes=w.weight_bytes_per_step)
+    print(f"floor inputs: read bandwidth {bandwidth / 1e9:.1f} GB/s (best of 3), GEMM rates "
+          + ", ".join(f"{k} {v / 1e9:.0f} G{'OP' if k == 'int8' else 'FLOP'}/s" for k, v in peaks.items()))
+    return out
+
+
 def table(rounds: int = 3, tokens: int = 64, llamacpp: bool = False, hf: bool = True,
           json_path: str | None = None) -> list[dict]:
     """The README's CPU table (module docstring), printed and returned as rows."""
@@ -130,6 +163,7 @@ def table(rounds: int = 3, tokens: int = 64, llamacpp: bool = False, hf: bool = 
         "roofline fp32": LLM(device="cpu", dtype="float32", max_model_len=512),
         "roofline bf16": LLM(device="cpu", dtype="bfloat16", max_model_len=512),
         "roofline int8 (W8A8)": LLM(device="cpu", dtype="float32", quantization="int8", max_model_len=512),
+        "roofline bf16 + int8 (W8A8)": LLM(device="cpu", dtype="bfloat16", quantization="int8", max_model_len=512),
     }
     others: dict[str, object] = {}
     if hf:
@@ -144,18 +178,19 @@ def table(rounds: int = 3, tokens: int = 64, llamacpp: bool = False, hf: bool = 
         _roofline_step(llm, 1, 4)
         _roofline_step(llm, 32, 4)
     best: dict[tuple[str, int], float] = {}
-    floors: dict[tuple[str, int], dict] = {}
-    for r in range(rounds):
-        for name, llm in engines.items():
-            for batch in (1, 32):
+    shape: dict[tuple[str, int], tuple[float, float]] = {}  # (mean batch, mean KV tokens read per step)
+    for _ in range(rounds):
+        for batch in (1, 32):
+            for name, llm in engines.items():
                 s = _roofline_step(llm, batch, tokens if batch == 1 else tokens // 2)
                 if s < best.get((name, batch), float("inf")):
+                    st = llm.last_run_stats
                     best[name, batch] = s
-                    if r == rounds - 1 or (name, batch) not in floors:
-                        floors[name, batch] = llm.decode_floor() or {}
+                    shape[name, batch] = (st.mean_decode_batch or batch, st.mean_decode_kv_tokens or 0.0)
         for name, other in others.items():
             s = other.step_s(tokens)
             best[name, 1] = min(best.get((name, 1), float("inf")), s)
+    floors = _floors(engines, best, shape)
     rows = []
     base = best["roofline fp32", 1]
     hf_s = best.get(("HF transformers eager fp32", 1))
@@ -165,7 +200,8 @@ def table(rounds: int = 3, tokens: int = 64, llamacpp: bool = False, hf: bool = 
         fl = floors.get((name, batch), {})
         floor_ms = fl.get("floor_s", 0.0) * 1e3
         row = dict(engine=name, batch=batch, step_ms=s * 1e3, tok_per_s=batch / s, floor_ms=floor_ms or None,
-                   fraction_of_floor=(fl["floor_s"] / s) if fl else None)
+                   fraction_of_floor=(fl["floor_s"] / s) if fl else None, bound_by=fl.get("bound_by"),
+                   weight_bytes=fl.get("weight_bytes"))
         rows.append(row)
         floor_txt = f"{floor_ms:8.2f} {fl['floor_s'] / s:8.0%}" if fl else f"{'-':>8s} {'-':>8s}"
         vs_hf = f"{hf_s / s:6.2f}" if hf_s and batch == 1 else f"{'':>6s}"
