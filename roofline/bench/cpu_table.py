@@ -2,8 +2,8 @@
 
 ``--gemm``: the default model's linears of one decode step (30 layers x qkv 960x576, o 576x576, gate_up
 3072x576, down 576x1536, plus lm_head 49152x576), each layer its own weight so that nothing stays in cache,
-in fp32, bf16, INT8 W8A16 (``torch._weight_int8pack_mm``) and INT8 W8A8 dynamic (``roofline.quant.cpu_int8``),
-at M = 1 and 32; the formats alternate inside each of 3 rounds; the best round per format; ratio fp32 / format.
+in fp32, bf16, INT8 W8A16 (``torch._weight_int8pack_mm``, M = 1 only: it takes seconds at 32) and INT8 W8A8
+dynamic (``roofline.quant.cpu_int8``), at M = 1 and 32; the formats alternate inside each of 3 rounds; the best round per format; ratio fp32 / format.
 
 ``--table [--rounds R] [--tokens N] [--llamacpp] [--no-hf] [--json PATH]``: end to end on the default model.
 Roofline fp32, bf16, int8 (``--quantization int8``: W8A8 on CPU) and bf16 + int8 (the int8 linears with bf16
@@ -19,6 +19,7 @@ transformers eager fp32 (batch 1, the same prompt, ``use_cache``) and llama.cpp 
 from __future__ import annotations
 
 import json
+import sys
 import time
 from pathlib import Path
 
@@ -53,9 +54,10 @@ def gemm_rates(rounds: int = 3) -> dict[str, dict[str, float]]:
     out: dict[str, dict[str, float]] = {}
     for m in (1, 32):
         xs = {k: torch.randn(m, k, generator=gen) for _, _, k, _ in SHAPES}
-        best = {name: float("inf") for name in fns}
+        run = {k: f for k, f in fns.items() if m == 1 or k != "int8 W8A16"}  # W8A16 at M = 32: ~8 s a pass
+        best = {name: float("inf") for name in run}
         for _ in range(rounds):
-            for name, fn in fns.items():
+            for name, fn in run.items():
                 t = time.perf_counter()
                 for lay in layers:
                     fn(xs[lay[0].shape[1]], lay)
@@ -98,31 +100,54 @@ class _HF:
         return (time.perf_counter() - t) / (tokens - 1)
 
 
+# One llama.cpp measurement, run by the interpreter that has llama_cpp (``--llamacpp-python``): argv = GGUF path,
+# threads, new tokens; prints seconds per decode token and the greedy text.
+_LLAMACPP_CHILD = """
+import sys, time, llama_cpp
+path, threads, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+llm = llama_cpp.Llama(model_path=path, n_threads=threads, n_threads_batch=threads, n_ctx=512, verbose=False, seed=0)
+def run(k):
+    llm.reset()
+    t = time.perf_counter()
+    out = llm.create_completion(sys.argv[4], max_tokens=k, temperature=0.0, top_k=1)
+    return time.perf_counter() - t, out["usage"]["completion_tokens"], out["choices"][0]["text"]
+run(4)
+(t_n, got, text), (t_1, _, _) = run(n), run(1)
+print(llama_cpp.__version__, (t_n - t_1) / (got - 1), repr(text[:40]))
+"""
+
+
 class _LlamaCpp:
-    """llama.cpp (llama-cpp-python) on the same GGUF: greedy (top_k 1), ``threads`` threads, batch 1."""
+    """llama.cpp (llama-cpp-python, built with AVX-512 VNNI/BF16 and ``GGML_NATIVE=OFF``) on the same GGUF
+    (Q4_1 blocks, Q8_0 embeddings): greedy (top_k 1), ``threads`` threads, batch 1, each measurement a fresh
+    process of ``python`` (an interpreter that imports ``llama_cpp``; it need not be roofline's venv). Per decode
+    token: (time of N new tokens - time of 1) / (N - 1), the KV cache reset between them."""
 
-    def __init__(self, path: Path, threads: int):
-        import llama_cpp
+    def __init__(self, path: Path, threads: int, python: str):
+        import subprocess
 
-        self.llm = llama_cpp.Llama(model_path=str(path), n_threads=threads, n_threads_batch=threads, n_ctx=512,
-                                   verbose=False, seed=0)
-        self.version = getattr(llama_cpp, "__version__", "?")
+        self.path, self.threads, self.python = path, threads, python
+        probe = subprocess.run([python, "-c", "import llama_cpp; print(llama_cpp.__version__)"],
+                               capture_output=True, text=True)
+        if probe.returncode != 0:
+            raise ImportError(f"{python} cannot import llama_cpp: {probe.stderr.strip().splitlines()[-1:]}")
+        self.version = probe.stdout.strip()
+        self.weight_bytes = path.stat().st_size  # the GGUF's tensors are what a step reads (plus metadata)
 
     def step_s(self, tokens: int) -> float:
-        """Per decode token: (time of ``tokens`` new tokens - time of 1) / (tokens - 1), prompt cache reset."""
-        def run(n: int) -> float:
-            self.llm.reset()
-            t = time.perf_counter()
-            self.llm.create_completion(PROMPT, max_tokens=n, temperature=0.0, top_k=1)
-            return time.perf_counter() - t
-        return (run(tokens) - run(1)) / (tokens - 1)
+        import subprocess
+
+        out = subprocess.run([self.python, "-c", _LLAMACPP_CHILD, str(self.path), str(self.threads), str(tokens),
+                              PROMPT], capture_output=True, text=True, check=True, timeout=600).stdout.split()
+        return float(out[1])
 
 
-def _floors(engines: dict, best: dict, shape: dict) -> dict[tuple[str, int], dict]:
+def _floors(engines: dict, best: dict, shape: dict, others: dict) -> dict[tuple[str, int], dict]:
     """Each roofline row's floor (``costmodel.decode_floor_report``): that engine's weight bytes per step plus
     the KV bytes its mean context reads, over one read bandwidth (the best of 3 probes here, so that every row
     is held to the same machine), against 2 x params x batch FLOPs over the GEMM rate of the format's
-    arithmetic (fp32, bf16, or int8 for W8A8), the best of 3 probes each, in this process."""
+    arithmetic (fp32, bf16, or int8 for W8A8), the best of 3 probes each, in this process. HF's row: the fp32
+    weight bytes; llama.cpp's: its GGUF file's bytes; both by memory alone (KV bytes left out, so lower)."""
     from roofline import costmodel
     from roofline import hardware as hw
 
@@ -131,7 +156,7 @@ def _floors(engines: dict, best: dict, shape: dict) -> dict[tuple[str, int], dic
     out = {}
     for (name, batch), s in best.items():
         llm = engines.get(name)
-        if llm is None:
+        if llm is None:  # HF / llama.cpp: below
             continue
         w = llm.engine.worker
         dtype = "int8" if w.quant_config is not None and w.quant_config.name == "int8" else \
@@ -145,14 +170,21 @@ def _floors(engines: dict, best: dict, shape: dict) -> dict[tuple[str, int], dic
             peak_flops=peaks[dtype], measured_step_s=s)
         out[name, batch].update(bandwidth_bytes_per_s=bandwidth, peak_flops=peaks[dtype],
                                 weight_bytes=w.weight_bytes_per_step)
+    for name, other in others.items():
+        wb = getattr(other, "weight_bytes", None) or engines["roofline fp32"].engine.worker.weight_bytes_per_step
+        out[name, 1] = costmodel.decode_floor_report(weight_bytes=wb, kv_bytes_read=0.0, flops=0.0,
+                                                     bandwidth_bytes_per_s=bandwidth, peak_flops=None,
+                                                     measured_step_s=best[name, 1])
+        out[name, 1].update(weight_bytes=wb)
     print(f"floor inputs: read bandwidth {bandwidth / 1e9:.1f} GB/s (best of 3), GEMM rates "
           + ", ".join(f"{k} {v / 1e9:.0f} G{'OP' if k == 'int8' else 'FLOP'}/s" for k, v in peaks.items()))
     return out
 
 
-def table(rounds: int = 3, tokens: int = 64, llamacpp: bool = False, hf: bool = True,
+def table(rounds: int = 3, tokens: int = 64, llamacpp: str | None = None, hf: bool = True,
           json_path: str | None = None) -> list[dict]:
-    """The README's CPU table (module docstring), printed and returned as rows."""
+    """The README's CPU table (module docstring), printed and returned as rows. ``llamacpp``: the Python
+    interpreter that imports ``llama_cpp`` (None: no llama.cpp row)."""
     from roofline import LLM
     from roofline.models.loader import default_model_path
 
@@ -170,10 +202,10 @@ def table(rounds: int = 3, tokens: int = 64, llamacpp: bool = False, hf: bool = 
         others["HF transformers eager fp32"] = _HF(default_model_path())
     if llamacpp:
         try:
-            lc = _LlamaCpp(default_model_path(), threads)
-            others[f"llama.cpp {lc.version} (llama-cpp-python)"] = lc
-        except ImportError:
-            print("llama.cpp: llama_cpp is not importable here (pip install llama-cpp-python; see the README)")
+            lc = _LlamaCpp(default_model_path(), threads, llamacpp)
+            others[f"llama.cpp {lc.version} Q4_1 GGUF"] = lc
+        except (ImportError, OSError) as e:
+            print(f"llama.cpp: no row ({e}; build llama-cpp-python as the README's CPU section says)")
     for llm in engines.values():  # warm-up: first-call allocations, oneDNN primitive caches
         _roofline_step(llm, 1, 4)
         _roofline_step(llm, 32, 4)
@@ -190,7 +222,7 @@ def table(rounds: int = 3, tokens: int = 64, llamacpp: bool = False, hf: bool = 
         for name, other in others.items():
             s = other.step_s(tokens)
             best[name, 1] = min(best.get((name, 1), float("inf")), s)
-    floors = _floors(engines, best, shape)
+    floors = _floors(engines, best, shape, others)
     rows = []
     base = best["roofline fp32", 1]
     hf_s = best.get(("HF transformers eager fp32", 1))
@@ -221,7 +253,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--table", action="store_true")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--tokens", type=int, default=64)
-    p.add_argument("--llamacpp", action="store_true")
+    p.add_argument("--llamacpp", nargs="?", const=sys.executable, default=None, metavar="PYTHON",
+                   help="add llama.cpp: the interpreter that imports llama_cpp (default: this one)")
     p.add_argument("--no-hf", action="store_true")
     p.add_argument("--json", default=None)
     args = p.parse_args(argv)
