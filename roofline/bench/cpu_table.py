@@ -240,8 +240,15 @@ def table(rounds: int = 3, tokens: int = 64, llamacpp: str | None = None, hf: bo
         print(f"{name:38s} {batch:5d} {s * 1e3:8.2f} {batch / s:8.1f} {floor_txt} {base / s * batch:10.2f} {vs_hf}")
     if json_path:
         Path(json_path).parent.mkdir(parents=True, exist_ok=True)
-        Path(json_path).write_text(json.dumps(dict(cpu=startup_line(feats, "float32", threads), rounds=rounds,
-                                                   tokens=tokens, rows=rows), indent=1))
+        import datetime
+        import subprocess
+
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip() or None
+        Path(json_path).write_text(json.dumps(dict(
+            benchmark="cpu-formats", date=datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+            git_commit=commit, torch=torch.__version__, cpu=startup_line(feats, "float32", threads),
+            threads=threads, rounds=rounds, tokens=tokens, prompt=PROMPT, rows=rows), indent=1))
     return rows
 
 
