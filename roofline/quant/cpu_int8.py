@@ -4,9 +4,10 @@ The format's weights are the same on every device (``qweight`` int8 [N, K], symm
 ``weight_scale`` float32 [N]: ``roofline.quant.int8``). On CPU the matmul quantizes the activations too, as
 vLLM's CPU backend runs its INT8 W8A8 layers, because torch's CPU weight-only kernel
 (``torch._weight_int8pack_mm``) was far slower than fp32 here while the integer GEMM was faster (issue 32;
-measured on the AMD EPYC Zen 5 of 2026-12-04, 2 threads, the default model's 121 linears per step, distinct
-weights: W8A16 ``_weight_int8pack_mm`` 0.10x fp32 at M = 1 and 0.03x at M = 32; W8A8 ``torch._int_mm`` on
-the same codes 1.56x at M = 1 and 3.9x at M = 32; ``python -m roofline.bench.cpu --gemm`` prints it again).
+``python -m roofline.bench.cpu --gemm`` on the AMD EPYC Zen 5 of 2026-12-04, 2 threads: the default model's 121
+linears of a decode step with distinct weights, lm_head included, each format throughout: W8A16
+``_weight_int8pack_mm`` 0.37x fp32 at M = 1 and 0.02x at M = 32; W8A8 ``torch._int_mm`` on the same codes 3.26x
+at M = 1 and 3.49x at M = 32).
 
 Arithmetic, per row m of ``x`` [M, K]:
 1. ``s_x[m] = max(max_k |x[m, k]| / 127, 1e-10)`` and ``q_x[m, k] = round(x[m, k] / s_x[m])`` (|q_x| <= 127
