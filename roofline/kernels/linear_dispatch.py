@@ -59,6 +59,11 @@ def _finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> to
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+def _row_parallel(layer) -> bool:
+    """Whether ``layer`` holds K / tp input columns (row-parallel under TP): per-token scales span the ranks."""
+    return getattr(layer, "tp_size", 1) > 1 and getattr(layer, "input_is_parallel", False)
+
+
 def _quant_kernels(x: torch.Tensor):
     """``roofline.kernels.quant_gemm`` when the Triton kernels are on and ``x`` is on a GPU, else None."""
     if kernels_for(x) is None:
@@ -142,7 +147,7 @@ def w8a16(x: torch.Tensor, layer, bias: torch.Tensor | None = None) -> torch.Ten
     elif x.device.type == "cpu":  # W8A8 dynamic: torch's CPU W8A16 kernel is slower than fp32 (issue 32)
         from roofline.quant.cpu_int8 import w8a8_dynamic_linear
 
-        return w8a8_dynamic_linear(x, q, s, bias)
+        return w8a8_dynamic_linear(x, q, s, bias, row_parallel=_row_parallel(layer))
     else:
         out = F.linear(x2.float(), q.float() * s[:, None]).to(x.dtype)
     return _finish(out, x, bias)
@@ -238,7 +243,7 @@ def int8_w8a8(x: torch.Tensor, layer, bias: torch.Tensor | None = None) -> torch
     else:
         from roofline.quant.cpu_int8 import w8a8_dynamic_linear
 
-        return w8a8_dynamic_linear(x, layer.qweight, layer.weight_scale, bias)
+        return w8a8_dynamic_linear(x, layer.qweight, layer.weight_scale, bias, row_parallel=_row_parallel(layer))
     return _finish(out, x, bias)
 
 

@@ -27,20 +27,29 @@ INT8_MAX = 127.0
 MIN_SCALE = 1e-10  # the scale floor of roofline.kernels.quant_types.quantize_per_token_int8
 
 
-def quantize_rows_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize_rows_int8(x: torch.Tensor, row_parallel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic symmetric INT8 per row: ``x`` float32 [M, K] -> (codes int8 [M, K], scales float32 [M, 1]).
 
     Four ops (the decode step runs this 120 times per token, so each op's dispatch counts): inf-norm,
     scale, divide-and-round, cast. Equal to ``quantize_per_token_int8`` (same scale, same division).
+    ``row_parallel``: ``x`` is this rank's K / tp columns of each row (a row-parallel layer under tensor
+    parallelism); the ranks take the row's maximum together (one all-reduce of [M] floats), so each token gets
+    the scale of its whole row and TP gives one process's codes.
     """
-    scale = (torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True) / INT8_MAX).clamp_(min=MIN_SCALE)
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True)
+    if row_parallel:
+        from roofline.distributed.communication import tensor_parallel_all_reduce
+
+        amax = tensor_parallel_all_reduce(amax, op="max")
+    scale = (amax / INT8_MAX).clamp_(min=MIN_SCALE)
     return torch.round(x / scale).to(torch.int8), scale
 
 
 def w8a8_dynamic_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
-                        bias: torch.Tensor | None = None) -> torch.Tensor:
+                        bias: torch.Tensor | None = None, row_parallel: bool = False) -> torch.Tensor:
     """``x`` [..., K] (any float dtype) @ (``qweight`` int8 [N, K] * ``weight_scale`` float32 [N])^T (+ ``bias``
-    [N]) with ``x`` quantized per token to INT8 -> [..., N] in ``x``'s dtype. CPU tensors.
+    [N]) with ``x`` quantized per token to INT8 -> [..., N] in ``x``'s dtype. CPU tensors. ``row_parallel``: K is
+    this rank's shard of a row-parallel layer (``quantize_rows_int8``); the caller all-reduces the output.
 
     Raises:
         ValueError: ``x``'s last dim is not ``qweight``'s K, or ``qweight`` is not int8.
@@ -49,7 +58,7 @@ def w8a8_dynamic_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: to
         raise ValueError(f"w8a8_dynamic_linear: x [..., {x.shape[-1]}] needs int8 qweight [N, {x.shape[-1]}], "
                          f"got {qweight.dtype} {tuple(qweight.shape)}")
     x2 = x.reshape(-1, x.shape[-1])
-    xq, xs = quantize_rows_int8(x2 if x2.dtype == torch.float32 else x2.float())
+    xq, xs = quantize_rows_int8(x2 if x2.dtype == torch.float32 else x2.float(), row_parallel)
     out = torch._int_mm(xq, qweight.t()) * (xs * weight_scale)  # [M, N] int32 * [M, N] float32 -> float32
     if bias is not None:
         out = out + bias
