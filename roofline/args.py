@@ -322,7 +322,7 @@ class EngineArgs:
                             help="admission order: fcfs, or lpm (longest cached prefix first, with a "
                                  "starvation bound; needs prefix caching)")
         parser.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
-                            help="weight format: int8 (W8A16), int4 (W4A16, groups with zero points), fp8 (E4M3 "
+                            help="weight format: int8 (W8A16; W8A8 dynamic per token on CPU), int4 (W4A16, groups with zero points), fp8 (E4M3 "
                                  "W8A8, dynamic per token), smoothquant (INT8 W8A8) quantize an unquantized model "
                                  "at load (round to nearest); gptq, awq, compressed-tensors name a quantized "
                                  "checkpoint's format (read from its config.json without this flag)")

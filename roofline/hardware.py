@@ -297,8 +297,8 @@ def _gemm_rates(device: str, n: int, rounds: int) -> tuple[dict[str, float], dic
 def measure_gemm_flops(device: str = "auto", dtype: str = "auto", n: int | None = None, rounds: int = 5) -> float:
     """Median dense GEMM rate (FLOP/s) of an ``n x n x n`` product on random operands, in this process.
 
-    ``dtype``: ``bf16``/``fp16``/``fp32``, the engine's name for one (``bfloat16``, ``torch.float32``), or
-    ``auto`` (bf16 on CUDA, fp32 on CPU). ``n`` defaults to 8192 on
+    ``dtype``: ``bf16``/``fp16``/``fp32``/``int8`` (``torch._int_mm``, OP/s), the engine's name for one
+    (``bfloat16``, ``torch.float32``), or ``auto`` (bf16 on CUDA, fp32 on CPU). ``n`` defaults to 8192 on
     CUDA and 512 on CPU. FLOPs = 2 n^3.
 
     Raises:
@@ -309,11 +309,16 @@ def measure_gemm_flops(device: str = "auto", dtype: str = "auto", n: int | None 
     _check_probe_args(rounds, None)
     dev = _resolve_device(device)
     cuda = dev.startswith("cuda")
-    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+    names = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32, "int8": torch.int8}
     key = ("bf16" if cuda else "fp32") if dtype == "auto" else canonical_dtype(dtype)
     if key not in names:
         raise ValueError(f"dtype must be one of auto, {', '.join(names)}; got {dtype!r}")
     size = n or DEFAULT_GEMM_N["cuda" if cuda else "cpu"]
+    if key == "int8":  # int8 x int8 -> int32 (torch._int_mm: the W8A8 formats' GEMM), OP/s
+        a = torch.randint(-127, 128, (size, size), device=dev, dtype=torch.int8)
+        b = torch.randint(-127, 128, (size, size), device=dev, dtype=torch.int8)
+        ts = _time_rounds(lambda: torch._int_mm(a, b), dev, rounds)
+        return 2 * size**3 / statistics.median(ts)
     a = torch.randn(size, size, device=dev).to(names[key])
     b = torch.randn(size, size, device=dev).to(names[key])
     ts = _time_rounds(lambda: torch.matmul(a, b), dev, rounds)

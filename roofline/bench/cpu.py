@@ -8,7 +8,16 @@ Prints the CPU model and matrix extensions (``roofline.cpu``), then, alternating
     it when torch loads, so each point is a fresh child process, with OMP_NUM_THREADS set): ACTIVE (spinning, torch's default) and PASSIVE (roofline's, ``roofline/__init__.py``),
     at 1 and 2 threads, alternated over 2 rounds; the ratio printed is PASSIVE at every core against the
     best of the ACTIVE points (<= 1: the policy roofline ships never collapses under sharing).
-Run: ``python -m roofline.bench.cpu`` (``--wait-policy``: (c) alone). Timings are noisy on shared machines: read the ratios.
+(d) ``--gemm``: the default model's 121 linears of one decode step (distinct weights, so none stays in cache)
+    in fp32, bf16, INT8 W8A16 (``torch._weight_int8pack_mm``) and INT8 W8A8 dynamic (``roofline.quant.cpu_int8``)
+    at M = 1 and 32, alternated, ratios against fp32;
+(e) ``--table``: the README's CPU table, end to end on the default model, alternated round by round in one
+    process: roofline fp32 / bf16 / int8 (W8A8) decode steps at batch 1 and 32, each beside its floor (the
+    bound model's, ``LLM.decode_floor``: the format's weight bytes and the KV read over the bandwidth measured
+    here), HF transformers eager fp32 at batch 1, and llama.cpp (``--llamacpp``: llama-cpp-python on the same
+    GGUF, same thread count, greedy) at batch 1 where ``llama_cpp`` imports; ``--json PATH`` writes the rows.
+Run: ``python -m roofline.bench.cpu`` ((a)-(c); ``--wait-policy``: (c) alone). Timings are noisy on shared
+machines: read the ratios.
 """
 
 from __future__ import annotations
@@ -78,6 +87,11 @@ def wait_policy_beside_busy(rounds: int = 2) -> dict[str, float]:
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
         _child(int(sys.argv[2]))
+        return
+    if sys.argv[1:2] in (["--gemm"], ["--table"]):
+        from roofline.bench import cpu_table
+
+        cpu_table.main(sys.argv[1:])
         return
     if sys.argv[1:] == ["--wait-policy"]:  # (c) alone
         print(startup_line(detect_cpu_features(), "float32", torch.get_num_threads()))

@@ -13,10 +13,11 @@ Every function takes activations ``x`` [..., K] in the model dtype and returns [
     cores, row-wise scales, compute capability >= 8.9). FP8 at decode sizes (``use_fused("fp8_w8a16")``, M <= 16
     without a table) runs weight-only instead: ``quant_gemm.fp8_w8a16_gemm``;
   - 16-bit (``dense_linear``, the unquantized method): our split-K GEMV where it beat cuBLAS, else F.linear.
-- CPU: torch's own low-bit kernels (``torch._weight_int8pack_mm`` for W8A16, ``torch._weight_int4pack_mm_for_cpu``
-  for W4A16, ``torch._int_mm`` for W8A8 INT8). FP8 on CPU, or on a GPU without FP8 tensor cores, is
-  emulated: E4M3 values (activations rounded per token, weights per channel) multiplied in float32, the
-  arithmetic of an FP8 tensor core with float32 accumulation; the log says so once.
+- CPU: torch's own low-bit kernels: ``torch._int_mm`` for INT8 with activations quantized per token
+  (``roofline.quant.cpu_int8``; SmoothQuant's W8A8, and ``--quantization int8`` too, since torch's CPU W8A16
+  kernel was slower than fp32), ``torch._weight_int4pack_mm_for_cpu`` for W4A16. FP8 on CPU, or on a GPU
+  without FP8 tensor cores, is emulated: E4M3 values (activations rounded per token, weights per channel)
+  multiplied in float32, the arithmetic of an FP8 tensor core with float32 accumulation; the log says so once.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from roofline.kernels.quant_types import (
     ChannelWeight,
     Int4Weight,
     quantize_per_token_fp8,
-    quantize_per_token_int8,
 )
 from roofline.kernels.switch import kernels_for
 
@@ -57,6 +57,11 @@ def _finish(out: torch.Tensor, x: torch.Tensor, bias: torch.Tensor | None) -> to
     if bias is not None:
         out = out + bias
     return out.reshape(*x.shape[:-1], out.shape[-1])
+
+
+def _row_parallel(layer) -> bool:
+    """Whether ``layer`` holds K / tp input columns (row-parallel under TP): per-token scales span the ranks."""
+    return getattr(layer, "tp_size", 1) > 1 and getattr(layer, "input_is_parallel", False)
 
 
 def _quant_kernels(x: torch.Tensor):
@@ -139,8 +144,10 @@ def w8a16(x: torch.Tensor, layer, bias: torch.Tensor | None = None) -> torch.Ten
             out = qk.w8a16_gemm(x2, q, s, config=gemv_config("int8", m, n, k, x.device))
         else:
             out = F.linear(x2, qk.dequantize_int8(q, s, x.dtype))
-    elif x.device.type == "cpu" and x.dtype == torch.float32:
-        out = torch._weight_int8pack_mm(x2.contiguous(), q, s)
+    elif x.device.type == "cpu":  # W8A8 dynamic: torch's CPU W8A16 kernel is slower than fp32 (issue 32)
+        from roofline.quant.cpu_int8 import w8a8_dynamic_linear
+
+        return w8a8_dynamic_linear(x, q, s, bias, row_parallel=_row_parallel(layer))
     else:
         out = F.linear(x2.float(), q.float() * s[:, None]).to(x.dtype)
     return _finish(out, x, bias)
@@ -280,9 +287,9 @@ def int8_w8a8(x: torch.Tensor, layer, bias: torch.Tensor | None = None) -> torch
             out = qk.int8_gemm(xq, xs, layer.qweight, layer.weight_scale, x.dtype,
                                config=qk.pick_config("int8_int8", max(m, qk.SMALL_M)))  # tensor cores
     else:
-        xq, xs = quantize_per_token_int8(x2)
-        acc = torch._int_mm(xq, layer.qweight.t())
-        out = (acc.float() * xs * layer.weight_scale[None, :]).to(x.dtype)
+        from roofline.quant.cpu_int8 import w8a8_dynamic_linear
+
+        return w8a8_dynamic_linear(x, layer.qweight, layer.weight_scale, bias, row_parallel=_row_parallel(layer))
     return _finish(out, x, bias)
 
 

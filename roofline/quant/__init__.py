@@ -6,7 +6,8 @@
 ======================  ==========================================  =====================================
 ``--quantization``      weights / activations                       on an unquantized model
 ======================  ==========================================  =====================================
-``int8``                INT8 per channel / 16-bit (W8A16)           round to nearest at load
+``int8``                INT8 per channel / 16-bit (W8A16; on CPU    round to nearest at load
+                        INT8 per token, W8A8: ``cpu_int8``)
 ``int4``                INT4 groups of 128 (32, 64) with zeros       round to nearest at load
 ``fp8``                 E4M3 per channel / E4M3 per token (W8A8)    at load (dynamic activation scales)
 ``smoothquant``         INT8 per channel / INT8 per token (W8A8)    at load, without smoothing

@@ -68,7 +68,7 @@ class Worker:
         if self.device.type == "cpu" and config.parallel_config.world_size == 1:
             from roofline.cpu import apply_thread_policy
 
-            self.cpu_summary = apply_thread_policy(config.dtype)
+            self.cpu_summary = apply_thread_policy(config.dtype, config.quantization)
             logger.info("%s", self.cpu_summary)
         dispatch.set_kernels_enabled(config.use_triton_kernels)
         tp = get_tp_size()

@@ -69,7 +69,8 @@ def test_measure_gemm_flops_accepts_engine_names():
     from roofline.hardware import measure_gemm_flops
 
     assert measure_gemm_flops("cpu", "float32", n=64, rounds=1) > 0
-    with pytest.raises(ValueError, match=r"dtype must be one of auto, bf16, fp16, fp32; got 'int4'"):
+    assert measure_gemm_flops("cpu", "int8", n=64, rounds=1) > 0  # torch._int_mm, the W8A8 formats' GEMM
+    with pytest.raises(ValueError, match=r"dtype must be one of auto, bf16, fp16, fp32, int8; got 'int4'"):
         measure_gemm_flops("cpu", "int4", n=64, rounds=1)
 
 

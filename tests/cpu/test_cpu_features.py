@@ -1,4 +1,4 @@
-from roofline.cpu import detect_cpu_features, parse_cpuinfo, startup_line
+from roofline.cpu import detect_cpu_features, fastest_dtype, parse_cpuinfo, startup_line
 
 ZEN5 = """processor\t: 0
 model name\t: AMD EPYC 9R45
@@ -16,11 +16,19 @@ def test_zen5_flags():
     assert f.avx512_bf16 and f.avx512_vnni and f.avx512f and not f.amx_bf16 and not f.amx_int8
     assert f.best_matrix_isa == "avx512_bf16"
     line = startup_line(f, "float32", 2)
-    assert line == "CPU: AMD EPYC 9R45 (2 cores; AVX-512 BF16, AVX-512 VNNI, AVX-512F); dtype float32, 2 threads"
+    assert line == ("CPU: AMD EPYC 9R45 (2 cores; AVX-512 BF16, AVX-512 VNNI, AVX-512F); dtype float32 (exact; "
+                    "--dtype bfloat16 is faster here, on AVX-512 BF16 dot products), 2 threads")
+    assert fastest_dtype(f) == ("bfloat16", "AVX-512 BF16 dot products")
+    assert startup_line(f, "bfloat16", 1, "why").endswith("dtype bfloat16 (bf16 on AVX-512 BF16 dot products), "
+                                                         "1 thread (why)")
+    assert "quantization int8 (int8 W8A8 dynamic on AVX-512 VNNI), 2 threads" in startup_line(f, "float32", 2,
+                                                                                                quantization="int8")
 
 
 def test_amx_needs_tile_flag():
     assert parse_cpuinfo(SPR).best_matrix_isa == "amx"
+    assert fastest_dtype(parse_cpuinfo(SPR)) == ("bfloat16", "AMX-BF16 tiles")
+    assert "int8 W8A8 dynamic on AMX-INT8" in startup_line(parse_cpuinfo(SPR), "bfloat16", 2, quantization="int8")
     assert parse_cpuinfo(SPR.replace("amx_tile ", "")).best_matrix_isa == "avx512_bf16"
 
 
@@ -28,6 +36,12 @@ def test_no_flags():
     f = parse_cpuinfo("")
     assert (f.model, f.cores, f.best_matrix_isa) == ("unknown", 1, "none")
     assert "no AVX-512/AMX" in startup_line(f, "float32", 1)
+    # Without the instructions: fp32 is the fast choice, and bf16 / int8 asked for anyway still run, and say
+    # they take the slow path (issue 32's bad input: never refused, never silent).
+    assert fastest_dtype(f)[0] == "float32"
+    line = startup_line(f, "bfloat16", 1, quantization="int8")
+    assert ("dtype bfloat16, quantization int8 (slow path: no AVX-512 BF16 or AMX: bf16 would be converted in "
+            "software; int8 W8A8 dynamic, slow path: no AVX-512 VNNI or AMX-INT8)") in line
 
 
 def test_this_machine_matches_cpuinfo():

@@ -3,7 +3,7 @@
 - PP=2 worker processes on the default model in fp32 give the single-process engine's greedy tokens (also
   under preemption, seeded sampling and logprobs), each stage holding half the layers' KV;
 - TP=3 x PP=2 (six processes) with ``int8`` weights gives the single-process int8 engine's tokens (row-parallel
-  shards quantize with the whole row's scales), and serves the OpenAI API until a worker is killed (503);
+  shards quantize weights and, W8A8 on CPU, activations with the whole row's scales), and serves the OpenAI API until a worker is killed (503);
 - two ``torchrun`` "nodes" on loopback (``external_launcher``, one stage each) give the same tokens;
 - the stage split, its checkpoint routing and the micro-batch split are checked in-process.
 
@@ -33,6 +33,10 @@ COMMON = dict(device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=14
 PREEMPT = [{"prompt_token_ids": list(range(100 + 7 * i, 120 + 7 * i))} for i in range(6)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
 LOGPROB_TOL = 1e-4  # fp32; micro-batches change GEMM row counts, so rounding (not the math) may differ
+# int8 on CPU is W8A8 dynamic (roofline.quant.cpu_int8): activations are rounded to INT8 per token, so the last
+# bit of an fp32 all-reduce (TP's partial sums, in gloo's order) can move a code by one step, which a 135M model
+# carries into its logprobs (measured 0.31 at most over these prompts, tokens identical; PP alone: bit-identical).
+LOGPROB_TOL_W8A8_TP = 0.5
 
 
 def _ids(outs):
@@ -116,7 +120,7 @@ def test_tp3_x_pp2_int8_matches_one_process(tp3pp2_int8):
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True, logprobs=2)  # six processes on 2 cores
     got, ref = tp3pp2_int8.generate(PROMPTS, sp, use_tqdm=False), single.generate(PROMPTS, sp, use_tqdm=False)
     assert _ids(got) == _ids(ref)
-    assert _max_logprob_diff(got, ref) < LOGPROB_TOL
+    assert _max_logprob_diff(got, ref) < LOGPROB_TOL_W8A8_TP
     # Rank 0 holds stage 0 (15 layers) and one of the 3 KV heads: a sixth of the single engine's KV bytes.
     assert tp3pp2_int8.engine.executor.rank_infos[0].kv_bytes_per_token * 6 == single.engine.worker.kv_bytes_per_token
     assert tp3pp2_int8.engine.worker.kv_bytes_per_token == single.engine.worker.kv_bytes_per_token

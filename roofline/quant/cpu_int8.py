@@ -1,0 +1,65 @@
+"""``--quantization int8`` on CPU: INT8 weights x INT8 activations quantized per token (W8A8 dynamic).
+
+The format's weights are the same on every device (``qweight`` int8 [N, K], symmetric per output channel,
+``weight_scale`` float32 [N]: ``roofline.quant.int8``). On CPU the matmul quantizes the activations too, as
+vLLM's CPU backend runs its INT8 W8A8 layers, because torch's CPU weight-only kernel
+(``torch._weight_int8pack_mm``) was far slower than fp32 here while the integer GEMM was faster (issue 32;
+``python -m roofline.bench.cpu --gemm`` on the AMD EPYC Zen 5 of 2026-12-04, 2 threads: the default model's 121
+linears of a decode step with distinct weights, lm_head included, each format throughout: W8A16
+``_weight_int8pack_mm`` 0.37x fp32 at M = 1 and 0.02x at M = 32; W8A8 ``torch._int_mm`` on the same codes 3.26x
+at M = 1 and 3.49x at M = 32).
+
+Arithmetic, per row m of ``x`` [M, K]:
+1. ``s_x[m] = max(max_k |x[m, k]| / 127, 1e-10)`` and ``q_x[m, k] = round(x[m, k] / s_x[m])`` (|q_x| <= 127
+   by construction, so no clamp is needed), the same per-token rounding as SmoothQuant's W8A8;
+2. ``acc = q_x @ qweight^T`` in int32 (``torch._int_mm``: AVX-512 VNNI / AMX through oneDNN), exact;
+3. ``out[m, n] = acc[m, n] * (s_x[m] * weight_scale[n])`` in float32.
+Steps 1 and 2 are exact integer work per row, so a row's output does not depend on its batch-mates
+(batch-invariant greedy decoding). Quality is W8A8's: activation outliers set the row's scale (no smoothing
+at load), measured with ``roofline eval`` in the README's quality table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+INT8_MAX = 127.0
+MIN_SCALE = 1e-10  # the scale floor of roofline.kernels.quant_types.quantize_per_token_int8
+
+
+def quantize_rows_int8(x: torch.Tensor, row_parallel: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic symmetric INT8 per row: ``x`` float32 [M, K] -> (codes int8 [M, K], scales float32 [M, 1]).
+
+    Four ops (the decode step runs this 120 times per token, so each op's dispatch counts): inf-norm,
+    scale, divide-and-round, cast. Equal to ``quantize_per_token_int8`` (same scale, same division).
+    ``row_parallel``: ``x`` is this rank's K / tp columns of each row (a row-parallel layer under tensor
+    parallelism); the ranks take the row's maximum together (one all-reduce of [M] floats), so each token gets
+    the scale of its whole row and TP gives one process's codes.
+    """
+    amax = torch.linalg.vector_norm(x, float("inf"), dim=-1, keepdim=True)
+    if row_parallel:
+        from roofline.distributed.communication import tensor_parallel_all_reduce
+
+        amax = tensor_parallel_all_reduce(amax, op="max")
+    scale = (amax / INT8_MAX).clamp_(min=MIN_SCALE)
+    return torch.round(x / scale).to(torch.int8), scale
+
+
+def w8a8_dynamic_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+                        bias: torch.Tensor | None = None, row_parallel: bool = False) -> torch.Tensor:
+    """``x`` [..., K] (any float dtype) @ (``qweight`` int8 [N, K] * ``weight_scale`` float32 [N])^T (+ ``bias``
+    [N]) with ``x`` quantized per token to INT8 -> [..., N] in ``x``'s dtype. CPU tensors. ``row_parallel``: K is
+    this rank's shard of a row-parallel layer (``quantize_rows_int8``); the caller all-reduces the output.
+
+    Raises:
+        ValueError: ``x``'s last dim is not ``qweight``'s K, or ``qweight`` is not int8.
+    """
+    if x.shape[-1] != qweight.shape[1] or qweight.dtype != torch.int8:
+        raise ValueError(f"w8a8_dynamic_linear: x [..., {x.shape[-1]}] needs int8 qweight [N, {x.shape[-1]}], "
+                         f"got {qweight.dtype} {tuple(qweight.shape)}")
+    x2 = x.reshape(-1, x.shape[-1])
+    xq, xs = quantize_rows_int8(x2 if x2.dtype == torch.float32 else x2.float(), row_parallel)
+    out = torch._int_mm(xq, qweight.t()) * (xs * weight_scale)  # [M, N] int32 * [M, N] float32 -> float32
+    if bias is not None:
+        out = out + bias
+    return out.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
