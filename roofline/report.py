@@ -23,7 +23,7 @@ def decode_floor(llm: Any, hardware: str | None = None) -> dict[str, Any] | None
     mean_batch = stats.mean_decode_batch or 1.0
     mean_ctx = stats.mean_decode_kv_tokens or 0.0
     dtype = costmodel.canonical_dtype(worker.dtype)  # torch.bfloat16 -> "bf16", the name the floor line prints
-    # The GEMMs' arithmetic: INT8 W8A8 (smoothquant; int8 on CPU, roofline.quant.cpu_int8) runs integer products.
+    # The GEMMs' arithmetic: INT8 W8A8 (smoothquant; int8 on CPU, roofline.kernels.cpu_int8) runs integer products.
     qname = getattr(getattr(worker, "quant_config", None), "name", None)
     if qname == "smoothquant" or (qname == "int8" and str(worker.device) == "cpu"):
         dtype = "int8"

@@ -9,7 +9,7 @@ Prints the CPU model and matrix extensions (``roofline.cpu``), then, alternating
     at 1 and 2 threads, alternated over 2 rounds; the ratio printed is PASSIVE at every core against the
     best of the ACTIVE points (<= 1: the policy roofline ships never collapses under sharing).
 (d) ``--gemm``: the default model's 121 linears of one decode step (distinct weights, so none stays in cache)
-    in fp32, bf16, INT8 W8A16 (``torch._weight_int8pack_mm``) and INT8 W8A8 dynamic (``roofline.quant.cpu_int8``)
+    in fp32, bf16, INT8 W8A16 (``torch._weight_int8pack_mm``) and INT8 W8A8 dynamic (``roofline.kernels.cpu_int8``)
     at M = 1 and 32, alternated, ratios against fp32;
 (e) ``--table``: the README's CPU table, end to end on the default model, alternated round by round in one
     process: roofline fp32 / bf16 / int8 (W8A8) decode steps at batch 1 and 32, each beside its floor (the

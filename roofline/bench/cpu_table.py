@@ -3,7 +3,7 @@
 ``--gemm``: the default model's linears of one decode step (30 layers x qkv 960x576, o 576x576, gate_up
 3072x576, down 576x1536, plus lm_head 49152x576), each layer its own weight so that nothing stays in cache,
 in fp32, bf16, INT8 W8A16 (``torch._weight_int8pack_mm``, M = 1 only: it takes seconds at 32) and INT8 W8A8
-dynamic (``roofline.quant.cpu_int8``), at M = 1 and 32; the formats alternate inside each of 3 rounds; the best round per format; ratio fp32 / format.
+dynamic (``roofline.kernels.cpu_int8``), at M = 1 and 32; the formats alternate inside each of 3 rounds; the best round per format; ratio fp32 / format.
 
 ``--table [--rounds R] [--tokens N] [--llamacpp] [--no-hf] [--json PATH]``: end to end on the default model.
 Roofline fp32, bf16, int8 (``--quantization int8``: W8A8 on CPU) and bf16 + int8 (the int8 linears with bf16
@@ -35,7 +35,7 @@ SHAPES = [("qkv", 960, 576, 30), ("o", 576, 576, 30), ("gate_up", 3072, 576, 30)
 
 def gemm_rates(rounds: int = 3) -> dict[str, dict[str, float]]:
     """ms per decode step's linears for each format at M = 1 and 32: {"M=1": {"fp32": ms, ...}, ...}."""
-    from roofline.quant.cpu_int8 import w8a8_dynamic_linear
+    from roofline.kernels.cpu_int8 import w8a8_dynamic_linear
     from roofline.quant.quantize import quantize_int8_per_channel
 
     gen = torch.Generator().manual_seed(0)

@@ -14,7 +14,7 @@ Every function takes activations ``x`` [..., K] in the model dtype and returns [
     without a table) runs weight-only instead: ``quant_gemm.fp8_w8a16_gemm``;
   - 16-bit (``dense_linear``, the unquantized method): our split-K GEMV where it beat cuBLAS, else F.linear.
 - CPU: torch's own low-bit kernels: ``torch._int_mm`` for INT8 with activations quantized per token
-  (``roofline.quant.cpu_int8``; SmoothQuant's W8A8, and ``--quantization int8`` too, since torch's CPU W8A16
+  (``roofline.kernels.cpu_int8``; SmoothQuant's W8A8, and ``--quantization int8`` too, since torch's CPU W8A16
   kernel was slower than fp32), ``torch._weight_int4pack_mm_for_cpu`` for W4A16. FP8 on CPU, or on a GPU
   without FP8 tensor cores, is emulated: E4M3 values (activations rounded per token, weights per channel)
   multiplied in float32, the arithmetic of an FP8 tensor core with float32 accumulation; the log says so once.
@@ -145,7 +145,7 @@ def w8a16(x: torch.Tensor, layer, bias: torch.Tensor | None = None) -> torch.Ten
         else:
             out = F.linear(x2, qk.dequantize_int8(q, s, x.dtype))
     elif x.device.type == "cpu":  # W8A8 dynamic: torch's CPU W8A16 kernel is slower than fp32 (issue 32)
-        from roofline.quant.cpu_int8 import w8a8_dynamic_linear
+        from roofline.kernels.cpu_int8 import w8a8_dynamic_linear
 
         return w8a8_dynamic_linear(x, q, s, bias, row_parallel=_row_parallel(layer))
     else:
@@ -287,7 +287,7 @@ def int8_w8a8(x: torch.Tensor, layer, bias: torch.Tensor | None = None) -> torch
             out = qk.int8_gemm(xq, xs, layer.qweight, layer.weight_scale, x.dtype,
                                config=qk.pick_config("int8_int8", max(m, qk.SMALL_M)))  # tensor cores
     else:
-        from roofline.quant.cpu_int8 import w8a8_dynamic_linear
+        from roofline.kernels.cpu_int8 import w8a8_dynamic_linear
 
         return w8a8_dynamic_linear(x, layer.qweight, layer.weight_scale, bias, row_parallel=_row_parallel(layer))
     return _finish(out, x, bias)

@@ -3,7 +3,7 @@
 ``W[n, k] ~= q[n, k] * s[n]`` with ``s[n] = max_k |W[n, k]| / 127`` (round to nearest). Weight-only: the
 activations stay in the model dtype, the weight is dequantized in registers (GPU: the Triton W8A16 GEMM).
 On CPU the same weights run W8A8 dynamic instead (activations quantized per token, ``torch._int_mm``;
-``roofline.quant.cpu_int8``): torch's CPU W8A16 kernel was slower than fp32. Halves the bytes a decode step
+``roofline.kernels.cpu_int8``): torch's CPU W8A16 kernel was slower than fp32. Halves the bytes a decode step
 streams against bf16 (1 byte per weight + 4 bytes per row).
 """
 

@@ -1,4 +1,4 @@
-"""``--quantization int8`` on CPU (W8A8 dynamic, ``roofline.quant.cpu_int8``): the arithmetic against a float64
+"""``--quantization int8`` on CPU (W8A8 dynamic, ``roofline.kernels.cpu_int8``): the arithmetic against a float64
 reference, exact per-row integer work (a row's output does not depend on its batch-mates), the layer path."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from roofline.kernels.quant_types import quantize_per_token_int8
-from roofline.quant.cpu_int8 import quantize_rows_int8, w8a8_dynamic_linear
+from roofline.kernels.cpu_int8 import quantize_rows_int8, w8a8_dynamic_linear
 from roofline.quant.quantize import quantize_int8_per_channel
 
 # (M, N, K): decode and prefill rows at the default model's shapes (qkv 960 x 576, down 576 x 1536) and odd sizes.

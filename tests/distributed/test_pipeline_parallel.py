@@ -33,7 +33,7 @@ COMMON = dict(device="cpu", dtype="float32", max_model_len=128, num_kv_blocks=14
 PREEMPT = [{"prompt_token_ids": list(range(100 + 7 * i, 120 + 7 * i))} for i in range(6)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
 LOGPROB_TOL = 1e-4  # fp32; micro-batches change GEMM row counts, so rounding (not the math) may differ
-# int8 on CPU is W8A8 dynamic (roofline.quant.cpu_int8): activations are rounded to INT8 per token, so the last
+# int8 on CPU is W8A8 dynamic (roofline.kernels.cpu_int8): activations are rounded to INT8 per token, so the last
 # bit of an fp32 all-reduce (TP's partial sums, in gloo's order) can move a code by one step, which a 135M model
 # carries into its logprobs (measured 0.31 at most over these prompts, tokens identical; PP alone: bit-identical).
 LOGPROB_TOL_W8A8_TP = 0.5

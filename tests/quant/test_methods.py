@@ -1,6 +1,6 @@
 """The quantized ``LinearMethod``s end to end on the real default model (SmolLM2-135M-Instruct, fp32, CPU).
 
-- Load-time methods (int8: W8A16 on GPUs, W8A8 dynamic on CPU (``roofline.quant.cpu_int8``); int4 W4A16 groups
+- Load-time methods (int8: W8A16 on GPUs, W8A8 dynamic on CPU (``roofline.kernels.cpu_int8``); int4 W4A16 groups
   of 64, fp8 W8A8 emulated on CPU, smoothquant INT8 W8A8):
   every linear holds the quantized tensors and no dense ``weight``; ``Worker.weight_bytes`` is what the
   formats predict; each layer's output equals a float64 reference built from the canonical weights; the
