@@ -38,7 +38,7 @@ for step in "$@"; do
     ;;
   enginetests)  # the engine-level GPU tests on the default model (its GGUF carried in two parts, .model/smol.part.*)
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl 2>&1 | tail -2
-    cat .model/smol.part.* > /tmp/smol.gguf && sha256sum /tmp/smol.gguf | tee -a "$OUT/log"
+    cat .model/smol.part.a? > /tmp/smol.gguf && sha256sum /tmp/smol.gguf | tee -a "$OUT/log"
     ROOFLINE_TEST_GGUF=/tmp/smol.gguf PYTHONPATH=$NEW:/tmp/site timeout ${ENGINE_TESTS_TIMEOUT:-240} python3 -m pytest -q -m gpu --tb=short -rf -p no:cacheprovider \
       ${ENGINE_TESTS:-tests/test_gpu_backends.py tests/test_prefix_cache.py tests/spec_decode} 2>&1 | tee "$OUT/enginetests.log" \
       | grep -E "^E |passed|failed|error|FAILED" | tail -25 | tee -a "$OUT/log"
