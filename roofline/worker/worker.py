@@ -14,6 +14,7 @@ Per step:
 
 from __future__ import annotations
 
+import gc
 import logging
 import time
 from typing import Any
@@ -181,6 +182,10 @@ class Worker:
         elif self.device.type == "cuda":
             # Hand cached blocks back first: quantizing at load frees the 16-bit weights into torch's caching
             # allocator, and mem_get_info would count them as used (the pool would not grow by the freed memory).
+            # An engine deleted earlier in this process is freed only by the cyclic collector (its engine, worker
+            # and executor refer to each other), so collect first: otherwise its whole KV pool still counts as used
+            # and a second LLM(...) in one process finds no room (GPU tests/test_gpu_backends.py, 2026-12-04).
+            gc.collect()
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)
             used = total - free
