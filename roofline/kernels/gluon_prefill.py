@@ -68,13 +68,16 @@ _logged: set[str] = set()
 
 def default_gluon_config(head_dim: int, block_size: int) -> dict:
     """Tile sizes and kernel: BLOCK_M 128 (two warpgroups of 64 rows, 8 warps + the loader warp), BLOCK_N 128, a
-    2-stage K/V ring (Q 32 KB + K/V 128 KB of shared memory at D 128), the warp-specialized "ws" kernel: the
-    fastest on the H200 (``bench/results/fa3-20261204/``, causal GQA 32/8 D 128, 4k/8k/16k: 0.82/0.85/0.84x SDPA
-    contiguous, 0.79/0.84/0.83x at block 16 where the Triton kernel reaches 0.59/0.64/0.63x).
+    2-stage K/V ring (Q 32 KB + K/V 128 KB of shared memory at D 128), the FA3 "pingpong" kernel (two consumer
+    warpgroups taking turns at the tensor cores through named barriers, each overlapping its QK of tile j with
+    its PV of tile j - 1, a 1-warp TMA loader): the fastest on the H200 (``bench/results/fa3-20261204b/``,
+    causal GQA 32/8 D 128, 4k/8k/16k: 0.99/1.03/1.03x cuDNN SDPA contiguous, 0.89/0.94/1.05x at block 16, where
+    "ws" reached 0.82/0.86/0.88x and 0.77/0.81/0.84x and the Triton kernel 0.80/0.86/0.86x and 0.60/0.64/0.65x
+    in the same run).
     VARIANT (``roofline.kernels.gluon_prefill_kernels``): "plain" (TMA ring, one tile's QK, softmax, PV in
     turn), "pipelined" (QK and PV of consecutive tiles in flight during the softmax; meant for BLOCK_N 64 and
     3 stages), "ws" (pipelined consumers + a 1-warp TMA loader partition, ``WS_MAXNREG``)."""
-    return dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=2, num_warps=8, VARIANT="ws")
+    return dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=2, num_warps=8, VARIANT="pingpong")
 
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on sm_90 (H100/H200)
