@@ -6,8 +6,6 @@ slow tests at the end.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,24 +17,7 @@ from roofline.spec_config import SpeculativeConfig
 from roofline.spec_decode import train
 from roofline.spec_decode.heads import DraftHeadConfig, EagleHead, load_head, save_head
 
-VOCAB = 48
-TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-        "rope_theta": 10000.0, "eos_token_id": 1}
-COMMON = dict(load_format="dummy", device="cpu", attention_backend="torch", dtype="float32", max_model_len=128,
-              max_num_seqs=64, block_size=16, kv_cache_memory="16MiB")
-
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny_llama")
-    (path / "config.json").write_text(json.dumps(TINY))
-    return path
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    return LLM(str(tiny_dir), **COMMON)
+from .tiny import COMMON, VOCAB
 
 
 @pytest.fixture(scope="module")

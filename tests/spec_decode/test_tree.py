@@ -6,9 +6,6 @@ identity through the engine (tiny model here, the default model in the slow test
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
@@ -28,27 +25,12 @@ from roofline.spec_decode.tree import (
     walk,
 )
 
-VOCAB = 48
-TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size": 64, "intermediate_size": 128,
-        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256,
-        "rope_theta": 10000.0, "eos_token_id": 1}
-COMMON = dict(load_format="dummy", device="cpu", attention_backend="torch", dtype="float32", max_model_len=128,
-              max_num_seqs=64, block_size=16, kv_cache_memory="16MiB")
+from .tiny import COMMON, VOCAB
+
 # A 7-node tree: root -> {0, 1}; 0 -> {2, 3}; 1 -> {4}; 2 -> {5}; 4 -> {6}
 TREE7 = DraftTree(np.array([5, 7, 9, 11, 13, 15, 17]), np.array([-1, -1, 0, 0, 1, 2, 4]),
                   np.array([1, 1, 2, 2, 2, 3, 3]))
 
-
-@pytest.fixture(scope="module")
-def tiny_dir(tmp_path_factory) -> Path:
-    path = tmp_path_factory.mktemp("tiny_llama_tree")
-    (path / "config.json").write_text(json.dumps(TINY))
-    return path
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_dir):
-    return LLM(str(tiny_dir), **COMMON)
 
 
 @pytest.fixture(scope="module")
