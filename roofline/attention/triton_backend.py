@@ -53,8 +53,8 @@ class TritonAttentionBackend(AttentionBackend):
         self.decode_variant: str | None = None
         self._num_sms: int | None = None
         self._static: dict[str, torch.Tensor] = {}
-        # Prefill/extend kernel, chosen once: Triton, or Gluon on sm_90 with ROOFLINE_PREFILL_KERNEL=gluon
-        # (roofline.kernels.gluon_prefill; falls back to Triton per call where it does not apply).
+        # Prefill/extend kernel, chosen once (ROOFLINE_PREFILL_KERNEL, default auto: Gluon on sm_90, else Triton;
+        # roofline.kernels.gluon_prefill, which falls back to Triton per call where it does not apply).
         self.prefill_attention = choose_prefill_kernel()
 
     def num_splits_for(self, batch_size: int, max_context: int, device: torch.device) -> int:
