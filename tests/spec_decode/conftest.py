@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from .tiny import COMMON, TINY
+from .tiny import CHATS, COMMON, DEFAULT, TINY
 
 
 @pytest.fixture(scope="module")
@@ -23,3 +23,12 @@ def tiny(tiny_dir):
     from roofline import LLM
 
     return LLM(str(tiny_dir), **COMMON)
+
+
+@pytest.fixture(scope="module")
+def default_greedy_ref():
+    """The default model's plain greedy tokens for ``CHATS`` (48 each): what speculative runs must reproduce."""
+    from roofline import LLM, SamplingParams
+
+    return [o.outputs[0].token_ids for o in
+            LLM(**DEFAULT).chat(CHATS, SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)]

@@ -17,7 +17,7 @@ from roofline.spec_config import SpeculativeConfig
 from roofline.spec_decode import train
 from roofline.spec_decode.heads import DraftHeadConfig, EagleHead, load_head, save_head
 
-from .tiny import COMMON, VOCAB
+from .tiny import CHATS, COMMON, DEFAULT, VOCAB
 
 
 @pytest.fixture(scope="module")
@@ -178,15 +178,6 @@ def test_bad_configs_and_mismatched_heads(tiny_dir, heads, tmp_path):
         LLM(str(tiny_dir), speculative_config={"method": "eagle", "num_speculative_tokens": 2}, **COMMON)
 
 
-DEFAULT = dict(max_model_len=512, dtype="float32", device="cpu", attention_backend="torch", kv_cache_memory="256MiB")
-CHATS = [[{"role": "user", "content": "Write a short poem about the sea."}],
-         [{"role": "user", "content": "Explain what a hash table is in three sentences."}]]
-
-
-@pytest.fixture(scope="module")
-def default_greedy_ref():
-    return [o.outputs[0].token_ids for o in
-            LLM(**DEFAULT).chat(CHATS, SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)]
 
 
 @pytest.mark.slow

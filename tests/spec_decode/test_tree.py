@@ -25,7 +25,7 @@ from roofline.spec_decode.tree import (
     walk,
 )
 
-from .tiny import COMMON, VOCAB
+from .tiny import CHATS, COMMON, DEFAULT, VOCAB
 
 # A 7-node tree: root -> {0, 1}; 0 -> {2, 3}; 1 -> {4}; 2 -> {5}; 4 -> {6}
 TREE7 = DraftTree(np.array([5, 7, 9, 11, 13, 15, 17]), np.array([-1, -1, 0, 0, 1, 2, 4]),
@@ -346,15 +346,6 @@ def test_a_backend_without_tree_masks_refuses_one(tiny):
 
 # ------------------------------------------------------------------------------ the default model
 
-DEFAULT = dict(max_model_len=512, dtype="float32", device="cpu", attention_backend="torch", kv_cache_memory="256MiB")
-CHATS = [[{"role": "user", "content": "Write a short poem about the sea."}],
-         [{"role": "user", "content": "Explain what a hash table is in three sentences."}]]
-
-
-@pytest.fixture(scope="module")
-def default_greedy_ref():
-    return [o.outputs[0].token_ids for o in
-            LLM(**DEFAULT).chat(CHATS, SamplingParams(temperature=0.0, max_tokens=48), use_tqdm=False)]
 
 
 @pytest.mark.slow

@@ -9,3 +9,8 @@ TINY = {"architectures": ["LlamaForCausalLM"], "vocab_size": VOCAB, "hidden_size
         "rope_theta": 10000.0, "eos_token_id": 1}
 COMMON = dict(load_format="dummy", device="cpu", attention_backend="torch", dtype="float32", max_model_len=128,
               max_num_seqs=64, block_size=16, kv_cache_memory="16MiB")
+
+# The default model (real weights, CPU, fp32), for the slow greedy-identity tests of the learned heads and trees.
+DEFAULT = dict(max_model_len=512, dtype="float32", device="cpu", attention_backend="torch", kv_cache_memory="256MiB")
+CHATS = [[{"role": "user", "content": "Write a short poem about the sea."}],
+         [{"role": "user", "content": "Explain what a hash table is in three sentences."}]]
