@@ -26,6 +26,34 @@ for step in "$@"; do
       > "$OUT/w4decode.log" 2>&1
     echo "w4decode rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/w4decode.log" | grep -E "x$|^ +[0-9]|^model|rc|Error|measured" | tail -30 | tee -a "$OUT/log"
     ;;
+  prefillgemm)  # prefill-sized GEMMs per format through the engine's linear paths vs bf16 cuBLAS (issue 28)
+    PYTHONPATH=$NEW timeout ${PGEMM_TIMEOUT:-200} python3 bench/gpu_prefill_gemm.py --out "$OUT/prefill_gemm.json" ${PGEMM_MS:+--ms $PGEMM_MS} \
+      > "$OUT/prefill_gemm.log" 2>&1; echo "prefillgemm rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/prefill_gemm.log" | tail -60 | tee -a "$OUT/log"
+    ;;
+  profile)  # where a decode step's GPU time goes (PROFILE="model:batch[:quant] ...")
+    for spec in ${PROFILE:-qwen3-30b-a3b:1 llama-3-8b:1}; do IFS=: read -r pm pb pq <<< "$spec"
+      PYTHONPATH=$NEW timeout ${PROFILE_TIMEOUT:-150} python3 bench/gpu_decode_profile.py --model $pm --batch $pb ${pq:+--quantization $pq} \
+        --out "$OUT/profile-$pm-b$pb${pq:+-$pq}.json" > "$OUT/profile-$pm-b$pb${pq:+-$pq}.log" 2>&1; echo "profile $spec rc $?" | tee -a "$OUT/log"
+      grep -vi warn "$OUT/profile-$pm-b$pb${pq:+-$pq}.log" | grep -A22 "^model" | tee -a "$OUT/log"; done
+    ;;
+  throughput)  # ShareGPT 1000 (carried .devcarry/sharegpt1000.json), one engine per weight format (TPUT_QUANTS)
+    for q in ${TPUT_QUANTS:-none fp8}; do
+      timeout ${TPUT_TIMEOUT:-200} bash -c "$(declare -f R); NEW=$NEW; R bench throughput --model llama-3-8b --dataset-file .devcarry/sharegpt1000.json --num-prompts 1000 --no-progress ${TPUT_ARGS:-} $([ $q != none ] && echo --quantization $q) --out-dir $OUT" \
+        > "$OUT/throughput-$q.log" 2>&1; echo "throughput $q rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/throughput-$q.log" | tail -4 | tee -a "$OUT/log"; done
+    ;;
+  w8)  # the 8-bit weight-only mma GEMM: GPU tests, per-format sweep into the dispatch table, then end to end
+    PYTHONPATH=$NEW timeout 200 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/kernels/test_w8a16_mma.py tests/kernels/test_w4a16_mma.py -x \
+      2>&1 | tee "$OUT/w8tests.log" | grep -E "^E |passed|failed|error" | tail -20 | tee -a "$OUT/log"
+    for f in ${W8FORMATS:-int8 fp8}; do
+      PYTHONPATH=$NEW timeout ${W8SWEEP_TIMEOUT:-170} python3 bench/gpu_w4a16_mma.py --format $f --out "$OUT/w8_mma_$f.json" \
+        --ms "${W8MS:-1,4,8,16,32,64}" --splits "${W8SPLITS:-none,1,2,4,8}" --table roofline/kernels/dispatch_tables/NVIDIA_H200.json > "$OUT/w8sweep-$f.log" 2>&1
+      echo "w8sweep $f rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/w8sweep-$f.log" | grep -E "M=|WRONG|FAIL|Error|done|TB/s" | tail -30 | tee -a "$OUT/log"
+    done
+    cp roofline/kernels/dispatch_tables/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+    timeout ${DECODE_TIMEOUT:-200} bash -c "$(declare -f R); NEW=$NEW; R bench decode --model llama-3-8b --batch-sizes ${BATCHES:-1,8,64} --contexts 1k --quantization ${QUANTS:-none,int8,fp8,int4} --out-dir $OUT" \
+      > "$OUT/w8decode.log" 2>&1
+    echo "w8decode rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/w8decode.log" | grep -E "x$|^ +[0-9]|^model|rc|Error|measured" | tail -30 | tee -a "$OUT/log"
+    ;;
   fa3) timeout 330 bash bench/gpu_fa3.sh 2>&1 | tail -40 | tee -a "$OUT/log" ;;
   fa3quick) timeout ${FA3_TIMEOUT:-170} bash bench/gpu_fa3.sh quick 2>&1 | tail -40 | tee -a "$OUT/log" ;;
   moedecode)  # decode at the MoE shapes (dummy weights, built on the GPU): fractions of the MoE floor

@@ -8,6 +8,7 @@ downstream sees "auto".
 from __future__ import annotations
 
 import argparse
+import os
 import re
 from dataclasses import asdict, dataclass, fields
 
@@ -84,6 +85,22 @@ def parse_kv_cache_memory(value: str | int | float | None) -> tuple[int | None, 
     if size <= 0:
         raise ValueError(f"kv_cache_memory must be > 0, got {value!r}")
     return size, None
+
+
+def _check_kernel_env() -> None:
+    """Refuse a bad ROOFLINE_PREFILL_KERNEL / ROOFLINE_DECODE_KERNEL on every device (the Triton backend reads them
+    only on a GPU, so a typo would otherwise pass unnoticed on the CPU).
+
+    Raises:
+        ValueError: the variable, its value and the allowed values.
+    """
+    from roofline.kernels.gluon_decode import DECODE_KERNEL_ENV, DECODE_KERNELS
+    from roofline.kernels.gluon_prefill import PREFILL_KERNEL_ENV, PREFILL_KERNELS
+
+    for env, allowed in ((PREFILL_KERNEL_ENV, PREFILL_KERNELS), (DECODE_KERNEL_ENV, DECODE_KERNELS)):
+        value = os.environ.get(env)
+        if value is not None and value.strip().lower() not in allowed:
+            raise ValueError(f"{env}={value!r}: must be one of {', '.join(allowed)}")
 
 
 @dataclass
@@ -163,6 +180,7 @@ class EngineArgs:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}; got {getattr(self, name)!r}")
         if self.attention_backend not in ("auto", "torch", "triton"):
             raise ValueError(f"attention_backend must be one of auto, torch, triton; got {self.attention_backend!r}")
+        _check_kernel_env()
         device = resolve_device(self.device)
         on_cuda = device.startswith("cuda")
         dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if on_cuda else "float32")

@@ -82,7 +82,7 @@ def _batch_list(text: str) -> list[int]:
 
 
 def _quantizations(text: str | None) -> list[str]:
-    """``--quantization``: one vLLM method or a comma-separated list (``none,int4``).
+    """``--quantization``: one vLLM method or a comma-separated list (``none,int4``); a repeated name counts once.
 
     Raises:
         ValueError: an unknown method (lists the known ones).
@@ -97,7 +97,7 @@ def _quantizations(text: str | None) -> list[str]:
             raise ValueError(f"unknown --quantization {q!r}; known: {', '.join(ENGINE_QUANTIZATIONS)}")
     if not names:
         raise ValueError(f"--quantization needs at least one of {', '.join(ENGINE_QUANTIZATIONS)}, got {text!r}")
-    return names
+    return list(dict.fromkeys(names))
 
 
 def _batches(args: argparse.Namespace) -> list[int] | None:

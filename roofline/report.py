@@ -39,6 +39,12 @@ def decode_floor(llm: Any, hardware: str | None = None) -> dict[str, Any] | None
         bandwidth = hw.measure_read_bandwidth(str(worker.device))
         peak = hw.measure_gemm_flops(str(worker.device), dtype)
         source = f"read bandwidth and {dtype} GEMM rate measured in-process on {worker.device}"
+        if str(worker.device) == "cpu" and dtype == "fp16":
+            # fp16 matmuls on a CPU without fp16 matrix units convert to fp32 and run on the fp32 units (torch's
+            # fp16 GEMV does; its square GEMM is a slow software path, 2-3 GFLOP/s, which put the "floor" above
+            # the measured step, issue 32): fp16 cannot compute faster than the better of the two rates.
+            peak = max(peak, hw.measure_gemm_flops("cpu", "fp32"))
+            source = "read bandwidth and the better of the fp16 and fp32 GEMM rates measured in-process on cpu"
     weight_bytes, params, moe = worker.weight_bytes_per_step, engine.model_config.num_params, None
     if getattr(engine.model_config, "is_moe", False):
         # MoE: the dense weights plus the experts a step of this batch touches, from the routing measured in
@@ -95,7 +101,7 @@ def print_run_summary(llm: Any, floor: str = "probe", hardware: str | None = Non
                                                           strict=True) if d)
         print(f"speculative decode: acceptance rate {'n/a' if rate is None else f'{rate:.3f}'}, mean acceptance "
               f"length {'n/a' if length is None else f'{length:.2f}'} tokens per verify pass ({sd.num_drafts} "
-              f"passes, {sd.num_accepted_tokens} of {sd.num_draft_tokens} drafts accepted; per position "
+              f"passes, {sd.num_accepted_tokens} of {sd.num_draft_tokens} draft positions accepted; per position "
               f"[{per_pos}]); on in {sd.num_steps_on} steps, off (gamma 0) in {sd.num_steps_off}")
     if floor == "none" and not hardware:
         return

@@ -443,7 +443,7 @@ def test_non_finite_distribution_fails_only_its_request(default_llm, temperature
 def test_non_finite_distribution_fails_only_its_request_with_speculation_pinned_on(monkeypatch):
     """The same with n-gram speculation pinned on (gamma 4, not adaptive): the clean rows draft and verify
     (the copy-heavy prompt matches), the poisoned one (penalties: it decodes without drafts) fails alone."""
-    from roofline import LLM
+    from roofline.llm import LLM
 
     monkeypatch.setattr("roofline.sampling_params.REPETITION_PENALTY_MIN", 0.0)
     llm = LLM(max_model_len=512, dtype="float32", device="cpu", attention_backend="torch",
@@ -462,3 +462,23 @@ def test_non_finite_distribution_fails_only_its_request_with_speculation_pinned_
         assert got.outputs[0].token_ids == want.outputs[0].token_ids
     _assert_idle(llm)
     llm.engine.executor.shutdown()
+
+
+@pytest.mark.parametrize("env", ["ROOFLINE_PREFILL_KERNEL", "ROOFLINE_DECODE_KERNEL"])
+def test_a_bad_kernel_environment_variable_is_refused_on_the_cpu_too(env, monkeypatch, tmp_path):
+    import json
+
+    from roofline.llm import LLM
+
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128,
+              "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,
+              "max_position_embeddings": 512}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    monkeypatch.setenv(env, "fa3")
+    with pytest.raises(ValueError, match=f"{env}='fa3'.*auto, triton, gluon"):
+        LLM(str(tmp_path), load_format="dummy", device="cpu", max_model_len=64, num_kv_blocks=8)
+    monkeypatch.setenv(env, " Triton")  # read as the kernel choosers read it: stripped, any case
+    LLM(str(tmp_path), load_format="dummy", device="cpu", max_model_len=64, num_kv_blocks=8)
+    from roofline.kernels.gluon_prefill import choose_prefill_kernel, paged_prefill_attention
+
+    assert choose_prefill_kernel(" Triton") is paged_prefill_attention

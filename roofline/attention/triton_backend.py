@@ -4,10 +4,11 @@ steps, FlashAttention-style varlen prefill/extend for everything else.
 Triton is imported here and in roofline/kernels only, so the core never needs it.
 
 CUDA graphs: a decode step (``meta.max_query_len == 1``) reads no per-step host value. seq_lens and
-block_tables are device tensors; ``num_splits`` is fixed by static sizes: the batch size, the number of kv
-heads, the block table's width times block_size (the longest context a captured graph can serve: the
-static block table has a fixed width) and the SM count. Each split's length is computed in-kernel from
-the true seq_len, so one graph serves every context up to that width.
+block_tables are device tensors; the decode kernel's split count is fixed by static sizes (its own default,
+``paged_decode_attention(num_splits=None)``): the batch size, the number of kv heads, the block table's width
+times block_size (the longest context a captured graph can serve: the static block table has a fixed width),
+the SM count and the tile of the kernel it picks. Each split's length is computed in-kernel from the true
+seq_len, so one graph serves every context up to that width.
 
 Quantized caches: the cache's scale tensors go to the store kernel (which quantizes) and to both attention
 kernels (which dequantize in registers); they are allocated once with the pool, so captured graphs read
@@ -16,8 +17,6 @@ them like k/v.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from roofline.attention.backend import AttentionBackend, AttentionMetadata
@@ -25,21 +24,15 @@ from roofline.attention.kv_cache import KVCache
 from roofline.kernels.common import KV_QUANT_NONE, KV_QUANT_PER_HEAD, KV_QUANT_PER_TOKEN
 from roofline.kernels.decode_attention import (
     DEFAULT_VARIANT,
-    choose_num_splits,
-    default_block_n,
     paged_decode_attention,
 )
+from roofline.kernels.gluon_decode import decode_kernel_choice
 from roofline.kernels.gluon_prefill import choose_prefill_kernel
 from roofline.kernels.rope_cache import rope_and_cache
 
 
-@dataclass
-class TritonAttentionMetadata(AttentionMetadata):
-    num_splits: int = 1  # KV splits of the decode kernel (decode-only steps)
-
-
 class TritonAttentionBackend(AttentionBackend):
-    """``decode_num_splits`` (None = automatic, see module docstring) may be set to pin the split count, and
+    """``decode_num_splits`` (None = the kernel's own, see module docstring) may be set to pin the split count, and
     ``decode_variant`` (None = ``DEFAULT_VARIANT`` of the cache format; "old", "mma" or "fma") the decode
     kernel's stage 1 (``roofline.kernels.decode_attention``). Set both before CUDA graphs are captured."""
 
@@ -51,24 +44,13 @@ class TritonAttentionBackend(AttentionBackend):
         super().__init__(*args, **kwargs)
         self.decode_num_splits: int | None = None
         self.decode_variant: str | None = None
-        self._num_sms: int | None = None
         self._static: dict[str, torch.Tensor] = {}
         # Prefill/extend kernel, chosen once (ROOFLINE_PREFILL_KERNEL, default auto: Gluon on sm_90, else Triton;
         # roofline.kernels.gluon_prefill, which falls back to Triton per call where it does not apply).
         self.prefill_attention = choose_prefill_kernel()
-
-    def num_splits_for(self, batch_size: int, max_context: int, device: torch.device) -> int:
-        """Split count of a decode step from static sizes only (CUDA-graph safe)."""
-        if self.decode_num_splits is not None:
-            return self.decode_num_splits
-        if self._num_sms is None:
-            self._num_sms = (torch.cuda.get_device_properties(device).multi_processor_count
-                             if device.type == "cuda" else 4)
-        block_size = self.kv_pool.block_size if self.kv_pool is not None else 1
-        variant = self.decode_variant_for(self.kv_pool.dtype if self.kv_pool is not None else None)
-        return choose_num_splits(batch_size, self.num_kv_heads, max_context, num_sms=self._num_sms,
-                                 block_size=block_size,
-                                 block_n=default_block_n(self.head_dim, variant, self.num_heads // self.num_kv_heads))
+        # The decode kernel family for quantized caches, also chosen once (ROOFLINE_DECODE_KERNEL; the kernel
+        # itself still falls back per call where the Gluon kernel does not apply): no environment read per layer.
+        self.decode_kernel = decode_kernel_choice()
 
     def decode_variant_for(self, cache_dtype: torch.dtype | None) -> str:
         """The decode kernel variant for a cache of ``cache_dtype`` (None: a 16-bit cache)."""
@@ -78,14 +60,6 @@ class TritonAttentionBackend(AttentionBackend):
                                                                                              KV_QUANT_NONE)
         return DEFAULT_VARIANT[quant]
 
-    def build_metadata(self, meta: AttentionMetadata) -> TritonAttentionMetadata:
-        out = TritonAttentionMetadata(**{f: getattr(meta, f) for f in AttentionMetadata.__dataclass_fields__})
-        if meta.is_decode_only:
-            bs = self.kv_pool.block_size if self.kv_pool is not None else 1
-            out.num_splits = self.num_splits_for(meta.block_tables.shape[0], meta.block_tables.shape[1] * bs,
-                                                 meta.block_tables.device)
-        return out
-
     def forward(self, q, k, v, positions, cache: KVCache, meta):
         if self.is_calibrating:
             return self.calibration_forward(q, k, v, positions, cache, meta)
@@ -93,10 +67,13 @@ class TritonAttentionBackend(AttentionBackend):
         rope_and_cache(q, k, v, positions, self.rotary.cos_sin_cache, cache.k, cache.v, meta.slot_mapping, ks, vs)
         if meta.max_query_len == 1:
             # Decode: one query per sequence, q rows are sequences in order.
-            num_splits = meta.num_splits if isinstance(meta, TritonAttentionMetadata) else None
+            # num_splits None: the kernel's static choice for the kernel and tile it picks (the Gluon kernel's
+            # 1-warp tile takes 4x the splits of the Triton kernels' 4-warp one).
             return paged_decode_attention(q, cache.k, cache.v, meta.block_tables, meta.seq_lens, self.scale,
-                                          num_splits=num_splits, k_scale=ks, v_scale=vs,
-                                          variant=self.decode_variant_for(cache.k.dtype))
+                                          num_splits=self.decode_num_splits, k_scale=ks, v_scale=vs,
+                                          decode_kernel=self.decode_kernel,
+                                          # None: the kernel's own pick (gluon for int8/fp8 on sm_90)
+                                          variant=self.decode_variant)
         # A tree-verification step's ancestor bitmasks ([num_seqs, <= 64] int64; prefill_attention's docstring).
         # The Gluon kernel hands a tree mask to the Triton kernel (gluon_prefill's fallbacks).
         return self.prefill_attention(q, cache.k, cache.v, meta, self.scale, k_scale=ks, v_scale=vs,
@@ -113,7 +90,7 @@ class TritonAttentionBackend(AttentionBackend):
             block_tables=torch.zeros(n, max_blocks_per_seq, dtype=torch.int32, device=device),
         )
 
-    def capture_metadata(self, batch_size: int) -> TritonAttentionMetadata:
+    def capture_metadata(self, batch_size: int) -> AttentionMetadata:
         s, bs = self._static, batch_size
         meta = AttentionMetadata(
             slot_mapping=s["slot_mapping"][:bs], query_start_loc=s["query_start_loc"][:bs + 1],

@@ -280,7 +280,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--decode-only", action="store_true",
                    help="only the decode kernel: every --variants x --kv-cache-dtype at each point, time vs bf16 "
                         "and fraction of read bandwidth (roofline/bench/attention_decode.py); 'auto' = bfloat16")
-    p.add_argument("--variants", default="old,mma,fma", help="--decode-only: decode stage-1 kernels to time")
+    p.add_argument("--variants", default="old,mma,gluon",
+                   help="--decode-only: decode stage-1 kernels to time (old, mma, fma, gluon)")
     p.add_argument("--block-sizes", default="", help="--decode-only: KV block sizes to run (default --block-size)")
     p.add_argument("--num-splits", default="", help="--decode-only: split counts to time beside the default")
     p.add_argument("--query-lens", default="1", help="--decode-only: queries per sequence (1 + speculative tokens)")

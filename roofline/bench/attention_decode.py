@@ -1,8 +1,8 @@
 """``roofline bench attention --decode-only``: the decode kernel's variants x KV-cache formats in one process.
 
 For each (batch, ctx, block size, query_len) point and each KV format of ``--kv-cache-dtype`` ("auto" is
-the model dtype, bf16), every stage-1 variant of ``--variants`` ("old", "mma", "fma"; see
-``roofline.kernels.decode_attention``) is timed with ``triton.testing.do_bench`` (median, L2 flushed),
+the model dtype, bf16), every stage-1 variant of ``--variants`` ("old", "mma", "fma", "gluon"; see
+``roofline.kernels.decode_attention``; "gluon" runs on int8 / fp8 caches at query_len 1 only) is timed with ``triton.testing.do_bench`` (median, L2 flushed),
 the variants of one point back to back so that they share the machine's state. Figures per run:
 - fraction of read bandwidth: the bytes the kernel actually reads (``decode_kv_bytes``: codes + int8's
   per-token scales; fp8's per-head scales are one float per program) over the time, against a large
@@ -54,14 +54,15 @@ def _time_point(batch, ctx, block_size, query_len, fmt, variants, extras, read_b
     out = torch.empty_like(q)
     rows = []
     for variant in variants:
-        if variant == "old" and query_len > 1:
+        if (variant == "old" and query_len > 1) or (variant == "gluon" and (query_len > 1 or fmt == "bfloat16")):
             continue
         for params in [{}, *extras]:
             def fn(variant=variant, params=params):
                 return paged_decode_attention(q, kc, vc, tables, seq_lens, scale, out=out, k_scale=ks, v_scale=vs,
                                               variant=variant, query_len=query_len, **params)
+            sms = num_sms * max(1, 4 // params.get("num_warps", 4)) if variant == "gluon" else num_sms
             num_splits = params.get("num_splits") or choose_num_splits(
-                batch, kv_heads, tables.shape[1] * block_size, num_sms, block_size=block_size,
+                batch, kv_heads, tables.shape[1] * block_size, sms, block_size=block_size,
                 block_n=params.get("block_n") or default_block_n(head_dim, variant, heads // kv_heads, query_len))
             row = dict(batch=batch, ctx=ctx, block_size=block_size, query_len=query_len, kv_cache_dtype=fmt,
                        variant=variant, kv_bytes=kv_bytes, default=not params, params=params, num_splits=num_splits)
@@ -74,7 +75,7 @@ def _time_point(batch, ctx, block_size, query_len, fmt, variants, extras, read_b
             except Exception as e:  # noqa: BLE001 - a variant that does not compile is recorded, the run goes on
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
-            log(f"B={batch:>3} ctx={ctx:>6} bs={block_size:>3} ql={query_len} {fmt:>9} {variant:>3} "
+            log(f"B={batch:>3} ctx={ctx:>6} bs={block_size:>3} ql={query_len} {fmt:>9} {variant:>5} "
                 f"splits={row['num_splits']:>3} {params or 'default'}: "
                 + (f"{row['ms'] * 1e3:8.1f} us {row['frac_of_read']:.3f} of read"
                    + (f" err {row['rel_err_vs_ref']:.1e}" if "rel_err_vs_ref" in row else "")
@@ -112,7 +113,7 @@ def parse_formats_and_variants(kv_cache_dtype: str, variants: str) -> tuple[list
         ValueError: an unknown format or variant (lists the known ones).
     """
     from roofline.bench.attention_inputs import KV_FORMATS
-    from roofline.kernels.decode_attention_packed import VARIANTS
+    from roofline.kernels.decode_attention import ALL_VARIANTS as VARIANTS
 
     fmts = ["bfloat16" if x == "auto" else x for x in kv_cache_dtype.split(",") if x]
     for f in fmts:
@@ -170,13 +171,13 @@ def run_decode_only(args: argparse.Namespace) -> int:
     attach_ratios(rows)
 
     log("")
-    log(f"{'B':>4} {'ctx':>6} {'bs':>4} {'ql':>3} {'KV':>9} {'var':>4} {'splits':>6} {'us':>8} {'of read':>8} "
+    log(f"{'B':>4} {'ctx':>6} {'bs':>4} {'ql':>3} {'KV':>9} {'var':>5} {'splits':>6} {'us':>8} {'of read':>8} "
         f"{'vs bf16':>8} {'vs old':>7}  params")
     for r in rows:
         if "ms" not in r:
             continue
         log(f"{r['batch']:>4} {r['ctx']:>6} {r['block_size']:>4} {r['query_len']:>3} {r['kv_cache_dtype']:>9} "
-            f"{r['variant']:>4} {r['num_splits']:>6} "
+            f"{r['variant']:>5} {r['num_splits']:>6} "
             f"{r['ms'] * 1e3:>8.1f} {r['frac_of_read']:>8.3f} {r.get('time_vs_bf16', float('nan')):>8.3f} "
             f"{r.get('time_vs_old_same_kv', float('nan')):>7.3f}  {r['params'] or ''}")
     best: dict[str, Any] = {}

@@ -84,16 +84,38 @@ def wait_policy_beside_busy(rounds: int = 2) -> dict[str, float]:
     return best
 
 
-def main() -> None:
-    if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        _child(int(sys.argv[2]))
+def build_parser():
+    """The one parser of ``python -m roofline.bench.cpu``: unknown arguments and ``--help`` never run a benchmark."""
+    import argparse
+
+    from roofline.bench import cpu_table
+
+    p = argparse.ArgumentParser(
+        prog="python -m roofline.bench.cpu",
+        description="CPU benchmarks of issue 32. No option: (a)-(c), bf16 vs fp32 linears, 1 vs 2 threads, "
+                    "the OpenMP wait policy beside a busy process.")
+    p.add_argument("--wait-policy", action="store_true", help="(c) alone")
+    p.add_argument("--child", type=int, default=None, metavar="THREADS", help=argparse.SUPPRESS)  # one (c) point
+    cpu_table.add_arguments(p)
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Parse ``argv`` (default ``sys.argv[1:]``) and run the benchmarks it names (module docstring).
+
+    Raises:
+        SystemExit: unknown arguments or ``--help`` (argparse: nothing runs), or bad ``--rounds``/``--tokens``.
+    """
+    args = build_parser().parse_args(argv)
+    if args.child is not None:
+        _child(args.child)
         return
-    if sys.argv[1:2] in (["--gemm"], ["--table"]):
+    if args.gemm or args.table:
         from roofline.bench import cpu_table
 
-        cpu_table.main(sys.argv[1:])
+        cpu_table.run(args)
         return
-    if sys.argv[1:] == ["--wait-policy"]:  # (c) alone
+    if args.wait_policy:  # (c) alone
         print(startup_line(detect_cpu_features(), "float32", torch.get_num_threads()))
         wait_policy_beside_busy()
         return

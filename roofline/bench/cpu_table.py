@@ -5,9 +5,10 @@
 in fp32, bf16, INT8 W8A16 (``torch._weight_int8pack_mm``, M = 1 only: it takes seconds at 32) and INT8 W8A8
 dynamic (``roofline.kernels.cpu_int8``), at M = 1 and 32; the formats alternate inside each of 3 rounds; the best round per format; ratio fp32 / format.
 
-``--table [--rounds R] [--tokens N] [--llamacpp] [--no-hf] [--json PATH]``: end to end on the default model.
-Roofline fp32, bf16, int8 (``--quantization int8``: W8A8 on CPU) and bf16 + int8 (the int8 linears with bf16
-norms, attention and lm_head) engines are built once, then each round
+``--table [--rounds R] [--tokens N] [--llamacpp] [--no-hf] [--head-ab] [--json PATH]``: end to end on the default model.
+Roofline fp32, bf16, int8 (``--quantization int8``: W8A8 on CPU, the LM head too) and bf16 + int8 (the int8
+linears and head with bf16 norms and attention) engines are built once (``--head-ab``: the two int8 ones again
+with a 16-bit LM head), then each round
 runs every format at batch 1 (one prompt, N greedy tokens) and batch 32 (32 prompts, N / 2 tokens each),
 in turn, so drift on a shared machine hits all alike; the best round's mean decode step is kept, and its
 floor (``_floors``: that format's weight bytes plus the KV read, over one read bandwidth measured in this
@@ -181,10 +182,21 @@ def _floors(engines: dict, best: dict, shape: dict, others: dict) -> dict[tuple[
     return out
 
 
+def _with_16bit_head(llm):
+    """``llm`` with its LM head back on the 16-bit ``F.linear`` (the INT8 head's copy dropped): the A/B of
+    ``roofline.quant.int8.CpuW8A8LMHeadMethod`` inside one run."""
+    head = llm.engine.worker.model.lm_head
+    for name in ("qweight", "weight_scale"):
+        if name in head._parameters:
+            del head._parameters[name]
+    return llm
+
+
 def table(rounds: int = 3, tokens: int = 64, llamacpp: str | None = None, hf: bool = True,
-          json_path: str | None = None) -> list[dict]:
+          json_path: str | None = None, head_ab: bool = False) -> list[dict]:
     """The README's CPU table (module docstring), printed and returned as rows. ``llamacpp``: the Python
-    interpreter that imports ``llama_cpp`` (None: no llama.cpp row)."""
+    interpreter that imports ``llama_cpp`` (None: no llama.cpp row). ``head_ab``: also the int8 engines with a
+    16-bit LM head (rows named "..., 16-bit head")."""
     from roofline import LLM
     from roofline.models.loader import default_model_path
 
@@ -197,6 +209,10 @@ def table(rounds: int = 3, tokens: int = 64, llamacpp: str | None = None, hf: bo
         "roofline int8 (W8A8)": LLM(device="cpu", dtype="float32", quantization="int8", max_model_len=512),
         "roofline bf16 + int8 (W8A8)": LLM(device="cpu", dtype="bfloat16", quantization="int8", max_model_len=512),
     }
+    if head_ab:
+        for dtype, name in (("float32", "roofline int8 (W8A8), 16-bit head"),
+                            ("bfloat16", "roofline bf16 + int8 (W8A8), 16-bit head")):
+            engines[name] = _with_16bit_head(LLM(device="cpu", dtype=dtype, quantization="int8", max_model_len=512))
     others: dict[str, object] = {}
     if hf:
         others["HF transformers eager fp32"] = _HF(default_model_path())
@@ -252,23 +268,30 @@ def table(rounds: int = 3, tokens: int = 64, llamacpp: str | None = None, hf: bo
     return rows
 
 
-def main(argv: list[str]) -> None:
-    import argparse
-
-    p = argparse.ArgumentParser(prog="python -m roofline.bench.cpu")
-    p.add_argument("--gemm", action="store_true")
-    p.add_argument("--table", action="store_true")
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--tokens", type=int, default=64)
+def add_arguments(p) -> None:
+    """The ``--gemm`` / ``--table`` options, on ``python -m roofline.bench.cpu``'s one parser."""
+    p.add_argument("--gemm", action="store_true", help="(d): the decode step's linears in each format")
+    p.add_argument("--table", action="store_true", help="(e): the README's CPU table, end to end")
+    p.add_argument("--rounds", type=int, default=3, help="--table: rounds, the best kept (>= 1)")
+    p.add_argument("--tokens", type=int, default=64, help="--table: new tokens at batch 1 (>= 4; half at 32)")
     p.add_argument("--llamacpp", nargs="?", const=sys.executable, default=None, metavar="PYTHON",
-                   help="add llama.cpp: the interpreter that imports llama_cpp (default: this one)")
-    p.add_argument("--no-hf", action="store_true")
-    p.add_argument("--json", default=None)
-    args = p.parse_args(argv)
+                   help="--table: add llama.cpp: the interpreter that imports llama_cpp (default: this one)")
+    p.add_argument("--no-hf", action="store_true", help="--table: leave out HF transformers eager")
+    p.add_argument("--head-ab", action="store_true",
+                   help="--table: add the int8 rows with a 16-bit LM head (the INT8 head's A/B, same rounds)")
+    p.add_argument("--json", default=None, metavar="PATH", help="--table: write the rows as JSON")
+
+
+def run(args) -> None:
+    """Run (d) and/or (e) for parsed ``args`` (``add_arguments``).
+
+    Raises:
+        SystemExit: ``--rounds`` < 1 or ``--tokens`` < 4 (names both values).
+    """
     if args.rounds < 1 or args.tokens < 4:
         raise SystemExit(f"--rounds must be >= 1 and --tokens >= 4; got {args.rounds} and {args.tokens}")
     if args.gemm:
         print(startup_line(detect_cpu_features(), "float32", torch.get_num_threads()))
         gemm_rates()
     if args.table:
-        table(args.rounds, args.tokens, args.llamacpp, not args.no_hf, args.json)
+        table(args.rounds, args.tokens, args.llamacpp, not args.no_hf, args.json, args.head_ab)

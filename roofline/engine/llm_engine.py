@@ -92,6 +92,7 @@ class LLMEngine:
         if self.spec_config is not None:
             self.spec = SpecController(self.spec_config, model_config, sc.max_model_len,
                                        self.executor.device_profile())
+            self.kv_cache_summary += f"; {self.spec.summary}"
 
     @property
     def spec_stats(self) -> SpecDecodeStats:

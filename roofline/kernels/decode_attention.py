@@ -30,6 +30,10 @@ for all its positions), address a tile from one scalar base with constexpr strid
 by a magic-number add and rescale the accumulator lazily; "fma" computes on CUDA cores (no tl.dot, no
 padding to 16 rows). ``roofline bench attention --decode-only --variants old,mma,fma`` measures them
 against each other and bf16 in one process; :data:`DEFAULT_VARIANT` records the choice per format.
+"gluon" (``roofline.kernels.gluon_decode``, int8 / fp8 caches at query_len 1): a Gluon mma_v2 kernel
+with the keys as the MMA's M (swap-AB), K's codes converted in registers straight into the operand; a call
+that names no variant runs it where it is supported (``ROOFLINE_DECODE_KERNEL``: auto / triton / gluon),
+else the Triton kernel with one log line per reason.
 
 CUDA graphs: the kernels read seq_lens and block_tables only as device tensors; ``num_splits`` is a launch
 constant. A captured graph therefore fixes num_splits; :func:`choose_num_splits` picks it from static
@@ -57,6 +61,15 @@ from roofline.kernels.decode_attention_packed import (
     VARIANTS,
     launch_packed_split,
     packed_rows,
+)
+from roofline.kernels.gluon_decode import (
+    GLUON_BLOCK_N,
+    GLUON_NUM_WARPS,
+    decode_kernel_choice,
+    gluon_config_reason,
+    gluon_decode_unsupported_reason,
+    launch_gluon_split,
+    log_fallback_once,
 )
 from roofline.kernels.prefill_attention import ref_paged_attention
 
@@ -266,7 +279,9 @@ LOG2E = 1.4426950408889634
 # --variants old,mma,fma``, bench/results/kvdecode-20261204/): "mma" took 0.89-1.00x of "old"'s time on int8 and
 # 0.97-1.00x on fp8 at every point; on bf16 it was 0.99-1.06x, so bf16 keeps "old". "fma" lost everywhere (2-13x).
 DEFAULT_VARIANT = {KV_QUANT_NONE: "old", KV_QUANT_PER_TOKEN: "mma", KV_QUANT_PER_HEAD: "mma"}
-__all__ = ["MAX_PACKED_ROWS", "VARIANTS", "DEFAULT_VARIANT", "choose_num_splits", "default_block_n",
+# Every stage-1 kernel ``variant`` names: the Triton ones and the Gluon one (int8/fp8 caches, query_len 1).
+ALL_VARIANTS = (*VARIANTS, "gluon")
+__all__ = ["ALL_VARIANTS", "MAX_PACKED_ROWS", "VARIANTS", "DEFAULT_VARIANT", "choose_num_splits", "default_block_n",
            "paged_decode_attention", "ref_decode_attention", "split_align"]
 
 
@@ -280,7 +295,7 @@ def paged_decode_attention(
     num_splits: int | None = None,
     out: torch.Tensor | None = None,
     block_n: int | None = None,
-    num_warps: int = 4,
+    num_warps: int | None = None,
     num_stages: int = 2,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
@@ -288,6 +303,7 @@ def paged_decode_attention(
     query_len: int = 1,
     int8_magic: bool = True,
     rescale_log2: float = 8.0,
+    decode_kernel: str | None = None,
 ) -> torch.Tensor:
     """One decode step of paged attention, split-KV.
 
@@ -304,22 +320,28 @@ def paged_decode_attention(
         scale: softmax scale, usually 1/sqrt(D).
         num_splits: KV chunks per (sequence, kv head); default :func:`choose_num_splits` from static sizes.
         out: optional [num_seqs * query_len, H, D] output in q's dtype.
-        block_n, num_warps, num_stages: tile/launch tuning (benchmarks sweep them).
+        block_n, num_warps, num_stages: tile/launch tuning (benchmarks sweep them); num_warps None: 4, or
+            ``GLUON_NUM_WARPS`` (1) for the Gluon kernel, whose default tile is ``GLUON_BLOCK_N`` (32) keys.
         variant: stage-1 kernel, one of ``VARIANTS`` (``roofline.kernels.decode_attention_packed``):
             "old" (the group's heads padded to 16 rows for tl.dot, query_len 1 only), "mma" (all
             query_len x group rows packed into the dot's M), "fma" (the packed rows on CUDA cores, tl.sum,
-            no tl.dot). None: :data:`DEFAULT_VARIANT` (by cache format), "mma" when query_len > 1.
+            no tl.dot), "gluon" (``roofline.kernels.gluon_decode``: int8/fp8 cache, query_len 1, swap-AB
+            mma_v2). None: "gluon" where ``decode_kernel`` allows it and it supports the call (else one log line
+            with the reason), else :data:`DEFAULT_VARIANT` (by cache format), "mma" when query_len > 1.
         int8_magic: packed variants: int8 codes converted by the magic-number add (else a plain cast).
         rescale_log2: packed variants: rescale the accumulator only when a row's max grows by more than
             2^rescale_log2 (0: every tile, as the "old" kernel does).
+        decode_kernel: "auto", "triton" or "gluon" (``roofline.kernels.gluon_decode``); None reads
+            ``ROOFLINE_DECODE_KERNEL`` (default "auto": gluon on sm_90). Only used when ``variant`` is None.
 
     Returns:
         [num_seqs * query_len, H, D] in q's dtype. Softmax and accumulation in fp32.
 
     Raises:
         ValueError: H not a multiple of H_kv, shapes disagree, scales that do not fit the cache dtype, an
-            unknown variant, query_len < 1, "old" with query_len > 1, q rows not num_seqs * query_len, or
-            more than ``MAX_PACKED_ROWS`` packed rows (each names the value and the allowed range).
+            unknown variant, query_len < 1, "old" with query_len > 1, q rows not num_seqs * query_len,
+            more than ``MAX_PACKED_ROWS`` packed rows, "gluon" on a call it does not support or with a tile
+            ``gluon_config_reason`` rejects, or an unknown ``decode_kernel`` (each names the value and the allowed range).
         RuntimeError: triton missing.
     """
     if triton is None:
@@ -334,18 +356,39 @@ def paged_decode_attention(
         raise ValueError(f"query_len {query_len} must be >= 1")
     if num_rows != num_seqs * query_len:
         raise ValueError(f"q has {num_rows} rows; expected num_seqs {num_seqs} x query_len {query_len}")
+    if variant is None and quant != KV_QUANT_NONE and query_len == 1:
+        reason = gluon_decode_unsupported_reason(q, k_cache, v_cache, quant, query_len,
+                                                 decode_kernel_choice(decode_kernel))
+        if reason is None:
+            reason = gluon_config_reason(block_n or GLUON_BLOCK_N, num_warps or GLUON_NUM_WARPS, head_dim)
+        if reason is None:
+            variant = "gluon"
+        else:
+            log_fallback_once(reason)
     if variant is None:
         variant = DEFAULT_VARIANT[quant] if query_len == 1 else "mma"
-    if variant not in VARIANTS:
-        raise ValueError(f"unknown decode variant {variant!r}; known: {', '.join(VARIANTS)}")
+    if variant not in ALL_VARIANTS:
+        raise ValueError(f"unknown decode variant {variant!r}; known: {', '.join(ALL_VARIANTS)}")
+    if num_warps is None:
+        num_warps = GLUON_NUM_WARPS if variant == "gluon" else 4
+    if variant == "gluon":
+        reason = gluon_decode_unsupported_reason(q, k_cache, v_cache, quant, query_len, "gluon")
+        if reason is not None:
+            raise ValueError(f"decode variant 'gluon' cannot run this call: {reason}")
+        block_n = block_n or GLUON_BLOCK_N
+        reason = gluon_config_reason(block_n, num_warps, head_dim)
+        if reason is not None:
+            raise ValueError(f"decode variant 'gluon': {reason}")
     if variant == "old" and query_len != 1:
         raise ValueError(f"decode variant 'old' takes query_len 1, got {query_len}; use 'mma' or 'fma'")
-    if variant != "old":
+    if variant in ("mma", "fma"):
         packed_rows(group, query_len, variant == "mma")  # raises past MAX_PACKED_ROWS
     if block_n is None:
         block_n = default_block_n(head_dim, variant, group, query_len)
     if num_splits is None:
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+        if variant == "gluon":  # the split count targets warps per SM: programs of fewer warps get more splits
+            num_sms *= max(1, 4 // num_warps)
         num_splits = choose_num_splits(num_seqs, num_kv_heads, block_tables.shape[1] * block_size, num_sms=num_sms,
                                        block_size=block_size, block_n=block_n)
     if out is None:
@@ -378,6 +421,10 @@ def paged_decode_attention(
             DOT_F16=bool(quant) and q.dtype == torch.bfloat16,
             num_warps=num_warps, num_stages=num_stages,
         )
+    elif variant == "gluon":
+        launch_gluon_split(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, mid_o, mid_lse,
+                           scale * LOG2E, quant, per_token_stride, num_splits, align, block_n, num_warps,
+                           prefetch=num_stages >= 2)
     else:
         launch_packed_split(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, mid_o, mid_lse,
                             scale * LOG2E, quant, per_token_stride, query_len, num_splits, block_n, align,

@@ -248,7 +248,7 @@ def choose_prefill_kernel(requested: str | None = None) -> Callable[..., torch.T
     Raises:
         ValueError: a name outside ``PREFILL_KERNELS`` (names the allowed ones).
     """
-    name = requested if requested is not None else os.environ.get(PREFILL_KERNEL_ENV, "auto")
+    name = (requested if requested is not None else os.environ.get(PREFILL_KERNEL_ENV, "auto")).strip().lower()
     if name not in PREFILL_KERNELS:
         raise ValueError(f"{PREFILL_KERNEL_ENV}={name!r}: the prefill kernel must be one of {PREFILL_KERNELS}")
     if name == "auto":

@@ -179,24 +179,39 @@ _MMA_SKIPPED: set[str] = set()
 _INT4_MMA_MAX_M = 64  # roofline.kernels.w4a16_mma.MMA_MAX_M
 
 
-def int4_mma_config(m: int, n: int, k: int, device: torch.device):
-    """The INT4 tensor-core kernel's config for ``m`` rows of an [N, K] weight (a ``w4a16_mma.MmaConfig``), or None
-    where the Triton INT4 path is faster. From the measured table's ``int4_mma`` rows for the nearest (N, K): the
-    row of the smallest measured M >= ``m`` (its fastest config, and whether it beat the Triton path there);
-    without a table, ``w4a16_mma.pick_tile`` up to M = 64."""
+_MMA_ROWS: dict[tuple, tuple] = {}  # (table key, id(rows), m, n, k) -> (rows, MmaConfig | None)
+
+
+def _measured_mma(key: str, m: int, n: int, k: int, device: torch.device, default_max_m: int):
+    """The measured table's ``key`` rows (``int4_mma``) for the nearest (N, K): the row
+    of the smallest measured M >= ``m`` (its fastest config, if it beat the Triton path there, else None); without
+    rows, ``w4a16_mma.pick_tile`` up to ``default_max_m``. Cached per (rows, m, n, k): a decode step asks once per
+    layer (the cache keeps the rows alive, so their id is not reused)."""
     from roofline.kernels.w4a16_mma import MmaConfig, pick_tile
 
+    rows = _table(device).get(key)
+    ck = (key, id(rows), m, n, k)
+    hit = _MMA_ROWS.get(ck)
+    if hit is not None:
+        return hit[1]
+    if not rows:
+        cfg = pick_tile(m) if m <= default_max_m else None
+    else:
+        near = _nearest(rows, n, k)
+        same = sorted((r for r in rows if (r["n"], r["k"]) == (near["n"], near["k"])), key=lambda r: r["m"])
+        row = next((r for r in same if r["m"] >= m), same[-1])
+        cfg = None if row["us"] > row["triton_us"] else MmaConfig(**row["config"])
+    _MMA_ROWS[ck] = (rows, cfg)
+    return cfg
+
+
+def int4_mma_config(m: int, n: int, k: int, device: torch.device):
+    """The INT4 tensor-core kernel's config for ``m`` rows of an [N, K] weight (a ``w4a16_mma.MmaConfig``), or None
+    where the Triton INT4 path is faster: the measured table's ``int4_mma`` rows (``_measured_mma``); without a
+    table, ``w4a16_mma.pick_tile`` up to M = 64."""
     if m > _INT4_MMA_MAX_M:
         return None
-    rows = _table(device).get("int4_mma")
-    if not rows:
-        return pick_tile(m)
-    near = _nearest(rows, n, k)
-    same = sorted((r for r in rows if (r["n"], r["k"]) == (near["n"], near["k"])), key=lambda r: r["m"])
-    row = next((r for r in same if r["m"] >= m), same[-1])
-    if row["us"] > row["triton_us"]:
-        return None
-    return MmaConfig(**row["config"])
+    return _measured_mma("int4_mma", m, n, k, device, _INT4_MMA_MAX_M)
 
 
 def prepare_w4a16_mma(qweight: torch.Tensor, group_size: int, dtype: torch.dtype) -> dict[str, torch.Tensor]:

@@ -22,23 +22,26 @@ from torch import nn
 
 from roofline.distributed.communication import tensor_parallel_all_reduce
 from roofline.distributed.parallel_state import divide, get_parallel_state
+from roofline.kernels.moe_router import ref_select_experts
+from roofline.layers import dispatch
 from roofline.quant.base import QuantConfig
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """HF's top-k router: router_logits [T, E] -> (topk_weights [T, k] float32, topk_ids [T, k] int64).
 
+    With kernels on and the logits on CUDA, one fused Triton launch (``roofline.kernels.moe_router``); else
+    its torch twin ``ref_select_experts`` (the CPU path: HF's own code, token-identical). Ties go to the
+    lowest expert index on both paths.
+
     Raises:
         ValueError: top_k outside [1, E] (names both).
     """
-    num_experts = router_logits.shape[-1]
-    if not 1 <= top_k <= num_experts:
-        raise ValueError(f"num_experts_per_tok must be in [1, num_experts={num_experts}], got {top_k}")
-    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
-    weights, ids = torch.topk(probs, top_k, dim=-1)
-    if renormalize:
-        weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights, ids
+    if dispatch.kernels_for(router_logits) is not None and router_logits.dim() == 2:
+        from roofline.kernels.moe_router import select_experts as fused_select_experts
+
+        return fused_select_experts(router_logits.contiguous(), top_k, renormalize)
+    return ref_select_experts(router_logits, top_k, renormalize)
 
 
 # Whether FusedMoE layers count the tokens routed to each expert (the /metrics gauge, the run summary's

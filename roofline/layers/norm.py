@@ -23,12 +23,30 @@ class RMSNorm(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x: [..., hidden]. With ``residual``, returns (rmsnorm(x + residual), x + residual)."""
+        """x: [..., hidden] (2-D or more). With ``residual``, returns (rmsnorm(x + residual), x + residual)."""
         kernels = dispatch.kernels_for(x)
         if residual is None:
-            if kernels is not None and x.dim() == 2:
+            # 3-D too: Qwen3's per-head q_norm / k_norm on [T, heads, head_dim], normed as [T * heads, head_dim]
+            # rows (a view at T = 1; one copy where the qkv split leaves rows unevenly strided).
+            if kernels is not None and x.dim() >= 2:
                 return kernels.rmsnorm(x, self.weight, self.eps)
             return ref_rmsnorm(x, self.weight, self.eps)
         if kernels is not None and x.dim() == 2:
             return kernels.fused_add_rmsnorm(x, residual, self.weight, self.eps)
         return ref_fused_add_rmsnorm(x, residual, self.weight, self.eps)
+
+
+def qk_norm(qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Qwen3's per-head q_norm / k_norm: q [T, Hq, D] and k [T, Hkv, D], views of the fused projection's output
+    ``qkv`` [T, (Hq + 2 Hkv) D] (q heads, k heads, v heads). With kernels on CUDA, both in one Triton launch in
+    place in qkv (``roofline.kernels.qk_norm``; returns the same views, now normed), else ``q_norm(q), k_norm(k)``.
+    Numerics are HF ``Qwen3RMSNorm``'s either way."""
+    if (dispatch.kernels_for(qkv) is not None and q_norm.weight.dtype == k_norm.weight.dtype == qkv.dtype
+            and q_norm.eps == k_norm.eps and q.data_ptr() == qkv.data_ptr()
+            and k.data_ptr() == qkv.data_ptr() + q.shape[1] * q.shape[2] * qkv.element_size()):
+        from roofline.kernels.qk_norm import qk_rmsnorm_
+
+        qk_rmsnorm_(qkv, q.shape[1], k.shape[1], q.shape[2], q_norm.weight, k_norm.weight, q_norm.eps)
+        return q, k
+    return q_norm(q), k_norm(k)

@@ -52,11 +52,20 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """The output projection; ``compute_logits`` gathers every rank's slice into [N, vocab]."""
+    """The output projection; ``compute_logits`` gathers every rank's slice into [N, vocab].
+
+    ``quant_config``: its ``get_lm_head_method()`` (None: the 16-bit head) becomes ``quant_method``, which the
+    loader's ``process_weights_after_loading`` calls after the (possibly tied) weight is loaded."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, prefix: str = "",
+                 params_dtype: torch.dtype | None = None, quant_config=None):
+        super().__init__(num_embeddings, embedding_dim, prefix, params_dtype)
+        self.quant_method = quant_config.get_lm_head_method() if quant_config is not None else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in fp32."""
-        logits = F.linear(hidden, self.weight)
+        logits = (F.linear(hidden, self.weight) if self.quant_method is None
+                  else self.quant_method.apply(self, hidden))
         if self.tp_size > 1:
             logits = tensor_parallel_all_gather(logits, dim=-1)
         return logits[:, :self.num_embeddings].float()

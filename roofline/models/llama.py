@@ -24,7 +24,7 @@ from roofline.layers.linear import (
     RowParallelLinear,
 )
 from roofline.layers.moe import FusedMoE
-from roofline.layers.norm import RMSNorm
+from roofline.layers.norm import RMSNorm, qk_norm
 from roofline.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from roofline.quant.base import QuantConfig
 
@@ -55,8 +55,7 @@ class LlamaAttention(nn.Module):
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         if self.qk_norm:
-            q = self.q_norm(q)
-            k = self.k_norm(k)
+            q, k = qk_norm(qkv, q, k, self.q_norm, self.k_norm)
         out = self.attn(q, k, v, positions, meta)  # [T, H, D]
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
@@ -227,7 +226,8 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = config
         self.model = LlamaModel(config, backend, quant_config)
-        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head")
+        self.lm_head = (ParallelLMHead(config.vocab_size, config.hidden_size, prefix="lm_head",
+                                       quant_config=quant_config)
                         if self.model.is_last_stage else PPMissingLayer())
         if config.tie_word_embeddings and self.model.is_first_stage and self.model.is_last_stage:
             self.lm_head.weight = self.model.embed_tokens.weight

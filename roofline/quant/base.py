@@ -109,6 +109,15 @@ class QuantConfig(ABC):
         """The method for the linear layer at ``prefix`` (e.g. ``model.layers.0.self_attn.qkv_proj``);
         return ``UnquantizedLinearMethod()`` for layers the format leaves in 16 bits (``lm_head``)."""
 
+    # The LM head's method class (``process_weights_after_loading(head)``, ``apply(head, hidden)``), or None for the
+    # 16-bit head. Only the INT8 formats have one: W8A8 on CPU (``roofline.quant.int8.CpuW8A8LMHeadMethod``).
+    lm_head_method_cls: type | None = None
+
+    def get_lm_head_method(self) -> Any:
+        """A fresh ``lm_head_method_cls()``, or None for the 16-bit head (``F.linear`` on its weight, which may be
+        the embedding's)."""
+        return self.lm_head_method_cls() if self.lm_head_method_cls is not None else None
+
 
 def checkpoint_only(name: str, checkpoint: Any) -> Any:
     """``checkpoint``, or a ValueError saying that ``name`` reads a checkpoint quantized in that format."""

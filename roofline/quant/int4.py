@@ -105,6 +105,34 @@ class Int4LinearMethod(QuantizedLinearMethod):
         return gemm.w4a16(x, layer, bias)
 
 
+def int4_group_sizes(mc, tp: int = 1) -> list[int]:
+    """The load-time INT4 group sizes (of 32, 64, 128) that divide every linear layer's input size K of model
+    config ``mc`` on one of ``tp`` tensor-parallel ranks: hidden_size (qkv, gate_up), the attention width /
+    tp (o_proj) and intermediate_size / tp (down; dense MLPs only: a MoE model's experts are checked as they
+    load). The default model (hidden 576) takes 32 and 64."""
+    return [g for g in INT4_GROUP_SIZES if all(k % g == 0 for k in _input_sizes(mc, tp).values())]
+
+
+def _input_sizes(mc, tp: int) -> dict[str, int]:
+    sizes = {"hidden_size": mc.hidden_size, "attention width / tp": mc.num_attention_heads * mc.head_dim // tp}
+    if not getattr(mc, "is_moe", False):
+        sizes["intermediate_size / tp"] = mc.intermediate_size // tp
+    return sizes
+
+
+def check_int4_group_size(mc, group_size: int, tp: int = 1) -> None:
+    """Raises ValueError naming ``--quantization-group-size`` (``quantization_group_size``), its value, the K it
+    does not divide and the values that work for this model (``int4_group_sizes``), before any weight loads."""
+    fits = int4_group_sizes(mc, tp)
+    if group_size in fits:
+        return
+    bad = next((f"{name} = {k}" for name, k in _input_sizes(mc, tp).items() if k % group_size), "a layer's K")
+    works = (f"values that work for this model: {', '.join(map(str, fits))} (e.g. --quantization-group-size "
+             f"{max(fits)})") if fits else "none of 32, 64, 128 divides every layer's K: use another --quantization"
+    raise ValueError(f"--quantization int4: --quantization-group-size (quantization_group_size) {group_size} does "
+                     f"not divide the input size K of every linear layer ({bad}); {works}")
+
+
 class Int4Config(FormatQuantConfig):
     """INT4 weight-only for every linear layer (lm_head and embeddings stay 16-bit).
 

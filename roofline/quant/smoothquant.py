@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from roofline.quant.base import ChannelQuantConfig, QuantizedLinearMethod, register_frozen
+from roofline.quant.int8 import CpuW8A8LMHeadMethod
 from roofline.quant.quantize import ChannelWeight, quantize_int8_per_channel
 
 logger = logging.getLogger(__name__)
@@ -49,10 +50,12 @@ class SmoothQuantLinearMethod(QuantizedLinearMethod):
 
 
 class SmoothQuantConfig(ChannelQuantConfig):
-    """INT8 W8A8 for every linear layer (lm_head and embeddings stay 16-bit)."""
+    """INT8 W8A8 for every linear layer (embeddings stay 16-bit; lm_head too, except on CPU, unsmoothed:
+    ``roofline.quant.int8.CpuW8A8LMHeadMethod``)."""
 
     name = "smoothquant"
     linear_method_cls = SmoothQuantLinearMethod
+    lm_head_method_cls = CpuW8A8LMHeadMethod
 
     def __init__(self, checkpoint=None):
         super().__init__(checkpoint)

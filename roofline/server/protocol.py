@@ -103,6 +103,22 @@ def unsupported_fields(req: BaseModel, table: dict[str, tuple[Any, ...]]) -> lis
             if name in extra and not any(_same(extra[name], u) for u in unused)]
 
 
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether a JSON string in ``value`` (nested lists and objects included) holds a lone UTF-16 surrogate, which
+    JSON allows (``"\\ud800"``) but no tokenizer can encode."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, list):
+        return any(_has_lone_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_lone_surrogate(v) for v in value.values())
+    return False
+
+
 class _SamplingFields(BaseModel):
     """Fields shared by both endpoints (OpenAI names, then vLLM-style extensions).
 
@@ -146,6 +162,10 @@ class _SamplingFields(BaseModel):
             raise ValueError("must be a number, not a JSON boolean")
         if kinds <= {bool, type(None)} and bool in kinds and value is not None and not isinstance(value, bool):
             raise ValueError("must be true or false")
+        if isinstance(value, str) and str not in kinds and kinds & {int, float}:
+            raise ValueError("must be a number, not a JSON string")
+        if _has_lone_surrogate(value):
+            raise ValueError("contains a lone UTF-16 surrogate (\\ud800-\\udfff): not valid Unicode text")
         return value
 
 

@@ -67,9 +67,20 @@ class SpecController:
             lm_head = mc.vocab_size * mc.hidden_size
             layer = max(num_params - lm_head * (1 if mc.tie_word_embeddings else 2), 0) / mc.num_hidden_layers
             draft_cost = ((layer if spec.method == "eagle" else mc.hidden_size ** 2) + lm_head) / num_params
-        logger.info("speculative decoding: %s, gamma_max %d, %s; verify ratio from %.1f GB/s and %.2f TFLOP/s "
-                    "(%s, measured)", spec.method, spec.num_speculative_tokens,
-                    "adaptive gamma" if spec.adaptive else "fixed gamma", bandwidth / 1e9, peak / 1e12, profile.dtype)
+        if spec.method in ("eagle", "medusa"):
+            what = f"{spec.method} head {spec.model or '(bundled)'}"
+        elif spec.method == "draft_model":
+            what = f"draft model {spec.model or '(the target)'}" + (
+                f", {spec.num_layers} layers" if spec.num_layers is not None else "") + (
+                f", {spec.quantization}" if spec.quantization else "")
+        else:
+            what = spec.method
+        shape = (f"tree depth {spec.num_speculative_tokens}, top-{spec.tree_topk}, {spec.tree_budget} nodes"
+                 if self.is_tree else f"chain, gamma_max {spec.num_speculative_tokens}")
+        # The start-up line's part (``LLMEngine.kv_cache_summary``, which `generate` and `serve` print).
+        self.summary = f"speculative decoding: {what}; {shape}; {'adaptive' if spec.adaptive else 'fixed'} gamma"
+        logger.info("%s; verify ratio from %.1f GB/s and %.2f TFLOP/s (%s, measured)", self.summary,
+                    bandwidth / 1e9, peak / 1e12, profile.dtype)
         self.policy = SpecPolicy(spec.num_speculative_tokens, spec.adaptive, verify_ratio, draft_cost)
         self.refill: tuple[int, int] | None = None  # (batch, gamma) of a drafting step the next async step follows
 

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from roofline.attention.backend import get_attention_backend, paged_metadata, slot_mapping
@@ -162,11 +163,23 @@ class EagleProposer(AutoregressiveProposer):
         self.fc.load_state_dict({"weight": t["fc.weight"], "bias": t["fc.bias"]})
         self.fc = self.fc.to(device=dev, dtype=dtype).eval()
         self.embed = worker.model.model.embed_tokens
+        # A truncated draft vocabulary: the LM head's rows of ``token_map`` (logits elsewhere -inf, so the draft
+        # proposes only mapped tokens and its q is 0 outside them: rejection sampling stays exact).
+        self.token_map: torch.Tensor | None = None
+        self.lm_sub: torch.Tensor | None = None
+        if cfg.draft_vocab_size:
+            self.token_map = t["token_map"].to(device=dev, dtype=torch.long)
+            w = getattr(worker.model.lm_head, "weight", None)
+            if isinstance(w, torch.Tensor) and w.is_floating_point() and w.dim() == 2 and w.shape[1] == mc.hidden_size:
+                self.lm_sub = w.detach()[self.token_map].contiguous()
         self.kv_dtype = worker.kv_dtype
         self.kv_bytes_per_token = kv_bytes_per_token(1, mc.num_key_value_heads, mc.head_dim, worker.kv_dtype)
         self.weight_bytes = sum(p.numel() * p.element_size() for m in (self.layer, self.fc) for p in m.parameters())
         rows = worker.config.scheduler_config.max_num_seqs
         self.tree_topk = check_tree_backend(self.spec_config, worker)
+        if cfg.draft_vocab_size and self.tree_topk > cfg.draft_vocab_size:
+            raise ValueError(f"speculative_config tree_topk {self.tree_topk} exceeds the head's draft vocabulary "
+                             f"({cfg.draft_vocab_size} tokens, {self.path}); use tree_topk <= {cfg.draft_vocab_size}")
         self.store = FeatureStore(rows)
         self.done = np.full(rows, -1, dtype=np.int64)  # draft KV valid below this position (-1: from the store)
         self.pred: dict[int, torch.Tensor] = {}  # row -> the last pass's predicted feature [H]
@@ -233,7 +246,19 @@ class EagleProposer(AutoregressiveProposer):
             pred = self._forward(worker, rows, starts, positions, feats, batch.token_ids[rows, positions])
         for i, r in enumerate(rows.tolist()):
             self.pred[r] = pred[i]
-        return worker.model.compute_logits(pred)
+        return self.logits(worker, pred)
+
+    def logits(self, worker: Any, hidden: torch.Tensor) -> torch.Tensor:
+        """The draft's logits [N, V] fp32 for predicted features ``hidden`` [N, H]: the target's LM head, or with
+        a truncated draft vocabulary its ``token_map`` rows only (-inf elsewhere)."""
+        if self.token_map is None:
+            return worker.model.compute_logits(hidden)
+        full = torch.full((hidden.shape[0], worker.model_config.vocab_size), float("-inf"), device=hidden.device)
+        if self.lm_sub is not None:
+            full[:, self.token_map] = F.linear(hidden.to(self.lm_sub.dtype), self.lm_sub).float()
+        else:  # an LM head without a plain weight (quantized): the whole head, masked
+            full[:, self.token_map] = worker.model.compute_logits(hidden)[:, self.token_map]
+        return full
 
     # ------------------------------------------------------------------------------ tree drafting
 
@@ -293,7 +318,7 @@ class EagleProposer(AutoregressiveProposer):
             offs = np.cumsum([0] + sizes)
             self.out = {int(i): out[offs[a]:offs[a + 1]] for a, i in enumerate(act.tolist())}
             last = torch.cat([torch.arange(offs[a + 1] - m, offs[a + 1]) for a, (_, m) in enumerate(new_rows)])
-            lp = torch.log_softmax(worker.model.compute_logits(out[last.to(out.device)]).float(), dim=-1)
+            lp = torch.log_softmax(self.logits(worker, out[last.to(out.device)]).float(), dim=-1)
             top = lp.topk(k, dim=-1)
             tok, val = top.indices.cpu().numpy(), top.values.cpu().numpy()
             q = 0

@@ -11,7 +11,8 @@ the modules ``roofline train-draft`` trains, their JSON config and the safetenso
 
 Tensor names in ``model.safetensors`` (EAGLE): ``fc.weight`` [H, 2H], ``fc.bias`` [H],
 ``layer.input_layernorm.weight``, ``layer.self_attn.{q,k,v,o}_proj.weight``, ``layer.mlp.{gate,up,down}_proj.weight``,
-``layer.post_attention_layernorm.weight`` (Hugging Face's names inside one Llama layer); (Medusa)
+``layer.post_attention_layernorm.weight`` (Hugging Face's names inside one Llama layer), with a truncated draft
+vocabulary ``token_map`` [draft_vocab_size] int64 (target ids, most frequent first); (Medusa)
 ``heads.{k}.weight`` [H, H] and ``heads.{k}.bias`` [H] for k in [0, K).
 """
 
@@ -49,11 +50,17 @@ class DraftHeadConfig:
     intermediate_size: int = 0
     rms_norm_eps: float = 1e-5
     num_heads: int = 0  # Medusa's K
+    # EAGLE: a truncated draft vocabulary (FR-Spec; SGLang's --speculative-token-map): the draft's LM head over
+    # these many target tokens, ``token_map`` [draft_vocab_size] int64 in model.safetensors (0: the whole vocabulary)
+    draft_vocab_size: int = 0
     training: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.method not in HEAD_METHODS:
             raise ValueError(f"draft head method must be one of {', '.join(HEAD_METHODS)}, got {self.method!r}")
+        if self.draft_vocab_size and (self.method != "eagle" or not 1 <= self.draft_vocab_size <= self.vocab_size):
+            raise ValueError(f"draft_vocab_size must be 0 (the whole vocabulary) or, for an eagle head, in [1, "
+                             f"{self.vocab_size}], got {self.draft_vocab_size!r} for a {self.method} head")
         if self.method == "medusa" and not 1 <= self.num_heads <= 16:
             raise ValueError(f"a Medusa head config needs num_heads in [1, 16], got {self.num_heads!r}")
 
@@ -89,7 +96,8 @@ def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class EagleLayer(nn.Module):
-    """One Llama decoder layer in plain torch (training; causal attention over one sequence at a time)."""
+    """One Llama decoder layer in plain torch (training; causal attention over one sequence or a right-padded
+    batch of them)."""
 
     def __init__(self, cfg: DraftHeadConfig):
         super().__init__()
@@ -106,20 +114,27 @@ class EagleLayer(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cos_sin: torch.Tensor) -> torch.Tensor:
-        """x [T, H], positions [T] (one sequence) -> [T, H]."""
+        """x [T, H] (one sequence) or [B, T, H] (B sequences, right-padded: causal attention keeps a row from
+        reading the padding after it), positions [T] (shared) or [B, T] -> same shape as x."""
         c = self.cfg
-        t = x.shape[0]
+        single = x.dim() == 2
+        if single:
+            x = x[None]
+        b, t = x.shape[:2]
+        pos = positions.expand(b, t).reshape(-1) if positions.dim() == 1 else positions.reshape(-1)
         h = _rmsnorm(x, self.input_layernorm, c.rms_norm_eps)
-        q = self.q_proj(h).view(t, c.num_attention_heads, c.head_dim)
-        k = self.k_proj(h).view(t, c.num_key_value_heads, c.head_dim)
-        v = self.v_proj(h).view(t, c.num_key_value_heads, c.head_dim)
-        q, k = ref_rotary(positions, q, k, cos_sin)
+        q = self.q_proj(h).view(b * t, c.num_attention_heads, c.head_dim)
+        k = self.k_proj(h).view(b * t, c.num_key_value_heads, c.head_dim)
+        v = self.v_proj(h).view(b, t, c.num_key_value_heads, c.head_dim)
+        q, k = ref_rotary(pos, q, k, cos_sin)
+        q, k = q.view(b, t, c.num_attention_heads, c.head_dim), k.view(b, t, c.num_key_value_heads, c.head_dim)
         rep = c.num_attention_heads // c.num_key_value_heads
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
-        a = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-        x = x + self.o_proj(a.transpose(0, 1).reshape(t, -1))
+        k, v = k.repeat_interleave(rep, dim=2), v.repeat_interleave(rep, dim=2)
+        a = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True)
+        x = x + self.o_proj(a.transpose(1, 2).reshape(b, t, -1))
         h = _rmsnorm(x, self.post_attention_layernorm, c.rms_norm_eps)
-        return x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        x = x + self.down_proj(F.silu(self.gate_proj(h)) * self.up_proj(h))
+        return x[0] if single else x
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
         """Hugging Face's names inside one layer (see the module docstring)."""
@@ -143,7 +158,8 @@ class EagleLayer(nn.Module):
 
 class EagleHead(nn.Module):
     """EAGLE-1's draft (module docstring). ``forward(features [T, H], next_embeds [T, H], positions [T])`` ->
-    predicted next features [T, H]: row p reads f_p and the embedding of token p + 1."""
+    predicted next features [T, H]: row p reads f_p and the embedding of token p + 1 (or [B, T, H] each, a
+    right-padded batch, ``EagleLayer``)."""
 
     def __init__(self, cfg: DraftHeadConfig):
         super().__init__()
@@ -183,22 +199,24 @@ class MedusaHeads(nn.Module):
 
 def save_head(directory: str, cfg: DraftHeadConfig, tensors: dict[str, torch.Tensor],
               dtype: torch.dtype = torch.float32) -> None:
-    """Write ``config.json`` and ``model.safetensors`` (``dtype``, contiguous) into ``directory``."""
+    """Write ``config.json`` and ``model.safetensors`` (floating tensors in ``dtype``, integer ones as they are,
+    contiguous) into ``directory``."""
     from safetensors.torch import save_file
 
     os.makedirs(directory, exist_ok=True)
-    save_file({k: v.detach().to(dtype).contiguous().cpu() for k, v in tensors.items()},
+    save_file({k: (v.detach().to(dtype) if v.is_floating_point() else v.detach()).contiguous().cpu()
+               for k, v in tensors.items()},
               os.path.join(directory, WEIGHTS_NAME))
     with open(os.path.join(directory, CONFIG_NAME), "w") as f:
         json.dump(asdict(cfg), f, indent=1)
 
 
 def load_head(directory: str, method: str) -> tuple[DraftHeadConfig, dict[str, torch.Tensor]]:
-    """The config and fp32 tensors of the head in ``directory``.
+    """The config and tensors (floating ones in fp32) of the head in ``directory``.
 
     Raises:
-        ValueError: the directory lacks ``config.json`` or ``model.safetensors``, or holds a head of another
-            method (names both).
+        ValueError: the directory lacks ``config.json`` or ``model.safetensors``, holds a head of another
+            method (names both), or a ``token_map`` that does not match ``draft_vocab_size``.
     """
     from safetensors.torch import load_file
 
@@ -213,7 +231,15 @@ def load_head(directory: str, method: str) -> tuple[DraftHeadConfig, dict[str, t
     if cfg.method != method:
         raise ValueError(f"speculative_config model {directory!r} holds a {cfg.method} head, not a {method} "
                          f"head; use method {cfg.method!r}")
-    return cfg, {k: v.float() for k, v in load_file(wpath).items()}
+    tensors = {k: v.float() if v.is_floating_point() else v for k, v in load_file(wpath).items()}
+    tm = tensors.get("token_map")
+    if cfg.draft_vocab_size and (tm is None or tm.shape != (cfg.draft_vocab_size,) or tm.is_floating_point()
+                                 or int(tm.min()) < 0 or int(tm.max()) >= cfg.vocab_size
+                                 or len(torch.unique(tm)) != len(tm)):
+        raise ValueError(f"speculative_config model {directory!r}: draft_vocab_size {cfg.draft_vocab_size} needs "
+                         f"a token_map of that many distinct integer ids in [0, {cfg.vocab_size}), got "
+                         f"{None if tm is None else (tuple(tm.shape), str(tm.dtype))}")
+    return cfg, tensors
 
 
 _BUNDLED = {"SmolLM2-135M-Instruct": "smollm2-135m"}  # target name prefix -> heads/ directory stem

@@ -119,6 +119,7 @@ class SpecPolicy:
     no_draft_backoff: int = 1  # the next such wait (doubles up to MAX_NO_DRAFT_WAIT)
     _last_verify: tuple[tuple[int, int], float] | None = None  # the newest verify timing's key and EMA weight
     _probing: bool = False  # the next verify timing is a probe's: it re-measures its bucket (record_step)
+    _off_logged: bool = False  # the reason speculation went off was logged (once per policy)
 
     def drafting_due(self, decoding: list[int], prefill_pending: bool = False) -> bool:
         """Whether the next step, whose decoding requests are ``decoding``, should propose drafts. The engine
@@ -226,6 +227,7 @@ class SpecPolicy:
         # No plain step measured at this batch size yet: stay off (its plain steps then run, and are timed)
         # rather than trust the bound, which alone would keep speculation on with nothing to compare it to.
         measured = self._bucket(b) in self.plain_s
+        top: PolicyDecision | None = None  # the best gamma >= 1, for the log line when it loses
         for g in range(1, self.gamma_max + 1 if measured else 1):
             if max(caps) < 1:
                 break
@@ -234,9 +236,18 @@ class SpecPolicy:
             per_token = sum(1.0 / expected_tokens_per_step(a, min(g, cap))
                             for a, cap in zip(alphas, caps, strict=True)) / b
             speedup = 1.0 / ((ratio + g * self.draft_cost) * per_token)
+            if top is None or speedup > top.predicted_speedup:
+                top = PolicyDecision(g, speedup, b, best.mean_alpha, self.draft_cost, ratio)
             if speedup > best.predicted_speedup:
                 best = PolicyDecision(g, speedup, b, best.mean_alpha, self.draft_cost, ratio)
         if best.gamma == 0:
+            if top is not None and not self._off_logged:
+                self._off_logged = True
+                logger.info("speculative decoding off (adaptive policy): the best gamma %d predicts %.3fx plain at "
+                            "batch %d (verify ratio %.3f, draft cost c %.3f per draft, mean alpha %.3f); it probes "
+                            "again every %d+ steps (a large tree's verify pass prices all its nodes)",
+                            top.gamma, top.predicted_speedup, b, top.verify_ratio, top.draft_cost, top.mean_alpha,
+                            self.probe_interval)
             self.steps_off += 1
             if self.steps_off >= self.probe_interval and max(caps) >= 1:
                 self.steps_off = 0

@@ -7,8 +7,9 @@ from dataclasses import dataclass, field
 
 @dataclass
 class SpecDecodeStats:
-    """``num_drafts``: verify passes (one per speculating request and step); ``num_draft_tokens``: drafted
-    tokens verified; ``num_accepted_tokens``: drafts accepted; ``num_emitted_tokens``: tokens the passes
+    """``num_drafts``: verify passes (one per speculating request and step); ``num_draft_tokens``: draft
+    positions verified, the chain's length per pass (a token tree counts its depth, the most it can accept,
+    not its nodes); ``num_accepted_tokens``: drafts accepted; ``num_emitted_tokens``: tokens the passes
     produced (accepted + one bonus or correction each, before stop truncation); ``accepted_per_position[j]``:
     passes whose draft j + 1 was accepted; ``drafted_per_position[j]``: passes that drafted a token j + 1;
     ``gamma``: the policy's latest choice."""

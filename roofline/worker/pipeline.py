@@ -9,6 +9,7 @@ pipeline size.
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import numpy as np
@@ -23,7 +24,9 @@ class LocalStage:
     is_first = True
 
     def __init__(self, worker: Any):
-        self.worker = worker
+        # A weak proxy: the worker owns its stage, and a strong back-reference would make the pair a cycle that
+        # only the cyclic collector frees (with, on a GPU, the whole KV pool).
+        self.worker = weakref.proxy(worker)
 
     def forward(self, step: StepInput) -> tuple[torch.Tensor | None, np.ndarray, np.ndarray]:
         """Hidden states [T, H] of the step, the rows that sample and their flat logits indices."""

@@ -81,8 +81,12 @@ class Worker:
         rotary = RotaryEmbedding.from_config(mc, self.device)
         self.backend = get_attention_backend(config.attention_backend)(num_heads, num_kv_heads, mc.head_dim, rotary)
         torch.manual_seed(config.seed)
-        self.quant_config = get_quant_config(config.quantization, loader.checkpoint_quantization_config(source),
-                                             config.quantization_group_size)
+        checkpoint_quant = loader.checkpoint_quantization_config(source)
+        if config.quantization == "int4" and checkpoint_quant is None:  # at load: name the flag before loading
+            from roofline.quant.int4 import check_int4_group_size
+
+            check_int4_group_size(mc, config.quantization_group_size, tp)
+        self.quant_config = get_quant_config(config.quantization, checkpoint_quant, config.quantization_group_size)
         self.model = loader.load_model(mc, source, self.backend, self.quant_config, self.dtype, self.device,
                                        config.seed)
         self.kv_bytes_per_token = kv_bytes_per_token(self.num_layers, num_kv_heads, mc.head_dim, self.kv_dtype)
@@ -156,13 +160,16 @@ class Worker:
     def weight_bytes_per_step(self) -> int:
         """Bytes of weights one decode step reads: every parameter (tied tensors once) except an input embedding
         table that is not also the LM head, of which a step reads only its tokens' rows (Llama-3-8B: 1.05 GB of
-        its 16.06 GB in bf16). This is the weight term of the decode floor."""
+        its 16.06 GB in bf16). This is the weight term of the decode floor. A head that multiplies by a quantized
+        copy (``qweight``: INT8 on CPU) reads the copy, not its float ``weight``."""
         from roofline.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 
-        heads = {id(p) for m in self.model.modules() if isinstance(m, ParallelLMHead) for p in m.parameters()}
-        lookup_only = {id(p) for m in self.model.modules()
-                       if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
-                       for p in m.parameters() if id(p) not in heads}
+        head_modules = [m for m in self.model.modules() if isinstance(m, ParallelLMHead)]
+        unread = {id(m.weight) for m in head_modules if getattr(m, "qweight", None) is not None}
+        heads = {id(p) for m in head_modules for p in m.parameters() if id(p) not in unread}
+        lookup_only = unread | {id(p) for m in self.model.modules()
+                                if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
+                                for p in m.parameters() if id(p) not in heads}
         seen: set[int] = set()
         total = 0
         for p in self.model.parameters():
@@ -182,9 +189,8 @@ class Worker:
         elif self.device.type == "cuda":
             # Hand cached blocks back first: quantizing at load frees the 16-bit weights into torch's caching
             # allocator, and mem_get_info would count them as used (the pool would not grow by the freed memory).
-            # An engine deleted earlier in this process is freed only by the cyclic collector (its engine, worker
-            # and executor refer to each other), so collect first: otherwise its whole KV pool still counts as used
-            # and a second LLM(...) in one process finds no room (GPU tests/test_gpu_backends.py, 2026-12-04).
+            # Collect first: an engine caught in a reference cycle outside ours (user code) would otherwise keep
+            # its whole KV pool counted as used, and a second LLM(...) in one process would find no room.
             gc.collect()
             torch.cuda.empty_cache()
             free, total = torch.cuda.mem_get_info(self.device)

@@ -158,6 +158,9 @@ def test_cli_quantization_prints_bound_and_predicted(capsys):
     sec = json.loads(out)["quantization"]
     assert sec["rows"][0]["weight_bytes_per_step"] == 4_758_970_368 and sec["device"] == "NVIDIA H200"
     assert json.loads(out)["formats"][0]["format"] == "int4_g128"  # --quantization sets the formats too
+    rc, out, _ = _cost(["--model", "llama-3-8b", "--quantization", "int4,int4", "--batch", "1", "--context", "1024"],
+                       capsys)
+    assert rc == 0 and len([line for line in out.splitlines() if line.strip().startswith("int4 ")]) == 1
 
 
 def test_cli_quantization_without_measured_kernels_prints_the_bound_and_why(capsys):

@@ -7,8 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from roofline.kernels.quant_types import quantize_per_token_int8
 from roofline.kernels.cpu_int8 import quantize_rows_int8, w8a8_dynamic_linear
+from roofline.kernels.quant_types import quantize_per_token_int8
 from roofline.quant.quantize import quantize_int8_per_channel
 
 # (M, N, K): decode and prefill rows at the default model's shapes (qkv 960 x 576, down 576 x 1536) and odd sizes.
@@ -95,3 +95,77 @@ def test_int8_method_on_cpu_runs_w8a8():
     assert torch.equal(out, w8a8_dynamic_linear(x, cw.q, cw.scales))
     err = ((out.double() - _ref(x, cw.q, cw.scales)).abs().max() / out.abs().max()).item()
     assert err < 2e-6
+
+
+# The INT8 LM head on CPU (``roofline.quant.int8.CpuW8A8LMHeadMethod``), on a tiny random Llama with a tied head.
+TINY_TIED = {"architectures": ["LlamaForCausalLM"], "vocab_size": 96, "hidden_size": 64, "intermediate_size": 128,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "max_position_embeddings": 256, "rope_theta": 10000.0, "eos_token_id": 1, "tie_word_embeddings": True}
+
+
+@pytest.fixture(scope="module")
+def tiny_tied_dir(tmp_path_factory):
+    import json
+
+    path = tmp_path_factory.mktemp("tiny_tied")
+    (path / "config.json").write_text(json.dumps(TINY_TIED))
+    return path
+
+
+def _tiny(path, quantization, dtype="float32"):
+    from roofline import LLM
+
+    return LLM(str(path), load_format="dummy", device="cpu", attention_backend="torch", dtype=dtype,
+               quantization=quantization, max_model_len=128, block_size=16, kv_cache_memory="16MiB")
+
+
+@pytest.mark.parametrize("quantization", ["int8", "smoothquant"])
+def test_lm_head_is_w8a8_on_cpu_and_keeps_the_tie(tiny_tied_dir, quantization):
+    llm = _tiny(tiny_tied_dir, quantization)
+    model = llm.engine.worker.model
+    head, embed = model.lm_head, model.model.embed_tokens
+    assert head.weight is embed.weight and embed.weight.dtype == torch.float32  # the lookup keeps the float table
+    cw = quantize_int8_per_channel(embed.weight)
+    assert head.qweight.dtype == torch.int8 and torch.equal(head.qweight, cw.q)
+    assert torch.equal(head.weight_scale, cw.scales)
+    hidden = torch.randn(5, 64, generator=torch.Generator().manual_seed(5))
+    logits = model.compute_logits(hidden)
+    assert logits.dtype == torch.float32 and logits.shape == (5, 96)
+    ref = _ref(hidden, cw.q, cw.scales)
+    assert ((logits.double() - ref).abs().max() / ref.abs().max()).item() < 2e-6
+    dense = hidden.double() @ embed.weight.double().t()  # the 16-bit head's product: the head is really INT8
+    assert ((dense - ref).abs().max() / ref.abs().max()).item() > 1e-4
+    # The decode floor's weight bytes: the INT8 head copy, not the float table (which a step only looks up rows of).
+    worker = llm.engine.worker
+    float_table = embed.weight.numel() * embed.weight.element_size()
+    assert worker.weight_bytes_per_step == worker.weight_bytes - float_table
+
+
+def test_int8_head_greedy_rows_are_batch_invariant(tiny_tied_dir):
+    """The format's promise with the INT8 head too: a prompt's greedy tokens alone equal its tokens in a batch."""
+    from roofline import SamplingParams
+
+    llm = _tiny(tiny_tied_dir, "int8")
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [[5, 9, 14, 2], [7, 7, 30], [11, 40, 3, 3, 8]]
+    batched = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params,
+                                                           use_tqdm=False)]
+    alone = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0].token_ids
+             for p in prompts]
+    assert batched == alone and all(len(t) == 12 for t in batched)
+
+
+def test_lm_head_method_off_cpu_and_without_copy_is_the_16bit_head():
+    """Off the CPU (here a meta tensor) the method adds nothing, and without ``qweight`` it is ``F.linear``: GPU heads
+    stay 16-bit."""
+    from roofline.quant.int8 import CpuW8A8LMHeadMethod
+
+    method = CpuW8A8LMHeadMethod()
+    meta = nn.Module()
+    meta.weight = nn.Parameter(torch.empty(8, 4, device="meta"), requires_grad=False)
+    method.process_weights_after_loading(meta)
+    assert not hasattr(meta, "qweight")
+    layer = nn.Module()
+    layer.weight = nn.Parameter(torch.randn(8, 4, dtype=torch.bfloat16), requires_grad=False)
+    x = torch.randn(3, 4, dtype=torch.bfloat16)
+    assert torch.equal(method.apply(layer, x), torch.nn.functional.linear(x, layer.weight))

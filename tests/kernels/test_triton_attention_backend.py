@@ -114,15 +114,12 @@ def test_backend_decode_variant_matches_torch_backend(variant):
 
 
 @pytest.mark.parametrize("block_size,expected", [(16, 32), (256, 16)])
-def test_backend_split_count_follows_the_pool_page(block_size, expected):
-    from roofline.attention.backend import get_attention_backend
-    from roofline.layers.rotary import RotaryEmbedding
+def test_split_count_follows_the_pool_page(block_size, expected):
+    # The backend leaves the split count to the kernel's static choice; batch 1, 4k context, 8 kv heads on the
+    # H200's 132 SMs: shorter splits (2 tiles / 1 page each) while the grid is under-filled.
+    from roofline.kernels.decode_attention import choose_num_splits
 
-    backend = get_attention_backend("triton")(32, 8, 128, RotaryEmbedding(128, 4096, 10000.0, device="cpu"))
-    backend.allocate_kv_cache(1, 4096 // block_size, block_size, torch.float32, torch.device("cpu"))
-    backend._num_sms = 132  # the H200's count, so the value is the GPU's
-    # batch 1, 4k context, 8 kv heads: shorter splits (2 tiles / 1 page each) while the grid is under-filled
-    assert backend.num_splits_for(1, 4096, torch.device("cpu")) == expected
+    assert choose_num_splits(1, 8, 4096, num_sms=132, block_size=block_size, block_n=64) == expected
 
 
 def test_backend_prefill_reads_a_tree_mask_from_the_metadata():

@@ -39,10 +39,12 @@ def test_registry_names_are_the_cli_choices():
 
 @pytest.mark.parametrize("name,cls", [("int8", Int8Config), ("fp8", Fp8Config), ("smoothquant", SmoothQuantConfig)])
 def test_one_generic_config_for_the_per_channel_family(name, cls):
-    """int8, fp8 and smoothquant differ only in name and method class; at load and from a compressed-tensors
-    checkpoint of the matching scheme they build the same generic config."""
+    """int8, fp8 and smoothquant differ only in name and method classes (the INT8 ones also have an LM head method,
+    W8A8 on CPU); at load and from a compressed-tensors checkpoint of the matching scheme they build the same
+    generic config."""
     assert cls.__bases__ == (ChannelQuantConfig,)
-    assert {k for k in vars(cls) if not k.startswith("_")} == {"name", "linear_method_cls"}
+    head = {"lm_head_method_cls"} if name in ("int8", "smoothquant") else set()
+    assert {k for k in vars(cls) if not k.startswith("_")} == {"name", "linear_method_cls"} | head
     at_load = get_quant_config(name)
     assert type(at_load) is cls and at_load.checkpoint is None
     method = at_load.get_linear_method(nn.Linear(4, 4), "model.layers.0.mlp.down_proj")

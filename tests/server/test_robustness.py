@@ -64,11 +64,11 @@ def _metric(text: str, name: str, **labels: str) -> float:
 BAD_INPUTS = [
     ("/v1/completions", '{"prompt": "hi", "max_tokens": 4', 400, None, None, ["malformed JSON body"]),
     ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature", None,
-     ["temperature", "valid number", '"hot"']),
+     ["temperature", "must be a number, not a JSON string", '"hot"']),
     ("/v1/completions", {"prompt": 5}, 400, "prompt", None,
      ["prompt: got 5, expected one of: str, list[str], list[int], list[list[int]]"]),
     ("/v1/completions", {"prompt": "hi", "stop": 7}, 400, "stop", None, ["stop: got 7, expected one of: str"]),
-    ("/v1/completions", {"prompt": "hi", "n": "two"}, 400, "n", None, ["n: ", "valid integer"]),
+    ("/v1/completions", {"prompt": "hi", "n": "two"}, 400, "n", None, ["n: ", "must be a number, not a JSON string"]),
     ("/v1/chat/completions", {"messages": "hello"}, 400, "messages", None, ["messages", "valid list"]),
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", None,
      ["messages.0.role", '"wizard"']),
@@ -479,6 +479,11 @@ def test_json_input_errors_quote_json_not_python(server, body, shown):
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": False}, "repetition_penalty: must be a number"),
     ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "logprobs": "yes"},
      'logprobs: must be true or false, got "yes"'),
+    # a fresh user's check (2026-12-04): "2" was read as 2 (a 200), a lone surrogate was a 500 with a traceback
+    ("/v1/completions", {"prompt": "hi", "max_tokens": "2"}, "max_tokens: must be a number, not a JSON string"),
+    ("/v1/completions", {"prompt": "\ud800", "max_tokens": 2}, "prompt: contains a lone UTF-16 surrogate"),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "a\udc00"}]},
+     "messages: contains a lone UTF-16 surrogate"),
 ])
 def test_json_booleans_are_not_numbers_and_strings_not_booleans(server, path, body, message):
     # Pydantic's lax mode read `"temperature": true` as 1.0 and `"logprobs": "yes"` as True: a silent 200.

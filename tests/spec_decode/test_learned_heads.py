@@ -77,6 +77,44 @@ def test_unrolled_eagle_training_loss_falls(tiny, tiny_data):
     assert tensors["fc.weight"].shape == (64, 128)
 
 
+def test_batched_eagle_head_equals_one_sequence_at_a_time():
+    """A right-padded batch [B, T, H] (GPU training) gives each sequence's rows exactly as running it alone."""
+    from roofline.layers.rotary import RotaryEmbedding
+
+    cfg = DraftHeadConfig(method="eagle", target="t", hidden_size=64, vocab_size=VOCAB, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    torch.manual_seed(0)
+    head = EagleHead(cfg)
+    cos_sin = RotaryEmbedding(16, 256, 10000.0).cos_sin_cache
+    lens = [11, 4, 7]
+    f = [torch.randn(n, 64) for n in lens]
+    e = [torch.randn(n, 64) for n in lens]
+    pad = torch.nn.utils.rnn.pad_sequence
+    with torch.no_grad():
+        got = head(pad(f, batch_first=True), pad(e, batch_first=True), torch.arange(max(lens)), cos_sin)
+        for i, n in enumerate(lens):
+            want = head(f[i], e[i], torch.arange(n), cos_sin)
+            torch.testing.assert_close(got[i, :n], want, atol=1e-5, rtol=1e-5)
+    assert got.shape == (3, 11, 64)
+
+
+def test_prompts_file(tmp_path):
+    """``--prompts-file``: a JSON list of user messages (here .json.xz) reads back; anything else is refused
+    naming the file."""
+    import json
+    import lzma
+
+    texts = ["hello there, how are you today my friend?", "x", "tell me a story about a dragon and a knight"]
+    path = tmp_path / "p.json.xz"
+    with lzma.open(path, "wt", encoding="utf-8") as f:
+        json.dump(texts, f)
+    assert train.read_prompts_file(str(path)) == texts
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"a": 1}))
+    with pytest.raises(ValueError, match="bad.json"):
+        train.read_prompts_file(str(bad))
+
+
 def test_engine_eagle_layer_equals_the_trained_module(tiny_dir, heads):
     """The paged one-layer draft in the engine (fused qkv / gate_up, the backend's RoPE and KV cache) gives
     the training module's outputs on the same features and tokens, over 2 packed rows."""
@@ -118,10 +156,49 @@ def test_greedy_is_token_identical_on_the_tiny_model(tiny, tiny_dir, heads, meth
     assert stats.num_draft_tokens > 0 and stats.num_drafts > 0
 
 
-def test_eagle_sampling_keeps_the_targets_distribution(tiny, tiny_dir, heads):
+@pytest.fixture(scope="module")
+def truncated_eagle(heads, tiny_data, tmp_path_factory):
+    """The tiny EAGLE head with a truncated draft vocabulary: the 16 most frequent of the 48 tokens."""
+    from dataclasses import replace
+
+    cfg, tensors = load_head(heads["eagle"][0], "eagle")
+    tensors["token_map"] = train.token_map_from(tiny_data[0], 16, VOCAB)
+    d = tmp_path_factory.mktemp("eagle-k16")
+    save_head(str(d), replace(cfg, draft_vocab_size=16), tensors, torch.float16)
+    return str(d)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_truncated_draft_vocabulary_is_greedy_identical(tiny, tiny_dir, truncated_eagle, tree):
+    """With ``draft_vocab_size`` 16 the draft proposes mapped tokens only (its logits are -inf elsewhere) and the
+    output is the target's, token for token (chain and tree)."""
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(2, VOCAB, size=int(n)).tolist()} for n in (5, 17, 33)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in tiny.generate(prompts, sp, use_tqdm=False)]
+    extra = {"tree_topk": 2, "tree_budget": 6} if tree else {}
+    llm = LLM(str(tiny_dir), speculative_config={"method": "eagle", "model": truncated_eagle, "adaptive": False,
+                                                 "num_speculative_tokens": 3, **extra}, **COMMON)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == ref
+    assert llm.engine.spec_stats.num_drafts > 0
+    p = llm.engine.worker.proposer
+    tmap = load_head(truncated_eagle, "eagle")[1]["token_map"]
+    assert torch.equal(p.token_map.cpu(), tmap) and len(set(tmap.tolist())) == 16
+    logits = p.logits(llm.engine.worker, torch.randn(3, 64))
+    outside = torch.ones(VOCAB, dtype=torch.bool)
+    outside[tmap] = False
+    assert torch.isinf(logits[:, outside]).all() and torch.isfinite(logits[:, tmap]).all()
+    full = llm.engine.worker.model.compute_logits(torch.ones(2, 64))
+    torch.testing.assert_close(p.logits(llm.engine.worker, torch.ones(2, 64))[:, tmap], full[:, tmap])
+
+
+@pytest.mark.parametrize("truncated", [False, True])
+def test_eagle_sampling_keeps_the_targets_distribution(tiny, tiny_dir, heads, truncated_eagle, truncated):
     """Chi-square goodness of fit of the second sampled token (the first one verified against EAGLE's drafts,
     gamma fixed at 3) to the target's exact marginal sum_t1 p(t1) p(t2 | t1), from 1200 seeded samples at
-    temperature 1. Cells with expected count < 5 are pooled; p-value threshold 1e-3."""
+    temperature 1. Cells with expected count < 5 are pooled; p-value threshold 1e-3. ``truncated``: the head
+    drafts over 16 of the 48 tokens (q = 0 elsewhere), which rejection sampling must still correct exactly."""
     prompt = [5, 9, 17, 3, 22, 40, 11]
     lp1 = tiny.score_logprobs(prompt)[-1].exp().double()  # p(t1)
     p2 = torch.zeros(VOCAB, dtype=torch.float64)
@@ -129,8 +206,9 @@ def test_eagle_sampling_keeps_the_targets_distribution(tiny, tiny_dir, heads):
         p2 += lp1[t1] * tiny.score_logprobs(prompt + [t1])[-1].exp().double()
     # Every sample in one batch, prefilled in one step, so the step that samples t2 drafts for all of them.
     big = {**COMMON, "max_num_seqs": 1024, "max_num_batched_tokens": 8192}
-    llm = LLM(str(tiny_dir), speculative_config={"method": "eagle", "model": heads["eagle"][0],
-                                                 "num_speculative_tokens": 3, "adaptive": False}, **big)
+    llm = LLM(str(tiny_dir), speculative_config={"method": "eagle", "num_speculative_tokens": 3, "adaptive": False,
+                                                 "model": truncated_eagle if truncated else heads["eagle"][0]},
+              **big)
     n = 1200
     sps = [SamplingParams(temperature=1.0, max_tokens=3, ignore_eos=True, seed=1234 + 10_000 * i, n=n // 2)
            for i in range(2)]
@@ -205,3 +283,24 @@ def test_the_pool_split_is_stated_at_start_up(tiny_dir, heads, caplog):
     alone = (16 << 20) // (512 * 16) * 16
     assert (f"the draft's KV takes 256 of 768 bytes per token, so the pool holds {w.num_blocks * 16} tokens "
             f"instead of {alone} (33% fewer)") in caplog.text
+
+
+def test_the_start_up_line_states_the_speculative_config(tiny_dir, heads):
+    """The line `generate` and `serve` print at start-up names the method, the head and the tree's shape."""
+    d = heads["eagle"][0]
+    llm = LLM(str(tiny_dir), speculative_config={"method": "eagle", "model": d, "num_speculative_tokens": 3,
+                                                 "tree_topk": 2, "tree_budget": 6}, **COMMON)
+    assert llm.engine.kv_cache_summary.endswith(
+        f"; speculative decoding: eagle head {d}; tree depth 3, top-2, 6 nodes; adaptive gamma")
+    llm = LLM(str(tiny_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                 "adaptive": False}, **COMMON)
+    assert llm.engine.kv_cache_summary.endswith("; speculative decoding: ngram; chain, gamma_max 4; fixed gamma")
+
+
+def test_token_map_counts_the_regenerated_answers():
+    """The K most frequent answer tokens (prompts not counted), ties by id, unseen tokens last; K out of range
+    is refused naming the range."""
+    seqs = [([7, 7, 7, 3, 3, 5], 2), ([9, 9, 9, 9, 5, 3], 4)]  # answers: 7 3 3 5 | 5 3
+    assert train.token_map_from(seqs, 5, 10).tolist() == [3, 5, 7, 0, 1]
+    with pytest.raises(ValueError, match=r"--draft-vocab-size must be in \[1, 10\], got 11"):
+        train.token_map_from(seqs, 11, 10)

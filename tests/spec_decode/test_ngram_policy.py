@@ -259,3 +259,17 @@ def test_a_probe_re_measures_so_one_slow_verify_step_does_not_keep_the_policy_of
     assert gammas[:PROBE_INTERVAL - 1] == [0] * (PROBE_INTERVAL - 1) and gammas[PROBE_INTERVAL - 1] == 1
     assert on and on[0] == PROBE_INTERVAL and len(on) == 400 - PROBE_INTERVAL, (on[:3], len(on))
     assert pol.ratio(1, 4) == pytest.approx(1.5)
+
+
+def test_the_policy_says_once_why_it_turned_speculation_off(caplog):
+    """A verify pass priced like a 16-node tree (ratio 3) loses at every gamma: one INFO line says so, with the
+    best gamma's prediction and the verify ratio, and later off steps add none."""
+    import logging
+
+    pol = _policy(ratio=lambda b, g: 3.0)
+    with caplog.at_level(logging.INFO, logger="roofline.spec_decode.policy"):
+        for _ in range(3):
+            assert pol.choose([0], [4]) == 0
+    lines = [r.getMessage() for r in caplog.records if "speculative decoding off" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "verify ratio 3.000" in lines[0] and "batch 1" in lines[0]

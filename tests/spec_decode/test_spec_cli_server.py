@@ -19,7 +19,7 @@ def test_generate_with_a_speculative_config():
                  "--speculative-config", NGRAM)
     assert r.returncode == 0, r.stderr
     m = re.search(r"^speculative decode: acceptance rate ([0-9.]+), mean acceptance length ([0-9.]+) tokens per "
-                  r"verify pass \((\d+) passes, (\d+) of (\d+) drafts accepted", r.stdout, re.M)
+                  r"verify pass \((\d+) passes, (\d+) of (\d+) draft positions accepted", r.stdout, re.M)
     assert m, r.stdout
     rate, length, passes, acc, drafted = float(m[1]), float(m[2]), int(m[3]), int(m[4]), int(m[5])
     assert 0 <= rate <= 1 and passes > 0 and acc <= drafted
