@@ -13,7 +13,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128) ->
     g = parser.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--top-k", type=int, default=-1, help="-1 or 0: disabled (default -1)")
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--presence-penalty", type=float, default=0.0)
