@@ -178,7 +178,7 @@ def _floors(engines: dict, best: dict, shape: dict, others: dict) -> dict[tuple[
                                                      measured_step_s=best[name, 1])
         out[name, 1].update(weight_bytes=wb)
     print(f"floor inputs: read bandwidth {bandwidth / 1e9:.1f} GB/s (best of 3), GEMM rates "
-          + ", ".join(f"{k} {v / 1e9:.0f} G{'OP' if k == 'int8' else 'FLOP'}/s" for k, v in peaks.items()))
+          + ", ".join(f"{k} {v / 1e9:.0f} {costmodel.rate_unit(k, 'G')}" for k, v in peaks.items()))
     return out
 
 
