@@ -58,32 +58,41 @@ _UNITS = {"": 1, "b": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 
           "mib": 1 << 20, "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
 
 
-def parse_kv_cache_memory(value: str | int | float | None) -> tuple[int | None, float | None]:
+KV_CACHE_MEMORY_MIN = 1 << 20  # bytes: below 1 MiB a size is a typo (2 for 2GiB), not a KV pool
+_KV_FORMS = "a size of at least 1MiB (bytes, or a unit: 4GiB, 512MiB) or a fraction of device memory in (0, 1]"
+
+
+def parse_kv_cache_memory(value: str | int | float | None,
+                          name: str = "kv_cache_memory") -> tuple[int | None, float | None]:
     """``"4GiB"``/``"512MiB"``/bytes -> (bytes, None); a fraction in (0, 1] -> (None, fraction).
 
+    A number without a unit is bytes (as vLLM's ``kv_cache_memory_bytes``), except a decimal in (0, 1]: so
+    ``2`` is 2 bytes, which is refused (less than ``KV_CACHE_MEMORY_MIN`` = 1 MiB) instead of failing after the
+    model loads.
+
     Raises:
-        ValueError: unparsable or non-positive values (names the value and the accepted forms).
+        ValueError: unparsable, non-positive or below 1 MiB (names the value in bytes, the unit and the accepted
+            forms).
     """
     if value is None:
         return None, None
     if isinstance(value, (int, float)) and not isinstance(value, bool):
         if 0 < value <= 1 and isinstance(value, float):
             return None, float(value)
-        if value <= 0:
-            raise ValueError(f"kv_cache_memory must be > 0, got {value!r}")
-        return int(value), None
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-    if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(
-            f"kv_cache_memory must be bytes with an optional unit (e.g. 4GiB, 512MiB) or a fraction in "
-            f"(0, 1], got {value!r}"
-        )
-    number, unit = float(m.group(1)), m.group(2).lower()
-    if unit == "" and 0 < number <= 1 and "." in m.group(1):
-        return None, number
-    size = int(number * _UNITS[unit])
-    if size <= 0:
-        raise ValueError(f"kv_cache_memory must be > 0, got {value!r}")
+        if not 0 < value < float("inf"):  # also NaN
+            raise ValueError(f"{name} must be {_KV_FORMS}, got {value!r}")
+        size, unit = int(value), ""
+    else:
+        m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
+        if not m or m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{name} must be {_KV_FORMS}, got {value!r}")
+        number, unit = float(m.group(1)), m.group(2).lower()
+        if unit == "" and 0 < number <= 1 and "." in m.group(1):
+            return None, number
+        size = int(number * _UNITS[unit])
+    if size < KV_CACHE_MEMORY_MIN:
+        bare = " (a number without a unit is bytes)" if unit in ("", "b") else ""
+        raise ValueError(f"{name} must be {_KV_FORMS}; got {value!r} = {size} byte{'s' if size != 1 else ''}{bare}")
     return size, None
 
 
@@ -324,7 +333,8 @@ class EngineArgs:
         parser.add_argument("--max-num-batched-tokens", type=int, default=None)
         parser.add_argument("--no-enable-chunked-prefill", dest="enable_chunked_prefill", action="store_false")
         parser.add_argument("--kv-cache-memory", default=None,
-                            help="KV cache size: bytes with unit (4GiB) or a fraction of device memory (0.5)")
+                            help="KV cache size: bytes, or with a unit (4GiB, 512MiB), at least 1MiB; or a fraction of "
+                                 "device memory in (0, 1] (0.5)")
         parser.add_argument("--gpu-memory-utilization", type=float, default=0.9)
         parser.add_argument("--kv-cache-dtype", default="auto", choices=_KV_CACHE_DTYPE_CHOICES,
                             help="KV cache element type (auto = the model dtype); int8 (per token and KV head "

@@ -13,7 +13,7 @@ def add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 128) ->
     g = parser.add_argument_group("sampling")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--top-k", type=int, default=-1)
+    g.add_argument("--top-k", type=int, default=-1, help="-1 or 0: disabled (default -1)")
     g.add_argument("--min-p", type=float, default=0.0)
     g.add_argument("--repetition-penalty", type=float, default=1.0)
     g.add_argument("--presence-penalty", type=float, default=0.0)
@@ -64,20 +64,53 @@ def add_generate_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def _read_prompts(path: str) -> list[str]:
-    import json
-    from pathlib import Path
+    """The prompts of ``--prompts-file``: one per non-blank line, or the ``prompt`` key of each JSONL line.
 
-    file = Path(path)
-    if not file.is_file():
-        raise FileNotFoundError(f"prompts file {path!r} does not exist")
+    Raises:
+        FileNotFoundError: the path does not exist.
+        ValueError: not a regular file (a directory, /dev/null), unreadable, empty, no prompts, or a bad JSONL
+            line; the message names the path (and the line).
+    """
+    import json
+    import os
+    import stat
+
+    what = f"--prompts-file {path!r}"
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise FileNotFoundError(f"{what} does not exist") from None
+    except OSError as e:
+        raise ValueError(f"{what} cannot be read: {e.strerror}") from None
+    if not stat.S_ISREG(mode):
+        kind = "a directory" if stat.S_ISDIR(mode) else "a device, pipe or socket"
+        raise ValueError(f"{what} is not a regular file ({kind}); give a text file with one prompt per line")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except OSError as e:
+        raise ValueError(f"{what} cannot be read: {e.strerror}") from None
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{what} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    if not text:
+        raise ValueError(f"{what} is empty; give one prompt per line")
     prompts = []
-    for line in file.read_text().splitlines():
+    for lineno, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         if path.endswith(".jsonl"):
-            prompts.append(json.loads(line)["prompt"])
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{what} line {lineno} is not JSON ({e.msg})") from None
+            if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+                raise ValueError(f"{what} line {lineno} must be a JSON object with a string 'prompt' key, "
+                                 f"got {line[:80]!r}")
+            prompts.append(record["prompt"])
         else:
             prompts.append(line)
+    if not prompts:
+        raise ValueError(f"{what} has no prompts (only blank lines)")
     return prompts
 
 
@@ -89,10 +122,13 @@ def run_generate(args: argparse.Namespace) -> int:
     base_params = sampling_params_from_args(args)  # validate flags before the model loads
     if args.sharegpt is not None and args.sharegpt < 1:
         raise ValueError(f"--sharegpt must be >= 1, got {args.sharegpt}")
+    if args.show < 0:
+        raise ValueError(f"--show must be >= 0 (outputs to print), got {args.show}")
     if args.hardware:
         from roofline.hardware import load_hardware
 
         load_hardware(args.hardware)  # fail now, not after the run
+    file_prompts = _read_prompts(args.prompts_file) if args.prompts_file and not args.prompt else None
     llm = LLM(**engine_args.to_dict())
     if (cpu_summary := getattr(llm.engine.worker, "cpu_summary", None)) is not None:
         print(cpu_summary, flush=True)
@@ -100,10 +136,8 @@ def run_generate(args: argparse.Namespace) -> int:
     params_list = None
     if args.prompt:
         prompts: list[Any] = list(args.prompt)
-    elif args.prompts_file:
-        prompts = _read_prompts(args.prompts_file)
-        if not prompts:
-            raise ValueError(f"prompts file {args.prompts_file!r} has no prompts")
+    elif file_prompts is not None:
+        prompts = file_prompts
     else:
         from roofline.bench.datasets import sample_sharegpt
 

@@ -271,7 +271,7 @@ def run_probe(args: argparse.Namespace) -> int:
     print(f"  copy  {d['copy_bytes_per_s'] / 1e9:10.2f} GB/s (read + write bytes)")
     for dtype, note in d["gemm"].items():
         rate = spec.peak_flops.get(dtype)
-        print(f"  gemm {dtype:<5}" + (f"{rate / 1e12:10.3f} TFLOP/s (n={d['gemm_n']})" if rate
+        print(f"  gemm {dtype:<5}" + (f"{rate / 1e12:10.3f} {cm.rate_unit(dtype)} (n={d['gemm_n']})" if rate
                                        else f"  unsupported: {note['unsupported']}"))
     if args.output:
         try:

@@ -67,11 +67,22 @@ def decode_floor(llm: Any, hardware: str | None = None) -> dict[str, Any] | None
         measured_step_s=stats.mean_decode_step_s,
         weights=getattr(engine.config, "quantization", None) or dtype,
     )
-    report.update(bandwidth_bytes_per_s=bandwidth, peak_flops=peak, bandwidth_source=source, mean_batch=mean_batch,
-                  mean_context_tokens=mean_ctx / max(mean_batch, 1e-9))
+    report.update(bandwidth_bytes_per_s=bandwidth, peak_flops=peak, peak_dtype=dtype, bandwidth_source=source,
+                  mean_batch=mean_batch, mean_context_tokens=mean_ctx / max(mean_batch, 1e-9))
     if moe is not None:
         report["moe"] = moe
     return report
+
+
+def floor_inputs_line(rep: dict[str, Any]) -> str:
+    """The summary's ``floor inputs:`` line of a :func:`decode_floor` report: the bandwidth and the GEMM rate, in
+    TOP/s for integer arithmetic (int8 W8A8) and TFLOP/s otherwise."""
+    from roofline.costmodel import rate_unit
+
+    peak = (f", {rep['peak_flops'] / 1e12:.3f} {rate_unit(rep.get('peak_dtype', 'bf16'))}" if rep.get("peak_flops")
+            else "")
+    return (f"floor inputs:       {rep['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s{peak} ({rep['bandwidth_source']}); "
+            f"bound by {rep['bound_by']}")
 
 
 def print_run_summary(llm: Any, floor: str = "probe", hardware: str | None = None) -> None:
@@ -108,9 +119,7 @@ def print_run_summary(llm: Any, floor: str = "probe", hardware: str | None = Non
     rep = llm.decode_floor(hardware)
     if rep is None:
         return
-    peak = f", {rep['peak_flops'] / 1e12:.3f} TFLOP/s" if rep.get("peak_flops") else ""
-    print(f"floor inputs:       {rep['bandwidth_bytes_per_s'] / 1e9:.1f} GB/s{peak} ({rep['bandwidth_source']}); "
-          f"bound by {rep['bound_by']}")
+    print(floor_inputs_line(rep))
     if rep.get("moe") is not None:
         t = rep["moe"]["touched_experts_per_layer"]
         print(f"MoE floor:          the dense weights + {'expected (uniform)' if t is None else f'{t:.2f}'} experts "

@@ -173,9 +173,9 @@ class SamplingParams:
         if self.top_k == 0:
             self.top_k = -1
         if self.top_k < -1:
-            raise bad("top_k", self.top_k, "-1 (disabled) or >= 1")
+            raise bad("top_k", self.top_k, "-1 or 0 (disabled), or >= 1")
         if self.top_k > INT64_MAX:
-            raise bad("top_k", self.top_k, "-1 (disabled) or in [1, 2**63 - 1]")
+            raise bad("top_k", self.top_k, "-1 or 0 (disabled), or in [1, 2**63 - 1]")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "in [0, 1]")
         if not REPETITION_PENALTY_MIN <= self.repetition_penalty <= REPETITION_PENALTY_MAX:  # also rejects NaN
@@ -225,7 +225,7 @@ class SamplingParams:
         # assigned one since, e.g. ``params.seed = 2**64``, which would otherwise fail a shared batch step.
         self.__post_init__()
         if self.top_k > vocab_size:
-            raise ValueError(f"top_k must be -1 (disabled) or in [1, vocab_size] = [1, {vocab_size}] for this "
+            raise ValueError(f"top_k must be -1 or 0 (disabled), or in [1, vocab_size] = [1, {vocab_size}] for this "
                              f"model, got {_show(self.top_k)}")
         for t in self.stop_token_ids or []:
             if not 0 <= t < vocab_size:

@@ -163,6 +163,7 @@ class SpeculativeConfig:
     @classmethod
     def from_dict(cls, d: dict[str, Any] | str) -> SpeculativeConfig:
         """From vLLM's dict (or its JSON text). Raises ValueError naming an unknown key or a bad value."""
+        given = d
         if isinstance(d, str):
             import json
 
@@ -171,7 +172,11 @@ class SpeculativeConfig:
             except json.JSONDecodeError as e:
                 raise ValueError(f"speculative_config is not valid JSON ({e.msg} at column {e.colno}): {d!r}") from e
         if not isinstance(d, dict):
-            raise ValueError(f"speculative_config must be a JSON object, got {type(d).__name__}")
+            json_kind = {type(None): "null", bool: "a boolean", int: "a number", float: "a number", str: "a string",
+                         list: "an array"}.get(type(d), type(d).__name__)
+            shown = f"{given!r} ({json_kind})" if isinstance(given, str) else f"{given!r} of type {type(given).__name__}"
+            raise ValueError(f'speculative_config must be a JSON object such as {{"method": "ngram", '
+                             f'"num_speculative_tokens": 4}}, got {shown}')
         unknown = sorted(set(d) - set(_SPEC_KEYS))
         if unknown:
             raise ValueError(f"speculative_config has unknown key(s) {', '.join(map(repr, unknown))}; allowed: "

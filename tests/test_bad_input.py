@@ -43,6 +43,8 @@ def _assert_idle(llm) -> None:
     (dict(n=0), ["n", ">= 1", "0"]),
     (dict(min_tokens=9, max_tokens=4), ["min_tokens", "max_tokens", "9", "4"]),
     (dict(logprobs=21), ["logprobs", "20", "21"]),
+    # 0 and -1 both disable top_k (vLLM), and the error says so.
+    (dict(top_k=-2), ["top_k must be -1 or 0 (disabled), or >= 1, got -2"]),
 ])
 def test_sampling_params_rejected_with_range(kwargs, needles):
     with pytest.raises(ValueError) as e:
@@ -57,6 +59,8 @@ def test_sampling_params_edges_accepted():
     assert SamplingParams(temperature=0.0).is_greedy
     assert SamplingParams(max_tokens=1).max_tokens == 1
     assert SamplingParams(stop="x").stop == ["x"]
+    assert SamplingParams(top_k=0).top_k == SamplingParams(top_k=-1).top_k == -1  # both disabled, as vLLM
+    assert SamplingParams(top_k=1).top_k == 1
 
 
 # ------------------------------------------------------------------------------ prompts

@@ -11,6 +11,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -64,3 +66,105 @@ def test_unparsable_flag_exits_2():
     r = roofline("generate", "--max-tokens", "four", timeout=120)
     assert r.returncode == 2
     assert "--max-tokens" in r.stderr and "invalid int value: 'four'" in r.stderr
+
+
+# ---------------------------------------------------------------- checks before the model loads (in process)
+
+
+def _generate_args(*argv: str):
+    from roofline.cli import build_parser
+
+    return build_parser().parse_args(["generate", "--floor", "none", "--no-progress", *argv])
+
+
+@pytest.fixture
+def no_model(monkeypatch):
+    """Constructing the model fails the test: every check here must come first."""
+    import roofline.llm
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the argument check")
+
+    monkeypatch.setattr(roofline.llm, "LLM", refuse)
+
+
+def _prompts_file_cases(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    blank = tmp_path / "blank.txt"
+    blank.write_text("\n  \n\n")
+    bad_json = tmp_path / "bad.jsonl"
+    bad_json.write_text('{"prompt": "a"}\nnot json\n')
+    no_key = tmp_path / "nokey.jsonl"
+    no_key.write_text('{"text": "a"}\n')
+    return [
+        ("/dev/null", ValueError, "--prompts-file '/dev/null' is not a regular file (a device, pipe or socket); "
+                                  "give a text file with one prompt per line"),
+        (str(tmp_path), ValueError, f"--prompts-file {str(tmp_path)!r} is not a regular file (a directory); give "
+                                    f"a text file with one prompt per line"),
+        (str(tmp_path / "missing.txt"), FileNotFoundError,
+         f"--prompts-file {str(tmp_path / 'missing.txt')!r} does not exist"),
+        (str(empty), ValueError, f"--prompts-file {str(empty)!r} is empty; give one prompt per line"),
+        (str(blank), ValueError, f"--prompts-file {str(blank)!r} has no prompts (only blank lines)"),
+        (str(bad_json), ValueError, f"--prompts-file {str(bad_json)!r} line 2 is not JSON (Expecting value)"),
+        (str(no_key), ValueError, f"--prompts-file {str(no_key)!r} line 1 must be a JSON object with a string "
+                                  "'prompt' key, got '{\"text\": \"a\"}'"),
+    ]
+
+
+def test_prompts_file_problems_are_named_before_the_model_loads(tmp_path, no_model):
+    from roofline.commands import run_generate
+
+    for path, error, message in _prompts_file_cases(tmp_path):
+        with pytest.raises(error) as e:
+            run_generate(_generate_args("--prompts-file", path))
+        assert str(e.value) == message
+
+
+def test_unreadable_prompts_file(tmp_path, no_model, monkeypatch):
+    import builtins
+
+    from roofline.commands import run_generate
+
+    f = tmp_path / "secret.txt"
+    f.write_text("hi\n")
+    f.chmod(0)
+    if os.geteuid() == 0:  # root reads it anyway: refuse the read as the kernel would for another user
+        real_open = builtins.open
+
+        def no_permission(file, *args, **kwargs):
+            if str(file) == str(f):
+                raise PermissionError(13, "Permission denied", str(file))
+            return real_open(file, *args, **kwargs)
+
+        monkeypatch.setattr(builtins, "open", no_permission)
+    with pytest.raises(ValueError) as e:
+        run_generate(_generate_args("--prompts-file", str(f)))
+    assert str(e.value) == f"--prompts-file {str(f)!r} cannot be read: Permission denied"
+
+
+def test_prompts_file_lines_and_jsonl_are_read(tmp_path):
+    from roofline.commands import _read_prompts
+
+    text = tmp_path / "p.txt"
+    text.write_text("first prompt\n\nsecond\n")
+    assert _read_prompts(str(text)) == ["first prompt", "second"]
+    jsonl = tmp_path / "p.jsonl"
+    jsonl.write_text('{"prompt": "a b"}\n\n{"prompt": "c", "id": 2}\n')
+    assert _read_prompts(str(jsonl)) == ["a b", "c"]
+
+
+def test_negative_show_is_refused_before_the_model_loads(no_model):
+    from roofline.commands import run_generate
+
+    with pytest.raises(ValueError) as e:
+        run_generate(_generate_args("--prompt", "x", "--show", "-1"))
+    assert str(e.value) == "--show must be >= 0 (outputs to print), got -1"
+
+
+def test_dev_null_prompts_file_exits_2_without_a_traceback():
+    r = roofline("generate", "--prompts-file", "/dev/null", "--floor", "none", "--no-progress", timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip() == ("roofline: error: --prompts-file '/dev/null' is not a regular file (a device, pipe or "
+                                "socket); give a text file with one prompt per line")
+    assert r.stdout == ""  # nothing loaded: no KV cache line

@@ -213,3 +213,58 @@ def test_a_deleted_llm_is_collectable(tmp_path):
         assert engine() is None and worker() is None
     finally:
         gc.enable()
+
+
+# ------------------------------------------------------------------------------ fresh-user defects
+
+
+@pytest.mark.parametrize("value, shown", [
+    ("2", "'2' = 2 bytes (a number without a unit is bytes)"),  # meant 2GiB: refused, not a 2-byte pool
+    (2, "2 = 2 bytes (a number without a unit is bytes)"),
+    ("1", "'1' = 1 byte (a number without a unit is bytes)"),
+    ("512KiB", "'512KiB' = 524288 bytes"),
+    ("0", "'0' = 0 bytes (a number without a unit is bytes)"),
+])
+def test_kv_cache_memory_below_a_mib_names_the_value_the_unit_and_the_range(value, shown):
+    from roofline.args import parse_kv_cache_memory
+
+    forms = ("kv_cache_memory must be a size of at least 1MiB (bytes, or a unit: 4GiB, 512MiB) or a fraction of "
+             "device memory in (0, 1]")
+    with pytest.raises(ValueError) as e:
+        parse_kv_cache_memory(value)
+    assert str(e.value) == f"{forms}; got {shown}"
+    with pytest.raises(ValueError, match=r"at least 1MiB"):  # the engine refuses it before any weight loads
+        EngineArgs(kv_cache_memory=value).create_engine_config(MODEL)
+
+
+@pytest.mark.parametrize("value", ["-1", "abc", "4 parsecs", -5, float("nan"), float("inf")])
+def test_unparsable_kv_cache_memory_names_the_forms(value):
+    from roofline.args import parse_kv_cache_memory
+
+    with pytest.raises(ValueError, match=r"^kv_cache_memory must be a size of at least 1MiB .* or a fraction of "
+                                         r"device memory in \(0, 1\], got "):
+        parse_kv_cache_memory(value)
+
+
+def test_kv_cache_memory_accepted_forms():
+    from roofline.args import parse_kv_cache_memory
+
+    assert parse_kv_cache_memory("4GiB") == (4 << 30, None)
+    assert parse_kv_cache_memory("1MiB") == (1 << 20, None)
+    assert parse_kv_cache_memory(str(1 << 20)) == (1 << 20, None)  # bytes without a unit, at the minimum
+    assert parse_kv_cache_memory("0.5") == (None, 0.5)
+    assert parse_kv_cache_memory("1.0") == (None, 1.0)
+    assert parse_kv_cache_memory(0.25) == (None, 0.25)
+    assert EngineArgs(kv_cache_memory="2MiB").create_engine_config(MODEL).cache_config.kv_cache_memory == 2 << 20
+
+
+@pytest.mark.parametrize("value, shown", [
+    ("null", "'null' (null)"), ("[1, 2]", "'[1, 2]' (an array)"), ('"ngram"', "'\"ngram\"' (a string)"),
+    ("4", "'4' (a number)"), ([1], "[1] of type list"),
+])
+def test_speculative_config_that_is_not_an_object_says_so_and_shows_it(value, shown):
+    with pytest.raises(ValueError) as e:
+        EngineArgs(speculative_config=value)
+    assert str(e.value) == ('speculative_config must be a JSON object such as {"method": "ngram", '
+                            f'"num_speculative_tokens": 4}}, got {shown}')
+    assert "NoneType" not in str(e.value)

@@ -117,3 +117,29 @@ def test_probe_cli_json_feeds_cost(tmp_path, capsys):
 def test_probe_cli_bad_rounds(capsys):
     assert run_cli(["probe", "--device", "cpu", "--rounds", "0"]) == 2
     assert "roofline probe: error: rounds must be an integer >= 1, got 0" in capsys.readouterr().err
+
+
+def test_integer_gemm_rates_print_in_top_per_s(tmp_path, capsys, monkeypatch):
+    """int8 products are integer operations: TOP/s, never TFLOP/s (probe printer, run summary, costmodel unit)."""
+    import roofline.hardware as hw
+    from roofline.costmodel import rate_unit
+    from roofline.report import floor_inputs_line
+
+    assert [rate_unit(d) for d in ("int8", "bf16", "fp32", "fp8", "torch.bfloat16")] == \
+        ["TOP/s", "TFLOP/s", "TFLOP/s", "TFLOP/s", "TFLOP/s"]
+    assert rate_unit("int8", "G") == "GOP/s"
+    details = dict(device_name="test CPU", device="cpu", rounds=2, read_bytes_per_s=10e9, copy_bytes_per_s=8e9,
+                   buffer_bytes=4 << 20, gemm_n=64, gemm={"bf16": {}, "int8": {}, "fp8": {"unsupported": "no"}})
+    spec = HardwareSpec(name="test", memory_bandwidth=10e9, peak_flops={"bf16": 1.5e12, "int8": 3e12},
+                        memory_capacity=None, source="measured", citation="test", details=details)
+    monkeypatch.setattr(hw, "probe", lambda **kw: spec)
+    assert run_cli(["probe", "--device", "cpu", "--output", str(tmp_path / "p.json")]) == 0
+    out = capsys.readouterr().out
+    assert "  gemm bf16      1.500 TFLOP/s (n=64)" in out
+    assert "  gemm int8      3.000 TOP/s (n=64)" in out
+    assert "  gemm fp8    unsupported: no" in out
+    rep = dict(bandwidth_bytes_per_s=10e9, peak_flops=3e12, bandwidth_source="measured", bound_by="memory")
+    assert floor_inputs_line({**rep, "peak_dtype": "int8"}) == \
+        "floor inputs:       10.0 GB/s, 3.000 TOP/s (measured); bound by memory"
+    assert floor_inputs_line({**rep, "peak_dtype": "fp32"}) == \
+        "floor inputs:       10.0 GB/s, 3.000 TFLOP/s (measured); bound by memory"

@@ -165,7 +165,7 @@ def test_accepted_extremes_complete_beside_a_normal_request(tiny_llm, normal_alo
 
 @pytest.mark.parametrize(("kwargs", "needle"), [
     (dict(seed=2**64), "seed must be None or in [-2**63, 2**63 - n]"),
-    (dict(top_k=2**63), "top_k must be -1 (disabled) or in [1, 2**63 - 1]"),
+    (dict(top_k=2**63), "top_k must be -1 or 0 (disabled), or in [1, 2**63 - 1]"),
     (dict(temperature=math.nan), "temperature must be finite and >= 0, got nan"),
 ])
 def test_reported_values_are_rejected_before_the_engine(tiny_llm, normal_alone, kwargs, needle):

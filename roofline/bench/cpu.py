@@ -104,15 +104,18 @@ def main(argv: list[str] | None = None) -> None:
     """Parse ``argv`` (default ``sys.argv[1:]``) and run the benchmarks it names (module docstring).
 
     Raises:
-        SystemExit: unknown arguments or ``--help`` (argparse: nothing runs), or bad ``--rounds``/``--tokens``.
+        SystemExit: unknown arguments or ``--help`` (argparse: nothing runs), bad ``--rounds``/``--tokens``/
+            ``--json``, or a --table option without --table (``cpu_table.check_arguments``).
     """
-    args = build_parser().parse_args(argv)
+    from roofline.bench import cpu_table
+
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    cpu_table.check_arguments(parser, args)
     if args.child is not None:
         _child(args.child)
         return
     if args.gemm or args.table:
-        from roofline.bench import cpu_table
-
         cpu_table.run(args)
         return
     if args.wait_policy:  # (c) alone

@@ -20,6 +20,7 @@ transformers eager fp32 (batch 1, the same prompt, ``use_cache``) and llama.cpp 
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -178,7 +179,7 @@ def _floors(engines: dict, best: dict, shape: dict, others: dict) -> dict[tuple[
                                                      measured_step_s=best[name, 1])
         out[name, 1].update(weight_bytes=wb)
     print(f"floor inputs: read bandwidth {bandwidth / 1e9:.1f} GB/s (best of 3), GEMM rates "
-          + ", ".join(f"{k} {v / 1e9:.0f} G{'OP' if k == 'int8' else 'FLOP'}/s" for k, v in peaks.items()))
+          + ", ".join(f"{k} {v / 1e9:.0f} {costmodel.rate_unit(k, 'G')}" for k, v in peaks.items()))
     return out
 
 
@@ -268,12 +269,16 @@ def table(rounds: int = 3, tokens: int = 64, llamacpp: str | None = None, hf: bo
     return rows
 
 
+_TABLE_ONLY = ("rounds", "tokens", "llamacpp", "no_hf", "head_ab", "json")
+
+
 def add_arguments(p) -> None:
     """The ``--gemm`` / ``--table`` options, on ``python -m roofline.bench.cpu``'s one parser."""
     p.add_argument("--gemm", action="store_true", help="(d): the decode step's linears in each format")
     p.add_argument("--table", action="store_true", help="(e): the README's CPU table, end to end")
-    p.add_argument("--rounds", type=int, default=3, help="--table: rounds, the best kept (>= 1)")
-    p.add_argument("--tokens", type=int, default=64, help="--table: new tokens at batch 1 (>= 4; half at 32)")
+    p.add_argument("--rounds", type=int, default=None, help="--table: rounds, the best kept (>= 1; default 3)")
+    p.add_argument("--tokens", type=int, default=None,
+                   help="--table: new tokens at batch 1 (>= 4; half at 32; default 64)")
     p.add_argument("--llamacpp", nargs="?", const=sys.executable, default=None, metavar="PYTHON",
                    help="--table: add llama.cpp: the interpreter that imports llama_cpp (default: this one)")
     p.add_argument("--no-hf", action="store_true", help="--table: leave out HF transformers eager")
@@ -282,14 +287,36 @@ def add_arguments(p) -> None:
     p.add_argument("--json", default=None, metavar="PATH", help="--table: write the rows as JSON")
 
 
-def run(args) -> None:
-    """Run (d) and/or (e) for parsed ``args`` (``add_arguments``).
+def check_arguments(p, args) -> None:
+    """Refuse what ``add_arguments``' options cannot mean, before anything runs, then fill the defaults.
 
     Raises:
-        SystemExit: ``--rounds`` < 1 or ``--tokens`` < 4 (names both values).
+        SystemExit: (``p.error``, exit 2) a --table option without --table, ``--rounds`` < 1, ``--tokens`` < 4,
+            or a ``--json`` path that is empty, a directory or in a missing directory (names the value).
     """
-    if args.rounds < 1 or args.tokens < 4:
-        raise SystemExit(f"--rounds must be >= 1 and --tokens >= 4; got {args.rounds} and {args.tokens}")
+    if not args.table:
+        given = [f"--{name.replace('_', '-')}" for name in _TABLE_ONLY if getattr(args, name) not in (None, False)]
+        if given:
+            p.error(f"{', '.join(given)} appl{'ies' if len(given) == 1 else 'y'} to --table only; add --table "
+                    f"or drop {'it' if len(given) == 1 else 'them'}")
+    if args.rounds is not None and args.rounds < 1:
+        p.error(f"--rounds must be >= 1, got {args.rounds}")
+    if args.tokens is not None and args.tokens < 4:
+        p.error(f"--tokens must be >= 4, got {args.tokens}")
+    if args.json is not None:
+        if not args.json.strip():
+            p.error(f"--json needs a file path, got {args.json!r}")
+        if os.path.isdir(args.json):
+            p.error(f"--json {args.json!r} is a directory; give a file path")
+        parent = os.path.dirname(os.path.abspath(args.json))
+        if not os.path.isdir(parent):
+            p.error(f"--json {args.json!r}: the directory {parent!r} does not exist")
+    args.rounds = 3 if args.rounds is None else args.rounds
+    args.tokens = 64 if args.tokens is None else args.tokens
+
+
+def run(args) -> None:
+    """Run (d) and/or (e) for parsed ``args`` (``add_arguments``, checked by ``check_arguments``)."""
     if args.gemm:
         print(startup_line(detect_cpu_features(), "float32", torch.get_num_threads()))
         gemm_rates()

@@ -64,6 +64,7 @@ from roofline.costmodel.formats import (
     kv_dtype_bytes,
     kv_scale_bytes,
     parse_weight_format,
+    rate_unit,
     weight_bytes,
     weight_bytes_per_tensor,
 )
@@ -140,6 +141,7 @@ __all__ = [
     "kv_dtype_bytes",
     "kv_scale_bytes",
     "parse_weight_format",
+    "rate_unit",
     "weight_bytes",
     "weight_bytes_per_tensor",
     "INTERCONNECT_PRESETS",

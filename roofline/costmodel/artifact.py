@@ -215,10 +215,12 @@ def build_quantization(shape: cm.ModelShape, hw: Device, quantizations: list[str
     kv_seq = shape.kv_bytes_per_sequence(context, kv_dtype)
     rows = []
     for q in quantizations:
-        w = ms.quantized_weight_bytes_per_step(shape, q)
+        projections, other = ms.weight_bytes_split(shape, q)
+        w = projections + other
         for b in batches:
             sb = cm.step_bound(shape.num_params, w, kv_seq, b, hw.memory_bandwidth, hw.peak("bf16"))
-            row: dict[str, Any] = {"quantization": q, "batch": b, "weight_bytes_per_step": w, "bound_s": sb.bound_s,
+            row: dict[str, Any] = {"quantization": q, "batch": b, "weight_bytes_per_step": w,
+                                   "projection_bytes": projections, "other_16bit_bytes": other, "bound_s": sb.bound_s,
                                    "bound_by": sb.bound_by, "predicted_s": None, "fraction_of_floor": None,
                                    "why_not_predicted": ms.why_not_predicted(table, shape, q, b)}
             if row["why_not_predicted"] is None:

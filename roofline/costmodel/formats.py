@@ -68,6 +68,12 @@ def canonical_dtype(dtype: object) -> str:
     return DTYPE_ALIASES.get(name, name)
 
 
+def rate_unit(dtype: object, prefix: str = "T") -> str:
+    """The unit of a GEMM rate in ``dtype``'s arithmetic: ``"TOP/s"`` for integer products (int8: operations,
+    not floating-point ones), ``"TFLOP/s"`` otherwise; ``prefix`` is the SI prefix of the printed number."""
+    return f"{prefix}{'OP' if canonical_dtype(dtype).startswith(('int', 'uint')) else 'FLOP'}/s"
+
+
 @dataclass(frozen=True)
 class WeightFormat:
     """A weight storage format: bits per weight including scales and zero points.

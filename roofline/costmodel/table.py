@@ -82,7 +82,38 @@ def format_table(r: dict[str, Any]) -> str:
         lines += ["", *format_parallel(r["parallel"])]
     if "quantization" in r:
         lines += ["", *format_quantization(r["quantization"], hw["name"], hw["memory_bandwidth_bytes_per_s"])]
+        lines += _format_vs_quantization(r)
     return "\n".join(lines)
+
+
+def _format_vs_quantization(r: dict[str, Any]) -> list[str]:
+    """Why a --quantization row's bound is not its format column's: the column counts every parameter at the
+    format's bits per weight; the row counts the engine's bytes (16-bit LM head and norms, the embedding's rows
+    only). One line per method whose format is a column."""
+    from roofline.costmodel.formats import QUANTIZATION_FORMATS
+
+    columns = {x["format"]: x for x in r["formats"]}
+    n = r["model"]["num_params"]
+    out = []
+    for q in dict.fromkeys(row["quantization"] for row in r["quantization"]["rows"]):
+        col = columns.get(QUANTIZATION_FORMATS.get(q, "bf16" if q == "none" else q))
+        if col is None:
+            continue
+        rows = [x for x in r["quantization"]["rows"] if x["quantization"] == q]
+        col_bytes, eng = col["weight_gb"] * 1e9, rows[0]["weight_bytes_per_step"]
+        pairs = [(1, col["batch1_lower_bound_s"]), (r["workload"]["batch"], col["step_lower_bound_s"])]
+        times = "; ".join(f"batch {b}: {_ms(t)} there, {_ms(x['bound_s'])} here" for b, t in dict(pairs).items()
+                          for x in rows if x["batch"] == b)
+        layout = "16-bit" if q == "none" else f"{q} codes + scales" + (" + zeros" if q == "int4" else "")
+        out.append(f"  {q}: {eng / 1e9:.3f} GB/step of weights here = {rows[0]['projection_bytes'] / 1e9:.3f} GB of "
+                   f"projections ({layout}) + {rows[0]['other_16bit_bytes'] / 1e9:.3f} GB in 16 bits (LM head, "
+                   f"norms; the embedding's rows only); the {col['format']} column above counts "
+                   f"{col['bits_per_weight']:g} bits x all {n / 1e9:.2f}e9 parameters = {col_bytes / 1e9:.3f} GB (LM "
+                   f"head and embedding included at those bits), so its bounds are "
+                   f"{'lower' if col_bytes < eng else 'higher'}" + (f" ({times})" if times else ""))
+    if out:
+        out.insert(0, "why the format columns above and these rows differ:")
+    return out
 
 
 def format_sweep(sw: dict[str, Any]) -> list[str]:

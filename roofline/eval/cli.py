@@ -70,7 +70,7 @@ def run_eval_command(args: argparse.Namespace) -> int:
     from roofline.args import parse_kv_cache_memory, resolve_device
 
     base = EngineArgs.from_cli_args(args)
-    budget, _ = parse_kv_cache_memory(args.kv_budget)
+    budget, _ = parse_kv_cache_memory(args.kv_budget, "--kv-budget")
     if budget is None:
         raise ValueError(f"--kv-budget must be a byte size (e.g. 1GiB), got {args.kv_budget!r}")
     cfg = runner.EvalConfig(

@@ -1,8 +1,9 @@
 """``POST /v1/chat/completions``: chat-template rendering, chat logprobs, JSON and SSE responses.
 
 Messages are rendered with the model's chat template (``developer`` is sent as ``system``; only text
-content parts are accepted). A stream starts with a ``{"role": "assistant", "content": ""}`` delta per
-choice, as OpenAI sends it.
+content parts are accepted; a null or missing content, which OpenAI allows only beside tool calls, is a 400
+naming the message). A stream starts with a ``{"role": "assistant", "content": ""}`` delta per choice, as
+OpenAI sends it.
 """
 
 from __future__ import annotations
@@ -58,6 +59,11 @@ def _render_chat(serving: OpenAIServing, req: P.ChatCompletionRequest) -> list[i
     conversation = []
     for i, m in enumerate(req.messages):
         content = m.content
+        if content is None:  # OpenAI allows it only in an assistant message with tool_calls, not supported here
+            what = "has content null" if "content" in m.model_fields_set else "has no content"
+            raise bad_request(f"messages[{i}] (role {m.role!r}) {what}; content must be a string or a list of "
+                              f"text parts (null content is allowed only in an assistant message with tool_calls, "
+                              f"which this server does not support)", param=f"messages[{i}].content")
         if isinstance(content, list):
             texts = []
             for part in content:
@@ -67,7 +73,7 @@ def _render_chat(serving: OpenAIServing, req: P.ChatCompletionRequest) -> list[i
                 texts.append(part.text)
             content = "\n".join(texts)
         role = "system" if m.role == "developer" else m.role
-        conversation.append({"role": role, "content": content or ""})
+        conversation.append({"role": role, "content": content})
     try:
         text = serving.tokenizer.apply_chat_template(conversation, add_generation_prompt=req.add_generation_prompt,
                                                      tokenize=False)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -215,3 +216,32 @@ def test_floor_text_names_the_format_and_its_bytes():
     r = cm.decode_floor_report(4_758_970_368, 0.0, 0.0, 4.383e12, None, 2.633e-3, weights="int4")
     assert r["text"] == "decode step 2.6 ms, floor 1.1 ms for int4 weights, 4.76 GB per step (41% of floor)"
     assert r["fraction_of_floor"] == pytest.approx(4_758_970_368 / 4.383e12 / 2.633e-3)
+
+
+def test_engine_bytes_split_and_why_the_int4_bounds_differ_from_the_format_column(llama8b, capsys):
+    """A fresh user saw two int4 bounds for one shape (0.924 vs 1.047 ms at batch 1): the int4_g128 column counts
+    4.15 bits x every parameter (the LM head and embedding too), the --quantization row the engine's bytes (projections
+    in int4 with their scales and zeros, the LM head and norms in 16 bits, the embedding's rows only). The output
+    now says so, with both bounds."""
+    assert ms.weight_bytes_split(llama8b, "int4") == (3_707_764_736, 1_051_205_632)
+    assert sum(ms.weight_bytes_split(llama8b, "int4")) == ms.quantized_weight_bytes_per_step(llama8b, "int4")
+    assert ms.weight_bytes_split(llama8b, "int8")[1] == 1_051_205_632  # the same 16-bit rest for every method
+    assert 1_051_205_632 == 2 * (llama8b.lm_head_params + 2 * 4096 * 32 + 4096)  # LM head + 2 norms/layer + final
+    rc, out, _ = _cost(["--model", "llama-3-8b", "--quantization", "int4", "--batch", "1"], capsys)
+    assert rc == 0
+    lines = out.splitlines()
+    assert re.search(r"^batch-1 lower bound, KV at 2048 +0\.924 ms$", out, re.M)
+    assert [line.split()[3] for line in lines if line.strip().startswith("int4 ")] == ["1.047"]
+    i = lines.index("why the format columns above and these rows differ:")
+    assert lines[i + 1] == (
+        "  int4: 4.759 GB/step of weights here = 3.708 GB of projections (int4 codes + scales + zeros) + 1.051 GB in 16 "
+        "bits (LM head, norms; the embedding's rows only); the int4_g128 column above counts 4.15 bits x all 8.03e9 "
+        "parameters = 4.166 GB (LM head and embedding included at those bits), so its bounds are lower (batch 1: "
+        "0.924 ms there, 1.047 ms here)")
+    # 4.15 bits x every parameter, vs the engine's bytes: the two weight terms behind the two bounds
+    assert 8_030_261_248 * 4.15 / 8 == pytest.approx(4.166e9, rel=1e-3)
+    rc, out, _ = _cost(["--model", "llama-3-8b", "--quantization", "int4", "--json", "--batch", "1"], capsys)
+    row = json.loads(out)["quantization"]["rows"][0]
+    assert (row["projection_bytes"], row["other_16bit_bytes"]) == (3_707_764_736, 1_051_205_632)
+    rc, out, _ = _cost(["--model", "llama-3-8b", "--format", "bf16"], capsys)
+    assert "why the format columns" not in out  # no --quantization section: nothing to reconcile

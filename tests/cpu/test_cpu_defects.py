@@ -46,8 +46,36 @@ def test_bench_cpu_table_options_reach_the_table(monkeypatch):
     monkeypatch.setattr(cpu_table, "table", lambda *a: got.append(a))
     cpu.main(["--table", "--rounds", "2", "--tokens", "8", "--no-hf", "--head-ab"])
     assert got == [(2, 8, None, False, None, True)]
-    with pytest.raises(SystemExit, match=r"--rounds must be >= 1 and --tokens >= 4; got 0 and 8"):
-        cpu.main(["--table", "--rounds", "0", "--tokens", "8"])
+    cpu.main(["--table", "--json", "rows.json"])
+    assert got[-1] == (3, 64, None, True, "rows.json", False)  # the defaults, filled after the checks
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--table", "--rounds", "0"], "--rounds must be >= 1, got 0"),
+    (["--table", "--tokens", "3"], "--tokens must be >= 4, got 3"),
+    (["--table", "--json", ""], "--json needs a file path, got ''"),
+    (["--table", "--json", "  "], "--json needs a file path, got '  '"),
+    (["--table", "--json", "/"], "--json '/' is a directory; give a file path"),
+    (["--table", "--json", "/no/such/dir/rows.json"],
+     "--json '/no/such/dir/rows.json': the directory '/no/such/dir' does not exist"),
+    # Without --table these options did nothing, silently (--rounds 0 ran (a)-(c)): refused, naming them.
+    (["--rounds", "0"], "--rounds must be >= 1, got 0"),
+    (["--rounds", "5"], "--rounds applies to --table only; add --table or drop it"),
+    (["--gemm", "--tokens", "8", "--json", "x.json"], "--tokens, --json apply to --table only; add --table or drop them"),
+])
+def test_bench_cpu_bad_options_are_argparse_errors_before_anything_runs(argv, message, capsys, monkeypatch):
+    from roofline.bench import cpu, cpu_table
+
+    ran = []
+    monkeypatch.setattr(cpu_table, "table", lambda *a, **k: ran.append("table"))
+    monkeypatch.setattr(cpu_table, "gemm_rates", lambda *a, **k: ran.append("gemm"))
+    monkeypatch.setattr(cpu, "wait_policy_beside_busy", lambda *a, **k: ran.append("wait"))
+    monkeypatch.setattr(cpu, "_step_ms", lambda *a, **k: ran.append("step") or 1.0)
+    with pytest.raises(SystemExit) as e:
+        cpu.main(argv)
+    assert e.value.code == 2 and ran == []
+    err = capsys.readouterr().err
+    assert err.rstrip().endswith(f"python -m roofline.bench.cpu: error: {message}"), err
 
 
 def test_int4_group_size_error_names_the_flag_and_the_sizes_that_work(tiny_dir):

@@ -24,7 +24,7 @@ RP = "repetition_penalty must be in [0.01, 100] (1 disables; the bounds keep fin
         (dict(top_p=1.01), "top_p must be in (0, 1], got 1.01"),
         (dict(top_p=-0.2), "top_p must be in (0, 1], got -0.2"),
         (dict(top_p=float("nan")), "top_p must be in (0, 1], got nan"),
-        (dict(top_k=-2), "top_k must be -1 (disabled) or >= 1, got -2"),
+        (dict(top_k=-2), "top_k must be -1 or 0 (disabled), or >= 1, got -2"),
         (dict(min_p=-0.1), "min_p must be in [0, 1], got -0.1"),
         (dict(min_p=1.5), "min_p must be in [0, 1], got 1.5"),
         (dict(repetition_penalty=0.0), RP + "0.0"),
@@ -131,8 +131,8 @@ F32 = "3.4028234663852886e+38 (float32 max: the sampler's dtype)"
          "seed must be " + SEED_RANGE.format(hi=2**63 - 1, n=1) + ", got -9223372036854775809"),
         (dict(seed=2**63 - 3, n=4),  # the last sample would get seed + 3 = 2**63
          "seed must be " + SEED_RANGE.format(hi=2**63 - 4, n=4) + ", got 9223372036854775805"),
-        (dict(top_k=2**63), "top_k must be -1 (disabled) or in [1, 2**63 - 1], got 9223372036854775808"),
-        (dict(top_k=-(2**63)), "top_k must be -1 (disabled) or >= 1, got -9223372036854775808"),
+        (dict(top_k=2**63), "top_k must be -1 or 0 (disabled), or in [1, 2**63 - 1], got 9223372036854775808"),
+        (dict(top_k=-(2**63)), "top_k must be -1 or 0 (disabled), or >= 1, got -9223372036854775808"),
         # Floats: NaN / inf everywhere, and values that overflow the sampler's fp32 tensors.
         (dict(temperature=-float("inf")), "temperature must be finite and >= 0, got -inf"),
         (dict(temperature=1e39), f"temperature must be <= {F32}, got 1e+39"),
@@ -213,8 +213,8 @@ def test_accepted_seeds_are_valid_distinct_torch_seeds():
     ("kwargs", "vocab_size", "message"),
     [
         (dict(top_k=2**63 - 1), 49152,
-         "top_k must be -1 (disabled) or in [1, vocab_size] = [1, 49152] for this model, got 9223372036854775807"),
-        (dict(top_k=17), 16, "top_k must be -1 (disabled) or in [1, vocab_size] = [1, 16] for this model, got 17"),
+         "top_k must be -1 or 0 (disabled), or in [1, vocab_size] = [1, 49152] for this model, got 9223372036854775807"),
+        (dict(top_k=17), 16, "top_k must be -1 or 0 (disabled), or in [1, vocab_size] = [1, 16] for this model, got 17"),
         (dict(stop_token_ids=[3, 16]), 16, "stop_token_ids entry 16 is out of range [0, 16)"),
         (dict(stop_token_ids=[2**63 - 1]), 49152, "stop_token_ids entry 9223372036854775807 is out of range [0, 49152)"),
         (dict(logprobs=20), 16, "logprobs must be None or in [0, 16] for this model (vocab_size 16), got 20"),

@@ -114,6 +114,8 @@ BAD_INPUTS = [
     ("/v1/completions", {"prompt": [1, 2, 10**6]}, 400, "prompt", None, ["1000000 is out of range [0, 49152)"]),
     ("/v1/completions", {"prompt": ""}, 400, "prompt", None, ["prompt is empty"]),
     ("/v1/chat/completions", {"messages": []}, 400, "messages", None, ["at least 1 message"]),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": None}]}, 400, "messages[0].content", None,
+     ["messages[0] (role 'user') has content null"]),
     # Issue 31: a penalty that overflows finite logits (logit / 1e-38 = inf, then a NaN distribution).
     ("/v1/completions", {"prompt": "hi", "repetition_penalty": 1e-38}, 400, "repetition_penalty", None,
      ["repetition_penalty must be in [0.01, 100]", "got 1e-38"]),
@@ -144,6 +146,26 @@ UNSUPPORTED_CHAT = UNSUPPORTED + [
     ("add_special_tokens", True), ("documents", [{"text": "x"}]), ("chat_template", "{{ x }}"),
     ("chat_template_kwargs", {"enable_thinking": False}), ("prompt_logprobs", 1),
 ]
+
+
+@pytest.mark.parametrize(("messages", "index", "role", "what"), [
+    ([{"role": "user", "content": None}], 0, "user", "has content null"),
+    ([{"role": "system", "content": None}, {"role": "user", "content": "hi"}], 0, "system", "has content null"),
+    ([{"role": "system", "content": "Be brief."}, {"role": "user"}], 1, "user", "has no content"),
+    ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": None}, {"role": "user", "content": "ok"}],
+     1, "assistant", "has content null"),  # OpenAI allows it beside tool_calls only, which are not supported
+    ([{"role": "user", "content": "hi"}, {"role": "developer", "content": None}], 1, "developer", "has content null"),
+])
+def test_null_message_content_is_400_naming_the_index_and_role(server, messages, index, role, what):
+    r = _post(server, "/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == f"messages[{index}].content"
+    assert err["message"] == (f"messages[{index}] (role {role!r}) {what}; content must be a string or a list of "
+                              f"text parts (null content is allowed only in an assistant message with tool_calls, "
+                              f"which this server does not support)")
+    ok = _post(server, "/v1/chat/completions", {"messages": [{"role": "user", "content": ""}], "max_tokens": 2})
+    assert ok.status_code == 200, ok.text  # an empty string is still content
 
 
 @pytest.mark.parametrize(("path", "field", "value"),
