@@ -120,6 +120,14 @@ def print_run_summary(llm: Any, floor: str = "probe", hardware: str | None = Non
     if rep is None:
         return
     print(floor_inputs_line(rep))
+    if sd is not None and sd.num_steps_on:
+        # The mean step below mixes plain steps with drafting ones (draft passes + one verify pass of 1 + gamma
+        # rows per request), while its floor is one plain decode pass: say so beside it.
+        length = sd.mean_acceptance_length
+        print(f"speculative steps:  {sd.num_steps_on} of {sd.num_steps_on + sd.num_steps_off} decode steps drafted; "
+              f"such a step is the draft passes plus one verify pass and yields "
+              f"{'n/a' if length is None else f'{length:.2f}'} tokens per request, so the mean step below is not "
+              f"one forward pass: its floor is a plain decode pass (1 token per request); compare TPOT")
     if rep.get("moe") is not None:
         t = rep["moe"]["touched_experts_per_layer"]
         print(f"MoE floor:          the dense weights + {'expected (uniform)' if t is None else f'{t:.2f}'} experts "

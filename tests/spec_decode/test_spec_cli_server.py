@@ -27,6 +27,22 @@ def test_generate_with_a_speculative_config():
     assert length == pytest.approx((acc + passes) / passes, abs=1e-2)
 
 
+def test_generate_with_speculation_explains_its_decode_step_beside_the_floor():
+    """The summary's mean decode step mixes drafting steps (draft passes + a verify pass) with plain ones, while its
+    floor is one plain pass: a line says so, with the drafted steps and the tokens per verify pass."""
+    r = roofline("generate", "--prompt", COPY_PROMPT, "--max-tokens", "24", "--no-progress",
+                 "--speculative-config", NGRAM)
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"^speculative steps:  (\d+) of (\d+) decode steps drafted; such a step is the draft passes plus "
+                  r"one verify pass and yields ([0-9.]+) tokens per request", r.stdout, re.M)
+    assert m, r.stdout
+    on, total, length = int(m[1]), int(m[2]), float(m[3])
+    assert 0 < on <= total and length >= 1.0
+    lines = r.stdout.splitlines()
+    first = next(i for i, line in enumerate(lines) if line.startswith("speculative steps:"))
+    assert first < next(i for i, line in enumerate(lines) if line.startswith("decode step "))
+
+
 def test_bad_speculative_config_exits_2():
     r = roofline("generate", "--prompt", "x", "--floor", "none", "--no-progress", "--speculative-config",
                  '{"method": "ngram", "num_speculative_tokens": 99}', timeout=120)
