@@ -5,10 +5,11 @@
 in fp32, bf16, INT8 W8A16 (``torch._weight_int8pack_mm``, M = 1 only: it takes seconds at 32) and INT8 W8A8
 dynamic (``roofline.kernels.cpu_int8``), at M = 1 and 32; the formats alternate inside each of 3 rounds; the best round per format; ratio fp32 / format.
 
-``--table [--rounds R] [--tokens N] [--llamacpp] [--no-hf] [--head-ab] [--json PATH]``: end to end on the default model.
+``--table [--rounds R] [--tokens N] [--llamacpp] [--no-hf] [--head-ab] [--prepack-ab] [--json PATH]``: end to end on
+the default model.
 Roofline fp32, bf16, int8 (``--quantization int8``: W8A8 on CPU, the LM head too) and bf16 + int8 (the int8
 linears and head with bf16 norms and attention) engines are built once (``--head-ab``: the two int8 ones again
-with a 16-bit LM head), then each round
+with a 16-bit LM head; ``--prepack-ab``: bf16 again with its weights not packed for oneDNN), then each round
 runs every format at batch 1 (one prompt, N greedy tokens) and batch 32 (32 prompts, N / 2 tokens each),
 in turn, so drift on a shared machine hits all alike; the best round's mean decode step is kept, and its
 floor (``_floors``: that format's weight bytes plus the KV read, over one read bandwidth measured in this
@@ -193,11 +194,24 @@ def _with_16bit_head(llm):
     return llm
 
 
+def _unpacked_bf16():
+    """A bf16 engine whose weights are not packed for oneDNN (``roofline.kernels.cpu_bf16``): the A/B of the
+    packing inside one run."""
+    from roofline import LLM
+    from roofline.kernels import cpu_bf16
+
+    old, cpu_bf16.PREPACK = cpu_bf16.PREPACK, False  # read when the weights are processed after loading
+    try:
+        return LLM(device="cpu", dtype="bfloat16", max_model_len=512)
+    finally:
+        cpu_bf16.PREPACK = old
+
+
 def table(rounds: int = 3, tokens: int = 64, llamacpp: str | None = None, hf: bool = True,
-          json_path: str | None = None, head_ab: bool = False) -> list[dict]:
+          json_path: str | None = None, head_ab: bool = False, prepack_ab: bool = False) -> list[dict]:
     """The README's CPU table (module docstring), printed and returned as rows. ``llamacpp``: the Python
     interpreter that imports ``llama_cpp`` (None: no llama.cpp row). ``head_ab``: also the int8 engines with a
-    16-bit LM head (rows named "..., 16-bit head")."""
+    16-bit LM head (rows named "..., 16-bit head"). ``prepack_ab``: also bf16 with unpacked weights."""
     from roofline import LLM
     from roofline.models.loader import default_model_path
 
@@ -214,6 +228,8 @@ def table(rounds: int = 3, tokens: int = 64, llamacpp: str | None = None, hf: bo
         for dtype, name in (("float32", "roofline int8 (W8A8), 16-bit head"),
                             ("bfloat16", "roofline bf16 + int8 (W8A8), 16-bit head")):
             engines[name] = _with_16bit_head(LLM(device="cpu", dtype=dtype, quantization="int8", max_model_len=512))
+    if prepack_ab:
+        engines["roofline bf16, weights not prepacked"] = _unpacked_bf16()
     others: dict[str, object] = {}
     if hf:
         others["HF transformers eager fp32"] = _HF(default_model_path())
@@ -269,7 +285,7 @@ def table(rounds: int = 3, tokens: int = 64, llamacpp: str | None = None, hf: bo
     return rows
 
 
-_TABLE_ONLY = ("rounds", "tokens", "llamacpp", "no_hf", "head_ab", "json")
+_TABLE_ONLY = ("rounds", "tokens", "llamacpp", "no_hf", "head_ab", "prepack_ab", "json")
 
 
 def add_arguments(p) -> None:
@@ -284,6 +300,8 @@ def add_arguments(p) -> None:
     p.add_argument("--no-hf", action="store_true", help="--table: leave out HF transformers eager")
     p.add_argument("--head-ab", action="store_true",
                    help="--table: add the int8 rows with a 16-bit LM head (the INT8 head's A/B, same rounds)")
+    p.add_argument("--prepack-ab", action="store_true",
+                   help="--table: add bf16 with its weights not packed for oneDNN (the packing's A/B, same rounds)")
     p.add_argument("--json", default=None, metavar="PATH", help="--table: write the rows as JSON")
 
 
@@ -321,4 +339,4 @@ def run(args) -> None:
         print(startup_line(detect_cpu_features(), "float32", torch.get_num_threads()))
         gemm_rates()
     if args.table:
-        table(args.rounds, args.tokens, args.llamacpp, not args.no_hf, args.json, args.head_ab)
+        table(args.rounds, args.tokens, args.llamacpp, not args.no_hf, args.json, args.head_ab, args.prepack_ab)

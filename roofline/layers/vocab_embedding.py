@@ -51,21 +51,41 @@ class VocabParallelEmbedding(nn.Module):
         return tensor_parallel_all_reduce(out)
 
 
+class DenseLMHeadMethod:
+    """The 16-bit LM head: ``F.linear`` on its (possibly tied) ``weight``; bf16 on a CPU with bf16 units, a packed
+    copy for oneDNN made after loading (``roofline.kernels.cpu_bf16``: the same numerics; the table stays for
+    the embedding lookup)."""
+
+    def process_weights_after_loading(self, layer: nn.Module) -> None:
+        from roofline.kernels import cpu_bf16
+
+        layer.packed_weight = cpu_bf16.prepack(layer.weight) if cpu_bf16.should_prepack(layer.weight) else None
+
+    def apply(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        packed = getattr(layer, "packed_weight", None)
+        if packed is not None and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
+            from roofline.kernels.cpu_bf16 import packed_linear
+
+            return packed_linear(hidden, packed)
+        return F.linear(hidden, layer.weight)
+
+
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection; ``compute_logits`` gathers every rank's slice into [N, vocab].
 
-    ``quant_config``: its ``get_lm_head_method()`` (None: the 16-bit head) becomes ``quant_method``, which the
-    loader's ``process_weights_after_loading`` calls after the (possibly tied) weight is loaded."""
+    ``quant_config``: its ``get_lm_head_method()`` (None: the 16-bit head, ``DenseLMHeadMethod``) becomes
+    ``quant_method``, which the loader's ``process_weights_after_loading`` calls after the (possibly tied) weight
+    is loaded."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, prefix: str = "",
                  params_dtype: torch.dtype | None = None, quant_config=None):
         super().__init__(num_embeddings, embedding_dim, prefix, params_dtype)
-        self.quant_method = quant_config.get_lm_head_method() if quant_config is not None else None
+        method = quant_config.get_lm_head_method() if quant_config is not None else None
+        self.quant_method = method if method is not None else DenseLMHeadMethod()
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden: [N, hidden] -> logits [N, vocab] in fp32."""
-        logits = (F.linear(hidden, self.weight) if self.quant_method is None
-                  else self.quant_method.apply(self, hidden))
+        logits = self.quant_method.apply(self, hidden)
         if self.tp_size > 1:
             logits = tensor_parallel_all_gather(logits, dim=-1)
         return logits[:, :self.num_embeddings].float()

@@ -1,0 +1,77 @@
+"""bf16 linears on CPU with oneDNN-packed weights (``roofline.kernels.cpu_bf16``): the same products as
+``F.linear`` within bf16 rounding, packed once after loading for every linear and the 16-bit LM head, and the
+same greedy tokens as the unpacked engine on the default model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from roofline.kernels import cpu_bf16
+
+pytestmark = pytest.mark.skipif(not cpu_bf16._cpu_has_bf16_units(),
+                                reason="needs a CPU with AVX-512 BF16 or AMX-BF16 (oneDNN's bf16 units)")
+
+# The default model's linear shapes [N, K] (qkv, o, gate_up, down, the LM head).
+SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (49152, 576)]
+
+
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("m", [1, 7, 32])
+def test_packed_linear_matches_f_linear_and_float64(n, k, m):
+    gen = torch.Generator().manual_seed(n + m)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(2, m, k, generator=gen).bfloat16()  # a leading batch dim: reshaped and restored
+    bias = torch.randn(n, generator=gen).bfloat16()
+    got = cpu_bf16.packed_linear(x, cpu_bf16.prepack(w), bias)
+    want = F.linear(x, w, bias)
+    assert got.shape == want.shape == (2, m, n) and got.dtype == torch.bfloat16
+    # Within one bf16 rounding of the output (2^-8 relative): both round the same fp32 accumulation (on the
+    # Xeon of 2026-12-04 they were bit-identical, the same oneDNN kernel).
+    ref = (x.double() @ w.double().t() + bias.double())
+    tol = ref.abs().amax().item() * 2.0 ** -7
+    assert (got.double() - want.double()).abs().max().item() <= tol
+    assert (got.double() - ref).abs().max().item() <= tol
+
+
+def test_prepack_only_bf16_on_cpu_and_switchable(monkeypatch):
+    assert cpu_bf16.should_prepack(torch.zeros(4, 8, dtype=torch.bfloat16))
+    assert not cpu_bf16.should_prepack(torch.zeros(4, 8))  # fp32: no gain measured
+    assert not cpu_bf16.should_prepack(torch.zeros(4, 8, dtype=torch.float16))
+    monkeypatch.setattr(cpu_bf16, "PREPACK", False)
+    assert not cpu_bf16.should_prepack(torch.zeros(4, 8, dtype=torch.bfloat16))
+
+
+def _engine(prepack: bool):
+    from roofline import LLM
+
+    old = cpu_bf16.PREPACK
+    cpu_bf16.PREPACK = prepack  # read when the weights are processed after loading
+    try:
+        return LLM(device="cpu", dtype="bfloat16", max_model_len=256, attention_backend="torch")
+    finally:
+        cpu_bf16.PREPACK = old
+
+
+def test_engine_packs_every_linear_and_the_head_and_keeps_greedy_tokens():
+    from roofline import SamplingParams
+    from roofline.layers.linear import LinearBase
+    from roofline.layers.vocab_embedding import ParallelLMHead
+
+    packed, plain = _engine(True), _engine(False)
+    model = packed.engine.worker.model
+    linears = [m for m in model.modules() if isinstance(m, LinearBase)]
+    assert len(linears) == 4 * 30  # qkv, o, gate_up, down per layer
+    assert all(m.packed_weight is not None and tuple(m.packed_weight.shape) == tuple(m.weight.shape)
+               for m in linears)
+    head = next(m for m in model.modules() if isinstance(m, ParallelLMHead))
+    assert head.packed_weight is not None
+    assert all(m.packed_weight is None for m in plain.engine.worker.model.modules() if isinstance(m, LinearBase))
+    # The floor counts the dense weights once (the packed copies are the same bytes, read instead).
+    assert packed.engine.worker.weight_bytes_per_step == plain.engine.worker.weight_bytes_per_step
+    prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time"]
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in packed.generate(prompts, sp, use_tqdm=False)]
+    want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+    assert got == want
