@@ -14,7 +14,9 @@
 Per layer, ``forward`` rotates q/k and stores k/v (``ref_rope_and_cache``), gathers K/V as whole blocks
 (one ``index_select`` per group on the [num_blocks, block_size * H_kv * D] view: no per-token index
 arithmetic), and runs ``scaled_dot_product_attention`` (its flash CPU kernel, GQA without copies) per
-decode group and per prefill chunk.
+decode group and per prefill chunk. A 16-bit model on CPU (fp32 or bf16 cache) runs its decode rows instead in
+one call of the C++ kernel ``roofline.kernels.cpu_paged_attention``, which reads the blocks where they lie
+(``decode_rows`` / ``decode_tables`` / ``decode_lens``); fp32 models keep SDPA, token-identical to HF.
 
 Quantized caches (int8, fp8_e4m3; ``roofline.kernels.common``): the store quantizes with the ref twins of
 the Triton store kernel, and both decode and prefill read K/V back from the cache and dequantize the rows
@@ -25,6 +27,7 @@ torch's float8_e4m3fn casts (round to nearest even, as the GPU's cvt.rn.satfinit
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 
 import torch
@@ -34,6 +37,8 @@ from roofline.attention.backend import AttentionBackend, AttentionMetadata, tree
 from roofline.attention.kv_cache import KVCache
 from roofline.kernels.common import ref_dequantize
 from roofline.kernels.rope_cache import ref_rope_and_cache, ref_rotary, ref_write_kv_rows
+
+logger = logging.getLogger(__name__)
 
 
 def decode_bucket(num_blocks: int) -> int:
@@ -73,6 +78,11 @@ class PrefillChunk:
 class TorchAttentionMetadata(AttentionMetadata):
     decode_groups: list[DecodeGroup] = field(default_factory=list)
     prefills: list[PrefillChunk] = field(default_factory=list)
+    # The decode rows for the C++ kernel (roofline.kernels.cpu_paged_attention): flat row indices [n], their
+    # block tables [n, max_blocks] and context lengths [n], int64 (None: no decode row, or not on CPU).
+    decode_rows: torch.Tensor | None = None
+    decode_tables: torch.Tensor | None = None
+    decode_lens: torch.Tensor | None = None
     # Every row has a cache slot (no -1 padding), checked on the host: the store can skip the masked gather.
     all_slots_valid: bool = False
 
@@ -112,6 +122,12 @@ class TorchAttentionBackend(AttentionBackend):
                 rows=torch.tensor([first_row[i] for i in rows], dtype=torch.long, device=dev),
                 blocks=torch.tensor(ids, dtype=torch.long, device=dev),
                 pad=keep[:, None, None, :].to(dev), stale=torch.tensor(stale, dtype=torch.long, device=dev)))
+        dec = [i for i, n in enumerate(qlens) if n == 1]
+        if dec and dev.type == "cpu":
+            idx = torch.tensor(dec, dtype=torch.long)
+            out.decode_rows = torch.tensor([first_row[i] for i in dec], dtype=torch.long)
+            out.decode_tables = tables.index_select(0, idx).long().contiguous()
+            out.decode_lens = torch.tensor([slens[i] for i in dec], dtype=torch.long)
         for i, (q_len, seq_len) in enumerate(zip(qlens, slens, strict=True)):
             if q_len <= 1:
                 continue
@@ -123,6 +139,21 @@ class TorchAttentionBackend(AttentionBackend):
                 mask = torch.arange(seq_len, device=dev)[None, :] <= q_pos[:, None]
             out.prefills.append(PrefillChunk(first_row[i], q_len, seq_len, tables[i, :nb].long().to(dev), mask))
         return out
+
+    def _use_cpu_kernel(self, q: torch.Tensor, cache: KVCache) -> bool:
+        """The C++ decode kernel (``roofline.kernels.cpu_paged_attention``) for a 16-bit model on CPU with an fp32 or
+        bf16 cache; its build failing is logged once and the SDPA path kept."""
+        if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16) or cache.is_quantized:
+            return False
+        from roofline.kernels import cpu_paged_attention as cpa
+
+        why = cpa.unavailable_reason()
+        if why is not None:
+            if not getattr(TorchAttentionBackend, "_kernel_note_logged", False):
+                TorchAttentionBackend._kernel_note_logged = True
+                logger.info("CPU decode attention: the C++ kernel is not used (%s); gathers + SDPA instead", why)
+            return False
+        return cpa.supports(q.shape[1], q.shape[2], cache.k)
 
     def forward(self, q, k, v, positions, cache: KVCache, meta):
         if self.is_calibrating:
@@ -161,7 +192,18 @@ class TorchAttentionBackend(AttentionBackend):
                 else rows
 
         out = torch.empty_like(q)
-        for g in meta.decode_groups:
+        groups = meta.decode_groups
+        if meta.decode_rows is not None and self._use_cpu_kernel(q, cache):
+            # 16-bit models on CPU: one C++ pass over the paged cache for every decode row (no gathers, no
+            # per-bucket SDPA); fp32 models keep SDPA below (token-identical to HF).
+            from roofline.kernels.cpu_paged_attention import paged_decode_attention
+
+            q32, o32 = q.float().contiguous(), torch.empty(q.shape, dtype=torch.float32)
+            paged_decode_attention(q32, cache.k, cache.v, meta.decode_tables, meta.decode_lens, meta.decode_rows,
+                                   self.scale, o32)
+            out.index_copy_(0, meta.decode_rows, o32.index_select(0, meta.decode_rows).to(out.dtype))
+            groups = []
+        for g in groups:
             n = g.rows.shape[0]
             kg = gather(g.blocks, k_blocks, cache.k_scale)  # [n * L, H_kv, D]
             vg = gather(g.blocks, v_blocks, cache.v_scale)
