@@ -14,9 +14,10 @@
 Per layer, ``forward`` rotates q/k and stores k/v (``ref_rope_and_cache``), gathers K/V as whole blocks
 (one ``index_select`` per group on the [num_blocks, block_size * H_kv * D] view: no per-token index
 arithmetic), and runs ``scaled_dot_product_attention`` (its flash CPU kernel, GQA without copies) per
-decode group and per prefill chunk. A 16-bit model on CPU (fp32 or bf16 cache) runs its decode rows instead in
+decode group and per prefill chunk. On CPU with an unquantized fp32 or bf16 cache the decode rows run instead in
 one call of the C++ kernel ``roofline.kernels.cpu_paged_attention``, which reads the blocks where they lie
-(``decode_rows`` / ``decode_tables`` / ``decode_lens``); fp32 models keep SDPA, token-identical to HF.
+(``decode_rows`` / ``decode_tables`` / ``decode_lens``); the groups are the path where it is not built (no C++
+compiler) and for quantized caches.
 
 Quantized caches (int8, fp8_e4m3; ``roofline.kernels.common``): the store quantizes with the ref twins of
 the Triton store kernel, and both decode and prefill read K/V back from the cache and dequantize the rows
@@ -141,9 +142,9 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _use_cpu_kernel(self, q: torch.Tensor, cache: KVCache) -> bool:
-        """The C++ decode kernel (``roofline.kernels.cpu_paged_attention``) for a 16-bit model on CPU with an fp32 or
-        bf16 cache; its build failing is logged once and the SDPA path kept."""
-        if q.device.type != "cpu" or q.dtype not in (torch.bfloat16, torch.float16) or cache.is_quantized:
+        """The C++ decode kernel (``roofline.kernels.cpu_paged_attention``) on CPU with an unquantized fp32 or bf16
+        cache; its build failing is logged once and the SDPA path kept."""
+        if q.device.type != "cpu" or not q.dtype.is_floating_point or cache.is_quantized:
             return False
         from roofline.kernels import cpu_paged_attention as cpa
 
@@ -194,8 +195,7 @@ class TorchAttentionBackend(AttentionBackend):
         out = torch.empty_like(q)
         groups = meta.decode_groups
         if meta.decode_rows is not None and self._use_cpu_kernel(q, cache):
-            # 16-bit models on CPU: one C++ pass over the paged cache for every decode row (no gathers, no
-            # per-bucket SDPA); fp32 models keep SDPA below (token-identical to HF).
+            # One C++ pass over the paged cache for every decode row: no gathers, no per-bucket SDPA.
             from roofline.kernels.cpu_paged_attention import paged_decode_attention
 
             q32, o32 = q.float().contiguous(), torch.empty(q.shape, dtype=torch.float32)

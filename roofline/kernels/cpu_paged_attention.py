@@ -11,9 +11,10 @@ row's length (the stale tail of its last block) is read. Work items are the (row
 OpenMP (the same libgomp runtime as torch's: the library links ``libgomp.so.1``, which the process already has).
 
 Numerics: fp32 scores, softmax and accumulation, keys in order; K/V fp32 or bf16 (widened exactly). A row's
-result depends on its own context only (batch-invariant), but its summation order is not SDPA's, so
-``TorchAttentionBackend`` uses it for 16-bit models only (bf16/fp16 weights, an fp32 or bf16 cache), where the
-output is rounded to 16 bits anyway, and keeps SDPA for fp32 models (token-identical to HF).
+result depends on its own context only (batch-invariant). Its summation order is not SDPA's: the fp32 model stays
+token-identical to HF transformers on the parity tests (tests/test_parity.py, test_architectures.py,
+test_batch_invariance.py, test_prompt_logprobs.py pass with it), and a bf16 model agrees with the fp32 one as
+well as the SDPA path did (bench/results/cpu-attention-20261204/).
 
 Built on first use with the system C++ compiler (``g++ -O3 -march=native -fopenmp``, ~2 s) into
 ``$ROOFLINE_CACHE_DIR`` (default ``~/.cache/roofline``), keyed by the source and the CPU; loaded with ctypes.

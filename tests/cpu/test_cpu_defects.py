@@ -44,10 +44,10 @@ def test_bench_cpu_table_options_reach_the_table(monkeypatch):
 
     got = []
     monkeypatch.setattr(cpu_table, "table", lambda *a: got.append(a))
-    cpu.main(["--table", "--rounds", "2", "--tokens", "8", "--no-hf", "--head-ab"])
-    assert got == [(2, 8, None, False, None, True)]
+    cpu.main(["--table", "--rounds", "2", "--tokens", "8", "--no-hf", "--head-ab", "--prepack-ab"])
+    assert got == [(2, 8, None, False, None, True, True)]
     cpu.main(["--table", "--json", "rows.json"])
-    assert got[-1] == (3, 64, None, True, "rows.json", False)  # the defaults, filled after the checks
+    assert got[-1] == (3, 64, None, True, "rows.json", False, False)  # the defaults, filled after the checks
 
 
 @pytest.mark.parametrize("argv, message", [
