@@ -47,11 +47,13 @@ def decode_bucket(num_blocks: int, block_size: int) -> int:
     blocks), then the next multiple of that step. Block size 16: 1, 2, 4, 8, 16, 32, 64, then 96, 128, 160, ...
     (steps of 32 blocks, 512 keys). A function of the row alone, so its padding never depends on the batch.
 
-    Why so coarse: the CPU path runs one SDPA call (and its gathers) per bucket per layer, and on a small CPU
-    a call's fixed cost outweighs hundreds of padded keys of arithmetic. The main job (32 ShareGPT rows, 60 to
-    1,000 keys, 2 cores) took 0.78x the decode step with power-of-2 buckets against the former ~25% steps
-    (``bench/results/cpu-bucket-20261204/``). The cap bounds the padding of long rows (at most 511 keys past
-    1,024): the padded arithmetic grows with the row, a call's fixed cost does not.
+    Why so coarse: the CPU path runs one SDPA call (and its gathers: ~7 ops) per bucket per layer, and on a
+    small shared CPU a call's fixed cost (each op a 2-thread parallel region) can outweigh hundreds of padded
+    keys. The main job (32 ShareGPT rows, 60 to 1,000 keys; 4-5 groups instead of ~9, ~25% more keys gathered)
+    against the former ~25% steps: 0.78x the decode step on an AMD EPYC (``bench/results/cpu-head-20261204b``),
+    median 0.93x on an Intel Xeon with AMX, where the block gathers are memory-bound and padding costs more
+    (``bench/results/cpu-bucket-20261204``). The cap bounds the padding of long rows (at most 511 keys past
+    1,024 keys): padded work grows with the row, a call's fixed cost does not.
 
     Raises:
         ValueError: ``num_blocks`` < 1 or ``block_size`` < 1.
