@@ -102,15 +102,6 @@ def fastest_dtype(features: CpuFeatures) -> tuple[str, str]:
     return "float32", "no AVX-512 BF16 or AMX: bf16 would be converted in software"
 
 
-
-def attention_in_fp32(features: CpuFeatures, dtype: str) -> bool:
-    """Whether CPU attention (``roofline.attention.torch_backend``) runs a ``dtype`` model's SDPA in fp32: 16-bit
-    dtypes do, except bfloat16 with AMX-BF16. torch 2.13's CPU flash kernel, 32 rows x 320 keys, 9/3 heads, D 64,
-    1 thread: on an AMD EPYC Zen 5 (AVX-512 BF16, no AMX) bf16 7.0 ms against fp32 0.9 ms; on an Intel Xeon with
-    AMX bf16 0.77 ms against fp32 1.28 ms (issue 32). ``scripts/run.sh`` keeps the KV cache in float32 where
-    this is True (no per-step casts of gathered blocks), bfloat16 where not (half the bytes gathered)."""
-    return dtype in ("bfloat16", "float16") and not (dtype == "bfloat16" and features.amx_bf16)
-
 # Measured on the AMD EPYC Zen 5 of 2026-12-04 (2 threads, the default model, alternated in one run, decode step
 # against fp32's): float16 1.8-2.2x at batch 1 (torch's fp16 GEMV converts in registers and streams half fp32's
 # bytes), 0.39x at batch 32 (its fp16 GEMM above M = 1 is a software path); int4 (W4A16, group 64,

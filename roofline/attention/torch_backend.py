@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 from roofline.attention.backend import AttentionBackend, AttentionMetadata, tree_visibility
 from roofline.attention.kv_cache import KVCache
-from roofline.cpu import attention_in_fp32, detect_cpu_features
 from roofline.kernels.common import ref_dequantize
 from roofline.kernels.rope_cache import ref_rope_and_cache, ref_rotary, ref_write_kv_rows
 
@@ -147,11 +146,11 @@ class TorchAttentionBackend(AttentionBackend):
         k_blocks = cache.k.view(num_blocks, -1)  # [num_blocks, block_size * H_kv * D]: one row per block
         v_blocks = cache.v.view(num_blocks, -1)
 
-        # SDPA's dtype. On CPU, 16-bit attention runs in fp32 unless the CPU has AMX-BF16 (``attention_in_fp32``):
-        # torch 2.13's CPU flash kernel took 7.0 ms in bf16 against 0.9 ms in fp32 for 32 rows x 320 keys on an AMD
-        # EPYC Zen 5 without AMX, 0.77 ms against 1.28 ms on an Intel Xeon with AMX (issue 32).
-        sdpa_dtype = torch.float32 if q.device.type == "cpu" and attention_in_fp32(
-            detect_cpu_features(), str(q.dtype).removeprefix("torch.")) else q.dtype
+        # SDPA's dtype. On CPU, 16-bit attention runs in fp32: torch 2.13's CPU flash kernel took 7.0 ms in bf16
+        # against 0.9 ms in fp32 (+0.4 ms for the casts) for 32 rows x 320 keys (9/3 heads, D 64, 1 thread, AMD
+        # EPYC Zen 5, issue 32), which made `--dtype bfloat16` slower than fp32 at the main job's contexts.
+        sdpa_dtype = torch.float32 if q.device.type == "cpu" and q.dtype in (torch.bfloat16, torch.float16) \
+            else q.dtype
 
         def gather(blocks: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:
             """The cache's ``blocks`` [m] as rows, dequantized to ``sdpa_dtype``: [m * block_size, H_kv, D]."""
