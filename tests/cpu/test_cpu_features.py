@@ -1,4 +1,4 @@
-from roofline.cpu import attention_in_fp32, detect_cpu_features, fastest_dtype, parse_cpuinfo, startup_line
+from roofline.cpu import detect_cpu_features, fastest_dtype, parse_cpuinfo, startup_line
 
 ZEN5 = """processor\t: 0
 model name\t: AMD EPYC 9R45
@@ -37,15 +37,6 @@ def test_amx_needs_tile_flag():
     assert "int8 W8A8 dynamic on AMX-INT8" in startup_line(parse_cpuinfo(SPR), "bfloat16", 2, quantization="int8")
     assert parse_cpuinfo(SPR.replace("amx_tile ", "")).best_matrix_isa == "avx512_bf16"
 
-
-
-def test_attention_runs_bf16_only_on_amx_bf16():
-    # 16-bit SDPA runs in fp32 on CPU except bf16 where AMX-BF16 serves it (torch's bf16 flash kernel is 7.8x
-    # slower than fp32 without it, 1.7x faster with it); scripts/run.sh keeps a float32 KV cache where True.
-    zen5, spr = parse_cpuinfo(ZEN5), parse_cpuinfo(SPR)
-    assert [attention_in_fp32(zen5, d) for d in ("bfloat16", "float16", "float32")] == [True, True, False]
-    assert [attention_in_fp32(spr, d) for d in ("bfloat16", "float16", "float32")] == [False, True, False]
-    assert attention_in_fp32(parse_cpuinfo(SPR.replace("amx_tile ", "")), "bfloat16")
 
 def test_no_flags():
     f = parse_cpuinfo("")
