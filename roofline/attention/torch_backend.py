@@ -2,10 +2,11 @@
 
 ``build_metadata`` does every piece of host work once per step (shared by all layers):
 - decode rows (one new token) are padded to a length bucket that depends on **the row's own context
-  length only** (``decode_bucket``: whole blocks, at most ~25% padding), and rows with the same bucket form
-  one group. A row's reductions (QK^T, softmax, PV) therefore run over the same padded length whatever its
-  batch-mates are, so its output is bitwise the same alone and in any batch (issue 31 item 4: the former
-  groups padded to their longest row, which moved fp8 greedy outputs with the batch);
+  length only** (``decode_bucket``: whole blocks, powers of two, then steps of 512 keys), and rows with the
+  same bucket form one group (one SDPA call per group and layer: few buckets, few calls). A row's reductions
+  (QK^T, softmax, PV) therefore run over the same padded length whatever its batch-mates are, so its output is
+  bitwise the same alone and in any batch (issue 31 item 4: the former groups padded to their longest row,
+  which moved fp8 greedy outputs with the batch);
 - each group gets the block ids of its rows, [n * bucket] (padding blocks repeat the row's first block,
   which is written, so finite), its padding mask, and the flat positions of the stale tail of each row's
   last block (zeroed after the gather: a freed request may have left inf/NaN there, and 0 * NaN is NaN);
@@ -41,20 +42,36 @@ from roofline.kernels.rope_cache import ref_rope_and_cache, ref_rotary, ref_writ
 
 logger = logging.getLogger(__name__)
 
+# The widest step between decode buckets, in keys: a row pads by less than this (see ``decode_bucket``).
+DECODE_BUCKET_MAX_STEP_KEYS = 512
 
-def decode_bucket(num_blocks: int) -> int:
-    """Blocks a decode row with ``num_blocks`` blocks of context is padded to: 1, 2, 3, 4, then steps of ~25%
-    (5, 7, 9, 12, 15, 19, 24, ...). A function of the row alone, so its padding never depends on the batch.
+
+def decode_bucket(num_blocks: int, block_size: int) -> int:
+    """Blocks a decode row with ``num_blocks`` blocks of context is padded to: the next power of two until the
+    step between buckets reaches ``DECODE_BUCKET_MAX_STEP_KEYS`` keys (rounded down to a power of two of
+    blocks), then the next multiple of that step. Block size 16: 1, 2, 4, 8, 16, 32, 64, then 96, 128, 160, ...
+    (steps of 32 blocks, 512 keys). A function of the row alone, so its padding never depends on the batch.
+
+    Only the SDPA path uses buckets (quantized caches, or no C++ compiler for ``cpu_paged_attention``, which
+    reads each row's own length and needs none). Why so coarse: that path runs one SDPA call (and its gathers: ~7 ops) per bucket per layer, and on a
+    small shared CPU a call's fixed cost (each op a 2-thread parallel region) can outweigh hundreds of padded
+    keys. The main job (32 ShareGPT rows, 60 to 1,000 keys; 4-5 groups instead of ~9, ~25% more keys gathered)
+    against the former ~25% steps: 0.78x the decode step on an AMD EPYC (``bench/results/cpu-head-20261204b``),
+    0.96x / 0.98x on an Intel Xeon with AMX, where the block gathers are memory-bound and padding costs more
+    (``bench/results/cpu-bucket-20261204``). The cap bounds the padding of long rows (at most 511 keys past
+    1,024 keys): padded work grows with the row, a call's fixed cost does not.
 
     Raises:
-        ValueError: ``num_blocks`` < 1.
+        ValueError: ``num_blocks`` < 1 or ``block_size`` < 1.
     """
     if num_blocks < 1:
         raise ValueError(f"num_blocks must be >= 1, got {num_blocks}")
-    b = 1
-    while b < num_blocks:
-        b = b + 1 if b < 4 else (b * 5 + 3) // 4
-    return b
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    max_step = 1 << max(DECODE_BUCKET_MAX_STEP_KEYS // block_size, 1).bit_length() - 1  # power of two, >= 1
+    # Round up to a multiple of the step: half the next power of two (so the result is that power), or max_step.
+    step = min(max_step, 1 << max((num_blocks - 1).bit_length() - 1, 0))
+    return -(-num_blocks // step) * step
 
 
 @dataclass
@@ -108,7 +125,7 @@ class TorchAttentionBackend(AttentionBackend):
         groups: dict[int, list[int]] = {}
         for i, n in enumerate(qlens):
             if n == 1:
-                groups.setdefault(decode_bucket(-(-slens[i] // bs)), []).append(i)
+                groups.setdefault(decode_bucket(-(-slens[i] // bs), bs), []).append(i)
         for bucket, rows in sorted(groups.items()):
             ids, stale = [], []
             for j, i in enumerate(rows):

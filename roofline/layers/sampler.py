@@ -59,10 +59,16 @@ NONFINITE_MESSAGE = ("sampling distribution is not finite (check repetition_pena
                      "frequency_penalty/logit_bias, or the model's logits)")
 
 
-def nonfinite_rows(logits: torch.Tensor, probs: torch.Tensor | None = None) -> torch.Tensor:
+def nonfinite_rows(logits: torch.Tensor, probs: torch.Tensor | None = None,
+                   row_max: torch.Tensor | None = None) -> torch.Tensor:
     """[N] bool: rows of ``logits`` [N, V] (after penalties; -inf is a legal mask) holding NaN or +inf, or
-    rows of ``probs`` [N, V] holding NaN. Device-side, no host sync."""
-    bad = (logits.isnan() | logits.isposinf()).any(dim=-1)
+    rows of ``probs`` [N, V] holding NaN. Device-side, no host sync. ``row_max``: ``logits.max(dim=-1)``'s
+    values where the caller has them. A row's max is NaN or +inf exactly when the row holds one (max
+    propagates NaN), so one pass over [N, V] (none with ``row_max``) replaces isnan, isposinf, or and any
+    (CPU, [32, 49152] fp32, 2 threads: 0.43 ms against 2.4 ms with the argmax, issue 32)."""
+    if row_max is None:
+        row_max = logits.amax(dim=-1)
+    bad = row_max.isnan() | row_max.isposinf()
     if probs is not None:
         bad |= probs.isnan().any(dim=-1)
     return bad
@@ -137,10 +143,10 @@ class Sampler:
         logits = apply_penalties(logits.float(), md)
         if md.banned_mask is not None:
             logits = logits.masked_fill(md.banned_mask, float("-inf"))
-        greedy_ids = logits.argmax(dim=-1)
+        row_max, greedy_ids = logits.max(dim=-1)  # one pass: the argmax (first of ties) and the finiteness check
         if md.all_greedy:
             token_ids = greedy_ids
-            nonfinite = nonfinite_rows(logits)
+            nonfinite = nonfinite_rows(logits, row_max=row_max)
         else:
             temps = md.temperatures.clamp(min=1e-5)[:, None]
             scaled = apply_top_k_top_p_min_p(logits / temps, md.top_ks, md.top_ps, md.min_ps)
@@ -154,7 +160,7 @@ class Sampler:
                     noise[i].exponential_(generator=g)
             random_ids = (probs / noise).argmax(dim=-1)
             token_ids = torch.where(md.temperatures < 1e-5, greedy_ids, random_ids)
-            nonfinite = nonfinite_rows(logits, probs)
+            nonfinite = nonfinite_rows(logits, probs, row_max)
         if md.max_num_logprobs < 0:
             return SamplerOutput(token_ids, None, None, None, None, nonfinite)
         so = token_logprobs(raw, token_ids, md.max_num_logprobs)

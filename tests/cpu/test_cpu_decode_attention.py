@@ -14,14 +14,22 @@ from roofline.attention.torch_backend import TorchAttentionBackend, decode_bucke
 NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, BLOCK_SIZE, NUM_BLOCKS = 9, 3, 64, 16, 64
 
 
-def test_decode_bucket_pads_by_at_most_a_quarter():
-    assert [decode_bucket(n) for n in range(1, 13)] == [1, 2, 3, 4, 5, 7, 7, 9, 9, 12, 12, 12]
-    for n in range(1, 600):
-        b = decode_bucket(n)
-        assert n <= b <= 1.25 * n + 1
-        assert decode_bucket(b) == b  # a bucket is its own bucket
+def test_decode_bucket_is_a_power_of_two_then_steps_of_512_keys():
+    assert [decode_bucket(n, 16) for n in range(1, 18)] == [1, 2, 4, 4] + [8] * 4 + [16] * 8 + [32]
+    assert [decode_bucket(n, 16) for n in (32, 33, 64, 65, 96, 97, 1000)] == [32, 64, 64, 96, 96, 128, 1024]
+    assert [decode_bucket(n, 1) for n in (300, 512, 513, 1025, 1537)] == [512, 512, 1024, 1536, 2048]
+    assert [decode_bucket(n, 48) for n in (9, 17, 25)] == [16, 24, 32]  # 512 // 48 = 10 -> steps of 8 blocks
+    assert [decode_bucket(n, 1024) for n in (1, 2, 3, 7)] == [1, 2, 3, 7]  # blocks of 1,024 keys: no padding
+    for bs in (1, 16, 48, 1024):
+        for n in range(1, 600):
+            b = decode_bucket(n, bs)
+            assert n <= b < 2 * n or b == n == 1
+            assert (b - n) * bs < 512  # at most 511 padded keys
+            assert decode_bucket(b, bs) == b  # a bucket is its own bucket
     with pytest.raises(ValueError, match="num_blocks must be >= 1, got 0"):
-        decode_bucket(0)
+        decode_bucket(0, 16)
+    with pytest.raises(ValueError, match="block_size must be >= 1, got 0"):
+        decode_bucket(4, 0)
 
 
 def _decode(backend, cache, q_rows, tables, lens):

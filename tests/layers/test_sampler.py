@@ -14,6 +14,7 @@ from roofline.layers.sampler import (
     SamplingMetadata,
     apply_penalties,
     apply_top_k_top_p_min_p,
+    nonfinite_rows,
     token_logprobs,
 )
 
@@ -218,6 +219,19 @@ def test_greedy_picks_the_argmax_after_penalties_and_bans():
                  output_counts=counts, banned=banned)
     # Row 0: 2.0 / 1.5 = 1.33 < 1.9. Row 1: nothing seen. Row 2: tokens 0 and 1 banned (min_tokens).
     assert Sampler()(logits, md).token_ids.tolist() == [1, 0, 3]
+
+
+def test_greedy_takes_the_first_of_tied_maxima_and_flags_nan_and_posinf_rows():
+    inf, nan = float("inf"), float("nan")
+    logits = torch.tensor([[1.0, 3.0, 3.0, 0.0], [nan, 5.0, 1.0, 0.0], [-inf] * 4, [inf, 2.0, nan, 1.0],
+                           [0.0, 0.0, -inf, 0.0], [-1.0, -inf, inf, -2.0]])
+    out = Sampler()(logits, make_md(6, [0.0] * 6))
+    assert out.token_ids[[0, 2, 4]].tolist() == [1, 0, 0]  # ties: the first index, as argmax
+    assert out.nonfinite.tolist() == [False, True, False, True, False, True]  # -inf alone is a legal mask
+    assert nonfinite_rows(logits).tolist() == out.nonfinite.tolist()  # the same without the row max
+    probs = torch.full((6, 4), 0.25)
+    probs[4, 1] = nan
+    assert nonfinite_rows(logits, probs).tolist() == [False, True, False, True, True, True]
 
 
 # --------------------------------------------------------------------------------------------------
