@@ -169,7 +169,7 @@ class TorchAttentionBackend(AttentionBackend):
         if why is not None:
             if not getattr(TorchAttentionBackend, "_kernel_note_logged", False):
                 TorchAttentionBackend._kernel_note_logged = True
-                logger.info("CPU decode attention: the C++ kernel is not used (%s); gathers + SDPA instead", why)
+                logger.warning("CPU decode attention: the C++ kernel is not used (%s); gathers + SDPA instead", why)
             return False
         return cpa.supports(q.shape[1], q.shape[2], cache.k)
 

@@ -16,10 +16,11 @@ token-identical to HF transformers on the parity tests (tests/test_parity.py, te
 test_batch_invariance.py, test_prompt_logprobs.py pass with it), and a bf16 model agrees with the fp32 one as
 well as the SDPA path did (bench/results/cpu-attention-20261204/).
 
-Built on first use with the system C++ compiler (``g++ -O3 -march=native -fopenmp``, ~2 s) into
-``$ROOFLINE_CACHE_DIR`` (default ``~/.cache/roofline``), keyed by the source and the CPU; loaded with ctypes.
-Without a compiler, or if the build fails, :func:`available` is False and the caller keeps the torch path
-(one log line says why). ``ROOFLINE_CPU_ATTENTION=0`` (or ``ENABLED = False``, read at each call) turns it off.
+Built on first use with the system C++ compiler (``g++ -O3 -march=native -fopenmp``, ~1 s) into
+``$ROOFLINE_CACHE_DIR`` (default ``~/.cache/roofline``), keyed by the source and the CPU; loaded with ctypes. A
+cache directory that cannot be used, or a cached file that does not load (truncated), falls back to a rebuild in a
+private temporary directory. Without a compiler, or if the build fails, :func:`unavailable_reason` says why and
+the caller keeps the torch path (one warning). ``ROOFLINE_CPU_ATTENTION=0`` (or ``ENABLED = False``, read at each call) turns it off.
 """
 
 from __future__ import annotations
@@ -143,25 +144,51 @@ def _build() -> ctypes.CDLL | str:
     if cxx is None:
         return "no C++ compiler (g++) on PATH"
     tag = hashlib.sha256(_SOURCE.encode()).hexdigest()[:12]
-    so = _cache_dir() / f"cpu_paged_attention-{tag}-{_cpu_key()}.so"
-    if not so.exists():
-        so.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=so.parent) as tmp:
-            src = Path(tmp) / "kernel.cpp"
-            src.write_text(_SOURCE)
-            out = Path(tmp) / so.name
-            cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(out), str(src)]
+    name = f"cpu_paged_attention-{tag}-{_cpu_key()}.so"
+    why = ""
+    # The cache directory first; if it is unusable (not writable, not a directory) or its file does not load (a
+    # truncated or foreign file), a private temporary directory: the engine never fails for want of a cache.
+    for where in (_cache_dir(), None):
+        try:
+            lib = _compile_and_load(cxx, name, where)
+        except (OSError, subprocess.SubprocessError) as e:
+            why = f"{why}; " if why else ""
+            why += f"{'the cache ' + str(where) if where else 'a temporary directory'}: {type(e).__name__}: {e}"
+            continue
+        return lib  # the library, or the compiler's refusal (another directory would not change it)
+    return f"the build failed ({why})"
+
+
+def _compile_and_load(cxx: str, name: str, where: Path | None) -> ctypes.CDLL | str:
+    """Build (unless ``where`` already holds ``name``) and load; ``where`` None: a fresh temporary directory.
+    Returns the library, or a string when the compiler refused the source; OSError for file-system trouble."""
+    if where is not None:
+        so = where / name
+        if so.exists():
             try:
-                r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
-            except (OSError, subprocess.TimeoutExpired) as e:
-                return f"the build failed ({e})"
-            if r.returncode != 0:
-                return f"the build failed: {' '.join(cmd)}: {r.stderr.strip()[-400:]}"
-            os.replace(out, so)  # atomic: a concurrent process sees the whole file or none
+                return _load(so)
+            except OSError:
+                so.unlink()  # a truncated or foreign file: rebuild it below
+        where.mkdir(parents=True, exist_ok=True)
+    base = Path(tempfile.mkdtemp(prefix="roofline-cpu-kernel-")) if where is None else where
+    with tempfile.TemporaryDirectory(dir=base) as tmp:
+        src = Path(tmp) / "kernel.cpp"
+        src.write_text(_SOURCE)
+        out = Path(tmp) / name
+        cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(out), str(src)]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        if r.returncode != 0:
+            return f"the build failed: {' '.join(cmd)}: {r.stderr.strip()[-400:]}"
+        so = base / name
+        os.replace(out, so)  # atomic: a concurrent process sees the whole file or none
+    return _load(so)
+
+
+def _load(so: Path) -> ctypes.CDLL:
     lib = ctypes.CDLL(str(so))
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    for name in ("roofline_decode_f32", "roofline_decode_bf16"):
-        fn = getattr(lib, name)
+    for fn_name in ("roofline_decode_f32", "roofline_decode_bf16"):
+        fn = getattr(lib, fn_name)
         fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
         fn.restype = None
     return lib

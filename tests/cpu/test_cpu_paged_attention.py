@@ -125,3 +125,52 @@ def test_bf16_engine_with_the_kernel_keeps_the_sdpa_path_tokens(monkeypatch):
             assert abs(g.outputs[0].logprobs[pos][a].logprob - lp[a].logprob) < LP_TOL
             compared += 1
     assert compared >= 0.75 * 4 * 24
+
+
+@pytest.fixture
+def fresh_build(monkeypatch):
+    """``_build`` re-run under the test's environment, and forgotten afterwards."""
+    cpa._build.cache_clear()
+    yield monkeypatch
+    cpa._build.cache_clear()
+
+
+def test_an_unusable_cache_dir_or_a_corrupt_cached_file_still_builds(fresh_build, tmp_path):
+    a_file = tmp_path / "not-a-dir"
+    a_file.write_text("x")
+    fresh_build.setenv("ROOFLINE_CACHE_DIR", str(a_file))  # mkdir fails: a private temporary directory instead
+    assert cpa.unavailable_reason() is None
+    cpa._build.cache_clear()
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    tag = __import__("hashlib").sha256(cpa._SOURCE.encode()).hexdigest()[:12]
+    so = cache / f"cpu_paged_attention-{tag}-{cpa._cpu_key()}.so"
+    so.write_bytes(b"truncated")  # a half-written or foreign file under the kernel's name (never loaded before)
+    fresh_build.setenv("ROOFLINE_CACHE_DIR", str(cache))
+    assert cpa.unavailable_reason() is None and so.stat().st_size > 1000  # rebuilt in place
+    q, k, v, tables, lens, rows = _case([20], 9, 3, 64, 16, torch.float32)
+    out = torch.zeros_like(q)
+    cpa.paged_decode_attention(q, k, v, tables, lens, rows, 0.125, out)
+    assert (out[rows[0]].double() - _oracle(q, k, v, tables, lens, rows, 0.125)[int(rows[0])]).abs().max() < 2e-6
+
+
+def test_no_compiler_falls_back_to_sdpa_with_one_warning(fresh_build, caplog, tmp_path):
+    from roofline import LLM, SamplingParams
+
+    fresh_build.setenv("ROOFLINE_CACHE_DIR", str(tmp_path))  # nothing cached there (a cached build needs no compiler)
+    fresh_build.setenv("CXX", "/nonexistent/g++")
+    why = cpa.unavailable_reason()
+    assert why is not None and why.startswith("the build failed (") and "/nonexistent/g++" in why
+    llm = LLM(device="cpu", dtype="float32", max_model_len=256, attention_backend="torch")
+    with caplog.at_level("WARNING"):
+        out = llm.generate(["Once upon a time"], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
+    assert any("the C++ kernel is not used" in r.getMessage() and "/nonexistent/g++" in r.getMessage()
+               for r in caplog.records) or torch_backend_logged_before()
+
+
+def torch_backend_logged_before() -> bool:
+    """The warning is logged once per process: an earlier test may have taken it."""
+    from roofline.attention.torch_backend import TorchAttentionBackend
+
+    return getattr(TorchAttentionBackend, "_kernel_note_logged", False)
