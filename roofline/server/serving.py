@@ -153,8 +153,8 @@ class OpenAIServing:
             raise bad_request(
                 f"This model's maximum context length is {limit} tokens, but {num_prompt_tokens + max_tokens} "
                 f"were requested ({num_prompt_tokens} in the {prompt_param}, {max_tokens} for the "
-                f"completion); {max_tokens_param} must be in [1, {limit - num_prompt_tokens}] for this "
-                f"{prompt_param}", param=max_tokens_param, code="context_length_exceeded")
+                f"completion); {max_tokens_param} must be in [1, {limit - num_prompt_tokens}] for "
+                f"{'these' if prompt_param.endswith('s') else 'this'} {prompt_param}", param=max_tokens_param, code="context_length_exceeded")
         return max_tokens
 
     def common_checks(self, req: P._SamplingFields) -> None:
