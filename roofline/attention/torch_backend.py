@@ -122,10 +122,17 @@ class TorchAttentionBackend(AttentionBackend):
         # Free on CPU; on a GPU it would sync, and the triton backend handles the store there.
         out.all_slots_valid = dev.type == "cpu" and bool((meta.slot_mapping >= 0).all())
         tables = meta.block_tables.cpu() if dev.type != "cpu" else meta.block_tables
+        dec = [i for i, n in enumerate(qlens) if n == 1]
+        if dec and dev.type == "cpu" and self._use_cpu_kernel(self.kv_pool.caches[0]):
+            # The C++ kernel reads each row's own blocks: no buckets, groups or padding masks this step.
+            idx = torch.tensor(dec, dtype=torch.long)
+            out.decode_rows = torch.tensor([first_row[i] for i in dec], dtype=torch.long)
+            out.decode_tables = tables.index_select(0, idx).long().contiguous()
+            out.decode_lens = torch.tensor([slens[i] for i in dec], dtype=torch.long)
+            dec = []
         groups: dict[int, list[int]] = {}
-        for i, n in enumerate(qlens):
-            if n == 1:
-                groups.setdefault(decode_bucket(-(-slens[i] // bs), bs), []).append(i)
+        for i in dec:
+            groups.setdefault(decode_bucket(-(-slens[i] // bs), bs), []).append(i)
         for bucket, rows in sorted(groups.items()):
             ids, stale = [], []
             for j, i in enumerate(rows):
@@ -140,12 +147,6 @@ class TorchAttentionBackend(AttentionBackend):
                 rows=torch.tensor([first_row[i] for i in rows], dtype=torch.long, device=dev),
                 blocks=torch.tensor(ids, dtype=torch.long, device=dev),
                 pad=keep[:, None, None, :].to(dev), stale=torch.tensor(stale, dtype=torch.long, device=dev)))
-        dec = [i for i, n in enumerate(qlens) if n == 1]
-        if dec and dev.type == "cpu":
-            idx = torch.tensor(dec, dtype=torch.long)
-            out.decode_rows = torch.tensor([first_row[i] for i in dec], dtype=torch.long)
-            out.decode_tables = tables.index_select(0, idx).long().contiguous()
-            out.decode_lens = torch.tensor([slens[i] for i in dec], dtype=torch.long)
         for i, (q_len, seq_len) in enumerate(zip(qlens, slens, strict=True)):
             if q_len <= 1:
                 continue
@@ -158,10 +159,11 @@ class TorchAttentionBackend(AttentionBackend):
             out.prefills.append(PrefillChunk(first_row[i], q_len, seq_len, tables[i, :nb].long().to(dev), mask))
         return out
 
-    def _use_cpu_kernel(self, q: torch.Tensor, cache: KVCache) -> bool:
-        """The C++ decode kernel (``roofline.kernels.cpu_paged_attention``) on CPU with an unquantized fp32 or bf16
-        cache; its build failing is logged once and the SDPA path kept."""
-        if q.device.type != "cpu" or not q.dtype.is_floating_point or cache.is_quantized:
+    def _use_cpu_kernel(self, cache: KVCache) -> bool:
+        """The C++ decode kernel (``roofline.kernels.cpu_paged_attention``) for this step's decode rows: an
+        unquantized fp32 or bf16 CPU cache (checked once per step, in ``build_metadata``); its build failing is
+        logged once and the SDPA path kept."""
+        if cache.is_quantized:
             return False
         from roofline.kernels import cpu_paged_attention as cpa
 
@@ -171,7 +173,7 @@ class TorchAttentionBackend(AttentionBackend):
                 TorchAttentionBackend._kernel_note_logged = True
                 logger.warning("CPU decode attention: the C++ kernel is not used (%s); gathers + SDPA instead", why)
             return False
-        return cpa.supports(q.shape[1], q.shape[2], cache.k)
+        return cpa.supports(self.num_heads, self.head_dim, cache.k)
 
     def forward(self, q, k, v, positions, cache: KVCache, meta):
         if self.is_calibrating:
@@ -210,8 +212,7 @@ class TorchAttentionBackend(AttentionBackend):
                 else rows
 
         out = torch.empty_like(q)
-        groups = meta.decode_groups
-        if meta.decode_rows is not None and self._use_cpu_kernel(q, cache):
+        if meta.decode_rows is not None:
             # One C++ pass over the paged cache for every decode row: no gathers, no per-bucket SDPA.
             from roofline.kernels.cpu_paged_attention import paged_decode_attention
 
@@ -219,8 +220,7 @@ class TorchAttentionBackend(AttentionBackend):
             paged_decode_attention(q32, cache.k, cache.v, meta.decode_tables, meta.decode_lens, meta.decode_rows,
                                    self.scale, o32)
             out.index_copy_(0, meta.decode_rows, o32.index_select(0, meta.decode_rows).to(out.dtype))
-            groups = []
-        for g in groups:
+        for g in meta.decode_groups:
             n = g.rows.shape[0]
             kg = gather(g.blocks, k_blocks, cache.k_scale)  # [n * L, H_kv, D]
             vg = gather(g.blocks, v_blocks, cache.v_scale)

@@ -116,12 +116,21 @@ def test_negative_slot_is_not_stored():
     assert v_cache.view(8, 1, 8)[7].eq(0).all()
 
 
-def test_metadata_is_built_once_per_step():
-    """build_metadata precomputes the gather indices; forward reuses them for every layer."""
+def test_metadata_is_built_once_per_step(monkeypatch):
+    """build_metadata precomputes the gather indices (the SDPA path) or the C++ kernel's rows, tables and lengths,
+    never both; forward reuses them for every layer."""
+    from roofline.kernels import cpu_paged_attention as cpa
+
     backend = TorchAttentionBackend(2, 1, 8, SimpleNamespace(cos_sin_cache=torch.zeros(16, 8)))
     backend.allocate_kv_cache(2, 4, 4, torch.float32, torch.device("cpu"))
     meta = make_meta([[1, 2], [3]], [5, 0], [1, 3])
+    if cpa.unavailable_reason() is None:
+        k = backend.build_metadata(meta)
+        assert k.decode_groups == [] and k.decode_rows.tolist() == [0] and k.decode_lens.tolist() == [6]
+        assert k.decode_tables.tolist() == [[1, 2]] and len(k.prefills) == 1
+    monkeypatch.setattr(cpa, "ENABLED", False)  # the SDPA path's groups
     built = backend.build_metadata(meta)
+    assert built.decode_rows is None
     assert [g.rows.tolist() for g in built.decode_groups] == [[0]]
     assert built.decode_groups[0].blocks.tolist() == [1, 2]  # context 6 = 2 blocks of 4, bucket 2
     assert built.decode_groups[0].pad.flatten().tolist() == [True] * 6 + [False] * 2
