@@ -5,7 +5,8 @@
 #   MOE_DECODE=1 bash bench/gpu_moe.sh decode   # bench decode at both MoE shapes (dummy weights; ~3.5 min)
 #   bash bench/gpu_moe.sh after           # one step (e.g. after a tune committed in the repo)
 # Everything lands in $OUT: logs, bench JSONs, moe_tune.json (every timing), NVIDIA_H200.json (the table: commit it
-# as roofline/kernels/moe_configs/NVIDIA_H200.json). Env: TUNE_BUDGET (s, default 150), QUANTS (none,int8,fp8).
+# as roofline/kernels/moe_configs/NVIDIA_H200.json). Env: TUNE_BUDGET (s, default 150), QUANTS (none,int8,fp8);
+# TUNE_TOKENS / TUNE_FORMATS (re-tune only those M / formats) with TUNE_MERGE=1 (keep the committed table's other cells).
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/moe_out}
@@ -42,7 +43,8 @@ for step in $STEPS; do
     ;;
   tune)  # the grid of configs per M at both shapes, bf16 then int8 then fp8 (cells past the budget: heuristic)
     PYTHONPATH=$NEW timeout $(( ${TUNE_BUDGET:-150} + 70 )) python3 bench/gpu_moe_tune.py --budget-s "${TUNE_BUDGET:-150}" \
-      --out "$OUT/moe_tune.json" --table "$OUT/NVIDIA_H200.json" > "$OUT/moe-tune.log" 2>&1
+      --out "$OUT/moe_tune.json" --table "$OUT/NVIDIA_H200.json" ${TUNE_TOKENS:+--tokens $TUNE_TOKENS} \
+      ${TUNE_FORMATS:+--formats $TUNE_FORMATS} ${TUNE_MERGE:+--merge $TABLE} > "$OUT/moe-tune.log" 2>&1
     echo "tune rc $?" | tee -a "$OUT/log"; grep -E "M=|budget|wrote|Error" "$OUT/moe-tune.log" | tail -90 | tee -a "$OUT/log"
     [ -s "$OUT/NVIDIA_H200.json" ] && mkdir -p "$(dirname $TABLE)" && cp "$OUT/NVIDIA_H200.json" $TABLE
     ;;

@@ -3,6 +3,7 @@ count M, time a small grid of ``MoeConfig``s (and the expert loop) and write the
 (``roofline/kernels/moe_configs/<device>.json``, the layout of ``roofline.kernels.fused_moe_config``).
 
     python bench/gpu_moe_tune.py --out $OUT/moe_tune.json --table $OUT/NVIDIA_H200.json
+    (with --tokens 1,2,4,8 --merge roofline/kernels/moe_configs/NVIDIA_H200.json: only those cells re-tuned)
 
 Timing: each candidate runs inside one CUDA graph of R calls (R routings drawn in advance, so consecutive calls
 touch different experts and the weights come from DRAM, not from the 50 MB L2), median of rounds of
@@ -33,6 +34,8 @@ from roofline.model_config import model_preset
 
 TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 GEMV = [(4, 512, 4), (8, 512, 4), (16, 512, 4), (8, 256, 4), (16, 1024, 8), (8, 1024, 8)]  # block_n, block_k, warps
+# The GEMV path's down kernel (down_block_n, down_block_k, down_num_warps), tried on the best gate_up tile.
+DOWN = [(4, 256, 4), (4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 8), (4, 1024, 4), (2, 1024, 4)]
 GROUPED_SMALL = [(16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3), (16, 64, 256, 1, 4, 3), (32, 64, 128, 1, 4, 4),
                  (32, 128, 64, 1, 4, 4), (16, 32, 256, 1, 4, 4)]
 GROUPED_MID = [(32, 128, 64, 8, 4, 4), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (64, 128, 128, 8, 4, 3),
@@ -93,7 +96,8 @@ def tune_cell(m: int, shape: tuple[int, int, int, int], w: dict, quant: str | No
         lambda: [ref_fused_moe(x, *wargs, tw, ids, *scales) for x, tw, ids in routes], dev, 3, 1)) / reps
     best: tuple[float, MoeConfig] | None = None
     rows = []
-    for cfg in candidates(m, num_experts, top_k, inter, hidden, quant is not None):
+
+    def measure(cfg: MoeConfig) -> tuple[float | None, float | None]:
         try:
             out = fused_moe(x0, *wargs, tw0, ids0, *scales, config=cfg).float()
             err = ((out - ref).abs().max() / ref.abs().max()).item()
@@ -104,10 +108,22 @@ def tune_cell(m: int, shape: tuple[int, int, int, int], w: dict, quant: str | No
             del g
         except Exception as exc:  # noqa: BLE001 - a config that does not fit is skipped, logged
             rows.append(dict(config=cfg.to_dict(), error=f"{type(exc).__name__}: {str(exc)[:160]}"))
-            continue
+            return None, None
         rows.append(dict(config=cfg.to_dict(), us=t * 1e6, rel_err=err))
-        if best is None or t < best[0]:
+        return t, err
+
+    for cfg in candidates(m, num_experts, top_k, inter, hidden, quant is not None):
+        t, err = measure(cfg)
+        if t is not None and (best is None or t < best[0]):
             best = (t, cfg)
+    if best is not None and best[1].path == "gemv":  # phase 2: the down kernel's own tile
+        for dn, dk, dw in DOWN:
+            cfg = dataclasses.replace(best[1], down_block_n=dn, down_block_k=dk, down_num_warps=dw)
+            if cfg.down_tile() == best[1].down_tile():
+                continue
+            t, err = measure(cfg)
+            if t is not None and t < best[0]:
+                best = (t, cfg)
     log = dict(m=m, loop_us=loop * 1e6, rows=rows)
     if best is None:
         return None, log, "no config ran"
@@ -119,7 +135,7 @@ def tune_cell(m: int, shape: tuple[int, int, int, int], w: dict, quant: str | No
         chosen = dict(dataclasses.asdict(MoeConfig(path="loop")), us=round(loop * 1e6, 2), fused_us=round(t * 1e6, 2),
                       fused_config=cfg.to_dict())
     line = (f"best {t * 1e6:9.1f} us ({cfg.path} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} g{cfg.group_m} "
-            f"w{cfg.num_warps} s{cfg.num_stages}), heuristic {default_us:9.1f} us, loop {loop * 1e6:9.1f} us "
+            f"w{cfg.num_warps} s{cfg.num_stages} down {cfg.down_tile()}), heuristic {default_us:9.1f} us, loop {loop * 1e6:9.1f} us "
             f"-> {chosen['path']}")
     return chosen, log, line
 
@@ -132,6 +148,7 @@ def main() -> int:
     p.add_argument("--budget-s", type=float, default=220.0)
     p.add_argument("--out", default="moe_tune.json", help="every timing")
     p.add_argument("--table", default="NVIDIA_H200.json", help="the table the kernel loads")
+    p.add_argument("--merge", default=None, help="start from this table and replace only the cells tuned now")
     args = p.parse_args()
     t_start = time.time()
     dev = "cuda"
@@ -140,6 +157,10 @@ def main() -> int:
     table: dict = {"_source": f"bench/gpu_moe_tune.py on the {device_name}, {time.strftime('%Y-%m-%d')}: per (E, "
                               f"N=I, K=H, dtype) and M the fastest correct config of <= 12 (CUDA-graph timing, "
                               f"routings rotated); path loop where the expert loop was faster"}
+    if args.merge:
+        kept = json.loads(Path(args.merge).read_text())
+        table = {**kept, "_source": f"{kept.get('_source', '')}; cells M={args.tokens} re-tuned "
+                                    f"{time.strftime('%Y-%m-%d')} (GEMV down kernel with the top-k sum, its own tile)"}
     log: list[dict] = []
     skipped: list[str] = []
 

@@ -36,10 +36,10 @@ for step in "$@"; do
         --out "$OUT/profile-$pm-b$pb${pq:+-$pq}.json" > "$OUT/profile-$pm-b$pb${pq:+-$pq}.log" 2>&1; echo "profile $spec rc $?" | tee -a "$OUT/log"
       grep -vi warn "$OUT/profile-$pm-b$pb${pq:+-$pq}.log" | grep -A22 "^model" | tee -a "$OUT/log"; done
     ;;
-  throughput)  # ShareGPT 1000 (carried .devcarry/sharegpt1000.json), one engine per weight format (TPUT_QUANTS)
-    for q in ${TPUT_QUANTS:-none fp8}; do
-      timeout ${TPUT_TIMEOUT:-200} bash -c "$(declare -f R); NEW=$NEW; R bench throughput --model llama-3-8b --dataset-file .devcarry/sharegpt1000.json --num-prompts 1000 --no-progress ${TPUT_ARGS:-} $([ $q != none ] && echo --quantization $q) --out-dir $OUT" \
-        > "$OUT/throughput-$q.log" 2>&1; echo "throughput $q rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/throughput-$q.log" | tail -4 | tee -a "$OUT/log"; done
+  throughput)  # ShareGPT 1000 (carried .devcarry/sharegpt1000.json), one engine per model (TPUT_MODELS) and weight format (TPUT_QUANTS)
+    for m in ${TPUT_MODELS:-llama-3-8b}; do for q in ${TPUT_QUANTS:-none fp8}; do
+      timeout ${TPUT_TIMEOUT:-200} bash -c "$(declare -f R); NEW=$NEW; R bench throughput --model $m --dataset-file .devcarry/sharegpt1000.json --num-prompts 1000 --no-progress ${TPUT_ARGS:-} $([ $q != none ] && echo --quantization $q) --out-dir $OUT" \
+        > "$OUT/throughput-$m-$q.log" 2>&1; echo "throughput $m $q rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/throughput-$m-$q.log" | tail -4 | tee -a "$OUT/log"; done; done
     ;;
   w8)  # the 8-bit weight-only mma GEMM: GPU tests, per-format sweep into the dispatch table, then end to end
     PYTHONPATH=$NEW timeout 200 python3 -m pytest -q --tb=short -p no:cacheprovider -m gpu tests/kernels/test_w8a16_mma.py tests/kernels/test_w4a16_mma.py -x \

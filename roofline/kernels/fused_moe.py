@@ -22,8 +22,9 @@ device by ``bench/gpu_moe_tune.py``, else a heuristic by M):
   3. ``_moe_down_kernel``: ``h @ w2[e]^T`` times the pair's routing weight -> [T*k, H]; then the top-k sum
      over the k slots of each token (a fixed-order sum, so the result does not depend on scheduling).
   Both GEMMs walk their tiles with the GROUP_M swizzle (row blocks of one expert share a weight tile in L2).
-- gemv (decode at small M): one program per (pair, ``block_n`` rows) streams its expert's rows once; only
-  the touched experts' weights are read.
+- gemv (decode at small M): gate_up, one program per (pair, ``block_n`` rows), streams its expert's rows
+  once; down, one program per (token, ``down_block_n`` rows), streams those rows of each of the token's k
+  experts in one loop and writes the weighted top-k sum itself. Only the touched experts' weights are read.
 - loop: the expert loop (``ref_fused_moe``, cuBLAS per expert), where the table measured it faster; outside
   CUDA-graph capture only (it syncs with the host).
 
@@ -316,41 +317,24 @@ if triton is not None:
             tl.store(out_ptr + ids[:, None].to(tl.int64) * stride_om + offs_n[None, :],
                      acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
-    @triton.jit
-    def _moe_sum_kernel(src_ptr, dst_ptr, H, TOP_K: tl.constexpr, K_PAD: tl.constexpr, BLOCK_H: tl.constexpr,
-                        PDL: tl.constexpr = 0):
-        """The top-k sum of the GEMV path: dst[t, h] = sum_j src[t * TOP_K + j, h], accumulated in fp32 and
-        rounded once (what torch's ``sum(dim=1)`` does, in one small launch instead of its strided reduction)."""
-        if PDL:  # src is the down GEMV's output
-            gdc_wait()
-            gdc_launch_dependents()
-        t = tl.program_id(0).to(tl.int64)
-        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-        offs_k = tl.arange(0, K_PAD)
-        mask = (offs_k[:, None] < TOP_K) & (offs_h[None, :] < H)
-        x = tl.load(src_ptr + (t * TOP_K + offs_k[:, None]) * H + offs_h[None, :], mask=mask, other=0.0)
-        tl.store(dst_ptr + t * H + offs_h, tl.sum(x.to(tl.float32), axis=0).to(dst_ptr.dtype.element_ty),
-                 mask=offs_h < H)
-
     @triton.jit(do_not_specialize=["a_row_div"])
-    def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, ids_ptr, N, K, a_row_div, stride_am, stride_we,
-                         stride_wn, stride_se, stride_om, GATE_UP: tl.constexpr, HAS_SCALE: tl.constexpr,
-                         MUL_WEIGHT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         EVEN_K: tl.constexpr, FP8: tl.constexpr = False, INT8: tl.constexpr = False,
-                         PDL: tl.constexpr = 0):
-        """The small-M path: program (pair, N tile) streams expert ids[pair]'s rows [n-tile] (and, for gate_up,
-        the matching up rows) once; a GEMV against the pair's activation row a[pair // a_row_div].
+    def _moe_gemv_kernel(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, N, K, a_row_div, stride_am, stride_we,
+                         stride_wn, stride_se, stride_om, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, FP8: tl.constexpr = False,
+                         INT8: tl.constexpr = False, PDL: tl.constexpr = 0):
+        """The small-M gate_up: program (pair, N tile) streams expert ids[pair]'s gate rows [n-tile] and the
+        matching up rows once; a GEMV against the pair's activation row a[pair // a_row_div], SiLU-and-mul in
+        registers -> h[pair, n-tile].
 
         As ``quant_gemv``'s one-row stream: [BLOCK_N, BLOCK_K] tiles with 16-byte loads along K, the next tile's
         loads issued before this tile's FMAs (register double buffering, one tile of DRAM latency in flight per
         program), products accumulated element-wise and reduced over K once after the loop.
 
-        PDL (``roofline.kernels.pdl``; 0 off): gate_up waits for the previous kernel first (its expert ids come
-        from the router); down, launched while gate_up drains, reads its expert id (written before gate_up began)
-        and issues its first weight tile, then waits for h. Both release the next kernel after the wait."""
+        PDL (``roofline.kernels.pdl``; 0 off): waits for the previous kernel first (the expert ids come from the
+        router) and then releases the next one (the down kernel, which streams its first weight tile early)."""
         pair = tl.program_id(0)
         pid_n = tl.program_id(1)
-        if PDL and GATE_UP:
+        if PDL:
             gdc_wait()
             gdc_launch_dependents()
         e = tl.load(ids_ptr + pair)
@@ -369,22 +353,12 @@ if triton is not None:
             kin = offs_k < K
             if EVEN_K:
                 g_next = tl.load(g_ptrs, mask=mask_n[:, None], other=0)
-            else:
-                g_next = tl.load(g_ptrs, mask=mask_n[:, None] & kin[None, :], other=0)
-            if PDL and not GATE_UP:
-                gdc_wait()  # the first weight tile is in flight; h comes from the gate_up kernel
-                gdc_launch_dependents()
-            if EVEN_K:
+                u_next = tl.load(u_ptrs, mask=mask_n[:, None], other=0)
                 x_next = tl.load(x_ptrs)
             else:
+                g_next = tl.load(g_ptrs, mask=mask_n[:, None] & kin[None, :], other=0)
+                u_next = tl.load(u_ptrs, mask=mask_n[:, None] & kin[None, :], other=0)
                 x_next = tl.load(x_ptrs, mask=kin[None, :], other=0.0)
-            if GATE_UP:
-                if EVEN_K:
-                    u_next = tl.load(u_ptrs, mask=mask_n[:, None], other=0)
-                else:
-                    u_next = tl.load(u_ptrs, mask=mask_n[:, None] & kin[None, :], other=0)
-            else:
-                u_next = g_next
             for k0 in range(0, K, BLOCK_K):
                 g = g_next
                 u = u_next
@@ -393,38 +367,93 @@ if triton is not None:
                 k1 = tl.minimum(k0 + BLOCK_K, last)
                 if EVEN_K:
                     g_next = tl.load(g_ptrs + k1, mask=mask_n[:, None], other=0)
+                    u_next = tl.load(u_ptrs + k1, mask=mask_n[:, None], other=0)
                     x_next = tl.load(x_ptrs + k1)
-                    if GATE_UP:
-                        u_next = tl.load(u_ptrs + k1, mask=mask_n[:, None], other=0)
                 else:
                     kin = (k1 + offs_k) < K
                     g_next = tl.load(g_ptrs + k1, mask=mask_n[:, None] & kin[None, :], other=0)
+                    u_next = tl.load(u_ptrs + k1, mask=mask_n[:, None] & kin[None, :], other=0)
                     x_next = tl.load(x_ptrs + k1, mask=kin[None, :], other=0.0)
-                    if GATE_UP:
-                        u_next = tl.load(u_ptrs + k1, mask=mask_n[:, None] & kin[None, :], other=0)
                 acc += x * _codes_f32(g, FP8, INT8)
-                if GATE_UP:
-                    acc_u += x * _codes_f32(u, FP8, INT8)
+                acc_u += x * _codes_f32(u, FP8, INT8)
             out = tl.sum(acc, axis=1)
-            s_base = s_ptr + e.to(tl.int64) * stride_se
+            up = tl.sum(acc_u, axis=1)
             if HAS_SCALE:
+                s_base = s_ptr + e.to(tl.int64) * stride_se
                 out = out * tl.load(s_base + offs_n, mask=mask_n, other=0.0)
-            if GATE_UP:
-                up = tl.sum(acc_u, axis=1)
-                if HAS_SCALE:
-                    up = up * tl.load(s_base + N + offs_n, mask=mask_n, other=0.0)
-                out = out * tl.sigmoid(out) * up
-            if MUL_WEIGHT:
-                out = out * tl.load(tw_ptr + pair)
+                up = up * tl.load(s_base + N + offs_n, mask=mask_n, other=0.0)
+            out = out * tl.sigmoid(out) * up
             tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty),
                      mask=mask_n)
-        elif MUL_WEIGHT:  # a pair routed to another rank adds 0 to the top-k sum (out needs no zero fill)
-            if PDL:
-                gdc_wait()
-                gdc_launch_dependents()
-            offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n,
-                     tl.zeros([BLOCK_N], out_ptr.dtype.element_ty), mask=offs_n < N)
+
+    @triton.jit
+    def _moe_down_sum_kernel(h_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, ids_ptr, N, K, stride_hm, stride_we,
+                             stride_wn, stride_se, stride_om, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                             FP8: tl.constexpr = False, INT8: tl.constexpr = False, PDL: tl.constexpr = 0):
+        """The small-M down projection with the routing-weight multiply and the top-k sum folded in: program
+        (token, N tile) streams rows [n-tile] of each of the token's TOP_K experts, one (slot, K tile) after
+        another in a single loop (the next tile, possibly the next expert's, is always in flight), and writes
+        out[token, n-tile] = sum_j topk_weights[token, j] * (w2[e_j] @ h[token * TOP_K + j])[n-tile] once.
+
+        The weight and the expert's channel scale multiply each slot's products before they join the fp32
+        accumulator, so the sum over slots and K is one accumulation, rounded to the output dtype once. A pair
+        routed to another rank (id -1) reads nothing and adds 0.
+
+        PDL: the expert ids were written before the gate_up kernel started (by the router), so the first weight
+        tile is loaded before the wait; h (the gate_up kernel's output) only after it."""
+        tok = tl.program_id(0).to(tl.int64)
+        pid_n = tl.program_id(1)
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < N
+        offs_k = tl.arange(0, BLOCK_K)
+        w_rows = offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BN, BK]
+        h_cols = offs_k[None, :] + 0 * offs_n[:, None]  # h through [BN, BK] pointers: the weight tile's layout
+        nk = tl.cdiv(K, BLOCK_K)
+        steps = TOP_K * nk
+        # tile 0: slot 0, K offset 0
+        e = tl.load(ids_ptr + tok * TOP_K)
+        w_mask = (mask_n & (e + 0 * offs_n >= 0))[:, None]
+        if not EVEN_K:
+            w_mask = w_mask & (offs_k < K)[None, :]
+        w_next = tl.load(w_ptr + tl.maximum(e, 0).to(tl.int64) * stride_we + w_rows, mask=w_mask, other=0)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        if EVEN_K:
+            h_next = tl.load(h_ptr + tok * TOP_K * stride_hm + h_cols)
+        else:
+            h_next = tl.load(h_ptr + tok * TOP_K * stride_hm + h_cols, mask=(offs_k < K)[None, :], other=0.0)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for t in range(0, steps):
+            slot = t // nk
+            pair = tok * TOP_K + slot
+            e = tl.load(ids_ptr + pair)
+            # this slot's multiplier: the routing weight (0 for another rank's expert) times the channel scale
+            mult = tl.where(e + 0 * offs_n >= 0, tl.load(tw_ptr + pair), 0.0)
+            if HAS_SCALE:
+                mult = mult * tl.load(s_ptr + tl.maximum(e, 0).to(tl.int64) * stride_se + offs_n, mask=mask_n,
+                                      other=0.0)
+            w = w_next
+            hx = h_next.to(tl.float32)
+            # Prefetch tile t + 1 (the last iteration re-reads its own tile, an L1/L2 hit).
+            t1 = tl.minimum(t + 1, steps - 1)
+            slot1 = t1 // nk
+            k1 = (t1 - slot1 * nk) * BLOCK_K
+            e1 = tl.load(ids_ptr + tok * TOP_K + slot1)
+            w_mask = (mask_n & (e1 + 0 * offs_n >= 0))[:, None]
+            if EVEN_K:
+                h_next = tl.load(h_ptr + (tok * TOP_K + slot1) * stride_hm + k1 + h_cols)
+            else:
+                kin = (k1 + offs_k) < K
+                w_mask = w_mask & kin[None, :]
+                h_next = tl.load(h_ptr + (tok * TOP_K + slot1) * stride_hm + k1 + h_cols, mask=kin[None, :],
+                                 other=0.0)
+            w_next = tl.load(w_ptr + tl.maximum(e1, 0).to(tl.int64) * stride_we + k1 + w_rows, mask=w_mask,
+                             other=0)
+            acc += (hx * _codes_f32(w, FP8, INT8)) * mult[:, None]
+        tl.store(out_ptr + tok * stride_om + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty),
+                 mask=mask_n)
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
@@ -498,47 +527,42 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         w13, w2 = w13.view(torch.uint8), w2.view(torch.uint8)
     h = torch.empty(num_pairs, inter, dtype=x.dtype, device=x.device)
     c = config
-    # The grouped path never visits a pair routed to another rank (-1): its rows of out must start at 0. CPU:
-    # checked (cheap); CUDA: zero-filled (no host sync). The GEMV path writes every row.
-    remote = None if x.is_cuda or c.path == "gemv" else bool((topk_ids < 0).any())
-    zero_fill = c.path != "gemv" and remote is not False
-    out = (torch.zeros if zero_fill else torch.empty)(num_pairs, hidden, dtype=x.dtype, device=x.device)
     if c.path == "gemv":
         ids = topk_ids.reshape(-1).contiguous()  # int64 or int32, read as is (no cast kernel)
         pdl = {"PDL": 1, "launch_pdl": True} if pdl_mode(x.device) else {}
-        for a, w, s, dst, n, k, gate_up in ((x, w13, s13, h, inter, hidden, True),
-                                            (h, w2, s2, out, hidden, inter, False)):
-            _moe_gemv_kernel[(num_pairs, triton.cdiv(n, c.block_n))](
-                a, w, s, dst, tw, ids, n, k, top_k if gate_up else 1, a.stride(0), w.stride(0), w.stride(1),
-                s.stride(0) if has_scale else 0, dst.stride(0), GATE_UP=gate_up, HAS_SCALE=has_scale,
-                MUL_WEIGHT=not gate_up, BLOCK_N=c.block_n, BLOCK_K=c.block_k, EVEN_K=k % c.block_k == 0, FP8=fp8,
-                INT8=int8, num_warps=c.num_warps, num_stages=1, **pdl)
-    else:
-        bm = c.block_m
-        ieee = x.dtype == torch.float32
-        sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, num_experts, bm)
-        num_blocks = expert_ids.numel()
-        _moe_gate_up_kernel[(num_blocks * triton.cdiv(inter, c.block_n),)](
-            x, w13, s13, h, sorted_ids, expert_ids, num_post, num_pairs, num_blocks, top_k, inter, hidden,
-            x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if has_scale else 0, h.stride(0),
-            HAS_SCALE=has_scale, IEEE=ieee, BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
-            FP8=fp8, num_warps=c.num_warps, num_stages=c.num_stages)
-        _moe_down_kernel[(num_blocks * triton.cdiv(hidden, c.block_n),)](
-            h, w2, s2, out, tw, sorted_ids, expert_ids, num_post, num_pairs, num_blocks, hidden, inter, h.stride(0),
-            w2.stride(0), w2.stride(1), s2.stride(0) if has_scale else 0, out.stride(0), HAS_SCALE=has_scale,
-            IEEE=ieee, BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, FP8=fp8,
-            num_warps=c.num_warps, num_stages=c.num_stages)
-    # The top-k sum over the k slots of each token in one reduction kernel (accumulated in fp32 for 16-bit
-    # dtypes, torch's reduction accumulator; rounded to x's dtype once). On the GEMV path (decode) our own small
-    # kernel: torch's strided reduce over the middle dim took 4.85 us per layer at M = 1 on the H200
-    # (bench/results/profile-20261204).
+        _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, c.block_n))](
+            x, w13, s13, h, ids, inter, hidden, top_k, x.stride(0), w13.stride(0), w13.stride(1),
+            s13.stride(0) if has_scale else 0, h.stride(0), HAS_SCALE=has_scale, BLOCK_N=c.block_n,
+            BLOCK_K=c.block_k, EVEN_K=hidden % c.block_k == 0, FP8=fp8, INT8=int8, num_warps=c.num_warps,
+            num_stages=1, **pdl)
+        # The down GEMV writes the top-k sum itself (no [T * k, H] buffer, no reduction launch).
+        out = torch.empty_like(x)
+        dn, dk, dw = c.down_tile()
+        _moe_down_sum_kernel[(num_tokens, triton.cdiv(hidden, dn))](
+            h, w2, s2, out, tw, ids, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1),
+            s2.stride(0) if has_scale else 0, out.stride(0), TOP_K=top_k, HAS_SCALE=has_scale, BLOCK_N=dn,
+            BLOCK_K=dk, EVEN_K=inter % dk == 0, FP8=fp8, INT8=int8, num_warps=dw, num_stages=1, **pdl)
+        return out
+    # The grouped path never visits a pair routed to another rank (-1): its rows of out must start at 0. CPU:
+    # checked (cheap); CUDA: zero-filled (no host sync).
+    remote = None if x.is_cuda else bool((topk_ids < 0).any())
+    out = (torch.zeros if remote is not False else torch.empty)(num_pairs, hidden, dtype=x.dtype, device=x.device)
+    bm = c.block_m
+    ieee = x.dtype == torch.float32
+    sorted_ids, expert_ids, num_post = moe_align_block_size(topk_ids, num_experts, bm)
+    num_blocks = expert_ids.numel()
+    _moe_gate_up_kernel[(num_blocks * triton.cdiv(inter, c.block_n),)](
+        x, w13, s13, h, sorted_ids, expert_ids, num_post, num_pairs, num_blocks, top_k, inter, hidden,
+        x.stride(0), w13.stride(0), w13.stride(1), s13.stride(0) if has_scale else 0, h.stride(0),
+        HAS_SCALE=has_scale, IEEE=ieee, BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m,
+        FP8=fp8, num_warps=c.num_warps, num_stages=c.num_stages)
+    _moe_down_kernel[(num_blocks * triton.cdiv(hidden, c.block_n),)](
+        h, w2, s2, out, tw, sorted_ids, expert_ids, num_post, num_pairs, num_blocks, hidden, inter, h.stride(0),
+        w2.stride(0), w2.stride(1), s2.stride(0) if has_scale else 0, out.stride(0), HAS_SCALE=has_scale,
+        IEEE=ieee, BLOCK_M=bm, BLOCK_N=c.block_n, BLOCK_K=c.block_k, GROUP_M=c.group_m, FP8=fp8,
+        num_warps=c.num_warps, num_stages=c.num_stages)
+    # The top-k sum over the k slots of each token in one fixed-order reduction (fp32 accumulation for 16-bit
+    # dtypes, torch's reduction accumulator; rounded to x's dtype once).
     if top_k == 1:
         return out.view(num_tokens, hidden)  # one slot: the sum is the slot itself (no reduction launch)
-    if c.path == "gemv":
-        final = torch.empty_like(x)
-        block_h = 256
-        _moe_sum_kernel[(num_tokens, triton.cdiv(hidden, block_h))](
-            out, final, hidden, TOP_K=top_k, K_PAD=triton.next_power_of_2(top_k), BLOCK_H=block_h, num_warps=4,
-            **({"PDL": 1, "launch_pdl": True} if pdl_mode(x.device) else {}))
-        return final
     return out.view(num_tokens, top_k, hidden).sum(dim=1)

@@ -35,6 +35,9 @@ class MoeConfig:
             path uses block_n (rows per program) and block_k (elements per row per step).
         group_m: blocks of rows that share one weight column tile in launch order (the L2 swizzle).
         num_warps, num_stages: Triton's launch options (num_stages: the software pipeline depth of tl.dot).
+        down_block_n, down_block_k, down_num_warps: the GEMV path's down kernel (one program per (token,
+            ``down_block_n`` rows), a loop over the token's k experts); 0: the same as block_n, block_k,
+            num_warps.
         fused_config: on the loop path, the fastest kernel config (what runs inside CUDA-graph capture).
     """
 
@@ -46,6 +49,9 @@ class MoeConfig:
     num_warps: int = 4
     num_stages: int = 3
     fused_config: MoeConfig | None = None
+    down_block_n: int = 0
+    down_block_k: int = 0
+    down_num_warps: int = 0
 
     def __post_init__(self):
         if self.path not in ("grouped", "gemv", "loop"):
@@ -54,10 +60,19 @@ class MoeConfig:
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"MoeConfig.{name} must be a power of two >= 1, got {v}")
+        for name in ("down_block_n", "down_block_k", "down_num_warps"):
+            v = getattr(self, name)
+            if v < 0 or v & (v - 1):
+                raise ValueError(f"MoeConfig.{name} must be 0 (as the gate_up tile) or a power of two, got {v}")
         if self.path == "grouped" and self.block_m < 16:
             raise ValueError(f"MoeConfig.block_m must be >= 16 on the grouped path (tl.dot), got {self.block_m}")
         if not 1 <= self.num_stages <= 8:
             raise ValueError(f"MoeConfig.num_stages must be in [1, 8], got {self.num_stages}")
+
+    def down_tile(self) -> tuple[int, int, int]:
+        """(block_n, block_k, num_warps) of the GEMV path's down kernel."""
+        return (self.down_block_n or self.block_n, self.down_block_k or self.block_k,
+                self.down_num_warps or self.num_warps)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
@@ -108,7 +123,11 @@ def default_config(num_tokens: int, num_experts: int, top_k: int, inter: int, hi
         block_n = 16
         while block_n > 4 and pairs * -(-min(inter, hidden) // block_n) < 4 * num_sms:
             block_n //= 2  # >= 4 programs per SM on both GEMVs
-        return MoeConfig(path="gemv", block_n=block_n, block_k=block_k, num_warps=4, num_stages=1)
+        down_n = 16  # the down kernel's grid is (token, H / down_n): the same >= 4 programs per SM, >= 4 rows
+        while down_n > 4 and num_tokens * -(-hidden // down_n) < 4 * num_sms:
+            down_n //= 2
+        return MoeConfig(path="gemv", block_n=block_n, block_k=block_k, num_warps=4, num_stages=1,
+                         down_block_n=down_n)
     per_expert = num_tokens * top_k / num_experts
     if per_expert <= 16:
         return MoeConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_warps=4, num_stages=4)

@@ -108,6 +108,9 @@ def test_align_kernel_matches_ref(num_experts, block_m, shape):
 CONFIG_FAMILIES = {
     "gemv-n8-k32": MoeConfig(path="gemv", block_n=8, block_k=32, num_stages=1),
     "gemv-n16-k64-uneven": MoeConfig(path="gemv", block_n=16, block_k=64, num_warps=8, num_stages=1),
+    # the down kernel with its own tile: 4 rows x 32 of K (80 % 32 == 16: a tail in every slot), 2 warps
+    "gemv-down-n4-k32-uneven": MoeConfig(path="gemv", block_n=8, block_k=64, num_stages=1, down_block_n=4,
+                                         down_block_k=32, down_num_warps=2),
     "grouped-16x64x128": MoeConfig(block_m=16, block_n=64, block_k=128, group_m=1, num_stages=4),
     "grouped-32x32x32-swizzle": MoeConfig(block_m=32, block_n=32, block_k=32, group_m=4),
     "grouped-128x128x64-g8": MoeConfig(block_m=128, block_n=128, block_k=64, group_m=8, num_warps=8),
@@ -158,7 +161,11 @@ def test_config_table_lookup_and_heuristic(tmp_path):
     finally:
         fused_moe_config.set_config_table(None)
     heur = fused_moe_config.default_config
-    assert heur(1, 8, 2, 14336, 4096, True, 132) == MoeConfig(path="gemv", block_n=8, block_k=512, num_stages=1)
+    # Mixtral at M = 1: gate_up 2 x 14336 / 8 = 3584 programs; down (1 token) 4096 / 4 = 1024 >= 4 per SM.
+    assert heur(1, 8, 2, 14336, 4096, True, 132) == MoeConfig(path="gemv", block_n=8, block_k=512, num_stages=1,
+                                                               down_block_n=4)
+    assert heur(1, 8, 2, 14336, 4096, True, 132).down_tile() == (4, 512, 4)
+    assert heur(4, 8, 2, 14336, 4096, True, 132).down_block_n == 16  # 4 tokens x 4096 / 16 = 1024 programs
     assert heur(64, 8, 2, 14336, 4096, False, 132).block_m == 16
     big = heur(2048, 8, 2, 14336, 4096, False, 132)
     assert (big.block_m, big.block_n, big.block_k, big.group_m, big.num_warps) == (128, 128, 64, 8, 8)
@@ -166,6 +173,9 @@ def test_config_table_lookup_and_heuristic(tmp_path):
         MoeConfig(block_n=48)
     with pytest.raises(ValueError, match=r"MoeConfig.block_m must be >= 16 on the grouped path \(tl.dot\), got 8"):
         MoeConfig(block_m=8)
+    with pytest.raises(ValueError, match=r"MoeConfig.down_block_n must be 0 \(as the gate_up tile\) or a power of "
+                                         r"two, got 12"):
+        MoeConfig(path="gemv", down_block_n=12)
     with pytest.raises(ValueError, match=r"MoeConfig.path must be grouped, gemv or loop, got 'tiles'"):
         MoeConfig(path="tiles")
 
