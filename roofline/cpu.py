@@ -7,14 +7,19 @@ AVX-512 VNNI (``avx512_vnni``), AVX-512F. Source: Linux ``arch/x86/include/asm/c
 the chosen format runs fast or slowly here (``format_note``); ``fastest_dtype`` is bf16 where oneDNN has bf16
 matrix instructions (``scripts/run.sh`` asks for it).
 
-Thread policy (``choose_threads``, applied once at start-up by ``apply_thread_policy``): OpenMP's fork/join
-per op makes every op wait for its slowest thread, so an intra-op pool larger than the cores left free by
-other processes collapses *when the waiting threads spin* (issue 32: 1,939 ms per decode step with 2
-threads beside one busy process on 2 cores, 159 ms with 1). ``import roofline`` sets ``OMP_WAIT_POLICY=PASSIVE``
-before torch loads; with passive waiting, measured beside busy processes (README, CPU section), 2 threads
-stayed faster than 1, so the pool keeps every usable core. Where the policy did not take effect (torch was
-imported first, or the user chose ACTIVE), start-up samples ``/proc/stat`` for ~0.1 s (``other_busy_cores``)
-and sizes the pool to the cores other processes leave free. ``OMP_NUM_THREADS`` set by the user wins.
+Thread policy. OpenMP's fork/join per op makes every op wait for its slowest thread, so an intra-op pool larger
+than the cores other processes leave free collapses *when the waiting threads spin* (issue 32: 1,939 ms per
+decode step with 2 threads beside one busy process on 2 cores, 159 ms with 1). Threads that never spin do not
+collapse, but every op then pays a futex wake-up per thread: the main job's decode step on a quiet 2-core Xeon
+took 108 ms with purely passive threads and 79 ms with threads that spin 100,000 times before they sleep
+(``bench/results/cpu-threads-20261204``). So ``import roofline`` (before torch loads; libgomp reads these once)
+sets ``OMP_WAIT_POLICY=PASSIVE`` with ``GOMP_SPINCOUNT=100000``: a bounded spin, then sleep. Spinning is fast
+only while the cores are free, so the pool follows the load: ``apply_thread_policy`` sizes it at start-up to the
+cores other processes leave free (``choose_threads`` on ``other_busy_cores``) and returns a ``ThreadGovernor``
+that the worker ticks every step; about twice a second it re-reads ``/proc/stat`` and shrinks the pool at once
+when another process takes a core, and grows it back after two quiet readings. ``OMP_NUM_THREADS`` set by the
+user pins the count (no governor: torch's kernels round differently with the thread count, so a pinned count is
+also the reproducible one); ``GOMP_SPINCOUNT=0`` gives purely passive threads, which keep every core.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ from dataclasses import dataclass
 # decode beside one busy process); passive waiting does not. libgomp reads this once, when torch loads, so
 # ``import roofline`` imports this module first, before anything imports torch.
 TORCH_LOADED_BEFORE_ROOFLINE = "torch" in sys.modules
+SPIN_COUNT = 100_000  # GOMP_SPINCOUNT default: spin-waits before a thread sleeps (see the module docstring)
 if not TORCH_LOADED_BEFORE_ROOFLINE:
     os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    os.environ.setdefault("GOMP_SPINCOUNT", str(SPIN_COUNT))
 
 
 @dataclass(frozen=True)
@@ -144,15 +151,24 @@ def startup_line(features: CpuFeatures, dtype: str, threads: int, why: str = "",
             f"{fmt}, {threads} thread{'s' if threads != 1 else ''}" + (f" ({why})" if why else ""))
 
 
-def _proc_stat_times(path: str = "/proc/stat") -> tuple[int, int, int] | None:
-    """(busy, total jiffies summed over all CPUs, number of CPUs) from /proc/stat, None if unreadable."""
+def _proc_stat_times(path: str = "/proc/stat", cpus: frozenset[int] | None = None) -> tuple[int, int, int] | None:
+    """(busy, total jiffies summed over the CPUs, number of CPUs) from /proc/stat, None if unreadable. ``cpus``:
+    only those ``cpuN`` lines (this process's affinity mask), else the all-CPU line."""
     try:
         with open(path) as f:
             lines = f.read().splitlines()
     except OSError:
         return None
-    fields = [int(x) for x in lines[0].split()[1:9]]  # user nice system idle iowait irq softirq steal
-    ncpu = sum(1 for line in lines if line.startswith("cpu") and line[3:4].isdigit())
+    per_cpu = [line.split() for line in lines if line.startswith("cpu") and line[3:4].isdigit()]
+    if cpus is not None:
+        rows = [[int(x) for x in r[1:9]] for r in per_cpu if int(r[0][3:]) in cpus]
+        if not rows:
+            return None
+        fields = [sum(col) for col in zip(*rows)]
+        ncpu = len(rows)
+    else:
+        fields = [int(x) for x in lines[0].split()[1:9]]  # user nice system idle iowait irq softirq steal
+        ncpu = len(per_cpu)
     idle = fields[3] + fields[4]
     return sum(fields) - idle, sum(fields), max(ncpu, 1)
 
@@ -179,8 +195,8 @@ def other_busy_cores(interval_s: float = 0.1) -> float | None:
 def choose_threads(cores: int, other_busy: float | None, requested: int | None = None,
                    passive: bool = False) -> tuple[int, str]:
     """The intra-op thread count for ``cores`` usable cores with ``other_busy`` cores taken by other processes,
-    and why. ``requested`` (``OMP_NUM_THREADS``) wins; with ``passive`` OpenMP waiting, every core (sleeping
-    threads do not collapse under sharing); otherwise the free cores, rounded, at least 1.
+    and why. ``requested`` (``OMP_NUM_THREADS``) wins; with purely ``passive`` OpenMP waiting, every core
+    (sleeping threads do not collapse under sharing); otherwise the free cores, rounded, at least 1.
 
     Raises:
         ValueError: ``cores`` < 1 or ``requested`` < 1.
@@ -195,8 +211,95 @@ def choose_threads(cores: int, other_busy: float | None, requested: int | None =
         return cores, f"{cores} usable cores, OpenMP wait policy passive"
     if other_busy is None:
         return cores, f"{cores} usable cores, load unknown"
-    threads = max(1, min(cores, int(cores - other_busy + 0.5)))
-    return threads, f"{cores} usable cores, {other_busy:.1f} busy with other processes at start-up"
+    return free_cores(cores, other_busy), f"{cores} usable cores, {other_busy:.1f} busy with other processes"
+
+
+def free_cores(cores: int, other_busy: float) -> int:
+    """``cores`` minus the cores other processes keep busy, rounded to the nearest, between 1 and ``cores``."""
+    return max(1, min(cores, int(cores - other_busy + 0.5)))
+
+
+class ThreadGovernor:
+    """Keeps torch's intra-op pool at the cores other processes leave free while an engine runs (issue 32).
+
+    ``tick()`` is called once per engine step and costs a clock read; every ``interval_s`` seconds it reads the
+    busy time of this process's CPUs from /proc/stat and subtracts this process's own CPU time
+    (``time.process_time``: every thread) over the same span, which leaves the cores other processes used.
+    The pool shrinks on the first reading that asks for fewer threads (2 spinning threads beside a busy process
+    ran 3-25x slower) and grows only after ``grow_after`` consecutive readings that ask for more (no flapping).
+
+    Args:
+        cores: usable cores (>= 1), the largest pool.
+        threads: the pool's size now (1..cores).
+        interval_s: seconds between readings (> 0).
+        grow_after: consecutive readings needed to grow the pool (>= 1).
+        read_stat / clock / cpu_time / set_threads: injectable for tests (/proc/stat over the affinity CPUs,
+            ``time.monotonic``, ``time.process_time``, ``torch.set_num_threads``).
+    """
+
+    def __init__(self, cores: int, threads: int, interval_s: float = 0.5, grow_after: int = 2,
+                 read_stat=None, clock=time.monotonic, cpu_time=time.process_time, set_threads=None):
+        if not 1 <= threads <= cores:
+            raise ValueError(f"threads must be in [1, cores={cores}], got {threads}")
+        if interval_s <= 0 or grow_after < 1:
+            raise ValueError(f"interval_s must be > 0 and grow_after >= 1, got {interval_s} and {grow_after}")
+        if set_threads is None:
+            import torch
+
+            set_threads = torch.set_num_threads
+        if read_stat is None:
+            cpus = _affinity()
+            read_stat = functools.partial(_proc_stat_times, cpus=cpus)
+        self.cores, self.threads, self.interval_s, self.grow_after = cores, threads, interval_s, grow_after
+        self._read_stat, self._clock, self._cpu_time, self._set_threads = read_stat, clock, cpu_time, set_threads
+        self._grow_votes = 0
+        self.changes = 0  # how many times the pool was resized
+        self.seconds_at: dict[int, float] = {}  # thread count -> seconds spent at it, up to the last reading
+        self.last_other_busy: float | None = None
+        self._mark = self._sample()
+
+    def _sample(self):
+        return self._clock(), self._cpu_time(), self._read_stat()
+
+    def tick(self) -> int | None:
+        """Re-size the pool if a reading is due and says so; returns the new thread count, else None."""
+        now = self._clock()
+        if now - self._mark[0] < self.interval_s:
+            return None
+        t0, own0, stat0 = self._mark
+        self._mark = mark = self._sample()
+        self.seconds_at[self.threads] = self.seconds_at.get(self.threads, 0.0) + mark[0] - t0
+        stat1 = mark[2]
+        if stat0 is None or stat1 is None or stat1[1] <= stat0[1] or mark[0] <= t0:
+            return None
+        busy = (stat1[0] - stat0[0]) / (stat1[1] - stat0[1]) * stat1[2]
+        other = max(0.0, busy - (mark[1] - own0) / (mark[0] - t0))
+        self.last_other_busy = other
+        want = free_cores(self.cores, other)
+        if want > self.threads:
+            self._grow_votes += 1
+            if self._grow_votes < self.grow_after:
+                return None
+        self._grow_votes = 0
+        if want == self.threads:
+            return None
+        self._set_threads(want)
+        self.threads, self.changes = want, self.changes + 1
+        return want
+
+
+    def summary(self) -> str:
+        """One line for the run summary: the seconds at each thread count and the number of re-sizes."""
+        spans = ", ".join(f"{n} for {t:.1f} s" for n, t in sorted(self.seconds_at.items(), reverse=True))
+        return (f"{spans or f'{self.threads} throughout'} (re-sized {self.changes} time{'s' if self.changes != 1 else ''}"
+                f" to the cores other processes left free)")
+
+
+def _affinity() -> frozenset[int] | None:
+    try:
+        return frozenset(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        return None
 
 
 def usable_cores() -> int:
@@ -208,14 +311,21 @@ def usable_cores() -> int:
 
 
 def wait_policy_is_passive() -> bool:
-    """Whether libgomp loaded with ``OMP_WAIT_POLICY=PASSIVE``: set in the environment before torch was imported
-    (``import roofline`` sets it when it comes first)."""
-    return (not TORCH_LOADED_BEFORE_ROOFLINE
-            and os.environ.get("OMP_WAIT_POLICY", "").upper() == "PASSIVE")
+    """Whether libgomp loaded with purely passive waiting (``OMP_WAIT_POLICY=PASSIVE`` and ``GOMP_SPINCOUNT=0``,
+    both in the environment before torch was imported): threads that never spin. ``import roofline`` sets the
+    policy with a bounded spin (``SPIN_COUNT``), which is not purely passive."""
+    if TORCH_LOADED_BEFORE_ROOFLINE or os.environ.get("OMP_WAIT_POLICY", "").upper() != "PASSIVE":
+        return False
+    try:
+        return int(os.environ.get("GOMP_SPINCOUNT", "0")) == 0
+    except ValueError:
+        return False
 
 
-def apply_thread_policy(dtype: str, quantization: str | None = None) -> str:
-    """Size torch's intra-op pool with ``choose_threads`` (sampling the load now) and return the start-up line.
+def apply_thread_policy(dtype: str, quantization: str | None = None) -> tuple[str, ThreadGovernor | None]:
+    """Size torch's intra-op pool with ``choose_threads`` (sampling the load now) and return the start-up line
+    and the ``ThreadGovernor`` that keeps it sized while the engine runs (None when ``OMP_NUM_THREADS`` pins the
+    count, or threads never spin).
 
     Raises:
         ValueError: ``OMP_NUM_THREADS`` is set but not an integer >= 1.
@@ -231,7 +341,11 @@ def apply_thread_policy(dtype: str, quantization: str | None = None) -> str:
             raise ValueError(f"OMP_NUM_THREADS must be an integer >= 1, got {env!r}") from None
     passive = wait_policy_is_passive()
     busy = None if requested is not None or passive else other_busy_cores()
-    threads, why = choose_threads(usable_cores(), busy, requested, passive)
+    cores = usable_cores()
+    threads, why = choose_threads(cores, busy, requested, passive)
     torch.set_num_threads(threads)
-    return startup_line(detect_cpu_features(), dtype, threads, why, quantization)
-
+    governor = None
+    if requested is None and not passive:
+        governor = ThreadGovernor(cores, threads)
+        why += "; re-sized to the free cores while running"
+    return startup_line(detect_cpu_features(), dtype, threads, why, quantization), governor

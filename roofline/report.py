@@ -99,6 +99,8 @@ def print_run_summary(llm: Any, floor: str = "probe", hardware: str | None = Non
     if s.mean_tpot_s is not None:
         print(f"mean TPOT:          {s.mean_tpot_s * 1e3:.1f} ms")
     print(f"preemptions:        {s.num_preemptions}")
+    if (governor := getattr(getattr(llm.engine, "worker", None), "thread_governor", None)) is not None:
+        print(f"CPU threads:        {governor.summary()}")
     if s.num_prefix_cache_queries is not None:
         rate = s.prefix_cache_hit_rate
         print(f"prefix cache:       {'n/a' if rate is None else f'{rate:.1%}'} hit rate "

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import os
 
-# Before anything imports torch, as the CLI does: roofline sets OMP_WAIT_POLICY=PASSIVE, so every engine of the
-# suite takes all usable cores (roofline.cpu.choose_threads) instead of sampling the load when it starts. Under load
+# Before anything imports torch, as the CLI does. The suite runs purely passive OpenMP threads (GOMP_SPINCOUNT=0;
+# roofline's own default spins 100,000 times first and re-sizes the pool with the load, roofline.cpu): every
+# engine then takes all usable cores (roofline.cpu.choose_threads) instead of sampling the load. Under load
 # (another job on a 2-core CI machine) that sampling picked 1 thread for some engines and 2 for others, and torch's
 # CPU kernels round differently with the thread count: the int8 KV cache's batched-vs-alone identity
 # (tests/test_kv_cache_dtype.py) failed at 1 thread on the Xeon of 2026-12-04.
+os.environ.setdefault("GOMP_SPINCOUNT", "0")
 import roofline  # noqa: F401, I001
 
 import pytest

@@ -5,9 +5,11 @@ Prints the CPU model and matrix extensions (``roofline.cpu``), then, alternating
     of 9 steps, best of 3 rounds, ratio bf16/fp32 (< 1: bf16 faster);
 (b) 1 vs 2 threads at batch 1 (fp32), without and with a busy ``python -c 'while 1: pass'`` beside it;
 (c) beside a busy process, the default model's batch-1 decode step under OpenMP's wait policy (libgomp reads
-    it when torch loads, so each point is a fresh child process, with OMP_NUM_THREADS set): ACTIVE (spinning, torch's default) and PASSIVE (roofline's, ``roofline/__init__.py``),
-    at 1 and 2 threads, alternated over 2 rounds; the ratio printed is PASSIVE at every core against the
-    best of the ACTIVE points (<= 1: the policy roofline ships never collapses under sharing).
+    it when torch loads, so each point is a fresh child process): pinned points, spinning (ACTIVE) and purely
+    passive (``GOMP_SPINCOUNT=0``) at 1 and every core, then roofline's own policy (bounded spin, pool sized at
+    start-up and re-sized by ``roofline.cpu.ThreadGovernor``) with the busy process there from the start and
+    arriving after start-up; 2 rounds, best kept; the ratios printed are roofline's points against the best
+    pinned one (<= 1: roofline's policy is never slower than the best of 1 and 2 threads).
 (d) ``--gemm``: the default model's 121 linears of one decode step (distinct weights, so none stays in cache)
     in fp32, bf16, INT8 W8A16 (``torch._weight_int8pack_mm``) and INT8 W8A8 dynamic (``roofline.kernels.cpu_int8``)
     at M = 1 and 32, alternated, ratios against fp32;
@@ -42,45 +44,74 @@ def _step_ms(weights: list[torch.Tensor], x: torch.Tensor, steps: int = 9) -> fl
     return sorted(times)[steps // 2] * 1e3
 
 
-def _child(threads: int) -> None:
-    """One point of (c): the default model's batch-1 fp32 decode step at ``threads`` threads (32 greedy tokens,
-    median of 3 runs after a warm-up), printed in ms. A real step has hundreds of small ops, each an OpenMP
-    fork/join, which is where spinning threads collapse; a few large GEMMs would hide it."""
-    torch.set_num_threads(threads)
-    from roofline import LLM, SamplingParams
+BUSY = [sys.executable, "-c", "while 1: pass"]
 
-    llm = LLM(device="cpu", dtype="float32", max_model_len=512)
-    params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
-    llm.generate(["Once upon a time"], params, use_tqdm=False)
-    times = []
-    for _ in range(3):
-        st = llm.engine.stats
-        n0, t0 = st.num_decode_steps, st.decode_time_s
+
+def _child(threads: int, busy: str) -> None:
+    """One point of (c): the default model's batch-1 fp32 decode step (32 greedy tokens, median of 3 runs after
+    a warm-up), printed in ms with the thread count at the end. ``threads`` 0: roofline's own policy (its
+    start-up choice and governor); else pinned (the parent also sets OMP_NUM_THREADS). ``busy``: ``start``
+    starts a busy process before the engine is built, ``late`` after the warm-up, so that only the governor
+    can see it. A real step has hundreds of small ops, each an OpenMP fork/join, which is where spinning
+    threads collapse; a few large GEMMs would hide it."""
+    proc = subprocess.Popen(BUSY) if busy == "start" else None
+    try:
+        if threads:
+            torch.set_num_threads(threads)
+        from roofline import LLM, SamplingParams
+
+        llm = LLM(device="cpu", dtype="float32", max_model_len=512)
+        params = SamplingParams(temperature=0, max_tokens=32, ignore_eos=True)
         llm.generate(["Once upon a time"], params, use_tqdm=False)
-        times.append((st.decode_time_s - t0) / (st.num_decode_steps - n0) * 1e3)
-    print(sorted(times)[1])
+        if busy == "late":
+            proc = subprocess.Popen(BUSY)
+            time.sleep(0.5)
+        times = []
+        for _ in range(3):
+            st = llm.engine.stats
+            n0, t0 = st.num_decode_steps, st.decode_time_s
+            llm.generate(["Once upon a time"], params, use_tqdm=False)
+            times.append((st.decode_time_s - t0) / (st.num_decode_steps - n0) * 1e3)
+        print(sorted(times)[1], torch.get_num_threads())
+    finally:
+        if proc is not None:
+            proc.kill()
+            proc.wait()
+
+
+# (c)'s points: name -> (environment changes, pinned threads or 0 for roofline's policy, when the load starts)
+def _wait_points(cores: int) -> dict[str, tuple[dict[str, str], int, str]]:
+    pts: dict[str, tuple[dict[str, str], int, str]] = {}
+    for t in sorted({1, cores}):
+        pts[f"spinning {t}t"] = ({"OMP_WAIT_POLICY": "ACTIVE", "OMP_NUM_THREADS": str(t)}, t, "start")
+        pts[f"passive {t}t"] = ({"OMP_WAIT_POLICY": "PASSIVE", "GOMP_SPINCOUNT": "0", "OMP_NUM_THREADS": str(t)},
+                                t, "start")
+    pts["roofline"] = ({}, 0, "start")  # bounded spin, pool sized at start-up
+    pts["roofline, load after start-up"] = ({}, 0, "late")  # bounded spin, the governor re-sizes the pool
+    return pts
 
 
 def wait_policy_beside_busy(rounds: int = 2) -> dict[str, float]:
-    """(c): ms per step for each (policy, threads) beside one busy process, best over ``rounds``."""
+    """(c): ms per step for each point of ``_wait_points`` beside one busy process, best over ``rounds``; the
+    ratios printed are roofline's two points against the best pinned point (issue 32: <= 1, never slower than
+    the best of 1 and 2 threads in the same conditions)."""
     cores = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1)
-    points = [(p, t) for p in ("ACTIVE", "PASSIVE") for t in sorted({1, cores})]
     best: dict[str, float] = {}
-    busy = subprocess.Popen([sys.executable, "-c", "while 1: pass"])
-    try:
-        for _ in range(rounds):
-            for policy, threads in points:
-                env = {**os.environ, "OMP_WAIT_POLICY": policy, "OMP_NUM_THREADS": str(threads)}
-                out = subprocess.run([sys.executable, "-m", "roofline.bench.cpu", "--child", str(threads)], env=env,
-                                     capture_output=True, text=True, check=True, timeout=600).stdout
-                key = f"{policy.lower()} {threads}t"
-                best[key] = min(best.get(key, float("inf")), float(out.strip().splitlines()[-1]))
-    finally:
-        busy.kill()
-        busy.wait()
-    active = min(v for k, v in best.items() if k.startswith("active"))
-    print("beside a busy process: " + ", ".join(f"{k} {v:.2f} ms" for k, v in best.items())
-          + f"; passive {cores}t / best active {best[f'passive {cores}t'] / active:.2f}")
+    threads_seen: dict[str, int] = {}
+    clean = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT", "OMP_NUM_THREADS")}
+    for _ in range(rounds):
+        for name, (env, threads, busy) in _wait_points(cores).items():
+            out = subprocess.run([sys.executable, "-m", "roofline.bench.cpu", "--child", str(threads), "--busy", busy],
+                                 env={**clean, **env}, capture_output=True, text=True, check=True,
+                                 timeout=900).stdout
+            ms, n = out.strip().splitlines()[-1].split()
+            best[name] = min(best.get(name, float("inf")), float(ms))
+            threads_seen[name] = int(n)
+    pinned = min(v for k, v in best.items() if not k.startswith("roofline"))
+    print("beside a busy process, ms per batch-1 decode step (threads at the end): "
+          + ", ".join(f"{k} {v:.2f} ({threads_seen[k]}t)" for k, v in best.items()))
+    print(f"roofline / best pinned: {best['roofline'] / pinned:.2f}; with the load arriving after start-up: "
+          f"{best['roofline, load after start-up'] / pinned:.2f}")
     return best
 
 
@@ -96,6 +127,7 @@ def build_parser():
                     "the OpenMP wait policy beside a busy process.")
     p.add_argument("--wait-policy", action="store_true", help="(c) alone")
     p.add_argument("--child", type=int, default=None, metavar="THREADS", help=argparse.SUPPRESS)  # one (c) point
+    p.add_argument("--busy", choices=("start", "late"), default="start", help=argparse.SUPPRESS)
     cpu_table.add_arguments(p)
     return p
 
@@ -113,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     cpu_table.check_arguments(parser, args)
     if args.child is not None:
-        _child(args.child)
+        _child(args.child, args.busy)
         return
     if args.gemm or args.table:
         cpu_table.run(args)

@@ -65,11 +65,13 @@ class Worker:
         self.block_size = config.cache_config.block_size
         # The CPU start-up line (model, matrix extensions, dtype, threads and why): one process owning the
         # cores sizes torch's pool here; worker processes of a parallel run are sized by their executor.
+        # The governor re-sizes the pool to the cores other processes leave free while the engine runs.
         self.cpu_summary: str | None = None
+        self.thread_governor = None
         if self.device.type == "cpu" and config.parallel_config.world_size == 1:
             from roofline.cpu import apply_thread_policy
 
-            self.cpu_summary = apply_thread_policy(config.dtype, config.quantization)
+            self.cpu_summary, self.thread_governor = apply_thread_policy(config.dtype, config.quantization)
             logger.info("%s", self.cpu_summary)
         dispatch.set_kernels_enabled(config.use_triton_kernels)
         tp = get_tp_size()
@@ -281,6 +283,9 @@ class Worker:
         the host, is read on the device from this step's sampled ids (``pending_src``). So the engine can
         schedule and launch step N+1 before step N finishes.
         """
+        if self.thread_governor is not None and (n := self.thread_governor.tick()) is not None:
+            logger.info("CPU threads -> %d (%.1f cores busy with other processes)", n,
+                        self.thread_governor.last_other_busy)
         pending = PendingStep(self, step, time.perf_counter())
         self.update_states(step)
         if step.spec_token_ids or step.num_draft_tokens:
