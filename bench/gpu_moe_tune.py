@@ -36,6 +36,9 @@ TOKENS = [1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096]
 GEMV = [(4, 512, 4), (8, 512, 4), (16, 512, 4), (8, 256, 4), (16, 1024, 8), (8, 1024, 8)]  # block_n, block_k, warps
 # The GEMV path's down kernel (down_block_n, down_block_k, down_num_warps), tried on the best gate_up tile.
 DOWN = [(4, 256, 4), (4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 512, 8), (4, 1024, 4), (2, 1024, 4)]
+# 1-byte codes (int8, fp8) move half the bytes per element: tiles twice as deep keep as many bytes in flight.
+GEMV_CODED = [(8, 2048, 8), (4, 2048, 4), (16, 2048, 8)]
+DOWN_CODED = [(4, 2048, 8), (8, 1024, 8), (2, 2048, 4), (8, 2048, 8)]
 GROUPED_SMALL = [(16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3), (16, 64, 256, 1, 4, 3), (32, 64, 128, 1, 4, 4),
                  (32, 128, 64, 1, 4, 4), (16, 32, 256, 1, 4, 4)]
 GROUPED_MID = [(32, 128, 64, 8, 4, 4), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (64, 128, 128, 8, 4, 3),
@@ -45,11 +48,12 @@ GROUPED_LARGE = [(64, 128, 64, 8, 4, 4), (128, 128, 64, 8, 8, 3), (128, 128, 64,
 
 
 def candidates(m: int, num_experts: int, top_k: int, inter: int, hidden: int, coded: bool) -> list[MoeConfig]:
-    """<= 12 configs for M: the GEMV family at M <= 16, grouped tiles by the expected pairs per expert, and the
+    """<= 15 configs for M: the GEMV family at M <= 16 (deeper tiles for 1-byte codes), grouped tiles by the expected pairs per expert, and the
     heuristic's own choice (so the table never loses to the default)."""
     out: list[MoeConfig] = [default_config(m, num_experts, top_k, inter, hidden, coded, 132)]
     if m <= 16:
-        out += [MoeConfig(path="gemv", block_n=bn, block_k=bk, num_warps=w, num_stages=1) for bn, bk, w in GEMV]
+        out += [MoeConfig(path="gemv", block_n=bn, block_k=bk, num_warps=w, num_stages=1)
+                for bn, bk, w in GEMV + (GEMV_CODED if coded else [])]
     per_expert = m * top_k / num_experts
     grid = GROUPED_SMALL if per_expert <= 24 else GROUPED_MID if per_expert <= 160 else GROUPED_LARGE
     if m <= 16:
@@ -117,7 +121,7 @@ def tune_cell(m: int, shape: tuple[int, int, int, int], w: dict, quant: str | No
         if t is not None and (best is None or t < best[0]):
             best = (t, cfg)
     if best is not None and best[1].path == "gemv":  # phase 2: the down kernel's own tile
-        for dn, dk, dw in DOWN:
+        for dn, dk, dw in DOWN + (DOWN_CODED if quant is not None else []):
             cfg = dataclasses.replace(best[1], down_block_n=dn, down_block_k=dk, down_num_warps=dw)
             if cfg.down_tile() == best[1].down_tile():
                 continue
