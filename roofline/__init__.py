@@ -1,6 +1,7 @@
 """roofline: an LLM inference engine that measures every run against its physical floor."""
 
-# First: sets OMP_WAIT_POLICY=PASSIVE before anything loads torch (libgomp reads it once; see roofline.cpu).
+# First: sets the OpenMP wait policy (PASSIVE, GOMP_SPINCOUNT=100000) before anything loads torch (libgomp reads it
+# once; see roofline.cpu).
 import roofline.cpu  # noqa: F401, I001
 from roofline.sampling_params import SamplingParams
 
