@@ -63,7 +63,8 @@ def _time_point(batch, ctx, block_size, query_len, fmt, variants, extras, read_b
             sms = num_sms * max(1, 4 // params.get("num_warps", 4)) if variant == "gluon" else num_sms
             num_splits = params.get("num_splits") or choose_num_splits(
                 batch, kv_heads, tables.shape[1] * block_size, sms, block_size=block_size,
-                block_n=params.get("block_n") or default_block_n(head_dim, variant, heads // kv_heads, query_len))
+                block_n=params.get("block_n") or default_block_n(head_dim, variant, heads // kv_heads, query_len,
+                                                                 kc.element_size()))
             row = dict(batch=batch, ctx=ctx, block_size=block_size, query_len=query_len, kv_cache_dtype=fmt,
                        variant=variant, kv_bytes=kv_bytes, default=not params, params=params, num_splits=num_splits)
             try:

@@ -146,15 +146,22 @@ def choose_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, num_sm
     return int(min(want, by_len, by_pages, max_splits))
 
 
-def default_block_n(head_dim: int, variant: str, group: int = 4, query_len: int = 1) -> int:
+# "fma" on a 1-byte cache (int8, fp8) with 8-key tiles gives wrong results under Triton 3.6 on the H200 (rel err
+# 1.9 against the float64 oracle at 16 packed rows, D 128; 16- and 32-key tiles pass, and so does a 16-bit cache
+# at 8: bench/results/kvq-fma-20261204). Such a tile is refused, and the default never picks it.
+FMA_MIN_BLOCK_N_1BYTE = 16
+
+
+def default_block_n(head_dim: int, variant: str, group: int = 4, query_len: int = 1, code_bytes: int = 2) -> int:
     """Keys per tile when the caller names none: 64 (32 past D 128). The CUDA-core "fma" tile holds a
     [rows, block_n, D] product, so its block_n keeps that at <= 16K elements (128 registers a thread at 4
-    warps): 32 for 4 rows at D 128, 8 for 16 rows."""
+    warps): 32 for 4 rows at D 128, 8 for 16 rows (16 on a 1-byte cache, ``code_bytes`` 1: see
+    ``FMA_MIN_BLOCK_N_1BYTE``)."""
     if variant != "fma":
         return 64 if head_dim <= 128 else 32
     rows = packed_rows(group, query_len, use_dot=False)
     block_d = 1 << (head_dim - 1).bit_length()
-    return max(8, min(32, 16384 // (rows * block_d)))
+    return max(FMA_MIN_BLOCK_N_1BYTE if code_bytes == 1 else 8, min(32, 16384 // (rows * block_d)))
 
 
 def split_align(block_size: int, block_n: int) -> int:
@@ -341,7 +348,8 @@ def paged_decode_attention(
         ValueError: H not a multiple of H_kv, shapes disagree, scales that do not fit the cache dtype, an
             unknown variant, query_len < 1, "old" with query_len > 1, q rows not num_seqs * query_len,
             more than ``MAX_PACKED_ROWS`` packed rows, "gluon" on a call it does not support or with a tile
-            ``gluon_config_reason`` rejects, or an unknown ``decode_kernel`` (each names the value and the allowed range).
+            ``gluon_config_reason`` rejects, "fma" with block_n < 16 on a 1-byte cache, or an unknown
+            ``decode_kernel`` (each names the value and the allowed range).
         RuntimeError: triton missing.
     """
     if triton is None:
@@ -384,7 +392,10 @@ def paged_decode_attention(
     if variant in ("mma", "fma"):
         packed_rows(group, query_len, variant == "mma")  # raises past MAX_PACKED_ROWS
     if block_n is None:
-        block_n = default_block_n(head_dim, variant, group, query_len)
+        block_n = default_block_n(head_dim, variant, group, query_len, k_cache.element_size())
+    elif variant == "fma" and k_cache.element_size() == 1 and block_n < FMA_MIN_BLOCK_N_1BYTE:
+        raise ValueError(f"decode variant 'fma' on a 1-byte ({k_cache.dtype}) cache needs block_n >= "
+                         f"{FMA_MIN_BLOCK_N_1BYTE} (8-key tiles are wrong under Triton 3.6), got {block_n}")
     if num_splits is None:
         num_sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
         if variant == "gluon":  # the split count targets warps per SM: programs of fewer warps get more splits

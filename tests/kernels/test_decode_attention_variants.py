@@ -157,6 +157,7 @@ def test_default_tiles():
     assert [default_block_n(d, v) for d, v in ((128, "old"), (128, "mma"), (256, "mma"))] == [64, 64, 32]
     assert default_block_n(128, "fma", group=4, query_len=1) == 32  # 4 x 32 x 128
     assert default_block_n(128, "fma", group=4, query_len=4) == 8  # 16 x 8 x 128
+    assert default_block_n(128, "fma", group=4, query_len=4, code_bytes=1) == 16  # 8-key 1-byte tiles are wrong
     assert default_block_n(256, "fma", group=2, query_len=1) == 32  # 2 x 32 x 256
 
 
@@ -180,3 +181,12 @@ def test_decode_variants_gpu_bf16(variant, fmt, head_dim, block_size, group, que
     _check(variant, fmt, torch.bfloat16, query_len, [query_len, 4097, 9000, 300, 2048], 8 * group, 8, head_dim,
            block_size, seed=head_dim + block_size)
     assert DEVICE == "cuda"
+
+
+def test_fma_refuses_8_key_tiles_on_a_1_byte_cache():
+    # Wrong on the H200 under Triton 3.6 (rel err 1.9; bench/results/kvq-fma-20261204): refused before launch.
+    q, kc, vc, meta = make_paged_case([4], [40], 8, 2, 64, 16, torch.float32, seed=0)
+    kc, vc, ks, vs = quantize_cache(kc, vc, "int8")
+    with pytest.raises(ValueError, match=r"'fma' on a 1-byte \(torch.int8\) cache needs block_n >= 16 .*got 8"):
+        paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 0.125, k_scale=ks, v_scale=vs,
+                               variant="fma", query_len=4, block_n=8)
