@@ -206,7 +206,8 @@ def choose_threads(cores: int, other_busy: float | None, requested: int | None =
     if requested is not None:
         if requested < 1:
             raise ValueError(f"OMP_NUM_THREADS must be >= 1, got {requested}")
-        return requested, f"OMP_NUM_THREADS={requested}"
+        over = f"; more than the {cores} usable cores: oversubscribed, slower" if requested > cores else ""
+        return requested, f"OMP_NUM_THREADS={requested}{over}"
     if passive:
         return cores, f"{cores} usable cores, OpenMP wait policy passive"
     if other_busy is None:
@@ -291,8 +292,8 @@ class ThreadGovernor:
     def summary(self) -> str:
         """One line for the run summary: the seconds at each thread count and the number of re-sizes."""
         spans = ", ".join(f"{n} for {t:.1f} s" for n, t in sorted(self.seconds_at.items(), reverse=True))
-        return (f"{spans or f'{self.threads} throughout'} (re-sized {self.changes} time{'s' if self.changes != 1 else ''}"
-                f" to the cores other processes left free)")
+        return (f"{spans or f'{self.threads} throughout'} since start-up (re-sized {self.changes} "
+                f"time{'s' if self.changes != 1 else ''} to the cores other processes left free)")
 
 
 def _affinity() -> frozenset[int] | None:
@@ -334,7 +335,7 @@ def apply_thread_policy(dtype: str, quantization: str | None = None) -> tuple[st
 
     env = os.environ.get("OMP_NUM_THREADS")
     requested = None
-    if env:
+    if env is not None:  # set but empty is an error too (libgomp says so as well)
         try:
             requested = int(env)
         except ValueError:

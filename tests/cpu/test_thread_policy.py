@@ -27,7 +27,9 @@ def test_choose_threads():
     assert choose_threads(8, 2.4)[0] == 6
     assert choose_threads(2, 1.0, passive=True) == (2, "2 usable cores, OpenMP wait policy passive")
     assert choose_threads(2, None) == (2, "2 usable cores, load unknown")
-    assert choose_threads(2, 1.0, requested=3) == (3, "OMP_NUM_THREADS=3")
+    assert choose_threads(2, 1.0, requested=3) == (3, "OMP_NUM_THREADS=3; more than the 2 usable cores: "
+                                                      "oversubscribed, slower")
+    assert choose_threads(2, 1.0, requested=2) == (2, "OMP_NUM_THREADS=2")
     with pytest.raises(ValueError, match="cores must be >= 1, got 0"):
         choose_threads(0, 0.0)
     with pytest.raises(ValueError, match="OMP_NUM_THREADS must be >= 1, got 0"):
@@ -62,6 +64,9 @@ def test_omp_num_threads_wins(monkeypatch):
         assert line.startswith("CPU: ") and "dtype float32" in line and line.endswith(", 1 thread (OMP_NUM_THREADS=1)")
         monkeypatch.setenv("OMP_NUM_THREADS", "two")
         with pytest.raises(ValueError, match="OMP_NUM_THREADS must be an integer >= 1, got 'two'"):
+            apply_thread_policy("float32")
+        monkeypatch.setenv("OMP_NUM_THREADS", "")
+        with pytest.raises(ValueError, match="OMP_NUM_THREADS must be an integer >= 1, got ''"):
             apply_thread_policy("float32")
     finally:
         torch.set_num_threads(before)
@@ -118,7 +123,8 @@ def test_governor_shrinks_at_once_and_grows_after_two_quiet_readings():
     m.run(0.6, own_cores=2.0, other_cores=0.0)
     assert g.tick() is None  # quiet at 2 threads
     assert g.seconds_at == pytest.approx({2: 1.8, 1: 1.8})
-    assert g.summary() == "2 for 1.8 s, 1 for 1.8 s (re-sized 2 times to the cores other processes left free)"
+    assert g.summary() == ("2 for 1.8 s, 1 for 1.8 s since start-up (re-sized 2 times to the cores other processes "
+                           "left free)")
 
 
 def test_governor_a_busy_reading_resets_the_grow_votes():
