@@ -47,6 +47,7 @@ _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
 #include <cmath>
+#include <immintrin.h>
 #include <omp.h>
 
 static inline float widen(float x) { return x; }
@@ -115,6 +116,48 @@ void roofline_decode_bf16(const float* q, const uint16_t* kc, const uint16_t* vc
                           int64_t D, int64_t bs, int64_t table_stride, float scale, int nthreads) {
   decode<uint16_t>(q, kc, vc, tables, lens, rows, out, n, H, Hkv, D, bs, table_stride, scale, nthreads);
 }
+}
+
+// One-row bf16 GEMV (roofline.kernels.cpu_bf16.gemv): y[n] = sum_k x[k] w[n, k], x [K] and w [N, K] bf16
+// (row-major), y [N] fp32. AVX-512 BF16 dot products (vdpbf16ps: pairs of bf16 products into fp32 lanes, RNE),
+// four rows per step sharing each x chunk, rows split over the threads. Returns 0 (nothing written) where the
+// CPU or compiler lacks AVX-512 BF16 or K is not a multiple of 32.
+extern "C" int roofline_gemv_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t N, int64_t K,
+                                  int nthreads) {
+#if defined(__AVX512BF16__)
+  if (K % 32 != 0) return 0;
+  const int64_t kc = K / 32;
+  #pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t n0 = 0; n0 < N; n0 += 4) {
+    const uint16_t* w0 = w + n0 * K;
+    if (N - n0 >= 4) {
+      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
+      for (int64_t c = 0; c < kc; ++c) {
+        __m512bh xv = (__m512bh)_mm512_loadu_si512(x + c * 32);
+        a0 = _mm512_dpbf16_ps(a0, xv, (__m512bh)_mm512_loadu_si512(w0 + c * 32));
+        a1 = _mm512_dpbf16_ps(a1, xv, (__m512bh)_mm512_loadu_si512(w0 + K + c * 32));
+        a2 = _mm512_dpbf16_ps(a2, xv, (__m512bh)_mm512_loadu_si512(w0 + 2 * K + c * 32));
+        a3 = _mm512_dpbf16_ps(a3, xv, (__m512bh)_mm512_loadu_si512(w0 + 3 * K + c * 32));
+      }
+      y[n0] = _mm512_reduce_add_ps(a0);
+      y[n0 + 1] = _mm512_reduce_add_ps(a1);
+      y[n0 + 2] = _mm512_reduce_add_ps(a2);
+      y[n0 + 3] = _mm512_reduce_add_ps(a3);
+    } else {
+      for (int64_t r = 0; r < N - n0; ++r) {
+        __m512 a = _mm512_setzero_ps();
+        for (int64_t c = 0; c < kc; ++c)
+          a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(x + c * 32),
+                               (__m512bh)_mm512_loadu_si512(w0 + r * K + c * 32));
+        y[n0 + r] = _mm512_reduce_add_ps(a);
+      }
+    }
+  }
+  return 1;
+#else
+  (void)x; (void)w; (void)y; (void)N; (void)K; (void)nthreads;
+  return 0;
+#endif
 }
 """
 MAX_BLOCK = 64  # s[16 * 64]: keys per block the kernel's score buffer holds
@@ -191,6 +234,8 @@ def _load(so: Path) -> ctypes.CDLL:
         fn = getattr(lib, fn_name)
         fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
         fn.restype = None
+    lib.roofline_gemv_bf16.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_int]
+    lib.roofline_gemv_bf16.restype = ctypes.c_int
     return lib
 
 

@@ -66,7 +66,7 @@ class DenseLMHeadMethod:
         if packed is not None and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
             from roofline.kernels.cpu_bf16 import packed_linear
 
-            return packed_linear(hidden, packed)
+            return packed_linear(hidden, packed, dense=layer.weight)
         return F.linear(hidden, layer.weight)
 
 

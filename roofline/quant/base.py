@@ -90,7 +90,7 @@ class UnquantizedLinearMethod(LinearMethod):
         if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
             from roofline.kernels.cpu_bf16 import packed_linear
 
-            return packed_linear(x, packed, bias)
+            return packed_linear(x, packed, bias, dense=layer.weight)
         from roofline.kernels.linear_dispatch import dense_linear
 
         return dense_linear(x, layer.weight, bias)

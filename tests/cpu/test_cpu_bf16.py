@@ -75,3 +75,32 @@ def test_engine_packs_every_linear_and_the_head_and_keeps_greedy_tokens():
     got = [o.outputs[0].token_ids for o in packed.generate(prompts, sp, use_tqdm=False)]
     want = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
     assert got == want
+
+
+@pytest.mark.parametrize("n,k", SHAPES + [(7, 64), (5, 96)])  # tails: N not a multiple of 4 rows
+def test_gemv_matches_float64(n, k):
+    """The one-row AVX-512 BF16 GEMV: fp32 accumulation of exact bf16 products, rounded once to bf16, so within
+    one bf16 rounding (2^-8 relative) of the float64 product, bias added in fp32; also through packed_linear."""
+    from roofline.kernels import cpu_paged_attention as cpa
+
+    if cpa.unavailable_reason() is not None or "avx512_bf16" not in open("/proc/cpuinfo").read():
+        pytest.skip("needs the C++ kernel library and AVX-512 BF16")
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(1, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    ref = x.double() @ w.double().t() + bias.double()
+    got = cpu_bf16.gemv(x, w, bias)
+    assert got is not None and got.shape == (1, n) and got.dtype == torch.bfloat16
+    tol = ref.abs().amax().item() * 2.0 ** -8
+    assert (got.double() - ref).abs().max().item() <= tol
+    via = cpu_bf16.packed_linear(x.reshape(1, 1, k), cpu_bf16.prepack(w), bias, dense=w)
+    assert torch.equal(via.reshape(1, n), got)  # packed_linear takes the GEMV at one row
+
+
+def test_gemv_declines_what_it_does_not_cover():
+    w = torch.randn(64, 96).bfloat16()
+    assert cpu_bf16.gemv(torch.randn(2, 96).bfloat16(), w) is None  # two rows
+    assert cpu_bf16.gemv(torch.randn(1, 96), w.float()) is None  # fp32
+    assert cpu_bf16.gemv(torch.randn(1, 80).bfloat16(), torch.randn(64, 80).bfloat16()) is None  # K % 32
+    assert cpu_bf16.gemv(torch.randn(1, 96).bfloat16(), w.t().contiguous().t()) is None  # not row-major
