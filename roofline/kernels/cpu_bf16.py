@@ -94,3 +94,30 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
     if bias is not None:
         y += bias.float()
     return y.to(torch.bfloat16).unsqueeze(0)
+
+
+def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """HF ``LlamaRMSNorm`` of bf16 rows in one C++ call (``roofline_add_rmsnorm_bf16``): ``x`` [T, H] bf16,
+    ``weight`` [H] bf16; with ``residual`` [T, H] bf16 returns (rmsnorm(x + residual), x + residual), the add
+    rounded to bf16 first (``roofline.kernels.rmsnorm.ref_fused_add_rmsnorm``'s numerics), else rmsnorm(x).
+    The sum of squares runs in fp32 in another order than torch's ``mean`` (so the last bit can differ); every
+    other rounding is the reference's. None where it does not apply (not bf16 2-D contiguous rows on CPU, no
+    library, ``ROOFLINE_CPU_GEMV=0``): the caller runs the reference. It replaces ~9 small torch ops per call,
+    each ~5-10 us at decode sizes."""
+    if (not GEMV or x.device.type != "cpu" or x.dim() != 2 or x.dtype != torch.bfloat16
+            or weight.dtype != torch.bfloat16 or not x.is_contiguous() or not weight.is_contiguous()
+            or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
+                                          or not residual.is_contiguous()))):
+        return None
+    from roofline.kernels import cpu_paged_attention as cpa
+
+    lib = cpa._library()
+    if isinstance(lib, str):
+        return None
+    out = torch.empty_like(x)
+    res_out = torch.empty_like(x) if residual is not None else None
+    lib.roofline_add_rmsnorm_bf16(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
+                                  out.data_ptr(), 0 if res_out is None else res_out.data_ptr(), x.shape[0],
+                                  x.shape[1], float(eps), torch.get_num_threads())
+    return out if residual is None else (out, res_out)

@@ -159,6 +159,44 @@ extern "C" int roofline_gemv_bf16(const uint16_t* x, const uint16_t* w, float* y
   return 0;
 #endif
 }
+
+// bf16 helpers for the fused add + RMSNorm below: widen is above; narrow rounds fp32 to bf16, nearest-even
+// (NaN kept quiet), as torch's .to(torch.bfloat16) does.
+static inline uint16_t narrow(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// HF LlamaRMSNorm on bf16 rows, with vLLM's fused residual add (roofline.kernels.cpu_bf16.add_rmsnorm):
+// r = bf16(x + res) (written to res_out when res is given, else r = x); y = bf16(w * bf16(r * rsqrt(mean(r^2) + eps)))
+// with r^2 summed in fp32 (16 lanes, then the lanes in order). One row per iteration; rows over the threads
+// only past 16 rows (a decode row is ~1 us of work).
+extern "C" void roofline_add_rmsnorm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, uint16_t* out,
+                                         uint16_t* res_out, int64_t T, int64_t H, float eps, int nthreads) {
+  #pragma omp parallel for schedule(static) num_threads(T > 16 ? nthreads : 1)
+  for (int64_t t = 0; t < T; ++t) {
+    const uint16_t* xr = x + t * H;
+    float lanes[16] = {0};
+    float* r = new float[H];
+    for (int64_t h = 0; h < H; ++h) {
+      float v = widen(xr[h]);
+      if (res) {
+        uint16_t b = narrow(v + widen(res[t * H + h]));
+        res_out[t * H + h] = b;
+        v = widen(b);
+      }
+      r[h] = v;
+      lanes[h & 15] += v * v;
+    }
+    float ss = 0.f;
+    for (int i = 0; i < 16; ++i) ss += lanes[i];
+    const float inv = 1.0f / std::sqrt(ss / (float)H + eps);
+    for (int64_t h = 0; h < H; ++h)
+      out[t * H + h] = narrow(widen(w[h]) * widen(narrow(r[h] * inv)));
+    delete[] r;
+  }
+}
 """
 MAX_BLOCK = 64  # s[16 * 64]: keys per block the kernel's score buffer holds
 
@@ -236,6 +274,8 @@ def _load(so: Path) -> ctypes.CDLL:
         fn.restype = None
     lib.roofline_gemv_bf16.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_int]
     lib.roofline_gemv_bf16.restype = ctypes.c_int
+    lib.roofline_add_rmsnorm_bf16.argtypes = [ptr] * 5 + [i64] * 2 + [ctypes.c_float, ctypes.c_int]
+    lib.roofline_add_rmsnorm_bf16.restype = None
     return lib
 
 

@@ -25,6 +25,11 @@ class RMSNorm(nn.Module):
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """x: [..., hidden] (2-D or more). With ``residual``, returns (rmsnorm(x + residual), x + residual)."""
         kernels = dispatch.kernels_for(x)
+        if kernels is None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+            from roofline.kernels.cpu_bf16 import add_rmsnorm
+
+            if (fused := add_rmsnorm(x, residual, self.weight, self.eps)) is not None:
+                return fused
         if residual is None:
             # 3-D too: Qwen3's per-head q_norm / k_norm on [T, heads, head_dim], normed as [T * heads, head_dim]
             # rows (a view at T = 1; one copy where the qkv split leaves rows unevenly strided).

@@ -104,3 +104,37 @@ def test_gemv_declines_what_it_does_not_cover():
     assert cpu_bf16.gemv(torch.randn(1, 96), w.float()) is None  # fp32
     assert cpu_bf16.gemv(torch.randn(1, 80).bfloat16(), torch.randn(64, 80).bfloat16()) is None  # K % 32
     assert cpu_bf16.gemv(torch.randn(1, 96).bfloat16(), w.t().contiguous().t()) is None  # not row-major
+
+
+@pytest.mark.parametrize("t,h", [(1, 576), (3, 576), (40, 960), (2, 17)])
+def test_add_rmsnorm_matches_the_reference(t, h):
+    """The fused C++ add + RMSNorm on bf16 rows: the residual sum bit-identical to the reference's (one bf16
+    rounding of x + residual), the normed output within one bf16 step of it (only the fp32 sum of squares runs
+    in another order), with and without the residual; and both within 2^-7 relative of float64."""
+    from roofline.kernels import cpu_paged_attention as cpa
+    from roofline.kernels.rmsnorm import ref_fused_add_rmsnorm, ref_rmsnorm
+
+    if cpa.unavailable_reason() is not None:
+        pytest.skip(cpa.unavailable_reason())
+    gen = torch.Generator().manual_seed(t * 1000 + h)
+    x = torch.randn(t, h, generator=gen).bfloat16()
+    res = (3 * torch.randn(t, h, generator=gen)).bfloat16()
+    w = (1 + 0.1 * torch.randn(h, generator=gen)).bfloat16()
+    out, new_res = cpu_bf16.add_rmsnorm(x, res, w, 1e-5)
+    want, want_res = ref_fused_add_rmsnorm(x, res, w, 1e-5)
+    assert torch.equal(new_res, want_res)
+    step = want.float().abs() * 2.0 ** -7  # one bf16 step at each value (8 significant bits)
+    assert ((out.float() - want.float()).abs() <= step + 1e-30).all()
+    plain = cpu_bf16.add_rmsnorm(x, None, w, 1e-5)
+    want_plain = ref_rmsnorm(x, w, 1e-5).float()
+    assert ((plain.float() - want_plain).abs() <= want_plain.abs() * 2.0 ** -7 + 1e-30).all()
+    r64 = want_res.double()
+    oracle = w.double() * r64 * torch.rsqrt(r64.pow(2).mean(-1, keepdim=True) + 1e-5)
+    assert ((out.double() - oracle).abs() <= oracle.abs() * 2.0 ** -7 + 1e-12).all()
+
+
+def test_add_rmsnorm_declines_what_it_does_not_cover():
+    w = torch.ones(64).bfloat16()
+    assert cpu_bf16.add_rmsnorm(torch.randn(2, 64), None, w.float(), 1e-6) is None  # fp32
+    assert cpu_bf16.add_rmsnorm(torch.randn(2, 3, 64).bfloat16(), None, w, 1e-6) is None  # 3-D
+    assert cpu_bf16.add_rmsnorm(torch.randn(64, 2).bfloat16().t(), None, w, 1e-6) is None  # not contiguous
