@@ -9,6 +9,8 @@ block's keys, and keeps an online softmax (running max, sum and output per head,
 Gimelshein 2018, as FlashAttention), so every key and value is read once, no copy is made and nothing past the
 row's length (the stale tail of its last block) is read. Work items are the (row, KV head) pairs, shared out by
 OpenMP (the same libgomp runtime as torch's: the library links ``libgomp.so.1``, which the process already has).
+The same library carries the two bf16 helpers of ``roofline.kernels.cpu_bf16``: the one-row GEMV
+(``roofline_gemv_bf16``) and the fused residual add + RMSNorm (``roofline_add_rmsnorm_bf16``).
 
 Numerics: fp32 scores, softmax and accumulation, keys in order; K/V fp32 or bf16 (widened exactly). A row's
 result depends on its own context only (batch-invariant). Its summation order is not SDPA's: the fp32 model stays
