@@ -175,21 +175,21 @@ def _proc_stat_times(path: str = "/proc/stat", cpus: frozenset[int] | None = Non
 
 def other_busy_cores(interval_s: float = 0.1) -> float | None:
     """Cores kept busy by *other* processes over ``interval_s`` seconds (>= 0.0), or None without /proc/stat.
-
-    Whole-machine busy time from /proc/stat minus this process's own CPU time (``time.process_time``) over
-    the same interval; this process sleeps meanwhile, so its share is only the probe's own overhead.
-    """
-    a = _proc_stat_times()
-    if a is None:
-        return None
-    own0, t0 = time.process_time(), time.monotonic()
+    ``_others_busy`` over a sleep: this process's share is only the probe's own overhead."""
+    read = functools.partial(_proc_stat_times, cpus=_affinity())
+    a, own0, t0 = read(), time.process_time(), time.monotonic()
     time.sleep(interval_s)
-    b = _proc_stat_times()
-    own, wall = time.process_time() - own0, time.monotonic() - t0
-    if b is None or b[1] <= a[1]:
+    return _others_busy(a, read(), time.process_time() - own0, time.monotonic() - t0)
+
+
+def _others_busy(a: tuple[int, int, int] | None, b: tuple[int, int, int] | None, own_s: float, wall_s: float
+                 ) -> float | None:
+    """Cores other processes kept busy between two ``_proc_stat_times`` readings ``a`` and ``b`` (this
+    process's CPUs), ``wall_s`` seconds apart, during which this process used ``own_s`` CPU-seconds (every
+    thread, ``time.process_time``): busy cores minus this process's, at least 0; None without both readings."""
+    if a is None or b is None or b[1] <= a[1] or wall_s <= 0:
         return None
-    busy_cores = (b[0] - a[0]) / (b[1] - a[1]) * a[2]
-    return max(0.0, busy_cores - own / wall)
+    return max(0.0, (b[0] - a[0]) / (b[1] - a[1]) * b[2] - own_s / wall_s)
 
 
 def choose_threads(cores: int, other_busy: float | None, requested: int | None = None,
@@ -249,8 +249,7 @@ class ThreadGovernor:
 
             set_threads = torch.set_num_threads
         if read_stat is None:
-            cpus = _affinity()
-            read_stat = functools.partial(_proc_stat_times, cpus=cpus)
+            read_stat = functools.partial(_proc_stat_times, cpus=_affinity())
         self.cores, self.threads, self.interval_s, self.grow_after = cores, threads, interval_s, grow_after
         self._read_stat, self._clock, self._cpu_time, self._set_threads = read_stat, clock, cpu_time, set_threads
         self._grow_votes = 0
@@ -268,13 +267,11 @@ class ThreadGovernor:
         if now - self._mark[0] < self.interval_s:
             return None
         t0, own0, stat0 = self._mark
-        self._mark = mark = self._sample()
-        self.seconds_at[self.threads] = self.seconds_at.get(self.threads, 0.0) + mark[0] - t0
-        stat1 = mark[2]
-        if stat0 is None or stat1 is None or stat1[1] <= stat0[1] or mark[0] <= t0:
+        self._mark = (t1, own1, stat1) = self._sample()
+        self.seconds_at[self.threads] = self.seconds_at.get(self.threads, 0.0) + t1 - t0
+        other = _others_busy(stat0, stat1, own1 - own0, t1 - t0)
+        if other is None:
             return None
-        busy = (stat1[0] - stat0[0]) / (stat1[1] - stat0[1]) * stat1[2]
-        other = max(0.0, busy - (mark[1] - own0) / (mark[0] - t0))
         self.last_other_busy = other
         want = free_cores(self.cores, other)
         if want > self.threads:
@@ -287,7 +284,6 @@ class ThreadGovernor:
         self._set_threads(want)
         self.threads, self.changes = want, self.changes + 1
         return want
-
 
     def summary(self) -> str:
         """One line for the run summary: the seconds at each thread count and the number of re-sizes."""
