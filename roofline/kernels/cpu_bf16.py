@@ -63,37 +63,42 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     return out.reshape(*x.shape[:-1], out.shape[-1])
 
 
+# The one-row GEMV and the fused add + RMSNorm (C++, the library of roofline.kernels.cpu_paged_attention);
+# ROOFLINE_CPU_GEMV=0 turns both off.
 GEMV = os.environ.get("ROOFLINE_CPU_GEMV", "1") != "0"
 
 
+def _cpp_library():
+    """The compiled library where ``GEMV`` is on and it built, else None."""
+    if not GEMV:
+        return None
+    from roofline.kernels import cpu_paged_attention as cpa
+
+    lib = cpa._library()
+    return None if isinstance(lib, str) else lib
+
+
 def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """One row: ``x`` [1, K] bf16 @ ``weight`` [N, K] bf16 (contiguous)^T (+ ``bias`` [N], added in fp32) -> [1, N]
-    bf16, fp32 accumulation rounded once, through the C++ AVX-512 BF16 GEMV (``roofline_gemv_bf16`` in the library of
-    ``roofline.kernels.cpu_paged_attention``: vdpbf16ps, Intel SDM). None where it does not apply (``GEMV`` off
-    via ``ROOFLINE_CPU_GEMV=0``, no library, no AVX-512 BF16, K not a multiple of 32, other dtypes or shapes):
-    the caller runs oneDNN then.
+    """One row: ``x`` [1, K] bf16 @ ``weight`` [N, K] bf16 (contiguous)^T (+ ``bias`` [N] bf16) -> [1, N] bf16, the
+    products and the bias summed in fp32 and rounded once, through the C++ AVX-512 BF16 GEMV
+    (``roofline_gemv_bf16``: vdpbf16ps, Intel SDM). None where it does not apply (``ROOFLINE_CPU_GEMV=0``, no
+    library, no AVX-512 BF16, K not a multiple of 32, other dtypes or shapes): the caller runs oneDNN then.
 
     Why: at M = 1 oneDNN's packed bf16 linear streams the default model's small projections at 16-27 GB/s and
     its LM head at 44 GB/s; this loop ran them 1.2-2.2x faster (qkv 960x576 53.8 -> 28.6 us, o 576x576 40.6 ->
     18.3, gate_up 3072x576 177.5 -> 137.9, down 576x1536 66.6 -> 43.8, LM head 49152x576 1275.6 -> 1043.5; Intel
     Xeon with AMX, 2 threads, 30 distinct weights per shape, 2026-12-04)."""
-    if (not GEMV or x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
+    if (x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
             or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.shape[1] % 32 or x.device.type != "cpu"
-            or not weight.is_contiguous()):
-        return None
-    from roofline.kernels import cpu_paged_attention as cpa
-
-    lib = cpa._library()
-    if isinstance(lib, str):
+            or not weight.is_contiguous()
+            or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()))
+            or (lib := _cpp_library()) is None):
         return None
     x = x.contiguous()
-    y = torch.empty(weight.shape[0], dtype=torch.float32)
-    if not lib.roofline_gemv_bf16(x.data_ptr(), weight.data_ptr(), y.data_ptr(), weight.shape[0], weight.shape[1],
-                                  torch.get_num_threads()):
-        return None
-    if bias is not None:
-        y += bias.float()
-    return y.to(torch.bfloat16).unsqueeze(0)
+    y = torch.empty(1, weight.shape[0], dtype=torch.bfloat16)
+    ok = lib.roofline_gemv_bf16(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                y.data_ptr(), weight.shape[0], weight.shape[1], torch.get_num_threads())
+    return y if ok else None
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
@@ -105,15 +110,11 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
     other rounding is the reference's. None where it does not apply (not bf16 2-D contiguous rows on CPU, no
     library, ``ROOFLINE_CPU_GEMV=0``): the caller runs the reference. It replaces ~9 small torch ops per call,
     each ~5-10 us at decode sizes."""
-    if (not GEMV or x.device.type != "cpu" or x.dim() != 2 or x.dtype != torch.bfloat16
+    if (x.device.type != "cpu" or x.dim() != 2 or x.dtype != torch.bfloat16
             or weight.dtype != torch.bfloat16 or not x.is_contiguous() or not weight.is_contiguous()
             or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
-                                          or not residual.is_contiguous()))):
-        return None
-    from roofline.kernels import cpu_paged_attention as cpa
-
-    lib = cpa._library()
-    if isinstance(lib, str):
+                                          or not residual.is_contiguous()))
+            or (lib := _cpp_library()) is None):
         return None
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else None

@@ -120,19 +120,29 @@ void roofline_decode_bf16(const float* q, const uint16_t* kc, const uint16_t* vc
 }
 }
 
-// One-row bf16 GEMV (roofline.kernels.cpu_bf16.gemv): y[n] = sum_k x[k] w[n, k], x [K] and w [N, K] bf16
-// (row-major), y [N] fp32. AVX-512 BF16 dot products (vdpbf16ps: pairs of bf16 products into fp32 lanes, RNE),
-// four rows per step sharing each x chunk, rows split over the threads. Returns 0 (nothing written) where the
-// CPU or compiler lacks AVX-512 BF16 or K is not a multiple of 32.
-extern "C" int roofline_gemv_bf16(const uint16_t* x, const uint16_t* w, float* y, int64_t N, int64_t K,
-                                  int nthreads) {
+// narrow rounds fp32 to bf16, nearest-even (NaN kept quiet), as torch's .to(torch.bfloat16) does.
+static inline uint16_t narrow(float f) {
+  uint32_t u; std::memcpy(&u, &f, 4);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// One-row bf16 GEMV (roofline.kernels.cpu_bf16.gemv): y[n] = bf16(sum_k x[k] w[n, k] (+ bias[n])), x [K], w [N, K]
+// (row-major) and bias [N] (or null) bf16, the sum and the bias add in fp32, rounded once. AVX-512 BF16 dot
+// products (vdpbf16ps: pairs of bf16 products into fp32 lanes, RNE), four rows per step sharing each x chunk, rows
+// split over the threads. Returns 0 (nothing written) where the CPU or compiler lacks AVX-512 BF16 or K is not a
+// multiple of 32.
+extern "C" int roofline_gemv_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
+                                  int64_t N, int64_t K, int nthreads) {
 #if defined(__AVX512BF16__)
   if (K % 32 != 0) return 0;
   const int64_t kc = K / 32;
   #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t n0 = 0; n0 < N; n0 += 4) {
     const uint16_t* w0 = w + n0 * K;
-    if (N - n0 >= 4) {
+    float s[4];
+    const int64_t rows = N - n0 < 4 ? N - n0 : 4;
+    if (rows == 4) {  // four rows share each x chunk's load
       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
       for (int64_t c = 0; c < kc; ++c) {
         __m512bh xv = (__m512bh)_mm512_loadu_si512(x + c * 32);
@@ -141,62 +151,52 @@ extern "C" int roofline_gemv_bf16(const uint16_t* x, const uint16_t* w, float* y
         a2 = _mm512_dpbf16_ps(a2, xv, (__m512bh)_mm512_loadu_si512(w0 + 2 * K + c * 32));
         a3 = _mm512_dpbf16_ps(a3, xv, (__m512bh)_mm512_loadu_si512(w0 + 3 * K + c * 32));
       }
-      y[n0] = _mm512_reduce_add_ps(a0);
-      y[n0 + 1] = _mm512_reduce_add_ps(a1);
-      y[n0 + 2] = _mm512_reduce_add_ps(a2);
-      y[n0 + 3] = _mm512_reduce_add_ps(a3);
+      s[0] = _mm512_reduce_add_ps(a0);
+      s[1] = _mm512_reduce_add_ps(a1);
+      s[2] = _mm512_reduce_add_ps(a2);
+      s[3] = _mm512_reduce_add_ps(a3);
     } else {
-      for (int64_t r = 0; r < N - n0; ++r) {
+      for (int64_t r = 0; r < rows; ++r) {
         __m512 a = _mm512_setzero_ps();
         for (int64_t c = 0; c < kc; ++c)
           a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(x + c * 32),
                                (__m512bh)_mm512_loadu_si512(w0 + r * K + c * 32));
-        y[n0 + r] = _mm512_reduce_add_ps(a);
+        s[r] = _mm512_reduce_add_ps(a);
       }
     }
+    for (int64_t r = 0; r < rows; ++r) y[n0 + r] = narrow(s[r] + (bias ? widen(bias[n0 + r]) : 0.0f));
   }
   return 1;
 #else
-  (void)x; (void)w; (void)y; (void)N; (void)K; (void)nthreads;
+  (void)x; (void)w; (void)bias; (void)y; (void)N; (void)K; (void)nthreads;
   return 0;
 #endif
-}
-
-// bf16 helpers for the fused add + RMSNorm below: widen is above; narrow rounds fp32 to bf16, nearest-even
-// (NaN kept quiet), as torch's .to(torch.bfloat16) does.
-static inline uint16_t narrow(float f) {
-  uint32_t u; std::memcpy(&u, &f, 4);
-  if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40);
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 // HF LlamaRMSNorm on bf16 rows, with vLLM's fused residual add (roofline.kernels.cpu_bf16.add_rmsnorm):
 // r = bf16(x + res) (written to res_out when res is given, else r = x); y = bf16(w * bf16(r * rsqrt(mean(r^2) + eps)))
 // with r^2 summed in fp32 (16 lanes, then the lanes in order). One row per iteration; rows over the threads
-// only past 16 rows (a decode row is ~1 us of work).
+// only past 16 rows (a decode row is ~1 us of work). The second pass reads r back from res_out (or x).
 extern "C" void roofline_add_rmsnorm_bf16(const uint16_t* x, const uint16_t* res, const uint16_t* w, uint16_t* out,
                                          uint16_t* res_out, int64_t T, int64_t H, float eps, int nthreads) {
   #pragma omp parallel for schedule(static) num_threads(T > 16 ? nthreads : 1)
   for (int64_t t = 0; t < T; ++t) {
-    const uint16_t* xr = x + t * H;
+    const uint16_t* r = res ? res_out + t * H : x + t * H;
     float lanes[16] = {0};
-    float* r = new float[H];
     for (int64_t h = 0; h < H; ++h) {
-      float v = widen(xr[h]);
+      float v = widen(x[t * H + h]);
       if (res) {
         uint16_t b = narrow(v + widen(res[t * H + h]));
         res_out[t * H + h] = b;
         v = widen(b);
       }
-      r[h] = v;
       lanes[h & 15] += v * v;
     }
     float ss = 0.f;
     for (int i = 0; i < 16; ++i) ss += lanes[i];
     const float inv = 1.0f / std::sqrt(ss / (float)H + eps);
     for (int64_t h = 0; h < H; ++h)
-      out[t * H + h] = narrow(widen(w[h]) * widen(narrow(r[h] * inv)));
-    delete[] r;
+      out[t * H + h] = narrow(widen(w[h]) * widen(narrow(widen(r[h]) * inv)));
   }
 }
 """
@@ -274,7 +274,7 @@ def _load(so: Path) -> ctypes.CDLL:
         fn = getattr(lib, fn_name)
         fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
         fn.restype = None
-    lib.roofline_gemv_bf16.argtypes = [ptr] * 3 + [i64] * 2 + [ctypes.c_int]
+    lib.roofline_gemv_bf16.argtypes = [ptr] * 4 + [i64] * 2 + [ctypes.c_int]
     lib.roofline_gemv_bf16.restype = ctypes.c_int
     lib.roofline_add_rmsnorm_bf16.argtypes = [ptr] * 5 + [i64] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.roofline_add_rmsnorm_bf16.restype = None
