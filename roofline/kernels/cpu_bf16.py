@@ -49,6 +49,21 @@ def prepack(weight: torch.Tensor) -> torch.Tensor:
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
+def pack_layer(layer) -> None:
+    """After loading: ``layer.packed_weight`` = :func:`prepack` of ``layer.weight`` where :func:`should_prepack`,
+    else None (the linear methods that keep a dense 16-bit weight call this)."""
+    layer.packed_weight = prepack(layer.weight) if should_prepack(layer.weight) else None
+
+
+def layer_linear(layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x`` @ ``layer.weight``^T (+ ``bias``) through the packed copy (and :func:`gemv` at one row) where
+    :func:`pack_layer` made one and ``x`` is bf16 on the CPU; None otherwise (the caller's own path)."""
+    packed = getattr(layer, "packed_weight", None)
+    if packed is None or x.dtype != torch.bfloat16 or x.device.type != "cpu":
+        return None
+    return packed_linear(x, packed, bias, dense=layer.weight)
+
+
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
                   dense: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [..., K] bf16 @ the packed [N, K] weight^T (+ ``bias`` [N]) -> [..., N] bf16, as ``F.linear``.

@@ -13,6 +13,7 @@ from torch import nn
 
 from roofline.distributed.communication import tensor_parallel_all_gather, tensor_parallel_all_reduce
 from roofline.distributed.parallel_state import get_tp_rank, get_tp_size
+from roofline.kernels.cpu_bf16 import layer_linear, pack_layer
 from roofline.quant.base import set_weight_attrs
 
 
@@ -53,20 +54,15 @@ class VocabParallelEmbedding(nn.Module):
 
 class DenseLMHeadMethod:
     """The 16-bit LM head: ``F.linear`` on its (possibly tied) ``weight``; bf16 on a CPU with bf16 units, a packed
-    copy for oneDNN made after loading (``roofline.kernels.cpu_bf16``: the same numerics; the table stays for
-    the embedding lookup)."""
+    copy for oneDNN made after loading and the C++ GEMV at one row (``roofline.kernels.cpu_bf16.layer_linear``;
+    the table stays for the embedding lookup)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:
-        from roofline.kernels import cpu_bf16
-
-        layer.packed_weight = cpu_bf16.prepack(layer.weight) if cpu_bf16.should_prepack(layer.weight) else None
+        pack_layer(layer)
 
     def apply(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        packed = getattr(layer, "packed_weight", None)
-        if packed is not None and hidden.dtype == torch.bfloat16 and hidden.device.type == "cpu":
-            from roofline.kernels.cpu_bf16 import packed_linear
-
-            return packed_linear(hidden, packed, dense=layer.weight)
+        if (out := layer_linear(layer, hidden)) is not None:
+            return out
         return F.linear(hidden, layer.weight)
 
 

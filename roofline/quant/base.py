@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from roofline.kernels.cpu_bf16 import layer_linear, pack_layer
+
 WeightLoader = Callable[..., None]
 
 
@@ -74,23 +76,19 @@ class UnquantizedLinearMethod(LinearMethod):
     """A dense ``weight`` [out, in] in the model dtype; ``apply`` is one GEMM: cuBLAS, or on GPUs at decode sizes
     our split-K GEMV where the measured dispatch table says it is faster (``roofline.quant.gemm.dense_linear``).
     bf16 on a CPU with bf16 units: oneDNN with the weight packed once after loading (``packed_weight``, an opaque
-    copy: the linears' memory twice; ``roofline.kernels.cpu_bf16``), the same numerics as ``F.linear``."""
+    copy: the linears' memory twice; ``roofline.kernels.cpu_bf16``), the same numerics as ``F.linear``; at one row
+    the C++ GEMV (one fp32 rounding too, in another summation order)."""
 
     def create_weights(self, layer, input_size_per_partition, output_partition_sizes, params_dtype,
                        weight_loader):
         create_dense_weight(layer, input_size_per_partition, output_partition_sizes, params_dtype, weight_loader)
 
     def process_weights_after_loading(self, layer):
-        from roofline.kernels import cpu_bf16
-
-        layer.packed_weight = cpu_bf16.prepack(layer.weight) if cpu_bf16.should_prepack(layer.weight) else None
+        pack_layer(layer)
 
     def apply(self, layer, x, bias=None):
-        packed = getattr(layer, "packed_weight", None)
-        if packed is not None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
-            from roofline.kernels.cpu_bf16 import packed_linear
-
-            return packed_linear(x, packed, bias, dense=layer.weight)
+        if (out := layer_linear(layer, x, bias)) is not None:
+            return out
         from roofline.kernels.linear_dispatch import dense_linear
 
         return dense_linear(x, layer.weight, bias)
