@@ -182,7 +182,17 @@ class TorchAttentionBackend(AttentionBackend):
             meta = self.build_metadata(meta)
         num_kv_heads, head_dim = self.num_kv_heads, self.head_dim
         num_blocks, bs = cache.k.shape[:2]
-        if meta.all_slots_valid:  # same values as ref_rope_and_cache, without its boolean-mask gathers
+        out = torch.empty_like(q)
+        q32 = None
+        if q.device.type == "cpu" and not cache.is_quantized:
+            # RoPE and the store in one C++ pass; q comes back in fp32, what both attention paths below read.
+            from roofline.kernels.cpu_paged_attention import rope_and_store
+
+            q32 = rope_and_store(q, k, v, positions, self.rotary.cos_sin_cache, cache.k, cache.v,
+                                 meta.slot_mapping, torch.float32)
+        if q32 is not None:
+            q = q32
+        elif meta.all_slots_valid:  # same values as ref_rope_and_cache, without its boolean-mask gathers
             q, k = ref_rotary(positions, q, k, self.rotary.cos_sin_cache)
             if cache.is_quantized:
                 ref_write_kv_rows(k, v, cache.k, cache.v, meta.slot_mapping, cache.k_scale, cache.v_scale)
@@ -211,15 +221,19 @@ class TorchAttentionBackend(AttentionBackend):
             return ref_dequantize(rows, scales, sdpa_dtype) if scales is not None or rows.dtype != sdpa_dtype \
                 else rows
 
-        out = torch.empty_like(q)
         if meta.decode_rows is not None:
-            # One C++ pass over the paged cache for every decode row: no gathers, no per-bucket SDPA.
+            # One C++ pass over the paged cache for every decode row: no gathers, no per-bucket SDPA; it writes
+            # its rows of ``out`` in the model dtype (fp32 or bf16, rounded once).
             from roofline.kernels.cpu_paged_attention import paged_decode_attention
 
-            q32, o32 = q.float().contiguous(), torch.empty(q.shape, dtype=torch.float32)
-            paged_decode_attention(q32, cache.k, cache.v, meta.decode_tables, meta.decode_lens, meta.decode_rows,
-                                   self.scale, o32)
-            out.index_copy_(0, meta.decode_rows, o32.index_select(0, meta.decode_rows).to(out.dtype))
+            if out.dtype in (torch.float32, torch.bfloat16):
+                paged_decode_attention(q.float().contiguous(), cache.k, cache.v, meta.decode_tables,
+                                       meta.decode_lens, meta.decode_rows, self.scale, out)
+            else:
+                o32 = torch.empty(q.shape, dtype=torch.float32)
+                paged_decode_attention(q.float().contiguous(), cache.k, cache.v, meta.decode_tables,
+                                       meta.decode_lens, meta.decode_rows, self.scale, o32)
+                out.index_copy_(0, meta.decode_rows, o32.index_select(0, meta.decode_rows).to(out.dtype))
         for g in meta.decode_groups:
             n = g.rows.shape[0]
             kg = gather(g.blocks, k_blocks, cache.k_scale)  # [n * L, H_kv, D]

@@ -25,7 +25,8 @@ def decode_floor_report(weight_bytes: int, kv_bytes_read: float, flops: float,
         ``floor_s``, ``measured_s``, ``fraction_of_floor`` (= floor / measured, 1.0 at the floor),
         ``memory_floor_s``, ``compute_floor_s``, ``bound_by`` and ``text``, e.g.
         ``"decode step 41.2 ms, floor 12.3 ms (30% of floor)"``, with ``weights``
-        ``"decode step 2.6 ms, floor 1.1 ms for int4 weights, 4.76 GB per step (42% of floor)"`` (Pope et al. 2022
+        ``"decode step 2.6 ms, floor 1.1 ms for int4 weights, 4.76 GB of weights + 0.00 GB of KV read per step (42% of
+        floor)"`` (Pope et al. 2022
         bound). The floor is per format: ``weight_bytes`` is what that format's tensors hold (for INT4 codes,
         scales and zero points), so a quantized run is measured against its own floor, not the 16-bit one.
     """
@@ -41,7 +42,8 @@ def decode_floor_report(weight_bytes: int, kv_bytes_read: float, flops: float,
         comp = flops / peak_flops
     floor = max(mem, comp)
     fraction = floor / measured_step_s
-    of = f" for {weights} weights, {weight_bytes / 1e9:.2f} GB per step" if weights else ""
+    of = (f" for {weights} weights, {weight_bytes / 1e9:.2f} GB of weights + {kv_bytes_read / 1e9:.2f} GB of KV read "
+          f"per step") if weights else ""
     text = (f"decode step {measured_step_s * 1e3:.1f} ms, floor {floor * 1e3:.1f} ms{of} "
             f"({fraction * 100:.0f}% of floor)")
     return {"floor_s": floor, "measured_s": measured_step_s, "fraction_of_floor": fraction,

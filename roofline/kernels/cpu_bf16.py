@@ -137,3 +137,18 @@ def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Te
                                   out.data_ptr(), 0 if res_out is None else res_out.data_ptr(), x.shape[0],
                                   x.shape[1], float(eps), torch.get_num_threads())
     return out if residual is None else (out, res_out)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """``x`` [T, 2I] bf16 (contiguous, CPU) -> [T, I] bf16 = bf16(bf16(silu(gate)) * up), the rounding of
+    ``roofline.kernels.activation.ref_silu_and_mul`` (torch's bf16 silu, then its bf16 multiply), in one C++ pass
+    (``roofline_silu_mul_bf16``) instead of a silu, a multiply and two slices; the fp32 exp is the C library's, not
+    torch's SLEEF one, so a rare product can differ in its last bf16 bit. None where it does not apply (another
+    dtype or layout, no library, ``ROOFLINE_CPU_GEMV=0``): the caller runs the reference."""
+    if (x.device.type != "cpu" or x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] % 2
+            or not x.is_contiguous() or (lib := _cpp_library()) is None):
+        return None
+    half = x.shape[1] // 2
+    out = torch.empty(x.shape[0], half, dtype=torch.bfloat16)
+    lib.roofline_silu_mul_bf16(x.data_ptr(), out.data_ptr(), x.shape[0], half, torch.get_num_threads())
+    return out

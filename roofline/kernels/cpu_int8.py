@@ -58,8 +58,42 @@ def w8a8_dynamic_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: to
         raise ValueError(f"w8a8_dynamic_linear: x [..., {x.shape[-1]}] needs int8 qweight [N, {x.shape[-1]}], "
                          f"got {qweight.dtype} {tuple(qweight.shape)}")
     x2 = x.reshape(-1, x.shape[-1])
+    if x2.shape[0] == 1 and not row_parallel and (y := gemv_w8a8(x2, qweight, weight_scale, bias)) is not None:
+        return y.reshape(*x.shape[:-1], qweight.shape[0])
     xq, xs = quantize_rows_int8(x2 if x2.dtype == torch.float32 else x2.float(), row_parallel)
     out = torch._int_mm(xq, qweight.t()) * (xs * weight_scale)  # [M, N] int32 * [M, N] float32 -> float32
     if bias is not None:
         out = out + bias
     return out.to(x.dtype).reshape(*x.shape[:-1], qweight.shape[0])
+
+
+def gemv_w8a8(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor,
+              bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """One row of :func:`w8a8_dynamic_linear` in one C++ call (``roofline_gemv_w8a8``: the quantization of ``x``
+    and AVX-512 VNNI ``vpdpbusd`` integer dot products, Intel SDM), bit-identical to the torch path (same scale,
+    same round-half-even codes, exact int32 sums, the same fp32 products and casts). ``x`` [1, K] float32 or
+    bfloat16, ``qweight`` int8 [N, K] and ``weight_scale`` float32 [N] contiguous, ``bias`` [N] float32/bfloat16 or
+    None -> [1, N] in ``x``'s dtype. None where it does not apply (no AVX-512 VNNI, K not a multiple of 64 or
+    over 16384, other dtypes or layouts, no library, ``ROOFLINE_CPU_GEMV=0``): the caller runs the torch path.
+
+    Why: at M = 1 the torch path is five small ops (inf-norm, scale, divide-round, cast, ``_int_mm``, then the
+    scale products and the cast) around a oneDNN integer GEMM that streamed the weight slower than this loop."""
+    from roofline.kernels.cpu_bf16 import _cpp_library
+
+    if (x.device.type != "cpu" or x.dim() != 2 or x.shape[0] != 1 or x.dtype not in (torch.float32, torch.bfloat16)
+            or qweight.dtype != torch.int8 or qweight.dim() != 2 or qweight.shape[1] != x.shape[1]
+            or x.shape[1] % 64 or x.shape[1] > 16384 or not qweight.is_contiguous()
+            or weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous()
+            or weight_scale.numel() != qweight.shape[0]
+            or (bias is not None and (bias.dtype not in (torch.float32, torch.bfloat16) or not bias.is_contiguous()
+                                      or bias.numel() != qweight.shape[0]))
+            or (lib := _cpp_library()) is None):
+        return None
+    x = x.contiguous()
+    y = torch.empty(1, qweight.shape[0], dtype=x.dtype)
+    ok = lib.roofline_gemv_w8a8(x.data_ptr(), int(x.dtype == torch.bfloat16), qweight.data_ptr(),
+                                weight_scale.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                int(bias is not None and bias.dtype == torch.bfloat16), y.data_ptr(),
+                                int(x.dtype == torch.bfloat16), qweight.shape[0], qweight.shape[1],
+                                torch.get_num_threads())
+    return y if ok else None

@@ -55,9 +55,13 @@ _SOURCE = r"""
 static inline float widen(float x) { return x; }
 static inline float widen(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; std::memcpy(&f, &u, 4); return f; }
 
-template <typename KV>
+static inline uint16_t narrow(float f);
+static inline void put(float* p, float f) { *p = f; }
+static inline void put(uint16_t* p, float f) { *p = narrow(f); }
+
+template <typename KV, typename O>
 static void decode(const float* q, const KV* kc, const KV* vc, const int64_t* tables, const int64_t* lens,
-                   const int64_t* rows, float* out, int64_t n, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
+                   const int64_t* rows, O* out, int64_t n, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
                    int64_t table_stride, float scale, int nthreads) {
   const int64_t G = H / Hkv;
   #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
@@ -99,26 +103,34 @@ static void decode(const float* q, const KV* kc, const KV* vc, const int64_t* ta
         }
       }
     }
-    float* orow = out + rows[i] * H * D + kvh * G * D;
+    O* orow = out + rows[i] * H * D + kvh * G * D;
     for (int64_t g = 0; g < G; ++g) {
       const float inv = l[g] > 0.f ? 1.f / l[g] : 0.f;
-      for (int64_t d = 0; d < D; ++d) orow[g * D + d] = acc[g * D + d] * inv;
+      for (int64_t d = 0; d < D; ++d) put(orow + g * D + d, acc[g * D + d] * inv);
     }
   }
 }
 
+// out_bf16: the output rows are bf16 (rounded once from the fp32 result), else fp32.
 extern "C" {
 void roofline_decode_f32(const float* q, const float* kc, const float* vc, const int64_t* tables, const int64_t* lens,
-                         const int64_t* rows, float* out, int64_t n, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                         int64_t table_stride, float scale, int nthreads) {
-  decode<float>(q, kc, vc, tables, lens, rows, out, n, H, Hkv, D, bs, table_stride, scale, nthreads);
+                         const int64_t* rows, void* out, int64_t n, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
+                         int64_t table_stride, float scale, int nthreads, int out_bf16) {
+  if (out_bf16) decode(q, kc, vc, tables, lens, rows, (uint16_t*)out, n, H, Hkv, D, bs, table_stride, scale, nthreads);
+  else decode(q, kc, vc, tables, lens, rows, (float*)out, n, H, Hkv, D, bs, table_stride, scale, nthreads);
 }
 void roofline_decode_bf16(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* tables,
-                          const int64_t* lens, const int64_t* rows, float* out, int64_t n, int64_t H, int64_t Hkv,
-                          int64_t D, int64_t bs, int64_t table_stride, float scale, int nthreads) {
-  decode<uint16_t>(q, kc, vc, tables, lens, rows, out, n, H, Hkv, D, bs, table_stride, scale, nthreads);
+                          const int64_t* lens, const int64_t* rows, void* out, int64_t n, int64_t H, int64_t Hkv,
+                          int64_t D, int64_t bs, int64_t table_stride, float scale, int nthreads, int out_bf16) {
+  if (out_bf16) decode(q, kc, vc, tables, lens, rows, (uint16_t*)out, n, H, Hkv, D, bs, table_stride, scale, nthreads);
+  else decode(q, kc, vc, tables, lens, rows, (float*)out, n, H, Hkv, D, bs, table_stride, scale, nthreads);
 }
 }
+
+// The GEMVs prefetch each weight row 4 KiB ahead (prefetches never fault past the end): streaming the default
+// model's linears from DRAM, 2 threads, Intel Xeon (AMX) of 2026-12-04, INT8 3072x576 went from 17.1-17.2 to
+// 19.9-20.4 GB/s (1024 or 256 bytes ahead: no gain).
+static constexpr int64_t kPrefetch = 4096;
 
 // narrow rounds fp32 to bf16, nearest-even (NaN kept quiet), as torch's .to(torch.bfloat16) does.
 static inline uint16_t narrow(float f) {
@@ -146,6 +158,7 @@ extern "C" int roofline_gemv_bf16(const uint16_t* x, const uint16_t* w, const ui
       __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
       for (int64_t c = 0; c < kc; ++c) {
         __m512bh xv = (__m512bh)_mm512_loadu_si512(x + c * 32);
+        for (int r = 0; r < 4; ++r) _mm_prefetch((const char*)(w0 + r * K + c * 32) + kPrefetch, _MM_HINT_T0);
         a0 = _mm512_dpbf16_ps(a0, xv, (__m512bh)_mm512_loadu_si512(w0 + c * 32));
         a1 = _mm512_dpbf16_ps(a1, xv, (__m512bh)_mm512_loadu_si512(w0 + K + c * 32));
         a2 = _mm512_dpbf16_ps(a2, xv, (__m512bh)_mm512_loadu_si512(w0 + 2 * K + c * 32));
@@ -199,6 +212,161 @@ extern "C" void roofline_add_rmsnorm_bf16(const uint16_t* x, const uint16_t* res
       out[t * H + h] = narrow(widen(w[h]) * widen(narrow(widen(r[h]) * inv)));
   }
 }
+// Rotate-half RoPE of a step's q and k rows and the KV-cache store (roofline.kernels.cpu_paged_attention.rope_and_store;
+// the numerics of roofline.kernels.rope_cache.ref_rotary + the cache write): x1 * cos - x2 * sin and x2 * cos + x1 * sin
+// in fp32, each product rounded before the add (no FMA contraction, as torch's separate ops), then rounded to the
+// model dtype X; k (so rounded) and v are stored at slots[t] (skipped where < 0) in the cache dtype C, q goes to
+// qout [T, H, D] in Q. q/k/v: [T, heads, D] with row strides sq/sk/sv elements and heads D apart (the fused qkv
+// projection's views). cs [max_pos, D] fp32 = cat(cos, sin).
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")
+static inline float as_model(float f, const float*) { return f; }
+static inline float as_model(float f, const uint16_t*) { return widen(narrow(f)); }
+template <typename X, typename C, typename Q>
+static void rope_store(const X* q, const X* k, const X* v, int64_t sq, int64_t sk, int64_t sv, const int64_t* pos,
+                       const float* cs, const int64_t* slots, C* kc, C* vc, Q* qout, int64_t T, int64_t H,
+                       int64_t Hkv, int64_t D, int nthreads) {
+  const int64_t half = D / 2;
+  #pragma omp parallel for schedule(static) num_threads(T > 8 ? nthreads : 1)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* c = cs + pos[t] * D;
+    const float* sn = c + half;
+    const int64_t slot = slots[t];
+    for (int64_t h = 0; h < H + Hkv; ++h) {  // q heads, then k heads
+      const bool is_q = h < H;
+      if (!is_q && slot < 0) continue;
+      const X* x = is_q ? q + t * sq + h * D : k + t * sk + (h - H) * D;
+      Q* qo = qout + (t * H + h) * D;
+      C* ko = kc + (slot * Hkv + (h - H)) * D;
+      for (int64_t d = 0; d < half; ++d) {
+        const float x1 = widen(x[d]), x2 = widen(x[d + half]);
+        const float a = x1 * c[d], b = x2 * sn[d], e = x2 * c[d], f = x1 * sn[d];
+        const float lo = as_model(a - b, x), hi = as_model(e + f, x);
+        if (is_q) { put(qo + d, lo); put(qo + d + half, hi); }
+        else { put(ko + d, lo); put(ko + d + half, hi); }
+      }
+    }
+    if (slot >= 0) {
+      const X* vr = v + t * sv;
+      C* vo = vc + slot * Hkv * D;
+      for (int64_t i = 0; i < Hkv * D; ++i) put(vo + i, widen(vr[i]));
+    }
+  }
+}
+#pragma GCC pop_options
+
+// x_bf16 / c_bf16 / q_bf16: the model (q/k/v), the cache and the q output in bf16 (1) or fp32 (0). Returns 0, with
+// nothing written, for an fp32 model with a bf16 cache or q, a position outside [0, max_pos) or a slot >= num_slots.
+extern "C" int roofline_rope_store(const void* q, const void* k, const void* v, int64_t sq, int64_t sk, int64_t sv,
+                                   const int64_t* pos, const float* cs, const int64_t* slots, void* kc, void* vc,
+                                   void* qout, int64_t T, int64_t H, int64_t Hkv, int64_t D, int x_bf16, int c_bf16,
+                                   int q_bf16, int64_t max_pos, int64_t num_slots, int nthreads) {
+  for (int64_t t = 0; t < T; ++t)
+    if (pos[t] < 0 || pos[t] >= max_pos || slots[t] >= num_slots) return 0;
+#define RS(X, C, Q) rope_store((const X*)q, (const X*)k, (const X*)v, sq, sk, sv, pos, cs, slots, (C*)kc, (C*)vc, \
+                               (Q*)qout, T, H, Hkv, D, nthreads)
+  if (x_bf16) {
+    if (c_bf16) { if (q_bf16) RS(uint16_t, uint16_t, uint16_t); else RS(uint16_t, uint16_t, float); }
+    else { if (q_bf16) RS(uint16_t, float, uint16_t); else RS(uint16_t, float, float); }
+  } else {
+    if (c_bf16 || q_bf16) return 0;  // an fp32 model keeps fp32 everywhere
+    RS(float, float, float);
+  }
+#undef RS
+  return 1;
+}
+
+// SiLU-and-mul of bf16 rows (roofline.kernels.cpu_bf16.silu_and_mul): out[t, i] = bf16(bf16(silu(g)) * u) with
+// g = x[t, i], u = x[t, I + i], silu(g) = g / (1 + exp(-g)) in fp32 (torch's bf16 F.silu, then its bf16 mul).
+extern "C" void roofline_silu_mul_bf16(const uint16_t* x, uint16_t* out, int64_t T, int64_t I, int nthreads) {
+  #pragma omp parallel for schedule(static) num_threads(T * I >= 65536 ? nthreads : 1)
+  for (int64_t t = 0; t < T; ++t) {
+    const uint16_t* g = x + t * 2 * I;
+    const uint16_t* u = g + I;
+    uint16_t* o = out + t * I;
+    for (int64_t i = 0; i < I; ++i) {
+      const float gv = widen(g[i]);
+      const float s = widen(narrow(gv / (1.0f + std::exp(-gv))));
+      o[i] = narrow(s * widen(u[i]));
+    }
+  }
+}
+// One-row INT8 W8A8 dynamic GEMV (roofline.kernels.cpu_int8.w8a8_dynamic_linear at M = 1), bit-identical to its torch
+// path: s = max(max_k |x[k]| / 127, 1e-10) and q[k] = round-half-even(x[k] / s) in fp32; acc[n] = sum_k q[k] w[n, k]
+// exact in int32 (AVX-512 VNNI vpdpbusd takes u8 x s8, so q + 128 goes in and 128 * sum_k w[n, k], summed by a second
+// vpdpbusd against ones, comes off); y[n] = (float)acc[n] * (s * ws[n]) (+ bias[n]), rounded to y's dtype. x and y
+// fp32 or bf16 (x_bf16 / y_bf16), bias fp32 / bf16 / null. Returns 0 (nothing written) without AVX-512 VNNI or when K
+// is not a multiple of 64 or over 16384.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")  // the scale product, then the bias add: torch's two ops, no FMA
+extern "C" int roofline_gemv_w8a8(const void* x, int x_bf16, const int8_t* w, const float* ws, const void* bias,
+                                  int bias_bf16, void* y, int y_bf16, int64_t N, int64_t K, int nthreads) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (K % 64 != 0 || K > 16384) return 0;
+  alignas(64) uint8_t xq[16384];
+  float amax = 0.f;
+  for (int64_t k = 0; k < K; ++k) {
+    const float v = x_bf16 ? widen(((const uint16_t*)x)[k]) : ((const float*)x)[k];
+    const float a = std::fabs(v);
+    amax = a > amax ? a : amax;
+  }
+  float s = amax / 127.0f;
+  s = s < 1e-10f ? 1e-10f : s;
+  for (int64_t k = 0; k < K; ++k) {
+    const float v = x_bf16 ? widen(((const uint16_t*)x)[k]) : ((const float*)x)[k];
+    xq[k] = (uint8_t)((int)std::nearbyint(v / s) + 128);
+  }
+  const int64_t kc = K / 64;
+  const __m512i ones = _mm512_set1_epi8(1);
+  #pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t n0 = 0; n0 < N; n0 += 4) {
+    const int64_t rows = N - n0 < 4 ? N - n0 : 4;
+    int32_t tot[4];
+    for (int64_t r0 = 0; r0 < rows; r0 += 4) {  // four rows share each x chunk; a partial group row by row
+      if (rows == 4) {
+        const int8_t* w0 = w + n0 * K;
+        __m512i a0 = _mm512_setzero_si512(), a1 = a0, a2 = a0, a3 = a0, s0 = a0, s1 = a0, s2 = a0, s3 = a0;
+        for (int64_t c = 0; c < kc; ++c) {
+          const __m512i xv = _mm512_load_si512(xq + c * 64);
+          for (int r = 0; r < 4; ++r) _mm_prefetch((const char*)(w0 + r * K + c * 64) + kPrefetch, _MM_HINT_T0);
+          const __m512i b0 = _mm512_loadu_si512(w0 + c * 64), b1 = _mm512_loadu_si512(w0 + K + c * 64);
+          const __m512i b2 = _mm512_loadu_si512(w0 + 2 * K + c * 64), b3 = _mm512_loadu_si512(w0 + 3 * K + c * 64);
+          a0 = _mm512_dpbusd_epi32(a0, xv, b0); s0 = _mm512_dpbusd_epi32(s0, ones, b0);
+          a1 = _mm512_dpbusd_epi32(a1, xv, b1); s1 = _mm512_dpbusd_epi32(s1, ones, b1);
+          a2 = _mm512_dpbusd_epi32(a2, xv, b2); s2 = _mm512_dpbusd_epi32(s2, ones, b2);
+          a3 = _mm512_dpbusd_epi32(a3, xv, b3); s3 = _mm512_dpbusd_epi32(s3, ones, b3);
+        }
+        tot[0] = _mm512_reduce_add_epi32(a0) - 128 * _mm512_reduce_add_epi32(s0);
+        tot[1] = _mm512_reduce_add_epi32(a1) - 128 * _mm512_reduce_add_epi32(s1);
+        tot[2] = _mm512_reduce_add_epi32(a2) - 128 * _mm512_reduce_add_epi32(s2);
+        tot[3] = _mm512_reduce_add_epi32(a3) - 128 * _mm512_reduce_add_epi32(s3);
+      } else {
+        for (int64_t r = 0; r < rows; ++r) {
+          __m512i a = _mm512_setzero_si512(), sw = a;
+          for (int64_t c = 0; c < kc; ++c) {
+            const __m512i b = _mm512_loadu_si512(w + (n0 + r) * K + c * 64);
+            a = _mm512_dpbusd_epi32(a, _mm512_load_si512(xq + c * 64), b);
+            sw = _mm512_dpbusd_epi32(sw, ones, b);
+          }
+          tot[r] = _mm512_reduce_add_epi32(a) - 128 * _mm512_reduce_add_epi32(sw);
+        }
+      }
+    }
+    for (int64_t r = 0; r < rows; ++r) {
+      const int64_t n = n0 + r;
+      float o = (float)tot[r] * (s * ws[n]);
+      if (bias) o += bias_bf16 ? widen(((const uint16_t*)bias)[n]) : ((const float*)bias)[n];
+      if (y_bf16) ((uint16_t*)y)[n] = narrow(o); else ((float*)y)[n] = o;
+    }
+  }
+  return 1;
+#else
+  (void)x; (void)x_bf16; (void)w; (void)ws; (void)bias; (void)bias_bf16; (void)y; (void)y_bf16; (void)N; (void)K;
+  (void)nthreads;
+  return 0;
+#endif
+}
+#pragma GCC pop_options
 """
 MAX_BLOCK = 64  # s[16 * 64]: keys per block the kernel's score buffer holds
 
@@ -272,8 +440,16 @@ def _load(so: Path) -> ctypes.CDLL:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     for fn_name in ("roofline_decode_f32", "roofline_decode_bf16"):
         fn = getattr(lib, fn_name)
-        fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, ctypes.c_int]
+        fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
         fn.restype = None
+    lib.roofline_rope_store.argtypes = [ptr] * 3 + [i64] * 3 + [ptr] * 6 + [i64] * 4 + [ctypes.c_int] * 3 + [i64] * 2 \
+        + [ctypes.c_int]
+    lib.roofline_rope_store.restype = ctypes.c_int
+    lib.roofline_silu_mul_bf16.argtypes = [ptr] * 2 + [i64] * 2 + [ctypes.c_int]
+    lib.roofline_silu_mul_bf16.restype = None
+    lib.roofline_gemv_w8a8.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int, ptr, ctypes.c_int, i64, i64,
+                                       ctypes.c_int]
+    lib.roofline_gemv_w8a8.restype = ctypes.c_int
     lib.roofline_gemv_bf16.argtypes = [ptr] * 4 + [i64] * 2 + [ctypes.c_int]
     lib.roofline_gemv_bf16.restype = ctypes.c_int
     lib.roofline_add_rmsnorm_bf16.argtypes = [ptr] * 5 + [i64] * 2 + [ctypes.c_float, ctypes.c_int]
@@ -307,7 +483,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         block_tables: [n, max_blocks] int64, contiguous: row i's blocks in order.
         seq_lens: [n] int64: row i attends to its first seq_lens[i] cache positions (>= 1).
         rows: [n] int64: row i's index in q and out.
-        out: [T, H, D] float32, contiguous.
+        out: [T, H, D] float32 or bfloat16 (rounded once from the fp32 result), contiguous.
 
     Raises:
         ValueError: a dtype, layout or size outside :func:`supports` (names it).
@@ -319,10 +495,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if (q.device.type != "cpu" or q.dtype != torch.float32 or not supports(q.shape[1], q.shape[2], k_cache)
             or v_cache.dtype != k_cache.dtype or v_cache.shape != k_cache.shape):
         raise ValueError(f"unsupported: q {q.dtype} {tuple(q.shape)}, cache {k_cache.dtype} {tuple(k_cache.shape)}")
-    for name, t, dt in (("q", q, torch.float32), ("out", out, torch.float32), ("block_tables", block_tables,
-                        torch.int64), ("seq_lens", seq_lens, torch.int64), ("rows", rows, torch.int64)):
-        if t.dtype != dt or not t.is_contiguous():
-            raise ValueError(f"{name} must be contiguous {dt}, got {t.dtype} (contiguous: {t.is_contiguous()})")
+    for name, t, dt in (("q", q, (torch.float32,)), ("out", out, (torch.float32, torch.bfloat16)),
+                        ("block_tables", block_tables, (torch.int64,)), ("seq_lens", seq_lens, (torch.int64,)),
+                        ("rows", rows, (torch.int64,))):
+        if t.dtype not in dt or not t.is_contiguous():
+            raise ValueError(f"{name} must be contiguous {' or '.join(map(str, dt))}, got {t.dtype} "
+                             f"(contiguous: {t.is_contiguous()})")
+    if out.shape != q.shape:
+        raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
     n = rows.shape[0]
@@ -331,4 +511,57 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     fn = lib.roofline_decode_f32 if k_cache.dtype == torch.float32 else lib.roofline_decode_bf16
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
        rows.data_ptr(), out.data_ptr(), n, q.shape[1], num_kv_heads, head_dim, k_cache.shape[1],
-       block_tables.stride(0), float(scale), torch.get_num_threads())
+       block_tables.stride(0), float(scale), torch.get_num_threads(), int(out.dtype == torch.bfloat16))
+
+
+def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
+                   cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                   slot_mapping: torch.Tensor, q_dtype: torch.dtype) -> torch.Tensor | None:
+    """Rotate-half RoPE of a step's q and k and the KV-cache store, in one C++ pass over the rows
+    (``roofline_rope_store``): the values of ``roofline.kernels.rope_cache.ref_rotary`` followed by the cache write
+    (products rounded before the add, as torch's separate ops; rotated q and k rounded to the model dtype), in
+    place of ~25 small torch ops per layer (the angle-table gather, 8 multiplies, 2 adds, 2 cats, casts and two
+    ``index_put_``). q, k and v are read, never written.
+
+    Args:
+        q: [T, H, D], k and v: [T, H_kv, D], float32 or bfloat16 (one dtype), each with its heads contiguous
+            (strides (any, D, 1)): the fused qkv projection's views.
+        positions: [T] int64, each in [0, cos_sin_cache.shape[0]).
+        cos_sin_cache: [max_positions, D] float32, contiguous (``RotaryEmbedding.cos_sin_cache``).
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D] float32 or bfloat16, contiguous (an fp32 model needs an
+            fp32 cache).
+        slot_mapping: [T] int64: row t's k/v go to flat slot ``slot_mapping[t]`` (< 0: not stored).
+        q_dtype: float32 (what the attention reads) or bfloat16 (a bf16 model only).
+
+    Returns:
+        The rotated q [T, H, D] in ``q_dtype``, or None where this does not apply (no library, another dtype or
+        layout, a quantized cache, a position past the table): the caller runs the reference.
+    """
+    lib = _library()
+    if isinstance(lib, str) or q.dim() != 3 or k.dim() != 3 or v.shape != k.shape:
+        return None
+    T, H, D = q.shape
+    dt = q.dtype
+    if (q.device.type != "cpu" or dt not in (torch.float32, torch.bfloat16) or k.dtype != dt or v.dtype != dt
+            or k.shape[0] != T or k.shape[2] != D or D % 2
+            or any(t.stride(2) != 1 or t.stride(1) != D for t in (q, k, v))
+            or k_cache.dtype not in (torch.float32, torch.bfloat16) or v_cache.dtype != k_cache.dtype
+            or k_cache.dim() != 4 or tuple(k_cache.shape[2:]) != (k.shape[1], D) or v_cache.shape != k_cache.shape
+            or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+            or cos_sin_cache.dtype != torch.float32 or not cos_sin_cache.is_contiguous()
+            or cos_sin_cache.dim() != 2 or cos_sin_cache.shape[1] != D or q_dtype not in (torch.float32, torch.bfloat16)
+            or (dt == torch.float32 and (k_cache.dtype != torch.float32 or q_dtype != torch.float32))
+            or positions.shape != (T,) or slot_mapping.shape != (T,)):
+        return None
+    positions = positions.to(torch.int64).contiguous()
+    slots = slot_mapping.to(torch.int64).contiguous()
+    q_out = torch.empty(T, H, D, dtype=q_dtype)
+    if T == 0:
+        return q_out
+    ok = lib.roofline_rope_store(q.data_ptr(), k.data_ptr(), v.data_ptr(), q.stride(0), k.stride(0), v.stride(0),
+                                 positions.data_ptr(), cos_sin_cache.data_ptr(), slots.data_ptr(), k_cache.data_ptr(),
+                                 v_cache.data_ptr(), q_out.data_ptr(), T, H, k.shape[1], D,
+                                 int(dt == torch.bfloat16), int(k_cache.dtype == torch.bfloat16),
+                                 int(q_dtype == torch.bfloat16), cos_sin_cache.shape[0],
+                                 k_cache.shape[0] * k_cache.shape[1], torch.get_num_threads())
+    return q_out if ok else None

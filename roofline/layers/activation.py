@@ -13,4 +13,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     kernels = dispatch.kernels_for(x)
     if kernels is not None:
         return kernels.silu_and_mul(x)
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        from roofline.kernels.cpu_bf16 import silu_and_mul as cpu_silu_and_mul
+
+        if (y := cpu_silu_and_mul(x)) is not None:
+            return y
     return ref_silu_and_mul(x)

@@ -209,13 +209,18 @@ def test_worker_floor_counts_int4_codes_scales_zeros_once(tmp_path):
                  use_tqdm=False)
     rep = llm.decode_floor(hardware="h200")
     assert rep["memory_floor_s"] >= before / 4.8e12
-    assert f"for int4 weights, {before / 1e9:.2f} GB per step" in rep["text"]
+    assert f"for int4 weights, {before / 1e9:.2f} GB of weights + " in rep["text"]
 
 
 def test_floor_text_names_the_format_and_its_bytes():
     r = cm.decode_floor_report(4_758_970_368, 0.0, 0.0, 4.383e12, None, 2.633e-3, weights="int4")
-    assert r["text"] == "decode step 2.6 ms, floor 1.1 ms for int4 weights, 4.76 GB per step (41% of floor)"
+    assert r["text"] == ("decode step 2.6 ms, floor 1.1 ms for int4 weights, 4.76 GB of weights + 0.00 GB of KV read "
+                         "per step (41% of floor)")
     assert r["fraction_of_floor"] == pytest.approx(4_758_970_368 / 4.383e12 / 2.633e-3)
+    # the KV read is named too, so the floor is the sum of the two over the bandwidth (the README's main job line)
+    r = cm.decode_floor_report(270_000_000, 330_000_000, 0.0, 30.3e9, None, 75.8e-3, weights="bf16")
+    assert "0.27 GB of weights + 0.33 GB of KV read per step" in r["text"]
+    assert r["floor_s"] == pytest.approx(600_000_000 / 30.3e9)
 
 
 def test_engine_bytes_split_and_why_the_int4_bounds_differ_from_the_format_column(llama8b, capsys):

@@ -169,3 +169,38 @@ def test_lm_head_method_off_cpu_and_without_copy_is_the_16bit_head():
     layer.weight = nn.Parameter(torch.randn(8, 4, dtype=torch.bfloat16), requires_grad=False)
     x = torch.randn(3, 4, dtype=torch.bfloat16)
     assert torch.equal(method.apply(layer, x), torch.nn.functional.linear(x, layer.weight))
+
+
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (49152, 576), (7, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_row_cpp_gemv_is_bit_identical_to_the_torch_path(n, k, dtype):
+    """``gemv_w8a8`` (one row in C++: the quantization and VNNI dot products) against the torch path it replaces
+    at M = 1: the same codes, exact int32 sums, the same fp32 scale products, bias add and cast: bit-identical,
+    with and without a bias of either dtype; and ``w8a8_dynamic_linear`` takes it at one row."""
+    from roofline.kernels import cpu_int8
+
+    gen = torch.Generator().manual_seed(n + k)
+    cw = quantize_int8_per_channel(0.02 * torch.randn(n, k, generator=gen))
+    q, s = cw.q.to(torch.int8).contiguous(), cw.scales.float().contiguous()
+    x = (3 * torch.randn(1, k, generator=gen)).to(dtype)
+    for bias in (None, torch.randn(n, generator=gen), torch.randn(n, generator=gen).bfloat16()):
+        got = cpu_int8.gemv_w8a8(x, q, s, bias)
+        if got is None:
+            pytest.skip("no AVX-512 VNNI or no C++ library on this CPU")
+        xq, xs = quantize_rows_int8(x.float())
+        want = torch._int_mm(xq.expand(2, -1).contiguous(), q.t())[:1] * (xs * s)  # _int_mm wants M > 1
+        want = (want if bias is None else want + bias).to(dtype)
+        assert got.dtype == dtype and torch.equal(got, want)
+        assert torch.equal(w8a8_dynamic_linear(x.reshape(1, 1, k), q, s, bias).reshape(1, n), got)
+
+
+def test_one_row_cpp_gemv_declines_what_it_does_not_cover():
+    from roofline.kernels import cpu_int8
+
+    q, s = torch.zeros(8, 96, dtype=torch.int8), torch.ones(8)
+    assert cpu_int8.gemv_w8a8(torch.randn(1, 96), q, s) is None  # K % 64
+    q, s = torch.zeros(8, 128, dtype=torch.int8), torch.ones(8)
+    assert cpu_int8.gemv_w8a8(torch.randn(2, 128), q, s) is None  # two rows
+    assert cpu_int8.gemv_w8a8(torch.randn(1, 128).half(), q, s) is None  # fp16
+    assert cpu_int8.gemv_w8a8(torch.randn(1, 128), q, s.double()) is None  # fp64 scales
+    assert cpu_int8.gemv_w8a8(torch.randn(1, 128), torch.zeros(128, 8, dtype=torch.int8).t(), s) is None  # layout

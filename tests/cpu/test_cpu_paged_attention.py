@@ -69,6 +69,76 @@ def test_matches_float64_oracle(cache_dtype, lens, heads, kv_heads, head_dim, bl
             assert torch.all(out[r] == -7.0)  # rows not named are left as they were
 
 
+def test_bf16_output_is_the_fp32_result_rounded_once():
+    """``out`` in bf16: the kernel writes each named row rounded once from the fp32 result it would have written
+    (what the backend did with an fp32 buffer, ``index_select`` and ``.to``), other rows untouched."""
+    q, k, v, tables, lens, rows = _case([1, 17, 300, 64], 9, 3, 64, 16, torch.bfloat16, seed=11)
+    o32 = torch.zeros_like(q)
+    cpa.paged_decode_attention(q, k, v, tables, lens, rows, 0.125, o32)
+    o16 = torch.full(q.shape, -7.0, dtype=torch.bfloat16)
+    cpa.paged_decode_attention(q, k, v, tables, lens, rows, 0.125, o16)
+    named = torch.zeros(q.shape[0], dtype=torch.bool)
+    named[rows] = True
+    assert torch.equal(o16[named], o32[named].bfloat16())
+    assert torch.all(o16[~named] == -7.0)
+    with pytest.raises(ValueError, match="out must be contiguous torch.float32 or torch.bfloat16, got torch.float16"):
+        cpa.paged_decode_attention(q, k, v, tables, lens, rows, 0.125, o32.half())
+    with pytest.raises(ValueError, match=r"out \(5, 9, 64\) must have q's shape \(6, 9, 64\)"):
+        cpa.paged_decode_attention(q, k, v, tables, lens, rows, 0.125, o32[:5].contiguous())
+
+
+def _rope_case(dtype, cache_dtype, seed=0):
+    from roofline.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(seed)
+    T, H, Hkv, D = 7, 9, 3, 64
+    rot = RotaryEmbedding(D, 2048, 100000.0)
+    qkv = (3 * torch.randn(T, (H + 2 * Hkv) * D, generator=gen)).to(dtype)  # the fused projection's output
+    q, k, v = qkv.split([H * D, Hkv * D, Hkv * D], dim=-1)
+    q, k, v = q.reshape(T, H, D), k.reshape(T, Hkv, D), v.reshape(T, Hkv, D)  # strided views, as the model's
+    positions = torch.tensor([0, 5, 17, 100, 1000, 2047, 3])
+    slots = torch.tensor([3, 17, -1, 40, 159, 0, 77])  # -1: a padding row, not stored
+    caches = [torch.full((10, 16, Hkv, D), 0.5, dtype=cache_dtype) for _ in range(2)]
+    return q, k, v, positions, rot.cos_sin_cache, caches, slots
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                               (torch.float32, torch.float32)])
+def test_rope_and_store_equals_the_reference_bit_for_bit(dtype, cache_dtype):
+    """RoPE + the KV store in one C++ pass: q, and the cache after the store, bit-identical to ``ref_rotary``
+    followed by the indexed write (same fp32 products, each rounded before the add, same roundings to the model
+    and cache dtypes); a negative slot stores nothing; the inputs are not modified."""
+    from roofline.kernels.rope_cache import ref_rotary
+
+    q, k, v, pos, cs, (kc, vc), slots = _rope_case(dtype, cache_dtype)
+    before = [t.clone() for t in (q, k, v)]
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    got = cpa.rope_and_store(q, k, v, pos, cs, kc, vc, slots, torch.float32)
+    want_q, want_k = ref_rotary(pos, q, k, cs)
+    valid = slots >= 0
+    kc_ref.view(-1, *kc.shape[2:])[slots[valid]] = want_k[valid].to(cache_dtype)
+    vc_ref.view(-1, *vc.shape[2:])[slots[valid]] = v[valid].to(cache_dtype)
+    assert got.dtype == torch.float32 and torch.equal(got, want_q.float())
+    assert torch.equal(kc, kc_ref) and torch.equal(vc, vc_ref)
+    assert all(torch.equal(a, b) for a, b in zip((q, k, v), before, strict=True))
+    if dtype == torch.bfloat16:
+        assert torch.equal(cpa.rope_and_store(q, k, v, pos, cs, kc, vc, slots, torch.bfloat16), want_q)
+
+
+def test_rope_and_store_declines_and_writes_nothing_out_of_range():
+    """None (the caller runs the reference, which raises for a bad index) for what it does not cover, and for a
+    position past the angle table or a slot past the cache, with the cache left as it was."""
+    q, k, v, pos, cs, (kc, vc), slots = _rope_case(torch.bfloat16, torch.bfloat16)
+    untouched = kc.clone()
+    assert cpa.rope_and_store(q, k, v, pos.clone().fill_(2048), cs, kc, vc, slots, torch.float32) is None
+    assert cpa.rope_and_store(q, k, v, pos, cs, kc, vc, slots.clone().fill_(160), torch.float32) is None
+    assert torch.equal(kc, untouched)
+    assert cpa.rope_and_store(q.float(), k.float(), v.float(), pos, cs, kc, vc, slots, torch.float32) is None  # fp32 model, bf16 cache
+    assert cpa.rope_and_store(q, k, v, pos, cs, kc.half(), vc.half(), slots, torch.float32) is None  # fp16 cache
+    assert cpa.rope_and_store(q, k, v, pos, cs.double(), kc, vc, slots, torch.float32) is None  # fp64 table
+    assert cpa.rope_and_store(q.transpose(1, 2), k, v, pos, cs, kc, vc, slots, torch.float32) is None  # layout
+
+
 def test_a_row_alone_equals_itself_in_a_batch():
     q, k, v, tables, lens, rows = _case([40, 200, 9, 123], 9, 3, 64, 16, torch.float32, seed=5)
     full = torch.zeros_like(q)
