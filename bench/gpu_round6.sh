@@ -76,6 +76,17 @@ for step in "$@"; do
     PYTHONPATH=$NEW timeout ${GPUTESTS_TIMEOUT:-420} python3 -m pytest -q -m gpu --continue-on-collection-errors --tb=line -rf -p no:cacheprovider ${GPUTESTS:-tests} 2>&1 | tee "$OUT/gputests.log" \
       | grep -E "^/|^E |passed|failed|error" | tail -40 | tee -a "$OUT/log"
     ;;
+  gpushards)  # the whole GPU suite as SHARDS parallel pytest processes (files dealt round-robin; the suite is
+    # mostly Triton compiles on the host's 16 cores, which one process leaves idle), one log each
+    files=$(grep -rl "mark.gpu" tests --include='test_*.py' | sort); n=${SHARDS:-4}; i=0
+    for f in $files; do echo "$f" >> "$OUT/shard$((i % n)).txt"; i=$((i + 1)); done
+    for s in $(seq 0 $((n - 1))); do
+      ( PYTHONPATH=$NEW timeout ${GPUTESTS_TIMEOUT:-520} python3 -m pytest -q -m gpu --tb=short -rf -p no:cacheprovider \
+          --durations=5 $(cat "$OUT/shard$s.txt") > "$OUT/gpushard$s.log" 2>&1; echo "shard $s rc $?" >> "$OUT/log" ) &
+    done; wait
+    for s in $(seq 0 $((n - 1))); do echo "-- shard $s: $(tr '\n' ' ' < "$OUT/shard$s.txt")" | tee -a "$OUT/log"
+      grep -E "^FAILED|^ERROR|passed|failed" "$OUT/gpushard$s.log" | tail -8 | tee -a "$OUT/log"; done
+    ;;
   *) echo "unknown step $step" | tee -a "$OUT/log" ;;
   esac
 done
