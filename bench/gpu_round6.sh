@@ -78,7 +78,8 @@ for step in "$@"; do
     ;;
   gpushards)  # the whole GPU suite as SHARDS parallel pytest processes (files dealt round-robin; the suite is
     # mostly Triton compiles on the host's 16 cores, which one process leaves idle), one log each
-    files=$(grep -rl "mark.gpu" tests --include='test_*.py' | sort); n=${SHARDS:-4}; i=0
+    # files that mark tests gpu, directly or through kernel_cases' gpu_only / DTYPES (GPUFILES: a given list)
+    files=${GPUFILES:-$(grep -rlE "mark.gpu|gpu_only|kernel_cases" tests --include='test_*.py' | sort)}; n=${SHARDS:-4}; i=0
     for f in $files; do echo "$f" >> "$OUT/shard$((i % n)).txt"; i=$((i + 1)); done
     for s in $(seq 0 $((n - 1))); do
       ( PYTHONPATH=$NEW timeout ${GPUTESTS_TIMEOUT:-520} python3 -m pytest -q -m gpu --tb=short -rf -p no:cacheprovider \
@@ -90,5 +91,5 @@ for step in "$@"; do
   *) echo "unknown step $step" | tee -a "$OUT/log" ;;
   esac
 done
-cd "$OUT" && tar czf round6.tgz --exclude round6.tgz --exclude log . && find . -mindepth 1 ! -name round6.tgz ! -name log -delete
+cd "$OUT" && tar czf /tmp/round6.tgz --exclude log . && mv /tmp/round6.tgz . && find . -mindepth 1 ! -name round6.tgz ! -name log -delete
 ls -la "$OUT"

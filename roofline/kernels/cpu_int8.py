@@ -15,7 +15,8 @@ Arithmetic, per row m of ``x`` [M, K]:
 2. ``acc = q_x @ qweight^T`` in int32 (``torch._int_mm``: AVX-512 VNNI / AMX through oneDNN), exact;
 3. ``out[m, n] = acc[m, n] * (s_x[m] * weight_scale[n])`` in float32.
 Steps 1 and 2 are exact integer work per row, so a row's output does not depend on its batch-mates
-(batch-invariant greedy decoding). Quality is W8A8's: activation outliers set the row's scale (no smoothing
+(batch-invariant greedy decoding). One row (batch-1 decode) runs all three steps in one C++ call
+(:func:`gemv_w8a8`, AVX-512 VNNI), bit-identical to the torch ops, which take every other shape. Quality is W8A8's: activation outliers set the row's scale (no smoothing
 at load), measured with ``roofline eval`` in the README's quality table.
 """
 

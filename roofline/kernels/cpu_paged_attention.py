@@ -9,8 +9,11 @@ block's keys, and keeps an online softmax (running max, sum and output per head,
 Gimelshein 2018, as FlashAttention), so every key and value is read once, no copy is made and nothing past the
 row's length (the stale tail of its last block) is read. Work items are the (row, KV head) pairs, shared out by
 OpenMP (the same libgomp runtime as torch's: the library links ``libgomp.so.1``, which the process already has).
-The same library carries the two bf16 helpers of ``roofline.kernels.cpu_bf16``: the one-row GEMV
-(``roofline_gemv_bf16``) and the fused residual add + RMSNorm (``roofline_add_rmsnorm_bf16``).
+The same library carries the decode step's other small C++ pieces: :func:`rope_and_store` (RoPE and the KV store in
+one pass, ``roofline_rope_store``), the bf16 helpers of ``roofline.kernels.cpu_bf16`` (the one-row GEMV
+``roofline_gemv_bf16``, the fused residual add + RMSNorm ``roofline_add_rmsnorm_bf16``, SiLU-and-mul
+``roofline_silu_mul_bf16``) and the one-row INT8 W8A8 GEMV of ``roofline.kernels.cpu_int8``
+(``roofline_gemv_w8a8``).
 
 Numerics: fp32 scores, softmax and accumulation, keys in order; K/V fp32 or bf16 (widened exactly). A row's
 result depends on its own context only (batch-invariant). Its summation order is not SDPA's: the fp32 model stays
@@ -51,6 +54,8 @@ _SOURCE = r"""
 #include <cmath>
 #include <immintrin.h>
 #include <omp.h>
+#include <utility>
+#include <vector>
 
 static inline float widen(float x) { return x; }
 static inline float widen(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; std::memcpy(&f, &u, 4); return f; }
@@ -367,6 +372,84 @@ extern "C" int roofline_gemv_w8a8(const void* x, int x_bf16, const int8_t* w, co
 #endif
 }
 #pragma GCC pop_options
+// A whole batch-1 decode step's decoder layers in one call (roofline.worker.cpu_plan.CpuDecodePlan): the same C++
+// pieces the modules call one by one at one row, in the modules' order and with their arguments, so the result is
+// bit-identical to the module path; what it removes is the Python between them (~230 us a layer). Per layer:
+// h = rmsnorm(x [+ residual]); qkv = h W_qkv^T (+ b); RoPE + the KV store; attention over the row's blocks (bf16
+// out); o = a W_o^T; h = rmsnorm(o + residual); gate_up; SiLU-and-mul; x = down. Then the final norm into x.
+// A linear is bf16 (kind 0: W [N, K] bf16, bias bf16 or null) or INT8 W8A8 (kind 1: W int8 [N, K], scale fp32
+// [N], bias bf16/fp32 or null). Returns 0 with nothing written where a piece would decline (no AVX-512 BF16 /
+// VNNI, a K it does not take, a position or slot out of range, too many blocks).
+struct RooflineLinear { int32_t kind; int32_t bias_bf16; const void* w; const float* scale; const void* bias;
+                        int64_t N, K; };
+struct RooflineLayer { const uint16_t* norm1; const uint16_t* norm2; float eps1, eps2;
+                       RooflineLinear qkv, o, gate_up, down; void* k_cache; void* v_cache; };
+
+static int plan_linear(const RooflineLinear& l, const uint16_t* x, uint16_t* y, int nthreads) {
+  if (l.kind == 0) return roofline_gemv_bf16(x, (const uint16_t*)l.w, (const uint16_t*)l.bias, y, l.N, l.K, nthreads);
+  return roofline_gemv_w8a8(x, 1, (const int8_t*)l.w, l.scale, l.bias, l.bias_bf16, y, 1, l.N, l.K, nthreads);
+}
+
+static bool plan_linear_ok(const RooflineLinear& l) {
+#if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  return l.kind == 0 ? l.K % 32 == 0 : (l.kind == 1 && l.K % 64 == 0 && l.K <= 16384);
+#else
+  (void)l;
+  return false;
+#endif
+}
+
+extern "C" int roofline_decode_one(const RooflineLayer* layers, int64_t L, const uint16_t* final_norm,
+                                   float final_eps, uint16_t* x, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
+                                   int64_t bs, int cache_bf16, float scale, const int64_t* pos, const int64_t* slot,
+                                   const int32_t* table, int64_t seq_len, const float* cs, int64_t max_pos,
+                                   int64_t num_slots, int nthreads) {
+  const int64_t nblocks = (seq_len + bs - 1) / bs;
+  if (seq_len < 1 || nblocks > 65536 || pos[0] < 0 || pos[0] >= max_pos || slot[0] < 0 || slot[0] >= num_slots
+      || (H / Hkv) > 16 || D > 256 || bs > 64 || D % 2) return 0;
+  int64_t inter = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    const RooflineLayer& ly = layers[i];
+    if (!plan_linear_ok(ly.qkv) || !plan_linear_ok(ly.o) || !plan_linear_ok(ly.gate_up) || !plan_linear_ok(ly.down))
+      return 0;
+    inter = ly.down.K > inter ? ly.down.K : inter;
+  }
+  const int64_t qkv_n = (H + 2 * Hkv) * D;
+  std::vector<uint16_t> h(hidden), res(hidden), res2(hidden), qkv(qkv_n), att(H * D), gu(2 * inter), act(inter);
+  std::vector<float> q32(H * D);
+  std::vector<int64_t> tab(nblocks);
+  for (int64_t b = 0; b < nblocks; ++b) tab[b] = table[b];
+  const int64_t lens = seq_len, row = 0;
+  for (int64_t i = 0; i < L; ++i) {
+    const RooflineLayer& ly = layers[i];
+    if (i == 0) {  // residual = the embedding; h = rmsnorm(x)
+      std::memcpy(res.data(), x, hidden * 2);
+      roofline_add_rmsnorm_bf16(x, nullptr, ly.norm1, h.data(), nullptr, 1, hidden, ly.eps1, nthreads);
+    } else {  // (h, residual) = rmsnorm(x + residual), x + residual
+      roofline_add_rmsnorm_bf16(x, res.data(), ly.norm1, h.data(), res2.data(), 1, hidden, ly.eps1, nthreads);
+      std::swap(res, res2);
+    }
+    plan_linear(ly.qkv, h.data(), qkv.data(), nthreads);
+    const uint16_t* q = qkv.data();
+    roofline_rope_store(q, q + H * D, q + (H + Hkv) * D, qkv_n, qkv_n, qkv_n, pos, cs, slot, ly.k_cache, ly.v_cache,
+                        q32.data(), 1, H, Hkv, D, 1, cache_bf16, 0, max_pos, num_slots, nthreads);
+    if (cache_bf16)
+      decode(q32.data(), (const uint16_t*)ly.k_cache, (const uint16_t*)ly.v_cache, tab.data(), &lens, &row, att.data(),
+             1, H, Hkv, D, bs, nblocks, scale, nthreads);
+    else
+      decode(q32.data(), (const float*)ly.k_cache, (const float*)ly.v_cache, tab.data(), &lens, &row, att.data(), 1, H,
+             Hkv, D, bs, nblocks, scale, nthreads);
+    plan_linear(ly.o, att.data(), x, nthreads);
+    roofline_add_rmsnorm_bf16(x, res.data(), ly.norm2, h.data(), res2.data(), 1, hidden, ly.eps2, nthreads);
+    std::swap(res, res2);
+    plan_linear(ly.gate_up, h.data(), gu.data(), nthreads);
+    roofline_silu_mul_bf16(gu.data(), act.data(), 1, ly.down.K, nthreads);
+    plan_linear(ly.down, act.data(), x, nthreads);
+  }
+  roofline_add_rmsnorm_bf16(x, res.data(), final_norm, h.data(), res2.data(), 1, hidden, final_eps, nthreads);
+  std::memcpy(x, h.data(), hidden * 2);
+  return 1;
+}
 """
 MAX_BLOCK = 64  # s[16 * 64]: keys per block the kernel's score buffer holds
 
@@ -450,6 +533,9 @@ def _load(so: Path) -> ctypes.CDLL:
     lib.roofline_gemv_w8a8.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int, ptr, ctypes.c_int, i64, i64,
                                        ctypes.c_int]
     lib.roofline_gemv_w8a8.restype = ctypes.c_int
+    lib.roofline_decode_one.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr] + [i64] * 5 + [ctypes.c_int, ctypes.c_float] \
+        + [ptr] * 3 + [i64, ptr, i64, i64, ctypes.c_int]
+    lib.roofline_decode_one.restype = ctypes.c_int
     lib.roofline_gemv_bf16.argtypes = [ptr] * 4 + [i64] * 2 + [ctypes.c_int]
     lib.roofline_gemv_bf16.restype = ctypes.c_int
     lib.roofline_add_rmsnorm_bf16.argtypes = [ptr] * 5 + [i64] * 2 + [ctypes.c_float, ctypes.c_int]

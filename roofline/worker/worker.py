@@ -35,6 +35,7 @@ from roofline.spec_decode.proposer import check_draft_kv_share, make_proposer
 from roofline.spec_decode.verifier import Verified, verify
 from roofline.step import Logprob, StepInput, StepOutput
 from roofline.worker import scoring
+from roofline.worker.cpu_plan import CpuDecodePlan
 from roofline.worker.cuda_graph import DEFAULT_LADDER, CUDAGraphRunner
 from roofline.worker.input_batch import InputBatch
 from roofline.worker.inputs import InputPreparer
@@ -131,6 +132,11 @@ class Worker:
             else:
                 logger.warning("the %s attention backend cannot be captured in CUDA graphs; running eager",
                                self.backend.name)
+        # The CPU's counterpart of the graphs: a batch-1 decode step in one C++ call (None where it does not apply).
+        self.cpu_plan: CpuDecodePlan | None = None
+        if self.device.type == "cpu" and self.pp.pp_size == 1:
+            self.cpu_plan = CpuDecodePlan.build(self.model, self.backend, self.dtype, self.device,
+                                                tp_size=get_tp_size(), has_proposer=self.proposer is not None)
 
     def _calibrate_fp8_kv_scales(self) -> None:
         """One calibration forward sets the fp8 KV cache's per-(layer, KV head) scales (kv_calibration.py)."""

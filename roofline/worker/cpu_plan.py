@@ -1,0 +1,192 @@
+"""Batch-1 decode on CPU in one C++ call per step: the CPU's counterpart of the CUDA graphs.
+
+On a GPU a decode step replays a captured CUDA graph, so no Python runs between its kernels. On CPU the same
+step at batch 1 is ~270 small C++ calls (per layer: two norms, four GEMVs, RoPE + the KV store, the attention,
+SiLU-and-mul), each wrapped in Python that checks its arguments, allocates its output and dispatches through the
+modules: on the default model that Python was about half of a batch-1 token (~7 ms of int8's 14.5 on the Intel
+Xeon of 2026-12-04). ``CpuDecodePlan`` collects, once, each layer's weight, norm and KV-cache pointers into a C
+array, and a decode step of one row then runs every decoder layer and the final norm in one call
+(``roofline_decode_one`` in ``roofline.kernels.cpu_paged_attention``'s library). It calls the same C++ pieces as
+the modules, in the same order with the same arguments, so its hidden states are bit-identical to the module
+path's (``tests/worker/test_cpu_plan.py``); the embedding lookup and the LM head stay in torch.
+
+It applies where every piece would run at one row anyway: a bf16 model on CPU (``--dtype bfloat16``), the
+Llama-family dense decoder (no q/k norm, no MoE), 16-bit linears packed for oneDNN (``UnquantizedLinearMethod``)
+or ``--quantization int8`` (W8A8 on CPU), an fp32 or bf16 KV cache the C++ attention reads, one process, no
+speculative decoding. ``build`` returns None otherwise, with the reason logged once at info; the worker then
+runs the modules, as before. ``ROOFLINE_CPU_PLAN=0`` turns it off (A/B).
+
+It holds raw pointers: the parameters and the KV pool must not move after it is built. The worker builds it after
+the pool is allocated and the weights are processed; ``load_weights`` copies into the same tensors.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import os
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+ENABLED = os.environ.get("ROOFLINE_CPU_PLAN", "1") != "0"
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("kind", ctypes.c_int32), ("bias_bf16", ctypes.c_int32), ("w", ctypes.c_void_p),
+                ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [("norm1", ctypes.c_void_p), ("norm2", ctypes.c_void_p), ("eps1", ctypes.c_float),
+                ("eps2", ctypes.c_float), ("qkv", _Linear), ("o", _Linear), ("gate_up", _Linear), ("down", _Linear),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)]
+
+
+def _linear(module) -> tuple[_Linear, str | None]:
+    """The C description of a linear layer, or a reason it has none."""
+    from roofline.quant.base import UnquantizedLinearMethod
+    from roofline.quant.int8 import Int8LinearMethod
+
+    method, bias = module.quant_method, module.bias
+    if getattr(module, "tp_size", 1) != 1:
+        return _Linear(), "tensor parallelism"
+    if isinstance(method, UnquantizedLinearMethod):
+        w = module.weight
+        if getattr(module, "packed_weight", None) is None or w.dtype != torch.bfloat16 or not w.is_contiguous():
+            return _Linear(), "16-bit weights not packed bf16"
+        if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
+            return _Linear(), "a bias that is not bf16"
+        return _Linear(0, 1, w.data_ptr(), None, None if bias is None else bias.data_ptr(), w.shape[0],
+                       w.shape[1]), None
+    if type(method) is Int8LinearMethod:
+        q, s = getattr(module, "qweight", None), getattr(module, "weight_scale", None)
+        if (q is None or q.dtype != torch.int8 or not q.is_contiguous() or s is None or s.dtype != torch.float32
+                or not s.is_contiguous()):
+            return _Linear(), "INT8 weights not in the CPU layout"
+        if bias is not None and (bias.dtype not in (torch.bfloat16, torch.float32) or not bias.is_contiguous()):
+            return _Linear(), "a bias that is not bf16 or fp32"
+        return _Linear(1, int(bias is not None and bias.dtype == torch.bfloat16), q.data_ptr(), s.data_ptr(),
+                       None if bias is None else bias.data_ptr(), q.shape[0], q.shape[1]), None
+    return _Linear(), f"the {type(method).__name__} weight format"
+
+
+class CpuDecodePlan:
+    """``can_run(num_seqs, max_blocks)`` / ``run(input_ids, positions, meta)``, as ``CUDAGraphRunner``: a decode
+    step of one row through ``roofline_decode_one``. Build with :meth:`build`."""
+
+    def __init__(self, lib, layers, model, backend, cache_bf16: bool):
+        self.lib, self.layers, self.model, self.backend = lib, layers, model, backend
+        self.cache_bf16 = cache_bf16
+
+    @classmethod
+    def build(cls, model, backend, dtype: torch.dtype, device: torch.device, *, tp_size: int = 1,
+              has_proposer: bool = False) -> CpuDecodePlan | None:
+        """The plan for ``model`` (a ``LlamaForCausalLM`` on one process) over ``backend``'s allocated KV pool, or
+        None where it does not apply (module docstring; the reason is logged at info)."""
+        why = cls._why_not(model, backend, dtype, device, tp_size, has_proposer)
+        if why is None:
+            try:
+                return cls._build(model, backend)
+            except _Unsupported as e:
+                why = str(e)
+        logger.info("CPU decode plan: not used (%s); batch-1 decode runs the modules", why)
+        return None
+
+    @staticmethod
+    def _why_not(model, backend, dtype, device, tp_size, has_proposer) -> str | None:
+        if not ENABLED:
+            return "ROOFLINE_CPU_PLAN=0"
+        if device.type != "cpu" or dtype != torch.bfloat16:
+            return f"{device.type} {dtype}, not a bf16 model on CPU"
+        if tp_size != 1:
+            return "tensor parallelism"
+        if has_proposer:
+            return "speculative decoding"
+        from roofline.kernels import cpu_bf16
+        from roofline.kernels import cpu_paged_attention as cpa
+
+        if cpu_bf16._cpp_library() is None:
+            return f"no C++ library ({cpa.unavailable_reason() or 'ROOFLINE_CPU_GEMV=0'})"
+        if getattr(backend, "name", None) != "torch" or getattr(backend, "kv_pool", None) is None:
+            return "not the torch attention backend with an allocated pool"
+        return None
+
+    @classmethod
+    def _build(cls, model, backend) -> CpuDecodePlan:
+        from roofline.kernels import cpu_bf16
+        from roofline.kernels import cpu_paged_attention as cpa
+        from roofline.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+
+        if not isinstance(model, LlamaForCausalLM):
+            raise _Unsupported(f"the {type(model).__name__} model")
+        inner = model.model
+        if inner.start_layer != 0 or not (inner.is_first_stage and inner.is_last_stage):
+            raise _Unsupported("pipeline parallelism")
+        caches = backend.kv_pool.caches
+        k0 = caches[0].k
+        cache_bf16 = k0.dtype == torch.bfloat16
+        if caches[0].is_quantized or not cpa.supports(backend.num_heads, backend.head_dim, k0):
+            raise _Unsupported(f"a {k0.dtype} KV cache the C++ attention does not read")
+        layers = (_Layer * len(inner.layers))()
+        for i, layer in enumerate(inner.layers):
+            attn = layer.self_attn if isinstance(layer, LlamaDecoderLayer) else None
+            if attn is None or layer.mlp_name != "mlp" or not isinstance(layer.mlp, LlamaMLP) or attn.qk_norm:
+                raise _Unsupported(f"layer {i} is not a dense Llama layer without q/k norm")
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() for n in norms):
+                raise _Unsupported("norm weights not bf16")
+            parts = {}
+            for name, mod in (("qkv", attn.qkv_proj), ("o", attn.o_proj), ("gate_up", layer.mlp.gate_up_proj),
+                              ("down", layer.mlp.down_proj)):
+                parts[name], why = _linear(mod)
+                if why is not None:
+                    raise _Unsupported(f"layer {i} {name}: {why}")
+            cache = caches[i]
+            if cache.k.dtype != k0.dtype or not (cache.k.is_contiguous() and cache.v.is_contiguous()):
+                raise _Unsupported("KV caches of mixed dtypes or layouts")
+            layers[i] = _Layer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].eps, norms[1].eps,
+                               parts["qkv"], parts["o"], parts["gate_up"], parts["down"], cache.k.data_ptr(),
+                               cache.v.data_ptr())
+        if inner.norm.weight.dtype != torch.bfloat16:
+            raise _Unsupported("final norm weight not bf16")
+        cs = backend.rotary.cos_sin_cache
+        if cs.dtype != torch.float32 or not cs.is_contiguous() or cs.shape[1] != backend.head_dim:
+            raise _Unsupported("a RoPE table that is not fp32 [positions, head_dim]")
+        qkv_n = (backend.num_heads + 2 * backend.num_kv_heads) * backend.head_dim
+        if any(ly.qkv.N != qkv_n or ly.o.K != backend.num_heads * backend.head_dim or ly.gate_up.N != 2 * ly.down.K
+               for ly in layers):
+            raise _Unsupported("projection sizes that do not match the heads")
+        return cls(cpu_bf16._cpp_library(), layers, model, backend, cache_bf16)
+
+    def can_run(self, num_seqs: int, max_blocks: int) -> bool:
+        return num_seqs == 1
+
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """Hidden states [1, hidden] bf16 of a one-row decode step (the module path's where the C++ declines)."""
+        model, backend = self.model, self.backend
+        inner = model.model
+        x = inner.embed_tokens(input_ids)  # [1, hidden] bf16, a fresh tensor the call overwrites
+        if x.dtype != torch.bfloat16 or not x.is_contiguous():
+            return model(input_ids, positions, meta)
+        pos = positions.to(torch.int64).contiguous()
+        slots, table = meta.slot_mapping, meta.block_tables
+        if (slots.dtype != torch.int64 or table.dtype != torch.int32 or not table[0].is_contiguous()
+                or pos.shape != (1,) or slots.shape != (1,)):
+            return model(input_ids, positions, meta)
+        cache = backend.kv_pool.caches[0]
+        num_blocks, bs = cache.k.shape[:2]
+        ok = self.lib.roofline_decode_one(
+            ctypes.addressof(self.layers), len(self.layers), inner.norm.weight.data_ptr(), inner.norm.eps,
+            x.data_ptr(), x.shape[1], backend.num_heads, backend.num_kv_heads, backend.head_dim, bs,
+            int(self.cache_bf16), backend.scale, pos.data_ptr(), slots.data_ptr(), table.data_ptr(),
+            int(meta.seq_lens_cpu[0]), backend.rotary.cos_sin_cache.data_ptr(), backend.rotary.cos_sin_cache.shape[0],
+            num_blocks * bs, torch.get_num_threads())
+        if not ok:
+            return model(input_ids, positions, meta)
+        return x
+
+
+class _Unsupported(Exception):
+    """A reason the plan does not apply (``CpuDecodePlan.build`` logs it)."""

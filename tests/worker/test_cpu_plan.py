@@ -1,0 +1,76 @@
+"""The CPU decode plan (``roofline.worker.cpu_plan``): a batch-1 decode step of the default model in one C++ call
+gives the module path's hidden states bit for bit (so the same tokens and exactly the same logprobs), for each
+format it takes; it is used on every decode step of one row and on no other step; it is not built where it does
+not apply."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from roofline.kernels import cpu_bf16
+from roofline.kernels import cpu_paged_attention as cpa
+
+pytestmark = pytest.mark.skipif(not cpu_bf16._cpu_has_bf16_units() or cpa.unavailable_reason() is not None,
+                                reason="needs AVX-512 BF16 / AMX and the C++ library")
+
+
+class _Counting:
+    """The plan's library with its one entry point counted."""
+
+    def __init__(self, lib):
+        self.lib, self.calls = lib, 0
+
+    def roofline_decode_one(self, *args):
+        self.calls += 1
+        return self.lib.roofline_decode_one(*args)
+
+
+@pytest.mark.parametrize("kv,quantization", [("float32", None), ("bfloat16", None), ("auto", "int8")])
+def test_plan_is_bit_identical_to_the_modules(kv, quantization):
+    from roofline import LLM, SamplingParams
+
+    llm = LLM(device="cpu", dtype="bfloat16", kv_cache_dtype=kv, quantization=quantization, max_model_len=512)
+    worker = llm.engine.worker
+    plan = worker.cpu_plan
+    if plan is None:
+        pytest.skip("the plan does not apply on this CPU (no AVX-512 VNNI / BF16 GEMVs)")
+    plan.lib = counting = _Counting(plan.lib)
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    prompt = "The capital of France is"
+    got = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    assert counting.calls == 23  # every decode step of the one row (the first token comes from the prefill)
+    batch = llm.generate([prompt, "Once upon a time"], sp, use_tqdm=False)  # two rows: the modules
+    assert counting.calls == 23
+    worker.cpu_plan = None
+    ref = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    assert got.token_ids == ref.token_ids
+    for a, b in zip(got.logprobs, ref.logprobs, strict=True):  # every step's top-3 logprobs, exactly
+        assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}
+    # batch-invariant: the row in a batch of two (the modules) gave the plan's tokens too
+    assert batch[0].outputs[0].token_ids[:8] == got.token_ids[:8]
+
+
+def test_plan_is_not_built_where_it_does_not_apply(monkeypatch, caplog):
+    import logging
+
+    from roofline import LLM
+    from roofline.worker import cpu_plan
+
+    with caplog.at_level(logging.INFO, logger="roofline.worker.cpu_plan"):
+        llm = LLM(device="cpu", dtype="float32", max_model_len=256)  # an fp32 model: the modules (exact to HF)
+    assert llm.engine.worker.cpu_plan is None
+    assert "CPU decode plan: not used (cpu torch.float32, not a bf16 model on CPU)" in caplog.text
+    monkeypatch.setattr(cpu_plan, "ENABLED", False)
+    worker = llm.engine.worker
+    assert cpu_plan.CpuDecodePlan.build(worker.model, worker.backend, torch.bfloat16, torch.device("cpu")) is None
+    monkeypatch.setattr(cpu_plan, "ENABLED", True)
+    # an fp32 model's modules asked for as bf16: refused at its first fp32 part, naming it
+    with caplog.at_level(logging.INFO, logger="roofline.worker.cpu_plan"):
+        assert cpu_plan.CpuDecodePlan.build(worker.model, worker.backend, torch.bfloat16, torch.device("cpu")) is None
+    assert "CPU decode plan: not used (norm weights not bf16)" in caplog.text
+    from roofline.worker.cpu_plan import _linear
+
+    assert _linear(worker.model.model.layers[0].self_attn.qkv_proj)[1] == "16-bit weights not packed bf16"
+    assert cpu_plan.CpuDecodePlan.build(worker.model, worker.backend, torch.bfloat16, torch.device("cpu"),
+                                        has_proposer=True) is None
