@@ -76,6 +76,12 @@ for step in "$@"; do
     PYTHONPATH=$NEW timeout ${GPUTESTS_TIMEOUT:-420} python3 -m pytest -q -m gpu --continue-on-collection-errors --tb=line -rf -p no:cacheprovider ${GPUTESTS:-tests} 2>&1 | tee "$OUT/gputests.log" \
       | grep -E "^/|^E |passed|failed|error" | tail -40 | tee -a "$OUT/log"
     ;;
+  longkv)  # issue 29: a long-context workload where the bf16 pool binds (carried .devcarry/$LONG_DATA.json, default long256: 256 random
+    # prompts of 7680 tokens, 256 out each), bf16 KV then FP8 KV, one engine each (LONG_QUANT: the weight format)
+    for kv in ${LONG_KVS:-auto fp8}; do
+      timeout ${LONG_TIMEOUT:-270} bash -c "$(declare -f R); NEW=$NEW; R bench throughput --model llama-3-8b --dataset-file .devcarry/${LONG_DATA:-long256}.json --num-prompts 256 --max-model-len 8192 --max-num-seqs 256 --kv-cache-dtype $kv ${LONG_QUANT:+--quantization $LONG_QUANT} --no-progress --out-dir $OUT" \
+        > "$OUT/${LONG_DATA:-long256}-$kv.log" 2>&1; echo "longkv ${LONG_DATA:-long256} $kv rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/${LONG_DATA:-long256}-$kv.log" | grep -iE "tok/s|KV|preempt|pool|Error" | tail -8 | tee -a "$OUT/log"; done
+    ;;
   gpushards)  # the whole GPU suite as SHARDS parallel pytest processes (files dealt round-robin; the suite is
     # mostly Triton compiles on the host's 16 cores, which one process leaves idle), one log each
     # files that mark tests gpu, directly or through kernel_cases' gpu_only / DTYPES (GPUFILES: a given list)
