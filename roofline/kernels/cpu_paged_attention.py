@@ -241,10 +241,12 @@ void roofline_decode_bf16(const float* q, const uint16_t* kc, const uint16_t* vc
 }
 }
 
-// The GEMVs prefetch each weight row 4 KiB ahead (prefetches never fault past the end): streaming the default
-// model's linears from DRAM, 2 threads, Intel Xeon (AMX) of 2026-12-04, INT8 3072x576 went from 17.1-17.2 to
-// 19.9-20.4 GB/s (1024 or 256 bytes ahead: no gain).
-static constexpr int64_t kPrefetch = 4096;
+// The GEMVs prefetch each weight row 8 KiB ahead (prefetches never fault past the end). Intel Xeon (AMX) of
+// 2026-12-04, 2 threads: INT8 3072x576 streamed from DRAM went from 17.1-17.2 GB/s without to 19.9-20.4 at 4 KiB
+// (256 B or 1 KiB: no gain); end to end at batch 1 (the CPU decode plan), two runs each: bf16 12.82 / 13.21 ms a
+// token at 8 KiB against 13.47 / 14.20 at 4 KiB, 14.42 at 2 KiB and 12.91 at 16 KiB; int8 6.35 / 6.07 against
+// 6.57 / 6.50, 6.86 and 6.42.
+static constexpr int64_t kPrefetch = 8192;
 
 // narrow rounds fp32 to bf16, nearest-even (NaN kept quiet), as torch's .to(torch.bfloat16) does.
 static inline uint16_t narrow(float f) {
