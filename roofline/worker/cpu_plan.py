@@ -128,7 +128,11 @@ class CpuDecodePlan:
         k0 = caches[0].k
         cache_bf16 = k0.dtype == torch.bfloat16
         if caches[0].is_quantized or not cpa.supports(backend.num_heads, backend.head_dim, k0):
-            raise _Unsupported(f"a {k0.dtype} KV cache the C++ attention does not read")
+            raise _Unsupported(
+                f"a KV cache the C++ attention does not read: {k0.dtype}, block size {k0.shape[1]}, "
+                f"{backend.num_heads}/{k0.shape[2]} heads of {backend.head_dim} (it reads float32/bfloat16 blocks "
+                f"of <= {cpa.MAX_BLOCK} tokens, <= {cpa.MAX_GROUP} query heads per KV head, head_dim <= "
+                f"{cpa.MAX_HEAD_DIM})")
         layers = (_Layer * len(inner.layers))()
         for i, layer in enumerate(inner.layers):
             attn = layer.self_attn if isinstance(layer, LlamaDecoderLayer) else None

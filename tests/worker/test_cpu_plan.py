@@ -74,3 +74,17 @@ def test_plan_is_not_built_where_it_does_not_apply(monkeypatch, caplog):
     assert _linear(worker.model.model.layers[0].self_attn.qkv_proj)[1] == "16-bit weights not packed bf16"
     assert cpu_plan.CpuDecodePlan.build(worker.model, worker.backend, torch.bfloat16, torch.device("cpu"),
                                         has_proposer=True) is None
+
+
+def test_plan_names_the_cache_it_cannot_read(caplog):
+    """A block size the C++ attention does not take (> 64): the modules run, and the log names the block size."""
+    import logging
+
+    from roofline import LLM, SamplingParams
+
+    with caplog.at_level(logging.INFO, logger="roofline.worker.cpu_plan"):
+        llm = LLM(device="cpu", dtype="bfloat16", block_size=128, max_model_len=256)
+    assert llm.engine.worker.cpu_plan is None
+    assert "block size 128" in caplog.text and "blocks of <= 64 tokens" in caplog.text
+    out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+    assert len(out[0].outputs[0].token_ids) == 4
