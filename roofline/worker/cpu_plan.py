@@ -13,8 +13,9 @@ path's (``tests/worker/test_cpu_plan.py``); the embedding lookup and the LM head
 It applies where every piece would run at one row anyway: a bf16 model on CPU (``--dtype bfloat16``), the
 Llama-family dense decoder (no q/k norm, no MoE), 16-bit linears packed for oneDNN (``UnquantizedLinearMethod``)
 or ``--quantization int8`` (W8A8 on CPU), an fp32 or bf16 KV cache the C++ attention reads, one process, no
-speculative decoding. ``build`` returns None otherwise, with the reason logged once at info; the worker then
-runs the modules, as before. ``ROOFLINE_CPU_PLAN=0`` turns it off (A/B).
+speculative decoding. ``build`` returns None otherwise, with the reason, which ``roofline generate`` prints under
+its start-up CPU line (``CPU decode plan: off (...)``); the worker then runs the modules, as before.
+``ROOFLINE_CPU_PLAN=0`` turns it off (A/B).
 
 It holds raw pointers: the parameters and the KV pool must not move after it is built. The worker builds it after
 the pool is allocated and the weights are processed; ``load_weights`` copies into the same tensors.
@@ -82,17 +83,17 @@ class CpuDecodePlan:
 
     @classmethod
     def build(cls, model, backend, dtype: torch.dtype, device: torch.device, *, tp_size: int = 1,
-              has_proposer: bool = False) -> CpuDecodePlan | None:
-        """The plan for ``model`` (a ``LlamaForCausalLM`` on one process) over ``backend``'s allocated KV pool, or
-        None where it does not apply (module docstring; the reason is logged at info)."""
+              has_proposer: bool = False) -> tuple[CpuDecodePlan | None, str]:
+        """(the plan for ``model``, a ``LlamaForCausalLM`` on one process, over ``backend``'s allocated KV pool, and
+        ""), or (None, the reason it does not apply; also logged at info). See the module docstring."""
         why = cls._why_not(model, backend, dtype, device, tp_size, has_proposer)
         if why is None:
             try:
-                return cls._build(model, backend)
+                return cls._build(model, backend), ""
             except _Unsupported as e:
                 why = str(e)
         logger.info("CPU decode plan: not used (%s); batch-1 decode runs the modules", why)
-        return None
+        return None, why
 
     @staticmethod
     def _why_not(model, backend, dtype, device, tp_size, has_proposer) -> str | None:

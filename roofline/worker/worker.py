@@ -135,8 +135,11 @@ class Worker:
         # The CPU's counterpart of the graphs: a batch-1 decode step in one C++ call (None where it does not apply).
         self.cpu_plan: CpuDecodePlan | None = None
         if self.device.type == "cpu" and self.pp.pp_size == 1:
-            self.cpu_plan = CpuDecodePlan.build(self.model, self.backend, self.dtype, self.device,
-                                                tp_size=get_tp_size(), has_proposer=self.proposer is not None)
+            self.cpu_plan, why = CpuDecodePlan.build(self.model, self.backend, self.dtype, self.device,
+                                                     tp_size=get_tp_size(), has_proposer=self.proposer is not None)
+            if self.cpu_summary is not None:  # what `roofline generate` prints at start-up
+                self.cpu_summary += ("\nCPU decode plan: on (a batch-1 decode step runs in one C++ call)"
+                                     if self.cpu_plan is not None else f"\nCPU decode plan: off ({why})")
 
     def _calibrate_fp8_kv_scales(self) -> None:
         """One calibration forward sets the fp8 KV cache's per-(layer, KV head) scales (kv_calibration.py)."""

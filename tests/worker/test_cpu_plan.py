@@ -33,6 +33,8 @@ def test_plan_is_bit_identical_to_the_modules(kv, quantization):
     llm = LLM(device="cpu", dtype="bfloat16", kv_cache_dtype=kv, quantization=quantization, max_model_len=512)
     worker = llm.engine.worker
     plan = worker.cpu_plan
+    if plan is not None and worker.cpu_summary is not None:
+        assert worker.cpu_summary.endswith("CPU decode plan: on (a batch-1 decode step runs in one C++ call)")
     if plan is None:
         pytest.skip("the plan does not apply on this CPU (no AVX-512 VNNI / BF16 GEMVs)")
     plan.lib = counting = _Counting(plan.lib)
@@ -63,17 +65,21 @@ def test_plan_is_not_built_where_it_does_not_apply(monkeypatch, caplog):
     assert "CPU decode plan: not used (cpu torch.float32, not a bf16 model on CPU)" in caplog.text
     monkeypatch.setattr(cpu_plan, "ENABLED", False)
     worker = llm.engine.worker
-    assert cpu_plan.CpuDecodePlan.build(worker.model, worker.backend, torch.bfloat16, torch.device("cpu")) is None
+    assert cpu_plan.CpuDecodePlan.build(worker.model, worker.backend, torch.bfloat16,
+                                        torch.device("cpu")) == (None, "ROOFLINE_CPU_PLAN=0")
     monkeypatch.setattr(cpu_plan, "ENABLED", True)
     # an fp32 model's modules asked for as bf16: refused at its first fp32 part, naming it
     with caplog.at_level(logging.INFO, logger="roofline.worker.cpu_plan"):
-        assert cpu_plan.CpuDecodePlan.build(worker.model, worker.backend, torch.bfloat16, torch.device("cpu")) is None
+        assert cpu_plan.CpuDecodePlan.build(worker.model, worker.backend, torch.bfloat16,
+                                            torch.device("cpu")) == (None, "norm weights not bf16")
     assert "CPU decode plan: not used (norm weights not bf16)" in caplog.text
     from roofline.worker.cpu_plan import _linear
 
     assert _linear(worker.model.model.layers[0].self_attn.qkv_proj)[1] == "16-bit weights not packed bf16"
     assert cpu_plan.CpuDecodePlan.build(worker.model, worker.backend, torch.bfloat16, torch.device("cpu"),
-                                        has_proposer=True) is None
+                                        has_proposer=True) == (None, "speculative decoding")
+    # the start-up summary `roofline generate` prints says so
+    assert worker.cpu_summary.endswith("CPU decode plan: off (cpu torch.float32, not a bf16 model on CPU)")
 
 
 def test_plan_names_the_cache_it_cannot_read(caplog):
