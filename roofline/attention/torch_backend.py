@@ -226,14 +226,12 @@ class TorchAttentionBackend(AttentionBackend):
             # its rows of ``out`` in the model dtype (fp32 or bf16, rounded once).
             from roofline.kernels.cpu_paged_attention import paged_decode_attention
 
-            if out.dtype in (torch.float32, torch.bfloat16):
-                paged_decode_attention(q.float().contiguous(), cache.k, cache.v, meta.decode_tables,
-                                       meta.decode_lens, meta.decode_rows, self.scale, out)
-            else:
-                o32 = torch.empty(q.shape, dtype=torch.float32)
-                paged_decode_attention(q.float().contiguous(), cache.k, cache.v, meta.decode_tables,
-                                       meta.decode_lens, meta.decode_rows, self.scale, o32)
-                out.index_copy_(0, meta.decode_rows, o32.index_select(0, meta.decode_rows).to(out.dtype))
+            direct = out.dtype in (torch.float32, torch.bfloat16)  # else (fp16) through an fp32 buffer
+            dst = out if direct else torch.empty(q.shape, dtype=torch.float32)
+            paged_decode_attention(q.float().contiguous(), cache.k, cache.v, meta.decode_tables, meta.decode_lens,
+                                   meta.decode_rows, self.scale, dst)
+            if not direct:
+                out.index_copy_(0, meta.decode_rows, dst.index_select(0, meta.decode_rows).to(out.dtype))
         for g in meta.decode_groups:
             n = g.rows.shape[0]
             kg = gather(g.blocks, k_blocks, cache.k_scale)  # [n * L, H_kv, D]
