@@ -164,7 +164,7 @@ def _proc_stat_times(path: str = "/proc/stat", cpus: frozenset[int] | None = Non
         rows = [[int(x) for x in r[1:9]] for r in per_cpu if int(r[0][3:]) in cpus]
         if not rows:
             return None
-        fields = [sum(col) for col in zip(*rows)]
+        fields = [sum(col) for col in zip(*rows, strict=False)]
         ncpu = len(rows)
     else:
         fields = [int(x) for x in lines[0].split()[1:9]]  # user nice system idle iowait irq softirq steal

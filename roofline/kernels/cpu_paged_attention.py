@@ -59,6 +59,8 @@ _SOURCE = r"""
 #include <cmath>
 #include <immintrin.h>
 #include <omp.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #include <utility>
 #include <vector>
 
@@ -298,6 +300,112 @@ extern "C" int roofline_gemv_bf16(const uint16_t* x, const uint16_t* w, const ui
   return 1;
 #else
   (void)x; (void)w; (void)bias; (void)y; (void)N; (void)K; (void)nthreads;
+  return 0;
+#endif
+}
+
+// Small-M bf16 GEMM on AMX tiles (roofline.kernels.cpu_bf16.amx_linear): y [M, N] = bf16(x [M, K] @ w^T (+ bias)),
+// the products summed in fp32 by TDPBF16PS (Intel SDM, "Intel AMX instructions") and the bias added in fp32 before
+// one rounding. w arrives packed once by roofline_amx_pack_bf16 as B-operand tiles: [N/16][K/32] tiles of 16 rows
+// (k pairs) x 16 columns (n) x 2 (the pair), 1 KiB each, so each thread streams its rows of w front to back. Each
+// thread takes 32 output columns at a time (two column tiles), reads x rows straight from memory as A tiles (32 rows
+// at a time, two row tiles; the last chunk configures fewer rows) and keeps four C tiles. Linux gives a process the
+// tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA): asked once here.
+// Returns 0 (nothing written) where the compiler or CPU lacks AMX-BF16, the request fails, K % 32 or N % 16.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+static int amx_permitted() {
+  static int ok = -1;  // a race only repeats the idempotent request
+  if (ok < 0) ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XFEATURE_XTILEDATA */) == 0;
+  return ok;
+}
+struct alignas(64) TileConfig { uint8_t palette, start_row, reserved[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+// Tiles 0-3: C (row tile r, column tile j at 2r + j); 4, 5: A (x rows); 6, 7: B (w). m0 / m1: rows of the two
+// row tiles (m1 = 0: one row tile).
+static inline void amx_configure(int m0, int m1) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof cfg);
+  cfg.palette = 1;
+  for (int t = 0; t < 8; ++t) { cfg.colsb[t] = 64; cfg.rows[t] = 16; }
+  cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = (uint8_t)m0;
+  cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = (uint8_t)(m1 ? m1 : 1);
+  _tile_loadconfig(&cfg);
+}
+template <int MB, int NB>
+static inline void amx_block(const uint16_t* x, int64_t K, const uint16_t* w0, int64_t kc, float* cbuf) {
+  const uint16_t* w1 = w0 + kc * 512;
+  _tile_zero(0);
+  if (NB == 2) _tile_zero(1);
+  if (MB == 2) { _tile_zero(2); if (NB == 2) _tile_zero(3); }
+  for (int64_t kb = 0; kb < kc; ++kb) {
+    _tile_loadd(6, w0 + kb * 512, 64);
+    if (NB == 2) _tile_loadd(7, w1 + kb * 512, 64);
+    _tile_loadd(4, x + kb * 32, K * 2);
+    _tile_dpbf16ps(0, 4, 6);
+    if (NB == 2) _tile_dpbf16ps(1, 4, 7);
+    if (MB == 2) {
+      _tile_loadd(5, x + 16 * K + kb * 32, K * 2);
+      _tile_dpbf16ps(2, 5, 6);
+      if (NB == 2) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, cbuf, 64);
+  if (NB == 2) _tile_stored(1, cbuf + 256, 64);
+  if (MB == 2) { _tile_stored(2, cbuf + 512, 64); if (NB == 2) _tile_stored(3, cbuf + 768, 64); }
+}
+#endif
+
+extern "C" int roofline_amx_pack_bf16(const uint16_t* w, uint16_t* out, int64_t N, int64_t K, int nthreads) {
+  if (K % 32 || N % 16) return 0;
+  const int64_t kc = K / 32;
+  #pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t nb = 0; nb < N / 16; ++nb)
+    for (int64_t kb = 0; kb < kc; ++kb) {
+      uint16_t* t = out + (nb * kc + kb) * 512;
+      for (int r = 0; r < 16; ++r)
+        for (int c = 0; c < 16; ++c) {
+          t[r * 32 + c * 2] = w[(nb * 16 + c) * K + kb * 32 + 2 * r];
+          t[r * 32 + c * 2 + 1] = w[(nb * 16 + c) * K + kb * 32 + 2 * r + 1];
+        }
+    }
+  return 1;
+}
+
+extern "C" int roofline_amx_linear_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
+                                        int64_t M, int64_t N, int64_t K, int nthreads) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512F__) && defined(__AVX512BW__)
+  if (K % 32 || N % 16 || M < 1 || !amx_permitted()) return 0;
+  const int64_t kc = K / 32, nsb = (N + 31) / 32;
+  #pragma omp parallel num_threads(nthreads)
+  {
+    int configured = -1;  // the rows of the chunk the tiles are configured for
+    alignas(64) float cbuf[1024];
+    #pragma omp for schedule(static)
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const int nb = N - sb * 32 >= 32 ? 2 : 1;
+      const uint16_t* w0 = wp + sb * 2 * kc * 512;
+      for (int64_t mc = 0; mc < M; mc += 32) {
+        const int rows = M - mc < 32 ? (int)(M - mc) : 32;
+        const int m0 = rows < 16 ? rows : 16, m1 = rows - m0;
+        if (rows != configured) { amx_configure(m0, m1); configured = rows; }
+        const uint16_t* xc = x + mc * K;
+        if (m1) { if (nb == 2) amx_block<2, 2>(xc, K, w0, kc, cbuf); else amx_block<2, 1>(xc, K, w0, kc, cbuf); }
+        else { if (nb == 2) amx_block<1, 2>(xc, K, w0, kc, cbuf); else amx_block<1, 1>(xc, K, w0, kc, cbuf); }
+        for (int mb = 0; mb < (m1 ? 2 : 1); ++mb)
+          for (int j = 0; j < nb; ++j) {
+            const int64_t n0 = sb * 32 + j * 16;
+            const __m512 b = bias ? load16(bias + n0) : _mm512_setzero_ps();
+            for (int r = 0; r < (mb ? m1 : m0); ++r) {
+              const __m512 v = _mm512_add_ps(_mm512_load_ps(cbuf + (mb * 2 + j) * 256 + r * 16), b);
+              _mm256_storeu_si256((__m256i*)(y + (mc + mb * 16 + r) * N + n0), narrow16(v));
+            }
+          }
+      }
+    }
+    if (configured >= 0) _tile_release();
+  }
+  return 1;
+#else
+  (void)x; (void)wp; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
   return 0;
 #endif
 }
@@ -545,73 +653,91 @@ extern "C" int roofline_gemv_w8a8(const void* x, int x_bf16, const int8_t* w, co
 // [N], bias bf16/fp32 or null). Returns 0 with nothing written where a piece would decline (no AVX-512 BF16 /
 // VNNI, a K it does not take, a position or slot out of range, too many blocks).
 struct RooflineLinear { int32_t kind; int32_t bias_bf16; const void* w; const float* scale; const void* bias;
-                        int64_t N, K; };
+                        int64_t N, K; const uint16_t* amx; };
 struct RooflineLayer { const uint16_t* norm1; const uint16_t* norm2; float eps1, eps2;
                        RooflineLinear qkv, o, gate_up, down; void* k_cache; void* v_cache; };
 
-static int plan_linear(const RooflineLinear& l, const uint16_t* x, uint16_t* y, int nthreads) {
-  if (l.kind == 0) return roofline_gemv_bf16(x, (const uint16_t*)l.w, (const uint16_t*)l.bias, y, l.N, l.K, nthreads);
+// A linear of the plan on M rows, as roofline.kernels.cpu_bf16.packed_linear / cpu_int8 run it: kind 0 (bf16) the
+// GEMV at one row, the AMX GEMM on the packed copy at more; kind 1 (INT8 W8A8) the GEMV, one row only.
+static int plan_linear(const RooflineLinear& l, const uint16_t* x, uint16_t* y, int64_t M, int nthreads) {
+  if (l.kind == 0) {
+    if (M == 1) return roofline_gemv_bf16(x, (const uint16_t*)l.w, (const uint16_t*)l.bias, y, l.N, l.K, nthreads);
+    return roofline_amx_linear_bf16(x, l.amx, (const uint16_t*)l.bias, y, M, l.N, l.K, nthreads);
+  }
   return roofline_gemv_w8a8(x, 1, (const int8_t*)l.w, l.scale, l.bias, l.bias_bf16, y, 1, l.N, l.K, nthreads);
 }
 
-static bool plan_linear_ok(const RooflineLinear& l) {
+static bool plan_linear_ok(const RooflineLinear& l, int64_t M) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  return l.kind == 0 ? l.K % 32 == 0 : (l.kind == 1 && l.K % 64 == 0 && l.K <= 16384);
+  if (l.kind == 0) return l.K % 32 == 0 && (M == 1 || (l.amx != nullptr && l.N % 16 == 0));
+  return l.kind == 1 && M == 1 && l.K % 64 == 0 && l.K <= 16384;
 #else
-  (void)l;
+  (void)l; (void)M;
   return false;
 #endif
 }
 
-extern "C" int roofline_decode_one(const RooflineLayer* layers, int64_t L, const uint16_t* final_norm,
-                                   float final_eps, uint16_t* x, int64_t hidden, int64_t H, int64_t Hkv, int64_t D,
-                                   int64_t bs, int cache_bf16, float scale, const int64_t* pos, const int64_t* slot,
-                                   const int32_t* table, int64_t seq_len, const float* cs, int64_t max_pos,
-                                   int64_t num_slots, int nthreads) {
-  const int64_t nblocks = (seq_len + bs - 1) / bs;
-  if (seq_len < 1 || nblocks > 65536 || pos[0] < 0 || pos[0] >= max_pos || slot[0] < 0 || slot[0] >= num_slots
-      || (H / Hkv) > 16 || D > 256 || H > 256 || H * D > 16384 || bs > 64 || D % 2) return 0;
+// A decode step of M rows (one new token per sequence) through every decoder layer and the final norm: x [M, hidden]
+// bf16 holds the embeddings on entry and the final norm's output on return. Row r has position pos[r], stores its
+// k/v at flat slot slot[r], and attends to the first seq_lens[r] positions of the blocks in table[r * table_stride
+// ...] (int32). Returns 0, having written nothing, where a check fails (the caller runs the modules then).
+extern "C" int roofline_decode_step(const RooflineLayer* layers, int64_t L, const uint16_t* final_norm,
+                                    float final_eps, uint16_t* x, int64_t M, int64_t hidden, int64_t H, int64_t Hkv,
+                                    int64_t D, int64_t bs, int cache_bf16, float scale, const int64_t* pos,
+                                    const int64_t* slot, const int32_t* table, int64_t table_stride,
+                                    const int64_t* seq_lens, const float* cs, int64_t max_pos, int64_t num_slots,
+                                    int nthreads) {
+  if (M < 1 || (H / Hkv) > 16 || D > 256 || H > 256 || H * D > 16384 || bs > 64 || D % 2) return 0;
+  const int64_t num_blocks = num_slots / bs;
+  for (int64_t r = 0; r < M; ++r) {
+    const int64_t nb = (seq_lens[r] + bs - 1) / bs;
+    if (seq_lens[r] < 1 || nb > table_stride || pos[r] < 0 || pos[r] >= max_pos || slot[r] < 0
+        || slot[r] >= num_slots) return 0;
+    for (int64_t b = 0; b < nb; ++b)
+      if (table[r * table_stride + b] < 0 || table[r * table_stride + b] >= num_blocks) return 0;
+  }
   int64_t inter = 0;
   for (int64_t i = 0; i < L; ++i) {
     const RooflineLayer& ly = layers[i];
-    if (!plan_linear_ok(ly.qkv) || !plan_linear_ok(ly.o) || !plan_linear_ok(ly.gate_up) || !plan_linear_ok(ly.down))
-      return 0;
+    if (!plan_linear_ok(ly.qkv, M) || !plan_linear_ok(ly.o, M) || !plan_linear_ok(ly.gate_up, M)
+        || !plan_linear_ok(ly.down, M)) return 0;
     inter = ly.down.K > inter ? ly.down.K : inter;
   }
   const int64_t qkv_n = (H + 2 * Hkv) * D;
-  std::vector<uint16_t> h(hidden), res(hidden), res2(hidden), qkv(qkv_n), att(H * D), gu(2 * inter), act(inter);
-  std::vector<float> q32(H * D);
-  std::vector<int64_t> tab(nblocks);
-  for (int64_t b = 0; b < nblocks; ++b) tab[b] = table[b];
-  const int64_t lens = seq_len, row = 0;
+  std::vector<uint16_t> h(M * hidden), res(M * hidden), res2(M * hidden), qkv(M * qkv_n), att(M * H * D),
+      gu(M * 2 * inter), act(M * inter);
+  std::vector<float> q32(M * H * D);
+  std::vector<int64_t> tab(M * table_stride), rows(M);
+  for (int64_t i = 0; i < M * table_stride; ++i) tab[i] = table[i];
+  for (int64_t r = 0; r < M; ++r) rows[r] = r;
   for (int64_t i = 0; i < L; ++i) {
     const RooflineLayer& ly = layers[i];
     if (i == 0) {  // residual = the embedding; h = rmsnorm(x)
-      std::memcpy(res.data(), x, hidden * 2);
-      roofline_add_rmsnorm_bf16(x, nullptr, ly.norm1, h.data(), nullptr, 1, hidden, ly.eps1, nthreads);
+      std::memcpy(res.data(), x, M * hidden * 2);
+      roofline_add_rmsnorm_bf16(x, nullptr, ly.norm1, h.data(), nullptr, M, hidden, ly.eps1, nthreads);
     } else {  // (h, residual) = rmsnorm(x + residual), x + residual
-      roofline_add_rmsnorm_bf16(x, res.data(), ly.norm1, h.data(), res2.data(), 1, hidden, ly.eps1, nthreads);
+      roofline_add_rmsnorm_bf16(x, res.data(), ly.norm1, h.data(), res2.data(), M, hidden, ly.eps1, nthreads);
       std::swap(res, res2);
     }
-    plan_linear(ly.qkv, h.data(), qkv.data(), nthreads);
+    plan_linear(ly.qkv, h.data(), qkv.data(), M, nthreads);
     const uint16_t* q = qkv.data();
     roofline_rope_store(q, q + H * D, q + (H + Hkv) * D, qkv_n, qkv_n, qkv_n, pos, cs, slot, ly.k_cache, ly.v_cache,
-                        q32.data(), 1, H, Hkv, D, 1, cache_bf16, 0, max_pos, num_slots, nthreads);
+                        q32.data(), M, H, Hkv, D, 1, cache_bf16, 0, max_pos, num_slots, nthreads);
     if (cache_bf16)
-      decode(q32.data(), (const uint16_t*)ly.k_cache, (const uint16_t*)ly.v_cache, tab.data(), &lens, &row, att.data(),
-             1, H, Hkv, D, bs, nblocks, scale, nthreads);
+      decode(q32.data(), (const uint16_t*)ly.k_cache, (const uint16_t*)ly.v_cache, tab.data(), seq_lens, rows.data(),
+             att.data(), M, H, Hkv, D, bs, table_stride, scale, nthreads);
     else
-      decode(q32.data(), (const float*)ly.k_cache, (const float*)ly.v_cache, tab.data(), &lens, &row, att.data(), 1, H,
-             Hkv, D, bs, nblocks, scale, nthreads);
-    plan_linear(ly.o, att.data(), x, nthreads);
-    roofline_add_rmsnorm_bf16(x, res.data(), ly.norm2, h.data(), res2.data(), 1, hidden, ly.eps2, nthreads);
+      decode(q32.data(), (const float*)ly.k_cache, (const float*)ly.v_cache, tab.data(), seq_lens, rows.data(),
+             att.data(), M, H, Hkv, D, bs, table_stride, scale, nthreads);
+    plan_linear(ly.o, att.data(), x, M, nthreads);
+    roofline_add_rmsnorm_bf16(x, res.data(), ly.norm2, h.data(), res2.data(), M, hidden, ly.eps2, nthreads);
     std::swap(res, res2);
-    plan_linear(ly.gate_up, h.data(), gu.data(), nthreads);
-    roofline_silu_mul_bf16(gu.data(), act.data(), 1, ly.down.K, nthreads);
-    plan_linear(ly.down, act.data(), x, nthreads);
+    plan_linear(ly.gate_up, h.data(), gu.data(), M, nthreads);
+    roofline_silu_mul_bf16(gu.data(), act.data(), M, ly.down.K, nthreads);
+    plan_linear(ly.down, act.data(), x, M, nthreads);
   }
-  roofline_add_rmsnorm_bf16(x, res.data(), final_norm, h.data(), res2.data(), 1, hidden, final_eps, nthreads);
-  std::memcpy(x, h.data(), hidden * 2);
+  roofline_add_rmsnorm_bf16(x, res.data(), final_norm, h.data(), res2.data(), M, hidden, final_eps, nthreads);
+  std::memcpy(x, h.data(), M * hidden * 2);
   return 1;
 }
 """
@@ -697,11 +823,15 @@ def _load(so: Path) -> ctypes.CDLL:
     lib.roofline_gemv_w8a8.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int, ptr, ctypes.c_int, i64, i64,
                                        ctypes.c_int]
     lib.roofline_gemv_w8a8.restype = ctypes.c_int
-    lib.roofline_decode_one.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr] + [i64] * 5 + [ctypes.c_int, ctypes.c_float] \
-        + [ptr] * 3 + [i64, ptr, i64, i64, ctypes.c_int]
-    lib.roofline_decode_one.restype = ctypes.c_int
+    lib.roofline_decode_step.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr] + [i64] * 6 + [ctypes.c_int, ctypes.c_float] \
+        + [ptr] * 3 + [i64, ptr, ptr, i64, i64, ctypes.c_int]
+    lib.roofline_decode_step.restype = ctypes.c_int
     lib.roofline_gemv_bf16.argtypes = [ptr] * 4 + [i64] * 2 + [ctypes.c_int]
     lib.roofline_gemv_bf16.restype = ctypes.c_int
+    lib.roofline_amx_pack_bf16.argtypes = [ptr] * 2 + [i64] * 2 + [ctypes.c_int]
+    lib.roofline_amx_pack_bf16.restype = ctypes.c_int
+    lib.roofline_amx_linear_bf16.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]
+    lib.roofline_amx_linear_bf16.restype = ctypes.c_int
     lib.roofline_add_rmsnorm_bf16.argtypes = [ptr] * 5 + [i64] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.roofline_add_rmsnorm_bf16.restype = None
     return lib

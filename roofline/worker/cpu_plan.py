@@ -1,21 +1,23 @@
-"""Batch-1 decode on CPU in one C++ call per step: the CPU's counterpart of the CUDA graphs.
+"""Decode on CPU in one C++ call per step: the CPU's counterpart of the CUDA graphs.
 
 On a GPU a decode step replays a captured CUDA graph, so no Python runs between its kernels. On CPU the same
-step at batch 1 is ~270 small C++ calls (per layer: two norms, four GEMVs, RoPE + the KV store, the attention,
+step is ~270 small C++ calls (per layer: two norms, four linears, RoPE + the KV store, the attention,
 SiLU-and-mul), each wrapped in Python that checks its arguments, allocates its output and dispatches through the
 modules: on the default model that Python was about half of a batch-1 token (~7 ms of int8's 14.5 on the Intel
-Xeon of 2026-12-04). ``CpuDecodePlan`` collects, once, each layer's weight, norm and KV-cache pointers into a C
-array, and a decode step of one row then runs every decoder layer and the final norm in one call
-(``roofline_decode_one`` in ``roofline.kernels.cpu_paged_attention``'s library). It calls the same C++ pieces as
-the modules, in the same order with the same arguments, so its hidden states are bit-identical to the module
-path's (``tests/worker/test_cpu_plan.py``); the embedding lookup and the LM head stay in torch.
+Xeon of 2026-12-04) and ~10 ms of a 36.5 ms batch-32 forward. ``CpuDecodePlan`` collects, once, each layer's
+weight, norm and KV-cache pointers into a C array, and a decode-only step then runs every decoder layer and the
+final norm in one call (``roofline_decode_step`` in ``roofline.kernels.cpu_paged_attention``'s library). It calls
+the same C++ pieces as the modules, in the same order with the same arguments (the one-row GEMVs at one row, the
+AMX GEMM of ``roofline.kernels.cpu_bf16.amx_linear`` at more), so its hidden states are bit-identical to the
+module path's (``tests/worker/test_cpu_plan.py``); the embedding lookup and the LM head stay in torch.
 
-It applies where every piece would run at one row anyway: a bf16 model on CPU (``--dtype bfloat16``), the
-Llama-family dense decoder (no q/k norm, no MoE), 16-bit linears packed for oneDNN (``UnquantizedLinearMethod``)
-or ``--quantization int8`` (W8A8 on CPU), an fp32 or bf16 KV cache the C++ attention reads, one process, no
-speculative decoding. ``build`` returns None otherwise, with the reason, which ``roofline generate`` prints under
-its start-up CPU line (``CPU decode plan: off (...)``); the worker then runs the modules, as before.
-``ROOFLINE_CPU_PLAN=0`` turns it off (A/B).
+It applies where every piece has a C++ kernel: a bf16 model on CPU (``--dtype bfloat16``), the Llama-family dense
+decoder (no q/k norm, no MoE), 16-bit linears packed after loading (``UnquantizedLinearMethod``; more than one row
+needs the AMX-packed copy, so a CPU with AMX-BF16) or ``--quantization int8`` (W8A8 GEMVs: one row only), an fp32
+or bf16 KV cache the C++ attention reads, one process, no speculative decoding, at most
+``cpu_bf16.AMX_MAX_ROWS`` rows (past that the modules run oneDNN's large-M GEMM). ``build`` returns None otherwise,
+with the reason, which ``roofline generate`` prints under its start-up CPU line (``CPU decode plan: off (...)``);
+the worker then runs the modules, as before. ``ROOFLINE_CPU_PLAN=0`` turns it off (A/B).
 
 It holds raw pointers: the parameters and the KV pool must not move after it is built. The worker builds it after
 the pool is allocated and the weights are processed; ``load_weights`` copies into the same tensors.
@@ -36,7 +38,8 @@ ENABLED = os.environ.get("ROOFLINE_CPU_PLAN", "1") != "0"
 
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("bias_bf16", ctypes.c_int32), ("w", ctypes.c_void_p),
-                ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("N", ctypes.c_int64), ("K", ctypes.c_int64)]
+                ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("N", ctypes.c_int64), ("K", ctypes.c_int64),
+                ("amx", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -59,8 +62,9 @@ def _linear(module) -> tuple[_Linear, str | None]:
             return _Linear(), "16-bit weights not packed bf16"
         if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
             return _Linear(), "a bias that is not bf16"
-        return _Linear(0, 1, w.data_ptr(), None, None if bias is None else bias.data_ptr(), w.shape[0],
-                       w.shape[1]), None
+        packed = module.packed_weight  # AMX tiles (4-D) for M > 1 rows, or oneDNN's (then one row only)
+        return _Linear(0, 1, w.data_ptr(), None, None if bias is None else bias.data_ptr(), w.shape[0], w.shape[1],
+                       packed.data_ptr() if packed.dim() == 4 else None), None
     if type(method) is Int8LinearMethod:
         q, s = getattr(module, "qweight", None), getattr(module, "weight_scale", None)
         if (q is None or q.dtype != torch.int8 or not q.is_contiguous() or s is None or s.dtype != torch.float32
@@ -69,17 +73,18 @@ def _linear(module) -> tuple[_Linear, str | None]:
         if bias is not None and (bias.dtype not in (torch.bfloat16, torch.float32) or not bias.is_contiguous()):
             return _Linear(), "a bias that is not bf16 or fp32"
         return _Linear(1, int(bias is not None and bias.dtype == torch.bfloat16), q.data_ptr(), s.data_ptr(),
-                       None if bias is None else bias.data_ptr(), q.shape[0], q.shape[1]), None
+                       None if bias is None else bias.data_ptr(), q.shape[0], q.shape[1], None), None
     return _Linear(), f"the {type(method).__name__} weight format"
 
 
 class CpuDecodePlan:
     """``can_run(num_seqs, max_blocks)`` / ``run(input_ids, positions, meta)``, as ``CUDAGraphRunner``: a decode
-    step of one row through ``roofline_decode_one``. Build with :meth:`build`."""
+    step of up to ``max_rows`` rows through ``roofline_decode_step``. Build with :meth:`build`."""
 
-    def __init__(self, lib, layers, model, backend, cache_bf16: bool):
+    def __init__(self, lib, layers, model, backend, cache_bf16: bool, max_rows: int):
         self.lib, self.layers, self.model, self.backend = lib, layers, model, backend
         self.cache_bf16 = cache_bf16
+        self.max_rows = max_rows
 
     @classmethod
     def build(cls, model, backend, dtype: torch.dtype, device: torch.device, *, tp_size: int = 1,
@@ -92,7 +97,7 @@ class CpuDecodePlan:
                 return cls._build(model, backend), ""
             except _Unsupported as e:
                 why = str(e)
-        logger.info("CPU decode plan: not used (%s); batch-1 decode runs the modules", why)
+        logger.info("CPU decode plan: not used (%s); decode runs the modules", why)
         return None, why
 
     @staticmethod
@@ -163,31 +168,43 @@ class CpuDecodePlan:
         if any(ly.qkv.N != qkv_n or ly.o.K != backend.num_heads * backend.head_dim or ly.gate_up.N != 2 * ly.down.K
                for ly in layers):
             raise _Unsupported("projection sizes that do not match the heads")
-        return cls(cpu_bf16._cpp_library(), layers, model, backend, cache_bf16)
+        # More than one row needs every bf16 linear's AMX copy (INT8 W8A8 and oneDNN-packed weights: one row).
+        multi = all(getattr(ly, name).amx for ly in layers for name in ("qkv", "o", "gate_up", "down"))
+        return cls(cpu_bf16._cpp_library(), layers, model, backend, cache_bf16,
+                   cpu_bf16.AMX_MAX_ROWS if multi else 1)
+
+    def describe(self) -> str:
+        """What a step runs, for the start-up line."""
+        if self.max_rows == 1:
+            return "a batch-1 decode step runs in one C++ call; INT8 or oneDNN-packed linears: one row only"
+        return f"a decode step of 1-{self.max_rows} rows runs in one C++ call, AMX GEMMs past one row"
 
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
-        return num_seqs == 1
+        return 1 <= num_seqs <= self.max_rows
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """Hidden states [1, hidden] bf16 of a one-row decode step (the module path's where the C++ declines)."""
+        """Hidden states [M, hidden] bf16 of a decode step of M rows (the module path's where the C++ declines)."""
         model, backend = self.model, self.backend
         inner = model.model
-        x = inner.embed_tokens(input_ids)  # [1, hidden] bf16, a fresh tensor the call overwrites
+        x = inner.embed_tokens(input_ids)  # [M, hidden] bf16, a fresh tensor the call overwrites
+        m = x.shape[0]
         if x.dtype != torch.bfloat16 or not x.is_contiguous():
             return model(input_ids, positions, meta)
         pos = positions.to(torch.int64).contiguous()
         slots, table = meta.slot_mapping, meta.block_tables
-        if (slots.dtype != torch.int64 or table.dtype != torch.int32 or not table[0].is_contiguous()
-                or pos.shape != (1,) or slots.shape != (1,)):
+        if (slots.dtype != torch.int64 or table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != m
+                or table.stride(1) != 1 or pos.shape != (m,) or slots.shape != (m,) or not slots.is_contiguous()
+                or len(meta.seq_lens_cpu) != m):
             return model(input_ids, positions, meta)
+        seq_lens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
         cache = backend.kv_pool.caches[0]
         num_blocks, bs = cache.k.shape[:2]
-        ok = self.lib.roofline_decode_one(
+        ok = self.lib.roofline_decode_step(
             ctypes.addressof(self.layers), len(self.layers), inner.norm.weight.data_ptr(), inner.norm.eps,
-            x.data_ptr(), x.shape[1], backend.num_heads, backend.num_kv_heads, backend.head_dim, bs,
+            x.data_ptr(), m, x.shape[1], backend.num_heads, backend.num_kv_heads, backend.head_dim, bs,
             int(self.cache_bf16), backend.scale, pos.data_ptr(), slots.data_ptr(), table.data_ptr(),
-            int(meta.seq_lens_cpu[0]), backend.rotary.cos_sin_cache.data_ptr(), backend.rotary.cos_sin_cache.shape[0],
-            num_blocks * bs, torch.get_num_threads())
+            table.stride(0), seq_lens.data_ptr(), backend.rotary.cos_sin_cache.data_ptr(),
+            backend.rotary.cos_sin_cache.shape[0], num_blocks * bs, torch.get_num_threads())
         if not ok:
             return model(input_ids, positions, meta)
         return x

@@ -132,13 +132,13 @@ class Worker:
             else:
                 logger.warning("the %s attention backend cannot be captured in CUDA graphs; running eager",
                                self.backend.name)
-        # The CPU's counterpart of the graphs: a batch-1 decode step in one C++ call (None where it does not apply).
+        # The CPU's counterpart of the graphs: a decode step in one C++ call (None where it does not apply).
         self.cpu_plan: CpuDecodePlan | None = None
         if self.device.type == "cpu" and self.pp.pp_size == 1:
             self.cpu_plan, why = CpuDecodePlan.build(self.model, self.backend, self.dtype, self.device,
                                                      tp_size=get_tp_size(), has_proposer=self.proposer is not None)
             if self.cpu_summary is not None:  # what `roofline generate` prints at start-up
-                self.cpu_summary += ("\nCPU decode plan: on (a batch-1 decode step runs in one C++ call)"
+                self.cpu_summary += (f"\nCPU decode plan: on ({self.cpu_plan.describe()})"
                                      if self.cpu_plan is not None else f"\nCPU decode plan: off ({why})")
 
     def _calibrate_fp8_kv_scales(self) -> None:

@@ -1,6 +1,7 @@
-"""bf16 linears on CPU with oneDNN-packed weights (``roofline.kernels.cpu_bf16``): the same products as
-``F.linear`` within bf16 rounding, packed once after loading for every linear and the 16-bit LM head, and the
-same greedy tokens as the unpacked engine on the default model."""
+"""bf16 linears on CPU with weights packed once after loading (``roofline.kernels.cpu_bf16``: AMX tiles where the
+CPU has AMX-BF16, else oneDNN's layout): the same products as ``F.linear`` within bf16 rounding and within one
+bf16 rounding of float64, for every linear and the 16-bit LM head, and the same greedy tokens as the unpacked
+engine on the default model."""
 
 from __future__ import annotations
 
@@ -63,8 +64,9 @@ def test_engine_packs_every_linear_and_the_head_and_keeps_greedy_tokens():
     model = packed.engine.worker.model
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert len(linears) == 4 * 30  # qkv, o, gate_up, down per layer
-    assert all(m.packed_weight is not None and tuple(m.packed_weight.shape) == tuple(m.weight.shape)
-               for m in linears)
+    amx = cpu_bf16.amx_available()  # AMX tiles [N/16, K/32, 16, 32], else oneDNN's opaque [N, K]
+    assert all(m.packed_weight is not None and m.packed_weight.numel() == m.weight.numel()
+               and m.packed_weight.dim() == (4 if amx else 2) for m in linears)
     head = next(m for m in model.modules() if isinstance(m, ParallelLMHead))
     assert head.packed_weight is not None
     assert all(m.packed_weight is None for m in plain.engine.worker.model.modules() if isinstance(m, LinearBase))
@@ -96,6 +98,58 @@ def test_gemv_matches_float64(n, k):
     assert (got.double() - ref).abs().max().item() <= tol
     via = cpu_bf16.packed_linear(x.reshape(1, 1, k), cpu_bf16.prepack(w), bias, dense=w)
     assert torch.equal(via.reshape(1, n), got)  # packed_linear takes the GEMV at one row
+
+
+needs_amx = pytest.mark.skipif(not cpu_bf16.amx_available(), reason="needs AMX-BF16 and the C++ library")
+
+
+@needs_amx
+def test_amx_pack_is_the_tile_layout_and_refuses_other_shapes():
+    """tile (n, k)[r, 2c + j] = weight[16n + c, 32k + 2r + j] (Intel SDM's VNNI layout of a TDPBF16PS B operand)."""
+    w = torch.arange(48 * 64, dtype=torch.float32).reshape(48, 64).bfloat16()
+    p = cpu_bf16.amx_pack(w)
+    assert p.shape == (3, 2, 16, 32) and p.dtype == torch.bfloat16
+    want = w.view(3, 16, 2, 16, 2).permute(0, 2, 3, 1, 4).reshape(3, 2, 16, 32)  # [n, c, k, r, j] -> [n, k, r, c j]
+    assert torch.equal(p, want)
+    for bad in (torch.zeros(40, 64).bfloat16(), torch.zeros(48, 48).bfloat16(), torch.zeros(48, 64),
+                torch.zeros(48).bfloat16()):
+        with pytest.raises(ValueError, match="N % 16 == 0 and K % 32 == 0, got"):
+            cpu_bf16.amx_pack(bad)
+
+
+@needs_amx
+@pytest.mark.parametrize("m", [2, 7, 16, 17, 32, 33, 50, 64, 100])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (48, 64)])  # 48: a last block of 16 columns
+def test_amx_linear_matches_float64_and_f_linear(m, n, k):
+    """Exact bf16 products summed in fp32, the bias added in fp32, one rounding: within one bf16 rounding (2^-8
+    relative to the largest output) of the float64 product, and of ``F.linear`` (bit-identical to it on the Xeon of
+    2026-12-04 up to M = 33); every row chunk of 32 and the tails of 1-16 and 17-31 rows."""
+    gen = torch.Generator().manual_seed(m * 31 + n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    p = cpu_bf16.amx_pack(w)
+    for b in (bias, None):
+        got = cpu_bf16.amx_linear(x, p, b)
+        ref = x.double() @ w.double().t() + (0 if b is None else b.double())
+        assert got is not None and got.shape == (m, n) and got.dtype == torch.bfloat16
+        tol = ref.abs().amax().item() * 2.0 ** -8
+        assert (got.double() - ref).abs().max().item() <= tol
+        assert (got.double() - F.linear(x, w, b).double()).abs().max().item() <= tol
+    # through packed_linear: the GEMV at one row, AMX up to AMX_MAX_ROWS, F.linear on the dense weight past it
+    assert torch.equal(cpu_bf16.packed_linear(x, p, bias, dense=w), cpu_bf16.amx_linear(x, p, bias))
+    big = torch.randn(cpu_bf16.AMX_MAX_ROWS + 1, k, generator=gen).bfloat16()
+    assert torch.equal(cpu_bf16.packed_linear(big, p, bias, dense=w), F.linear(big, w, bias))
+    assert torch.equal(cpu_bf16.packed_linear(x[:1], p, bias, dense=w), cpu_bf16.gemv(x[:1], w, bias))
+
+
+@needs_amx
+def test_amx_linear_declines_what_it_does_not_cover():
+    p = cpu_bf16.amx_pack(torch.randn(32, 64).bfloat16())
+    assert cpu_bf16.amx_linear(torch.randn(4, 64), p) is None  # fp32 rows
+    assert cpu_bf16.amx_linear(torch.randn(4, 96).bfloat16(), p) is None  # K does not match
+    assert cpu_bf16.amx_linear(torch.randn(4, 64).bfloat16(), p, torch.randn(32)) is None  # fp32 bias
+    assert cpu_bf16.amx_linear(torch.randn(0, 64).bfloat16(), p).shape == (0, 32)
 
 
 def test_gemv_declines_what_it_does_not_cover():

@@ -16,8 +16,15 @@ import time
 import pytest
 import torch
 
-from roofline.cpu import (ThreadGovernor, _proc_stat_times, apply_thread_policy, choose_threads, free_cores,
-                          other_busy_cores, wait_policy_is_passive)
+from roofline.cpu import (
+    ThreadGovernor,
+    _proc_stat_times,
+    apply_thread_policy,
+    choose_threads,
+    free_cores,
+    other_busy_cores,
+    wait_policy_is_passive,
+)
 
 
 def test_choose_threads():

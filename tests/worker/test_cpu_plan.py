@@ -1,7 +1,7 @@
-"""The CPU decode plan (``roofline.worker.cpu_plan``): a batch-1 decode step of the default model in one C++ call
-gives the module path's hidden states bit for bit (so the same tokens and exactly the same logprobs), for each
-format it takes; it is used on every decode step of one row and on no other step; it is not built where it does
-not apply."""
+"""The CPU decode plan (``roofline.worker.cpu_plan``): a decode step of the default model in one C++ call gives
+the module path's hidden states bit for bit (so the same tokens and exactly the same logprobs), for each format
+it takes, at one row and (bf16 on AMX) at several; it is used on every decode step it covers and on no other step;
+it is not built where it does not apply."""
 
 from __future__ import annotations
 
@@ -21,9 +21,17 @@ class _Counting:
     def __init__(self, lib):
         self.lib, self.calls = lib, 0
 
-    def roofline_decode_one(self, *args):
+    def roofline_decode_step(self, *args):
         self.calls += 1
-        return self.lib.roofline_decode_one(*args)
+        return self.lib.roofline_decode_step(*args)
+
+
+def _same(outs, refs):
+    for got, ref in zip(outs, refs, strict=True):
+        got, ref = got.outputs[0], ref.outputs[0]
+        assert got.token_ids == ref.token_ids
+        for a, b in zip(got.logprobs, ref.logprobs, strict=True):  # every step's top-3 logprobs, exactly
+            assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}
 
 
 @pytest.mark.parametrize("kv,quantization", [("float32", None), ("bfloat16", None), ("auto", "int8")])
@@ -33,24 +41,25 @@ def test_plan_is_bit_identical_to_the_modules(kv, quantization):
     llm = LLM(device="cpu", dtype="bfloat16", kv_cache_dtype=kv, quantization=quantization, max_model_len=512)
     worker = llm.engine.worker
     plan = worker.cpu_plan
-    if plan is not None and worker.cpu_summary is not None:
-        assert worker.cpu_summary.endswith("CPU decode plan: on (a batch-1 decode step runs in one C++ call)")
     if plan is None:
         pytest.skip("the plan does not apply on this CPU (no AVX-512 VNNI / BF16 GEMVs)")
+    multi = plan.max_rows > 1
+    assert multi == (quantization is None and cpu_bf16.amx_available())
+    if worker.cpu_summary is not None:
+        assert worker.cpu_summary.endswith(f"CPU decode plan: on ({plan.describe()})")
+        assert ("1-256 rows" in plan.describe()) == multi
     plan.lib = counting = _Counting(plan.lib)
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
-    prompt = "The capital of France is"
-    got = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
+    prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n): # a longer prompt, in two blocks"]
+    got = llm.generate(prompts[:1], sp, use_tqdm=False)
     assert counting.calls == 23  # every decode step of the one row (the first token comes from the prefill)
-    batch = llm.generate([prompt, "Once upon a time"], sp, use_tqdm=False)  # two rows: the modules
-    assert counting.calls == 23
+    batch = llm.generate(prompts, sp, use_tqdm=False)  # one prefill step, then 23 decode steps of three rows
+    assert counting.calls == (46 if multi else 23)  # INT8: the W8A8 GEMVs take one row, the modules run
     worker.cpu_plan = None
-    ref = llm.generate([prompt], sp, use_tqdm=False)[0].outputs[0]
-    assert got.token_ids == ref.token_ids
-    for a, b in zip(got.logprobs, ref.logprobs, strict=True):  # every step's top-3 logprobs, exactly
-        assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}
-    # batch-invariant: the row in a batch of two (the modules) gave the plan's tokens too
-    assert batch[0].outputs[0].token_ids[:8] == got.token_ids[:8]
+    _same(got, llm.generate(prompts[:1], sp, use_tqdm=False))
+    _same(batch, llm.generate(prompts, sp, use_tqdm=False))
+    # batch-invariant enough: the row in a batch of three gave the one-row plan's first tokens too
+    assert batch[0].outputs[0].token_ids[:8] == got[0].outputs[0].token_ids[:8]
 
 
 def test_plan_is_not_built_where_it_does_not_apply(monkeypatch, caplog):
