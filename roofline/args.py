@@ -8,6 +8,7 @@ downstream sees "auto".
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import re
 from dataclasses import asdict, dataclass, fields
@@ -152,8 +153,8 @@ class EngineArgs:
                 and self.speculative_config.method == "draft_model"):  # eagle/medusa heads: checked at load
             self._draft_source()  # a missing draft checkpoint fails here, before the target loads
         # The weight format is checked at construction (LLM(quantization=...) fails before any loading).
-        if self.quantization is not None and self.quantization not in QUANTIZATION_METHODS:
-            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)} (or None), "
+        if self.quantization is not None and self.quantization not in (*QUANTIZATION_METHODS, "auto"):
+            raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, auto (or None), "
                              f"got {self.quantization!r}")
         if self.quantization_group_size not in (32, 64, 128):
             raise ValueError(f"quantization_group_size must be one of 32, 64, 128, got "
@@ -192,7 +193,18 @@ class EngineArgs:
         _check_kernel_env()
         device = resolve_device(self.device)
         on_cuda = device.startswith("cuda")
-        dtype = self.dtype if self.dtype != "auto" else ("bfloat16" if on_cuda else "float32")
+        quantization, quantization_note, requested_dtype = self.quantization, None, self.dtype
+        if quantization == "auto":  # the fastest format for this device, named with its measured quality
+            if on_cuda:
+                quantization, quantization_note = None, ("none: on GPUs pick a format from the README's measured "
+                                                         "table (each trades quality for speed)")
+            else:
+                from roofline.cpu import auto_quantization, detect_cpu_features
+
+                quantization, requested_dtype, quantization_note = auto_quantization(
+                    detect_cpu_features(), self.dtype, self.model or "SmolLM2-135M-Instruct (default)")
+            logging.getLogger(__name__).info("quantization auto: %s", quantization_note)
+        dtype = requested_dtype if requested_dtype != "auto" else ("bfloat16" if on_cuda else "float32")
         kv_dtype = {"auto": dtype, "fp8": "fp8_e4m3"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
         triton_ok = on_cuda and _triton_importable()
         backend = self.attention_backend
@@ -281,7 +293,8 @@ class EngineArgs:
             # A pipeline stage's forward holds send/recv, which CUDA graphs do not capture here (yet).
             enforce_eager=self.enforce_eager or not on_cuda or pp > 1,
             async_scheduling=self._async_scheduling(on_cuda) and pp == 1,
-            quantization=self.quantization,
+            quantization=quantization,
+            quantization_note=quantization_note,
             quantization_group_size=self.quantization_group_size,
             speculative_config=spec,
             step_timeout=self.step_timeout,
@@ -349,8 +362,10 @@ class EngineArgs:
         parser.add_argument("--schedule-policy", default="fcfs", choices=["fcfs", "lpm"],
                             help="admission order: fcfs, or lpm (longest cached prefix first, with a "
                                  "starvation bound; needs prefix caching)")
-        parser.add_argument("--quantization", "-q", default=None, choices=list(QUANTIZATION_METHODS),
-                            help="weight format: int8 (W8A16; W8A8 dynamic per token on CPU), int4 (W4A16, groups with zero points), fp8 (E4M3 "
+        parser.add_argument("--quantization", "-q", default=None, choices=[*QUANTIZATION_METHODS, "auto"],
+                            help="weight format: auto (the fastest for this device, with its measured quality "
+                                 "printed at start-up: int8 with bf16 activations on a CPU with AVX-512 VNNI and "
+                                 "bf16 units, else none); int8 (W8A16; W8A8 dynamic per token on CPU), int4 (W4A16, groups with zero points), fp8 (E4M3 "
                                  "W8A8, dynamic per token), smoothquant (INT8 W8A8) quantize an unquantized model "
                                  "at load (round to nearest); gptq, awq, compressed-tensors name a quantized "
                                  "checkpoint's format (read from its config.json without this flag)")

@@ -127,6 +127,8 @@ class EngineConfig:
     async_scheduling: bool = False
     # Weight format (roofline.quant): None, or a method quantized at load / the checkpoint format's name.
     quantization: str | None = None
+    # What --quantization auto chose and why, with its measured quality (None: a format was named, or none).
+    quantization_note: str | None = None
     quantization_group_size: int = 128
     speculative_config: SpeculativeConfig | None = None
     # Step watchdog (multiprocess executor): seconds a step may run; None = step_timeout_for(tokens).

@@ -109,6 +109,34 @@ def fastest_dtype(features: CpuFeatures) -> tuple[str, str]:
     return "float32", "no AVX-512 BF16 or AMX: bf16 would be converted in software"
 
 
+# What `roofline eval` measured for --quantization int8 on CPU (bf16 activations, W8A8 per-token INT8) against the
+# fp32 model, on the default model (SmolLM2-135M-Instruct): bench/results/cpu-plan-20261204/eval-b62302b.json
+# (commit f986af7, Intel Xeon with AMX, 8184 scored ShareGPT tokens, 16 greedy prompts, passkey at 1k tokens).
+DEFAULT_MODEL_INT8_QUALITY = ("on the default model, roofline eval: perplexity 6.989 vs 6.723 fp32 (+3.95%; bf16 "
+                              "+0.08%), KL 0.035 nats (p99 0.20), top-1 agreement 0.915, passkey 0.6 vs 1.0")
+
+
+def auto_quantization(features: CpuFeatures, dtype: str, model: str = "") -> tuple[str | None, str, str]:
+    """``--quantization auto`` on CPU: (the weight format, the dtype, the start-up note saying what was chosen, why
+    and at what quality). INT8 W8A8 with bf16 activations where the CPU has AVX-512 VNNI and bf16 units (the C++
+    W8A8 GEMVs of the CPU decode plan: 6.10 ms a token at batch 1 against bf16's 11.17 ms on the Intel Xeon (AMX)
+    of 2026-12-04, README CPU table), with ``dtype`` "auto" becoming "bfloat16"; else no quantization (with fp32
+    activations INT8 loses its gain: 15.8 ms there). ``model``: the model's path, to name its measured quality
+    (the default model's) or to say none was measured."""
+    fast, _ = fastest_dtype(features)
+    if not features.avx512_vnni or fast != "bfloat16":
+        return None, dtype, ("none: this CPU lacks AVX-512 VNNI or bf16 units, so the INT8 GEMVs would not pay; "
+                             "full-precision weights")
+    if dtype not in ("auto", "bfloat16"):
+        return None, dtype, (f"none: INT8 pays with bf16 activations, and --dtype is {dtype}; full-precision "
+                             f"weights")
+    quality = (DEFAULT_MODEL_INT8_QUALITY if "smollm2-135m" in model.lower() else
+               "quality not measured for this model here: run `roofline eval --model ... --configs "
+               "dtype=bfloat16,quantization=int8`")
+    return "int8", "bfloat16", (f"int8 (W8A8 with bf16 activations: AVX-512 VNNI GEMVs, the fastest batch-1 format "
+                                f"on this CPU, ~1.8x bf16's decode step; {quality})")
+
+
 # Measured on the AMD EPYC Zen 5 of 2026-12-04 (2 threads, the default model, alternated in one run, decode step
 # against fp32's): float16 1.8-2.2x at batch 1 (torch's fp16 GEMV converts in registers and streams half fp32's
 # bytes), 0.39x at batch 32 (its fp16 GEMM above M = 1 is a software path); int4 (W4A16, group 64,
