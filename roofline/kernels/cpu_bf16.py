@@ -72,8 +72,12 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
                   dense: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [..., K] bf16 @ the packed [N, K] weight^T (+ ``bias`` [N]) -> [..., N] bf16, as ``F.linear``.
     One row with ``dense`` (the same weight, row-major [N, K] bf16) goes through :func:`gemv` where it applies; an
-    AMX-packed weight (:func:`prepack`) through :func:`amx_linear` up to ``AMX_MAX_ROWS`` rows, past that through
-    ``F.linear`` on ``dense`` (oneDNN's large-M kernel); a oneDNN-packed one through oneDNN."""
+    AMX-packed weight (:func:`prepack`) through :func:`amx_linear` up to ``AMX_MAX_ROWS`` rows, past that (or with
+    the library turned off since packing) through ``F.linear`` on ``dense`` (oneDNN's large-M kernel); a
+    oneDNN-packed one through oneDNN.
+
+    Raises:
+        ValueError: an AMX-packed weight, no ``dense``, and the AMX kernel declined."""
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
@@ -82,10 +86,12 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
     if dense is not None and M == 1:
         out = gemv(x2, dense, bias)
     if out is None and packed.dim() == 4:
-        if dense is not None and M > AMX_MAX_ROWS:
-            out = torch.nn.functional.linear(x2, dense, bias)
-        else:
+        if M <= AMX_MAX_ROWS or dense is None:
             out = amx_linear(x2, packed, bias)
+        if out is None:  # past AMX_MAX_ROWS, or the library was turned off after packing
+            if dense is None:
+                raise ValueError("packed_linear: an AMX-packed weight needs the C++ library or the dense weight")
+            out = torch.nn.functional.linear(x2, dense, bias)
     if out is None:
         out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -144,6 +144,19 @@ def test_amx_linear_matches_float64_and_f_linear(m, n, k):
 
 
 @needs_amx
+def test_packed_linear_without_the_library_after_packing(monkeypatch):
+    """Weights packed for AMX, then the C++ library turned off (ROOFLINE_CPU_GEMV=0 / ROOFLINE_CPU_ATTENTION=0 read
+    at the call): ``F.linear`` on the dense weight, or a clear error without it."""
+    w = torch.randn(64, 96).bfloat16()
+    x = torch.randn(5, 96).bfloat16()
+    p = cpu_bf16.amx_pack(w)
+    monkeypatch.setattr(cpu_bf16, "GEMV", False)
+    assert torch.equal(cpu_bf16.packed_linear(x, p, dense=w), F.linear(x, w))
+    with pytest.raises(ValueError, match="AMX-packed weight needs the C\\+\\+ library or the dense weight"):
+        cpu_bf16.packed_linear(x, p)
+
+
+@needs_amx
 def test_amx_linear_declines_what_it_does_not_cover():
     p = cpu_bf16.amx_pack(torch.randn(32, 64).bfloat16())
     assert cpu_bf16.amx_linear(torch.randn(4, 64), p) is None  # fp32 rows

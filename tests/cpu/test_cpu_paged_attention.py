@@ -175,6 +175,7 @@ def test_bf16_engine_with_the_kernel_keeps_the_sdpa_path_tokens(monkeypatch):
 
     llm = LLM(device="cpu", dtype="bfloat16", kv_cache_dtype="float32", max_model_len=512,
               attention_backend="torch")
+    llm.engine.worker.cpu_plan = None  # the modules (the plan calls the same kernel from C++: test_cpu_plan.py)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time", "List three colors:"]
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=2)
     calls = []

@@ -541,7 +541,7 @@ def test_engine_args_cli_flag():
     args = parser.parse_args(["-q", "int4", "--quantization-group-size", "64"])
     assert (args.quantization, args.quantization_group_size) == ("int4", 64)
     action = next(a for a in parser._actions if "--quantization" in a.option_strings)
-    assert action.choices == ["int8", "int4", "fp8", "smoothquant", "gptq", "awq", "compressed-tensors"]
+    assert action.choices == ["int8", "int4", "fp8", "smoothquant", "gptq", "awq", "compressed-tensors", "auto"]
 
 
 def test_serve_help_lists_quantization():
