@@ -110,6 +110,54 @@ static inline __m512 exp512(__m512 x) {
 }
 #endif
 
+#if defined(__AVX512F__)
+// A block's values into G query heads' output accumulators, held in registers across the block's keys (G * ND zmm,
+// ND = D / 16): per key, ND widened loads, G broadcasts and G * ND FMAs, the same FMAs in the same order as the
+// loop through memory it replaces (so the same bits), without its G * ND loads and stores per key.
+template <int G, int ND, typename KV>
+static inline void pv_registers(const KV* vb, int64_t vstride, int64_t nk, const float* s, float* accg) {
+  __m512 a[G][ND];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < ND; ++c) a[g][c] = _mm512_loadu_ps(accg + (g * ND + c) * 16);
+  for (int64_t j = 0; j < nk; ++j) {
+    __m512 v[ND];
+    for (int c = 0; c < ND; ++c) v[c] = load16(vb + j * vstride + c * 16);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(s[g * 64 + j]);
+      for (int c = 0; c < ND; ++c) a[g][c] = _mm512_fmadd_ps(p, v[c], a[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < ND; ++c) _mm512_storeu_ps(accg + (g * ND + c) * 16, a[g][c]);
+}
+
+// pv_registers for the (G, D) pairs whose accumulators fit in 24 zmm (D 64: G <= 6; D 128: G <= 3); false otherwise.
+template <typename KV>
+static inline bool pv_fast(int64_t G, int64_t nd, const KV* vb, int64_t vstride, int64_t nk, const float* s,
+                           float* accg) {
+  if (nd == 4) {
+    switch (G) {
+      case 1: pv_registers<1, 4>(vb, vstride, nk, s, accg); return true;
+      case 2: pv_registers<2, 4>(vb, vstride, nk, s, accg); return true;
+      case 3: pv_registers<3, 4>(vb, vstride, nk, s, accg); return true;
+      case 4: pv_registers<4, 4>(vb, vstride, nk, s, accg); return true;
+      case 5: pv_registers<5, 4>(vb, vstride, nk, s, accg); return true;
+      case 6: pv_registers<6, 4>(vb, vstride, nk, s, accg); return true;
+      default: return false;
+    }
+  }
+  if (nd == 8) {
+    switch (G) {
+      case 1: pv_registers<1, 8>(vb, vstride, nk, s, accg); return true;
+      case 2: pv_registers<2, 8>(vb, vstride, nk, s, accg); return true;
+      case 3: pv_registers<3, 8>(vb, vstride, nk, s, accg); return true;
+      default: return false;
+    }
+  }
+  return false;
+}
+#endif
+
 // One work item per decode row: its blocks in order, and within each block every KV head's G query heads (so a
 // block's keys, then its values, are read front to back once), online softmax per query head (running max, sum and
 // output, rescaled per block). AVX-512 with D % 16 == 0: each key and value is widened once for its G heads and
@@ -179,6 +227,7 @@ static void decode(const float* q, const KV* kc, const KV* vc, const int64_t* ta
             for (int64_t c = 0; c < nd; ++c)
               _mm512_storeu_ps(accg + g * D + c * 16, _mm512_mul_ps(_mm512_loadu_ps(accg + g * D + c * 16), cv));
           }
+          if (pv_fast(G, nd, vb, Hkv * D, nk, s, accg)) continue;
           for (int64_t j = 0; j < nk; ++j) {
             for (int64_t c = 0; c < nd; ++c) kv[c] = load16(vb + j * Hkv * D + c * 16);
             for (int64_t g = 0; g < G; ++g) {

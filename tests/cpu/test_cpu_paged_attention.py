@@ -54,6 +54,8 @@ def _oracle(q, k, v, tables, lens, rows, scale):
     ([1, 17, 300, 64], 9, 3, 64, 16),   # the default model's heads; a 1-token row, partial blocks
     ([5, 129], 8, 8, 128, 32),          # no GQA, D 128
     ([70, 33, 2], 16, 1, 32, 64),       # one KV head for 16 query heads, the largest block
+    ([40, 3], 24, 4, 64, 16),           # 6 query heads per KV head: the largest group kept in registers at D 64
+    ([9, 50], 8, 2, 128, 16),           # 4 per KV head at D 128: past the registers, the loop through memory
 ])
 def test_matches_float64_oracle(cache_dtype, lens, heads, kv_heads, head_dim, block_size):
     q, k, v, tables, lens_t, rows = _case(lens, heads, kv_heads, head_dim, block_size, cache_dtype, seed=len(lens))
