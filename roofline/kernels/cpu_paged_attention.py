@@ -15,8 +15,9 @@ nothing past the row's length (the stale tail of its last block) is read. With A
 The same library carries the decode step's other small C++ pieces: :func:`rope_and_store` (RoPE and the KV store in
 one pass, ``roofline_rope_store``), the bf16 helpers of ``roofline.kernels.cpu_bf16`` (the one-row GEMV
 ``roofline_gemv_bf16``, the fused residual add + RMSNorm ``roofline_add_rmsnorm_bf16``, SiLU-and-mul
-``roofline_silu_mul_bf16``) and the one-row INT8 W8A8 GEMV of ``roofline.kernels.cpu_int8``
-(``roofline_gemv_w8a8``).
+``roofline_silu_mul_bf16``, the AMX small-M GEMM ``roofline_amx_linear_bf16`` and its weight packing), the
+one-row INT8 W8A8 GEMV of ``roofline.kernels.cpu_int8`` (``roofline_gemv_w8a8``) and the CPU decode plan's whole
+step (``roofline_decode_step``, ``roofline.worker.cpu_plan``).
 
 Numerics: fp32 scores, softmax and accumulation, keys in order; K/V fp32 or bf16 (widened exactly). A row's
 result depends on its own context only (batch-invariant). Its summation order is not SDPA's: the fp32 model stays
@@ -721,14 +722,15 @@ extern "C" int roofline_gemv_w8a8(const void* x, int x_bf16, const int8_t* w, co
 #endif
 }
 #pragma GCC pop_options
-// A whole batch-1 decode step's decoder layers in one call (roofline.worker.cpu_plan.CpuDecodePlan): the same C++
-// pieces the modules call one by one at one row, in the modules' order and with their arguments, so the result is
-// bit-identical to the module path; what it removes is the Python between them (~230 us a layer). Per layer:
-// h = rmsnorm(x [+ residual]); qkv = h W_qkv^T (+ b); RoPE + the KV store; attention over the row's blocks (bf16
+// A whole decode step's decoder layers in one call (roofline.worker.cpu_plan.CpuDecodePlan): the same C++ pieces the
+// modules call one by one, in the modules' order and with their arguments, so the result is bit-identical to the
+// module path; what it removes is the Python between them (~230 us a layer at one row). Per layer:
+// h = rmsnorm(x [+ residual]); qkv = h W_qkv^T (+ b); RoPE + the KV store; attention over each row's blocks (bf16
 // out); o = a W_o^T; h = rmsnorm(o + residual); gate_up; SiLU-and-mul; x = down. Then the final norm into x.
-// A linear is bf16 (kind 0: W [N, K] bf16, bias bf16 or null) or INT8 W8A8 (kind 1: W int8 [N, K], scale fp32
-// [N], bias bf16/fp32 or null). Returns 0 with nothing written where a piece would decline (no AVX-512 BF16 /
-// VNNI, a K it does not take, a position or slot out of range, too many blocks).
+// A linear is bf16 (kind 0: W [N, K] bf16, its AMX tiles or null, bias bf16 or null) or INT8 W8A8 (kind 1: W int8
+// [N, K], scale fp32 [N], bias bf16/fp32 or null; one row only). Returns 0 with nothing written where a piece would
+// decline (no AVX-512 BF16 / VNNI, a K it does not take, no AMX tiles past one row, a position, slot or block out
+// of range, a row's blocks past its table).
 struct RooflineLinear { int32_t kind; int32_t bias_bf16; const void* w; const float* scale; const void* bias;
                         int64_t N, K; const uint16_t* amx; };
 struct RooflineLayer { const uint16_t* norm1; const uint16_t* norm2; float eps1, eps2;
