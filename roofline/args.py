@@ -97,9 +97,14 @@ def parse_kv_cache_memory(value: str | int | float | None,
     return size, None
 
 
+# The CPU path's on/off switches (roofline.kernels.cpu_paged_attention, cpu_bf16; roofline.worker.cpu_plan).
+CPU_SWITCHES = ("ROOFLINE_CPU_ATTENTION", "ROOFLINE_CPU_GEMV", "ROOFLINE_CPU_PREPACK", "ROOFLINE_CPU_AMX",
+                "ROOFLINE_CPU_PLAN")
+
+
 def _check_kernel_env() -> None:
     """Refuse a bad ROOFLINE_PREFILL_KERNEL / ROOFLINE_DECODE_KERNEL on every device (the Triton backend reads them
-    only on a GPU, so a typo would otherwise pass unnoticed on the CPU).
+    only on a GPU, so a typo would otherwise pass unnoticed on the CPU), or a CPU switch other than 0 / 1.
 
     Raises:
         ValueError: the variable, its value and the allowed values.
@@ -111,6 +116,10 @@ def _check_kernel_env() -> None:
         value = os.environ.get(env)
         if value is not None and value.strip().lower() not in allowed:
             raise ValueError(f"{env}={value!r}: must be one of {', '.join(allowed)}")
+    for env in CPU_SWITCHES:  # read as "0" = off, anything else on: a typo such as "off" would keep it on
+        value = os.environ.get(env)
+        if value is not None and value.strip() not in ("0", "1"):
+            raise ValueError(f"{env}={value!r}: must be 0 (off) or 1 (on, the default)")
 
 
 @dataclass
@@ -195,14 +204,7 @@ class EngineArgs:
         on_cuda = device.startswith("cuda")
         quantization, quantization_note, requested_dtype = self.quantization, None, self.dtype
         if quantization == "auto":  # the fastest format for this device, named with its measured quality
-            if on_cuda:
-                quantization, quantization_note = None, ("none: on GPUs pick a format from the README's measured "
-                                                         "table (each trades quality for speed)")
-            else:
-                from roofline.cpu import auto_quantization, detect_cpu_features
-
-                quantization, requested_dtype, quantization_note = auto_quantization(
-                    detect_cpu_features(), self.dtype, self.model or "SmolLM2-135M-Instruct (default)")
+            quantization, requested_dtype, quantization_note = self._auto_quantization(on_cuda)
             logging.getLogger(__name__).info("quantization auto: %s", quantization_note)
         dtype = requested_dtype if requested_dtype != "auto" else ("bfloat16" if on_cuda else "float32")
         kv_dtype = {"auto": dtype, "fp8": "fp8_e4m3"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
@@ -299,6 +301,24 @@ class EngineArgs:
             speculative_config=spec,
             step_timeout=self.step_timeout,
         )
+
+    def _auto_quantization(self, on_cuda: bool) -> tuple[str | None, str, str]:
+        """``--quantization auto`` resolved: (the format or None, the dtype, the start-up note). A quantized
+        checkpoint keeps its own format; on a CPU, ``roofline.cpu.auto_quantization``; on a GPU, none."""
+        from roofline.models import loader
+
+        source = loader.resolve_model(self.model, self.load_format)
+        checkpoint = loader.checkpoint_quantization_config(source)
+        if checkpoint is not None:
+            method = checkpoint.get("quant_method", "its quantization_config")
+            return None, self.dtype, f"none added: the checkpoint is quantized ({method}); its own format runs"
+        if on_cuda:
+            return None, self.dtype, ("none: on GPUs pick a format from the README's measured table (each trades "
+                                      "quality for speed)")
+        from roofline.cpu import auto_quantization, detect_cpu_features
+
+        default = source.format == "gguf" and source.path.resolve() == loader.default_model_path().resolve()
+        return auto_quantization(detect_cpu_features(), self.dtype, default)
 
     def _async_scheduling(self, on_cuda: bool) -> bool:
         # With speculative decoding, steps that draft run synchronously and the others asynchronously.

@@ -125,9 +125,10 @@ def clean_budgets():
 
 
 @pytest.mark.parametrize("per_token, want", [
-    (2e-3, 240),      # 0.5 / 2e-3 = 250 -> 240 (multiple of 16, rounded down)
-    (1e-3, 496),      # 500 -> 496
-    (3e-4, 1664),     # 1666.7 -> 1664
+    (2e-3, 192),      # 0.5 / 2e-3 = 250 -> 192 (rounded down to the grid of 2^k and 1.5 x 2^k)
+    (1e-3, 384),      # 500 -> 384
+    (3e-4, 1536),     # 1666.7 -> 1536
+    (3.4e-4, 1024),   # 1470.6 -> 1024 (the main job's budgets of 1392-1488 all land here)
     (1e-5, 2048),     # 50000 -> clamped to 2048
     (1e-2, 64),       # 50 -> 48 -> clamped to 64
     (1.0, 64),        # slower than the target per token: still 64
@@ -142,7 +143,7 @@ def test_profiled_budget_rule(clean_budgets, per_token, want):
 
     got = worker._profiled_budget(("key", per_token), seconds_per_token, 256)
     assert got == want
-    assert got % 16 == 0 and 64 <= got <= 2048
+    assert got in worker.BUDGET_GRID
     # Measured once per key: a second call reuses it without timing again.
     assert worker._profiled_budget(("key", per_token), lambda: 1.0, 256) == want
     assert len(calls) == 1

@@ -85,6 +85,7 @@ class CpuDecodePlan:
         self.lib, self.layers, self.model, self.backend = lib, layers, model, backend
         self.cache_bf16 = cache_bf16
         self.max_rows = max_rows
+        self.one_row_why = ""  # why max_rows is 1, for the start-up line
 
     @classmethod
     def build(cls, model, backend, dtype: torch.dtype, device: torch.device, *, tp_size: int = 1,
@@ -170,13 +171,16 @@ class CpuDecodePlan:
             raise _Unsupported("projection sizes that do not match the heads")
         # More than one row needs every bf16 linear's AMX copy (INT8 W8A8 and oneDNN-packed weights: one row).
         multi = all(getattr(ly, name).amx for ly in layers for name in ("qkv", "o", "gate_up", "down"))
-        return cls(cpu_bf16._cpp_library(), layers, model, backend, cache_bf16,
-                   cpu_bf16.AMX_MAX_ROWS if multi else 1)
+        plan = cls(cpu_bf16._cpp_library(), layers, model, backend, cache_bf16, cpu_bf16.AMX_MAX_ROWS if multi else 1)
+        if not multi:
+            plan.one_row_why = ("INT8 W8A8 linears" if any(ly.qkv.kind == 1 for ly in layers) else
+                                "no AMX tiles: ROOFLINE_CPU_AMX=0, or no AMX-BF16 on this CPU")
+        return plan
 
     def describe(self) -> str:
         """What a step runs, for the start-up line."""
         if self.max_rows == 1:
-            return "a batch-1 decode step runs in one C++ call; INT8 or oneDNN-packed linears: one row only"
+            return f"a batch-1 decode step runs in one C++ call; one row only: {self.one_row_why}"
         return f"a decode step of 1-{self.max_rows} rows runs in one C++ call, AMX GEMMs past one row"
 
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:

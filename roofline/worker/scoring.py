@@ -87,7 +87,7 @@ def profile_budget(worker: Any, probe_tokens: int = 256) -> int:
     """The per-step token budget whose prefill stays under ``CPU_STEP_TARGET_S``.
 
     Rule: time one forward pass of a ``probe_tokens``-token prefill (after one warm-up), scale linearly
-    to ``CPU_STEP_TARGET_S`` and round down to a multiple of 16, within [64, 2048]. Nothing is written to
+    to ``CPU_STEP_TARGET_S`` and round down to ``BUDGET_GRID`` (64 at least). Nothing is written to
     the KV cache (every slot is -1). Measured once per model shape, device and dtype in a process.
     """
     key = (worker.model_config, str(worker.device), worker.dtype, worker.config.attention_backend)
@@ -112,13 +112,17 @@ def _time_prefill(worker: Any, n: int) -> float:
 
 
 _BUDGETS: dict[object, int] = {}
+# The budgets the profile picks from: powers of two and their 1.5x multiples, 64 to 2048. A coarse grid, so that
+# the timing's run-to-run noise (the main job's budget came out 1392-1488 in one hour on a 16-multiple grid) rarely
+# moves it: the prefill chunk boundaries, and with them a bf16 run's greedy tokens, repeat from run to run.
+BUDGET_GRID = (64, 96, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
 def _profiled_budget(key: object, seconds_per_token: Callable[[], float], probe_tokens: int) -> int:
     if key not in _BUDGETS:
         per_token = seconds_per_token()
-        budget = int(CPU_STEP_TARGET_S / max(per_token, 1e-9)) // 16 * 16
-        _BUDGETS[key] = max(64, min(2048, budget))
+        budget = int(CPU_STEP_TARGET_S / max(per_token, 1e-9))
+        _BUDGETS[key] = max([b for b in BUDGET_GRID if b <= budget], default=BUDGET_GRID[0])
         logger.info("measured prefill %.2f ms/token at %d tokens: per-step token budget %d (target %.1f s)",
                     per_token * 1e3, probe_tokens, _BUDGETS[key], CPU_STEP_TARGET_S)
     return _BUDGETS[key]

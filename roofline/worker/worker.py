@@ -91,12 +91,7 @@ class Worker:
             from roofline.quant.int4 import check_int4_group_size
 
             check_int4_group_size(mc, config.quantization_group_size, tp)
-        quantization = config.quantization
-        if config.quantization_note is not None and checkpoint_quant is not None:
-            quantization = None  # --quantization auto defers to a quantized checkpoint's own format
-            if self.cpu_summary is not None:
-                self.cpu_summary += "; not applied: the checkpoint is quantized, its own format runs"
-        self.quant_config = get_quant_config(quantization, checkpoint_quant, config.quantization_group_size)
+        self.quant_config = get_quant_config(config.quantization, checkpoint_quant, config.quantization_group_size)
         self.model = loader.load_model(mc, source, self.backend, self.quant_config, self.dtype, self.device,
                                        config.seed)
         self.kv_bytes_per_token = kv_bytes_per_token(self.num_layers, num_kv_heads, mc.head_dim, self.kv_dtype)
