@@ -23,6 +23,8 @@ import os
 
 import torch
 
+from roofline.cpu import detect_cpu_features
+
 PREPACK = os.environ.get("ROOFLINE_CPU_PREPACK", "1") != "0"
 
 
@@ -31,11 +33,8 @@ def _cpu_has_bf16_units() -> bool:
     """oneDNN has bf16 arithmetic on this CPU (AVX-512 BF16 or AMX-BF16): where bf16 is fast at all."""
     if not torch.backends.mkldnn.is_available():
         return False
-    try:
-        text = open("/proc/cpuinfo").read()
-    except OSError:
-        return False
-    return "avx512_bf16" in text or "amx_bf16" in text
+    features = detect_cpu_features()
+    return features.avx512_bf16 or features.amx_bf16
 
 
 def should_prepack(weight: torch.Tensor) -> bool:
@@ -110,7 +109,7 @@ AMX_MAX_ROWS = 256
 @functools.cache
 def _amx_probe() -> bool:
     lib = _cpp_library()
-    if lib is None or "amx_bf16" not in open("/proc/cpuinfo").read():
+    if lib is None or not detect_cpu_features().amx_bf16:
         return False
     w = torch.ones(16, 32, dtype=torch.bfloat16)
     wp = torch.empty(16, 32, dtype=torch.bfloat16)
