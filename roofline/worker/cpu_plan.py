@@ -81,11 +81,13 @@ class CpuDecodePlan:
     """``can_run(num_seqs, max_blocks)`` / ``run(input_ids, positions, meta)``, as ``CUDAGraphRunner``: a decode
     step of up to ``max_rows`` rows through ``roofline_decode_step``. Build with :meth:`build`."""
 
-    def __init__(self, lib, layers, model, backend, cache_bf16: bool, max_rows: int):
+    def __init__(self, lib, layers, model, backend, cache_bf16: bool, one_row_why: str = ""):
+        from roofline.kernels.cpu_bf16 import AMX_MAX_ROWS
+
         self.lib, self.layers, self.model, self.backend = lib, layers, model, backend
         self.cache_bf16 = cache_bf16
-        self.max_rows = max_rows
-        self.one_row_why = ""  # why max_rows is 1, for the start-up line
+        self.one_row_why = one_row_why  # why a step takes one row only ("": up to AMX_MAX_ROWS)
+        self.max_rows = 1 if one_row_why else AMX_MAX_ROWS
 
     @classmethod
     def build(cls, model, backend, dtype: torch.dtype, device: torch.device, *, tp_size: int = 1,
@@ -170,12 +172,12 @@ class CpuDecodePlan:
                for ly in layers):
             raise _Unsupported("projection sizes that do not match the heads")
         # More than one row needs every bf16 linear's AMX copy (INT8 W8A8 and oneDNN-packed weights: one row).
-        multi = all(getattr(ly, name).amx for ly in layers for name in ("qkv", "o", "gate_up", "down"))
-        plan = cls(cpu_bf16._cpp_library(), layers, model, backend, cache_bf16, cpu_bf16.AMX_MAX_ROWS if multi else 1)
-        if not multi:
-            plan.one_row_why = ("INT8 W8A8 linears" if any(ly.qkv.kind == 1 for ly in layers) else
-                                "no AMX tiles: ROOFLINE_CPU_AMX=0, or no AMX-BF16 on this CPU")
-        return plan
+        one_row_why = ""
+        if any(ly.qkv.kind == 1 for ly in layers):
+            one_row_why = "INT8 W8A8 linears"
+        elif not all(getattr(ly, name).amx for ly in layers for name in ("qkv", "o", "gate_up", "down")):
+            one_row_why = "no AMX tiles: ROOFLINE_CPU_AMX=0, or no AMX-BF16 on this CPU"
+        return cls(cpu_bf16._cpp_library(), layers, model, backend, cache_bf16, one_row_why)
 
     def describe(self) -> str:
         """What a step runs, for the start-up line."""
