@@ -39,6 +39,12 @@ DOWN = [(4, 256, 4), (4, 512, 4), (8, 256, 4), (8, 512, 4), (16, 256, 4), (16, 5
 # 1-byte codes (int8, fp8) move half the bytes per element: tiles twice as deep keep as many bytes in flight.
 GEMV_CODED = [(8, 2048, 8), (4, 2048, 4), (16, 2048, 8)]
 DOWN_CODED = [(4, 2048, 8), (8, 1024, 8), (2, 2048, 4), (8, 2048, 8)]
+# The down kernel with every expert of a token in flight at once (down_slots = top_k, for top_k >= 4: Qwen3's 8
+# experts of K = 768 are a chain of 24 dependent tiles one expert at a time, 3 at BLOCK_K 256). Tiles of
+# slots x rows x depth <= 4096 elements at 4 warps, 8192 at 8 (down_block_n, down_block_k, down_num_warps).
+DOWN_SLOTS = [(2, 256, 4), (4, 128, 4), (1, 512, 4), (4, 256, 8), (2, 512, 8), (8, 128, 8), (1, 256, 4),
+              (2, 128, 4)]
+DOWN_SLOTS_CODED = [(4, 256, 4), (2, 512, 4), (4, 512, 8), (8, 256, 8)]
 GROUPED_SMALL = [(16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3), (16, 64, 256, 1, 4, 3), (32, 64, 128, 1, 4, 4),
                  (32, 128, 64, 1, 4, 4), (16, 32, 256, 1, 4, 4)]
 GROUPED_MID = [(32, 128, 64, 8, 4, 4), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (64, 128, 128, 8, 4, 3),
@@ -128,6 +134,14 @@ def tune_cell(m: int, shape: tuple[int, int, int, int], w: dict, quant: str | No
             t, err = measure(cfg)
             if t is not None and t < best[0]:
                 best = (t, cfg)
+        if top_k >= 4:  # phase 3: every expert's down tile in flight at once
+            slots = 1 << (top_k - 1).bit_length()
+            for dn, dk, dw in DOWN_SLOTS + (DOWN_SLOTS_CODED if quant is not None else []):
+                cfg = dataclasses.replace(best[1], down_block_n=dn, down_block_k=dk, down_num_warps=dw,
+                                          down_slots=slots)
+                t, err = measure(cfg)
+                if t is not None and t < best[0]:
+                    best = (t, cfg)
     log = dict(m=m, loop_us=loop * 1e6, rows=rows)
     if best is None:
         return None, log, "no config ran"
@@ -139,7 +153,7 @@ def tune_cell(m: int, shape: tuple[int, int, int, int], w: dict, quant: str | No
         chosen = dict(dataclasses.asdict(MoeConfig(path="loop")), us=round(loop * 1e6, 2), fused_us=round(t * 1e6, 2),
                       fused_config=cfg.to_dict())
     line = (f"best {t * 1e6:9.1f} us ({cfg.path} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} g{cfg.group_m} "
-            f"w{cfg.num_warps} s{cfg.num_stages} down {cfg.down_tile()}), heuristic {default_us:9.1f} us, loop {loop * 1e6:9.1f} us "
+            f"w{cfg.num_warps} s{cfg.num_stages} down {cfg.down_tile()} slots {cfg.down_slots}), heuristic {default_us:9.1f} us, loop {loop * 1e6:9.1f} us "
             f"-> {chosen['path']}")
     return chosen, log, line
 

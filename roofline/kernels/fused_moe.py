@@ -390,15 +390,22 @@ if triton is not None:
     def _moe_down_sum_kernel(h_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, ids_ptr, N, K, stride_hm, stride_we,
                              stride_wn, stride_se, stride_om, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-                             FP8: tl.constexpr = False, INT8: tl.constexpr = False, PDL: tl.constexpr = 0):
+                             FP8: tl.constexpr = False, INT8: tl.constexpr = False, PDL: tl.constexpr = 0,
+                             SLOTS: tl.constexpr = 1):
         """The small-M down projection with the routing-weight multiply and the top-k sum folded in: program
-        (token, N tile) streams rows [n-tile] of each of the token's TOP_K experts, one (slot, K tile) after
-        another in a single loop (the next tile, possibly the next expert's, is always in flight), and writes
+        (token, N tile) streams rows [n-tile] of the token's TOP_K experts, SLOTS experts at a time as one
+        [SLOTS, BLOCK_N, BLOCK_K] tile, one (slot group, K tile) after another in a single loop (the next tile,
+        possibly the next slot group's, is always in flight), and writes
         out[token, n-tile] = sum_j topk_weights[token, j] * (w2[e_j] @ h[token * TOP_K + j])[n-tile] once.
+
+        SLOTS (a power of two; slots past TOP_K are masked): 1 walks the experts one after another, a chain of
+        TOP_K * cdiv(K, BLOCK_K) dependent tiles; SLOTS = TOP_K puts every expert's tile in flight at once, a
+        chain of cdiv(K, BLOCK_K) (Qwen3-30B-A3B: 8 experts of K = 768, so 24 -> 3 tiles at BLOCK_K 256).
 
         The weight and the expert's channel scale multiply each slot's products before they join the fp32
         accumulator, so the sum over slots and K is one accumulation, rounded to the output dtype once. A pair
-        routed to another rank (id -1) reads nothing and adds 0.
+        routed to another rank (id -1) reads nothing, neither weights nor its h row (which the gate_up kernel
+        left unwritten: it may hold NaN), and adds 0.
 
         PDL: the expert ids were written before the gate_up kernel started (by the router), so the first weight
         tile is loaded before the wait; h (the gate_up kernel's output) only after it."""
@@ -407,53 +414,65 @@ if triton is not None:
         offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         mask_n = offs_n < N
         offs_k = tl.arange(0, BLOCK_K)
-        w_rows = offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]  # [BN, BK]
-        h_cols = offs_k[None, :] + 0 * offs_n[:, None]  # h through [BN, BK] pointers: the weight tile's layout
+        offs_s = tl.arange(0, SLOTS)
+        w_rows = offs_n[None, :, None].to(tl.int64) * stride_wn + offs_k[None, None, :]  # [1, BN, BK]
+        h_cols = offs_k[None, None, :] + 0 * offs_n[None, :, None]  # h through the weight tile's layout
         nk = tl.cdiv(K, BLOCK_K)
-        steps = TOP_K * nk
-        # tile 0: slot 0, K offset 0
-        e = tl.load(ids_ptr + tok * TOP_K)
-        w_mask = (mask_n & (e + 0 * offs_n >= 0))[:, None]
+        GROUPS: tl.constexpr = (TOP_K + SLOTS - 1) // SLOTS
+        steps = GROUPS * nk
+        # tile 0: slot group 0, K offset 0
+        smask = offs_s < TOP_K
+        e = tl.load(ids_ptr + tok * TOP_K + offs_s, mask=smask, other=-1)  # [SLOTS]
+        w_mask = (e >= 0)[:, None, None] & mask_n[None, :, None]
+        h_mask = (e >= 0)[:, None, None] & (h_cols >= 0)  # a remote pair's h row was never written
         if not EVEN_K:
-            w_mask = w_mask & (offs_k < K)[None, :]
-        w_next = tl.load(w_ptr + tl.maximum(e, 0).to(tl.int64) * stride_we + w_rows, mask=w_mask, other=0)
+            w_mask = w_mask & (offs_k < K)[None, None, :]
+            h_mask = h_mask & (offs_k < K)[None, None, :]
+        w_next = tl.load(w_ptr + tl.maximum(e, 0).to(tl.int64)[:, None, None] * stride_we + w_rows, mask=w_mask,
+                         other=0)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        if EVEN_K:
-            h_next = tl.load(h_ptr + tok * TOP_K * stride_hm + h_cols)
-        else:
-            h_next = tl.load(h_ptr + tok * TOP_K * stride_hm + h_cols, mask=(offs_k < K)[None, :], other=0.0)
-        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        h_next = tl.load(h_ptr + (tok * TOP_K + offs_s)[:, None, None] * stride_hm + h_cols, mask=h_mask,
+                         other=0.0)
+        acc = tl.zeros([SLOTS, BLOCK_N, BLOCK_K], tl.float32)
         for t in range(0, steps):
-            slot = t // nk
+            slot = (t // nk) * SLOTS + offs_s
+            smask = slot < TOP_K
             pair = tok * TOP_K + slot
-            e = tl.load(ids_ptr + pair)
-            # this slot's multiplier: the routing weight (0 for another rank's expert) times the channel scale
-            mult = tl.where(e + 0 * offs_n >= 0, tl.load(tw_ptr + pair), 0.0)
+            e = tl.load(ids_ptr + pair, mask=smask, other=-1)
+            # each slot's multiplier: the routing weight (0 for another rank's expert) times the channel scale
+            mult = tl.where(e >= 0, tl.load(tw_ptr + pair, mask=smask, other=0.0), 0.0)[:, None] \
+                + tl.zeros([SLOTS, BLOCK_N], tl.float32)
             if HAS_SCALE:
-                mult = mult * tl.load(s_ptr + tl.maximum(e, 0).to(tl.int64) * stride_se + offs_n, mask=mask_n,
-                                      other=0.0)
+                mult = mult * tl.load(s_ptr + tl.maximum(e, 0).to(tl.int64)[:, None] * stride_se + offs_n[None, :],
+                                      mask=mask_n[None, :], other=0.0)
             w = w_next
             hx = h_next.to(tl.float32)
             # Prefetch tile t + 1 (the last iteration re-reads its own tile, an L1/L2 hit).
             t1 = tl.minimum(t + 1, steps - 1)
-            slot1 = t1 // nk
-            k1 = (t1 - slot1 * nk) * BLOCK_K
-            e1 = tl.load(ids_ptr + tok * TOP_K + slot1)
-            w_mask = (mask_n & (e1 + 0 * offs_n >= 0))[:, None]
-            if EVEN_K:
-                h_next = tl.load(h_ptr + (tok * TOP_K + slot1) * stride_hm + k1 + h_cols)
-            else:
-                kin = (k1 + offs_k) < K
-                w_mask = w_mask & kin[None, :]
-                h_next = tl.load(h_ptr + (tok * TOP_K + slot1) * stride_hm + k1 + h_cols, mask=kin[None, :],
-                                 other=0.0)
-            w_next = tl.load(w_ptr + tl.maximum(e1, 0).to(tl.int64) * stride_we + k1 + w_rows, mask=w_mask,
-                             other=0)
-            acc += (hx * _codes_f32(w, FP8, INT8)) * mult[:, None]
-        tl.store(out_ptr + tok * stride_om + offs_n, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty),
-                 mask=mask_n)
+            g1 = t1 // nk
+            k1 = (t1 - g1 * nk) * BLOCK_K
+            slot1 = g1 * SLOTS + offs_s
+            smask1 = slot1 < TOP_K
+            e1 = tl.load(ids_ptr + tok * TOP_K + slot1, mask=smask1, other=-1)
+            w_mask = (e1 >= 0)[:, None, None] & mask_n[None, :, None]
+            h_mask = (e1 >= 0)[:, None, None] & (h_cols >= 0)
+            if not EVEN_K:
+                kin = ((k1 + offs_k) < K)[None, None, :]
+                w_mask = w_mask & kin
+                h_mask = h_mask & kin
+            h_next = tl.load(h_ptr + (tok * TOP_K + slot1)[:, None, None] * stride_hm + k1 + h_cols, mask=h_mask,
+                             other=0.0)
+            w_next = tl.load(w_ptr + tl.maximum(e1, 0).to(tl.int64)[:, None, None] * stride_we + k1 + w_rows,
+                             mask=w_mask, other=0)
+            acc += (hx * _codes_f32(w, FP8, INT8)) * mult[:, :, None]
+        out = tl.sum(tl.sum(acc, axis=2), axis=0)
+        tl.store(out_ptr + tok * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
 
 
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32",
@@ -541,7 +560,8 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         _moe_down_sum_kernel[(num_tokens, triton.cdiv(hidden, dn))](
             h, w2, s2, out, tw, ids, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1),
             s2.stride(0) if has_scale else 0, out.stride(0), TOP_K=top_k, HAS_SCALE=has_scale, BLOCK_N=dn,
-            BLOCK_K=dk, EVEN_K=inter % dk == 0, FP8=fp8, INT8=int8, num_warps=dw, num_stages=1, **pdl)
+            BLOCK_K=dk, EVEN_K=inter % dk == 0, FP8=fp8, INT8=int8, SLOTS=min(c.down_slots, _next_pow2(top_k)),
+            num_warps=dw, num_stages=1, **pdl)
         return out
     # The grouped path never visits a pair routed to another rank (-1): its rows of out must start at 0. CPU:
     # checked (cheap); CUDA: zero-filled (no host sync).

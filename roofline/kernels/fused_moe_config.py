@@ -38,6 +38,8 @@ class MoeConfig:
         down_block_n, down_block_k, down_num_warps: the GEMV path's down kernel (one program per (token,
             ``down_block_n`` rows), a loop over the token's k experts); 0: the same as block_n, block_k,
             num_warps.
+        down_slots: experts of a token whose down tiles that kernel loads at once (a power of two; 1: one
+            expert after another, a chain of k dependent tiles per K step; k: every expert's tile in flight).
         fused_config: on the loop path, the fastest kernel config (what runs inside CUDA-graph capture).
     """
 
@@ -52,11 +54,12 @@ class MoeConfig:
     down_block_n: int = 0
     down_block_k: int = 0
     down_num_warps: int = 0
+    down_slots: int = 1
 
     def __post_init__(self):
         if self.path not in ("grouped", "gemv", "loop"):
             raise ValueError(f"MoeConfig.path must be grouped, gemv or loop, got {self.path!r}")
-        for name in ("block_m", "block_n", "block_k", "group_m", "num_warps"):
+        for name in ("block_m", "block_n", "block_k", "group_m", "num_warps", "down_slots"):
             v = getattr(self, name)
             if v < 1 or v & (v - 1):
                 raise ValueError(f"MoeConfig.{name} must be a power of two >= 1, got {v}")

@@ -135,6 +135,26 @@ def test_fused_moe_config_families_match_float64_loop(family, quant):
     assert err < REL_TOL
 
 
+@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("slots", [1, 2, 4])
+def test_down_kernel_slot_groups_match_float64_loop(slots, quant):
+    """The GEMV path's down kernel loading ``down_slots`` experts' tiles at once: top-3 routing, so 2 slots make
+    a full and a half-masked group and 4 slots one group with a masked slot; a K tail in every slot (48 % 32);
+    pairs routed to another rank (-1) add nothing. Against the float64 loop, fp32 and int8 experts."""
+    x, w13, w2, weights, ids = _case(2, 6, 3, 40, 48, seed=7)
+    ids[0, 1] = -1  # another rank's expert
+    scales = (None, None)
+    if quant:
+        (w13, s13), (w2, s2) = _int8(w13), _int8(w2)
+        scales = (s13, s2)
+    ref = ref_fused_moe(x, w13, w2, weights, ids, *scales, compute_dtype=torch.float64)
+    cfg = MoeConfig(path="gemv", block_n=8, block_k=32, num_stages=1, down_block_n=4, down_block_k=32,
+                    down_num_warps=2, down_slots=slots)
+    err = _rel(fused_moe(x, w13, w2, weights, ids, *scales, config=cfg), ref)
+    print(f"slots {slots} {quant}: rel err {err:.1e}")
+    assert err < REL_TOL
+
+
 def test_config_table_lookup_and_heuristic(tmp_path):
     """The nearest measured M of the table (vLLM's rule), the loop path outside CUDA-graph capture, and the
     heuristic where the table has no entry; bad configs name the field and the allowed values."""
@@ -176,6 +196,8 @@ def test_config_table_lookup_and_heuristic(tmp_path):
     with pytest.raises(ValueError, match=r"MoeConfig.down_block_n must be 0 \(as the gate_up tile\) or a power of "
                                          r"two, got 12"):
         MoeConfig(path="gemv", down_block_n=12)
+    with pytest.raises(ValueError, match=r"MoeConfig.down_slots must be a power of two >= 1, got 3"):
+        MoeConfig(path="gemv", down_slots=3)
     with pytest.raises(ValueError, match=r"MoeConfig.path must be grouped, gemv or loop, got 'tiles'"):
         MoeConfig(path="tiles")
 
