@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# Issue 33 (and 28) on the H200, round 7: steps run in the order given, each under `timeout`, a shared deadline
+# of DEADLINE s (default 570) so that one call returns what it measured. Run from the repo root:
+#   bash bench/gpu_round7.sh moetests tune decode moe profile
+# Steps:
+#   moetests  every GPU test under tests/moe (bf16/int8/fp8 kernels vs float64, graphs, a dummy model)
+#   tune      bench/gpu_moe_tune.py at the Qwen3-30B-A3B shape, M = TUNE_TOKENS (1,2,4,8), bf16/int8/fp8, merged
+#             into the committed table (the new down kernel's slot groups are phase 3); the table lands in $OUT
+#             and replaces roofline/kernels/moe_configs/NVIDIA_H200.json for the steps after it
+#   decode    roofline bench decode --model qwen3-30b-a3b --batch-sizes $BATCHES (1) --contexts 512
+#   moe       roofline bench moe --model qwen3-30b-a3b --tokens 1,8 --quantization none,int8,fp8
+#   profile   bench/gpu_decode_profile.py --model qwen3-30b-a3b --batch 1 (kernels per step)
+set -uo pipefail
+export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)
+OUT=${OUT:-/tmp/round7}
+mkdir -p "$OUT"
+T0=$SECONDS
+DEADLINE=${DEADLINE:-570}
+left() { local l=$((DEADLINE - (SECONDS - T0))); [ $l -lt 5 ] && l=5; [ $l -gt ${1:-9999} ] && l=$1; echo $l; }
+TABLE=roofline/kernels/moe_configs/NVIDIA_H200.json
+{
+  nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv,noheader
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+} 2>&1 | tee -a "$OUT/log"
+for step in "$@"; do
+  echo "=== $step $(date -u +%H:%M:%S) at $((SECONDS - T0)) s" | tee -a "$OUT/log"
+  case "$step" in
+  moetests)
+    timeout $(left 120) python3 -m pytest -q -m gpu --tb=short -p no:cacheprovider tests/moe > "$OUT/moetests.log" 2>&1
+    echo "rc $?" | tee -a "$OUT/log"; grep -E "^E |passed|failed|error" "$OUT/moetests.log" | tail -12 | tee -a "$OUT/log" ;;
+  tune)
+    timeout $(left 260) python3 bench/gpu_moe_tune.py --models qwen3-30b-a3b --formats bfloat16,int8,fp8 \
+      --tokens ${TUNE_TOKENS:-1,2,4,8} --budget-s ${TUNE_BUDGET:-190} --merge $TABLE --out "$OUT/moe_tune.json" \
+      --table "$OUT/NVIDIA_H200.json" > "$OUT/tune.log" 2>&1
+    echo "rc $?" | tee -a "$OUT/log"; grep -E "M=|budget|wrote|Error" "$OUT/tune.log" | tail -20 | tee -a "$OUT/log"
+    [ -s "$OUT/NVIDIA_H200.json" ] && cp "$OUT/NVIDIA_H200.json" $TABLE ;;
+  decode)
+    timeout $(left 120) python3 -m roofline.cli bench decode --model qwen3-30b-a3b --batch-sizes ${BATCHES:-1} \
+      --contexts 512 --steps 16 --out-dir "$OUT" > "$OUT/decode.log" 2>&1
+    echo "rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/decode.log" | grep -E "^model|^ +[0-9]|Error|floor" | tail -8 | tee -a "$OUT/log" ;;
+  moe)
+    timeout $(left 90) python3 -m roofline.cli bench moe --model qwen3-30b-a3b --tokens 1,8 \
+      --quantization none,int8,fp8 --iters 10 --out-dir "$OUT" > "$OUT/moe.log" 2>&1
+    echo "rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/moe.log" | grep -E "^ +[0-9]|^experts|Error" | tail -12 | tee -a "$OUT/log" ;;
+  profile)
+    timeout $(left 120) python3 bench/gpu_decode_profile.py --model qwen3-30b-a3b --batch 1 ${PROFILE_ARGS:-} \
+      --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1
+    echo "rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/profile.log" | grep -E "^model|^ +[0-9]" | head -30 | tee -a "$OUT/log" ;;
+  *) echo "unknown step $step" | tee -a "$OUT/log" ;;
+  esac
+done
+echo "=== done at $((SECONDS - T0)) s" | tee -a "$OUT/log"
