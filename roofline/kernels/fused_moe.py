@@ -387,6 +387,26 @@ if triton is not None:
                      mask=mask_n)
 
     @triton.jit
+    def _down_tile(t, nk, tok, offs_s, offs_k, mask_n, w_rows, h_cols, w_ptr, h_ptr, ids_ptr, K, stride_we, stride_hm,
+                   TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
+        # Pointers and masks of tile t of _moe_down_sum_kernel (slot group t // nk, K tile t % nk), [SLOTS, BN, BK]:
+        # slots past TOP_K and pairs routed to another rank (id -1) read neither weights nor their h row (the
+        # gate_up kernel left that row unwritten: it may hold NaN).
+        g = t // nk
+        k0 = (t - g * nk) * BLOCK_K
+        slot = g * SLOTS + offs_s
+        e = tl.load(ids_ptr + tok * TOP_K + slot, mask=slot < TOP_K, other=-1)  # [SLOTS]
+        w_mask = (e >= 0)[:, None, None] & mask_n[None, :, None]
+        h_mask = (e >= 0)[:, None, None] & (h_cols >= 0)
+        if not EVEN_K:
+            kin = ((k0 + offs_k) < K)[None, None, :]
+            w_mask = w_mask & kin
+            h_mask = h_mask & kin
+        w_ptrs = w_ptr + tl.maximum(e, 0).to(tl.int64)[:, None, None] * stride_we + k0 + w_rows
+        h_ptrs = h_ptr + (tok * TOP_K + slot)[:, None, None] * stride_hm + k0 + h_cols
+        return w_ptrs, w_mask, h_ptrs, h_mask
+
+    @triton.jit
     def _moe_down_sum_kernel(h_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, ids_ptr, N, K, stride_hm, stride_we,
                              stride_wn, stride_se, stride_om, TOP_K: tl.constexpr, HAS_SCALE: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -420,21 +440,14 @@ if triton is not None:
         nk = tl.cdiv(K, BLOCK_K)
         GROUPS: tl.constexpr = (TOP_K + SLOTS - 1) // SLOTS
         steps = GROUPS * nk
-        # tile 0: slot group 0, K offset 0
-        smask = offs_s < TOP_K
-        e = tl.load(ids_ptr + tok * TOP_K + offs_s, mask=smask, other=-1)  # [SLOTS]
-        w_mask = (e >= 0)[:, None, None] & mask_n[None, :, None]
-        h_mask = (e >= 0)[:, None, None] & (h_cols >= 0)  # a remote pair's h row was never written
-        if not EVEN_K:
-            w_mask = w_mask & (offs_k < K)[None, None, :]
-            h_mask = h_mask & (offs_k < K)[None, None, :]
-        w_next = tl.load(w_ptr + tl.maximum(e, 0).to(tl.int64)[:, None, None] * stride_we + w_rows, mask=w_mask,
-                         other=0)
+        # tile 0 (slot group 0, K offset 0): its weights before the PDL wait, its h rows after
+        w_ptrs, w_mask, h_ptrs, h_mask = _down_tile(0, nk, tok, offs_s, offs_k, mask_n, w_rows, h_cols, w_ptr, h_ptr,
+                                                    ids_ptr, K, stride_we, stride_hm, TOP_K, SLOTS, BLOCK_K, EVEN_K)
+        w_next = tl.load(w_ptrs, mask=w_mask, other=0)
         if PDL:
             gdc_wait()
             gdc_launch_dependents()
-        h_next = tl.load(h_ptr + (tok * TOP_K + offs_s)[:, None, None] * stride_hm + h_cols, mask=h_mask,
-                         other=0.0)
+        h_next = tl.load(h_ptrs, mask=h_mask, other=0.0)
         acc = tl.zeros([SLOTS, BLOCK_N, BLOCK_K], tl.float32)
         for t in range(0, steps):
             slot = (t // nk) * SLOTS + offs_s
@@ -450,22 +463,11 @@ if triton is not None:
             w = w_next
             hx = h_next.to(tl.float32)
             # Prefetch tile t + 1 (the last iteration re-reads its own tile, an L1/L2 hit).
-            t1 = tl.minimum(t + 1, steps - 1)
-            g1 = t1 // nk
-            k1 = (t1 - g1 * nk) * BLOCK_K
-            slot1 = g1 * SLOTS + offs_s
-            smask1 = slot1 < TOP_K
-            e1 = tl.load(ids_ptr + tok * TOP_K + slot1, mask=smask1, other=-1)
-            w_mask = (e1 >= 0)[:, None, None] & mask_n[None, :, None]
-            h_mask = (e1 >= 0)[:, None, None] & (h_cols >= 0)
-            if not EVEN_K:
-                kin = ((k1 + offs_k) < K)[None, None, :]
-                w_mask = w_mask & kin
-                h_mask = h_mask & kin
-            h_next = tl.load(h_ptr + (tok * TOP_K + slot1)[:, None, None] * stride_hm + k1 + h_cols, mask=h_mask,
-                             other=0.0)
-            w_next = tl.load(w_ptr + tl.maximum(e1, 0).to(tl.int64)[:, None, None] * stride_we + k1 + w_rows,
-                             mask=w_mask, other=0)
+            w_ptrs, w_mask, h_ptrs, h_mask = _down_tile(tl.minimum(t + 1, steps - 1), nk, tok, offs_s, offs_k, mask_n,
+                                                        w_rows, h_cols, w_ptr, h_ptr, ids_ptr, K, stride_we,
+                                                        stride_hm, TOP_K, SLOTS, BLOCK_K, EVEN_K)
+            h_next = tl.load(h_ptrs, mask=h_mask, other=0.0)
+            w_next = tl.load(w_ptrs, mask=w_mask, other=0)
             acc += (hx * _codes_f32(w, FP8, INT8)) * mult[:, :, None]
         out = tl.sum(tl.sum(acc, axis=2), axis=0)
         tl.store(out_ptr + tok * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
