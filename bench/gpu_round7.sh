@@ -10,6 +10,10 @@
 #   decode    roofline bench decode --model qwen3-30b-a3b --batch-sizes $BATCHES (1) --contexts 512
 #   moe       roofline bench moe --model qwen3-30b-a3b --tokens 1,8 --quantization none,int8,fp8
 #   profile   bench/gpu_decode_profile.py --model qwen3-30b-a3b --batch 1 (kernels per step)
+#   gputests  pytest -m gpu on $TESTS (default: tests/moe and the attention/RoPE/PDL kernel tests), slowest 15 listed
+#   ab        roofline bench decode at batch 1 for each of $AB_MODELS (qwen3-30b-a3b,llama-3-8b), alternating the
+#             code in $AB_BASE (a `git archive` of the baseline commit, carried as an ignored path) and this tree,
+#             twice each, in one process tree on one warm GPU
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)
 OUT=${OUT:-/tmp/round7}
@@ -26,7 +30,7 @@ for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S) at $((SECONDS - T0)) s" | tee -a "$OUT/log"
   case "$step" in
   moetests)
-    timeout $(left 120) python3 -m pytest -q -m gpu --tb=short -p no:cacheprovider tests/moe > "$OUT/moetests.log" 2>&1
+    timeout $(left 300) python3 -m pytest -q -m gpu --tb=short -p no:cacheprovider tests/moe > "$OUT/moetests.log" 2>&1
     echo "rc $?" | tee -a "$OUT/log"; grep -E "^E |passed|failed|error" "$OUT/moetests.log" | tail -12 | tee -a "$OUT/log" ;;
   tune)
     timeout $(left 260) python3 bench/gpu_moe_tune.py --models qwen3-30b-a3b --formats bfloat16,int8,fp8 \
@@ -46,6 +50,22 @@ for step in "$@"; do
     timeout $(left 120) python3 bench/gpu_decode_profile.py --model qwen3-30b-a3b --batch 1 ${PROFILE_ARGS:-} \
       --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1
     echo "rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/profile.log" | grep -E "^model|^ +[0-9]" | head -30 | tee -a "$OUT/log" ;;
+  gputests)
+    timeout $(left 400) python3 -m pytest -q -m gpu --tb=short -p no:cacheprovider --durations=15 \
+      ${TESTS:-tests/moe tests/kernels/test_pdl.py tests/kernels/test_rope_cache.py tests/kernels/test_triton_attention_backend.py} \
+      > "$OUT/gputests.log" 2>&1
+    echo "rc $?" | tee -a "$OUT/log"; grep -E "^E |passed|failed|error|^[0-9.]+s " "$OUT/gputests.log" | tail -30 | tee -a "$OUT/log" ;;
+  ab)
+    for model in ${AB_MODELS:-qwen3-30b-a3b llama-3-8b}; do
+      for rep in 1 2; do
+        for side in base head; do
+          path=$(pwd); [ $side = base ] && path=$(cd "${AB_BASE:-.ab/base}" && pwd)
+          PYTHONPATH=$path timeout $(left 90) python3 -m roofline.cli bench decode --model $model --batch-sizes 1 \
+            --contexts 512 --steps 16 --out-dir "$OUT/ab-$side" > "$OUT/ab.log" 2>&1
+          echo "$model $side rep $rep rc $?: $(grep -E '^ +1 +512' "$OUT/ab.log" | tail -1)" | tee -a "$OUT/log"
+        done
+      done
+    done ;;
   *) echo "unknown step $step" | tee -a "$OUT/log" ;;
   esac
 done
