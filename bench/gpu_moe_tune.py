@@ -45,6 +45,8 @@ DOWN_CODED = [(4, 2048, 8), (8, 1024, 8), (2, 2048, 4), (8, 2048, 8)]
 DOWN_SLOTS = [(2, 256, 4), (4, 128, 4), (1, 512, 4), (4, 256, 8), (2, 512, 8), (8, 128, 8), (1, 256, 4),
               (2, 128, 4)]
 DOWN_SLOTS_CODED = [(4, 256, 4), (2, 512, 4), (4, 512, 8), (8, 256, 8)]
+# Programs per SM of the persistent gate_up kernel (MoeConfig.persistent), tried on the best down kernel.
+PERSISTENT = [1, 2, 4]
 GROUPED_SMALL = [(16, 64, 128, 1, 4, 4), (16, 128, 128, 1, 4, 3), (16, 64, 256, 1, 4, 3), (32, 64, 128, 1, 4, 4),
                  (32, 128, 64, 1, 4, 4), (16, 32, 256, 1, 4, 4)]
 GROUPED_MID = [(32, 128, 64, 8, 4, 4), (64, 64, 64, 8, 4, 4), (64, 128, 64, 8, 4, 4), (64, 128, 128, 8, 4, 3),
@@ -142,6 +144,16 @@ def tune_cell(m: int, shape: tuple[int, int, int, int], w: dict, quant: str | No
                 t, err = measure(cfg)
                 if t is not None and t < best[0]:
                     best = (t, cfg)
+        # phase 4: the gate_up kernel on a persistent grid (PERSISTENT programs per SM), every GEMV tile again
+        # (a program now streams many items, so the best tile may differ), with phase 2/3's down kernel
+        for per_sm in PERSISTENT:
+            for bn, bk, w in GEMV + (GEMV_CODED if quant is not None else []):
+                cfg = dataclasses.replace(best[1], block_n=bn, block_k=bk, num_warps=w, persistent=per_sm,
+                                          down_block_n=best[1].down_tile()[0], down_block_k=best[1].down_tile()[1],
+                                          down_num_warps=best[1].down_tile()[2])
+                t, err = measure(cfg)
+                if t is not None and t < best[0]:
+                    best = (t, cfg)
     log = dict(m=m, loop_us=loop * 1e6, rows=rows)
     if best is None:
         return None, log, "no config ran"
@@ -153,7 +165,7 @@ def tune_cell(m: int, shape: tuple[int, int, int, int], w: dict, quant: str | No
         chosen = dict(dataclasses.asdict(MoeConfig(path="loop")), us=round(loop * 1e6, 2), fused_us=round(t * 1e6, 2),
                       fused_config=cfg.to_dict())
     line = (f"best {t * 1e6:9.1f} us ({cfg.path} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} g{cfg.group_m} "
-            f"w{cfg.num_warps} s{cfg.num_stages} down {cfg.down_tile()} slots {cfg.down_slots}), heuristic {default_us:9.1f} us, loop {loop * 1e6:9.1f} us "
+            f"w{cfg.num_warps} s{cfg.num_stages} down {cfg.down_tile()} slots {cfg.down_slots} persistent {cfg.persistent}), heuristic {default_us:9.1f} us, loop {loop * 1e6:9.1f} us "
             f"-> {chosen['path']}")
     return chosen, log, line
 

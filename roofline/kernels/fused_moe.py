@@ -387,6 +387,88 @@ if triton is not None:
                      mask=mask_n)
 
     @triton.jit
+    def _gate_up_tile(t, nk, pid, nprog, n_tiles, offs_n0, offs_k, ids_ptr, a_ptr, w_ptr, N, K, a_row_div,
+                      stride_am, stride_we, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      EVEN_K: tl.constexpr):
+        # Pointers and masks of a persistent program's tile t (work item pid + (t // nk) * nprog, K tile t % nk):
+        # [BLOCK_N, BLOCK_K] of the expert's gate rows (the up rows are N rows further), and x through the same
+        # layout. A pair routed to another rank (id -1) reads nothing.
+        item = pid + (t // nk) * nprog
+        k0 = (t % nk) * BLOCK_K
+        pair = item // n_tiles
+        offs_n = (item % n_tiles) * BLOCK_N + offs_n0
+        e = tl.load(ids_ptr + pair)
+        # (e broadcast to the row vector first: Triton's CPU interpreter mishandles a scalar & a tensor of bools)
+        mask = ((offs_n < N) & (e + 0 * offs_n >= 0))[:, None] & (offs_k >= 0)[None, :]
+        if not EVEN_K:
+            mask = mask & ((k0 + offs_k) < K)[None, :]
+        g_ptrs = (w_ptr + tl.maximum(e, 0).to(tl.int64) * stride_we + offs_n[:, None].to(tl.int64) * stride_wn
+                  + k0 + offs_k[None, :])
+        x_ptrs = a_ptr + (pair // a_row_div).to(tl.int64) * stride_am + k0 + offs_k[None, :] + 0 * offs_n[:, None]
+        return g_ptrs, g_ptrs + N * stride_wn, x_ptrs, mask
+
+    @triton.jit
+    def _moe_gemv_persistent_kernel(a_ptr, w_ptr, s_ptr, out_ptr, ids_ptr, num_items, N, K, a_row_div, stride_am,
+                                    stride_we, stride_wn, stride_se, stride_om, HAS_SCALE: tl.constexpr,
+                                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+                                    FP8: tl.constexpr = False, INT8: tl.constexpr = False, PDL: tl.constexpr = 0):
+        """``_moe_gemv_kernel``'s work (item = (pair, N tile), h[pair, n-tile] = SiLU(gate) * up) on a persistent
+        grid: program p takes items p, p + P, p + 2P, ... as ONE stream of (item, K tile) tiles, the next tile
+        always in flight, across item boundaries too. One program per item starts each item's stream from
+        nothing (a DRAM latency per item, and a grid tail); here a program pays that latency once. Same loads,
+        products and fp32 sums per item as ``_moe_gemv_kernel``, so the two give identical outputs.
+
+        PDL: as ``_moe_gemv_kernel`` (the expert ids come from the router, so the wait comes first)."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        nk = tl.cdiv(K, BLOCK_K)
+        steps = tl.cdiv(num_items - pid, nprog) * nk
+        offs_n0 = tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        g_ptrs, u_ptrs, x_ptrs, mask = _gate_up_tile(0, nk, pid, nprog, n_tiles, offs_n0, offs_k, ids_ptr, a_ptr,
+                                                     w_ptr, N, K, a_row_div, stride_am, stride_we, stride_wn,
+                                                     BLOCK_N, BLOCK_K, EVEN_K)
+        g_next = tl.load(g_ptrs, mask=mask, other=0)
+        u_next = tl.load(u_ptrs, mask=mask, other=0)
+        x_next = tl.load(x_ptrs, mask=mask, other=0.0)
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for t in range(0, steps):
+            g = g_next
+            u = u_next
+            x = x_next.to(tl.float32)
+            # Prefetch tile t + 1, possibly the next item's (the last iteration re-reads its own tile).
+            g_ptrs, u_ptrs, x_ptrs, mask = _gate_up_tile(tl.minimum(t + 1, steps - 1), nk, pid, nprog, n_tiles,
+                                                         offs_n0, offs_k, ids_ptr, a_ptr, w_ptr, N, K, a_row_div,
+                                                         stride_am, stride_we, stride_wn, BLOCK_N, BLOCK_K, EVEN_K)
+            g_next = tl.load(g_ptrs, mask=mask, other=0)
+            u_next = tl.load(u_ptrs, mask=mask, other=0)
+            x_next = tl.load(x_ptrs, mask=mask, other=0.0)
+            acc += x * _codes_f32(g, FP8, INT8)
+            acc_u += x * _codes_f32(u, FP8, INT8)
+            if t % nk == nk - 1:  # the item's last K tile: its epilogue, then a fresh accumulator
+                item = pid + (t // nk) * nprog
+                pair = item // n_tiles
+                offs_n = (item % n_tiles) * BLOCK_N + offs_n0
+                e = tl.load(ids_ptr + pair)
+                mask_n = (offs_n < N) & (e + 0 * offs_n >= 0)
+                out = tl.sum(acc, axis=1)
+                up = tl.sum(acc_u, axis=1)
+                if HAS_SCALE:
+                    s_base = s_ptr + tl.maximum(e, 0).to(tl.int64) * stride_se
+                    out = out * tl.load(s_base + offs_n, mask=mask_n, other=0.0)
+                    up = up * tl.load(s_base + N + offs_n, mask=mask_n, other=0.0)
+                out = out * tl.sigmoid(out) * up
+                tl.store(out_ptr + pair.to(tl.int64) * stride_om + offs_n, out.to(out_ptr.dtype.element_ty),
+                         mask=mask_n)
+                acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+                acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+
+    @triton.jit
     def _down_tile(t, nk, tok, offs_s, offs_k, mask_n, w_rows, h_cols, w_ptr, h_ptr, ids_ptr, K, stride_we, stride_hm,
                    TOP_K: tl.constexpr, SLOTS: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr):
         # Pointers and masks of tile t of _moe_down_sum_kernel (slot group t // nk, K tile t % nk), [SLOTS, BN, BK]:
@@ -551,11 +633,20 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if c.path == "gemv":
         ids = topk_ids.reshape(-1).contiguous()  # int64 or int32, read as is (no cast kernel)
         pdl = {"PDL": 1, "launch_pdl": True} if pdl_mode(x.device) else {}
-        _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, c.block_n))](
-            x, w13, s13, h, ids, inter, hidden, top_k, x.stride(0), w13.stride(0), w13.stride(1),
-            s13.stride(0) if has_scale else 0, h.stride(0), HAS_SCALE=has_scale, BLOCK_N=c.block_n,
-            BLOCK_K=c.block_k, EVEN_K=hidden % c.block_k == 0, FP8=fp8, INT8=int8, num_warps=c.num_warps,
-            num_stages=1, **pdl)
+        items = num_pairs * triton.cdiv(inter, c.block_n)
+        if c.persistent:  # a grid of c.persistent programs per SM, each a stream over many items
+            sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
+            _moe_gemv_persistent_kernel[(min(items, c.persistent * sms),)](
+                x, w13, s13, h, ids, items, inter, hidden, top_k, x.stride(0), w13.stride(0), w13.stride(1),
+                s13.stride(0) if has_scale else 0, h.stride(0), HAS_SCALE=has_scale, BLOCK_N=c.block_n,
+                BLOCK_K=c.block_k, EVEN_K=hidden % c.block_k == 0, FP8=fp8, INT8=int8, num_warps=c.num_warps,
+                num_stages=1, **pdl)
+        else:
+            _moe_gemv_kernel[(num_pairs, triton.cdiv(inter, c.block_n))](
+                x, w13, s13, h, ids, inter, hidden, top_k, x.stride(0), w13.stride(0), w13.stride(1),
+                s13.stride(0) if has_scale else 0, h.stride(0), HAS_SCALE=has_scale, BLOCK_N=c.block_n,
+                BLOCK_K=c.block_k, EVEN_K=hidden % c.block_k == 0, FP8=fp8, INT8=int8, num_warps=c.num_warps,
+                num_stages=1, **pdl)
         # The down GEMV writes the top-k sum itself (no [T * k, H] buffer, no reduction launch).
         out = torch.empty_like(x)
         dn, dk, dw = c.down_tile()

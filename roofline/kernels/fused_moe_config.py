@@ -40,6 +40,9 @@ class MoeConfig:
             num_warps.
         down_slots: experts of a token whose down tiles that kernel loads at once (a power of two; 1: one
             expert after another, a chain of k dependent tiles per K step; k: every expert's tile in flight).
+        persistent: the GEMV path's gate_up kernel on a persistent grid of ``persistent`` programs per SM, each
+            streaming its (pair, ``block_n`` rows) items as one chain of tiles with the next always in flight
+            (``_moe_gemv_persistent_kernel``); 0: one program per item (``_moe_gemv_kernel``).
         fused_config: on the loop path, the fastest kernel config (what runs inside CUDA-graph capture).
     """
 
@@ -55,6 +58,7 @@ class MoeConfig:
     down_block_k: int = 0
     down_num_warps: int = 0
     down_slots: int = 1
+    persistent: int = 0
 
     def __post_init__(self):
         if self.path not in ("grouped", "gemv", "loop"):
@@ -67,6 +71,8 @@ class MoeConfig:
             v = getattr(self, name)
             if v < 0 or v & (v - 1):
                 raise ValueError(f"MoeConfig.{name} must be 0 (as the gate_up tile) or a power of two, got {v}")
+        if not 0 <= self.persistent <= 64:
+            raise ValueError(f"MoeConfig.persistent must be in [0, 64] programs per SM, got {self.persistent}")
         if self.path == "grouped" and self.block_m < 16:
             raise ValueError(f"MoeConfig.block_m must be >= 16 on the grouped path (tl.dot), got {self.block_m}")
         if not 1 <= self.num_stages <= 8:

@@ -8,6 +8,8 @@ so the bound is the same: only the accumulation order differs.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -155,6 +157,32 @@ def test_down_kernel_slot_groups_match_float64_loop(slots, quant):
     assert err < REL_TOL
 
 
+@pytest.mark.parametrize("quant", [None, "int8"])
+@pytest.mark.parametrize("persistent", [1, 3])
+def test_persistent_gate_up_matches_per_item_kernel(persistent, quant):
+    """The GEMV path's gate_up on a persistent grid (``MoeConfig.persistent`` programs per SM; the CPU counts 4
+    SMs): a program's items run as one tile stream whose prefetch crosses item boundaries. 1 per SM gives 4
+    programs over 2 * 3 pairs x 6 N tiles = 36 items (9 each), 3 per SM 12 programs (3 each); a K tail in every
+    item (40 % 32), an N tail (48 % 8 == 0, so 44 via inter) and a remote pair (-1). The same loads and fp32
+    sums per item as the one-program-per-item kernel: the outputs are bit-identical, and within REL_TOL of
+    the float64 loop."""
+    x, w13, w2, weights, ids = _case(2, 6, 3, 40, 44, seed=11)
+    ids[1, 2] = -1  # another rank's expert
+    scales = (None, None)
+    if quant:
+        (w13, s13), (w2, s2) = _int8(w13), _int8(w2)
+        scales = (s13, s2)
+    ref = ref_fused_moe(x, w13, w2, weights, ids, *scales, compute_dtype=torch.float64)
+    base = MoeConfig(path="gemv", block_n=8, block_k=32, num_stages=1, down_block_n=4, down_block_k=32,
+                     down_num_warps=2)
+    per_item = fused_moe(x, w13, w2, weights, ids, *scales, config=base)
+    out = fused_moe(x, w13, w2, weights, ids, *scales, config=dataclasses.replace(base, persistent=persistent))
+    err = _rel(out, ref)
+    print(f"persistent {persistent} {quant}: rel err {err:.1e}")
+    assert err < REL_TOL
+    assert torch.equal(out, per_item)
+
+
 def test_config_table_lookup_and_heuristic(tmp_path):
     """The nearest measured M of the table (vLLM's rule), the loop path outside CUDA-graph capture, and the
     heuristic where the table has no entry; bad configs name the field and the allowed values."""
@@ -198,6 +226,8 @@ def test_config_table_lookup_and_heuristic(tmp_path):
         MoeConfig(path="gemv", down_block_n=12)
     with pytest.raises(ValueError, match=r"MoeConfig.down_slots must be a power of two >= 1, got 3"):
         MoeConfig(path="gemv", down_slots=3)
+    with pytest.raises(ValueError, match=r"MoeConfig.persistent must be in \[0, 64\] programs per SM, got -1"):
+        MoeConfig(path="gemv", persistent=-1)
     with pytest.raises(ValueError, match=r"MoeConfig.path must be grouped, gemv or loop, got 'tiles'"):
         MoeConfig(path="tiles")
 
