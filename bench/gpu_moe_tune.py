@@ -154,6 +154,18 @@ def tune_cell(m: int, shape: tuple[int, int, int, int], w: dict, quant: str | No
                 t, err = measure(cfg)
                 if t is not None and t < best[0]:
                     best = (t, cfg)
+        # phase 5: the down kernel on a persistent grid, on the best down tile and a few others
+        slots = 1 << (top_k - 1).bit_length() if top_k >= 4 else 1
+        tiles = [best[1].down_tile()] + (DOWN_SLOTS if top_k >= 4 else DOWN)[:4]
+        for per_sm in PERSISTENT:
+            for dn, dk, dw in tiles:
+                cfg = dataclasses.replace(best[1], down_block_n=dn, down_block_k=dk, down_num_warps=dw,
+                                          down_persistent=per_sm,
+                                          down_slots=best[1].down_slots if (dn, dk, dw) == best[1].down_tile()
+                                          else slots)
+                t, err = measure(cfg)
+                if t is not None and t < best[0]:
+                    best = (t, cfg)
     log = dict(m=m, loop_us=loop * 1e6, rows=rows)
     if best is None:
         return None, log, "no config ran"
@@ -165,7 +177,7 @@ def tune_cell(m: int, shape: tuple[int, int, int, int], w: dict, quant: str | No
         chosen = dict(dataclasses.asdict(MoeConfig(path="loop")), us=round(loop * 1e6, 2), fused_us=round(t * 1e6, 2),
                       fused_config=cfg.to_dict())
     line = (f"best {t * 1e6:9.1f} us ({cfg.path} {cfg.block_m}x{cfg.block_n}x{cfg.block_k} g{cfg.group_m} "
-            f"w{cfg.num_warps} s{cfg.num_stages} down {cfg.down_tile()} slots {cfg.down_slots} persistent {cfg.persistent}), heuristic {default_us:9.1f} us, loop {loop * 1e6:9.1f} us "
+            f"w{cfg.num_warps} s{cfg.num_stages} down {cfg.down_tile()} slots {cfg.down_slots} persistent {cfg.persistent}/{cfg.down_persistent}), heuristic {default_us:9.1f} us, loop {loop * 1e6:9.1f} us "
             f"-> {chosen['path']}")
     return chosen, log, line
 

@@ -555,6 +555,77 @@ if triton is not None:
         tl.store(out_ptr + tok * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
+    @triton.jit
+    def _down_item(t, spi, pid, nprog, n_tiles, offs_n0, offs_k, stride_wn, N, BLOCK_N: tl.constexpr):
+        # A persistent down program's tile t: its item (token, N tile) = pid + (t // spi) * nprog, the tile's
+        # index within the item, and the item's row vectors as _moe_down_sum_kernel computes them.
+        item = pid + (t // spi) * nprog
+        tok = (item // n_tiles).to(tl.int64)
+        offs_n = (item % n_tiles) * BLOCK_N + offs_n0
+        w_rows = offs_n[None, :, None].to(tl.int64) * stride_wn + offs_k[None, None, :]  # [1, BN, BK]
+        h_cols = offs_k[None, None, :] + 0 * offs_n[None, :, None]
+        return t % spi, tok, offs_n, offs_n < N, w_rows, h_cols
+
+    @triton.jit
+    def _moe_down_sum_persistent_kernel(h_ptr, w_ptr, s_ptr, out_ptr, tw_ptr, ids_ptr, num_items, N, K, stride_hm,
+                                        stride_we, stride_wn, stride_se, stride_om, TOP_K: tl.constexpr,
+                                        HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                                        EVEN_K: tl.constexpr, FP8: tl.constexpr = False, INT8: tl.constexpr = False,
+                                        PDL: tl.constexpr = 0, SLOTS: tl.constexpr = 1):
+        """``_moe_down_sum_kernel``'s work on a persistent grid: program p takes items (token, N tile) p, p + P,
+        ... and runs their (slot group, K tile) tiles as one stream, the next tile in flight across item
+        boundaries; each item's epilogue (the top-k sum, one store) follows its last tile. Same loads, products
+        and fp32 sums per item as ``_moe_down_sum_kernel``, so the two give identical outputs.
+
+        PDL: the first tile's weights before the wait, its h rows after (as ``_moe_down_sum_kernel``)."""
+        pid = tl.program_id(0)
+        nprog = tl.num_programs(0)
+        offs_n0 = tl.arange(0, BLOCK_N)
+        offs_k = tl.arange(0, BLOCK_K)
+        offs_s = tl.arange(0, SLOTS)
+        n_tiles = tl.cdiv(N, BLOCK_N)
+        nk = tl.cdiv(K, BLOCK_K)
+        GROUPS: tl.constexpr = (TOP_K + SLOTS - 1) // SLOTS
+        spi = GROUPS * nk  # tiles per item
+        steps = tl.cdiv(num_items - pid, nprog) * spi
+        tt, tok, offs_n, mask_n, w_rows, h_cols = _down_item(0, spi, pid, nprog, n_tiles, offs_n0, offs_k, stride_wn,
+                                                             N, BLOCK_N)
+        w_ptrs, w_mask, h_ptrs, h_mask = _down_tile(tt, nk, tok, offs_s, offs_k, mask_n, w_rows, h_cols, w_ptr, h_ptr,
+                                                    ids_ptr, K, stride_we, stride_hm, TOP_K, SLOTS, BLOCK_K, EVEN_K)
+        w_next = tl.load(w_ptrs, mask=w_mask, other=0)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        h_next = tl.load(h_ptrs, mask=h_mask, other=0.0)
+        acc = tl.zeros([SLOTS, BLOCK_N, BLOCK_K], tl.float32)
+        for t in range(0, steps):
+            tt, tok, offs_n, mask_n, w_rows, h_cols = _down_item(t, spi, pid, nprog, n_tiles, offs_n0, offs_k,
+                                                                 stride_wn, N, BLOCK_N)
+            slot = (tt // nk) * SLOTS + offs_s
+            smask = slot < TOP_K
+            pair = tok * TOP_K + slot
+            e = tl.load(ids_ptr + pair, mask=smask, other=-1)
+            mult = tl.where(e >= 0, tl.load(tw_ptr + pair, mask=smask, other=0.0), 0.0)[:, None] \
+                + tl.zeros([SLOTS, BLOCK_N], tl.float32)
+            if HAS_SCALE:
+                mult = mult * tl.load(s_ptr + tl.maximum(e, 0).to(tl.int64)[:, None] * stride_se + offs_n[None, :],
+                                      mask=mask_n[None, :], other=0.0)
+            w = w_next
+            hx = h_next.to(tl.float32)
+            # Prefetch tile t + 1, possibly the next item's (the last iteration re-reads its own tile).
+            t1, tok1, offs_n1, mask_n1, w_rows1, h_cols1 = _down_item(tl.minimum(t + 1, steps - 1), spi, pid, nprog,
+                                                                      n_tiles, offs_n0, offs_k, stride_wn, N, BLOCK_N)
+            w_ptrs, w_mask, h_ptrs, h_mask = _down_tile(t1, nk, tok1, offs_s, offs_k, mask_n1, w_rows1, h_cols1,
+                                                        w_ptr, h_ptr, ids_ptr, K, stride_we, stride_hm, TOP_K, SLOTS,
+                                                        BLOCK_K, EVEN_K)
+            h_next = tl.load(h_ptrs, mask=h_mask, other=0.0)
+            w_next = tl.load(w_ptrs, mask=w_mask, other=0)
+            acc += (hx * _codes_f32(w, FP8, INT8)) * mult[:, :, None]
+            if tt == spi - 1:  # the item's last tile: the top-k sum, one store, a fresh accumulator
+                out = tl.sum(tl.sum(acc, axis=2), axis=0)
+                tl.store(out_ptr + tok * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=mask_n)
+                acc = tl.zeros([SLOTS, BLOCK_N, BLOCK_K], tl.float32)
+
 def _next_pow2(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
@@ -633,9 +704,9 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
     if c.path == "gemv":
         ids = topk_ids.reshape(-1).contiguous()  # int64 or int32, read as is (no cast kernel)
         pdl = {"PDL": 1, "launch_pdl": True} if pdl_mode(x.device) else {}
+        sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
         items = num_pairs * triton.cdiv(inter, c.block_n)
         if c.persistent:  # a grid of c.persistent programs per SM, each a stream over many items
-            sms = torch.cuda.get_device_properties(x.device).multi_processor_count if x.is_cuda else 4
             _moe_gemv_persistent_kernel[(min(items, c.persistent * sms),)](
                 x, w13, s13, h, ids, items, inter, hidden, top_k, x.stride(0), w13.stride(0), w13.stride(1),
                 s13.stride(0) if has_scale else 0, h.stride(0), HAS_SCALE=has_scale, BLOCK_N=c.block_n,
@@ -650,11 +721,16 @@ def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights
         # The down GEMV writes the top-k sum itself (no [T * k, H] buffer, no reduction launch).
         out = torch.empty_like(x)
         dn, dk, dw = c.down_tile()
-        _moe_down_sum_kernel[(num_tokens, triton.cdiv(hidden, dn))](
-            h, w2, s2, out, tw, ids, hidden, inter, h.stride(0), w2.stride(0), w2.stride(1),
-            s2.stride(0) if has_scale else 0, out.stride(0), TOP_K=top_k, HAS_SCALE=has_scale, BLOCK_N=dn,
-            BLOCK_K=dk, EVEN_K=inter % dk == 0, FP8=fp8, INT8=int8, SLOTS=min(c.down_slots, _next_pow2(top_k)),
-            num_warps=dw, num_stages=1, **pdl)
+        down = dict(TOP_K=top_k, HAS_SCALE=has_scale, BLOCK_N=dn, BLOCK_K=dk, EVEN_K=inter % dk == 0, FP8=fp8,
+                    INT8=int8, SLOTS=min(c.down_slots, _next_pow2(top_k)), num_warps=dw, num_stages=1, **pdl)
+        strides = (h.stride(0), w2.stride(0), w2.stride(1), s2.stride(0) if has_scale else 0, out.stride(0))
+        items = num_tokens * triton.cdiv(hidden, dn)
+        if c.down_persistent:
+            _moe_down_sum_persistent_kernel[(min(items, c.down_persistent * sms),)](
+                h, w2, s2, out, tw, ids, items, hidden, inter, *strides, **down)
+        else:
+            _moe_down_sum_kernel[(num_tokens, triton.cdiv(hidden, dn))](
+                h, w2, s2, out, tw, ids, hidden, inter, *strides, **down)
         return out
     # The grouped path never visits a pair routed to another rank (-1): its rows of out must start at 0. CPU:
     # checked (cheap); CUDA: zero-filled (no host sync).

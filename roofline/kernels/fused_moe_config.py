@@ -43,6 +43,8 @@ class MoeConfig:
         persistent: the GEMV path's gate_up kernel on a persistent grid of ``persistent`` programs per SM, each
             streaming its (pair, ``block_n`` rows) items as one chain of tiles with the next always in flight
             (``_moe_gemv_persistent_kernel``); 0: one program per item (``_moe_gemv_kernel``).
+        down_persistent: the same for the down kernel (``_moe_down_sum_persistent_kernel``; items are (token,
+            ``down_block_n`` rows)); 0: ``_moe_down_sum_kernel``, one program per item.
         fused_config: on the loop path, the fastest kernel config (what runs inside CUDA-graph capture).
     """
 
@@ -59,6 +61,7 @@ class MoeConfig:
     down_num_warps: int = 0
     down_slots: int = 1
     persistent: int = 0
+    down_persistent: int = 0
 
     def __post_init__(self):
         if self.path not in ("grouped", "gemv", "loop"):
@@ -71,8 +74,9 @@ class MoeConfig:
             v = getattr(self, name)
             if v < 0 or v & (v - 1):
                 raise ValueError(f"MoeConfig.{name} must be 0 (as the gate_up tile) or a power of two, got {v}")
-        if not 0 <= self.persistent <= 64:
-            raise ValueError(f"MoeConfig.persistent must be in [0, 64] programs per SM, got {self.persistent}")
+        for name in ("persistent", "down_persistent"):
+            if not 0 <= getattr(self, name) <= 64:
+                raise ValueError(f"MoeConfig.{name} must be in [0, 64] programs per SM, got {getattr(self, name)}")
         if self.path == "grouped" and self.block_m < 16:
             raise ValueError(f"MoeConfig.block_m must be >= 16 on the grouped path (tl.dot), got {self.block_m}")
         if not 1 <= self.num_stages <= 8:

@@ -159,13 +159,14 @@ def test_down_kernel_slot_groups_match_float64_loop(slots, quant):
 
 @pytest.mark.parametrize("quant", [None, "int8"])
 @pytest.mark.parametrize("persistent", [1, 3])
-def test_persistent_gate_up_matches_per_item_kernel(persistent, quant):
-    """The GEMV path's gate_up on a persistent grid (``MoeConfig.persistent`` programs per SM; the CPU counts 4
-    SMs): a program's items run as one tile stream whose prefetch crosses item boundaries. 1 per SM gives 4
-    programs over 2 * 3 pairs x 6 N tiles = 36 items (9 each), 3 per SM 12 programs (3 each); a K tail in every
-    item (40 % 32), an N tail (48 % 8 == 0, so 44 via inter) and a remote pair (-1). The same loads and fp32
-    sums per item as the one-program-per-item kernel: the outputs are bit-identical, and within REL_TOL of
-    the float64 loop."""
+def test_persistent_kernels_match_per_item_kernels(persistent, quant):
+    """The GEMV path's gate_up and down kernels on a persistent grid (``MoeConfig.persistent`` /
+    ``down_persistent`` programs per SM; the CPU counts 4 SMs): a program's items run as one tile stream whose
+    prefetch crosses item boundaries. gate_up: 2 tokens x 3 pairs x 6 N tiles of 8 (inter 44: an N tail) = 36
+    items, 9 per program at 1 per SM, 3 at 3; down: 2 tokens x 10 N tiles of 4 = 20 items; a K tail in every
+    item (40 % 32, 44 % 32) and a remote pair (-1). The same loads and fp32 sums per item as the
+    one-program-per-item kernels: bit-identical outputs, and within REL_TOL of the float64 loop (also with 2
+    down slots, which sum in another order)."""
     x, w13, w2, weights, ids = _case(2, 6, 3, 40, 44, seed=11)
     ids[1, 2] = -1  # another rank's expert
     scales = (None, None)
@@ -176,11 +177,14 @@ def test_persistent_gate_up_matches_per_item_kernel(persistent, quant):
     base = MoeConfig(path="gemv", block_n=8, block_k=32, num_stages=1, down_block_n=4, down_block_k=32,
                      down_num_warps=2)
     per_item = fused_moe(x, w13, w2, weights, ids, *scales, config=base)
-    out = fused_moe(x, w13, w2, weights, ids, *scales, config=dataclasses.replace(base, persistent=persistent))
-    err = _rel(out, ref)
-    print(f"persistent {persistent} {quant}: rel err {err:.1e}")
-    assert err < REL_TOL
-    assert torch.equal(out, per_item)
+    for kw in (dict(persistent=persistent), dict(down_persistent=persistent),
+               dict(persistent=persistent, down_persistent=persistent, down_slots=2)):
+        out = fused_moe(x, w13, w2, weights, ids, *scales, config=dataclasses.replace(base, **kw))
+        err = _rel(out, ref)
+        print(f"{kw} {quant}: rel err {err:.1e}")
+        assert err < REL_TOL
+        if "down_slots" not in kw:  # the slot tiles sum in another order (test_down_kernel_slot_groups_...)
+            assert torch.equal(out, per_item), kw
 
 
 def test_config_table_lookup_and_heuristic(tmp_path):
@@ -228,6 +232,8 @@ def test_config_table_lookup_and_heuristic(tmp_path):
         MoeConfig(path="gemv", down_slots=3)
     with pytest.raises(ValueError, match=r"MoeConfig.persistent must be in \[0, 64\] programs per SM, got -1"):
         MoeConfig(path="gemv", persistent=-1)
+    with pytest.raises(ValueError, match=r"MoeConfig.down_persistent must be in \[0, 64\] programs per SM, got 65"):
+        MoeConfig(path="gemv", down_persistent=65)
     with pytest.raises(ValueError, match=r"MoeConfig.path must be grouped, gemv or loop, got 'tiles'"):
         MoeConfig(path="tiles")
 

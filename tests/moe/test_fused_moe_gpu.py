@@ -104,7 +104,7 @@ def test_moe_model_dummy_decode_on_gpu(monkeypatch):
     assert calls, "the MoE layer did not call the fused kernel on the GPU"
 
 
-GPU_FAMILIES = [  # (path, block_m, block_n, block_k, group_m, num_warps, num_stages, persistent): the tuner's
+GPU_FAMILIES = [  # (path, block_m, block_n, block_k, group_m, num_warps, num_stages, persistent and down_persistent)
     ("gemv", 64, 4, 512, 1, 4, 1, 0), ("gemv", 64, 16, 256, 1, 4, 1, 0), ("gemv", 64, 8, 1024, 1, 8, 1, 0),
     ("gemv", 64, 8, 512, 1, 4, 1, 1), ("gemv", 64, 8, 1024, 1, 8, 1, 2), ("gemv", 64, 16, 256, 1, 4, 1, 4),
     ("grouped", 16, 64, 256, 1, 4, 3, 0), ("grouped", 32, 128, 64, 1, 4, 4, 0), ("grouped", 64, 128, 128, 8, 4, 3, 0),
@@ -132,7 +132,7 @@ def test_fused_moe_config_families_bf16(shape, m, quantization):
     ref = ref_fused_moe(x, *args, compute_dtype=torch.float64)
     for path, bm, bn, bk, g, nw, ns, per_sm in GPU_FAMILIES:
         cfg = MoeConfig(path=path, block_m=bm, block_n=bn, block_k=bk, group_m=g, num_warps=nw, num_stages=ns,
-                        persistent=per_sm)
+                        persistent=per_sm, down_persistent=per_sm, down_slots=8 if per_sm == 2 else 1)
         try:
             out = fused_moe(x, *args, config=cfg)
         except OutOfResources:
