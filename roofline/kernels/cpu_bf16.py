@@ -70,10 +70,12 @@ def layer_linear(layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> to
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
                   dense: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [..., K] bf16 @ the packed [N, K] weight^T (+ ``bias`` [N]) -> [..., N] bf16, as ``F.linear``.
-    One row with ``dense`` (the same weight, row-major [N, K] bf16) goes through :func:`gemv` where it applies; an
-    AMX-packed weight (:func:`prepack`) through :func:`amx_linear` up to ``AMX_MAX_ROWS`` rows, past that (or with
-    the library turned off since packing) through ``F.linear`` on ``dense`` (oneDNN's large-M kernel); a
-    oneDNN-packed one through oneDNN.
+    An AMX-packed weight (:func:`prepack`) goes through :func:`amx_linear` at 1 to ``AMX_MAX_ROWS`` rows, so that
+    a row's result is the same bits at any M (a speculative verify pass's rows equal the decode steps' single
+    rows; on the Intel Xeon of 2026-12-05 it is also as fast as the GEMV at one row), past that (or with the library
+    turned off since packing) through ``F.linear`` on ``dense`` (oneDNN's large-M kernel); otherwise one row with
+    ``dense`` (the same weight, row-major [N, K] bf16) through :func:`gemv` where it applies, and a oneDNN-packed
+    weight through oneDNN.
 
     Raises:
         ValueError: an AMX-packed weight, no ``dense``, and the AMX kernel declined."""
@@ -82,15 +84,14 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
         x2 = x2.contiguous()
     M = x2.shape[0]
     out = None
-    if dense is not None and M == 1:
+    if packed.dim() == 4 and (M <= AMX_MAX_ROWS or dense is None):
+        out = amx_linear(x2, packed, bias)  # at every M, one row included: a row's result does not depend on M
+    if out is None and dense is not None and M == 1:
         out = gemv(x2, dense, bias)
-    if out is None and packed.dim() == 4:
-        if M <= AMX_MAX_ROWS or dense is None:
-            out = amx_linear(x2, packed, bias)
-        if out is None:  # past AMX_MAX_ROWS, or the library was turned off after packing
-            if dense is None:
-                raise ValueError("packed_linear: an AMX-packed weight needs the C++ library or the dense weight")
-            out = torch.nn.functional.linear(x2, dense, bias)
+    if out is None and packed.dim() == 4:  # past AMX_MAX_ROWS, or the library was turned off after packing
+        if dense is None:
+            raise ValueError("packed_linear: an AMX-packed weight needs the C++ library or the dense weight")
+        out = torch.nn.functional.linear(x2, dense, bias)
     if out is None:
         out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
     return out.reshape(*x.shape[:-1], out.shape[-1])

@@ -188,20 +188,47 @@ static inline bool pv_fast(int64_t G, int64_t nd, const KV* vb, int64_t vstride,
 template <typename KV, typename O>
 static void decode(const float* q, const KV* kc, const KV* vc, const int64_t* tables, const int64_t* lens,
                    const int64_t* rows, O* out, int64_t n, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                   int64_t table_stride, float scale, int nthreads) {
+                   int64_t table_stride, float scale, int nthreads, const int64_t* tree_lo = nullptr,
+                   const uint64_t* tree_bits = nullptr) {
   const int64_t G = H / Hkv;
   #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
   for (int64_t i = 0; i < n; ++i) {
-    const int64_t len = lens[i];
+    int64_t len = lens[i];
     const float* qrow = q + rows[i] * H * D;  // [H, D]: KV head h's group is heads h * G .. h * G + G - 1
     alignas(64) static thread_local float m[256], l[256], acc[16384], s[16 * 64], part[16 * 16 * 16];
+    // A tree row (bits not all ones) sees the keys below lo and the region keys lo + a whose bit a is set. It
+    // attends to them as one sequence, in order, cut into blocks as a chain holding exactly those keys would be:
+    // the whole blocks below lo / bs * bs through the table, the rest (the prefix's partial block, then the seen
+    // region keys) gathered into a scratch laid out as blocks. So a tree node's result is, bit for bit, the decode
+    // row of its position once its root-to-node path is the sequence's tail (the decode step after acceptance).
+    static thread_local std::vector<KV> scratch_k, scratch_v;
+    const uint64_t bits = tree_lo ? tree_bits[i] : ~0ull;
+    int64_t direct = len;  // keys read through the table; past it, the scratch
+    if (bits != ~0ull) {
+      const int64_t lo = tree_lo[i], row = Hkv * D;
+      direct = lo / bs * bs;
+      scratch_k.resize((bs + 64) * row);
+      scratch_v.resize((bs + 64) * row);
+      int64_t kept = 0;
+      for (int64_t t = direct; t < len; ++t) {
+        if (t >= lo && !((bits >> (t - lo)) & 1)) continue;
+        const int64_t off = (tables[i * table_stride + t / bs] * bs + t % bs) * row;
+        std::memcpy(scratch_k.data() + kept * row, kc + off, row * sizeof(KV));
+        std::memcpy(scratch_v.data() + kept * row, vc + off, row * sizeof(KV));
+        ++kept;
+      }
+      len = direct + kept;
+    }
     for (int64_t h = 0; h < H; ++h) { m[h] = -INFINITY; l[h] = 0.f; }
     std::memset(acc, 0, sizeof(float) * H * D);
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
-      const int64_t blk = tables[i * table_stride + t0 / bs];
       const int64_t nk = (len - t0 < bs) ? (len - t0) : bs;
+      const KV* kblk = t0 < direct ? kc + tables[i * table_stride + t0 / bs] * bs * Hkv * D
+                                   : scratch_k.data() + (t0 - direct) * Hkv * D;
+      const KV* vblk = t0 < direct ? vc + tables[i * table_stride + t0 / bs] * bs * Hkv * D
+                                   : scratch_v.data() + (t0 - direct) * Hkv * D;
 #if defined(__AVX512F__)
-      if (t0 + bs < len) {  // the next block's keys and values, while this one computes
+      if (t0 + bs < direct) {  // the next block's keys and values, while this one computes
         const int64_t nxt = tables[i * table_stride + t0 / bs + 1];
         const char* pk = (const char*)(kc + nxt * bs * Hkv * D);
         const char* pv = (const char*)(vc + nxt * bs * Hkv * D);
@@ -212,8 +239,8 @@ static void decode(const float* q, const KV* kc, const KV* vc, const int64_t* ta
       }
 #endif
       for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-        const KV* kb = kc + (blk * bs * Hkv + kvh) * D;  // key j of the block: kb + j * Hkv * D
-        const KV* vb = vc + (blk * bs * Hkv + kvh) * D;
+        const KV* kb = kblk + kvh * D;  // key j of the block: kb + j * Hkv * D
+        const KV* vb = vblk + kvh * D;
         const float* qg0 = qrow + kvh * G * D;
         float* mg = m + kvh * G;
         float* lg = l + kvh * G;
@@ -309,15 +336,21 @@ static void decode(const float* q, const KV* kc, const KV* vc, const int64_t* ta
 extern "C" {
 void roofline_decode_f32(const float* q, const float* kc, const float* vc, const int64_t* tables, const int64_t* lens,
                          const int64_t* rows, void* out, int64_t n, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
-                         int64_t table_stride, float scale, int nthreads, int out_bf16) {
-  if (out_bf16) decode(q, kc, vc, tables, lens, rows, (uint16_t*)out, n, H, Hkv, D, bs, table_stride, scale, nthreads);
-  else decode(q, kc, vc, tables, lens, rows, (float*)out, n, H, Hkv, D, bs, table_stride, scale, nthreads);
+                         int64_t table_stride, float scale, int nthreads, int out_bf16, const int64_t* tree_lo,
+                         const uint64_t* tree_bits) {
+  if (out_bf16) decode(q, kc, vc, tables, lens, rows, (uint16_t*)out, n, H, Hkv, D, bs, table_stride, scale, nthreads,
+                       tree_lo, tree_bits);
+  else decode(q, kc, vc, tables, lens, rows, (float*)out, n, H, Hkv, D, bs, table_stride, scale, nthreads, tree_lo,
+              tree_bits);
 }
 void roofline_decode_bf16(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* tables,
                           const int64_t* lens, const int64_t* rows, void* out, int64_t n, int64_t H, int64_t Hkv,
-                          int64_t D, int64_t bs, int64_t table_stride, float scale, int nthreads, int out_bf16) {
-  if (out_bf16) decode(q, kc, vc, tables, lens, rows, (uint16_t*)out, n, H, Hkv, D, bs, table_stride, scale, nthreads);
-  else decode(q, kc, vc, tables, lens, rows, (float*)out, n, H, Hkv, D, bs, table_stride, scale, nthreads);
+                          int64_t D, int64_t bs, int64_t table_stride, float scale, int nthreads, int out_bf16,
+                          const int64_t* tree_lo, const uint64_t* tree_bits) {
+  if (out_bf16) decode(q, kc, vc, tables, lens, rows, (uint16_t*)out, n, H, Hkv, D, bs, table_stride, scale, nthreads,
+                       tree_lo, tree_bits);
+  else decode(q, kc, vc, tables, lens, rows, (float*)out, n, H, Hkv, D, bs, table_stride, scale, nthreads, tree_lo,
+              tree_bits);
 }
 }
 
@@ -737,10 +770,12 @@ struct RooflineLayer { const uint16_t* norm1; const uint16_t* norm2; float eps1,
                        RooflineLinear qkv, o, gate_up, down; void* k_cache; void* v_cache; };
 
 // A linear of the plan on M rows, as roofline.kernels.cpu_bf16.packed_linear / cpu_int8 run it: kind 0 (bf16) the
-// GEMV at one row, the AMX GEMM on the packed copy at more; kind 1 (INT8 W8A8) the GEMV, one row only.
+// AMX GEMM on the packed copy at any M where there is one (its rows do not depend on M), else the GEMV (one row);
+// kind 1 (INT8 W8A8) the GEMV, one row only.
 static int plan_linear(const RooflineLinear& l, const uint16_t* x, uint16_t* y, int64_t M, int nthreads) {
   if (l.kind == 0) {
-    if (M == 1) return roofline_gemv_bf16(x, (const uint16_t*)l.w, (const uint16_t*)l.bias, y, l.N, l.K, nthreads);
+    if (l.amx == nullptr) return roofline_gemv_bf16(x, (const uint16_t*)l.w, (const uint16_t*)l.bias, y, l.N, l.K,
+                                                    nthreads);
     return roofline_amx_linear_bf16(x, l.amx, (const uint16_t*)l.bias, y, M, l.N, l.K, nthreads);
   }
   return roofline_gemv_w8a8(x, 1, (const int8_t*)l.w, l.scale, l.bias, l.bias_bf16, y, 1, l.N, l.K, nthreads);
@@ -748,7 +783,7 @@ static int plan_linear(const RooflineLinear& l, const uint16_t* x, uint16_t* y, 
 
 static bool plan_linear_ok(const RooflineLinear& l, int64_t M) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (l.kind == 0) return l.K % 32 == 0 && (M == 1 || (l.amx != nullptr && l.N % 16 == 0));
+  if (l.kind == 0) return l.K % 32 == 0 && (l.amx != nullptr ? l.N % 16 == 0 : M == 1);
   return l.kind == 1 && M == 1 && l.K % 64 == 0 && l.K <= 16384;
 #else
   (void)l; (void)M;
@@ -759,19 +794,25 @@ static bool plan_linear_ok(const RooflineLinear& l, int64_t M) {
 // A decode step of M rows (one new token per sequence) through every decoder layer and the final norm: x [M, hidden]
 // bf16 holds the embeddings on entry and the final norm's output on return. Row r has position pos[r], stores its
 // k/v at flat slot slot[r], and attends to the first seq_lens[r] positions of the blocks in table[r * table_stride
-// ...] (int32). Returns 0, having written nothing, where a check fails (the caller runs the modules then).
+// ...] (int32). Every row's k/v is stored before any row attends, so rows of one sequence with consecutive slots
+// and lengths are a causal extend (a chain verify pass). tree_lo / tree_bits (null, or [M]): row r sees key t >=
+// tree_lo[r] only where bit t - tree_lo[r] of tree_bits[r] is set (a token tree's ancestor mask; all ones: plain
+// causal), with seq_lens[r] - tree_lo[r] in [1, 64] and key 0 seen (tree_lo[r] >= 1 or bit 0 set). Returns 0,
+// having written nothing, where a check fails (the caller runs the modules then).
 extern "C" int roofline_decode_step(const RooflineLayer* layers, int64_t L, const uint16_t* final_norm,
                                     float final_eps, uint16_t* x, int64_t M, int64_t hidden, int64_t H, int64_t Hkv,
                                     int64_t D, int64_t bs, int cache_bf16, float scale, const int64_t* pos,
                                     const int64_t* slot, const int32_t* table, int64_t table_stride,
                                     const int64_t* seq_lens, const float* cs, int64_t max_pos, int64_t num_slots,
-                                    int nthreads) {
+                                    int nthreads, const int64_t* tree_lo, const uint64_t* tree_bits) {
   if (M < 1 || (H / Hkv) > 16 || D > 256 || H > 256 || H * D > 16384 || bs > 64 || D % 2) return 0;
   const int64_t num_blocks = num_slots / bs;
   for (int64_t r = 0; r < M; ++r) {
     const int64_t nb = (seq_lens[r] + bs - 1) / bs;
     if (seq_lens[r] < 1 || nb > table_stride || pos[r] < 0 || pos[r] >= max_pos || slot[r] < 0
         || slot[r] >= num_slots) return 0;
+    if (tree_lo && tree_bits[r] != ~0ull && ((tree_lo[r] < 1 && !(tree_bits[r] & 1)) || seq_lens[r] <= tree_lo[r]
+                                             || seq_lens[r] - tree_lo[r] > 64)) return 0;
     for (int64_t b = 0; b < nb; ++b)
       if (table[r * table_stride + b] < 0 || table[r * table_stride + b] >= num_blocks) return 0;
   }
@@ -804,10 +845,10 @@ extern "C" int roofline_decode_step(const RooflineLayer* layers, int64_t L, cons
                         q32.data(), M, H, Hkv, D, 1, cache_bf16, 0, max_pos, num_slots, nthreads);
     if (cache_bf16)
       decode(q32.data(), (const uint16_t*)ly.k_cache, (const uint16_t*)ly.v_cache, tab.data(), seq_lens, rows.data(),
-             att.data(), M, H, Hkv, D, bs, table_stride, scale, nthreads);
+             att.data(), M, H, Hkv, D, bs, table_stride, scale, nthreads, tree_lo, tree_bits);
     else
       decode(q32.data(), (const float*)ly.k_cache, (const float*)ly.v_cache, tab.data(), seq_lens, rows.data(),
-             att.data(), M, H, Hkv, D, bs, table_stride, scale, nthreads);
+             att.data(), M, H, Hkv, D, bs, table_stride, scale, nthreads, tree_lo, tree_bits);
     plan_linear(ly.o, att.data(), x, M, nthreads);
     roofline_add_rmsnorm_bf16(x, res.data(), ly.norm2, h.data(), res2.data(), M, hidden, ly.eps2, nthreads);
     std::swap(res, res2);
@@ -892,7 +933,7 @@ def _load(so: Path) -> ctypes.CDLL:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     for fn_name in ("roofline_decode_f32", "roofline_decode_bf16"):
         fn = getattr(lib, fn_name)
-        fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr, ptr]
         fn.restype = None
     lib.roofline_rope_store.argtypes = [ptr] * 3 + [i64] * 3 + [ptr] * 6 + [i64] * 4 + [ctypes.c_int] * 3 + [i64] * 2 \
         + [ctypes.c_int]
@@ -903,7 +944,7 @@ def _load(so: Path) -> ctypes.CDLL:
                                        ctypes.c_int]
     lib.roofline_gemv_w8a8.restype = ctypes.c_int
     lib.roofline_decode_step.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr] + [i64] * 6 + [ctypes.c_int, ctypes.c_float] \
-        + [ptr] * 3 + [i64, ptr, ptr, i64, i64, ctypes.c_int]
+        + [ptr] * 3 + [i64, ptr, ptr, i64, i64, ctypes.c_int, ptr, ptr]
     lib.roofline_decode_step.restype = ctypes.c_int
     lib.roofline_gemv_bf16.argtypes = [ptr] * 4 + [i64] * 2 + [ctypes.c_int]
     lib.roofline_gemv_bf16.restype = ctypes.c_int
@@ -935,7 +976,8 @@ def supports(num_heads: int, head_dim: int, k_cache: torch.Tensor) -> bool:
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, scale: float,
-                           out: torch.Tensor) -> None:
+                           out: torch.Tensor, tree_lo: torch.Tensor | None = None,
+                           tree_bits: torch.Tensor | None = None) -> None:
     """Attention of decode rows over their paged context, written into ``out`` (the rows not named are left).
 
     Args:
@@ -945,9 +987,13 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         seq_lens: [n] int64: row i attends to its first seq_lens[i] cache positions (>= 1).
         rows: [n] int64: row i's index in q and out.
         out: [T, H, D] float32 or bfloat16 (rounded once from the fp32 result), contiguous.
+        tree_lo, tree_bits: optional [n] int64 (both or neither): a token tree's ancestor mask in decode-row form.
+            Row i sees cache position t >= tree_lo[i] only where bit t - tree_lo[i] of tree_bits[i] (two's
+            complement) is set; -1 (all bits) is plain causal. Where tree_bits[i] != -1, seq_lens[i] - tree_lo[i]
+            must be in [1, 64] and the row must see key 0 (tree_lo[i] >= 1, or bit 0 set).
 
     Raises:
-        ValueError: a dtype, layout or size outside :func:`supports` (names it).
+        ValueError: a dtype, layout or size outside :func:`supports`, or a tree row outside those ranges (names it).
     """
     lib = _library()
     if isinstance(lib, str):
@@ -967,12 +1013,27 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
     n = rows.shape[0]
+    if (tree_lo is None) != (tree_bits is None):
+        raise ValueError("tree_lo and tree_bits go together: pass both or neither")
+    if tree_lo is not None:
+        for name, t in (("tree_lo", tree_lo), ("tree_bits", tree_bits)):
+            if t.dtype != torch.int64 or not t.is_contiguous() or t.shape != (n,):
+                raise ValueError(f"{name} must be contiguous int64 [{n}], got {t.dtype} {tuple(t.shape)}")
+        masked = tree_bits != -1
+        span = seq_lens - tree_lo
+        bad = masked & ((span < 1) | (span > 64) | ((tree_lo < 1) & ((tree_bits & 1) == 0)))
+        if bad.any():
+            i = int(bad.nonzero()[0, 0])
+            raise ValueError(f"tree row {i}: seq_lens - tree_lo = {int(span[i])} (allowed 1..64), tree_lo = "
+                             f"{int(tree_lo[i])} with bit 0 {'set' if int(tree_bits[i]) & 1 else 'clear'} (key 0 "
+                             f"must be seen: tree_lo >= 1 or bit 0 set)")
     if n == 0:
         return
     fn = lib.roofline_decode_f32 if k_cache.dtype == torch.float32 else lib.roofline_decode_bf16
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),
        rows.data_ptr(), out.data_ptr(), n, q.shape[1], num_kv_heads, head_dim, k_cache.shape[1],
-       block_tables.stride(0), float(scale), torch.get_num_threads(), int(out.dtype == torch.bfloat16))
+       block_tables.stride(0), float(scale), torch.get_num_threads(), int(out.dtype == torch.bfloat16),
+       None if tree_lo is None else tree_lo.data_ptr(), None if tree_bits is None else tree_bits.data_ptr())
 
 
 def rope_and_store(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,

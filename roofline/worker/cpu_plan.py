@@ -14,8 +14,10 @@ module path's (``tests/worker/test_cpu_plan.py``); the embedding lookup and the 
 It applies where every piece has a C++ kernel: a bf16 model on CPU (``--dtype bfloat16``), the Llama-family dense
 decoder (no q/k norm, no MoE), 16-bit linears packed after loading (``UnquantizedLinearMethod``; more than one row
 needs the AMX-packed copy, so a CPU with AMX-BF16) or ``--quantization int8`` (W8A8 GEMVs: one row only), an fp32
-or bf16 KV cache the C++ attention reads, one process, no speculative decoding, at most
-``cpu_bf16.AMX_MAX_ROWS`` rows (past that the modules run oneDNN's large-M GEMM). ``build`` returns None otherwise,
+or bf16 KV cache the C++ attention reads, one process, at most ``cpu_bf16.AMX_MAX_ROWS`` rows (past that the
+modules run oneDNN's large-M GEMM). Speculative decoding's verify passes run in it too: a chain's are decode rows
+already (``InputPreparer``), and a token tree's become decode rows with the tree's ancestor mask
+(:meth:`CpuDecodePlan.run`); the drafts' own passes run their modules. ``build`` returns None otherwise,
 with the reason, which ``roofline generate`` prints under its start-up CPU line (``CPU decode plan: off (...)``);
 the worker then runs the modules, as before. ``ROOFLINE_CPU_PLAN=0`` turns it off (A/B).
 
@@ -29,6 +31,7 @@ import ctypes
 import logging
 import os
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -90,11 +93,11 @@ class CpuDecodePlan:
         self.max_rows = 1 if one_row_why else AMX_MAX_ROWS
 
     @classmethod
-    def build(cls, model, backend, dtype: torch.dtype, device: torch.device, *, tp_size: int = 1,
-              has_proposer: bool = False) -> tuple[CpuDecodePlan | None, str]:
+    def build(cls, model, backend, dtype: torch.dtype, device: torch.device, *,
+              tp_size: int = 1) -> tuple[CpuDecodePlan | None, str]:
         """(the plan for ``model``, a ``LlamaForCausalLM`` on one process, over ``backend``'s allocated KV pool, and
         ""), or (None, the reason it does not apply; also logged at info). See the module docstring."""
-        why = cls._why_not(model, backend, dtype, device, tp_size, has_proposer)
+        why = cls._why_not(model, backend, dtype, device, tp_size)
         if why is None:
             try:
                 return cls._build(model, backend), ""
@@ -104,15 +107,13 @@ class CpuDecodePlan:
         return None, why
 
     @staticmethod
-    def _why_not(model, backend, dtype, device, tp_size, has_proposer) -> str | None:
+    def _why_not(model, backend, dtype, device, tp_size) -> str | None:
         if not ENABLED:
             return "ROOFLINE_CPU_PLAN=0"
         if device.type != "cpu" or dtype != torch.bfloat16:
             return f"{device.type} {dtype}, not a bf16 model on CPU"
         if tp_size != 1:
             return "tensor parallelism"
-        if has_proposer:
-            return "speculative decoding"
         from roofline.kernels import cpu_bf16
         from roofline.kernels import cpu_paged_attention as cpa
 
@@ -188,8 +189,21 @@ class CpuDecodePlan:
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
         return 1 <= num_seqs <= self.max_rows
 
+    def takes(self, meta) -> bool:
+        """Whether :meth:`run` takes this step: a decode step (a chain verify pass included: its rows are decode
+        rows) or a token-tree verify step (``meta.tree_mask``), of 1 to ``max_rows`` rows in all."""
+        rows = meta.num_seqs if meta.is_decode_only else sum(meta.query_lens_cpu)
+        return (meta.is_decode_only or meta.tree_mask is not None) and 1 <= rows <= self.max_rows
+
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """Hidden states [M, hidden] bf16 of a decode step of M rows (the module path's where the C++ declines)."""
+        """Hidden states [M, hidden] bf16 of a step of M rows that :meth:`takes` (the module path's where the C++
+        declines).
+
+        A tree verify step runs as decode rows too: its query row t of sequence i (q_i rows, L_i keys after the
+        step) is a decode row over the first L_i - q_i + t + 1 cache positions of i's block table, at its own
+        (tree-depth) RoPE position and slot; the last r_i = min(q_i, W) rows of i, the tree region of
+        ``meta.tree_mask`` [S, W], see a region key only where their ancestor bit is set (the C++ attention's
+        ``tree_lo`` / ``tree_bits``). Every row's k/v is stored before any row attends, as in the prefill path."""
         model, backend = self.model, self.backend
         inner = model.model
         x = inner.embed_tokens(input_ids)  # [M, hidden] bf16, a fresh tensor the call overwrites
@@ -198,11 +212,15 @@ class CpuDecodePlan:
             return model(input_ids, positions, meta)
         pos = positions.to(torch.int64).contiguous()
         slots, table = meta.slot_mapping, meta.block_tables
+        tree_lo = tree_bits = None
+        if meta.tree_mask is not None:
+            table, seq_lens, tree_lo, tree_bits = self._tree_rows(meta, m)
+        else:
+            seq_lens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
         if (slots.dtype != torch.int64 or table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != m
                 or table.stride(1) != 1 or pos.shape != (m,) or slots.shape != (m,) or not slots.is_contiguous()
-                or len(meta.seq_lens_cpu) != m):
+                or seq_lens.shape != (m,)):
             return model(input_ids, positions, meta)
-        seq_lens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
         cache = backend.kv_pool.caches[0]
         num_blocks, bs = cache.k.shape[:2]
         ok = self.lib.roofline_decode_step(
@@ -210,10 +228,31 @@ class CpuDecodePlan:
             x.data_ptr(), m, x.shape[1], backend.num_heads, backend.num_kv_heads, backend.head_dim, bs,
             int(self.cache_bf16), backend.scale, pos.data_ptr(), slots.data_ptr(), table.data_ptr(),
             table.stride(0), seq_lens.data_ptr(), backend.rotary.cos_sin_cache.data_ptr(),
-            backend.rotary.cos_sin_cache.shape[0], num_blocks * bs, torch.get_num_threads())
+            backend.rotary.cos_sin_cache.shape[0], num_blocks * bs, torch.get_num_threads(),
+            None if tree_lo is None else tree_lo.data_ptr(), None if tree_bits is None else tree_bits.data_ptr())
         if not ok:
             return model(input_ids, positions, meta)
         return x
+
+    @staticmethod
+    def _tree_rows(meta, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """A tree verify step's decode rows (see :meth:`run`): block tables [M, max_blocks] int32, lengths,
+        ``tree_lo`` and ``tree_bits`` [M] int64 (-1: plain causal)."""
+        q = np.asarray(meta.query_lens_cpu, dtype=np.int64)
+        lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
+        if int(q.sum()) != m:
+            return meta.block_tables, torch.empty(0, dtype=torch.int64), None, None  # declined by the shape check
+        seq = np.repeat(np.arange(len(q)), q)  # [M] each row's sequence
+        first = np.repeat(np.cumsum(q) - q, q)
+        t = np.arange(m) - first  # row t of its sequence
+        row_lens = np.repeat(lens - q, q) + t + 1
+        mask = meta.tree_mask.cpu().numpy()
+        r = np.minimum(q, mask.shape[1])
+        j = t - np.repeat(q - r, q)  # region row, < 0 before the region
+        bits = np.where(j >= 0, mask[seq, np.maximum(j, 0)], -1).astype(np.int64)
+        lo = np.repeat(lens - r, q).astype(np.int64)
+        table = meta.block_tables[torch.from_numpy(seq)].contiguous()
+        return table, torch.from_numpy(row_lens), torch.from_numpy(lo), torch.from_numpy(bits)
 
 
 class _Unsupported(Exception):

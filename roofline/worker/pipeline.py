@@ -32,9 +32,10 @@ class LocalStage:
         """Hidden states [T, H] of the step, the rows that sample and their flat logits indices."""
         w = self.worker
         input_ids, positions, meta, sample_rows, logits_indices = w.prepare_inputs(step)
-        runner = w.graphs if w.graphs is not None else w.cpu_plan  # CUDA graphs, or the CPU's one-call step
-        if runner is not None and meta.is_decode_only and runner.can_run(meta.num_seqs, meta.block_tables.shape[1]):
-            return runner.run(input_ids, positions, meta), sample_rows, logits_indices
+        if w.cpu_plan is not None and w.cpu_plan.takes(meta):  # the CPU's one-call step (decode, verify passes)
+            return w.cpu_plan.run(input_ids, positions, meta), sample_rows, logits_indices
+        if w.graphs is not None and meta.is_decode_only and w.graphs.can_run(meta.num_seqs, meta.block_tables.shape[1]):
+            return w.graphs.run(input_ids, positions, meta), sample_rows, logits_indices
         return w.model(input_ids, positions, meta), sample_rows, logits_indices
 
     def result(self, pending: Any) -> StepOutput:

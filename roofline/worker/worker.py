@@ -138,7 +138,7 @@ class Worker:
         self.cpu_plan: CpuDecodePlan | None = None
         if self.device.type == "cpu" and self.pp.pp_size == 1:
             self.cpu_plan, why = CpuDecodePlan.build(self.model, self.backend, self.dtype, self.device,
-                                                     tp_size=get_tp_size(), has_proposer=self.proposer is not None)
+                                                     tp_size=get_tp_size())
             if self.cpu_summary is not None:  # what `roofline generate` prints at start-up
                 self.cpu_summary += (f"\nCPU decode plan: on ({self.cpu_plan.describe()})"
                                      if self.cpu_plan is not None else f"\nCPU decode plan: off ({why})")

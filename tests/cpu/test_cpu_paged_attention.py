@@ -71,6 +71,73 @@ def test_matches_float64_oracle(cache_dtype, lens, heads, kv_heads, head_dim, bl
             assert torch.all(out[r] == -7.0)  # rows not named are left as they were
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim,block_size", [(9, 3, 64, 16), (8, 2, 128, 16), (6, 6, 32, 64)])
+def test_tree_mask_matches_float64_oracle(cache_dtype, heads, kv_heads, head_dim, block_size):
+    """Decode rows with a token tree's ancestor mask (``tree_lo`` / ``tree_bits``): each row attends to the keys
+    before ``tree_lo`` and to the tree keys whose bit is set, exactly the float64 softmax over that subset. Rows of
+    one sequence share its table (a verify pass's rows); trees straddle block boundaries and reach 64 keys; a row
+    with bits -1 is plain causal; hidden keys hold NaN-free values that would change the result if read."""
+    gen = torch.Generator().manual_seed(head_dim + block_size)
+    lens, cases = [], []  # (sequence length, region start) per sequence; rows: every region key's row
+    for ctx, width in ((30, 5), (block_size - 3, 64 - block_size + 3), (1, 9)):
+        lens.append(ctx + width)
+        cases.append((ctx, width))
+    _, k, v, tables_s, _, _ = _case(lens, heads, kv_heads, head_dim, block_size, cache_dtype, seed=3)
+    row_seq, row_len, row_lo, row_bits = [], [], [], []
+    for s, (ctx, width) in enumerate(cases):
+        own = []
+        for j in range(width):  # node j's parent: a random earlier node, or none (a child of the root)
+            parent = int(torch.randint(-1, j, (), generator=gen)) if j else -1
+            own.append((own[parent] if parent >= 0 else 0) | (1 << j))
+        for j in range(width):
+            bits = own[j] if j != width - 1 or s != 0 else -1  # one plain causal row in the tree's place
+            row_seq.append(s)
+            row_len.append(ctx + j + 1)
+            row_lo.append(ctx)
+            row_bits.append(bits - (1 << 64) if bits >= 1 << 63 else bits)
+    n = len(row_seq)
+    q = torch.randn(n, heads, head_dim, generator=gen)
+    tables = tables_s[torch.tensor(row_seq)].contiguous()
+    lens_t, rows = torch.tensor(row_len), torch.arange(n)
+    lo, bits = torch.tensor(row_lo), torch.tensor(row_bits, dtype=torch.int64)
+    scale = 1 / math.sqrt(head_dim)
+    out = torch.zeros_like(q)
+    cpa.paged_decode_attention(q, k, v, tables, lens_t, rows, scale, out, tree_lo=lo, tree_bits=bits)
+    group = heads // kv_heads
+    for i in range(n):
+        nk = row_len[i]
+        blocks = tables[i, :-(-nk // block_size)]
+        kk = k[blocks].reshape(-1, kv_heads, head_dim)[:nk].double().repeat_interleave(group, dim=1)
+        vv = v[blocks].reshape(-1, kv_heads, head_dim)[:nk].double().repeat_interleave(group, dim=1)
+        seen = torch.tensor([t < row_lo[i] or bool((row_bits[i] >> (t - row_lo[i])) & 1) for t in range(nk)])
+        p = torch.softmax(torch.einsum("hd,nhd->hn", q[i].double(), kk[seen]) * scale, dim=-1)
+        want = torch.einsum("hn,nhd->hd", p, vv[seen])
+        err = (out[i].double() - want).abs().max().item()
+        assert err < 2e-6, (i, err)
+    # A masked row differs from the causal row over the same keys (the mask is applied, not ignored).
+    causal = torch.zeros_like(q)
+    cpa.paged_decode_attention(q, k, v, tables, lens_t, rows, scale, causal)
+    full = [(1 << (row_len[i] - row_lo[i])) - 1 for i in range(n)]
+    differs = [i for i in range(n) if row_bits[i] & full[i] != full[i]]  # rows that hide some key
+    assert differs and all(not torch.allclose(out[i], causal[i]) for i in differs)
+
+
+def test_tree_mask_refuses_rows_out_of_range():
+    q, k, v, tables, lens, rows = _case([80, 10], 9, 3, 64, 16, torch.float32)
+    out = torch.zeros_like(q)
+    with pytest.raises(ValueError, match=r"seq_lens - tree_lo = 70 \(allowed 1..64\)"):
+        cpa.paged_decode_attention(q, k, v, tables, lens, rows, 0.1, out, tree_lo=torch.tensor([10, 5]),
+                                   tree_bits=torch.tensor([3, -1]))
+    with pytest.raises(ValueError, match="tree_lo = 0 with bit 0 clear"):
+        cpa.paged_decode_attention(q, k, v, tables, lens, rows, 0.1, out, tree_lo=torch.tensor([79, 0]),
+                                   tree_bits=torch.tensor([3, 2]))
+    cpa.paged_decode_attention(q, k, v, tables, torch.tensor([80, 2]), rows, 0.1, out,  # bit 0 set: allowed
+                               tree_lo=torch.tensor([79, 0]), tree_bits=torch.tensor([3, 1]))
+    with pytest.raises(ValueError, match="both or neither"):
+        cpa.paged_decode_attention(q, k, v, tables, lens, rows, 0.1, out, tree_lo=torch.tensor([79, 5]))
+
+
 def test_bf16_output_is_the_fp32_result_rounded_once():
     """``out`` in bf16: the kernel writes each named row rounded once from the fp32 result it would have written
     (what the backend did with an fp32 buffer, ``index_select`` and ``.to``), other rows untouched."""

@@ -85,8 +85,6 @@ def test_plan_is_not_built_where_it_does_not_apply(monkeypatch, caplog):
     from roofline.worker.cpu_plan import _linear
 
     assert _linear(worker.model.model.layers[0].self_attn.qkv_proj)[1] == "16-bit weights not packed bf16"
-    assert cpu_plan.CpuDecodePlan.build(worker.model, worker.backend, torch.bfloat16, torch.device("cpu"),
-                                        has_proposer=True) == (None, "speculative decoding")
     # the start-up summary `roofline generate` prints says so
     assert worker.cpu_summary.endswith("CPU decode plan: off (cpu torch.float32, not a bf16 model on CPU)")
 
@@ -103,3 +101,65 @@ def test_plan_names_the_cache_it_cannot_read(caplog):
     assert "block size 128" in caplog.text and "blocks of <= 64 tokens" in caplog.text
     out = llm.generate(["Hello"], SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True), use_tqdm=False)
     assert len(out[0].outputs[0].token_ids) == 4
+
+
+def test_tree_rows_see_exactly_the_reference_mask():
+    """A tree verify step's decode rows (``CpuDecodePlan._tree_rows``): for every query row, the keys its length,
+    ``tree_lo`` and ``tree_bits`` let it see are the row of ``tree_visibility`` (the prefill path's rule), for a
+    tree with the root in its region, one wider than the mask (the root before it), a plain decode row beside
+    them, and a sequence whose region starts at key 0."""
+    import numpy as np
+
+    from roofline.attention.backend import paged_metadata, tree_visibility
+    from roofline.spec_decode.tree import DraftTree, region_mask
+    from roofline.worker.cpu_plan import CpuDecodePlan
+
+    trees = [DraftTree(tokens=np.arange(5), parents=np.array([-1, -1, 0, 1, 2]), depth=np.array([1, 1, 2, 2, 3])),
+             DraftTree(tokens=np.arange(4), parents=np.array([-1, 0, 0, 1]), depth=np.array([1, 2, 2, 3])), None,
+             DraftTree(tokens=np.arange(3), parents=np.array([-1, -1, 0]), depth=np.array([1, 1, 2]))]
+    q = np.array([6, 5, 1, 4])
+    lens = np.array([40, 21, 9, 4])
+    width = 5  # the second tree (4 nodes + root = 5 rows) fills it; the first (6 rows) keeps its root outside
+    mask = np.stack([region_mask(t, width) if t is not None else np.full(width, -1) for t in trees])
+    qsl = np.concatenate([[0], np.cumsum(q)])
+    tables = np.arange(4 * 3, dtype=np.int32).reshape(4, 3)
+    meta = paged_metadata(np.zeros(q.sum(), dtype=np.int64), qsl, lens, tables, torch.device("cpu"), mask)
+    table, row_lens, lo, bits = CpuDecodePlan._tree_rows(meta, int(q.sum()))
+    assert torch.equal(table, torch.from_numpy(np.repeat(tables, q, axis=0)))
+    row = 0
+    for i in range(4):
+        want = tree_visibility(torch.from_numpy(mask[i]), int(q[i]), int(lens[i]))  # [q_i, L_i]
+        for t in range(q[i]):
+            n, b, lo_t = int(row_lens[row]), int(bits[row]), int(lo[row])
+            seen = [k < n and (k < lo_t or b == -1 or bool((b >> (k - lo_t)) & 1)) for k in range(lens[i])]
+            assert seen == want[t].tolist(), (i, t)
+            row += 1
+    assert int(lo[-1]) == 0 and int(bits[-1]) & 1  # the last sequence's region starts at key 0, which it sees
+
+
+def test_tree_verify_passes_run_in_the_plan_and_keep_greedy_output():
+    """EAGLE token trees on a bf16 model: every verify pass (a tree step) runs in the plan, as decode rows with the
+    ancestor mask, and the greedy output equals plain decoding's (which runs in the plan too)."""
+    from roofline import LLM, SamplingParams
+
+    spec = {"method": "eagle", "num_speculative_tokens": 2, "tree_topk": 3, "tree_budget": 6, "adaptive": False}
+    llm = LLM(device="cpu", dtype="bfloat16", max_model_len=512, speculative_config=spec)
+    plan = llm.engine.worker.cpu_plan
+    if plan is None or plan.max_rows == 1:
+        pytest.skip("the plan takes one row on this CPU (no AMX-BF16): verify passes run the modules")
+    trees = {"steps": 0}
+    run = plan.run
+
+    def counted(ids, pos, meta):
+        trees["steps"] += meta.tree_mask is not None
+        return run(ids, pos, meta)
+
+    plan.run = counted
+    plan.lib = counting = _Counting(plan.lib)
+    sp = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    prompts = ["The capital of France is", "Write a short poem about the sea.", "def fibonacci(n):"]
+    got = llm.generate(prompts, sp, use_tqdm=False)
+    assert trees["steps"] > 10 and counting.calls >= trees["steps"]  # every tree step reached the C++ call
+    assert llm.engine.spec_stats.num_accepted_tokens >= 5  # drafted nodes were accepted, not only the roots
+    ref = LLM(device="cpu", dtype="bfloat16", max_model_len=512).generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
