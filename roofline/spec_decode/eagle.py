@@ -33,6 +33,8 @@ from torch import nn
 
 from roofline.attention.backend import get_attention_backend, paged_metadata, slot_mapping
 from roofline.attention.kv_cache import kv_bytes_per_token
+from roofline.kernels.cpu_bf16 import layer_linear, pack_layer, packed_linear, prepack, should_prepack
+from roofline.models.loader import process_weights_after_loading
 from roofline.spec_decode.draft_proposers import AutoregressiveProposer
 from roofline.spec_decode.heads import bundled_head, load_head
 
@@ -159,9 +161,11 @@ class EagleProposer(AutoregressiveProposer):
               "post_attention_layernorm.weight": t["layer.post_attention_layernorm.weight"]}
         layer.load_state_dict(sd, strict=True)
         self.layer = layer.to(device=dev, dtype=dtype).eval()
+        process_weights_after_loading(self.layer)  # as the target's: bf16 on a CPU packs for the AMX GEMM / GEMV
         self.fc = nn.Linear(2 * mc.hidden_size, mc.hidden_size, bias=True)
         self.fc.load_state_dict({"weight": t["fc.weight"], "bias": t["fc.bias"]})
         self.fc = self.fc.to(device=dev, dtype=dtype).eval()
+        pack_layer(self.fc)
         self.embed = worker.model.model.embed_tokens
         # A truncated draft vocabulary: the LM head's rows of ``token_map`` (logits elsewhere -inf, so the draft
         # proposes only mapped tokens and its q is 0 outside them: rejection sampling stays exact).
@@ -172,6 +176,8 @@ class EagleProposer(AutoregressiveProposer):
             w = getattr(worker.model.lm_head, "weight", None)
             if isinstance(w, torch.Tensor) and w.is_floating_point() and w.dim() == 2 and w.shape[1] == mc.hidden_size:
                 self.lm_sub = w.detach()[self.token_map].contiguous()
+        # bf16 on a CPU: the draft LM head packed like the target's (F.linear at a few rows was ~0.3 ms a call)
+        self.lm_sub_packed = prepack(self.lm_sub) if self.lm_sub is not None and should_prepack(self.lm_sub) else None
         self.kv_dtype = worker.kv_dtype
         self.kv_bytes_per_token = kv_bytes_per_token(1, mc.num_key_value_heads, mc.head_dim, worker.kv_dtype)
         self.weight_bytes = sum(p.numel() * p.element_size() for m in (self.layer, self.fc) for p in m.parameters())
@@ -216,10 +222,15 @@ class EagleProposer(AutoregressiveProposer):
                               batch.block_table[rows, :max_blocks], dev)
         meta = self.backend.build_metadata(meta)
         emb = self.embed(torch.from_numpy(next_ids).to(dev))
-        x = self.fc(torch.cat([feats.to(emb.dtype), emb], dim=-1))
+        x = self._fc(torch.cat([feats.to(emb.dtype), emb], dim=-1))
         pos = torch.from_numpy(positions).to(dev)
         out, residual = self.layer(pos, x, None, meta)
         return out + residual
+
+    def _fc(self, x: torch.Tensor) -> torch.Tensor:
+        """fc [T, 2H] -> [T, H]: through its packed copy where it has one (bf16 on a CPU)."""
+        out = layer_linear(self.fc, x, self.fc.bias)
+        return self.fc(x) if out is None else out
 
     def draft_logits(self, worker: Any, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         batch = worker.input_batch
@@ -254,7 +265,10 @@ class EagleProposer(AutoregressiveProposer):
         if self.token_map is None:
             return worker.model.compute_logits(hidden)
         full = torch.full((hidden.shape[0], worker.model_config.vocab_size), float("-inf"), device=hidden.device)
-        if self.lm_sub is not None:
+        if self.lm_sub_packed is not None:
+            full[:, self.token_map] = packed_linear(hidden.to(self.lm_sub.dtype), self.lm_sub_packed,
+                                                    dense=self.lm_sub).float()
+        elif self.lm_sub is not None:
             full[:, self.token_map] = F.linear(hidden.to(self.lm_sub.dtype), self.lm_sub).float()
         else:  # an LM head without a plain weight (quantized): the whole head, masked
             full[:, self.token_map] = worker.model.compute_logits(hidden)[:, self.token_map]
@@ -361,6 +375,6 @@ class EagleProposer(AutoregressiveProposer):
                               batch.block_table[rows, :max_blocks], dev, mask)
         meta = self.backend.build_metadata(meta)
         emb = self.embed(torch.from_numpy(np.concatenate([t.tokens for t in trees])).to(dev))
-        x = self.fc(torch.cat([feats.to(emb.dtype), emb], dim=-1))
+        x = self._fc(torch.cat([feats.to(emb.dtype), emb], dim=-1))
         out, residual = self.layer(torch.from_numpy(rope_pos).to(dev), x, None, meta)
         return out + residual

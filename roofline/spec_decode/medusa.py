@@ -19,6 +19,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from roofline.kernels.cpu_bf16 import packed_linear, prepack, should_prepack
 from roofline.spec_decode.draft_proposers import AutoregressiveProposer
 from roofline.spec_decode.eagle import FeatureStore, check_tree_backend, resolve_head
 from roofline.spec_decode.tree import best_first_tree, place_tree
@@ -42,6 +43,9 @@ class MedusaProposer(AutoregressiveProposer):
         self.weight = torch.stack([t[f"heads.{i}.weight"] for i in range(cfg.num_heads)]).to(dev, dtype)  # [K, H, H]
         self.bias = torch.stack([t[f"heads.{i}.bias"] for i in range(cfg.num_heads)]).to(dev, dtype)  # [K, H]
         self.weight_bytes = self.weight.numel() * self.weight.element_size()
+        # bf16 on a CPU: each head packed like the target's linears (the AMX GEMM / GEMV instead of oneDNN's
+        # unpacked small-M matmul)
+        self.packed = [prepack(w) for w in self.weight] if should_prepack(self.weight[0]) else None
         self.store = FeatureStore(worker.config.scheduler_config.max_num_seqs)
         self.tree_topk = check_tree_backend(self.spec_config, worker)
 
@@ -56,7 +60,10 @@ class MedusaProposer(AutoregressiveProposer):
 
     def heads(self, f: torch.Tensor, k: int) -> torch.Tensor:
         """Head ``k``'s input to the LM head from features ``f`` [R, H] (Medusa-1's residual block)."""
-        return f + F.silu(f.to(self.weight.dtype) @ self.weight[k].T + self.bias[k])
+        x = f.to(self.weight.dtype)
+        if self.packed is not None:
+            return f + F.silu(packed_linear(x, self.packed[k], self.bias[k], dense=self.weight[k]))
+        return f + F.silu(x @ self.weight[k].T + self.bias[k])
 
     def propose_draft_token_ids(self, worker: Any, rows: np.ndarray, num_drafts: np.ndarray) -> dict[int, Any]:
         """A chain (``AutoregressiveProposer``), or with ``tree_topk`` a tree per row: the Cartesian product of

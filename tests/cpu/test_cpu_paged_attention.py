@@ -123,6 +123,45 @@ def test_tree_mask_matches_float64_oracle(cache_dtype, heads, kv_heads, head_dim
     assert differs and all(not torch.allclose(out[i], causal[i]) for i in differs)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("ctx,block_size", [(30, 16), (13, 16), (64, 64), (5, 8)])
+def test_tree_row_is_bit_identical_to_its_path_as_a_chain(cache_dtype, ctx, block_size):
+    """A tree node's row gives exactly the bits of the decode row at the same position once the sequence holds its
+    root-to-node path and nothing else (the decode step after acceptance, or a chain verify pass): the kernel
+    attends to the seen keys as that chain's blocks. Trees straddle block boundaries; every node is checked."""
+    heads, kv_heads, head_dim = 9, 3, 64
+    gen = torch.Generator().manual_seed(ctx * 7 + block_size)
+    parents = [-1, -1, 0, 1, 2, 2, 4, 3, 6, -1, 9, 10]  # breadth-first enough: each parent precedes its child
+    width = len(parents)
+    own = []
+    for j, p in enumerate(parents):
+        own.append((own[p] if p >= 0 else 0) | (1 << j))
+    nb = -(-(ctx + width) // block_size) + 1
+    k = torch.randn(2 * nb + 2, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
+    v = torch.randn(2 * nb + 2, block_size, kv_heads, head_dim, generator=gen).to(cache_dtype)
+    tree_table = torch.arange(nb, dtype=torch.int64) * 2 + 1  # scattered blocks
+    q = torch.randn(width, heads, head_dim, generator=gen)
+    scale = 0.125
+    out = torch.zeros(width, heads, head_dim)
+    cpa.paged_decode_attention(q, k, v, tree_table.repeat(width, 1).contiguous(),
+                               torch.tensor([ctx + j + 1 for j in range(width)]), torch.arange(width), scale, out,
+                               tree_lo=torch.full((width,), ctx), tree_bits=torch.tensor(own))
+    for j in range(width):
+        path = [a for a in range(width) if (own[j] >> a) & 1]  # ancestors and the node, in order
+        # the chain: a copy of the cache whose blocks 2b (unused by the tree) hold the context, then the path
+        kc, vc = k.clone(), v.clone()
+        chain_table = torch.arange(nb, dtype=torch.int64) * 2 + 2
+        src = list(range(ctx)) + [ctx + a for a in path]
+        for t, u in enumerate(src):
+            sb, so = tree_table[u // block_size], u % block_size
+            kc[chain_table[t // block_size], t % block_size] = k[sb, so]
+            vc[chain_table[t // block_size], t % block_size] = v[sb, so]
+        ref = torch.zeros(1, heads, head_dim)
+        cpa.paged_decode_attention(q[j:j + 1].contiguous(), kc, vc, chain_table[None].contiguous(),
+                                   torch.tensor([len(src)]), torch.arange(1), scale, ref)
+        assert torch.equal(out[j], ref[0]), j
+
+
 def test_tree_mask_refuses_rows_out_of_range():
     q, k, v, tables, lens, rows = _case([80, 10], 9, 3, 64, 16, torch.float32)
     out = torch.zeros_like(q)
