@@ -755,36 +755,154 @@ extern "C" int roofline_gemv_w8a8(const void* x, int x_bf16, const int8_t* w, co
 #endif
 }
 #pragma GCC pop_options
+
+// INT8 AMX B-operand tiles for TDPBSSD (roofline.kernels.cpu_int8.amx_pack_int8): w int8 [N, K] -> [N/16][K/64]
+// tiles of 16 rows (k quads) x 16 columns (n) x 4, 1 KiB each: tile[r][4c + i] = w[16n + c][64k + 4r + i]. Returns
+// 0 (nothing written) unless N % 16 == 0 and K % 64 == 0.
+extern "C" int roofline_amx_pack_s8(const int8_t* w, int8_t* out, int64_t N, int64_t K, int nthreads) {
+  if (K % 64 || N % 16) return 0;
+  const int64_t kc = K / 64;
+  #pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t nb = 0; nb < N / 16; ++nb)
+    for (int64_t kb = 0; kb < kc; ++kb) {
+      int8_t* t = out + (nb * kc + kb) * 1024;
+      for (int r = 0; r < 16; ++r)
+        for (int c = 0; c < 16; ++c)
+          for (int i = 0; i < 4; ++i) t[r * 64 + c * 4 + i] = w[(nb * 16 + c) * K + kb * 64 + 4 * r + i];
+    }
+  return 1;
+}
+
+// INT8 W8A8 dynamic GEMM of M rows on AMX tiles (roofline.kernels.cpu_int8.w8a8_dynamic_linear at 1..256 rows): each
+// row quantized as roofline_gemv_w8a8 does (s = max(max_k |x| / 127, 1e-10), q = round-half-even(x / s), |q| <= 127),
+// acc[m, n] = sum_k q[m, k] w[n, k] exact in int32 by TDPBSSD (s8 x s8, Intel SDM), y = (float)acc * (s[m] * ws[n])
+// (+ bias[n]) rounded once to y's dtype: so every row is bit-identical to the GEMV's row and to the torch path, at any
+// M. w packed by roofline_amx_pack_s8. Tiling as roofline_amx_linear_bf16 (32 columns x 32 rows, four C tiles).
+// Returns 0 (nothing written) without AMX-INT8, when the tile state is refused, or unless N % 16 == 0, K % 64 == 0
+// and K <= 16384.
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512F__) \
+    && defined(__AVX512BW__)
+template <int MB, int NB>
+static inline void amx_block_s8(const int8_t* x, int64_t K, const int8_t* w0, int64_t kc, int32_t* cbuf) {
+  const int8_t* w1 = w0 + kc * 1024;
+  _tile_zero(0);
+  if (NB == 2) _tile_zero(1);
+  if (MB == 2) { _tile_zero(2); if (NB == 2) _tile_zero(3); }
+  for (int64_t kb = 0; kb < kc; ++kb) {
+    _tile_loadd(6, w0 + kb * 1024, 64);
+    if (NB == 2) _tile_loadd(7, w1 + kb * 1024, 64);
+    _tile_loadd(4, x + kb * 64, K);
+    _tile_dpbssd(0, 4, 6);
+    if (NB == 2) _tile_dpbssd(1, 4, 7);
+    if (MB == 2) {
+      _tile_loadd(5, x + 16 * K + kb * 64, K);
+      _tile_dpbssd(2, 5, 6);
+      if (NB == 2) _tile_dpbssd(3, 5, 7);
+    }
+  }
+  _tile_stored(0, cbuf, 64);
+  if (NB == 2) _tile_stored(1, cbuf + 256, 64);
+  if (MB == 2) { _tile_stored(2, cbuf + 512, 64); if (NB == 2) _tile_stored(3, cbuf + 768, 64); }
+}
+#endif
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")  // the scale product, then the bias add, as roofline_gemv_w8a8
+extern "C" int roofline_amx_linear_w8a8(const void* x, int x_bf16, const int8_t* wp, const float* ws,
+                                        const void* bias, int bias_bf16, void* y, int y_bf16, int64_t M, int64_t N,
+                                        int64_t K, int nthreads) {
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AMX_INT8__) && defined(__AVX512F__) \
+    && defined(__AVX512BW__)
+  if (K % 64 || N % 16 || K > 16384 || M < 1 || !amx_permitted()) return 0;
+  std::vector<int8_t> q(M * K);
+  std::vector<float> sx(M);
+  for (int64_t m = 0; m < M; ++m) {
+    float amax = 0.f;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = x_bf16 ? widen(((const uint16_t*)x)[m * K + k]) : ((const float*)x)[m * K + k];
+      const float a = std::fabs(v);
+      amax = a > amax ? a : amax;
+    }
+    float s = amax / 127.0f;
+    s = s < 1e-10f ? 1e-10f : s;
+    sx[m] = s;
+    for (int64_t k = 0; k < K; ++k) {
+      const float v = x_bf16 ? widen(((const uint16_t*)x)[m * K + k]) : ((const float*)x)[m * K + k];
+      q[m * K + k] = (int8_t)(int)std::nearbyint(v / s);
+    }
+  }
+  const int64_t kc = K / 64, nsb = (N + 31) / 32;
+  #pragma omp parallel num_threads(nthreads)
+  {
+    int configured = -1;
+    alignas(64) int32_t cbuf[1024];
+    #pragma omp for schedule(static)
+    for (int64_t sb = 0; sb < nsb; ++sb) {
+      const int nb = N - sb * 32 >= 32 ? 2 : 1;
+      const int8_t* w0 = wp + sb * 2 * kc * 1024;
+      for (int64_t mc = 0; mc < M; mc += 32) {
+        const int rows = M - mc < 32 ? (int)(M - mc) : 32;
+        const int m0 = rows < 16 ? rows : 16, m1 = rows - m0;
+        if (rows != configured) { amx_configure(m0, m1); configured = rows; }
+        const int8_t* xc = q.data() + mc * K;
+        if (m1) { if (nb == 2) amx_block_s8<2, 2>(xc, K, w0, kc, cbuf); else amx_block_s8<2, 1>(xc, K, w0, kc, cbuf); }
+        else { if (nb == 2) amx_block_s8<1, 2>(xc, K, w0, kc, cbuf); else amx_block_s8<1, 1>(xc, K, w0, kc, cbuf); }
+        for (int mb = 0; mb < (m1 ? 2 : 1); ++mb)
+          for (int j = 0; j < nb; ++j)
+            for (int r = 0; r < (mb ? m1 : m0); ++r) {
+              const int64_t m = mc + mb * 16 + r;
+              for (int c = 0; c < 16; ++c) {
+                const int64_t n = sb * 32 + j * 16 + c;
+                float o = (float)cbuf[(mb * 2 + j) * 256 + r * 16 + c] * (sx[m] * ws[n]);
+                if (bias) o += bias_bf16 ? widen(((const uint16_t*)bias)[n]) : ((const float*)bias)[n];
+                if (y_bf16) ((uint16_t*)y)[m * N + n] = narrow(o); else ((float*)y)[m * N + n] = o;
+              }
+            }
+      }
+    }
+    if (configured >= 0) _tile_release();
+  }
+  return 1;
+#else
+  (void)x; (void)x_bf16; (void)wp; (void)ws; (void)bias; (void)bias_bf16; (void)y; (void)y_bf16; (void)M; (void)N;
+  (void)K; (void)nthreads;
+  return 0;
+#endif
+}
+#pragma GCC pop_options
 // A whole decode step's decoder layers in one call (roofline.worker.cpu_plan.CpuDecodePlan): the same C++ pieces the
 // modules call one by one, in the modules' order and with their arguments, so the result is bit-identical to the
 // module path; what it removes is the Python between them (~230 us a layer at one row). Per layer:
 // h = rmsnorm(x [+ residual]); qkv = h W_qkv^T (+ b); RoPE + the KV store; attention over each row's blocks (bf16
 // out); o = a W_o^T; h = rmsnorm(o + residual); gate_up; SiLU-and-mul; x = down. Then the final norm into x.
 // A linear is bf16 (kind 0: W [N, K] bf16, its AMX tiles or null, bias bf16 or null) or INT8 W8A8 (kind 1: W int8
-// [N, K], scale fp32 [N], bias bf16/fp32 or null; one row only). Returns 0 with nothing written where a piece would
+// [N, K], scale fp32 [N], bias bf16/fp32 or null, its AMX-INT8 tiles or null: one row only without them). Returns 0 with nothing written where a piece would
 // decline (no AVX-512 BF16 / VNNI, a K it does not take, no AMX tiles past one row, a position, slot or block out
 // of range, a row's blocks past its table).
 struct RooflineLinear { int32_t kind; int32_t bias_bf16; const void* w; const float* scale; const void* bias;
-                        int64_t N, K; const uint16_t* amx; };
+                        int64_t N, K; const void* amx; };
 struct RooflineLayer { const uint16_t* norm1; const uint16_t* norm2; float eps1, eps2;
                        RooflineLinear qkv, o, gate_up, down; void* k_cache; void* v_cache; };
 
 // A linear of the plan on M rows, as roofline.kernels.cpu_bf16.packed_linear / cpu_int8 run it: kind 0 (bf16) the
 // AMX GEMM on the packed copy at any M where there is one (its rows do not depend on M), else the GEMV (one row);
-// kind 1 (INT8 W8A8) the GEMV, one row only.
+// kind 1 (INT8 W8A8) the GEMV at one row, the AMX-INT8 GEMM on the packed copy (amx: int8 tiles) at more (the same
+// bits: exact int32 sums either way).
 static int plan_linear(const RooflineLinear& l, const uint16_t* x, uint16_t* y, int64_t M, int nthreads) {
   if (l.kind == 0) {
     if (l.amx == nullptr) return roofline_gemv_bf16(x, (const uint16_t*)l.w, (const uint16_t*)l.bias, y, l.N, l.K,
                                                     nthreads);
-    return roofline_amx_linear_bf16(x, l.amx, (const uint16_t*)l.bias, y, M, l.N, l.K, nthreads);
+    return roofline_amx_linear_bf16(x, (const uint16_t*)l.amx, (const uint16_t*)l.bias, y, M, l.N, l.K,
+                                    nthreads);
   }
+  if (M > 1) return roofline_amx_linear_w8a8(x, 1, (const int8_t*)l.amx, l.scale, l.bias, l.bias_bf16, y, 1, M, l.N,
+                                             l.K, nthreads);
   return roofline_gemv_w8a8(x, 1, (const int8_t*)l.w, l.scale, l.bias, l.bias_bf16, y, 1, l.N, l.K, nthreads);
 }
 
 static bool plan_linear_ok(const RooflineLinear& l, int64_t M) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (l.kind == 0) return l.K % 32 == 0 && (l.amx != nullptr ? l.N % 16 == 0 : M == 1);
-  return l.kind == 1 && M == 1 && l.K % 64 == 0 && l.K <= 16384;
+  return l.kind == 1 && l.K % 64 == 0 && l.K <= 16384 && (M == 1 || (l.amx != nullptr && l.N % 16 == 0));
 #else
   (void)l; (void)M;
   return false;
@@ -952,6 +1070,11 @@ def _load(so: Path) -> ctypes.CDLL:
     lib.roofline_amx_pack_bf16.restype = ctypes.c_int
     lib.roofline_amx_linear_bf16.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]
     lib.roofline_amx_linear_bf16.restype = ctypes.c_int
+    lib.roofline_amx_pack_s8.argtypes = [ptr] * 2 + [i64] * 2 + [ctypes.c_int]
+    lib.roofline_amx_pack_s8.restype = ctypes.c_int
+    lib.roofline_amx_linear_w8a8.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int, ptr, ctypes.c_int,
+                                             i64, i64, i64, ctypes.c_int]
+    lib.roofline_amx_linear_w8a8.restype = ctypes.c_int
     lib.roofline_add_rmsnorm_bf16.argtypes = [ptr] * 5 + [i64] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.roofline_add_rmsnorm_bf16.restype = None
     return lib

@@ -13,7 +13,8 @@ module path's (``tests/worker/test_cpu_plan.py``); the embedding lookup and the 
 
 It applies where every piece has a C++ kernel: a bf16 model on CPU (``--dtype bfloat16``), the Llama-family dense
 decoder (no q/k norm, no MoE), 16-bit linears packed after loading (``UnquantizedLinearMethod``; more than one row
-needs the AMX-packed copy, so a CPU with AMX-BF16) or ``--quantization int8`` (W8A8 GEMVs: one row only), an fp32
+needs the AMX-packed copy, so a CPU with AMX-BF16) or ``--quantization int8`` (W8A8: the GEMV at one row, the
+AMX-INT8 GEMM at more, so a CPU with AMX-INT8 past one row), an fp32
 or bf16 KV cache the C++ attention reads, one process, at most ``cpu_bf16.AMX_MAX_ROWS`` rows (past that the
 modules run oneDNN's large-M GEMM). Speculative decoding's verify passes run in it too: a chain's are decode rows
 already (``InputPreparer``), and a token tree's become decode rows with the tree's ancestor mask
@@ -75,8 +76,10 @@ def _linear(module) -> tuple[_Linear, str | None]:
             return _Linear(), "INT8 weights not in the CPU layout"
         if bias is not None and (bias.dtype not in (torch.bfloat16, torch.float32) or not bias.is_contiguous()):
             return _Linear(), "a bias that is not bf16 or fp32"
+        amx = getattr(module, "amx_qweight", None)  # AMX-INT8 tiles for more than one row, or None
         return _Linear(1, int(bias is not None and bias.dtype == torch.bfloat16), q.data_ptr(), s.data_ptr(),
-                       None if bias is None else bias.data_ptr(), q.shape[0], q.shape[1], None), None
+                       None if bias is None else bias.data_ptr(), q.shape[0], q.shape[1],
+                       None if amx is None else amx.data_ptr()), None
     return _Linear(), f"the {type(method).__name__} weight format"
 
 
@@ -172,12 +175,11 @@ class CpuDecodePlan:
         if any(ly.qkv.N != qkv_n or ly.o.K != backend.num_heads * backend.head_dim or ly.gate_up.N != 2 * ly.down.K
                for ly in layers):
             raise _Unsupported("projection sizes that do not match the heads")
-        # More than one row needs every bf16 linear's AMX copy (INT8 W8A8 and oneDNN-packed weights: one row).
+        # More than one row needs every linear's AMX copy (bf16 tiles, or INT8 tiles for W8A8; oneDNN-packed: one row).
         one_row_why = ""
-        if any(ly.qkv.kind == 1 for ly in layers):
-            one_row_why = "INT8 W8A8 linears"
-        elif not all(getattr(ly, name).amx for ly in layers for name in ("qkv", "o", "gate_up", "down")):
-            one_row_why = "no AMX tiles: ROOFLINE_CPU_AMX=0, or no AMX-BF16 on this CPU"
+        if not all(getattr(ly, name).amx for ly in layers for name in ("qkv", "o", "gate_up", "down")):
+            one_row_why = ("INT8 W8A8 linears without AMX-INT8 tiles" if any(ly.qkv.kind == 1 for ly in layers)
+                           else "no AMX tiles: ROOFLINE_CPU_AMX=0, or no AMX-BF16 on this CPU")
         return cls(cpu_bf16._cpp_library(), layers, model, backend, cache_bf16, one_row_why)
 
     def describe(self) -> str:

@@ -44,7 +44,9 @@ def test_plan_is_bit_identical_to_the_modules(kv, quantization):
     if plan is None:
         pytest.skip("the plan does not apply on this CPU (no AVX-512 VNNI / BF16 GEMVs)")
     multi = plan.max_rows > 1
-    assert multi == (quantization is None and cpu_bf16.amx_available())
+    from roofline.kernels.cpu_int8 import amx_int8_available
+
+    assert multi == (cpu_bf16.amx_available() and (quantization is None or amx_int8_available()))
     if worker.cpu_summary is not None:
         assert worker.cpu_summary.endswith(f"CPU decode plan: on ({plan.describe()})")
         assert ("1-256 rows" in plan.describe()) == multi
@@ -54,7 +56,7 @@ def test_plan_is_bit_identical_to_the_modules(kv, quantization):
     got = llm.generate(prompts[:1], sp, use_tqdm=False)
     assert counting.calls == 23  # every decode step of the one row (the first token comes from the prefill)
     batch = llm.generate(prompts, sp, use_tqdm=False)  # one prefill step, then 23 decode steps of three rows
-    assert counting.calls == (46 if multi else 23)  # INT8: the W8A8 GEMVs take one row, the modules run
+    assert counting.calls == (46 if multi else 23)  # without AMX tiles the plan takes one row, the modules run
     worker.cpu_plan = None
     _same(got, llm.generate(prompts[:1], sp, use_tqdm=False))
     _same(batch, llm.generate(prompts, sp, use_tqdm=False))
@@ -141,22 +143,23 @@ def test_tree_rows_see_exactly_the_reference_mask():
     assert int(lo[-1]) == 0 and int(bits[-1]) & 1  # the last sequence's region starts at key 0, which it sees
 
 
-@pytest.mark.parametrize("spec", [
-    {"method": "eagle", "num_speculative_tokens": 2, "tree_topk": 3, "tree_budget": 6},
-    {"method": "medusa", "num_speculative_tokens": 2, "tree_topk": 3, "tree_budget": 6},
-    {"method": "eagle", "num_speculative_tokens": 2},  # a chain: its verify rows are decode rows
+@pytest.mark.parametrize("spec,quantization", [
+    ({"method": "eagle", "num_speculative_tokens": 2, "tree_topk": 3, "tree_budget": 6}, None),
+    ({"method": "medusa", "num_speculative_tokens": 2, "tree_topk": 3, "tree_budget": 6}, None),
+    ({"method": "eagle", "num_speculative_tokens": 2}, None),  # a chain: its verify rows are decode rows
+    ({"method": "eagle", "num_speculative_tokens": 2, "tree_topk": 3, "tree_budget": 6}, "int8"),  # AMX-INT8 rows
 ])
-def test_verify_passes_run_in_the_plan_and_keep_greedy_output_bit_exact(spec):
+def test_verify_passes_run_in_the_plan_and_keep_greedy_output_bit_exact(spec, quantization):
     """Speculation on a bf16 model: every verify pass runs in the plan (a token tree as decode rows whose attention
     sees each node's path as a chain would), and the greedy output equals plain decoding's token for token: the
     AMX GEMM's rows do not depend on M, and a node's attention is its path's decode row bit for bit."""
     from roofline import LLM, SamplingParams
 
     spec = dict(spec, adaptive=False)
-    llm = LLM(device="cpu", dtype="bfloat16", max_model_len=512, speculative_config=spec)
+    llm = LLM(device="cpu", dtype="bfloat16", max_model_len=512, speculative_config=spec, quantization=quantization)
     plan = llm.engine.worker.cpu_plan
     if plan is None or plan.max_rows == 1:
-        pytest.skip("the plan takes one row on this CPU (no AMX-BF16): verify passes run the modules")
+        pytest.skip("the plan takes one row on this CPU (no AMX tiles): verify passes run the modules")
     trees = {"steps": 0}
     run = plan.run
 
@@ -174,5 +177,6 @@ def test_verify_passes_run_in_the_plan_and_keep_greedy_output_bit_exact(spec):
     assert steps > 10 and trees["steps"] == (steps if "tree_topk" in spec else 0)
     assert counting.calls >= steps  # every verify pass reached the C++ call
     assert llm.engine.spec_stats.num_accepted_tokens >= 5  # drafted nodes were accepted, not only the roots
-    ref = LLM(device="cpu", dtype="bfloat16", max_model_len=512).generate(prompts, sp, use_tqdm=False)
+    ref = LLM(device="cpu", dtype="bfloat16", max_model_len=512, quantization=quantization).generate(
+        prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
