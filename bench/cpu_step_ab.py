@@ -1,0 +1,26 @@
+"""Decode step time of the default model on CPU at batch 1 and 32, generate-level: (time of 129 tokens - time of 1
+token) / 128 per batch, best of 2, after a warm-up. Run once per code tree to A/B them, alternated:
+
+    for i in 1 2; do for t in OLD_TREE NEW_TREE; do PYTHONPATH=$t python bench/cpu_step_ab.py $t int8; done; done
+
+Arguments: a label, the quantization (``none``, ``int8``, ...); ``--dtype bfloat16`` throughout."""
+
+import sys
+import time
+
+from roofline import LLM, SamplingParams
+
+label, quant = sys.argv[1], sys.argv[2]
+llm = LLM(device="cpu", dtype="bfloat16", quantization=None if quant == "none" else quant, max_model_len=1024)
+for batch in (1, 32):
+    prompts = [f"Write a long story number {i} about a lighthouse keeper and the sea." for i in range(batch)]
+
+    def timed(n: int) -> float:
+        sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        t0 = time.perf_counter()
+        llm.generate(prompts, sp, use_tqdm=False)
+        return time.perf_counter() - t0
+
+    timed(4)
+    best = min((timed(129) - timed(1)) / 128 for _ in range(2))
+    print(f"RESULT {label} {quant} batch {batch}: {best * 1e3:.2f} ms/step", flush=True)
