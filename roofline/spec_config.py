@@ -6,6 +6,7 @@ Frozen and validated once in ``__post_init__``; errors name the offending value 
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Any
 
@@ -114,6 +115,10 @@ class SpeculativeConfig:
             if self.model is not None and not (isinstance(self.model, str) and self.model):
                 raise ValueError(f"speculative_config model must be a {self.method} head directory (written by "
                                  f"`roofline train-draft --method {self.method}`), got {self.model!r}")
+            if self.model is not None and not os.path.isdir(self.model):  # before the target loads
+                what = "is not a directory" if os.path.exists(self.model) else "does not exist"
+                raise ValueError(f"speculative_config model {self.model!r} {what}: give a {self.method} head "
+                                 f"directory written by `roofline train-draft --method {self.method}`")
             return
         if self.method != "draft_model":
             return  # another registered proposer: its options are its own

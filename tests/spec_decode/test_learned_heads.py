@@ -304,3 +304,14 @@ def test_token_map_counts_the_regenerated_answers():
     assert train.token_map_from(seqs, 5, 10).tolist() == [3, 5, 7, 0, 1]
     with pytest.raises(ValueError, match=r"--draft-vocab-size must be in \[1, 10\], got 11"):
         train.token_map_from(seqs, 11, 10)
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_a_missing_head_directory_is_refused_before_the_target_loads(method, tmp_path):
+    from roofline.spec_config import SpeculativeConfig
+
+    with pytest.raises(ValueError, match=rf"model '{tmp_path}/none' does not exist: give a {method} head directory"):
+        SpeculativeConfig(method=method, num_speculative_tokens=2, model=str(tmp_path / "none"))
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="is not a directory"):
+        SpeculativeConfig(method=method, num_speculative_tokens=2, model=str(tmp_path / "file"))
