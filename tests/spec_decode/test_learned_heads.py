@@ -315,3 +315,35 @@ def test_a_missing_head_directory_is_refused_before_the_target_loads(method, tmp
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is not a directory"):
         SpeculativeConfig(method=method, num_speculative_tokens=2, model=str(tmp_path / "file"))
+
+
+def test_feature_store_appends_replaces_accepts_and_drops():
+    """``FeatureStore`` (a doubling buffer per row): appends a step's rows at the row's computed count, replaces
+    rejected positions, keeps a tree's root and accepted path, drops the head, and refuses unobserved ranges."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from roofline.spec_decode.eagle import FeatureStore
+
+    store = FeatureStore(2)
+    batch = SimpleNamespace(row_of={7: 1}, num_computed_tokens=np.zeros(2, dtype=np.int64))
+    worker = SimpleNamespace(input_batch=batch)
+    feats = torch.arange(200 * 3, dtype=torch.float32).reshape(200, 3)  # feature of position p: row p
+    for c, n in ((0, 70), (70, 1), (71, 5)):  # a prefill past the first capacity, a decode step, a verify pass
+        batch.num_computed_tokens[1] = c
+        store.observe(worker, SimpleNamespace(scheduled=[(7, n)]), feats[c:c + n].clone())
+    assert torch.equal(store.get(1, 0, 76), feats[:76])
+    batch.num_computed_tokens[1] = 72  # drafts at 72.. were rejected: the next step rewrites from 72
+    store.observe(worker, SimpleNamespace(scheduled=[(7, 2)]), -feats[72:74])
+    assert torch.equal(store.get(1, 70, 74), torch.cat([feats[70:72], -feats[72:74]]))
+    with pytest.raises(RuntimeError, match=r"positions \[70, 75\) were not observed \(held: \[0, 74\)\)"):
+        store.get(1, 70, 75)
+    store.accept_tree(1, 71, [1])  # root at 71, node 1 (at 73) accepted: it now holds position 72
+    assert torch.equal(store.get(1, 70, 73), torch.cat([feats[70:72], -feats[73:74]]))
+    store.drop_before(1, 60)
+    assert torch.equal(store.get(1, 60, 73), torch.cat([feats[60:72], -feats[73:74]]))
+    with pytest.raises(RuntimeError, match="held: \\[60, 73\\)"):
+        store.get(1, 59, 61)
+    store.reset(1)
+    assert store.feats(1) is None
