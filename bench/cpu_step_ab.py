@@ -15,7 +15,7 @@ llm = LLM(device="cpu", dtype="bfloat16", quantization=None if quant == "none" e
 for batch in (1, 32):
     prompts = [f"Write a long story number {i} about a lighthouse keeper and the sea." for i in range(batch)]
 
-    def timed(n: int) -> float:
+    def timed(n: int, prompts: list[str] = prompts) -> float:
         sp = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
         t0 = time.perf_counter()
         llm.generate(prompts, sp, use_tqdm=False)
