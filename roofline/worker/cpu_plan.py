@@ -7,8 +7,9 @@ modules: on the default model that Python was about half of a batch-1 token (~7 
 Xeon of 2026-12-04) and ~10 ms of a 36.5 ms batch-32 forward. ``CpuDecodePlan`` collects, once, each layer's
 weight, norm and KV-cache pointers into a C array, and a decode-only step then runs every decoder layer and the
 final norm in one call (``roofline_decode_step`` in ``roofline.kernels.cpu_paged_attention``'s library). It calls
-the same C++ pieces as the modules, in the same order with the same arguments (the one-row GEMVs at one row, the
-AMX GEMM of ``roofline.kernels.cpu_bf16.amx_linear`` at more), so its hidden states are bit-identical to the
+the same C++ pieces as the modules, in the same order with the same arguments (the AMX GEMM of
+``roofline.kernels.cpu_bf16.amx_linear`` at any row count where the weights have AMX tiles, whose rows do not depend
+on M; else the one-row GEMVs), so its hidden states are bit-identical to the
 module path's (``tests/worker/test_cpu_plan.py``); the embedding lookup and the LM head stay in torch.
 
 It applies where every piece has a C++ kernel: a bf16 model on CPU (``--dtype bfloat16``), the Llama-family dense
