@@ -2,6 +2,13 @@
 graphs as configured) under ``torch.profiler``; prints the kernels by total time per step, their count per
 step, and the sum against the step's wall time and floor.
 
+With programmatic dependent launch a kernel starts before its predecessor ends and waits (``gdc_wait``) inside,
+so its duration counts time that another kernel also counts, and the durations do not add up to the step. The
+second table attributes the GPU timeline instead: kernels sorted by start, each is charged the time by which it
+moves the running end of the timeline (``max(0, end_i - max_{j<i} end_j)``), and the idle gaps between kernels
+are charged to the kernel after them. These charges sum to the GPU busy span, so they say which kernels (and
+gaps) make the step, i.e. what a faster kernel would actually save.
+
 Usage (H200, repo root): PYTHONPATH=. python bench/gpu_decode_profile.py --model qwen3-30b-a3b --batch 1
     [--context 512] [--steps 8] [--quantization int8] [--enforce-eager] [--out OUT.json]
 """
@@ -15,6 +22,29 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+
+def timeline_charges(prof, cuda: bool) -> tuple[dict[str, float], dict[str, float], float]:
+    """(charged us by kernel name, idle gap us charged by name, busy span us) of the profiled device kernels."""
+    import torch
+
+    dev = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    evs = sorted(((ev.time_range.start, ev.time_range.end, ev.name) for ev in prof.events()
+                  if ev.device_type == dev), key=lambda e: e[0])
+    charged: dict[str, float] = {}
+    gaps: dict[str, float] = {}
+    span = 0.0
+    front = None
+    for start, end, name in evs:
+        if front is None:
+            front = start
+        gap = max(0.0, start - front)
+        step = max(0.0, end - max(front, start))
+        charged[name] = charged.get(name, 0.0) + gap + step
+        gaps[name] = gaps.get(name, 0.0) + gap
+        span += gap + step
+        front = max(front, end)
+    return charged, gaps, span
 
 
 def main(argv=None) -> int:
@@ -52,6 +82,8 @@ def main(argv=None) -> int:
     # steps executed under the profiler: the async timing launches one more step than it times
     n = len(times) + (1 if engine.config.async_scheduling else 0)
     rows = sorted(((name, sum(v) / n, len(v) / n) for name, v in kernels.items()), key=lambda r: -r[1])
+    charged, gaps, span = timeline_charges(prof, cuda)
+    ch_rows = sorted(((name, charged[name] / n, gaps.get(name, 0.0) / n) for name in charged), key=lambda r: -r[1])
     total = sum(r[1] for r in rows)
     launches = sum(r[2] for r in rows)
     w = engine.worker
@@ -62,10 +94,16 @@ def main(argv=None) -> int:
     print(f"{'us/step':>9} {'n/step':>7} {'us each':>8}  kernel")
     for name, us, cnt in rows[:args.top]:
         print(f"{us:>9.1f} {cnt:>7.1f} {us / max(cnt, 1e-9):>8.2f}  {name[:110]}")
+    print(f"timeline: GPU span {span / n / 1e3:.3f} ms/step, idle gaps {sum(gaps.values()) / n / 1e3:.3f} ms/step; "
+          "charged = how far each kernel moves the timeline's end (its gap before it included)")
+    print(f"{'charged':>9} {'gap':>7}  kernel")
+    for name, us, gap in ch_rows[:args.top]:
+        print(f"{us:>9.1f} {gap:>7.1f}  {name[:110]}")
     if args.out:
         Path(args.out).write_text(json.dumps(dict(model=args.model, batch=args.batch, context=args.context,
                                                   step_ms=step_ms, kernel_us_per_step=total,
-                                                  launches_per_step=launches,
+                                                  launches_per_step=launches, span_us_per_step=span / n,
+                                                  charged=[dict(name=a, us=b, gap_us=c) for a, b, c in ch_rows],
                                                   kernels=[dict(name=a, us=b, count=c) for a, b, c in rows]),
                                              indent=1))
     engine.executor.shutdown()

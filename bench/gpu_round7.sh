@@ -10,6 +10,8 @@
 #   decode    roofline bench decode --model qwen3-30b-a3b --batch-sizes $BATCHES (1) --contexts 512
 #   moe       roofline bench moe --model qwen3-30b-a3b --tokens 1,8 --quantization none,int8,fp8
 #   profile   bench/gpu_decode_profile.py --model qwen3-30b-a3b --batch 1 (kernels per step)
+#   timelines bench/gpu_decode_profile.py (kernels and timeline charges per step) for each MODEL:QUANT of $TIMELINES
+#             (qwen3-30b-a3b:none llama-3-8b:none llama-3-8b:int4), batch 1, one process each
 #   gputests  pytest -m gpu on $TESTS (default: tests/moe and the attention/RoPE/PDL kernel tests), slowest 15 listed
 #   ab        roofline bench decode at batch 1 for each of $AB_MODELS (qwen3-30b-a3b,llama-3-8b), alternating the
 #             code in $AB_BASE (a `git archive` of the baseline commit, carried as an ignored path) and this tree,
@@ -50,6 +52,13 @@ for step in "$@"; do
     timeout $(left 120) python3 bench/gpu_decode_profile.py --model qwen3-30b-a3b --batch 1 ${PROFILE_ARGS:-} \
       --out "$OUT/profile.json" > "$OUT/profile.log" 2>&1
     echo "rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/profile.log" | grep -E "^model|^ +[0-9]" | head -30 | tee -a "$OUT/log" ;;
+  timelines)
+    for mq in ${TIMELINES:-qwen3-30b-a3b:none llama-3-8b:none llama-3-8b:int4}; do
+      m=${mq%%:*}; q=${mq##*:}; qa=(); [ "$q" = none ] || qa=(--quantization "$q")
+      timeout $(left ${TIMELINE_S:-80}) python3 bench/gpu_decode_profile.py --model "$m" --batch 1 "${qa[@]}" --top 30 \
+        --out "$OUT/timeline-$m-$q.json" > "$OUT/timeline-$m-$q.log" 2>&1
+      echo "$mq rc $?" | tee -a "$OUT/log"; grep -vi warn "$OUT/timeline-$m-$q.log" | grep -E "^model|^timeline" | tee -a "$OUT/log"
+    done ;;
   gputests)
     timeout $(left 400) python3 -m pytest -q -m gpu --tb=short -p no:cacheprovider --durations=15 \
       ${TESTS:-tests/moe tests/kernels/test_pdl.py tests/kernels/test_rope_cache.py tests/kernels/test_triton_attention_backend.py} \
