@@ -69,8 +69,10 @@ for step in "$@"; do
       for rep in 1 2; do
         for side in base head; do
           path=$(pwd); [ $side = base ] && path=$(cd "${AB_BASE:-.ab/base}" && pwd)
-          PYTHONPATH=$path timeout $(left 90) python3 -m roofline.cli bench decode --model $model --batch-sizes 1 \
-            --contexts 512 --steps 16 --out-dir "$OUT/ab-$side" > "$OUT/ab.log" 2>&1
+          # Run from the tree's own directory: `python -m` puts the cwd ahead of PYTHONPATH on sys.path, so from
+          # the repo root the base side would import this tree (the A/Bs before 2026-12-05 17:00 did).
+          (cd "$path" && PYTHONPATH=$path timeout $(left 90) python3 -m roofline.cli bench decode --model $model \
+            --batch-sizes 1 --contexts 512 --steps 16 --out-dir "$OUT/ab-$side" > "$OUT/ab.log" 2>&1)
           echo "$model $side rep $rep rc $?: $(grep -E '^ +1 +512' "$OUT/ab.log" | tail -1)" | tee -a "$OUT/log"
         done
       done
