@@ -54,6 +54,31 @@ def test_regenerate_and_features(tiny, tiny_data):
     torch.testing.assert_close(torch.log_softmax(feats[0] @ head.T, -1), lp, atol=1e-4, rtol=1e-4)
 
 
+def test_batched_features_equal_the_engine_path(tiny, tiny_data):
+    """The plain-torch batched features (right-padded batches, longest first, several batches) equal the
+    engine's one-sequence-at-a-time features within fp32 rounding; a time limit leaves None for the rest."""
+    seqs, feats = tiny_data
+    got = train.batched_target_features(tiny, seqs, batch_tokens=64)  # 2-4 sequences a batch: padding inside
+    assert got is not None and len(got) == len(seqs)
+    for g, f in zip(got, feats, strict=True):
+        assert g.shape == f.shape and g.dtype == torch.float32
+        torch.testing.assert_close(g, f, atol=2e-4, rtol=2e-4)
+    part = train.batched_target_features(tiny, seqs, max_seconds=0.0, batch_tokens=64)
+    done = [f is not None for f in part]
+    assert 0 < sum(done) < len(seqs)  # the first (longest) batch only
+    lens = [len(ids) for ids, _ in seqs]
+    assert min(n for n, d in zip(lens, done, strict=True) if d) >= max(n for n, d in zip(lens, done, strict=True)
+                                                                       if not d)  # longest first
+
+
+def test_batched_features_refuse_a_target_that_is_not_plain_llama(tiny, monkeypatch):
+    import dataclasses
+
+    w = tiny.engine.worker
+    monkeypatch.setattr(w, "model_config", dataclasses.replace(w.model_config, qk_norm=True))
+    assert train.batched_target_features(tiny, [([1, 2, 3], 1)]) is None
+
+
 @pytest.mark.parametrize(("method", "factor"), [("eagle", 0.8), ("medusa", 0.95)])
 def test_training_loss_falls(heads, method, factor, tmp_path):
     """The last 4 steps' mean loss is below ``factor`` x the first 4's (Medusa's heads start as the target's
