@@ -204,6 +204,8 @@ class LLM:
                     engine.add_request(request_id, prompt, params, stream=False)
                 except ValueError as e:
                     token_ids = list(prompt) if isinstance(prompt, (list, tuple)) else []
+                    if isinstance(prompt, str) and prompt and engine.tokenizer is not None:
+                        token_ids = engine.tokenize(prompt)  # e.g. too long: the caller sees how long
                     results[i] = RequestOutput(request_id, text, token_ids, [], finished=True, error=str(e))
                     continue
                 ids.append(request_id)

@@ -116,6 +116,15 @@ def test_bad_prompts_between_good_ones(default_llm):
     _assert_idle(default_llm)
 
 
+def test_a_too_long_text_prompt_reports_its_tokens(default_llm):
+    """A text prompt refused as too long comes back with its token ids (the caller sees how long it was)."""
+    text = "word " * 1500
+    out = default_llm.generate([text, "The capital of France is"], GREEDY8, use_tqdm=False)
+    n = len(default_llm.engine.tokenize(text))
+    assert n >= 1024 and f"{n} tokens" in out[0].error and len(out[0].prompt_token_ids) == n
+    assert out[0].prompt == text and out[0].outputs == [] and out[1].error is None
+
+
 def test_prompt_of_wrong_type_is_a_per_request_error(default_llm):
     """Regression: a None prompt used to raise TypeError out of generate, leaving the valid requests
     queued before it in the engine (run, unseen, by the next call)."""
