@@ -130,7 +130,7 @@ def run_generate(args: argparse.Namespace) -> int:
         load_hardware(args.hardware)  # fail now, not after the run
     file_prompts = _read_prompts(args.prompts_file) if args.prompts_file and not args.prompt else None
     llm = LLM(**engine_args.to_dict())
-    if (startup := _startup_lines(llm)):
+    if (startup := startup_lines(llm.engine)):
         print(startup, flush=True)
     print(llm.engine.kv_cache_summary, flush=True)
     params_list = None
@@ -185,13 +185,13 @@ def add_chat_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run_chat, temperature=0.7)
 
 
-def _startup_lines(llm: Any) -> str:
-    """What the engine chose at start-up, for the console: the CPU line, what ``--quantization auto`` picked (with
+def startup_lines(engine: Any) -> str:
+    """What ``engine`` (an ``LLMEngine``) chose at start-up, for the console (``generate``, ``chat``, ``serve``): the CPU line, what ``--quantization auto`` picked (with
     its quality) and the CPU decode plan's state (the worker's summary, one process on CPU); elsewhere (GPUs,
     worker processes) just the ``--quantization auto`` line, if it was asked for."""
-    if (cpu_summary := getattr(getattr(llm.engine, "worker", None), "cpu_summary", None)) is not None:
+    if (cpu_summary := getattr(getattr(engine, "worker", None), "cpu_summary", None)) is not None:
         return cpu_summary
-    note = llm.engine.config.quantization_note
+    note = engine.config.quantization_note
     return f"quantization auto: {note}" if note is not None else ""
 
 
@@ -200,7 +200,7 @@ def run_chat(args: argparse.Namespace) -> int:
 
     params = sampling_params_from_args(args)  # validate flags before the model loads
     llm = LLM(**EngineArgs.from_cli_args(args).to_dict())
-    if (startup := _startup_lines(llm)):
+    if (startup := startup_lines(llm.engine)):
         print(startup, flush=True)
     messages: list[dict[str, str]] = []
     if args.system:

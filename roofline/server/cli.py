@@ -51,6 +51,11 @@ def run_serve(args: argparse.Namespace) -> int:
     serving = app.state.serving
     print(f"roofline serve: model {serving.model_names[0]!r}, max_model_len {serving.max_model_len}, "
           f"on http://{args.host}:{args.port} (auth {'on' if config.api_key else 'off'})", flush=True)
-    print(app.state.async_engine.engine.kv_cache_summary, flush=True)  # the KV pool, as `generate` prints it
+    from roofline.commands import startup_lines
+
+    engine = app.state.async_engine.engine
+    if (startup := startup_lines(engine)):  # the CPU line and decode plan / quantization auto, as `generate`
+        print(startup, flush=True)
+    print(engine.kv_cache_summary, flush=True)  # the KV pool, as `generate` prints it
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -1,4 +1,4 @@
-"""``roofline serve`` and ``roofline bench serve`` flags (no model needed)."""
+"""``roofline serve`` and ``roofline bench serve`` flags (no model needed), and the start-up lines `serve` prints."""
 
 from __future__ import annotations
 
@@ -67,3 +67,18 @@ def test_argparse_errors_are_one_line_without_the_usage(capsys, argv, line):
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(line), err
     assert err.rstrip().endswith(f"(see roofline {argv[0]} --help)")
+
+
+def test_serve_prints_the_start_up_lines_generate_prints(monkeypatch, capsys):
+    """`roofline serve` states the CPU line and the CPU decode plan's state (as `generate` does) before the KV
+    pool line; uvicorn is not started here."""
+    import uvicorn
+
+    from roofline.cli import build_parser
+
+    monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
+    args = build_parser().parse_args(["serve", "--max-model-len", "256", "--kv-cache-memory", "64MiB"])
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "roofline serve: model" in out and "\nKV cache: " in out
+    assert "CPU decode plan: " in out and out.index("CPU decode plan: ") < out.index("\nKV cache: ")
