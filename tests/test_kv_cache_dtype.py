@@ -181,7 +181,7 @@ def test_serve_prints_the_kv_pool_at_start_up(monkeypatch, capsys):
     from roofline.server.cli import run_serve
 
     summary = "KV cache: 175440 tokens (10965 blocks of 16, int8, 12240 bytes/token, 2.00 GiB)"
-    engine = SimpleNamespace(kv_cache_summary=summary)
+    engine = SimpleNamespace(kv_cache_summary=summary, config=SimpleNamespace(quantization_note=None))
     fake_app = SimpleNamespace(state=SimpleNamespace(serving=SimpleNamespace(model_names=["m"], max_model_len=64),
                                                      async_engine=SimpleNamespace(engine=engine)))
     seen = {}
