@@ -8,8 +8,10 @@ speculative verification.
 
 Per step the worker builds the common ``AttentionMetadata`` once and hands it to ``build_metadata``,
 where a backend precomputes whatever it needs (gather indices, masks, split counts), so no layer does
-Python work. Per layer, ``forward(q, k, v, positions, cache, meta)`` applies RoPE, stores k/v at
-``slot_mapping`` and attends.
+Python work. Per layer, ``forward(q, k, v, positions, cache, meta, qk_norm)`` applies Qwen3's q/k norm when
+the layer has one (``QKNorm``), RoPE, stores k/v at ``slot_mapping`` and attends. The norm belongs to the backend
+so that one that can fuses it into its RoPE + store kernel (the Triton backend: ``rope_and_cache``, one launch
+instead of two); any other applies the layer's RMSNorm modules first (``apply_qk_norm``).
 
 CUDA graphs: a backend that can be captured sets ``supports_cuda_graphs`` and implements
 ``init_capture`` (static metadata buffers), ``capture_metadata`` (the metadata a captured graph reads)
@@ -31,9 +33,11 @@ import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import numpy as np
 import torch
+from torch import nn
 
 from roofline.attention.kv_cache import KVCache, KVCachePool
 from roofline.kernels.common import FP8_E4M3_MAX
@@ -43,6 +47,15 @@ from roofline.layers.rotary import RotaryEmbedding
 # fp8 scale = headroom x calibration amax / 448: values up to 2x the calibration amax still fit without
 # saturating, while the smallest normal E4M3 value (2^-6 x scale) stays ~14,000x below that amax.
 FP8_CALIBRATION_HEADROOM = 2.0
+
+
+class QKNorm(NamedTuple):
+    """Qwen3's per-head q_norm / k_norm (HF ``Qwen3Attention``): RMSNorm over head_dim of every query head and
+    every key head, before RoPE. The layer's ``roofline.layers.norm.RMSNorm`` modules (``weight`` [head_dim],
+    ``eps``; numerics HF ``Qwen3RMSNorm``'s), read at each call, so loading or casting the weights is seen."""
+
+    q_norm: nn.Module
+    k_norm: nn.Module
 
 
 @dataclass
@@ -209,8 +222,18 @@ class AttentionBackend(ABC):
         positions: torch.Tensor,  # [num_tokens] int64
         cache: KVCache,
         meta: AttentionMetadata,
+        qk_norm: QKNorm | None = None,  # Qwen3's q/k RMSNorm, applied before RoPE (never skipped)
     ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-        """Rotate q/k, store k/v at ``meta.slot_mapping`` in ``cache``, then attend. May modify q and k."""
+        """Norm q/k (with ``qk_norm``), rotate them, store k/v at ``meta.slot_mapping`` in ``cache``, then attend.
+        May modify q and k."""
+
+    @staticmethod
+    def apply_qk_norm(q: torch.Tensor, k: torch.Tensor, qk_norm: QKNorm | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The unfused q/k norm: ``(qk_norm.q_norm(q), qk_norm.k_norm(k))`` through the RMSNorm modules (their
+        own kernel dispatch; new tensors), or (q, k) as they are without ``qk_norm``."""
+        if qk_norm is None:
+            return q, k
+        return qk_norm.q_norm(q), qk_norm.k_norm(k)
 
     # ------------------------------------------------------------------------------ fp8 scale calibration
 
@@ -255,9 +278,10 @@ class AttentionBackend(ABC):
         return dict(k_min=float(ks.min()), k_max=float(ks.max()), v_min=float(vs.min()), v_max=float(vs.max()))
 
     def calibration_forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor,
-                            cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
-        """One layer during calibration: record the per-KV-head amax of post-RoPE k and of v for ``cache``'s
-        layer, and attend causally to the fresh k/v of each sequence (exact, pure torch; nothing is stored).
+                            cache: KVCache, meta: AttentionMetadata, qk_norm: QKNorm | None = None) -> torch.Tensor:
+        """One layer during calibration: record the per-KV-head amax of post-RoPE k (after ``qk_norm``, as
+        stored) and of v for ``cache``'s layer, and attend causally to the fresh k/v of each sequence (exact, pure
+        torch; nothing is stored).
 
         Raises:
             ValueError: a sequence with a cached prefix (calibration runs whole prompts only).
@@ -266,6 +290,7 @@ class AttentionBackend(ABC):
         if meta.query_lens_cpu != meta.seq_lens_cpu:
             raise ValueError("a calibration forward runs whole sequences (query_lens == seq_lens), got "
                              f"query_lens {meta.query_lens_cpu}, seq_lens {meta.seq_lens_cpu}")
+        q, k = self.apply_qk_norm(q, k, qk_norm)
         q, k = ref_rotary(positions, q, k, self.rotary.cos_sin_cache)
         seen = [k.float().abs().amax(dim=(0, 2)), v.float().abs().amax(dim=(0, 2))]  # [H_kv] each
         prev = self._calib_amax.get(id(cache))

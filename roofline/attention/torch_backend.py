@@ -12,7 +12,8 @@
   last block (zeroed after the gather: a freed request may have left inf/NaN there, and 0 * NaN is NaN);
 - each row with several new tokens (a prefill chunk) gets its block ids and its causal mask (the chunk
   sees its cached prefix and itself, causally).
-Per layer, ``forward`` rotates q/k and stores k/v (``ref_rope_and_cache``), gathers K/V as whole blocks
+Per layer, ``forward`` applies Qwen3's q/k norm if the layer has one (the layer's RMSNorm modules,
+``apply_qk_norm``), rotates q/k and stores k/v (``ref_rope_and_cache``), gathers K/V as whole blocks
 (one ``index_select`` per group on the [num_blocks, block_size * H_kv * D] view: no per-token index
 arithmetic), and runs ``scaled_dot_product_attention`` (its flash CPU kernel, GQA without copies) per
 decode group and per prefill chunk. On CPU with an unquantized fp32 or bf16 cache the decode rows run instead in
@@ -175,9 +176,10 @@ class TorchAttentionBackend(AttentionBackend):
             return False
         return cpa.supports(self.num_heads, self.head_dim, cache.k)
 
-    def forward(self, q, k, v, positions, cache: KVCache, meta):
+    def forward(self, q, k, v, positions, cache: KVCache, meta, qk_norm=None):
         if self.is_calibrating:
-            return self.calibration_forward(q, k, v, positions, cache, meta)
+            return self.calibration_forward(q, k, v, positions, cache, meta, qk_norm)
+        q, k = self.apply_qk_norm(q, k, qk_norm)
         if not isinstance(meta, TorchAttentionMetadata):
             meta = self.build_metadata(meta)
         num_kv_heads, head_dim = self.num_kv_heads, self.head_dim

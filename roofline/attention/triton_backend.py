@@ -3,6 +3,10 @@ steps, FlashAttention-style varlen prefill/extend for everything else.
 
 Triton is imported here and in roofline/kernels only, so the core never needs it.
 
+Qwen3's q_norm / k_norm (``QKNorm``) run inside ``rope_and_cache`` (one launch per layer for norm, RoPE and the
+store); where the weights do not fit that kernel (a dtype other than q's, two different eps) the layer's RMSNorm
+modules run first instead.
+
 CUDA graphs: a decode step (``meta.max_query_len == 1``) reads no per-step host value. seq_lens and
 block_tables are device tensors; the decode kernel's split count is fixed by static sizes (its own default,
 ``paged_decode_attention(num_splits=None)``): the batch size, the number of kv heads, the block table's width
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from roofline.attention.backend import AttentionBackend, AttentionMetadata
+from roofline.attention.backend import AttentionBackend, AttentionMetadata, QKNorm
 from roofline.attention.kv_cache import KVCache
 from roofline.kernels.common import KV_QUANT_NONE, KV_QUANT_PER_HEAD, KV_QUANT_PER_TOKEN
 from roofline.kernels.decode_attention import (
@@ -60,11 +64,19 @@ class TritonAttentionBackend(AttentionBackend):
                                                                                              KV_QUANT_NONE)
         return DEFAULT_VARIANT[quant]
 
-    def forward(self, q, k, v, positions, cache: KVCache, meta):
+    def forward(self, q, k, v, positions, cache: KVCache, meta, qk_norm: QKNorm | None = None):
         if self.is_calibrating:
-            return self.calibration_forward(q, k, v, positions, cache, meta)
+            return self.calibration_forward(q, k, v, positions, cache, meta, qk_norm)
         ks, vs = cache.k_scale, cache.v_scale
-        rope_and_cache(q, k, v, positions, self.rotary.cos_sin_cache, cache.k, cache.v, meta.slot_mapping, ks, vs)
+        norm = {}
+        if qk_norm is not None:
+            wq, wk = qk_norm.q_norm.weight, qk_norm.k_norm.weight
+            if wq.dtype == wk.dtype == q.dtype == k.dtype and qk_norm.q_norm.eps == qk_norm.k_norm.eps:
+                norm = dict(q_norm_weight=wq, k_norm_weight=wk, norm_eps=qk_norm.q_norm.eps)  # fused below
+            else:
+                q, k = self.apply_qk_norm(q, k, qk_norm)
+        rope_and_cache(q, k, v, positions, self.rotary.cos_sin_cache, cache.k, cache.v, meta.slot_mapping, ks, vs,
+                       **norm)
         if meta.max_query_len == 1:
             # Decode: one query per sequence, q rows are sequences in order.
             # num_splits None: the kernel's static choice for the kernel and tile it picks (the Gluon kernel's

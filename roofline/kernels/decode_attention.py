@@ -41,6 +41,11 @@ quantities (batch, kv heads, the block table's width = the longest context the g
 size, SM count),
 and each split's length is derived in-kernel from the sequence's actual length (empty splits write
 lse = -inf and drop out of the reduction).
+
+PDL (``roofline.kernels.pdl``): the "old" stage-1 kernel and the reduction are launched with programmatic
+dependent launch where the GPU has it, so that, inside a decode step's graph, each may start while the kernel
+before it drains (the split kernel waits before reading q and the cache, the reduction before reading the
+partials) and the next kernel (o_proj, which streams its weights before its own wait) starts early.
 """
 
 from __future__ import annotations
@@ -49,6 +54,7 @@ import math
 
 import torch
 
+from roofline.kernels import pdl
 from roofline.kernels.common import (
     KV_QUANT_NONE,
     KV_QUANT_PER_HEAD,
@@ -170,6 +176,7 @@ def split_align(block_size: int, block_n: int) -> int:
 
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
     def _decode_split_kernel(
@@ -185,11 +192,17 @@ if triton is not None:
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_ALIGN: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, DOT_F16: tl.constexpr,
+        PDL: tl.constexpr = 0,
     ):
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
+        # seq_lens and block tables come from the host before the step; q and this step's K/V rows from the
+        # previous kernel (RoPE + cache store), so PDL waits before those (roofline.kernels.pdl).
         seq_len = tl.load(SeqLens + seq)
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
         # Split length rounded to SPLIT_ALIGN keys (whole tiles, or whole pages when a page holds whole tiles),
         # so a split's tiles start BLOCK_N-aligned.
         split_len = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), SPLIT_ALIGN) * SPLIT_ALIGN
@@ -262,7 +275,11 @@ if triton is not None:
         MidO, MidLse, Out,
         stride_ms, stride_mh, stride_msp, stride_ls, stride_lh, stride_os, stride_oh,
         NUM_SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+        PDL: tl.constexpr = 0,
     ):
+        if PDL:  # the partials are the split kernel's output
+            gdc_wait()
+            gdc_launch_dependents()
         seq = tl.program_id(0).to(tl.int64)
         head = tl.program_id(1)
         offs_s = tl.arange(0, SPLITS_P2)
@@ -430,7 +447,7 @@ def paged_decode_attention(
             # H200, batch 8 x 32k / 64 x 4k (bench/results/attention-20261201/decode-quant-*.json): fp8 codes ->
             # fp16 (one packed cvt on sm_90) with fp16 dots runs 1.15-1.23x bf16 KV, codes -> bf16 0.94-1.15x.
             DOT_F16=bool(quant) and q.dtype == torch.bfloat16,
-            num_warps=num_warps, num_stages=num_stages,
+            num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(q.device),
         )
     elif variant == "gluon":
         launch_gluon_split(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, mid_o, mid_lse,
@@ -446,6 +463,6 @@ def paged_decode_attention(
         mid_o.stride(0), mid_o.stride(1), mid_o.stride(2), mid_lse.stride(0), mid_lse.stride(1),
         out.stride(0), out.stride(1),
         NUM_SPLITS=num_splits, SPLITS_P2=triton.next_power_of_2(num_splits),
-        HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4,
+        HEAD_DIM=head_dim, BLOCK_D=block_d, num_warps=4, **pdl.launch_kwargs(q.device),
     )
     return out

@@ -6,8 +6,12 @@ Hq + Hkv contiguous rows of D elements, so one program per (token, head) row nor
 weight (q's or k's), and writes the result back where it was: one launch instead of two RMSNorms (and no copy of
 the unevenly strided q / k views at T > 1). The v columns are not touched.
 
-Numerics are ``roofline.kernels.rmsnorm``'s (HF ``Qwen3RMSNorm``): statistics and normalization in fp32, cast to
-the input dtype, then times the weight, rounded to the input dtype.
+Numerics are ``roofline.kernels.rmsnorm``'s (HF ``Qwen3RMSNorm``; the shared ``hf_rmsnorm_apply``): statistics and
+normalization in fp32, cast to the input dtype, then times the weight, rounded to the input dtype.
+
+The model no longer launches this kernel: the attention backend gets the norms, and the Triton backend applies them
+inside ``roofline.kernels.rope_cache.rope_and_cache`` (norm, RoPE and KV store in one launch). It is the unfused
+reference the fused kernel is tested against (``qk_rmsnorm_`` then ``rope_and_cache``).
 """
 
 from __future__ import annotations
@@ -49,6 +53,8 @@ def ref_qk_rmsnorm_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_d
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+    from roofline.kernels.rmsnorm import hf_rmsnorm_apply
+
     @triton.jit
     def _qk_rmsnorm_kernel(X, Wq, Wk, stride_t, num_heads, heads_qk, D, eps, BLOCK: tl.constexpr,
                            PDL: tl.constexpr = 0):
@@ -64,12 +70,11 @@ if triton is not None:
         x = tl.load(ptrs, mask=mask, other=0.0)
         hx = x.to(tl.float32)
         var = tl.sum(hx * hx, axis=0) / D
-        y = (hx * tl.rsqrt(var + eps)).to(x.dtype)  # cast back before the weight, as HF does
         if h < num_heads:
             w = tl.load(Wq + cols, mask=mask, other=0.0)
         else:
             w = tl.load(Wk + cols, mask=mask, other=0.0)
-        tl.store(ptrs, (w.to(tl.float32) * y.to(tl.float32)).to(x.dtype), mask=mask)
+        tl.store(ptrs, hf_rmsnorm_apply(x, tl.rsqrt(var + eps), w, x.dtype), mask=mask)
 
 
 def qk_rmsnorm_(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int, q_weight: torch.Tensor,

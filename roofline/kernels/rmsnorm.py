@@ -42,6 +42,15 @@ if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
+    def hf_rmsnorm_apply(x, rstd, w, OUT_T: tl.constexpr):
+        """The HF rounding of an RMSNorm's output, shared by every Triton RMSNorm (this module's,
+        ``roofline.kernels.qk_norm``'s, ``roofline.kernels.rope_cache``'s q/k norm): ``x * rstd`` in fp32 cast
+        to x's dtype, then ``w * that`` in fp32 cast to ``OUT_T``. x: a tile of rows; rstd: fp32
+        ``rsqrt(mean(x^2) + eps)`` per row, broadcastable to x; w: the weight, broadcastable to x."""
+        y = (x.to(tl.float32) * rstd).to(x.dtype)  # cast back before the weight, as HF does
+        return (w.to(tl.float32) * y.to(tl.float32)).to(OUT_T)
+
+    @triton.jit
     def _rmsnorm_kernel(
         X, R, W, Out, ResOut,
         stride_x, stride_r, stride_o, stride_ro,
@@ -62,10 +71,9 @@ if triton is not None:
             tl.store(ResOut + row * stride_ro + cols, x, mask=mask)
         h = x.to(tl.float32)
         var = tl.sum(h * h, axis=0) / N
-        y = (h * tl.rsqrt(var + eps)).to(x.dtype)  # cast back before the weight, as HF does
         w = tl.load(W + cols, mask=mask, other=0.0)
-        out = w.to(tl.float32) * y.to(tl.float32)
-        tl.store(Out + row * stride_o + cols, out.to(Out.dtype.element_ty), mask=mask)
+        out = hf_rmsnorm_apply(x, tl.rsqrt(var + eps), w, Out.dtype.element_ty)
+        tl.store(Out + row * stride_o + cols, out, mask=mask)
 
 
 def _launch(x, residual, weight, eps):

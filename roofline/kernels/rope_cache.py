@@ -1,4 +1,5 @@
-"""Rotary embedding on q and k fused with writing k and v into the paged KV cache (Triton).
+"""Rotary embedding on q and k fused with writing k and v into the paged KV cache (Triton), optionally after
+Qwen3's per-head q/k RMSNorm.
 
 RoPE (Su et al. 2021, RoFormer) in the rotate-half ("neox", Hugging Face) layout: with x1 = x[:D/2],
 x2 = x[D/2:] and angle theta_i(pos),
@@ -11,6 +12,12 @@ The rotation runs in fp32 and rounds once to the input dtype.
 One program handles one token: all H query heads, all H_kv key heads, and the k/v rows it writes to the
 cache at ``slot_mapping[t]`` (layout [num_blocks, block_size, H_kv, D], slot = block*block_size + off).
 A negative slot (a padded token of a CUDA-graph batch) rotates q/k but writes nothing to the cache.
+
+Qwen3's q_norm / k_norm (HF ``Qwen3Attention``: an RMSNorm over head_dim of every query and key head, before
+RoPE) can run in the same program (``q_norm_weight``, ``k_norm_weight``, ``norm_eps``): each (token, head) row
+of q and of k is normalized with HF ``Qwen3RMSNorm``'s rounding (``roofline.kernels.rmsnorm``: statistics in
+fp32, ``x * rsqrt(mean(x^2) + eps)`` cast to the input dtype, times the weight in fp32, rounded to the input
+dtype), then rotated from those rounded values, so the layer makes one launch where it made two.
 
 Quantized caches (int8, float8_e4m3fn; formats in ``roofline.kernels.common``) are quantized here, from
 the rotated k (rounded to k's dtype, as written back to k) and from v: int8 computes each (token, KV head)
@@ -32,6 +39,7 @@ from roofline.kernels.common import (
     ref_quantize_fp8,
     ref_quantize_int8,
 )
+from roofline.kernels.rmsnorm import ref_rmsnorm
 
 try:
     import triton
@@ -96,9 +104,18 @@ def ref_rope_and_cache(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float | None = None,
 ) -> None:
-    """Pure-torch twin of :func:`rope_and_cache` (same in-place effects on q, k, the caches and scales)."""
-    q_rot, k_rot = ref_rotary(positions, q, k, cos_sin_cache)
+    """Pure-torch twin of :func:`rope_and_cache` (same in-place effects on q, k, the caches and scales): with
+    the norm weights, ``ref_rmsnorm`` of q and of k (HF ``Qwen3RMSNorm``) before ``ref_rotary``."""
+    _check_qk_norm(q, k, q_norm_weight, k_norm_weight, norm_eps)
+    if q_norm_weight is not None:
+        q_rot, k_rot = ref_rotary(positions, ref_rmsnorm(q, q_norm_weight, norm_eps),
+                                  ref_rmsnorm(k, k_norm_weight, norm_eps), cos_sin_cache)
+    else:
+        q_rot, k_rot = ref_rotary(positions, q, k, cos_sin_cache)
     q.copy_(q_rot)
     k.copy_(k_rot)
     ref_store_kv_cache(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
@@ -106,6 +123,8 @@ def ref_rope_and_cache(
 
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    from roofline.kernels.rmsnorm import hf_rmsnorm_apply
 
     INT8_MAX_C = tl.constexpr(INT8_MAX)
     FP8_MAX_C = tl.constexpr(FP8_E4M3_MAX)
@@ -124,14 +143,25 @@ if triton is not None:
         return y.to(CODE_T)
 
     @triton.jit
+    def _rmsnorm_halves(x1, x2, W, offs_half, half_mask, eps, HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+        """HF Qwen3RMSNorm of rows held as halves x1 = x[:, :D/2], x2 = x[:, D/2:] ([rows, HALF_P2], masked
+        lanes 0): the mean square of both halves over HEAD_DIM in fp32, weight W [HEAD_DIM]; x's dtype out."""
+        f1 = x1.to(tl.float32)
+        f2 = x2.to(tl.float32)
+        rstd = tl.rsqrt((tl.sum(f1 * f1, axis=1) + tl.sum(f2 * f2, axis=1)) / HEAD_DIM + eps)[:, None]
+        w1 = tl.load(W + offs_half, mask=half_mask, other=0.0)[None, :]
+        w2 = tl.load(W + HALF + offs_half, mask=half_mask, other=0.0)[None, :]
+        return hf_rmsnorm_apply(x1, rstd, w1, x1.dtype), hf_rmsnorm_apply(x2, rstd, w2, x2.dtype)
+
+    @triton.jit
     def _rope_cache_kernel(
-        Q, K, V, Pos, CosSin, KC, VC, Slots, KS, VS,
+        Q, K, V, Pos, CosSin, KC, VC, Slots, KS, VS, WQ, WK,
         stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,
         stride_cs, stride_kc_slot, stride_kc_h, stride_vc_slot, stride_vc_h, stride_s_slot,
-        num_heads, num_kv_heads,
+        num_heads, num_kv_heads, eps,
         HEAD_DIM: tl.constexpr, HALF: tl.constexpr, HALF_P2: tl.constexpr,
         BLOCK_H: tl.constexpr, BLOCK_HKV: tl.constexpr, BLOCK_D: tl.constexpr,
-        APPLY_ROPE: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = 0,
+        APPLY_ROPE: tl.constexpr, QK_NORM: tl.constexpr, QUANT: tl.constexpr, PDL: tl.constexpr = 0,
     ):
         if PDL:  # roofline.kernels.pdl: every load and store below depends on the previous kernel
             gdc_wait()
@@ -157,6 +187,9 @@ if triton is not None:
             q_ptr = Q + t * stride_qt + offs_h[:, None] * stride_qh + offs_half[None, :]
             q1 = tl.load(q_ptr, mask=qmask, other=0.0)
             q2 = tl.load(q_ptr + HALF, mask=qmask, other=0.0)
+            if QK_NORM:  # Qwen3: RMSNorm of every q and k head (weights WQ, WK), rounded, then rotated
+                q1, q2 = _rmsnorm_halves(q1, q2, WQ, offs_half, cs_mask, eps, HEAD_DIM, HALF)
+                k1, k2 = _rmsnorm_halves(k1, k2, WK, offs_half, cs_mask, eps, HEAD_DIM, HALF)
             f1 = q1.to(tl.float32)
             f2 = q2.to(tl.float32)
             tl.store(q_ptr, (f1 * cos - f2 * sin).to(q1.dtype), mask=qmask)
@@ -210,8 +243,19 @@ def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
         raise ValueError("k_cache/v_cache last dim must be contiguous")
 
 
+def _check_qk_norm(q, k, q_norm_weight, k_norm_weight, norm_eps) -> None:
+    if q_norm_weight is None and k_norm_weight is None:
+        return
+    if q_norm_weight is None or k_norm_weight is None or norm_eps is None:
+        raise ValueError("q_norm_weight, k_norm_weight and norm_eps go together")
+    for name, w in (("q_norm_weight", q_norm_weight), ("k_norm_weight", k_norm_weight)):
+        if w.shape != (k.shape[-1],) or w.dtype != q.dtype or w.dtype != k.dtype or w.stride(0) != 1:
+            raise ValueError(f"{name} must be [{k.shape[-1]}] contiguous {q.dtype} (q's and k's dtype), got "
+                             f"{tuple(w.shape)} {w.dtype} stride {w.stride()}")
+
+
 def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, apply_rope: bool,
-            k_scale=None, v_scale=None) -> None:
+            k_scale=None, v_scale=None, q_norm_weight=None, k_norm_weight=None, norm_eps=None) -> None:
     if triton is None:
         raise RuntimeError("triton is not installed; use the ref_ twin on this machine")
     _check_cache(k_cache, v_cache)
@@ -230,6 +274,8 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, a
             raise ValueError(f"q {tuple(q.shape)} must be [{num_tokens}, H, {head_dim}]")
     if head_dim % 2:
         raise ValueError(f"head_dim must be even, got {head_dim}")
+    _check_qk_norm(q, k, q_norm_weight, k_norm_weight, norm_eps)
+    qk_norm = q_norm_weight is not None
     if num_tokens == 0:
         return
     half = head_dim // 2
@@ -239,15 +285,17 @@ def _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, a
         cos_sin_cache if apply_rope else k,
         k_cache, v_cache, slot_mapping,
         k_scale if k_scale is not None else k, v_scale if v_scale is not None else v,
+        q_norm_weight if qk_norm else k, k_norm_weight if qk_norm else k,
         q.stride(0) if apply_rope else 0, q.stride(1) if apply_rope else 0,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         cos_sin_cache.stride(0) if apply_rope else 0,
         k_cache.stride(1), k_cache.stride(2), v_cache.stride(1), v_cache.stride(2),
         num_kv_heads if quant == KV_QUANT_PER_TOKEN else 0,  # scale slot stride ([num_slots, H_kv] view)
-        num_heads, num_kv_heads,
+        num_heads, num_kv_heads, norm_eps if qk_norm else 0.0,
         HEAD_DIM=head_dim, HALF=half, HALF_P2=triton.next_power_of_2(max(half, 1)),
         BLOCK_H=triton.next_power_of_2(num_heads), BLOCK_HKV=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), APPLY_ROPE=apply_rope, QUANT=quant, num_warps=4,
+        BLOCK_D=triton.next_power_of_2(head_dim), APPLY_ROPE=apply_rope, QK_NORM=qk_norm, QUANT=quant,
+        num_warps=4,
         **pdl.launch_kwargs(k.device),
     )
 
@@ -263,8 +311,12 @@ def rope_and_cache(
     slot_mapping: torch.Tensor,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    q_norm_weight: torch.Tensor | None = None,
+    k_norm_weight: torch.Tensor | None = None,
+    norm_eps: float | None = None,
 ) -> None:
-    """Rotate q and k in place (rotate-half RoPE) and store rotated k and v at their cache slots.
+    """Rotate q and k in place (rotate-half RoPE) and store rotated k and v at their cache slots; with the
+    norm weights, RMSNorm every q and k head first (Qwen3's q_norm / k_norm, see the module docstring).
 
     Args:
         q: [T, H, D] (modified in place), k: [T, H_kv, D] (modified in place), v: [T, H_kv, D];
@@ -276,12 +328,17 @@ def rope_and_cache(
         slot_mapping: [T] int64 cache slot per token; negative = padding, not written.
         k_scale, v_scale: float32 scales of a quantized cache (``roofline.kernels.common``): int8
             [num_blocks, block_size, H_kv], written here per stored token; fp8 [H_kv], read.
+        q_norm_weight, k_norm_weight: optional [D] contiguous, q's (and k's) dtype: HF ``Qwen3RMSNorm`` weights
+            of q_norm and k_norm, applied per (token, head) row before the rotation; q and k end normalized
+            and rotated, and the cache gets the normalized, rotated k. norm_eps: their eps (needed with them).
 
     Raises:
-        ValueError: shapes disagree, D odd, non-contiguous last dims, or scales that do not fit the cache
-            dtype. RuntimeError: triton missing.
+        ValueError: shapes disagree, D odd, non-contiguous last dims, scales that do not fit the cache
+            dtype, or norm weights of the wrong shape or dtype, or given without each other or norm_eps.
+            RuntimeError: triton missing.
     """
-    _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, True, k_scale, v_scale)
+    _launch(q, k, v, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, True, k_scale, v_scale,
+            q_norm_weight, k_norm_weight, norm_eps)
 
 
 def store_kv_cache(

@@ -24,7 +24,8 @@ from roofline.distributed.communication import tensor_parallel_all_reduce
 from roofline.distributed.parallel_state import divide, get_parallel_state
 from roofline.kernels.moe_router import ref_select_experts
 from roofline.layers import dispatch
-from roofline.quant.base import QuantConfig
+from roofline.layers.linear import ReplicatedLinear
+from roofline.quant.base import QuantConfig, UnquantizedLinearMethod
 
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -42,6 +43,24 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
 
         return fused_select_experts(router_logits.contiguous(), top_k, renormalize)
     return ref_select_experts(router_logits, top_k, renormalize)
+
+
+# The gate GEMV and the router in one launch (``moe_router.gate_select_experts``) up to this many tokens: decode
+# batches, where the gate linear's own launch is a measurable share of a launch-bound step (issue 33). Each
+# token's programs re-read the [E, H] gate weight (L2 after the first token), so large batches keep cuBLAS +
+# the router kernel. 16 is a choice, not a measurement: at Qwen3-30B-A3B's gate (128 x 2048 bf16, 512 KiB) 16
+# tokens re-read 8 MiB from L2, about a microsecond on an H200, against the launch saved (1.5-2.5 us).
+FUSED_GATE_MAX_TOKENS = 16
+
+
+def fused_gate_applies(x: torch.Tensor, gate: nn.Module) -> bool:
+    """Whether ``FusedMoE.route`` runs the gate and the router in one launch: Triton kernels on and ``x`` [T, H]
+    on CUDA with unit stride along H, T <= ``FUSED_GATE_MAX_TOKENS``, and ``gate`` a replicated, unquantized,
+    bias-free linear whose weight has x's dtype (what HF's routers and ours build: ``ReplicatedLinear``)."""
+    return (x.dim() == 2 and x.shape[0] <= FUSED_GATE_MAX_TOKENS and x.stride(-1) == 1
+            and dispatch.kernels_for(x) is not None and isinstance(gate, ReplicatedLinear)
+            and isinstance(gate.quant_method, UnquantizedLinearMethod) and gate.bias is None
+            and gate.weight.dtype == x.dtype and gate.weight.device == x.device)
 
 
 # Whether FusedMoE layers count the tokens routed to each expert (the /metrics gauge, the run summary's
@@ -71,7 +90,8 @@ def expert_parallel_sizes(num_experts: int, limit: int) -> list[int]:
 
 class FusedMoE(nn.Module):
     """The routed experts of one MoE layer: forward(x [T, H], router_logits [T, E]) -> [T, H] (reduced across
-    the tensor-parallel group).
+    the tensor-parallel group). A model with its router's gate linear calls ``run_experts(x, *route(x, gate))``
+    instead, so that the gate GEMV and the routing can be one launch at decode sizes (``route``).
 
     Args:
         num_experts: E, all experts of the layer. top_k: experts per token. renormalize: norm_topk_prob.
@@ -149,8 +169,27 @@ class FusedMoE(nn.Module):
         else:
             param.data[e].copy_(loaded.narrow(1, self.tp_rank * ip, ip))
 
+    def route(self, x: torch.Tensor, gate: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        """Route x [T, H] through the router's ``gate`` linear [H -> E]: (topk_weights [T, k] float32,
+        topk_ids [T, k] int64, global expert ids), ``select_experts(gate(x))``.
+
+        Where ``fused_gate_applies`` (CUDA, kernels on, small T, a plain 16-bit replicated gate), one Triton
+        launch (``roofline.kernels.moe_router.gate_select_experts``: the logits rounded to x's dtype as the gate's
+        output is, so the same routing); else the gate linear then ``select_experts``.
+        """
+        if fused_gate_applies(x, gate):
+            from roofline.kernels.moe_router import gate_select_experts
+
+            return gate_select_experts(x, gate.weight, self.top_k, self.renormalize)
+        return select_experts(gate(x), self.top_k, self.renormalize)
+
     def forward(self, x: torch.Tensor, router_logits: torch.Tensor) -> torch.Tensor:
-        topk_weights, topk_ids = select_experts(router_logits, self.top_k, self.renormalize)
+        return self.run_experts(x, *select_experts(router_logits, self.top_k, self.renormalize))
+
+    def run_experts(self, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor) -> torch.Tensor:
+        """x [T, H] through the experts ``route`` / ``select_experts`` picked (global ids [T, k], weights [T, k]
+        float32) -> [T, H]: counts the tokens per expert (``count_tokens``), maps the ids to this rank's experts
+        under expert parallelism, runs the weight format's kernel, and all-reduces across the group."""
         if self.count_tokens:
             ids = topk_ids.reshape(-1)
             self.expert_token_counts.scatter_add_(0, ids, torch.ones_like(ids))

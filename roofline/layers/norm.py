@@ -46,7 +46,10 @@ def qk_norm(qkv: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm: RMSNorm
     """Qwen3's per-head q_norm / k_norm: q [T, Hq, D] and k [T, Hkv, D], views of the fused projection's output
     ``qkv`` [T, (Hq + 2 Hkv) D] (q heads, k heads, v heads). With kernels on CUDA, both in one Triton launch in
     place in qkv (``roofline.kernels.qk_norm``; returns the same views, now normed), else ``q_norm(q), k_norm(k)``.
-    Numerics are HF ``Qwen3RMSNorm``'s either way."""
+    Numerics are HF ``Qwen3RMSNorm``'s either way.
+
+    Not on LlamaAttention's path: the model hands the norms to the attention backend (``QKNorm``), and the Triton
+    backend runs them inside ``rope_and_cache``. This is the unfused two-step form, kept with its tests."""
     if (dispatch.kernels_for(qkv) is not None and q_norm.weight.dtype == k_norm.weight.dtype == qkv.dtype
             and q_norm.eps == k_norm.eps and q.data_ptr() == qkv.data_ptr()
             and k.data_ptr() == qkv.data_ptr() + q.shape[1] * q.shape[2] * qkv.element_size()):

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from roofline.attention import Attention, AttentionBackend, AttentionMetadata
+from roofline.attention import Attention, AttentionBackend, AttentionMetadata, QKNorm
 from roofline.config import ModelConfig
 from roofline.distributed.parallel_state import get_parallel_state
 from roofline.layers.activation import silu_and_mul
@@ -24,7 +24,7 @@ from roofline.layers.linear import (
     RowParallelLinear,
 )
 from roofline.layers.moe import FusedMoE
-from roofline.layers.norm import RMSNorm, qk_norm
+from roofline.layers.norm import RMSNorm
 from roofline.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from roofline.quant.base import QuantConfig
 
@@ -43,9 +43,10 @@ class LlamaAttention(nn.Module):
                                         bias=False, quant_config=quant_config, prefix=f"{prefix}.o_proj")
         self.qk_norm = config.qk_norm
         if config.qk_norm:
+            # Qwen3: applied by the attention backend, before RoPE (fused into its RoPE + KV store on Triton).
             self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.attn = Attention(backend, layer_id)
+        self.attn = Attention(backend, layer_id, QKNorm(self.q_norm, self.k_norm) if config.qk_norm else None)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
@@ -54,9 +55,7 @@ class LlamaAttention(nn.Module):
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.reshape(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.qk_norm:
-            q, k = qk_norm(qkv, q, k, self.q_norm, self.k_norm)
-        out = self.attn(q, k, v, positions, meta)  # [T, H, D]
+        out = self.attn(q, k, v, positions, meta)  # [T, H, D]; the backend applies Qwen3's q/k norm
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -82,7 +81,8 @@ _QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
 
 class LlamaSparseMoeBlock(nn.Module):
     """The MLP of an MoE layer: router ``gate`` (16-bit, replicated) -> ``experts`` (``FusedMoE``: top-k
-    routing, the experts, the reduction across ranks), plus, for Qwen2-MoE, ``shared_expert`` (a dense MLP)
+    routing, in one launch with the gate at decode sizes on a GPU (``FusedMoE.route``), the experts, the
+    reduction across ranks), plus, for Qwen2-MoE, ``shared_expert`` (a dense MLP)
     scaled by ``sigmoid(shared_expert_gate(x))``. Module names are HF's, so loading is a name mapping."""
 
     def __init__(self, config: ModelConfig, quant_config: QuantConfig | None, prefix: str):
@@ -100,7 +100,7 @@ class LlamaSparseMoeBlock(nn.Module):
                                                        prefix=f"{prefix}.shared_expert_gate")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.experts(x, self.gate(x))  # [T, H]
+        out = self.experts.run_experts(x, *self.experts.route(x, self.gate))  # [T, H]
         if self.has_shared_expert:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

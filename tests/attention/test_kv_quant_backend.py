@@ -139,3 +139,28 @@ def test_fp8_calibration_sets_per_head_scales_from_post_rope_amax():
     int8.allocate_kv_cache(1, 4, 4, torch.int8, torch.device("cpu"))
     with pytest.raises(RuntimeError, match="needs an allocated fp8_e4m3 KV cache, got torch.int8"):
         int8.calibrate_kv_scales(lambda: None)
+
+
+def test_fp8_calibration_sees_the_qk_norm():
+    """A Qwen3 layer's q/k norm (``QKNorm``) reaches the calibration forward: the k scales follow the NORMED k (what
+    the cache stores), not the raw projection's."""
+    from roofline.attention import QKNorm
+    from roofline.kernels.rmsnorm import ref_rmsnorm
+    from roofline.layers.norm import RMSNorm
+
+    torch.manual_seed(3)
+    n = 12
+    backend = TorchAttentionBackend(NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, _identity_rope())
+    pool = backend.allocate_kv_cache(1, 4, 4, torch.float8_e4m3fn, torch.device("cpu"))
+    norms = QKNorm(RMSNorm(HEAD_DIM, 1e-6), RMSNorm(HEAD_DIM, 1e-6))
+    norms.k_norm.weight.data.copy_(torch.linspace(0.5, 2.0, HEAD_DIM))
+    k = torch.randn(n, NUM_KV_HEADS, HEAD_DIM) * torch.tensor([0.5, 40.0])[None, :, None]
+    v = torch.randn(n, NUM_KV_HEADS, HEAD_DIM)
+    meta = AttentionMetadata(slot_mapping=torch.full((n,), -1), query_start_loc=torch.tensor([0, n]),
+                             seq_lens=torch.tensor([n]), block_tables=torch.zeros(1, 1, dtype=torch.int32),
+                             max_query_len=n, query_lens_cpu=[n], seq_lens_cpu=[n])
+    backend.calibrate_kv_scales(lambda: backend.forward(torch.randn(n, NUM_HEADS, HEAD_DIM), k.clone(), v,
+                                                        torch.arange(n), pool[0], meta, norms))
+    want = ref_rmsnorm(k, norms.k_norm.weight, 1e-6).abs().amax(dim=(0, 2)) * 2 / 448
+    torch.testing.assert_close(pool[0].k_scale, want)
+    assert pool[0].k_scale.max() / pool[0].k_scale.min() < 2  # normed: the heads' 80x magnitude gap is gone

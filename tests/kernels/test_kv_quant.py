@@ -119,6 +119,38 @@ def test_int8_store_matches_ref_and_round_trips(num_tokens, num_heads, num_kv_he
     assert (flat(kc)[untouched] == 77).all() and torch.isnan(flat(ks)[untouched]).all()
 
 
+@pytest.mark.parametrize("dtype", QDTYPES)
+@pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_dim,block_size", [(19, 9, 3, 64, 1), (7, 8, 2, 128, 32)])
+def test_int8_store_with_qk_norm(num_tokens, num_heads, num_kv_heads, head_dim, block_size, dtype):
+    """Qwen3's q/k RMSNorm fused before the rotation (``rope_and_cache(q_norm_weight=...)``) into an int8 cache:
+    q and k against the ref twin (TOL), the codes and scales bit for bit those of the kernel's own normed, rotated
+    k (the norm's mean square may sum in another order than torch's), padding (slot -1) not written."""
+    q, k, v, pos, slots, shape = _store_case(num_tokens, num_heads, num_kv_heads, head_dim, block_size, dtype, 11)
+    slots[1] = -1
+    g = torch.Generator().manual_seed(12)
+    wq, wk = ((1 + 0.2 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE) for _ in range(2))
+    cs = _cos_sin(2048, head_dim)
+    kc = torch.full(shape, 77, dtype=torch.int8, device=DEVICE)
+    vc = kc.clone()
+    ks = torch.full(shape[:3], float("nan"), device=DEVICE)
+    vs = ks.clone()
+    rq, rk, rkc, rvc, rks, rvs = q.clone(), k.clone(), kc.clone(), vc.clone(), ks.clone(), vs.clone()
+    norm = dict(q_norm_weight=wq, k_norm_weight=wk, norm_eps=1e-6)
+    rope_and_cache(q, k, v, pos, cs, kc, vc, slots, ks, vs, **norm)
+    ref_rope_and_cache(rq, rk, v, pos, cs, rkc, rvc, slots, rks, rvs, **norm)
+    assert rel_err(k, rk) < TOL[dtype] and rel_err(q, rq) < TOL[dtype]
+    assert (k[0, 0] == 0).all()  # the all-zero row stays 0 through the norm
+    ref_kq, ref_ks = ref_quantize_int8(k)
+    ref_vq, ref_vs = ref_quantize_int8(v)
+    valid = slots >= 0
+    flat = lambda t: t.view(-1, *t.shape[2:])  # noqa: E731
+    assert torch.equal(flat(kc)[slots[valid]], ref_kq[valid]) and torch.equal(flat(vc)[slots[valid]], ref_vq[valid])
+    assert torch.equal(flat(ks)[slots[valid]], ref_ks[valid]) and torch.equal(flat(vs)[slots[valid]], ref_vs[valid])
+    untouched = torch.ones(flat(kc).shape[0], dtype=torch.bool, device=DEVICE)
+    untouched[slots[valid]] = False
+    assert (flat(kc)[untouched] == 77).all() and torch.isnan(flat(ks)[untouched]).all()
+
+
 def test_fp8_ref_round_trip_and_saturation():
     g = torch.Generator().manual_seed(3)
     mag = torch.tensor([0.05, 1.0, 30.0])[None, :, None]
@@ -143,8 +175,9 @@ def test_fp8_ref_round_trip_and_saturation():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the interpreter's fp32->fp8 conversion is wrong)")
+@pytest.mark.parametrize("qk_norm", [False, True], ids=["rope", "qk_norm+rope"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_fp8_store_kernel_matches_ref(dtype):
+def test_fp8_store_kernel_matches_ref(dtype, qk_norm):
     q, k, v, pos, slots, shape = _store_case(300, 32, 8, 128, 16, dtype, 9)
     cs = _cos_sin(2048, 128)
     kc = torch.full(shape, float("nan"), device=DEVICE).to(torch.float8_e4m3fn)
@@ -152,8 +185,13 @@ def test_fp8_store_kernel_matches_ref(dtype):
     ks = torch.logspace(-3, 0, 8, device=DEVICE)
     vs = torch.logspace(-2, 0, 8, device=DEVICE)
     rq, rk = q.clone(), k.clone()
-    rope_and_cache(q, k, v, pos, cs, kc, vc, slots, ks, vs)
-    ref_rope_and_cache(rq, rk, v, pos, cs, kc.clone(), vc.clone(), slots, ks, vs)
+    g = torch.Generator().manual_seed(10)
+    norm = dict(q_norm_weight=(1 + 0.2 * torch.randn(128, generator=g)).to(dtype).to(DEVICE),
+                k_norm_weight=(1 + 0.2 * torch.randn(128, generator=g)).to(dtype).to(DEVICE),
+                norm_eps=1e-6) if qk_norm else {}
+    rope_and_cache(q, k, v, pos, cs, kc, vc, slots, ks, vs, **norm)
+    ref_rope_and_cache(rq, rk, v, pos, cs, kc.clone(), vc.clone(), slots, ks, vs, **norm)
+    assert rel_err(k, rk) < TOL[dtype] and rel_err(q, rq) < TOL[dtype]
     flat = lambda t: t.view(-1, *t.shape[2:])  # noqa: E731
     # From the kernel's own rotated k (the rotation may differ by one ulp in 16-bit), codes bit for bit.
     assert torch.equal(flat(kc)[slots].view(torch.uint8), ref_quantize_fp8(k, ks).view(torch.uint8))

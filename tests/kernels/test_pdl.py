@@ -66,3 +66,58 @@ def test_gpu_pdl_chain_in_a_cuda_graph_is_bit_identical(monkeypatch, mode):
     monkeypatch.setattr(pdl, "MODE", mode)
     got = graphed()
     assert torch.isfinite(want).all() and torch.equal(got, want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="needs a GPU with programmatic dependent launch (sm_90+)")
+def test_gpu_pdl_attention_chain_in_a_cuda_graph_is_bit_identical(monkeypatch):
+    """RoPE + cache store -> split-KV decode attention (split and reduce kernels) -> a GEMV of its output, four
+    layers over one bf16 cache, in one CUDA graph: PDL on gives the same bits as PDL off (a missing wait in the
+    attention kernels would read the previous layer's q or a stale cache row)."""
+    from roofline.kernels import quant_gemm as qg
+    from roofline.kernels.decode_attention import paged_decode_attention
+    from roofline.kernels.rope_cache import rope_and_cache
+
+    g = torch.Generator(device="cuda").manual_seed(1)
+    heads, kv_heads, dim, block, ctx = 8, 2, 128, 16, 300
+    hidden = heads * dim
+    cache_k = torch.randn(64, block, kv_heads, dim, device="cuda", generator=g).bfloat16()
+    cache_v = torch.randn(64, block, kv_heads, dim, device="cuda", generator=g).bfloat16()
+    tables = torch.randperm(64, device="cuda", generator=g)[:32].int().view(1, 32)
+    seq_lens = torch.tensor([ctx], dtype=torch.int32, device="cuda")
+    pos = torch.tensor([ctx - 1], device="cuda")
+    slot = (tables[0, (ctx - 1) // block].long() * block + (ctx - 1) % block).view(1)
+    cos_sin = torch.randn(ctx, dim, device="cuda", generator=g)
+    w_qkv = (torch.randn((heads + 2 * kv_heads) * dim, hidden, device="cuda", generator=g) * 0.03).bfloat16()
+    x0 = torch.randn(1, hidden, device="cuda", generator=g).bfloat16()
+    one_row = qg.GemmConfig(1, 8, 256, 4, 1, gemv=True)
+
+    def chain():
+        x = x0
+        for _ in range(4):
+            qkv = qg.dense_gemv(x, w_qkv, config=one_row)
+            q, k, v = qkv.split([hidden, kv_heads * dim, kv_heads * dim], dim=-1)
+            q, k, v = q.reshape(1, heads, dim), k.reshape(1, kv_heads, dim), v.reshape(1, kv_heads, dim)
+            rope_and_cache(q, k, v, pos, cos_sin, cache_k, cache_v, slot)
+            x = paged_decode_attention(q, cache_k, cache_v, tables, seq_lens, dim ** -0.5).reshape(1, hidden)
+        return x
+
+    def graphed():
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            chain()
+        torch.cuda.current_stream().wait_stream(s)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = chain()
+        graph.replay()
+        torch.cuda.synchronize()
+        return out.clone()
+
+    monkeypatch.setattr(pdl, "MODE", 0)
+    want = graphed()
+    monkeypatch.setattr(pdl, "MODE", 1)
+    got = graphed()
+    assert torch.isfinite(want).all() and torch.equal(got, want)

@@ -143,3 +143,103 @@ def test_backend_prefill_reads_a_tree_mask_from_the_metadata():
     assert rel_err(out, ref) < TOL[torch.float32]
     assert rel_err(out[:2], plain[:2]) < TOL[torch.float32]  # rows 0, 1 see every earlier row anyway
     assert rel_err(out[2:], plain[2:]) > 1e-3  # rows 2, 3 do not see row 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("same_eps", [True, False], ids=["fused", "unfused"])
+def test_backend_applies_qk_norm(dtype, same_eps):
+    """Qwen3's q/k norm handed to the backends (``QKNorm``, as ``Attention`` does): the Triton backend runs it inside
+    ``rope_and_cache`` (the RMSNorm modules are never called) where it can, and calls the modules first where it
+    cannot (here: q_norm and k_norm with different eps); either way cache and output match the torch backend's,
+    which always calls the modules (its CPU path, unchanged)."""
+    from roofline.attention import QKNorm
+    from roofline.layers.norm import RMSNorm
+
+    num_heads, num_kv_heads, head_dim = 6, 2, 64
+    q, kc, vc, meta = make_paged_case([12, 1, 5, 1], [12, 30, 21, 17], num_heads, num_kv_heads, head_dim, 16,
+                                      dtype, seed=11)
+    g = torch.Generator().manual_seed(12)
+    k = (torch.randn(q.shape[0], num_kv_heads, head_dim, generator=g) * 4).to(dtype).to(DEVICE)
+    v = torch.randn(q.shape[0], num_kv_heads, head_dim, generator=g).to(dtype).to(DEVICE)
+    norms = QKNorm(RMSNorm(head_dim, 1e-6), RMSNorm(head_dim, 1e-6 if same_eps else 1e-5))
+    calls = []
+    for m in norms:
+        m.weight.data.copy_(1 + 0.2 * torch.randn(head_dim, generator=g))
+        m.to(device=DEVICE, dtype=dtype)
+        m.register_forward_hook(lambda mod, args, out: calls.append(mod))
+    pos = positions_of(meta)
+    triton_b = backend_with_cache("triton", num_heads, num_kv_heads, head_dim, kc, vc)
+    torch_b = backend_with_cache("torch", num_heads, num_kv_heads, head_dim, kc, vc)
+    with torch.no_grad():
+        out = triton_b.forward(q.clone(), k.clone(), v, pos, triton_b.kv_cache(0), triton_b.build_metadata(meta),
+                               norms)
+        assert len(calls) == (0 if same_eps else 2)
+        ref = torch_b.forward(q.clone(), k.clone(), v, pos, torch_b.kv_cache(0), torch_b.build_metadata(meta), norms)
+        assert len(calls) == (2 if same_eps else 4)
+        plain_b = backend_with_cache("torch", num_heads, num_kv_heads, head_dim, kc, vc)
+        plain = plain_b.forward(q.clone(), k.clone(), v, pos, plain_b.kv_cache(0), plain_b.build_metadata(meta))
+    assert torch.equal(triton_b.kv_cache(0).v, torch_b.kv_cache(0).v)
+    assert rel_err(triton_b.kv_cache(0).k, torch_b.kv_cache(0).k) < TOL[dtype]
+    assert rel_err(out, ref) < TOL[dtype]
+    assert rel_err(out, plain) > min(100 * TOL[dtype], 0.1)  # the norm did apply (bf16: 0.58 on the H200)
+
+
+def test_qwen3_model_fuses_qk_norm_on_the_triton_backend():
+    """A tiny Qwen3 (q/k norm, head_dim 32 != hidden / heads) built on each backend, same weights: a prefill and a
+    decode step give the same hidden states (TOL) on the Triton backend, where the layer's q_norm / k_norm modules
+    never run (the norm is inside ``rope_and_cache``), as on the torch backend, where they run (its CPU path)."""
+    from roofline.attention import AttentionMetadata
+    from roofline.attention.backend import get_attention_backend
+    from roofline.config import ModelConfig
+    from roofline.layers.rotary import RotaryEmbedding
+    from roofline.models import loader
+    from roofline.models.registry import build_model
+
+    cfg = ModelConfig(vocab_size=96, hidden_size=64, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=32, max_position_embeddings=64, qk_norm=True)
+    gen = torch.Generator().manual_seed(5)
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen) * 0.2
+
+    h, q_size, kv_size = cfg.hidden_size, 4 * 32, 2 * 32
+    state = {"model.embed_tokens.weight": rand(96, h), "model.norm.weight": 1 + rand(h), "lm_head.weight": rand(96, h)}
+    for n in range(cfg.num_hidden_layers):
+        p = f"model.layers.{n}"
+        state.update({
+            f"{p}.self_attn.q_proj.weight": rand(q_size, h), f"{p}.self_attn.k_proj.weight": rand(kv_size, h),
+            f"{p}.self_attn.v_proj.weight": rand(kv_size, h), f"{p}.self_attn.o_proj.weight": rand(h, q_size),
+            f"{p}.self_attn.q_norm.weight": 1 + rand(32), f"{p}.self_attn.k_norm.weight": 1 + rand(32),
+            f"{p}.mlp.gate_proj.weight": rand(48, h), f"{p}.mlp.up_proj.weight": rand(48, h),
+            f"{p}.mlp.down_proj.weight": rand(h, 48),
+            f"{p}.input_layernorm.weight": 1 + rand(h), f"{p}.post_attention_layernorm.weight": 1 + rand(h),
+        })
+    calls = {"triton": 0, "torch": 0}
+    models = {}
+    for name in calls:
+        backend = get_attention_backend(name)(4, 2, 32, RotaryEmbedding.from_config(cfg))
+        backend.allocate_kv_cache(cfg.num_hidden_layers, 4, 16, torch.float32, torch.device(DEVICE))
+        model = build_model(cfg, backend).eval().to(DEVICE)
+        loader.load_weights(model, iter(state.items()))
+        for layer in model.model.layers:
+            for m in (layer.self_attn.q_norm, layer.self_attn.k_norm):
+                m.register_forward_hook(lambda *_, name=name: calls.__setitem__(name, calls[name] + 1))
+        models[name] = model
+    ids = torch.randint(0, 96, (11,), generator=gen).to(DEVICE)
+    outs = {}
+    for name, model in models.items():
+        backend = model.model.layers[0].self_attn.attn.backend
+        steps = [(0, 10, 10), (10, 11, 1)]  # a 10-token prefill, then one decode step (slots = positions)
+        for start, end, n in steps:
+            meta = AttentionMetadata(
+                slot_mapping=torch.arange(start, end, device=DEVICE),
+                query_start_loc=torch.tensor([0, n], dtype=torch.int32, device=DEVICE),
+                seq_lens=torch.tensor([end], dtype=torch.int32, device=DEVICE),
+                block_tables=torch.tensor([[0]], dtype=torch.int32, device=DEVICE),
+                max_query_len=n, query_lens_cpu=[n], seq_lens_cpu=[end])
+            with torch.inference_mode():
+                outs.setdefault(name, []).append(
+                    model(ids[start:end], torch.arange(start, end, device=DEVICE), backend.build_metadata(meta)))
+    assert calls == {"triton": 0, "torch": 2 * 2 * cfg.num_hidden_layers}
+    for got, want in zip(outs["triton"], outs["torch"], strict=True):
+        assert want.abs().max() > 0.1 and rel_err(got, want) < TOL[torch.float32]

@@ -63,8 +63,9 @@ def test_qk_norm_on_qkv_split_views_matches_hf(num_tokens, dtype, monkeypatch):
 @pytest.mark.parametrize("num_tokens", [1, 5])
 def test_one_launch_qk_norm_in_place_matches_hf(num_tokens, dtype, monkeypatch):
     """``roofline.kernels.qk_norm`` (q and k heads in one launch, in place in qkv) through the layer function
-    ``qk_norm`` as LlamaAttention calls it: the q / k views see HF's values (bounds above), v is untouched, and
-    the torch twin ``ref_qk_rmsnorm_`` agrees."""
+    ``qk_norm`` on the qkv views LlamaAttention has: the q / k views see HF's values (bounds above), v is untouched,
+    and the torch twin ``ref_qk_rmsnorm_`` agrees. (The model itself now fuses the norm into ``rope_and_cache``:
+    tests/kernels/test_rope_cache.py.)"""
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
     from roofline.kernels.qk_norm import qk_rmsnorm_, ref_qk_rmsnorm_

@@ -126,6 +126,24 @@ def test_moe_greedy_tokens_match_transformers(case):
         assert ro.outputs[0].token_ids == hf_greedy(hf, ids, NUM_NEW), (name, len(ids))
 
 
+def test_moe_greedy_tokens_match_transformers_with_the_fused_gate(case, monkeypatch):
+    """The gate GEMV and the router in one launch (``moe_router.gate_select_experts``, what a GPU runs at decode
+    sizes; here under the Triton interpreter, forced on the CPU for every batch): still HF's tokens."""
+    from roofline.kernels import moe_router
+    from roofline.layers import moe
+
+    name, hf, llm, _ = case
+    calls = []
+    real = moe_router.gate_select_experts
+    monkeypatch.setattr(moe, "fused_gate_applies", lambda x, gate: True)
+    monkeypatch.setattr(moe_router, "gate_select_experts", lambda *a: calls.append(len(a[0])) or real(*a))
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True), use_tqdm=False)
+    assert 1 in calls or 2 in calls  # decode steps went through it
+    for ids, ro in zip(PROMPTS, outs, strict=True):
+        assert ro.outputs[0].token_ids == hf_greedy(hf, ids, NUM_NEW), (name, len(ids))
+
+
 def test_missing_expert_tensor_is_named(tmp_path):
     from safetensors.torch import load_file, save_file
 
