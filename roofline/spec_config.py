@@ -112,12 +112,13 @@ class SpeculativeConfig:
                     raise ValueError(f"speculative_config {name} does not apply to method {self.method!r} (its keys: "
                                      f"method, num_speculative_tokens, model, adaptive, tree_topk, tree_budget)")
             self._check_tree()
+            head = f"{'an' if self.method[0] in 'aeiou' else 'a'} {self.method} head"  # an eagle, a medusa
             if self.model is not None and not (isinstance(self.model, str) and self.model):
-                raise ValueError(f"speculative_config model must be a {self.method} head directory (written by "
+                raise ValueError(f"speculative_config model must be {head} directory (written by "
                                  f"`roofline train-draft --method {self.method}`), got {self.model!r}")
             if self.model is not None and not os.path.isdir(self.model):  # before the target loads
                 what = "is not a directory" if os.path.exists(self.model) else "does not exist"
-                raise ValueError(f"speculative_config model {self.model!r} {what}: give a {self.method} head "
+                raise ValueError(f"speculative_config model {self.model!r} {what}: give {head} "
                                  f"directory written by `roofline train-draft --method {self.method}`")
             return
         if self.method != "draft_model":

@@ -139,7 +139,8 @@ class OpenAIServing:
         limit = self.max_model_len
         if num_prompt_tokens >= limit:
             raise bad_request(
-                f"This model's maximum context length is {limit} tokens, but the {prompt_param} has "
+                f"This model's maximum context length is {limit} tokens, but the {prompt_param} "
+                f"{'have' if prompt_param.endswith('s') else 'has'} "
                 f"{num_prompt_tokens} tokens; it must be at most {limit - 1} tokens to leave room for one "
                 f"generated token", param=prompt_param, code="context_length_exceeded")
         if max_tokens is None:

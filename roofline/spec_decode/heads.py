@@ -209,6 +209,8 @@ def save_head(directory: str, cfg: DraftHeadConfig, tensors: dict[str, torch.Ten
               os.path.join(directory, WEIGHTS_NAME))
     with open(os.path.join(directory, CONFIG_NAME), "w") as f:
         json.dump(asdict(cfg), f, indent=1)
+    # safetensors writes its file 0600; give it config.json's mode (the umask's), so a shared head dir is readable
+    os.chmod(os.path.join(directory, WEIGHTS_NAME), os.stat(os.path.join(directory, CONFIG_NAME)).st_mode & 0o777)
 
 
 def load_head(directory: str, method: str) -> tuple[DraftHeadConfig, dict[str, torch.Tensor]]:

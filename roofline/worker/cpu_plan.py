@@ -107,7 +107,7 @@ class CpuDecodePlan:
                 return cls._build(model, backend), ""
             except _Unsupported as e:
                 why = str(e)
-        logger.info("CPU decode plan: not used (%s); decode runs the modules", why)
+        logger.info("CPU decode plan: off (%s); decode runs the modules", why)
         return None, why
 
     @staticmethod

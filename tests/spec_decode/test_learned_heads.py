@@ -6,6 +6,7 @@ slow tests at the end.
 
 from __future__ import annotations
 
+import os
 from types import SimpleNamespace
 
 import numpy as np
@@ -88,6 +89,8 @@ def test_training_loss_falls(heads, method, factor, tmp_path):
     assert np.mean(losses[-4:]) < factor * np.mean(losses[:4]), losses
     cfg, tensors = load_head(d, method)
     assert (cfg.hidden_size, cfg.vocab_size) == (64, VOCAB)
+    modes = {f: os.stat(os.path.join(d, f)).st_mode & 0o777 for f in ("config.json", "model.safetensors")}
+    assert modes["model.safetensors"] == modes["config.json"], modes  # not safetensors' own 0600
     assert 0.0 <= stats["val_top1"] <= 1.0
     train.plot_losses(losses, str(tmp_path / "loss.png"), method)
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -335,7 +338,7 @@ def test_token_map_counts_the_regenerated_answers():
 def test_a_missing_head_directory_is_refused_before_the_target_loads(method, tmp_path):
     from roofline.spec_config import SpeculativeConfig
 
-    with pytest.raises(ValueError, match=rf"model '{tmp_path}/none' does not exist: give a {method} head directory"):
+    with pytest.raises(ValueError, match=rf"model '{tmp_path}/none' does not exist: give an? {method} head directory"):
         SpeculativeConfig(method=method, num_speculative_tokens=2, model=str(tmp_path / "none"))
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is not a directory"):

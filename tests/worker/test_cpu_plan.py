@@ -77,7 +77,7 @@ def test_plan_is_not_built_where_it_does_not_apply(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="roofline.worker.cpu_plan"):
         llm = LLM(device="cpu", dtype="float32", max_model_len=256)  # an fp32 model: the modules (exact to HF)
     assert llm.engine.worker.cpu_plan is None
-    assert "CPU decode plan: not used (cpu torch.float32, not a bf16 model on CPU)" in caplog.text
+    assert "CPU decode plan: off (cpu torch.float32, not a bf16 model on CPU)" in caplog.text
     monkeypatch.setattr(cpu_plan, "ENABLED", False)
     worker = llm.engine.worker
     assert cpu_plan.CpuDecodePlan.build(worker.model, worker.backend, torch.bfloat16,
@@ -87,7 +87,7 @@ def test_plan_is_not_built_where_it_does_not_apply(monkeypatch, caplog):
     with caplog.at_level(logging.INFO, logger="roofline.worker.cpu_plan"):
         assert cpu_plan.CpuDecodePlan.build(worker.model, worker.backend, torch.bfloat16,
                                             torch.device("cpu")) == (None, "norm weights not bf16")
-    assert "CPU decode plan: not used (norm weights not bf16)" in caplog.text
+    assert "CPU decode plan: off (norm weights not bf16)" in caplog.text
     from roofline.worker.cpu_plan import _linear
 
     assert _linear(worker.model.model.layers[0].self_attn.qkv_proj)[1] == "16-bit weights not packed bf16"
