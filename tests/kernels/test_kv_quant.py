@@ -75,6 +75,32 @@ def _store_case(num_tokens, num_heads, num_kv_heads, head_dim, block_size, dtype
 
 # ---------------------------------------------------------------------------------------------- the store
 
+def _poisoned_int8_cache(shape):
+    """(k codes, v codes, k scales, v scales) of an int8 cache of ``shape`` [blocks, block, H_kv, D]: codes 77 and
+    scales NaN, so a slot the store should not write shows it kept its poison."""
+    kc = torch.full(shape, 77, dtype=torch.int8, device=DEVICE)
+    ks = torch.full(shape[:3], float("nan"), device=DEVICE)
+    return kc, kc.clone(), ks, ks.clone()
+
+
+def _flat_slots(t):
+    """A cache [blocks, block, ...] as [slots, ...]."""
+    return t.view(-1, *t.shape[2:])
+
+
+def _assert_int8_codes_of(k, v, kc, vc, ks, vs, slots):
+    """The cache's codes and scales at the written slots (``slots`` >= 0) equal, bit for bit, the ref quantizer's
+    of ``k`` and ``v`` as the kernel left them (so a rotation or norm that rounds differently by an ulp does not
+    count against the quantization)."""
+    ref_kq, ref_ks = ref_quantize_int8(k)
+    ref_vq, ref_vs = ref_quantize_int8(v)
+    valid = slots >= 0
+    flat = _flat_slots
+    assert torch.equal(flat(kc)[slots[valid]], ref_kq[valid]) and torch.equal(flat(vc)[slots[valid]], ref_vq[valid])
+    assert torch.equal(flat(ks)[slots[valid]], ref_ks[valid]) and torch.equal(flat(vs)[slots[valid]], ref_vs[valid])
+
+
+
 @pytest.mark.parametrize("dtype", QDTYPES)
 @pytest.mark.parametrize("num_tokens,num_heads,num_kv_heads,head_dim,block_size",
                          [(19, 9, 3, 64, 1), (40, 8, 2, 128, 32), (5, 6, 2, 96, 16)])
@@ -82,10 +108,7 @@ def test_int8_store_matches_ref_and_round_trips(num_tokens, num_heads, num_kv_he
     q, k, v, pos, slots, shape = _store_case(num_tokens, num_heads, num_kv_heads, head_dim, block_size, dtype, 5)
     slots[1] = -1  # padding: nothing written
     cs = _cos_sin(2048, head_dim)
-    kc = torch.full(shape, 77, dtype=torch.int8, device=DEVICE)
-    vc = kc.clone()
-    ks = torch.full(shape[:3], float("nan"), device=DEVICE)  # stale scales stay NaN
-    vs = ks.clone()
+    kc, vc, ks, vs = _poisoned_int8_cache(shape)
     rq, rk, rkc, rvc, rks, rvs = q.clone(), k.clone(), kc.clone(), vc.clone(), ks.clone(), vs.clone()
     rope_and_cache(q, k, v, pos, cs, kc, vc, slots, ks, vs)
     ref_rope_and_cache(rq, rk, v, pos, cs, rkc, rvc, slots, rks, rvs)
@@ -93,12 +116,9 @@ def test_int8_store_matches_ref_and_round_trips(num_tokens, num_heads, num_kv_he
     # Same codes and scales as the ref twin, bit for bit (IEEE division in both), from the same rotated k.
     # fp16/bf16: the rotation itself may round differently by one ulp (FMA), so compare codes from the
     # kernel's own k: re-quantize it with the ref and require equality.
-    ref_kq, ref_ks = ref_quantize_int8(k)
-    ref_vq, ref_vs = ref_quantize_int8(v)
     valid = slots >= 0
-    flat = lambda t: t.view(-1, *t.shape[2:])  # noqa: E731
-    assert torch.equal(flat(kc)[slots[valid]], ref_kq[valid]) and torch.equal(flat(vc)[slots[valid]], ref_vq[valid])
-    assert torch.equal(flat(ks)[slots[valid]], ref_ks[valid]) and torch.equal(flat(vs)[slots[valid]], ref_vs[valid])
+    flat = _flat_slots
+    _assert_int8_codes_of(k, v, kc, vc, ks, vs, slots)
     if dtype == torch.float32 and not ON_GPU:  # same rotation (no FMA contraction in the interpreter): whole caches agree
         assert torch.equal(kc, rkc) and torch.equal(vc, rvc)
         assert torch.equal(ks.nan_to_num(-1.0), rks.nan_to_num(-1.0))
@@ -130,22 +150,16 @@ def test_int8_store_with_qk_norm(num_tokens, num_heads, num_kv_heads, head_dim, 
     g = torch.Generator().manual_seed(12)
     wq, wk = ((1 + 0.2 * torch.randn(head_dim, generator=g)).to(dtype).to(DEVICE) for _ in range(2))
     cs = _cos_sin(2048, head_dim)
-    kc = torch.full(shape, 77, dtype=torch.int8, device=DEVICE)
-    vc = kc.clone()
-    ks = torch.full(shape[:3], float("nan"), device=DEVICE)
-    vs = ks.clone()
+    kc, vc, ks, vs = _poisoned_int8_cache(shape)
     rq, rk, rkc, rvc, rks, rvs = q.clone(), k.clone(), kc.clone(), vc.clone(), ks.clone(), vs.clone()
     norm = dict(q_norm_weight=wq, k_norm_weight=wk, norm_eps=1e-6)
     rope_and_cache(q, k, v, pos, cs, kc, vc, slots, ks, vs, **norm)
     ref_rope_and_cache(rq, rk, v, pos, cs, rkc, rvc, slots, rks, rvs, **norm)
     assert rel_err(k, rk) < TOL[dtype] and rel_err(q, rq) < TOL[dtype]
     assert (k[0, 0] == 0).all()  # the all-zero row stays 0 through the norm
-    ref_kq, ref_ks = ref_quantize_int8(k)
-    ref_vq, ref_vs = ref_quantize_int8(v)
     valid = slots >= 0
-    flat = lambda t: t.view(-1, *t.shape[2:])  # noqa: E731
-    assert torch.equal(flat(kc)[slots[valid]], ref_kq[valid]) and torch.equal(flat(vc)[slots[valid]], ref_vq[valid])
-    assert torch.equal(flat(ks)[slots[valid]], ref_ks[valid]) and torch.equal(flat(vs)[slots[valid]], ref_vs[valid])
+    flat = _flat_slots
+    _assert_int8_codes_of(k, v, kc, vc, ks, vs, slots)
     untouched = torch.ones(flat(kc).shape[0], dtype=torch.bool, device=DEVICE)
     untouched[slots[valid]] = False
     assert (flat(kc)[untouched] == 77).all() and torch.isnan(flat(ks)[untouched]).all()

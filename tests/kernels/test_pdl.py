@@ -19,6 +19,22 @@ def test_pdl_is_off_without_the_hardware(monkeypatch):
     assert pdl.mode(cpu, override=1) == 0
 
 
+def _graphed(chain):
+    """``chain()``'s output from one replay of a CUDA graph that captured it (after a warm-up run on a side
+    stream, as torch's capture recipe asks)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        chain()
+    torch.cuda.current_stream().wait_stream(s)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain()
+    graph.replay()
+    torch.cuda.synchronize()
+    return out.clone()
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
                     reason="needs a GPU with programmatic dependent launch (sm_90+)")
@@ -48,23 +64,10 @@ def test_gpu_pdl_chain_in_a_cuda_graph_is_bit_identical(monkeypatch, mode):
                                      wn, 1e-5)
         return h
 
-    def graphed():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            chain()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain()
-        graph.replay()
-        torch.cuda.synchronize()
-        return out.clone()
-
     monkeypatch.setattr(pdl, "MODE", 0)
-    want = graphed()
+    want = _graphed(chain)
     monkeypatch.setattr(pdl, "MODE", mode)
-    got = graphed()
+    got = _graphed(chain)
     assert torch.isfinite(want).all() and torch.equal(got, want)
 
 
@@ -103,21 +106,8 @@ def test_gpu_pdl_attention_chain_in_a_cuda_graph_is_bit_identical(monkeypatch):
             x = paged_decode_attention(q, cache_k, cache_v, tables, seq_lens, dim ** -0.5).reshape(1, hidden)
         return x
 
-    def graphed():
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            chain()
-        torch.cuda.current_stream().wait_stream(s)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = chain()
-        graph.replay()
-        torch.cuda.synchronize()
-        return out.clone()
-
     monkeypatch.setattr(pdl, "MODE", 0)
-    want = graphed()
+    want = _graphed(chain)
     monkeypatch.setattr(pdl, "MODE", 1)
-    got = graphed()
+    got = _graphed(chain)
     assert torch.isfinite(want).all() and torch.equal(got, want)
