@@ -15,7 +15,8 @@
 #   gputests  pytest -m gpu on $TESTS (default: tests/moe and the attention/RoPE/PDL kernel tests), slowest 15 listed
 #   ab        roofline bench decode at batch 1 for each of $AB_MODELS (qwen3-30b-a3b,llama-3-8b), alternating the
 #             code in $AB_BASE (a `git archive` of the baseline commit, carried as an ignored path) and this tree,
-#             twice each, in one process tree on one warm GPU
+#             twice each, in one process tree on one warm GPU; on a card other than the H200 both sides get the
+#             H200 dispatch and MoE tables (copied to the card's name)
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)
 OUT=${OUT:-/tmp/round7}
@@ -65,6 +66,12 @@ for step in "$@"; do
       > "$OUT/gputests.log" 2>&1
     echo "rc $?" | tee -a "$OUT/log"; grep -E "^E |passed|failed|error|^[0-9.]+s " "$OUT/gputests.log" | tail -30 | tee -a "$OUT/log" ;;
   ab)
+    name=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
+    if [ "$name" != NVIDIA_H200 ]; then  # the tables are keyed by device name: apply the H200 ones on both sides
+      for tree in . "${AB_BASE:-.ab/base}"; do for d in dispatch_tables moe_configs; do
+        f=$tree/roofline/kernels/$d/NVIDIA_H200.json; [ -f "$f" ] && cp "$f" "$tree/roofline/kernels/$d/$name.json"
+      done; done; echo "H200 tables applied on $name (both sides)" | tee -a "$OUT/log"
+    fi
     for model in ${AB_MODELS:-qwen3-30b-a3b llama-3-8b}; do
       for rep in 1 2; do
         for side in base head; do
