@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
@@ -11,6 +12,8 @@ from roofline.args import EngineArgs
 from roofline.engine_factory import engine_from_model
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict[str, Any]
 
@@ -207,13 +210,18 @@ class LLM:
                     if isinstance(prompt, str) and prompt and engine.tokenizer is not None:
                         token_ids = engine.tokenize(prompt)  # e.g. too long: the caller sees how long
                     results[i] = RequestOutput(request_id, text, token_ids, [], finished=True, error=str(e))
+                    logger.warning("prompt %d of %d rejected (its output has error set, no outputs): %s",
+                                   i, len(prompts), e)
                     continue
                 ids.append(request_id)
                 order[request_id] = i
             if use_tqdm and ids:
                 from tqdm.auto import tqdm
 
-                progress = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+                # Every prompt counts; the rejected ones are done already (and named in the postfix).
+                rejected = len(prompts) - len(ids)
+                progress = tqdm(total=len(prompts), initial=rejected, desc="Processed prompts", dynamic_ncols=True,
+                                postfix={"rejected": rejected} if rejected else None)
             final = engine.run_to_completion(ids, progress)
         except BaseException:
             # An unexpected error or Ctrl-C: nobody will collect these requests, so free their blocks

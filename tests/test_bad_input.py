@@ -125,6 +125,20 @@ def test_a_too_long_text_prompt_reports_its_tokens(default_llm):
     assert out[0].prompt == text and out[0].outputs == [] and out[1].error is None
 
 
+def test_a_rejected_prompt_is_logged_and_counted_by_the_progress_bar(default_llm, caplog, capsys):
+    """The progress bar counts every prompt (a rejected one is done at once, named in its postfix), and each
+    rejected prompt gets a warning naming its index and why: its output has no outputs to index."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="roofline.llm"):
+        outs = default_llm.generate(["", "The capital of France is"], GREEDY8, use_tqdm=True)
+    assert outs[0].error is not None and outs[1].error is None
+    warned = [r.getMessage() for r in caplog.records if r.name == "roofline.llm"]
+    assert len(warned) == 1 and warned[0].startswith("prompt 0 of 2 rejected") and "empty" in warned[0], warned
+    bar = capsys.readouterr().err
+    assert "2/2" in bar and "rejected=1" in bar, bar[-300:]
+
+
 def test_prompt_of_wrong_type_is_a_per_request_error(default_llm):
     """Regression: a None prompt used to raise TypeError out of generate, leaving the valid requests
     queued before it in the engine (run, unseen, by the next call)."""

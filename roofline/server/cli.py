@@ -39,6 +39,7 @@ def run_serve(args: argparse.Namespace) -> int:
     from roofline.server.app import ServerConfig, build_app
 
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.getLogger("roofline").setLevel(args.log_level.upper())  # also where a handler was already set up
     config = ServerConfig(
         served_model_names=tuple(args.served_model_name) if args.served_model_name else None,
         api_key=args.api_key or None,
@@ -54,7 +55,9 @@ def run_serve(args: argparse.Namespace) -> int:
     from roofline.commands import startup_lines
 
     engine = app.state.async_engine.engine
-    if (startup := startup_lines(engine)):  # the CPU line and decode plan / quantization auto, as `generate`
+    # The CPU line and decode plan / quantization auto, as `generate` prints them; at --log-level info or
+    # debug the worker's log record already shows them.
+    if (startup := startup_lines(engine)) and not logging.getLogger("roofline").isEnabledFor(logging.INFO):
         print(startup, flush=True)
     print(engine.kv_cache_summary, flush=True)  # the KV pool, as `generate` prints it
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -198,7 +198,7 @@ class SpecController:
         gamma = max(spec_seqs.values())
         verify_s = max(result.duration_s - result.draft_duration_s, 1e-9)
         if result.draft_duration_s > 0:  # the n-gram proposer's host time is inside the step's wall time
-            policy.record_cost(result.draft_duration_s / gamma, verify_s)
+            policy.record_cost(result.draft_duration_s / gamma, len(result.seq_ids), verify_s)
 
     def record_step(self, batch: int, spec_seqs: dict[int, int], wall_t0: float, result: StepOutput,
                     mode: str) -> None:

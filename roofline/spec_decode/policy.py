@@ -13,9 +13,9 @@ throughput, while a throughput gain can come from a few copying requests at the 
 
 - ``E(alpha, gamma) = (1 - alpha^(gamma+1)) / (1 - alpha)``: expected tokens per verify pass with a per-token
   acceptance rate alpha (Leviathan et al. 2023, eq. 1; ``costmodel.expected_tokens_per_step``);
-- ``alpha_i``: request i's acceptance, an exponential moving average of its verify passes (accepted drafts
-  over acceptance tests, where a pass that stops at a rejection counts one failed test); a request with no
-  pass yet takes its proposer's running average;
+- ``alpha_i``: request i's acceptance, accepted drafts over acceptance tests (a pass that stops at a rejection
+  counts one failed test), both exponential moving averages weighted per test (``ALPHA_TEST_EMA``), from a
+  prior of ``PRIOR_TESTS`` tests at its proposer's running alpha; a request with no pass yet takes that;
 - ``c``: one draft step's time over one target step's, from the engine's own step timings (an EMA);
 - ``verify_ratio(B, gamma)``: the bound model's step time at ``B x (gamma + 1)`` positions over
   ``B x 1`` (``costmodel.verify_cost_ratio``), with the device's measured read bandwidth and GEMM rate:
@@ -31,8 +31,9 @@ Until a plain step has been timed at the batch's size bucket, gamma is 0 (with t
 would stay on and never see what a plain step costs: measured at 32 concurrent requests on the H200, TPOT
 2.5x the plain server's). gamma = 0 turns speculation off for the step. While it is off, a probe step
 speculates with gamma 1 so the estimates keep up (a copy-heavy request can start later): after
-``PROBE_INTERVAL`` steps off, and after twice as many each time a probe ends off again, up to
-``MAX_PROBE_INTERVAL``. A probe re-measures its batch bucket from scratch: when its verify timing arrives,
+``PROBE_INTERVAL`` steps off; while the best gamma predicts below ``PROBE_BACKOFF_BELOW`` x plain (a clear
+loss), twice as many each time a probe ends off again, up to ``MAX_PROBE_INTERVAL``; near break-even a probe
+costs little and the interval returns to ``PROBE_INTERVAL``. A probe re-measures its batch bucket from scratch: when its verify timing arrives,
 the bucket's verify timings at every gamma are dropped and the probe's becomes the first, so the next decision
 prices every gamma from the probe's excess (nearest gamma). Otherwise one slow early verify step
 (a host hiccup) would keep its gamma priced off for good: only a chosen gamma is ever timed, and probes come
@@ -55,10 +56,13 @@ from roofline.costmodel import expected_tokens_per_step
 logger = logging.getLogger(__name__)
 
 ALPHA_PRIOR = 0.5  # a proposer's acceptance before its first verify pass
-ALPHA_EMA = 0.3  # weight of the newest verify pass in a request's acceptance estimate
+PRIOR_TESTS = 4  # the prior (ALPHA_PRIOR, or for a request its proposer's alpha) counts as this many tests
+ALPHA_TEST_EMA = 0.05  # a verify pass with t acceptance tests weighs 1 - (1 - this)^t in a request's alpha
+PROPOSER_TEST_EMA = 0.025  # the same per test for the proposer's running alpha (a new request's prior)
 COST_EMA = 0.2  # weight of the newest measurement in the draft-cost estimate
 PROBE_INTERVAL = 16  # steps with gamma 0 before the first probe at gamma 1
-MAX_PROBE_INTERVAL = 1024  # the probe interval doubles while probes keep ending off, up to this
+MAX_PROBE_INTERVAL = 1024  # the probe interval doubles while clearly losing probes keep ending off, up to this
+PROBE_BACKOFF_BELOW = 0.9  # a probe doubles the interval only if the best gamma predicted below this x plain
 NEW_REQUEST_BATCH = 8  # while off, a new request in a decode batch this small makes the next step draft
 MAX_NO_DRAFT_WAIT = 16  # most steps without proposals after repeated drafting steps that found no draft
 ALPHA_MAX = 0.999  # E(alpha) needs alpha < 1
@@ -71,13 +75,20 @@ class _Acceptance:
     accepted: float = 0.0
     tests: float = 0.0
 
-    def update(self, num_draft: int, num_accepted: int, weight: float) -> None:
+    def update(self, num_draft: int, num_accepted: int, test_weight: float, prior: float) -> None:
+        """One verify pass: ``num_accepted`` of ``num_draft`` drafts (along the accepted path of a tree). It is
+        ``num_accepted`` tests passed plus one failed if it stopped at a rejection, and weighs
+        ``1 - (1 - test_weight)^tests``: per test, not per pass, so a depth-1 tree's single Bernoulli test moves
+        alpha as little as one test of a chain does (per pass at weight 0.3, alpha's standard deviation at a
+        true 0.55 was ~0.21 for one test a pass, and two rejections in a row turned a winning drafter off).
+        The estimate starts as one test at ``prior`` (the proposer's alpha for a request), so a first pass
+        that stops at its first draft does not set alpha to 0 (only probes would then move it)."""
         tests = num_accepted + (1 if num_accepted < num_draft else 0)
+        weight = 1.0 - (1.0 - test_weight) ** tests
         if self.tests == 0.0:
-            self.accepted, self.tests = float(num_accepted), float(tests)
-        else:
-            self.accepted = (1 - weight) * self.accepted + weight * num_accepted
-            self.tests = (1 - weight) * self.tests + weight * tests
+            self.accepted, self.tests = PRIOR_TESTS * test_weight * prior, PRIOR_TESTS * test_weight
+        self.accepted = (1 - weight) * self.accepted + weight * num_accepted
+        self.tests = (1 - weight) * self.tests + weight * tests
 
     @property
     def alpha(self) -> float | None:
@@ -251,7 +262,10 @@ class SpecPolicy:
             self.steps_off += 1
             if self.steps_off >= self.probe_interval and max(caps) >= 1:
                 self.steps_off = 0
-                self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+                if top is None or top.predicted_speedup < PROBE_BACKOFF_BELOW:
+                    self.probe_interval = min(2 * self.probe_interval, MAX_PROBE_INTERVAL)
+                else:  # near break-even a probe costs little: keep testing often
+                    self.probe_interval = PROBE_INTERVAL
                 self._probing = True  # its timing re-measures the bucket (record_step)
                 best = PolicyDecision(1, best.predicted_speedup, b, best.mean_alpha, self.draft_cost, self.ratio(b, 1))
         else:
@@ -266,11 +280,16 @@ class SpecPolicy:
     def record(self, seq_id: int, num_draft: int, num_accepted: int) -> None:
         if num_draft <= 0:
             return
-        self.requests.setdefault(seq_id, _Acceptance()).update(num_draft, num_accepted, ALPHA_EMA)
-        self.proposer.update(num_draft, num_accepted, ALPHA_EMA / 4)
+        prior = self.proposer.alpha
+        self.requests.setdefault(seq_id, _Acceptance()).update(
+            num_draft, num_accepted, ALPHA_TEST_EMA, ALPHA_PRIOR if prior is None else prior)
+        self.proposer.update(num_draft, num_accepted, PROPOSER_TEST_EMA, ALPHA_PRIOR)
 
-    def record_cost(self, draft_step_s: float, target_step_s: float) -> None:
-        """One draft step's seconds and one plain target step's (both measured by the engine)."""
+    def record_cost(self, draft_step_s: float, batch: int, verify_step_s: float) -> None:
+        """One draft step's seconds at ``batch`` decoding requests, from a step whose verify pass took
+        ``verify_step_s``. c is in plain target steps: over the plain step timed at the batch's bucket, or,
+        before one was, over the verify pass (which overstates the plain step by the verify ratio)."""
+        target_step_s = self.plain_s.get(self._bucket(batch), verify_step_s)
         if target_step_s > 0:
             self.draft_cost = (1 - COST_EMA) * self.draft_cost + COST_EMA * draft_step_s / target_step_s
 

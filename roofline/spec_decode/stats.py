@@ -12,7 +12,9 @@ class SpecDecodeStats:
     not its nodes); ``num_accepted_tokens``: drafts accepted; ``num_emitted_tokens``: tokens the passes
     produced (accepted + one bonus or correction each, before stop truncation); ``accepted_per_position[j]``:
     passes whose draft j + 1 was accepted; ``drafted_per_position[j]``: passes that drafted a token j + 1;
-    ``gamma``: the policy's latest choice."""
+    ``gamma``: the policy's latest choice. ``num_steps_on`` + ``num_steps_off`` can be fewer than the decode
+    steps: a step where no decoding request had a draft (no n-gram match) or room to speculate (one token left
+    before ``max_tokens``, so every request's last decode step) counts as neither."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0

@@ -30,13 +30,10 @@ the pool is allocated and the weights are processed; ``load_weights`` copies int
 from __future__ import annotations
 
 import ctypes
-import logging
 import os
 
 import numpy as np
 import torch
-
-logger = logging.getLogger(__name__)
 
 ENABLED = os.environ.get("ROOFLINE_CPU_PLAN", "1") != "0"
 
@@ -100,14 +97,13 @@ class CpuDecodePlan:
     def build(cls, model, backend, dtype: torch.dtype, device: torch.device, *,
               tp_size: int = 1) -> tuple[CpuDecodePlan | None, str]:
         """(the plan for ``model``, a ``LlamaForCausalLM`` on one process, over ``backend``'s allocated KV pool, and
-        ""), or (None, the reason it does not apply; also logged at info). See the module docstring."""
+        ""), or (None, the reason it does not apply; the worker logs it). See the module docstring."""
         why = cls._why_not(model, backend, dtype, device, tp_size)
         if why is None:
             try:
                 return cls._build(model, backend), ""
             except _Unsupported as e:
                 why = str(e)
-        logger.info("CPU decode plan: off (%s); decode runs the modules", why)
         return None, why
 
     @staticmethod

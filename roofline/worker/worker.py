@@ -75,7 +75,6 @@ class Worker:
             self.cpu_summary, self.thread_governor = apply_thread_policy(config.dtype, config.quantization)
             if config.quantization_note is not None:
                 self.cpu_summary += f"\nquantization auto: {config.quantization_note}"
-            logger.info("%s", self.cpu_summary)
         dispatch.set_kernels_enabled(config.use_triton_kernels)
         tp = get_tp_size()
         self.pp = get_parallel_state()  # pipeline stage (the whole model at pipeline size 1)
@@ -139,9 +138,11 @@ class Worker:
         if self.device.type == "cpu" and self.pp.pp_size == 1:
             self.cpu_plan, why = CpuDecodePlan.build(self.model, self.backend, self.dtype, self.device,
                                                      tp_size=get_tp_size())
+            plan = (f"CPU decode plan: on ({self.cpu_plan.describe()})" if self.cpu_plan is not None
+                    else f"CPU decode plan: off ({why})")
             if self.cpu_summary is not None:  # what `roofline generate` prints at start-up
-                self.cpu_summary += (f"\nCPU decode plan: on ({self.cpu_plan.describe()})"
-                                     if self.cpu_plan is not None else f"\nCPU decode plan: off ({why})")
+                self.cpu_summary += "\n" + plan
+            logger.info("%s", self.cpu_summary or plan)  # one record (`serve` shows it through the log)
 
     def _calibrate_fp8_kv_scales(self) -> None:
         """One calibration forward sets the fp8 KV cache's per-(layer, KV head) scales (kv_calibration.py)."""

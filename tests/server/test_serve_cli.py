@@ -69,16 +69,30 @@ def test_argparse_errors_are_one_line_without_the_usage(capsys, argv, line):
     assert err.rstrip().endswith(f"(see roofline {argv[0]} --help)")
 
 
-def test_serve_prints_the_start_up_lines_generate_prints(monkeypatch, capsys):
+@pytest.mark.parametrize("level", ["warning", "info"])
+def test_serve_states_the_start_up_lines_generate_prints_once(monkeypatch, capsys, caplog, level):
     """`roofline serve` states the CPU line and the CPU decode plan's state (as `generate` does) before the KV
-    pool line; uvicorn is not started here."""
+    pool line: printed at --log-level warning, and at info (the default) in the worker's one log record only,
+    not twice on the console; uvicorn is not started here."""
+    import logging
+
     import uvicorn
 
     from roofline.cli import build_parser
 
     monkeypatch.setattr(uvicorn, "run", lambda *a, **k: None)
-    args = build_parser().parse_args(["serve", "--max-model-len", "256", "--kv-cache-memory", "64MiB"])
-    assert args.func(args) == 0
+    args = build_parser().parse_args(["serve", "--max-model-len", "256", "--kv-cache-memory", "64MiB",
+                                      "--log-level", level])
+    try:
+        assert args.func(args) == 0  # serve sets the "roofline" logger's level from --log-level
+    finally:
+        logging.getLogger("roofline").setLevel(logging.NOTSET)
     out = capsys.readouterr().out
     assert "roofline serve: model" in out and "\nKV cache: " in out
-    assert "CPU decode plan: " in out and out.index("CPU decode plan: ") < out.index("\nKV cache: ")
+    logged = [r.getMessage() for r in caplog.records if "CPU decode plan: " in r.getMessage()]
+    if level == "warning":
+        assert "CPU decode plan: " in out and out.index("CPU decode plan: ") < out.index("\nKV cache: ")
+        assert not logged
+    else:
+        assert "CPU decode plan: " not in out
+        assert len(logged) == 1 and "dtype bfloat16" in logged[0], logged  # the CPU line and the plan, one record

@@ -113,12 +113,77 @@ def test_policy_says_when_steps_draft():
 
 
 def test_policy_alpha_estimate():
+    """Accepted drafts over acceptance tests, both EMAs weighted per test, starting from a prior of 4 tests at
+    0.5 (the request's prior is its proposer's alpha, here still 0.5)."""
     pol = _policy()
-    pol.record(7, 4, 2)  # 2 accepted, 3 tests
-    assert pol.alpha(7) == pytest.approx(2 / 3)
-    assert pol.alpha(8) == pytest.approx(2 / 3)  # a new request starts from its proposer's
+    pol.record(7, 4, 2)  # 2 accepted, then a rejection: 3 tests
+
+    def estimate(w):  # prior 4 tests at 0.5 (scaled by w), then one pass of 3 tests weighing 1 - (1 - w)^3
+        acc, tests, pw = 4 * w * 0.5, 4 * w, 1 - (1 - w) ** 3
+        return ((1 - pw) * acc + pw * 2) / ((1 - pw) * tests + pw * 3)
+
+    assert pol.alpha(7) == pytest.approx(estimate(0.05)) and 0.6 < pol.alpha(7) < 2 / 3
+    assert pol.alpha(8) == pytest.approx(estimate(0.025))  # a new request starts from its proposer's
+    prior = pol.alpha(8)
+    pol.record(9, 1, 0)  # a first pass rejected at its first draft: alpha falls, but not to 0
+    assert pol.alpha(9) == pytest.approx(4 * 0.05 * prior * 0.95 / (4 * 0.05 * 0.95 + 0.05)) and pol.alpha(9) > 0.45
     pol.forget(7)
     assert 7 not in pol.requests
+
+
+def _simulate(pol, alpha, gamma_max, r, c, steps, seed):
+    """Chain passes with per-token acceptance ``alpha`` (seeded): (tokens per unit time vs plain, steps on)."""
+    import random
+    rng = random.Random(seed)
+    time = tokens = 0.0
+    on = 0
+    for _ in range(steps):
+        g = pol.choose([1], [gamma_max])
+        if g:
+            acc = 0
+            while acc < g and rng.random() < alpha:
+                acc += 1
+            pol.record(1, g, acc)
+            time, tokens, on = time + r + g * c, tokens + acc + 1, on + 1
+        else:
+            time, tokens = time + 1, tokens + 1
+    return tokens / time, on / steps
+
+
+@pytest.mark.parametrize("alpha", [0.55, 0.3])
+def test_adaptive_policy_keeps_a_winning_depth_1_drafter_on_and_a_losing_one_off(alpha):
+    """A depth-1 tree (one acceptance test a pass) at verify ratio 1.2 and draft cost 0.18 per draft, as the
+    EAGLE head on the CPU: break-even alpha 0.38; fixed gamma 1 is 1.55 / 1.38 = 1.12x plain at alpha 0.55
+    and 0.94x at 0.3. Six seeds x 1,000 steps: at 0.55 the policy runs on 62% of steps for 1.080x (the rest
+    is the estimate's noise near break-even: 15-step waits between probes), at 0.3 on 1-2% for ~1.0x. With
+    alpha weighted 0.3 per pass and every probe that ended off doubling the wait (before 2026-12-05), alpha
+    0.55 ran on 7% of steps for 1.011x (checked against that code): two rejections in a row turned it off and
+    single-test probes rarely brought it back."""
+    res = [_simulate(_policy(draft_cost=0.18, ratio=lambda b, g: 1.2), alpha, 1, 1.2, 0.18, 1000, seed)
+           for seed in range(6)]
+    speedup = sum(s for s, _ in res) / len(res)
+    on = sum(o for _, o in res) / len(res)
+    if alpha > 0.38:
+        assert on > 0.55 and speedup > 0.95 * 1.55 / 1.38, (on, speedup)
+    else:
+        assert on < 0.05 and speedup > 0.99, (on, speedup)
+
+
+def test_a_probe_near_break_even_does_not_double_the_probe_interval():
+    """Probes cost little when the best gamma predicts near plain speed (>= 0.9x): the interval stays 16, so a
+    request near break-even is re-tested often; a clearly losing one backs off (16, then 32)."""
+    near = _policy(draft_cost=0.3)
+    far = _policy(draft_cost=0.9)
+    for pol in (near, far):
+        for _ in range(40):
+            pol.record(1, 1, 0)
+        pol.requests[1].accepted = 0.25 * pol.requests[1].tests  # alpha 0.25: gamma 1 predicts 1.25 / 1.3
+    gaps = {}
+    for name, pol in (("near", near), ("far", far)):
+        gammas = [pol.choose([1], [1]) for _ in range(3 * PROBE_INTERVAL + 1)]
+        gaps[name] = [i for i, g in enumerate(gammas) if g]
+    assert gaps["near"] == [PROBE_INTERVAL - 1, 2 * PROBE_INTERVAL - 1, 3 * PROBE_INTERVAL - 1], gaps
+    assert gaps["far"] == [PROBE_INTERVAL - 1, 3 * PROBE_INTERVAL - 1], gaps
 
 
 def test_stats_accounting():
@@ -273,3 +338,17 @@ def test_the_policy_says_once_why_it_turned_speculation_off(caplog):
     lines = [r.getMessage() for r in caplog.records if "speculative decoding off" in r.getMessage()]
     assert len(lines) == 1, lines
     assert "verify ratio 3.000" in lines[0] and "batch 1" in lines[0]
+
+
+def test_draft_cost_is_measured_in_plain_target_steps():
+    """c prices a draft step in plain steps (the formula adds gamma c to the verify ratio): a 2 ms draft step
+    against a 10 ms plain step (timed at the batch's bucket) is 0.2, whatever the 12 ms verify pass took;
+    before a plain step is timed at that bucket, the verify pass stands in for it."""
+    pol = _policy(draft_cost=0.0)
+    for _ in range(60):
+        pol.record_cost(0.002, 1, 0.012)
+    assert pol.draft_cost == pytest.approx(0.2, rel=1e-4)
+    fresh = _policy(draft_cost=0.0, plain_timed=False)
+    for _ in range(60):
+        fresh.record_cost(0.003, 1, 0.012)
+    assert fresh.draft_cost == pytest.approx(0.25, rel=1e-4)
