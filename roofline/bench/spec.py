@@ -101,20 +101,36 @@ def run_spec_bench(args: argparse.Namespace) -> int:
         _run(llm, [ps[0] for ps in prompts.values() if ps], 8)
     rows = []
     for w, ps in prompts.items():
-        ref, t_ref, _ = _run(base, ps, args.max_tokens)
-        n_ref = sum(map(len, ref))
-        rows.append(dict(workload=w, config="none", tok_per_s=n_ref / t_ref, speedup=1.0, output_tokens=n_ref))
+        # Every engine runs the workload once per repeat, in turn (plain first), so drift over the run falls on
+        # all of them; a row sums its tokens and seconds over the repeats and lists each repeat's ratio.
+        ref: list[list[int]] = []
+        totals = [[0, 0.0, 0] for _ in engines]  # tokens, seconds, greedy-identical outputs
+        ratios: list[list[float]] = [[] for _ in engines]
+        before = [llm.engine.spec_stats.copy() for _, llm in engines]
+        for _ in range(args.repeats):
+            for i, (_cfg, llm) in enumerate(engines):
+                outs, t, _ = _run(llm, ps, args.max_tokens)
+                if i == 0:
+                    ref, rate_ref = outs, sum(map(len, outs)) / t
+                tot = totals[i]
+                tot[0], tot[1] = tot[0] + sum(map(len, outs)), tot[1] + t
+                tot[2] += sum(a == b for a, b in zip(outs, ref, strict=True))
+                ratios[i].append(sum(map(len, outs)) / t / rate_ref)
+        n_ref, t_ref = totals[0][0], totals[0][1]
+        rows.append(dict(workload=w, config="none", tok_per_s=n_ref / t_ref, speedup=1.0, output_tokens=n_ref,
+                         repeats=args.repeats))
         print(f"[{w}] baseline: {n_ref} tokens in {t_ref:.2f} s, {n_ref / t_ref:.1f} tok/s", flush=True)
-        for cfg, llm in engines[1:]:
-            outs, t, sd = _run(llm, ps, args.max_tokens)
-            n = sum(map(len, outs))
-            same = sum(a == b for a, b in zip(outs, ref, strict=True))
+        for (cfg, llm), (n, t, same), reps, b in zip(engines[1:], totals[1:], ratios[1:], before[1:], strict=True):
+            sd = llm.engine.spec_stats.since(b)
             row = dict(workload=w, config=json.dumps(cfg), tok_per_s=n / t, speedup=(n / t) / (n_ref / t_ref),
-                       output_tokens=n, greedy_identical=f"{same}/{len(ps)}", **sd.as_dict())
+                       output_tokens=n, greedy_identical=f"{same}/{len(ps) * args.repeats}", repeats=args.repeats,
+                       speedup_per_repeat=reps, **sd.as_dict())
             rows.append(row)
-            print(f"[{w}] {json.dumps(cfg)}: {n / t:.1f} tok/s, {row['speedup']:.2f}x; acceptance rate "
+            spread = f" (repeats {min(reps):.2f}-{max(reps):.2f}x)" if len(reps) > 1 else ""
+            print(f"[{w}] {json.dumps(cfg)}: {n / t:.1f} tok/s, {row['speedup']:.2f}x{spread}; acceptance rate "
                   f"{_fmt(sd.acceptance_rate)}, acceptance length {_fmt(sd.mean_acceptance_length)}, on "
-                  f"{sd.num_steps_on} / off {sd.num_steps_off} steps; greedy identical {same}/{len(ps)}", flush=True)
+                  f"{sd.num_steps_on} / off {sd.num_steps_off} steps; greedy identical {row['greedy_identical']}",
+                  flush=True)
     print()
     print(f"{'workload':<20} {'config':<82} {'tok/s':>8} {'speedup':>8} {'alpha':>6} {'acc.len':>7} {'identical':>9}")
     for r in rows:
@@ -193,6 +209,13 @@ def run_verify_ratio_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _positive(v: str) -> int:
+    n = int(v)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {v}")
+    return n
+
+
 def _fmt(x: float | None) -> str:
     return "-" if x is None else f"{x:.3f}"
 
@@ -210,6 +233,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--kv-cache-memory", default="1GiB", help="KV pool per engine (several engines share the device)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeats", type=_positive, default=1,
+                   help="run every engine this many times per workload, in turn (the plain one first each time)")
     p.add_argument("--speculative-configs", nargs="+", default=None,
                    help="JSON configs to compare (default: adaptive n-gram, fixed n-gram, a 20-layer self-draft)")
     p.add_argument("--out-dir", default="bench/results")

@@ -64,3 +64,25 @@ def test_bench_decode_compares_kv_formats_in_one_process(tmp_path):
     assert first["step_ms_p10"] <= first["step_ms"] <= first["step_ms_p90"]
     assert first["speedup_vs_first"] == 1.0
     assert abs(second["speedup_vs_first"] - second["tok_per_s"] / first["tok_per_s"]) < 1e-9
+
+
+def test_bench_spec_repeats_alternate_engines_and_sum_them(tmp_path, capsys):
+    """`bench spec --repeats 2`: each engine runs the workload twice, in turn; a row's tokens are the sum over
+    repeats, its speedup the ratio of summed rates, and each repeat's own ratio is kept beside it."""
+    import pytest
+
+    cfg = '{"method": "ngram", "num_speculative_tokens": 2, "adaptive": false}'
+    rc = main(["bench", "spec", "--workloads", "sharegpt", "--num-prompts", "2", "--max-tokens", "6", "--repeats",
+               "2", "--kv-cache-memory", "64MiB", "--max-model-len", "1024", "--speculative-configs", cfg,
+               "--out-dir", str(tmp_path)])
+    assert rc == 0
+    [path] = tmp_path.glob("spec-batch1-*.json")
+    base, row = json.loads(path.read_text())["rows"]
+    assert base["config"] == "none" and base["repeats"] == 2 and base["output_tokens"] == 2 * 2 * 6
+    assert row["output_tokens"] == 24 and row["greedy_identical"] == "4/4"
+    assert row["speedup"] == pytest.approx(row["tok_per_s"] / base["tok_per_s"])
+    assert len(row["speedup_per_repeat"]) == 2 and all(r > 0 for r in row["speedup_per_repeat"])
+    assert "(repeats " in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["bench", "spec", "--repeats", "0"])
+    assert "must be an integer >= 1, got 0" in capsys.readouterr().err
