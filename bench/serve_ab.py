@@ -35,8 +35,10 @@ def _side(text: str) -> tuple[str, str]:
     return name, url
 
 
-def run_one(url: str, tokenizer: str, dataset: str, rate: str, num_prompts: int, path: Path) -> dict:
-    rc = roofline_main(["bench", "serve", "--base-url", url, "--tokenizer", tokenizer, "--dataset", dataset,
+def run_one(url: str, tokenizer: str, dataset: str, rate: str, num_prompts: int, path: Path,
+            endpoint: str = "completions") -> dict:
+    rc = roofline_main(["bench", "serve", "--base-url", url, "--endpoint", endpoint, "--tokenizer", tokenizer,
+                        "--dataset", dataset,
                         "--num-prompts", str(num_prompts), "--max-output-len", "128", "--request-rate", rate,
                         "--seed", "0", "--disable-tqdm", "--save-result", str(path)])
     if rc != 0:
@@ -101,6 +103,8 @@ def main() -> None:
     ap.add_argument("--rates", nargs="+", default=["2", "8", "32", "inf"])
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--num-prompts", type=int, default=100)
+    ap.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
+                    help="chat: /v1/chat/completions, the prompts as user messages (a learned drafter's data)")
     ap.add_argument("--out-dir", type=Path, required=True)
     ap.add_argument("--summarize-only", action="store_true", help="rebuild serve-ab.json from DIR/runs, run nothing")
     args = ap.parse_args()
@@ -116,7 +120,7 @@ def main() -> None:
                 k = i % len(servers)
                 for name, url in servers[k:] + servers[:k]:
                     res = run_one(url, args.tokenizer, ds, rate, args.num_prompts,
-                                  args.out_dir / "runs" / f"{name}-{ds}-rate{rate}-rep{i}.json")
+                                  args.out_dir / "runs" / f"{name}-{ds}-rate{rate}-rep{i}.json", args.endpoint)
                     runs.append(run_record(name, ds, rate, i, res))
                     print(f"{name:8} {ds:9} rate {rate:>4} rep {i}: mean TPOT {res['mean_tpot_ms']:.2f} ms", flush=True)
     if args.summarize_only:  # the runs already saved under DIR/runs
