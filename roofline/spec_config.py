@@ -6,11 +6,18 @@ Frozen and validated once in ``__post_init__``; errors name the offending value 
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
 from roofline.model_config import ModelConfig
+
+
+def _shown(v: object) -> str:
+    """A config value as the user wrote it in JSON (true, not True), else its repr."""
+    return json.dumps(v) if isinstance(v, bool) or v is None else repr(v)
+
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "eagle", "medusa")
 LEARNED_HEAD_METHODS = ("eagle", "medusa")  # heads written by `roofline train-draft` (spec_decode/heads.py)
@@ -83,9 +90,9 @@ class SpeculativeConfig:
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config num_speculative_tokens must be an integer in "
-                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {k!r}")
+                             f"[1, {MAX_SPECULATIVE_TOKENS}], got {_shown(k)}")
         if not isinstance(self.adaptive, bool):
-            raise ValueError(f"speculative_config adaptive must be true or false, got {self.adaptive!r}")
+            raise ValueError(f"speculative_config adaptive must be true or false, got {_shown(self.adaptive)}")
         if self.method not in LEARNED_HEAD_METHODS:
             for name in ("tree_topk", "tree_budget"):
                 if getattr(self, name) is not None:
@@ -99,7 +106,7 @@ class SpeculativeConfig:
             lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
             for name, v in (("prompt_lookup_min", lo), ("prompt_lookup_max", hi)):
                 if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                    raise ValueError(f"speculative_config {name} must be an integer >= 1, got {v!r}")
+                    raise ValueError(f"speculative_config {name} must be an integer >= 1, got {_shown(v)}")
             if lo > hi:
                 raise ValueError(f"speculative_config prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
             for name in ("model", "quantization", "num_layers"):
@@ -142,7 +149,8 @@ class SpeculativeConfig:
                              "\"quantization\" (a quantized self, e.g. \"int4\") or \"num_layers\" (a "
                              "layer-truncated self); the target's own full weights would only repeat it")
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
-            raise ValueError(f"speculative_config num_layers must be an integer >= 1, got {self.num_layers!r}")
+            raise ValueError(f"speculative_config num_layers must be an integer >= 1, "
+                             f"got {_shown(self.num_layers)}")
 
     def _check_tree(self) -> None:
         topk, budget = self.tree_topk, self.tree_budget
@@ -152,7 +160,8 @@ class SpeculativeConfig:
                                  f"[1, {MAX_TREE_TOPK}])")
             return
         if isinstance(topk, bool) or not isinstance(topk, int) or not 1 <= topk <= MAX_TREE_TOPK:
-            raise ValueError(f"speculative_config tree_topk must be an integer in [1, {MAX_TREE_TOPK}], got {topk!r}")
+            raise ValueError(f"speculative_config tree_topk must be an integer in [1, {MAX_TREE_TOPK}], "
+                             f"got {_shown(topk)}")
         most = max_tree_nodes(self.method, topk, self.num_speculative_tokens)
         if budget is None:
             object.__setattr__(self, "tree_budget", most)
@@ -160,7 +169,7 @@ class SpeculativeConfig:
         if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= most:
             raise ValueError(f"speculative_config tree_budget must be an integer in [1, {most}] (the nodes method "
                              f"{self.method!r} offers with tree_topk {topk} and depth {self.num_speculative_tokens}, "
-                             f"at most {MAX_TREE_BUDGET} for the tree mask), got {budget!r}")
+                             f"at most {MAX_TREE_BUDGET} for the tree mask), got {_shown(budget)}")
 
     @property
     def is_tree(self) -> bool:

@@ -90,6 +90,8 @@ def run_spec_bench(args: argparse.Namespace) -> int:
     common = dict(model=args.model, device=args.device, dtype=args.dtype, max_model_len=args.max_model_len,
                   enable_prefix_caching=False, quantization=args.quantization, kv_cache_memory=args.kv_cache_memory)
     configs = [json.loads(c) for c in (args.speculative_configs or DEFAULT_CONFIGS)]
+    if (bad := [w for w in args.workloads.split(",") if w not in WORKLOADS]):  # before any model loads
+        raise SystemExit(f"roofline bench spec: error: unknown workload {bad[0]!r}; choose from {', '.join(WORKLOADS)}")
     base = LLM(**common)
     tok = base.tokenizer
     prompts = {w: workload_prompts(w, tok, args.num_prompts, args.seed) for w in args.workloads.split(",")}
@@ -210,7 +212,10 @@ def run_verify_ratio_bench(args: argparse.Namespace) -> int:
 
 
 def _positive(v: str) -> int:
-    n = int(v)
+    try:
+        n = int(v)
+    except ValueError:
+        n = 0
     if n < 1:
         raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {v}")
     return n
@@ -229,7 +234,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     p.add_argument("--max-model-len", type=int, default=2048)
     p.add_argument("--quantization", default=None)
     p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated: {', '.join(WORKLOADS)}")
-    p.add_argument("--num-prompts", type=int, default=8, help="requests per workload")
+    p.add_argument("--num-prompts", type=_positive, default=8, help="requests per workload")
     p.add_argument("--kv-cache-memory", default="1GiB", help="KV pool per engine (several engines share the device)")
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)

@@ -55,10 +55,11 @@ def run_serve(args: argparse.Namespace) -> int:
     from roofline.commands import startup_lines
 
     engine = app.state.async_engine.engine
-    # The CPU line and decode plan / quantization auto, as `generate` prints them; at --log-level info or
-    # debug the worker's log record already shows them.
-    if (startup := startup_lines(engine)) and not logging.getLogger("roofline").isEnabledFor(logging.INFO):
-        print(startup, flush=True)
-    print(engine.kv_cache_summary, flush=True)  # the KV pool, as `generate` prints it
+    # The CPU line and decode plan / quantization auto, and the KV pool, as `generate` prints them; at
+    # --log-level info or debug the worker's and the engine's log records already show them.
+    if not logging.getLogger("roofline").isEnabledFor(logging.INFO):
+        if (startup := startup_lines(engine)):
+            print(startup, flush=True)
+        print(engine.kv_cache_summary, flush=True)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
     return 0

@@ -83,6 +83,9 @@ def test_bench_spec_repeats_alternate_engines_and_sum_them(tmp_path, capsys):
     assert row["speedup"] == pytest.approx(row["tok_per_s"] / base["tok_per_s"])
     assert len(row["speedup_per_repeat"]) == 2 and all(r > 0 for r in row["speedup_per_repeat"])
     assert "(repeats " in capsys.readouterr().out
-    with pytest.raises(SystemExit):
-        main(["bench", "spec", "--repeats", "0"])
-    assert "must be an integer >= 1, got 0" in capsys.readouterr().err
+    for flag, value in (("--repeats", "0"), ("--repeats", "x"), ("--num-prompts", "0")):
+        with pytest.raises(SystemExit):
+            main(["bench", "spec", flag, value])
+        assert f"argument {flag}: must be an integer >= 1, got {value}" in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="unknown workload 'foo'; choose from humaneval, "):
+        main(["bench", "spec", "--workloads", "sharegpt,foo", "--speculative-configs", cfg])

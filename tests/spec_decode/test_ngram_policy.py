@@ -206,6 +206,8 @@ def test_stats_accounting():
     ({"method": "lookahead", "num_speculative_tokens": 2},
      "method must be one of ngram, draft_model, eagle, medusa, got 'lookahead'"),
     ({"method": "ngram", "num_speculative_tokens": 0}, r"num_speculative_tokens must be an integer in \[1, 16\], got 0"),
+    ({"method": "ngram", "num_speculative_tokens": True}, r"in \[1, 16\], got true$"),  # as written in JSON
+    ({"method": "eagle", "num_speculative_tokens": 1, "tree_topk": False}, r"tree_topk .* got false$"),
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(2\)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "num_layers": 3}, "num_layers applies to method 'draft_model'"),
