@@ -218,12 +218,13 @@ class LLMEngine:
         decide the next step's inputs, so it runs synchronously (the step in flight is processed first); if
         the policy then drafts nothing (gamma 0, or no n-gram match), the step is left in flight like an async
         one. While the policy has speculation off, or for a few steps after one that found no draft, steps stay
-        asynchronous and propose nothing, until a probe is due or a new request joins a small batch; with the
+        asynchronous (or, without async scheduling, plain synchronous steps, timed as the policy's plain steps)
+        and propose nothing, until a probe is due or a new request joins a small batch; with the
         adaptive policy a step that will carry prefill work does not draft either (``_drafting_due``;
         ``SpecPolicy.drafting_due``). The first async step after a drafting step launches with none in flight:
         its host time is charged to the drafting step (``SpecPolicy.record_refill``).
         """
-        if self.spec is not None and (not self.config.async_scheduling or self._drafting_due()):
+        if self.spec is not None and self._drafting_due():
             self.spec.refill = None
             done = self._drain()
             t0 = time.perf_counter()
@@ -244,7 +245,8 @@ class LLMEngine:
         out = self.scheduler.schedule()
         pending = self._launch(out) if not out.is_empty else None
         if not self.config.async_scheduling and pending is not None:
-            return self._process(out, pending, mode="sync")
+            # Timed for the speculative policy (a plain step's period) when decode-only.
+            return self._process(out, pending, wall_t0=t0 if out.is_decode_only else None, mode="sync")
         prev, self._inflight = self._inflight, ((out, pending) if pending is not None else None)
         refill = None
         if self.spec is not None:
