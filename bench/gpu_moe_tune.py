@@ -78,15 +78,9 @@ def candidates(m: int, num_experts: int, top_k: int, inter: int, hidden: int, co
 
 def _graph(fn):
     """``fn`` (which runs every routing once) captured in one CUDA graph, after one warm-up call on a side stream."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    return g
+    from roofline.worker.cuda_graph import capture_graph
+
+    return capture_graph(fn)[0]
 
 
 def tune_cell(m: int, shape: tuple[int, int, int, int], w: dict, quant: str | None, dev: str

@@ -41,20 +41,12 @@ def _time(fn, device: str, iters: int, warmup: int = 3) -> float:
 
 def _graphed(fn, device: str):
     """``fn`` captured in a CUDA graph (replayed by the returned callable); ``fn`` itself on a CPU."""
-    import torch
 
     if not device.startswith("cuda"):
         return fn
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
+    from roofline.worker.cuda_graph import capture_graph
+
+    return capture_graph(fn, warmup=2)[0].replay
 
 
 def _cfg_text(cfg: dict | None) -> str:

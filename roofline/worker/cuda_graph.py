@@ -19,6 +19,8 @@ attention buffers and memory pool (``share_with``); replays never overlap, so sh
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -27,6 +29,22 @@ from roofline.attention.backend import AttentionBackend, AttentionMetadata
 logger = logging.getLogger(__name__)
 
 DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
+
+
+def capture_graph(fn: Callable[[], Any], warmup: int = 1) -> tuple[torch.cuda.CUDAGraph, Any]:
+    """(a CUDA graph of ``fn()``, the output ``fn`` returned while captured: static tensors each replay
+    rewrites), after ``warmup`` calls on a side stream (torch's capture recipe: Triton compiles and autotunes
+    there, outside the capture). Used by kernel tests and benchmarks; the decode runner captures its own."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
 
 
 class CUDAGraphRunner:

@@ -22,14 +22,9 @@ def test_pdl_is_off_without_the_hardware(monkeypatch):
 def _graphed(chain):
     """``chain()``'s output from one replay of a CUDA graph that captured it (after a warm-up run on a side
     stream, as torch's capture recipe asks)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        chain()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = chain()
+    from roofline.worker.cuda_graph import capture_graph
+
+    graph, out = capture_graph(chain)
     graph.replay()
     torch.cuda.synchronize()
     return out.clone()

@@ -148,15 +148,13 @@ def test_gpu_mma_gemm_in_a_cuda_graph_with_pdl_equals_eager():
     p, qm = _gpu_case(1024, 2048, seed=3)
     x = (torch.randn(1, 2048, device="cuda") * 0.5).bfloat16()
     eager = w4a16_mma_gemm(x, qm, p.scales, p.zeros, pdl_mode=0)  # the default config: one-tile prefetch
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        w4a16_mma_gemm(x, qm, p.scales, p.zeros, pdl_mode=1)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    from roofline.worker.cuda_graph import capture_graph
+
+    def chain():
         out = w4a16_mma_gemm(x, qm, p.scales, p.zeros, pdl_mode=1)
-        out2 = w4a16_mma_gemm(out.repeat(1, 2), qm, p.scales, p.zeros, pdl_mode=1)
+        return out, w4a16_mma_gemm(out.repeat(1, 2), qm, p.scales, p.zeros, pdl_mode=1)
+
+    graph, (out, out2) = capture_graph(chain)
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
