@@ -57,6 +57,8 @@ def ref_select_experts(router_logits: torch.Tensor, top_k: int, renormalize: boo
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+    from roofline.kernels.quant_gemv import _row_stream
+
     @triton.jit
     def _route_row(x, offs, mask, weights_ptr, ids_ptr, row, top_k,
                    RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr, K_PAD: tl.constexpr):
@@ -107,37 +109,8 @@ if triton is not None:
         row = tl.program_id(1).to(tl.int64)
         offs_e = pid_e * BLOCK_E + tl.arange(0, BLOCK_E)
         emask = offs_e < num_experts
-        offs_k = tl.arange(0, BLOCK_K)
-        w_ptrs = W + offs_e[:, None].to(tl.int64) * stride_w + offs_k[None, :]  # [BE, BK]
-        # x through [BE, BK] pointers (every row the same), in the weight tile's layout (as quant_gemv).
-        x_ptrs = X + row * stride_x + offs_k[None, :] + 0 * offs_e[:, None]
-        k_tiles = tl.cdiv(K, BLOCK_K)
-        if EVEN_K:
-            w_next = tl.load(w_ptrs, mask=emask[:, None], other=0.0)
-        else:
-            kin = offs_k < K
-            w_next = tl.load(w_ptrs, mask=emask[:, None] & kin[None, :], other=0.0)
-        if PDL:
-            gdc_wait()  # the gate weight never depends on the previous kernel; x does
-            gdc_launch_dependents()
-        if EVEN_K:
-            x_next = tl.load(x_ptrs)
-        else:
-            x_next = tl.load(x_ptrs, mask=kin[None, :], other=0.0)
-        acc = tl.zeros([BLOCK_E, BLOCK_K], tl.float32)
-        for kt in range(k_tiles):
-            w = w_next
-            xt = x_next
-            # Prefetch tile kt + 1 (the last iteration re-reads its own tile, an L2 hit).
-            k1 = tl.minimum(kt + 1, k_tiles - 1) * BLOCK_K
-            if EVEN_K:
-                w_next = tl.load(w_ptrs + k1, mask=emask[:, None], other=0.0)
-                x_next = tl.load(x_ptrs + k1)
-            else:
-                kin = (k1 + offs_k) < K
-                w_next = tl.load(w_ptrs + k1, mask=emask[:, None] & kin[None, :], other=0.0)
-                x_next = tl.load(x_ptrs + k1, mask=kin[None, :], other=0.0)
-            acc += xt.to(tl.float32) * w.to(tl.float32)
+        acc = _row_stream(W, X + row * stride_x, offs_e, emask, stride_w, K, 0, tl.cdiv(K, BLOCK_K), 0, BLOCK_E,
+                          BLOCK_K, EVEN_K, PDL)  # quant_gemv's one-row [N, K] stream (dense)
         # The gate linear's output dtype is x's: round there, as router_logits = gate(x) does, then fp32.
         logits = tl.sum(acc, axis=1).to(X.dtype.element_ty).to(tl.float32)
         tl.store(Logits + row * num_experts + offs_e, logits, mask=emask)

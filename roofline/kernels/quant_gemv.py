@@ -94,6 +94,56 @@ if triton is not None:
         p += x7[:, :, None] * (((hi & 0xF000) | 0x3F800000).to(tl.float32, bitcast=True) - c3)[None, :, :]
         return p
 
+    @triton.jit
+    def _row_stream(W, x_row, offs_n, nmask, stride_wr, K, kt_start, kt_end, FMT: tl.constexpr,
+                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr, PDL: tl.constexpr):
+        # One activation row against [N, K] weight rows offs_n (dense 16-bit, FMT 2 INT8 or FMT 5 FP8 codes),
+        # K tiles [kt_start, kt_end): returns the fp32 products [BN, BK], summed over the tiles but not yet over K
+        # (the caller reduces once and applies any scale). 2-D tiles [BN, BK] (16-byte loads along K); x is read
+        # through [BN, BK] pointers (every row the same) so its load takes the weight tile's layout and nothing in
+        # the loop goes through shared memory. Tile t + 1 is loaded before tile t is used (register prefetch).
+        # PDL: wait for the previous kernel once the first weight tile is in flight (x comes from it); at 1 also
+        # release the next kernel there (at 2 the caller releases after the loop). Shared by _gemv_kernel and
+        # moe_router._gate_router_kernel.
+        offs_k = tl.arange(0, BLOCK_K)
+        wb = W.to(tl.pointer_type(tl.uint8)) if FMT == 5 else W
+        w_ptrs = wb + offs_n[:, None].to(tl.int64) * stride_wr + offs_k[None, :]  # [BN, BK]
+        x_ptrs = x_row + offs_k[None, :] + 0 * offs_n[:, None]  # [BN, BK]
+        acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        k0 = kt_start * BLOCK_K
+        if EVEN_K:
+            w_next = tl.load(w_ptrs + k0, mask=nmask[:, None], other=0)
+        else:
+            kin = (k0 + offs_k) < K
+            w_next = tl.load(w_ptrs + k0, mask=nmask[:, None] & kin[None, :], other=0)
+        if PDL:
+            gdc_wait()  # the weights never depend on the previous kernel; x does
+            if PDL == 1:
+                gdc_launch_dependents()
+        if EVEN_K:
+            x_next = tl.load(x_ptrs + k0)
+        else:
+            x_next = tl.load(x_ptrs + k0, mask=kin[None, :], other=0)
+        for kt in range(kt_start, kt_end):
+            w = w_next
+            x = x_next
+            # Prefetch tile kt + 1 (the last iteration re-reads its own tile, an L2 hit).
+            k1 = tl.minimum(kt + 1, kt_end - 1) * BLOCK_K
+            if EVEN_K:
+                w_next = tl.load(w_ptrs + k1, mask=nmask[:, None], other=0)
+                x_next = tl.load(x_ptrs + k1)
+            else:
+                kin = (k1 + offs_k) < K
+                w_next = tl.load(w_ptrs + k1, mask=nmask[:, None] & kin[None, :], other=0)
+                x_next = tl.load(x_ptrs + k1, mask=kin[None, :], other=0)
+            if FMT == 5:
+                acc += x.to(tl.float32) * w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            elif FMT == 2:
+                acc += x.to(tl.float32) * ((w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0)
+            else:
+                acc += x.to(tl.float32) * w.to(tl.float32)
+        return acc
+
     @triton.jit(do_not_specialize=["M", "k_tiles_per_split", "SPLIT_K"])
     def _gemv_kernel(
         X, W, S, Z, XS, Out, Partials, Counters,
@@ -200,46 +250,8 @@ if triton is not None:
                 gdc_launch_dependents()
             out = tl.sum(acc, axis=1)
         elif BLOCK_M == 1 and (FMT == 0 or FMT == 2 or FMT == 5):
-            # [N, K] weight-only formats, one activation row: 2-D tiles [BN, BK] (16-byte loads along K), x a
-            # [1, BK] row in the tile's own layout, so nothing in the loop goes through shared memory.
-            offs_k = tl.arange(0, BLOCK_K)
-            wb = W.to(tl.pointer_type(tl.uint8)) if FMT == 5 else W
-            w_ptrs = wb + offs_n[:, None].to(tl.int64) * stride_wr + offs_k[None, :]  # [BN, BK]
-            # x through [BN, BK] pointers (every row the same): the load takes the weight tile's layout, each
-            # thread re-reads its K slice per row from L1 instead of a shared-memory broadcast with barriers.
-            x_ptrs = X + pid_m.to(tl.int64) * stride_xm + offs_k[None, :] + 0 * offs_n[:, None]  # [BN, BK]
-            acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-            k0 = kt_start * BLOCK_K
-            if EVEN_K:
-                w_next = tl.load(w_ptrs + k0, mask=nmask[:, None], other=0)
-            else:
-                kin = (k0 + offs_k) < K
-                w_next = tl.load(w_ptrs + k0, mask=nmask[:, None] & kin[None, :], other=0)
-            if PDL:
-                gdc_wait()
-                if PDL == 1:
-                    gdc_launch_dependents()
-            if EVEN_K:
-                x_next = tl.load(x_ptrs + k0)
-            else:
-                x_next = tl.load(x_ptrs + k0, mask=kin[None, :], other=0)
-            for kt in range(kt_start, kt_end):
-                w = w_next
-                x = x_next
-                k1 = tl.minimum(kt + 1, kt_end - 1) * BLOCK_K
-                if EVEN_K:
-                    w_next = tl.load(w_ptrs + k1, mask=nmask[:, None], other=0)
-                    x_next = tl.load(x_ptrs + k1)
-                else:
-                    kin = (k1 + offs_k) < K
-                    w_next = tl.load(w_ptrs + k1, mask=nmask[:, None] & kin[None, :], other=0)
-                    x_next = tl.load(x_ptrs + k1, mask=kin[None, :], other=0)
-                if FMT == 5:
-                    acc += x.to(tl.float32) * w.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-                elif FMT == 2:
-                    acc += x.to(tl.float32) * ((w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0)
-                else:
-                    acc += x.to(tl.float32) * w.to(tl.float32)
+            acc = _row_stream(W, X + pid_m.to(tl.int64) * stride_xm, offs_n, nmask, stride_wr, K, kt_start, kt_end,
+                              FMT, BLOCK_N, BLOCK_K, EVEN_K, PDL)
             if PDL == 2:
                 gdc_launch_dependents()
             out = tl.sum(acc, axis=1)[None, :]
