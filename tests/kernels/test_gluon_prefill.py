@@ -230,16 +230,18 @@ def _random_tree_mask(q_lens, width, seed):
 @pytest.mark.parametrize("variant", ["ws", "pingpong", "ws2", "persistent"],
                          ids=["ws_tree", "pingpong", "ws2", "persistent"])  # "ws_tree": no substring of "ws2"
 @pytest.mark.parametrize("block_size,width", [(16, 64), (128, 37)])
-def test_gluon_tree_mask(block_size, width, variant):
+@pytest.mark.parametrize("heads,head_dim", [((32, 8), 128), ((9, 3), 64)], ids=["d128", "smollm2_d64"])
+def test_gluon_tree_mask(block_size, width, variant, heads, head_dim):
     """Tree verification in the Gluon kernels (no fallback): random ancestor masks over a cached prefix, trees of
     fewer rows than the width, a region that straddles a 64-key tile, NaN in stale slots; against ref_ with the
-    same mask in float64 (on the GPU) and against the Triton kernel with the mask."""
-    q_lens, seq_lens = [64, 5, 100, 1, 40], [64, 300, 1000, 77, 4000]
-    q, kc, vc, meta = make_paged_case(q_lens, seq_lens, 32, 8, 128, block_size, torch.bfloat16, seed=width)
+    same mask in float64 (on the GPU) and against the Triton kernel with the mask. Both head sizes Gluon runs:
+    llama's 32/8 heads of 128 and the default model's (SmolLM2-135M) 9/3 heads of 64."""
+    q_lens, seq_lens = [64, 5, 100, 1, 40, 4, 17], [64, 300, 1000, 77, 4000, 130, 45]
+    q, kc, vc, meta = make_paged_case(q_lens, seq_lens, *heads, head_dim, block_size, torch.bfloat16, seed=width)
     poison_stale_slots(kc, vc, meta)
     tree = _random_tree_mask(q_lens, width, seed=block_size).to(q.device)
     config = dict(VARIANT=variant)
-    scale = 1 / math.sqrt(128)
+    scale = 1 / math.sqrt(head_dim)
     assert gluon_unsupported_reason(q, kc, vc, tree_mask=tree, config=config) is None
     out = torch.full_like(q, float("nan"))
     gluon_prefill_attention(q, kc, vc, meta, scale, out=out, config=config, tree_mask=tree)
