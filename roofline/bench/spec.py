@@ -134,7 +134,8 @@ def run_spec_bench(args: argparse.Namespace) -> int:
             spread = f" (repeats {min(reps):.2f}-{max(reps):.2f}x)" if len(reps) > 1 else ""
             print(f"[{w}] {json.dumps(cfg)}: {n / t:.1f} tok/s, {row['speedup']:.2f}x{spread}; acceptance rate "
                   f"{_fmt(sd.acceptance_rate)}, acceptance length {_fmt(sd.mean_acceptance_length)}, on "
-                  f"{sd.num_steps_on} / off {sd.num_steps_off} steps; greedy identical {row['greedy_identical']}",
+                  f"{sd.num_steps_on} / off {sd.num_steps_off} steps; draft {_fmt(sd.draft_ms_per_step)} + verify "
+                  f"{_fmt(sd.verify_ms_per_step)} ms per speculating step; greedy identical {row['greedy_identical']}",
                   flush=True)
     print()
     print(f"{'workload':<20} {'config':<82} {'tok/s':>8} {'speedup':>8} {'alpha':>6} {'acc.len':>7} {'identical':>9}")

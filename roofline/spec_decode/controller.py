@@ -197,6 +197,8 @@ class SpecController:
             policy.record(sid, k, a)
         gamma = max(spec_seqs.values())
         verify_s = max(result.duration_s - result.draft_duration_s, 1e-9)
+        self.stats.draft_seconds += result.draft_duration_s
+        self.stats.verify_seconds += verify_s
         if result.draft_duration_s > 0:  # the n-gram proposer's host time is inside the step's wall time
             policy.record_cost(result.draft_duration_s / gamma, len(result.seq_ids), verify_s)
 

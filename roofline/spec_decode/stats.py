@@ -14,7 +14,11 @@ class SpecDecodeStats:
     passes whose draft j + 1 was accepted; ``drafted_per_position[j]``: passes that drafted a token j + 1;
     ``gamma``: the policy's latest choice. ``num_steps_on`` + ``num_steps_off`` can be fewer than the decode
     steps: a step where no decoding request had a draft (no n-gram match) or room to speculate (one token left
-    before ``max_tokens``, so every request's last decode step) counts as neither."""
+    before ``max_tokens``, so every request's last decode step) counts as neither. ``draft_seconds`` and
+    ``verify_seconds``: the worker's wall time of the speculating steps, split into the proposer's call (host
+    wall time; a proposer that ends with its drafts on the host, as the EAGLE tree does, includes its device
+    work) and the rest of the step (the target's verify pass, rejection sampling). The n-gram proposer runs in
+    the scheduler before the step, so its time is in neither."""
 
     num_drafts: int = 0
     num_draft_tokens: int = 0
@@ -25,6 +29,8 @@ class SpecDecodeStats:
     gamma: int = 0
     num_steps_on: int = 0  # engine steps in which at least one request speculated
     num_steps_off: int = 0  # steps with decoding requests that may speculate, where gamma was 0
+    draft_seconds: float = 0.0
+    verify_seconds: float = 0.0
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         if not 0 <= num_accepted <= num_draft:
@@ -57,12 +63,24 @@ class SpecDecodeStats:
                     num_accepted_tokens=self.num_accepted_tokens, num_emitted_tokens=self.num_emitted_tokens,
                     accepted_per_position=list(self.accepted_per_position),
                     drafted_per_position=list(self.drafted_per_position), gamma=self.gamma,
-                    num_steps_on=self.num_steps_on, num_steps_off=self.num_steps_off)
+                    num_steps_on=self.num_steps_on, num_steps_off=self.num_steps_off,
+                    draft_seconds=self.draft_seconds, verify_seconds=self.verify_seconds)
+
+    @property
+    def draft_ms_per_step(self) -> float | None:
+        """Mean proposer time of a speculating step, in ms (None before any)."""
+        return 1e3 * self.draft_seconds / self.num_steps_on if self.num_steps_on else None
+
+    @property
+    def verify_ms_per_step(self) -> float | None:
+        """Mean rest of a speculating step (the verify pass and its host work), in ms (None before any)."""
+        return 1e3 * self.verify_seconds / self.num_steps_on if self.num_steps_on else None
 
     def as_dict(self) -> dict:
         """The counters and the derived rates."""
         return dict(self.as_dict_raw(), acceptance_rate=self.acceptance_rate,
-                    mean_acceptance_length=self.mean_acceptance_length)
+                    mean_acceptance_length=self.mean_acceptance_length, draft_ms_per_step=self.draft_ms_per_step,
+                    verify_ms_per_step=self.verify_ms_per_step)
 
     def copy(self) -> SpecDecodeStats:
         return SpecDecodeStats(**self.as_dict_raw())
@@ -76,4 +94,5 @@ class SpecDecodeStats:
             self.num_accepted_tokens - before.num_accepted_tokens, self.num_emitted_tokens - before.num_emitted_tokens,
             sub(self.accepted_per_position, before.accepted_per_position),
             sub(self.drafted_per_position, before.drafted_per_position), self.gamma,
-            self.num_steps_on - before.num_steps_on, self.num_steps_off - before.num_steps_off)
+            self.num_steps_on - before.num_steps_on, self.num_steps_off - before.num_steps_off,
+            self.draft_seconds - before.draft_seconds, self.verify_seconds - before.verify_seconds)

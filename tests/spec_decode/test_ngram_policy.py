@@ -198,6 +198,10 @@ def test_stats_accounting():
     before = st.copy()
     st.record(1, 1)
     assert st.since(before).num_drafts == 1 and st.since(before).accepted_per_position[0] == 1
+    assert st.draft_ms_per_step is None  # no step recorded yet
+    st.num_steps_on, st.draft_seconds, st.verify_seconds = 4, 0.002, 0.010
+    assert st.draft_ms_per_step == pytest.approx(0.5) and st.verify_ms_per_step == pytest.approx(2.5)
+    assert st.since(before).verify_seconds == pytest.approx(0.010) and st.copy().draft_seconds == 0.002
     with pytest.raises(ValueError, match="accepted 3 of 2"):
         st.record(2, 3)
 
