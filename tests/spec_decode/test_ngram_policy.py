@@ -358,3 +358,20 @@ def test_draft_cost_is_measured_in_plain_target_steps():
     for _ in range(60):
         fresh.record_cost(0.003, 1, 0.012)
     assert fresh.draft_cost == pytest.approx(0.25, rel=1e-4)
+
+
+@pytest.mark.parametrize("verify_ratio,draft_cost,wait", [(1.2, 0.18, 19), (20.0, 1.8, 1024)],
+                         ids=["cpu_eagle", "eager_gpu_tree"])
+def test_a_probe_waits_long_enough_to_cost_at_most_the_probe_budget(verify_ratio, draft_cost, wait):
+    """After a probe's verify timing arrives, the next probe waits at least (r + c - 1) / PROBE_BUDGET steps:
+    r 1.2, c 0.18 (the CPU EAGLE head's figures) waits ceil(0.38 / 0.02) = 19 steps instead of 16; an eager
+    tree verify at 20 plain steps with c 1.8 (an H100, 2026-12-05) waits the most, 1,024."""
+    pol = _policy(draft_cost=draft_cost, ratio=lambda b, g: 1.0)
+    pol.record(1, 1, 0)  # alpha well below break-even: off
+    pol.requests[1].accepted = 0.1 * pol.requests[1].tests
+    gammas = [pol.choose([1], [1]) for _ in range(PROBE_INTERVAL)]
+    assert gammas[-1] == 1 and sum(gammas) == 1  # the first probe, after 16 steps off
+    pol.record_step(1, 1, 0.01 * verify_ratio)  # its verify pass, timed (plain steps take 0.01 s)
+    assert pol.probe_interval == wait
+    gammas = [pol.choose([1], [1]) for _ in range(wait)]
+    assert gammas.index(1) == wait - 1 and sum(gammas) == 1
