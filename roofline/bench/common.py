@@ -12,15 +12,21 @@ from typing import Any
 
 
 def git_sha() -> str:
-    """HEAD's commit (``ROOFLINE_GIT_SHA`` overrides it where the tree has no .git, e.g. a device copy)."""
+    """HEAD's commit, with ``-dirty`` appended where tracked files differ from it (``ROOFLINE_GIT_SHA`` overrides
+    it where the tree has no .git of its own). A device copy carries the working tree with git metadata that can
+    lag it: on 2026-12-05 results of later code were named for 569a11f, so such a run now reads ``569a11f…-dirty``
+    unless the caller passes the real commit."""
     sha = os.environ.get("ROOFLINE_GIT_SHA")
     if sha:
         return sha
     try:
-        return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True,
                               timeout=10).stdout.strip()
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                                 text=True, check=True, timeout=10).stdout.strip()
     except Exception:  # noqa: BLE001 - no git on the machine: record it as unknown
         return "unknown"
+    return f"{head}-dirty" if changed else head
 
 
 def environment() -> dict[str, Any]:
@@ -62,7 +68,8 @@ def write_result(out_dir: str | Path, name: str, payload: dict[str, Any]) -> Pat
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     stamp = env["date"][:10].replace("-", "")
-    path = out / f"{name}-{stamp}-{env['git_commit'][:8]}.json"
+    sha = env["git_commit"]
+    path = out / f"{name}-{stamp}-{sha[:8]}{'-dirty' if sha.endswith('-dirty') else ''}.json"
     path.write_text(json.dumps(result, indent=1, default=str))
     return path
 

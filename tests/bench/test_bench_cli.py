@@ -89,3 +89,29 @@ def test_bench_spec_repeats_alternate_engines_and_sum_them(tmp_path, capsys):
         assert f"argument {flag}: must be an integer >= 1, got {value}" in capsys.readouterr().err
     with pytest.raises(SystemExit, match="unknown workload 'foo'; choose from humaneval, "):
         main(["bench", "spec", "--workloads", "sharegpt,foo", "--speculative-configs", cfg])
+
+
+def test_git_sha_marks_a_tree_that_differs_from_head(tmp_path, monkeypatch):
+    """A result names the commit it ran; where tracked files differ from HEAD (a device copy whose git metadata
+    lags the tree it runs, as on 2026-12-05) the name says ``-dirty``, in the JSON and the file name."""
+    import subprocess
+
+    from roofline.bench.common import git_sha, write_result
+
+    monkeypatch.delenv("ROOFLINE_GIT_SHA", raising=False)
+    monkeypatch.chdir(tmp_path)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t", "-c", "commit.gpgsign=false"]
+    subprocess.run(["git", "init", "-q"], check=True)
+    (tmp_path / "f.txt").write_text("a\n")
+    subprocess.run([*git, "add", "f.txt"], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip()
+    (tmp_path / "untracked.txt").write_text("ignored\n")  # untracked files do not count
+    assert git_sha() == head
+    (tmp_path / "f.txt").write_text("b\n")
+    assert git_sha() == f"{head}-dirty"
+    path = write_result(tmp_path / "out", "x", {})
+    assert path.name.endswith(f"-{head[:8]}-dirty.json")
+    assert json.loads(path.read_text())["git_commit"] == f"{head}-dirty"
+    monkeypatch.setenv("ROOFLINE_GIT_SHA", "abc123")
+    assert git_sha() == "abc123"
