@@ -74,6 +74,9 @@ class AttentionMetadata:
             (the last min(q_len, W) rows of each sequence form its tree region; a row of -1 is plain causal;
             ``roofline.kernels.prefill_attention``'s docstring, "Tree mask"). A backend without
             ``supports_tree_mask`` refuses it.
+        tree_decode: None, or a backend's decode-row form of ``tree_mask`` (``tree_decode_rows`` on its device:
+            block tables [M, max_blocks] int32, row lengths [M] int32, tree_lo and tree_bits [M] int64), built
+            once per step in ``build_metadata`` by a backend that verifies trees as decode rows.
     """
 
     slot_mapping: torch.Tensor
@@ -84,6 +87,7 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     tree_mask: torch.Tensor | None = None
+    tree_decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -149,6 +153,36 @@ def tree_visibility(bits: torch.Tensor, q_len: int, seq_len: int) -> torch.Tenso
     in_tree = ((bits[:r, None] >> rel[None, :]) & 1) != 0  # [r, r]
     visible[q_len - r:, seq_len - r:] &= in_tree
     return visible
+
+
+def tree_decode_rows(meta: AttentionMetadata, num_rows: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """A token-tree verify step (``meta.tree_mask``) as decode rows, one per query row, the form in which the CPU
+    decode plan and the Triton backend's decode kernel run it: query row t of sequence i (q_i rows, L_i keys
+    after the step) becomes a decode row over the first L_i - q_i + t + 1 cache positions of i's block table;
+    the last r_i = min(q_i, W) rows of i, its tree region, see a key at position p >= lo = L_i - r_i only where
+    bit p - lo of their ancestor mask is set. Equal to ``tree_visibility``'s rule.
+
+    Returns:
+        (block tables [M, max_blocks] int32 on the metadata's device, row lengths [M] int64, ``tree_lo`` [M]
+        int64, ``tree_bits`` [M] int64 (-1: every key), the last three on the host), or None where the query
+        rows do not add up to ``num_rows``.
+    """
+    q = np.asarray(meta.query_lens_cpu, dtype=np.int64)
+    lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
+    if int(q.sum()) != num_rows or meta.tree_mask is None:
+        return None
+    seq = np.repeat(np.arange(len(q)), q)  # [M] each row's sequence
+    first = np.repeat(np.cumsum(q) - q, q)
+    t = np.arange(num_rows) - first  # row t of its sequence
+    row_lens = np.repeat(lens - q, q) + t + 1
+    mask = meta.tree_mask.cpu().numpy()
+    r = np.minimum(q, mask.shape[1])
+    j = t - np.repeat(q - r, q)  # region row, < 0 before the region
+    bits = np.where(j >= 0, mask[seq, np.maximum(j, 0)], -1).astype(np.int64)
+    lo = np.repeat(lens - r, q).astype(np.int64)
+    table = meta.block_tables[torch.from_numpy(seq).to(meta.block_tables.device)].contiguous()
+    return table, torch.from_numpy(row_lens), torch.from_numpy(lo), torch.from_numpy(bits)
 
 
 class AttentionBackend(ABC):

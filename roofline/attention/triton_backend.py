@@ -14,6 +14,12 @@ times block_size (the longest context a captured graph can serve: the static blo
 the SM count and the tile of the kernel it picks. Each split's length is computed in-kernel from the true
 seq_len, so one graph serves every context up to that width.
 
+Token-tree verify steps (``meta.tree_mask``) run the prefill kernel with the ancestor mask, or with
+``ROOFLINE_TREE_VERIFY=decode`` the decode kernel on one decode row per tree node (``tree_decode_rows``, the CPU
+decode plan's form: each node attends to the cached prefix and its ancestors), the arithmetic of a plain decode
+step. The decode form is off by default until it is measured on a GPU: on an H100 (2026-12-05) bf16 trees through
+the prefill path were greedy-identical to plain on 1 of 8 prompts, chains (decode rows) on 8 of 8.
+
 Quantized caches: the cache's scale tensors go to the store kernel (which quantizes) and to both attention
 kernels (which dequantize in registers); they are allocated once with the pool, so captured graphs read
 them like k/v.
@@ -21,9 +27,12 @@ them like k/v.
 
 from __future__ import annotations
 
+import dataclasses
+import os
+
 import torch
 
-from roofline.attention.backend import AttentionBackend, AttentionMetadata, QKNorm
+from roofline.attention.backend import AttentionBackend, AttentionMetadata, QKNorm, tree_decode_rows
 from roofline.attention.kv_cache import KVCache
 from roofline.kernels.common import KV_QUANT_NONE, KV_QUANT_PER_HEAD, KV_QUANT_PER_TOKEN
 from roofline.kernels.decode_attention import (
@@ -33,6 +42,20 @@ from roofline.kernels.decode_attention import (
 from roofline.kernels.gluon_decode import decode_kernel_choice
 from roofline.kernels.gluon_prefill import choose_prefill_kernel
 from roofline.kernels.rope_cache import rope_and_cache
+
+TREE_VERIFY_ENV = "ROOFLINE_TREE_VERIFY"
+TREE_VERIFY_MODES = ("prefill", "decode")
+
+
+def tree_verify_mode() -> str:
+    """``ROOFLINE_TREE_VERIFY``: "prefill" (default) or "decode" (see the module docstring).
+
+    Raises:
+        ValueError: another value (names the allowed ones)."""
+    mode = os.environ.get(TREE_VERIFY_ENV, "prefill").strip().lower()
+    if mode not in TREE_VERIFY_MODES:
+        raise ValueError(f"{TREE_VERIFY_ENV}={mode!r}: must be one of {TREE_VERIFY_MODES}")
+    return mode
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -55,6 +78,18 @@ class TritonAttentionBackend(AttentionBackend):
         # The decode kernel family for quantized caches, also chosen once (ROOFLINE_DECODE_KERNEL; the kernel
         # itself still falls back per call where the Gluon kernel does not apply): no environment read per layer.
         self.decode_kernel = decode_kernel_choice()
+        self.tree_as_decode_rows = tree_verify_mode() == "decode"
+
+    def build_metadata(self, meta: AttentionMetadata) -> AttentionMetadata:
+        meta = super().build_metadata(meta)
+        if meta.tree_mask is not None and self.tree_as_decode_rows:
+            rows = tree_decode_rows(meta, sum(meta.query_lens_cpu))
+            if rows is not None:
+                table, lens, lo, bits = rows
+                dev = meta.seq_lens.device
+                meta = dataclasses.replace(meta, tree_decode=(table, lens.to(dev, torch.int32), lo.to(dev),
+                                                              bits.to(dev)))
+        return meta
 
     def decode_variant_for(self, cache_dtype: torch.dtype | None) -> str:
         """The decode kernel variant for a cache of ``cache_dtype`` (None: a 16-bit cache)."""
@@ -86,6 +121,11 @@ class TritonAttentionBackend(AttentionBackend):
                                           decode_kernel=self.decode_kernel,
                                           # None: the kernel's own pick (gluon for int8/fp8 on sm_90)
                                           variant=self.decode_variant)
+        if meta.tree_decode is not None:  # a tree verify step as decode rows, one per node (build_metadata)
+            table, lens, lo, bits = meta.tree_decode
+            return paged_decode_attention(q, cache.k, cache.v, table, lens, self.scale,
+                                          num_splits=self.decode_num_splits, k_scale=ks, v_scale=vs,
+                                          tree_lo=lo, tree_bits=bits)
         # A tree-verification step's ancestor bitmasks ([num_seqs, <= 64] int64; prefill_attention's docstring).
         # The Gluon kernel hands a tree mask to the Triton kernel (gluon_prefill's fallbacks).
         return self.prefill_attention(q, cache.k, cache.v, meta, self.scale, k_scale=ks, v_scale=vs,

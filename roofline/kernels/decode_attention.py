@@ -180,7 +180,7 @@ if triton is not None:
 
     @triton.jit
     def _decode_split_kernel(
-        Q, KC, VC, KS, VS, BlockTables, SeqLens, MidO, MidLse,
+        Q, KC, VC, KS, VS, BlockTables, SeqLens, MidO, MidLse, TreeLo, TreeBits,
         scale_log2e,
         stride_qs, stride_qh,
         stride_kb, stride_ks, stride_kh,
@@ -192,8 +192,11 @@ if triton is not None:
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_ALIGN: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, DOT_F16: tl.constexpr,
-        PDL: tl.constexpr = 0,
+        PDL: tl.constexpr = 0, TREE: tl.constexpr = 0,
     ):
+        # TREE: the row is a speculative token-tree node (a decode row per node): keys at positions p >= TreeLo[row]
+        # (the tree region) are seen only where bit p - TreeLo[row] of TreeBits[row] is set (its ancestors and
+        # itself; -1: every key). A split or tile can then hold no visible key: the running max stays finite.
         seq = tl.program_id(0)
         kv_head = tl.program_id(1)
         split = tl.program_id(2)
@@ -227,6 +230,9 @@ if triton is not None:
         v_base = VC + kv_head * stride_vh
         if QUANT == 2:  # fp8: the layer's static per-head K scale joins the softmax scale
             scale_log2e = scale_log2e * tl.load(KS + kv_head)
+        if TREE:
+            tree_lo = tl.load(TreeLo + seq)
+            tree_bits = tl.load(TreeBits + seq)
         for n in range(start, end, BLOCK_N):
             offs_n = n + tl.arange(0, BLOCK_N)
             nmask = offs_n < end
@@ -250,10 +256,18 @@ if triton is not None:
                 ks = tl.load(KS + s_row, mask=nmask, other=0.0)
                 vs = tl.load(VS + s_row, mask=nmask, other=0.0)
                 qk = qk * ks[None, :]
-            qk = tl.where(nmask[None, :], qk, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(qk - m_new[:, None])
+            if TREE:
+                rel = offs_n.to(tl.int64) - tree_lo
+                seen = (rel < 0) | (((tree_bits >> tl.maximum(rel, 0)) & 1) != 0)
+                qk = tl.where((nmask & seen)[None, :], qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: exp2 gives 0, not NaN
+            else:
+                qk = tl.where(nmask[None, :], qk, float("-inf"))
+                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+                m_ref = m_new
+            alpha = tl.exp2(m_i - m_ref)
+            p = tl.exp2(qk - m_ref[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
             if QUANT == 1:
                 p = p * vs[None, :]  # the V scale rides on p; l_i above sums the unscaled p
@@ -328,6 +342,8 @@ def paged_decode_attention(
     int8_magic: bool = True,
     rescale_log2: float = 8.0,
     decode_kernel: str | None = None,
+    tree_lo: torch.Tensor | None = None,
+    tree_bits: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One decode step of paged attention, split-KV.
 
@@ -357,6 +373,10 @@ def paged_decode_attention(
             2^rescale_log2 (0: every tile, as the "old" kernel does).
         decode_kernel: "auto", "triton" or "gluon" (``roofline.kernels.gluon_decode``); None reads
             ``ROOFLINE_DECODE_KERNEL`` (default "auto": gluon on sm_90). Only used when ``variant`` is None.
+        tree_lo, tree_bits: optional [num_seqs] int64, together: each row is a node of a speculative token tree
+            verified as a decode row (``roofline.attention.backend.tree_decode_rows``); keys at positions
+            p >= tree_lo[i] are seen only where bit p - tree_lo[i] of tree_bits[i] is set (-1: all). The "old"
+            kernel with query_len 1 (None picks it).
 
     Returns:
         [num_seqs * query_len, H, D] in q's dtype. Softmax and accumulation in fp32.
@@ -381,6 +401,17 @@ def paged_decode_attention(
         raise ValueError(f"query_len {query_len} must be >= 1")
     if num_rows != num_seqs * query_len:
         raise ValueError(f"q has {num_rows} rows; expected num_seqs {num_seqs} x query_len {query_len}")
+    tree = tree_lo is not None or tree_bits is not None
+    if tree:
+        if tree_lo is None or tree_bits is None or tree_lo.shape != (num_seqs,) or tree_bits.shape != (num_seqs,) \
+                or tree_lo.dtype != torch.int64 or tree_bits.dtype != torch.int64:
+            raise ValueError(f"tree_lo and tree_bits must both be [num_seqs={num_seqs}] int64; got "
+                             f"{None if tree_lo is None else (tuple(tree_lo.shape), tree_lo.dtype)} and "
+                             f"{None if tree_bits is None else (tuple(tree_bits.shape), tree_bits.dtype)}")
+        if variant not in (None, "old") or query_len != 1:
+            raise ValueError(f"a tree mask runs in decode variant 'old' with query_len 1; got variant {variant!r}, "
+                             f"query_len {query_len}")
+        variant = "old"
     if variant is None and quant != KV_QUANT_NONE and query_len == 1:
         reason = gluon_decode_unsupported_reason(q, k_cache, v_cache, quant, query_len,
                                                  decode_kernel_choice(decode_kernel))
@@ -433,6 +464,7 @@ def paged_decode_attention(
             q, k_cache, v_cache,
             k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,  # unused unless quantized
             block_tables, seq_lens, mid_o, mid_lse,
+            tree_lo if tree else seq_lens, tree_bits if tree else seq_lens,  # unused unless TREE
             scale * LOG2E,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -446,7 +478,7 @@ def paged_decode_attention(
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
             # H200, batch 8 x 32k / 64 x 4k (bench/results/attention-20261201/decode-quant-*.json): fp8 codes ->
             # fp16 (one packed cvt on sm_90) with fp16 dots runs 1.15-1.23x bf16 KV, codes -> bf16 0.94-1.15x.
-            DOT_F16=bool(quant) and q.dtype == torch.bfloat16,
+            DOT_F16=bool(quant) and q.dtype == torch.bfloat16, TREE=int(tree),
             num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(q.device),
         )
     elif variant == "gluon":

@@ -32,8 +32,9 @@ from __future__ import annotations
 import ctypes
 import os
 
-import numpy as np
 import torch
+
+from roofline.attention.backend import tree_decode_rows
 
 ENABLED = os.environ.get("ROOFLINE_CPU_PLAN", "1") != "0"
 
@@ -213,7 +214,10 @@ class CpuDecodePlan:
         slots, table = meta.slot_mapping, meta.block_tables
         tree_lo = tree_bits = None
         if meta.tree_mask is not None:
-            table, seq_lens, tree_lo, tree_bits = self._tree_rows(meta, m)
+            rows = tree_decode_rows(meta, m)
+            if rows is None:
+                return model(input_ids, positions, meta)
+            table, seq_lens, tree_lo, tree_bits = rows
         else:
             seq_lens = torch.tensor(meta.seq_lens_cpu, dtype=torch.int64)
         if (slots.dtype != torch.int64 or table.dtype != torch.int32 or table.dim() != 2 or table.shape[0] != m
@@ -232,26 +236,6 @@ class CpuDecodePlan:
         if not ok:
             return model(input_ids, positions, meta)
         return x
-
-    @staticmethod
-    def _tree_rows(meta, m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """A tree verify step's decode rows (see :meth:`run`): block tables [M, max_blocks] int32, lengths,
-        ``tree_lo`` and ``tree_bits`` [M] int64 (-1: plain causal)."""
-        q = np.asarray(meta.query_lens_cpu, dtype=np.int64)
-        lens = np.asarray(meta.seq_lens_cpu, dtype=np.int64)
-        if int(q.sum()) != m:
-            return meta.block_tables, torch.empty(0, dtype=torch.int64), None, None  # declined by the shape check
-        seq = np.repeat(np.arange(len(q)), q)  # [M] each row's sequence
-        first = np.repeat(np.cumsum(q) - q, q)
-        t = np.arange(m) - first  # row t of its sequence
-        row_lens = np.repeat(lens - q, q) + t + 1
-        mask = meta.tree_mask.cpu().numpy()
-        r = np.minimum(q, mask.shape[1])
-        j = t - np.repeat(q - r, q)  # region row, < 0 before the region
-        bits = np.where(j >= 0, mask[seq, np.maximum(j, 0)], -1).astype(np.int64)
-        lo = np.repeat(lens - r, q).astype(np.int64)
-        table = meta.block_tables[torch.from_numpy(seq)].contiguous()
-        return table, torch.from_numpy(row_lens), torch.from_numpy(lo), torch.from_numpy(bits)
 
 
 class _Unsupported(Exception):

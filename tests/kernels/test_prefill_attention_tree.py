@@ -83,9 +83,10 @@ def _rand(g, *shape):
     return torch.randn(*shape, generator=g)
 
 
-def _check_tree(requests, width, block_size, dtype, seed, config=None):
+def _tree_case(requests, width, block_size, dtype, seed):
     """requests: list of (prefix_len, num_plain_rows, parents or None). A request's chunk is num_plain_rows plain
-    causal rows then the tree's nodes (None: plain rows only). Checks every tree node against its paths."""
+    causal rows then the tree's nodes (None: plain rows only). Returns (q, k_cache, v_cache, meta with the tree
+    mask, per-request (prefix, plain, parents, k, v, q))."""
     g = torch.Generator().manual_seed(seed)
     seqs, masks, trees = [], [], []
     for prefix, plain, parents in requests:
@@ -108,7 +109,14 @@ def _check_tree(requests, width, block_size, dtype, seed, config=None):
         masks.append(row)
         trees.append((prefix, plain, parents, k, v, q))
     q, kc, vc, meta = _paged(seqs, block_size, dtype, seed)
-    tree_mask = torch.tensor(masks, dtype=torch.int64, device=DEVICE)
+    meta.tree_mask = torch.tensor(masks, dtype=torch.int64, device=DEVICE)
+    return q, kc, vc, meta, trees
+
+
+def _check_tree(requests, width, block_size, dtype, seed, config=None):
+    """Checks every tree node of ``requests`` (as ``_tree_case``) against its paths run alone."""
+    q, kc, vc, meta, trees = _tree_case(requests, width, block_size, dtype, seed)
+    tree_mask, meta.tree_mask = meta.tree_mask, None
     scale = 1.0 / math.sqrt(D)
     out = torch.full_like(q, float("nan"))
     paged_prefill_attention(q, kc, vc, meta, scale, out=out, config=config, tree_mask=tree_mask)
@@ -136,6 +144,52 @@ def _check_tree(requests, width, block_size, dtype, seed, config=None):
 
 # root 0; 1, 2 under 0; 3, 4 under 1; 5 under 2; 6 under 5: paths [0,1,3], [0,1,4], [0,2,5,6]
 TREE7 = [-1, 0, 0, 1, 1, 2, 5]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("block_size,block_n", [(16, 16), (16, 64), (1, 16)])
+def test_tree_as_decode_rows_equals_the_masked_prefill(dtype, block_size, block_n):
+    """A tree verify step as one decode row per query row (``tree_decode_rows`` + the decode kernel's tree mask,
+    what ``ROOFLINE_TREE_VERIFY=decode`` runs): equal to the tree-masked prefill's ``ref_`` within the dtype's
+    tolerance and to the float64 path-alone oracle through ``_check_tree``'s cases. Includes a 64-node tree (bit
+    63), rows before the region, a plain chunk beside the trees, and splits whose keys are all masked (many
+    splits over a short region: their running max must not turn into NaN)."""
+    from roofline.attention.backend import tree_decode_rows
+    from roofline.kernels.decode_attention import paged_decode_attention
+
+    g = torch.Generator().manual_seed(11)
+    parents64 = [-1] + [int(torch.randint(0, j, (1,), generator=g)) for j in range(1, MAX_TREE_ROWS)]
+    requests = [(20, 0, TREE7), (10, 5, None), (0, 0, [-1, 0, 0, 1]), (9, 3, [-1, 0, 1, 0, 3]),
+                (40, 0, parents64)]
+    q, kc, vc, meta, _ = _tree_case(requests, MAX_TREE_ROWS, block_size, dtype, seed=12)
+    scale = 1.0 / math.sqrt(D)
+    table, lens, lo, bits = tree_decode_rows(meta, q.shape[0])
+    assert table.shape[0] == lens.shape[0] == q.shape[0]
+    # Row lengths: each query row sees its own position and everything before it.
+    ql, sl = torch.tensor(meta.query_lens_cpu), torch.tensor(meta.seq_lens_cpu)
+    assert lens.tolist() == [int(L - n + t + 1) for n, L in zip(ql, sl, strict=True) for t in range(int(n))]
+    out = paged_decode_attention(q, kc, vc, table, lens.to(DEVICE, torch.int32), scale, block_n=block_n,
+                                 num_splits=8, tree_lo=lo.to(DEVICE), tree_bits=bits.to(DEVICE))
+    ref = ref_prefill_attention(q, kc, vc, meta, scale, tree_mask=meta.tree_mask)
+    assert torch.isfinite(out).all()
+    assert rel_err(out, ref) < TOL[dtype], f"decode rows vs the masked prefill ref_: {rel_err(out, ref):.2e}"
+    # Without the mask the same rows see their siblings: the mask is what makes them agree.
+    loose = paged_decode_attention(q, kc, vc, table, lens.to(DEVICE, torch.int32), scale, block_n=block_n,
+                                   num_splits=8)
+    assert rel_err(loose, ref) > 10 * TOL[dtype]
+
+
+def test_tree_decode_rows_refuse_what_they_cannot_run():
+    from roofline.kernels.decode_attention import paged_decode_attention
+
+    q, kc, vc, meta, _ = _tree_case([(5, 0, [-1, 0])], 8, 16, torch.float32, seed=13)
+    lens = torch.tensor([6, 7], dtype=torch.int32, device=DEVICE)
+    table = meta.block_tables[[0, 0]]
+    lo = torch.full((2,), 5, dtype=torch.int64, device=DEVICE)
+    with pytest.raises(ValueError, match=r"tree_lo and tree_bits must both be \[num_seqs=2\] int64"):
+        paged_decode_attention(q, kc, vc, table, lens, 0.2, tree_lo=lo)
+    with pytest.raises(ValueError, match="a tree mask runs in decode variant 'old' with query_len 1; got variant 'mma'"):
+        paged_decode_attention(q, kc, vc, table, lens, 0.2, tree_lo=lo, tree_bits=lo, variant="mma")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

@@ -122,18 +122,25 @@ def test_split_count_follows_the_pool_page(block_size, expected):
     assert choose_num_splits(1, 8, 4096, num_sms=132, block_size=block_size, block_n=64) == expected
 
 
-def test_backend_prefill_reads_a_tree_mask_from_the_metadata():
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_backend_reads_a_tree_mask_from_the_metadata(mode, monkeypatch):
     # 4 new rows after 12 cached tokens, a tree: 0 the root, 1 under 0, 2 under 0, 3 under 2. A metadata object
-    # carrying tree_mask reaches the prefill kernel through forward (which rotates q in place and stores k/v).
+    # carrying tree_mask reaches the prefill kernel (ROOFLINE_TREE_VERIFY=prefill, the default) or the decode
+    # kernel on one decode row per node (=decode) through forward (which rotates q in place and stores k/v).
     from roofline.kernels.prefill_attention import ref_prefill_attention
 
+    monkeypatch.setenv("ROOFLINE_TREE_VERIFY", mode)
     q, kc, vc, meta = make_paged_case([4], [16], 4, 2, 32, 16, torch.float32, seed=9)
     g = torch.Generator().manual_seed(10)
     k, v = torch.randn(4, 2, 32, generator=g).to(DEVICE), torch.randn(4, 2, 32, generator=g).to(DEVICE)
     backend = backend_with_cache("triton", 4, 2, 32, kc, vc)
     tm = torch.tensor([[0b1, 0b11, 0b101, 0b1101]], dtype=torch.int64, device=DEVICE)
+    meta.tree_mask = tm
     tmeta = backend.build_metadata(meta)
-    tmeta.tree_mask = tm
+    assert (tmeta.tree_decode is not None) == (mode == "decode")
+    if mode == "decode":
+        _, lens, lo, bits = tmeta.tree_decode
+        assert lens.tolist() == [13, 14, 15, 16] and lo.tolist() == [12] * 4 and bits.tolist() == tm[0].tolist()
     qr = q.clone()
     out = backend.forward(qr, k, v, positions_of(meta), backend.kv_cache(0), tmeta)
     assert not torch.equal(qr, q)  # rotated in place: qr is what the kernel attended with
@@ -143,6 +150,16 @@ def test_backend_prefill_reads_a_tree_mask_from_the_metadata():
     assert rel_err(out, ref) < TOL[torch.float32]
     assert rel_err(out[:2], plain[:2]) < TOL[torch.float32]  # rows 0, 1 see every earlier row anyway
     assert rel_err(out[2:], plain[2:]) > 1e-3  # rows 2, 3 do not see row 1
+
+
+def test_tree_verify_mode_names_the_allowed_values(monkeypatch):
+    from roofline.attention.triton_backend import tree_verify_mode
+
+    monkeypatch.setenv("ROOFLINE_TREE_VERIFY", "graph")
+    with pytest.raises(ValueError, match=r"ROOFLINE_TREE_VERIFY='graph': must be one of \('prefill', 'decode'\)"):
+        tree_verify_mode()
+    monkeypatch.delenv("ROOFLINE_TREE_VERIFY")
+    assert tree_verify_mode() == "prefill"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

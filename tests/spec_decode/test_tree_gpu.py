@@ -43,3 +43,36 @@ def test_eagle_and_medusa_trees_are_token_identical_on_the_gpu(tmp_path, device=
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
         assert got == ref, method
         assert llm.engine.spec_stats.num_drafts > 0
+
+
+def test_bf16_tree_verified_as_decode_rows_is_token_identical(monkeypatch):
+    """``ROOFLINE_TREE_VERIFY=decode``: a tree's nodes are verified as decode rows (the decode kernel with the
+    ancestor mask), so in bf16 the verify pass runs plain decoding's arithmetic: attention by the same kernel,
+    and with a tree of 3 nodes (4 rows) the linears on the M <= 4 GEMV, whose rows do not depend on M (as a
+    chain's verify rows, greedy-identical in bf16 on an H100: bench/results/eagle-h100-20261205/). The prefill
+    form was identical to plain on 1 of 8 real prompts there. Written 2026-12-05 without a GPU to run it."""
+    monkeypatch.setenv("ROOFLINE_TREE_VERIFY", "decode")
+    kw = dict(model="smollm2-135m", load_format="dummy", device="cuda", dtype="bfloat16", max_model_len=512,
+              kv_cache_memory="2GiB", attention_backend="triton")
+    prompts = [{"prompt_token_ids": list(range(100 + 7 * i, 140 + 9 * i))} for i in range(3)]
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    plain = LLM(**kw)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+    spec = {"method": "ngram", "num_speculative_tokens": 1, "adaptive": False}  # no tree: the chain control
+    chain = LLM(speculative_config=spec, **kw)
+    assert [o.outputs[0].token_ids for o in chain.generate(prompts, sp, use_tqdm=False)] == ref
+    mc = plain.engine.worker.model_config
+    cfg = DraftHeadConfig.for_target("medusa", mc, num_heads=1)
+    g = torch.Generator().manual_seed(0)
+    h = mc.hidden_size
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        save_head(d, cfg, {n: torch.randn(s, generator=g) * 0.02 for n, s in
+                           (("heads.0.weight", (h, h)), ("heads.0.bias", (h,)))})
+        llm = LLM(speculative_config={"method": "medusa", "model": d, "num_speculative_tokens": 1, "tree_topk": 3,
+                                      "tree_budget": 3, "adaptive": False}, **kw)
+        got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert llm.engine.worker.backend.tree_as_decode_rows
+    assert got == ref
+    assert llm.engine.spec_stats.num_drafts > 0
