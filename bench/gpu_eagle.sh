@@ -7,8 +7,9 @@
 # Steps:
 #   join   /tmp/g/p1 + /tmp/g/p2 + .gg3/p3 -> /tmp/SmolLM2-135M-Instruct.Q4_1.gguf, sha256 checked
 #   spec   roofline bench spec on cuda: plain and EAGLE chain / trees (fixed and adaptive), --repeats 2
-#   prefill  the Gluon tree-mask kernel tests, then bench spec (chain, trees, adaptive) with the prefill kernel
-#          Gluon and Triton in turn (ROOFLINE_PREFILL_KERNEL), one repeat each
+#   prefill  the tree-mask kernel and engine GPU tests, then bench spec (chain, trees, adaptive) with the tree
+#          verified by the prefill kernel, Gluon and Triton in turn (ROOFLINE_PREFILL_KERNEL), and as decode rows
+#          (ROOFLINE_TREE_VERIFY=decode), one repeat each
 #   train  train-draft --method eagle --unroll (time-capped), then bench spec of the new head against the
 #          shipped one at depth 2 and 4
 set -uo pipefail
@@ -41,11 +42,14 @@ for step in "$@"; do
       '{"method": "eagle", "num_speculative_tokens": 4, "tree_topk": 4, "tree_budget": 16, "adaptive": false}' \
       '{"method": "eagle", "num_speculative_tokens": 6, "tree_topk": 4, "tree_budget": 32, "adaptive": false}' \
       '{"method": "eagle", "num_speculative_tokens": 4, "tree_topk": 4, "tree_budget": 16}' ;;
-  prefill)  # bf16 greedy identity and step split with the tree verify's prefill kernel: Gluon (auto) vs Triton
-    timeout 200 python3 -m pytest -q --tb=short -p no:cacheprovider tests/kernels/test_gluon_prefill.py -k tree_mask \
-      > "$OUT/gluon_tree.log" 2>&1; log "gluon tree tests rc $?: $(tail -1 "$OUT/gluon_tree.log")"
-    for kern in gluon triton; do
-      ROOFLINE_PREFILL_KERNEL=$kern REPEATS=1 spec prefill-$kern \
+  prefill)  # bf16 greedy identity and the step split with the tree verified by the prefill kernel (Gluon, then
+            # Triton) and as decode rows (ROOFLINE_TREE_VERIFY=decode)
+    timeout 240 python3 -m pytest -q --tb=short -p no:cacheprovider tests/kernels/test_gluon_prefill.py \
+      tests/kernels/test_prefill_attention_tree.py tests/spec_decode/test_tree_gpu.py -k "tree" \
+      > "$OUT/tree_tests.log" 2>&1; log "tree tests rc $?: $(tail -1 "$OUT/tree_tests.log")"
+    for mode in gluon triton decode; do
+      kern=$mode; verify=prefill; [ $mode = decode ] && { kern=auto; verify=decode; }
+      ROOFLINE_PREFILL_KERNEL=$kern ROOFLINE_TREE_VERIFY=$verify REPEATS=1 spec prefill-$mode \
         '{"method": "eagle", "num_speculative_tokens": 3, "adaptive": false}' \
         '{"method": "eagle", "num_speculative_tokens": 1, "tree_topk": 3, "tree_budget": 3, "adaptive": false}' \
         '{"method": "eagle", "num_speculative_tokens": 4, "tree_topk": 4, "tree_budget": 16, "adaptive": false}' \
