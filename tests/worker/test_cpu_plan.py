@@ -108,15 +108,14 @@ def test_plan_names_the_cache_it_cannot_read(caplog):
 
 
 def test_tree_rows_see_exactly_the_reference_mask():
-    """A tree verify step's decode rows (``CpuDecodePlan._tree_rows``): for every query row, the keys its length,
+    """A tree verify step's decode rows (``tree_decode_rows``, the CPU plan's and the Triton backend's): for every query row, the keys its length,
     ``tree_lo`` and ``tree_bits`` let it see are the row of ``tree_visibility`` (the prefill path's rule), for a
     tree with the root in its region, one wider than the mask (the root before it), a plain decode row beside
     them, and a sequence whose region starts at key 0."""
     import numpy as np
 
-    from roofline.attention.backend import paged_metadata, tree_visibility
+    from roofline.attention.backend import paged_metadata, tree_decode_rows, tree_visibility
     from roofline.spec_decode.tree import DraftTree, region_mask
-    from roofline.worker.cpu_plan import CpuDecodePlan
 
     trees = [DraftTree(tokens=np.arange(5), parents=np.array([-1, -1, 0, 1, 2]), depth=np.array([1, 1, 2, 2, 3])),
              DraftTree(tokens=np.arange(4), parents=np.array([-1, 0, 0, 1]), depth=np.array([1, 2, 2, 3])), None,
@@ -128,7 +127,8 @@ def test_tree_rows_see_exactly_the_reference_mask():
     qsl = np.concatenate([[0], np.cumsum(q)])
     tables = np.arange(4 * 3, dtype=np.int32).reshape(4, 3)
     meta = paged_metadata(np.zeros(q.sum(), dtype=np.int64), qsl, lens, tables, torch.device("cpu"), mask)
-    table, row_lens, lo, bits = CpuDecodePlan._tree_rows(meta, int(q.sum()))
+    table, row_lens, lo, bits = tree_decode_rows(meta, int(q.sum()))
+    assert tree_decode_rows(meta, int(q.sum()) + 1) is None  # rows that do not add up: declined
     assert torch.equal(table, torch.from_numpy(np.repeat(tables, q, axis=0)))
     row = 0
     for i in range(4):
