@@ -256,16 +256,15 @@ if triton is not None:
                 ks = tl.load(KS + s_row, mask=nmask, other=0.0)
                 vs = tl.load(VS + s_row, mask=nmask, other=0.0)
                 qk = qk * ks[None, :]
+            keep = nmask
             if TREE:
                 rel = offs_n.to(tl.int64) - tree_lo
-                seen = (rel < 0) | (((tree_bits >> tl.maximum(rel, 0)) & 1) != 0)
-                qk = tl.where((nmask & seen)[None, :], qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing seen yet: exp2 gives 0, not NaN
-            else:
-                qk = tl.where(nmask[None, :], qk, float("-inf"))
-                m_new = tl.maximum(m_i, tl.max(qk, axis=1))
-                m_ref = m_new
+                keep = keep & ((rel < 0) | (((tree_bits >> tl.maximum(rel, 0)) & 1) != 0))
+            qk = tl.where(keep[None, :], qk, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(qk, axis=1))
+            m_ref = m_new
+            if TREE:  # a row may have seen no key yet (all masked so far): exp2 then gives 0, not NaN
+                m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)
             alpha = tl.exp2(m_i - m_ref)
             p = tl.exp2(qk - m_ref[:, None])
             l_i = l_i * alpha + tl.sum(p, axis=1)
