@@ -10,6 +10,8 @@
 #   prefill  the tree-mask kernel and engine GPU tests, then bench spec (chain, trees, adaptive) with the tree
 #          verified by the prefill kernel, Gluon and Triton in turn (ROOFLINE_PREFILL_KERNEL), and as decode rows
 #          (ROOFLINE_TREE_VERIFY=decode), one repeat each
+#   graphs bench spec with trees verified as graph-replayed decode rows and the draft layer's passes in graphs (the
+#          defaults since 2026-12-06): plain, chain k 3, trees of 3 / 8 / 16 nodes, adaptive depth 1 and 4
 #   train  train-draft --method eagle --unroll (time-capped), then bench spec of the new head against the
 #          shipped one at depth 2 and 4
 set -uo pipefail
@@ -55,6 +57,14 @@ for step in "$@"; do
         '{"method": "eagle", "num_speculative_tokens": 4, "tree_topk": 4, "tree_budget": 16, "adaptive": false}' \
         '{"method": "eagle", "num_speculative_tokens": 4, "tree_topk": 4, "tree_budget": 16}'
     done ;;
+  graphs)
+    spec graphs \
+      '{"method": "eagle", "num_speculative_tokens": 3, "adaptive": false}' \
+      '{"method": "eagle", "num_speculative_tokens": 1, "tree_topk": 3, "tree_budget": 3, "adaptive": false}' \
+      '{"method": "eagle", "num_speculative_tokens": 2, "tree_topk": 4, "tree_budget": 8, "adaptive": false}' \
+      '{"method": "eagle", "num_speculative_tokens": 4, "tree_topk": 4, "tree_budget": 16, "adaptive": false}' \
+      '{"method": "eagle", "num_speculative_tokens": 1, "tree_topk": 3, "tree_budget": 3}' \
+      '{"method": "eagle", "num_speculative_tokens": 4, "tree_topk": 4, "tree_budget": 16}' ;;
   train)
     timeout ${TRAIN_S:-420} python3 -m roofline.cli train-draft --method eagle --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --device cuda \
       --prompts-file .devcarry/sharegpt_train.json.xz --num-prompts 30000 --max-tokens 192 \

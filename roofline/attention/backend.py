@@ -47,6 +47,8 @@ from roofline.layers.rotary import RotaryEmbedding
 # fp8 scale = headroom x calibration amax / 448: values up to 2x the calibration amax still fit without
 # saturating, while the smallest normal E4M3 value (2^-6 x scale) stays ~14,000x below that amax.
 FP8_CALIBRATION_HEADROOM = 2.0
+# ``AttentionMetadata.tree_lo`` of a decode row outside any tree (every key visible): past any context.
+TREE_LO_NONE = 1 << 62
 
 
 class QKNorm(NamedTuple):
@@ -74,9 +76,10 @@ class AttentionMetadata:
             (the last min(q_len, W) rows of each sequence form its tree region; a row of -1 is plain causal;
             ``roofline.kernels.prefill_attention``'s docstring, "Tree mask"). A backend without
             ``supports_tree_mask`` refuses it.
-        tree_decode: None, or a backend's decode-row form of ``tree_mask`` (``tree_decode_rows`` on its device:
-            block tables [M, max_blocks] int32, row lengths [M] int32, tree_lo and tree_bits [M] int64), built
-            once per step in ``build_metadata`` by a backend that verifies trees as decode rows.
+        tree_lo, tree_bits: None, or [num_seqs] int64 each: a speculative tree verified as decode rows (every
+            attention row one query row, ``max_query_len`` 1; ``InputPreparer`` lays them out for a backend with
+            ``tree_as_decode_rows``): row i sees a key at position p >= tree_lo[i] only where bit p - tree_lo[i]
+            of tree_bits[i] is set (a node's ancestors and itself); ``TREE_LO_NONE`` / -1: every key.
     """
 
     slot_mapping: torch.Tensor
@@ -87,7 +90,8 @@ class AttentionMetadata:
     query_lens_cpu: list[int]
     seq_lens_cpu: list[int]
     tree_mask: torch.Tensor | None = None
-    tree_decode: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+    tree_lo: torch.Tensor | None = None
+    tree_bits: torch.Tensor | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -107,7 +111,8 @@ def slot_mapping(block_table: np.ndarray, token_rows: np.ndarray, positions: np.
 
 def paged_metadata(slots: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.ndarray, block_tables: np.ndarray,
                    to_device: Callable[[str, np.ndarray], torch.Tensor] | torch.device,
-                   tree_mask: np.ndarray | None = None) -> AttentionMetadata:
+                   tree_mask: np.ndarray | None = None,
+                   tree_rows: tuple[np.ndarray, np.ndarray] | None = None) -> AttentionMetadata:
     """The one ``AttentionMetadata`` builder: host arrays in, device tensors and host lists out.
 
     Args:
@@ -118,6 +123,7 @@ def paged_metadata(slots: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.
         to_device: a device (plain copies), or ``to_device(name, array)`` (the worker's pinned staging, whose
             buffer names are ``slot_mapping``, ``query_start_loc``, ``seq_lens`` and ``block_tables``).
         tree_mask: optional [S, W <= 64] int64 ancestor bitmasks (``AttentionMetadata.tree_mask``).
+        tree_rows: optional (tree_lo [S], tree_bits [S]) int64 of decode rows (``AttentionMetadata.tree_lo``).
     """
     if isinstance(to_device, torch.device):
         dev = to_device
@@ -134,6 +140,8 @@ def paged_metadata(slots: np.ndarray, query_start_loc: np.ndarray, seq_lens: np.
         query_lens_cpu=counts.tolist(),
         seq_lens_cpu=seq_lens.tolist(),
         tree_mask=None if tree_mask is None else to_device("tree_mask", np.ascontiguousarray(tree_mask, np.int64)),
+        tree_lo=None if tree_rows is None else to_device("tree_lo", np.ascontiguousarray(tree_rows[0], np.int64)),
+        tree_bits=None if tree_rows is None else to_device("tree_bits", np.ascontiguousarray(tree_rows[1], np.int64)),
     )
 
 
@@ -203,6 +211,9 @@ class AttentionBackend(ABC):
     # Honours ``AttentionMetadata.tree_mask`` (speculative tree verification); one that does not raises in
     # ``build_metadata`` and a tree proposer falls back to a chain.
     supports_tree_mask: bool = False
+    # Takes a tree verify step as decode rows (``AttentionMetadata.tree_lo`` / ``tree_bits``; ``InputPreparer``
+    # lays a step out so when every request verifies), which its CUDA graphs can replay.
+    tree_as_decode_rows: bool = False
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, rotary: RotaryEmbedding,
                  scale: float | None = None):

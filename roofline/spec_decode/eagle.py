@@ -161,6 +161,7 @@ class EagleProposer(AutoregressiveProposer):
     def __init__(self, spec_config: Any):
         super().__init__(spec_config)
         self.layer: Any = None
+        self.graphs: Any = None  # CUDAGraphRunner of the draft layer's passes (capture_graphs; GPU only)
 
     def load(self, worker: Any) -> None:
         from roofline.distributed.parallel_state import get_tp_size
@@ -232,25 +233,62 @@ class EagleProposer(AutoregressiveProposer):
     def accept_tree(self, row: int, root_pos: int, path: list[int]) -> None:
         self.store.accept_tree(row, root_pos, path)
 
+    def capture_graphs(self, worker: Any, max_rows: int) -> None:
+        """The draft layer's passes (embedding, fc, the layer) in CUDA graphs of up to ``max_rows`` decode rows
+        over its own backend's static buffers: a catch-up or chain pass as one decode row per position, a tree
+        pass as one per node with the ancestor mask (``tree_rows``, where the backend takes trees as decode
+        rows). The LM head, the top-k and the host's tree expansion stay outside."""
+        from roofline.worker.cuda_graph import CUDAGraphRunner
+
+        mc = worker.model_config
+        self._feats = torch.zeros(max_rows, mc.hidden_size, dtype=worker.dtype, device=worker.device)
+        tree_rows = bool(self.tree_topk) and self.backend.tree_as_decode_rows
+        self.graphs = CUDAGraphRunner(lambda ids, pos, meta: self._step(ids, self._feats[:ids.shape[0]], pos, meta),
+                                      self.backend, max_rows, worker.max_blocks_per_seq, worker.device,
+                                      mc.hidden_size, worker.dtype, name="EAGLE draft", tree_rows=tree_rows)
+        self.graphs.capture()
+
+    def _step(self, ids: torch.Tensor, feats: torch.Tensor, pos: torch.Tensor, meta: Any) -> torch.Tensor:
+        """The draft layer on (features [T, H], next-token ids [T]) at RoPE positions ``pos`` [T]: [T, H]."""
+        emb = self.embed(ids)
+        x = self._fc(torch.cat([feats.to(emb.dtype), emb], dim=-1))
+        out, residual = self.layer(pos, x, None, meta)
+        return out + residual
+
+    def _pass(self, worker: Any, token_rows: np.ndarray, slot_pos: np.ndarray, rope_pos: np.ndarray,
+              next_ids: np.ndarray, feats: torch.Tensor, prefill: tuple[np.ndarray, ...],
+              tree: tuple[np.ndarray, np.ndarray] | None = None) -> torch.Tensor:
+        """One draft-layer pass over T tokens: token t of batch row ``token_rows[t]`` is stored at position
+        ``slot_pos[t]`` of the row's draft KV, rotated at ``rope_pos[t]``, and sees the row's keys through
+        ``slot_pos[t]`` (with ``tree`` = (tree_lo, tree_bits) [T], in the tree region only its ancestors). As
+        decode rows replayed from the graphs where they fit one, else eager in the packed form ``prefill`` =
+        (rows [S], query_start_loc [S + 1], ends [S], tree_mask [S, W] or None). Returns [T, H] (a fresh tensor)."""
+        batch, bs, dev = worker.input_batch, worker.block_size, worker.device
+        n = len(token_rows)
+        slots = slot_mapping(batch.block_table, token_rows, slot_pos, bs)
+        ids = torch.from_numpy(next_ids).to(dev)
+        pos = torch.from_numpy(rope_pos).to(dev)
+        max_blocks = int((slot_pos // bs).max()) + 1
+        if self.graphs is not None and self.graphs.can_run(n, max_blocks, tree=tree is not None):
+            meta = paged_metadata(slots, np.arange(n + 1), slot_pos + 1, batch.block_table[token_rows, :max_blocks],
+                                  dev, tree_rows=tree)
+            self._feats[:n].copy_(feats)
+            return self.graphs.run(ids, pos, self.backend.build_metadata(meta)).clone()
+        rows, qsl, ends, mask = prefill
+        max_blocks = int(((ends + bs - 1) // bs).max())
+        meta = paged_metadata(slots, qsl, ends, batch.block_table[rows, :max_blocks], dev, mask)
+        return self._step(ids, feats, pos, self.backend.build_metadata(meta))
+
     def _forward(self, worker: Any, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,
                  feats: torch.Tensor, next_ids: np.ndarray) -> torch.Tensor:
         """Draft positions [starts[i], ends[i]) of rows[i], packed: features [T, H] and the ids of the tokens
         one position later [T]. Returns the layer's output [T, H] (predicted next features)."""
-        batch, bs, dev = worker.input_batch, worker.block_size, worker.device
         counts = ends - starts
         qsl = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(counts, out=qsl[1:])
         token_rows = np.repeat(rows, counts)
         positions = np.repeat(starts - qsl[:-1], counts) + np.arange(int(qsl[-1]))
-        max_blocks = int(((ends + bs - 1) // bs).max())
-        meta = paged_metadata(slot_mapping(batch.block_table, token_rows, positions, bs), qsl, ends,
-                              batch.block_table[rows, :max_blocks], dev)
-        meta = self.backend.build_metadata(meta)
-        emb = self.embed(torch.from_numpy(next_ids).to(dev))
-        x = self._fc(torch.cat([feats.to(emb.dtype), emb], dim=-1))
-        pos = torch.from_numpy(positions).to(dev)
-        out, residual = self.layer(pos, x, None, meta)
-        return out + residual
+        return self._pass(worker, token_rows, positions, positions, next_ids, feats, (rows, qsl, ends, None))
 
     def _fc(self, x: torch.Tensor) -> torch.Tensor:
         """fc [T, 2H] -> [T, H]: through its packed copy where it has one (bf16 on a CPU)."""
@@ -385,21 +423,15 @@ class EagleProposer(AutoregressiveProposer):
         Returns the predicted features [sum E_i, H]."""
         from roofline.spec_decode.tree import region_mask
 
-        batch, bs, dev = worker.input_batch, worker.block_size, worker.device
         sizes = np.array([len(t) for t in trees], dtype=np.int64)
         qsl = np.zeros(len(rows) + 1, dtype=np.int64)
         np.cumsum(sizes, out=qsl[1:])
         token_rows = np.repeat(rows, sizes)
         slot_pos = np.concatenate([n[i] - 1 + np.arange(sizes[i]) for i in range(len(rows))])
         rope_pos = np.concatenate([n[i] - 2 + t.depth for i, t in enumerate(trees)])
-        ends = n - 1 + sizes
         width = int(sizes.max())
-        mask = np.stack([region_mask(t, width, q_len=len(t)) for t in trees])
-        max_blocks = int(((ends + bs - 1) // bs).max())
-        meta = paged_metadata(slot_mapping(batch.block_table, token_rows, slot_pos, bs), qsl, ends,
-                              batch.block_table[rows, :max_blocks], dev, mask)
-        meta = self.backend.build_metadata(meta)
-        emb = self.embed(torch.from_numpy(np.concatenate([t.tokens for t in trees])).to(dev))
-        x = self._fc(torch.cat([feats.to(emb.dtype), emb], dim=-1))
-        out, residual = self.layer(torch.from_numpy(rope_pos).to(dev), x, None, meta)
-        return out + residual
+        mask = np.stack([region_mask(t, width, q_len=len(t)) for t in trees])  # the region: the E_i nodes
+        # As decode rows: node m of row i sees the draft KV below n_i - 1, then its ancestors' bits.
+        tree = (np.repeat(n - 1, sizes), np.concatenate([region_mask(t, len(t), q_len=len(t)) for t in trees]))
+        return self._pass(worker, token_rows, slot_pos, rope_pos, np.concatenate([t.tokens for t in trees]), feats,
+                          (rows, qsl, n - 1 + sizes, mask), tree)

@@ -12,7 +12,9 @@ Speculative decoding's verify step replays the same graphs: ``Worker.prepare_inp
 which every request decodes 1 + k tokens (its last token and k drafts) as 1 + k decode rows that share
 the request's block table, row j seeing ``start + j + 1`` keys. The cache store runs before attention,
 so row j reads the drafts' K/V written by rows < j in the same pass: causal, exact, and of fixed shape.
-With a draft model, a second runner captures the draft's one-token passes over the same static
+A token tree's verify step is decode rows too (one per node, each seeing the prefix and its ancestors through
+``tree_lo`` / ``tree_bits``): with ``tree_rows`` the graphs are captured with those inputs. With a draft model, a
+second runner captures the draft's one-token passes over the same static
 attention buffers and memory pool (``share_with``); replays never overlap, so sharing is safe.
 """
 
@@ -57,7 +59,7 @@ class CUDAGraphRunner:
     def __init__(self, model: torch.nn.Module, backend: AttentionBackend, max_num_seqs: int,
                  max_blocks_per_seq: int, device: torch.device, hidden_size: int, dtype: torch.dtype,
                  ladder: tuple[int, ...] = DEFAULT_LADDER, share_with: CUDAGraphRunner | None = None,
-                 name: str = "decode"):
+                 name: str = "decode", tree_rows: bool = False):
         if not backend.supports_cuda_graphs:
             raise ValueError(f"the {backend.name} attention backend cannot be captured in CUDA graphs")
         sizes = [b for b in ladder if b < max_num_seqs] + [max_num_seqs]
@@ -68,8 +70,10 @@ class CUDAGraphRunner:
         self.max_blocks_per_seq = max_blocks_per_seq
         self.name = name
         n = self.batch_sizes[-1]
+        # tree_rows: the graphs also take a token tree's decode rows (AttentionMetadata.tree_lo / tree_bits).
+        self.tree_rows = tree_rows if share_with is None else share_with.tree_rows
         if share_with is None:
-            backend.init_capture(n, max_blocks_per_seq, device)
+            backend.init_capture(n, max_blocks_per_seq, device, **({"tree_rows": True} if tree_rows else {}))
         elif n > share_with.batch_sizes[-1] or max_blocks_per_seq > share_with.max_blocks_per_seq:
             raise ValueError(f"a shared runner's {n} rows x {max_blocks_per_seq} blocks exceed the first runner's "
                              f"{share_with.batch_sizes[-1]} x {share_with.max_blocks_per_seq}")
@@ -96,8 +100,10 @@ class CUDAGraphRunner:
         torch.cuda.synchronize(self.device)
         logger.info("captured CUDA graphs (%s) for batch sizes %s", self.name, self.batch_sizes)
 
-    def can_run(self, num_seqs: int, max_blocks: int) -> bool:
-        return num_seqs <= self.batch_sizes[-1] and max_blocks <= self.max_blocks_per_seq
+    def can_run(self, num_seqs: int, max_blocks: int, tree: bool = False) -> bool:
+        """Whether a decode step of ``num_seqs`` rows reading ``max_blocks`` blocks (``tree``: with a token
+        tree's masks) replays a graph."""
+        return num_seqs <= self.batch_sizes[-1] and max_blocks <= self.max_blocks_per_seq and (self.tree_rows or not tree)
 
     def run(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Replay the graph for ``n = len(input_ids)`` decode rows; returns hidden [n, hidden_size] (a view of

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from roofline.attention.backend import AttentionMetadata, paged_metadata, slot_mapping
+from roofline.attention.backend import TREE_LO_NONE, AttentionMetadata, paged_metadata, slot_mapping
 from roofline.layers.sampler import SamplingMetadata
 from roofline.step import StepInput
 from roofline.worker.input_batch import InputBatch
@@ -29,9 +29,11 @@ class InputPreparer:
     """
 
     def __init__(self, batch: InputBatch, device: torch.device, block_size: int, vocab_size: int,
-                 build_metadata: Callable[[AttentionMetadata], AttentionMetadata]):
+                 build_metadata: Callable[[AttentionMetadata], AttentionMetadata], tree_as_decode_rows: bool = False):
         self.batch, self.device, self.block_size, self.vocab_size = batch, device, block_size, vocab_size
         self.build_metadata = build_metadata  # the attention backend's per-step precomputation
+        # The backend takes a tree verify step as decode rows (``AttentionBackend.tree_as_decode_rows``).
+        self.tree_as_decode_rows = tree_as_decode_rows
         self.pin = device.type == "cuda"
         self._staging: dict[tuple[str, int], torch.Tensor] = {}
         self.step_id = 0
@@ -90,30 +92,42 @@ class InputPreparer:
         max_blocks = int(batch.num_blocks[rows].max())
         num_spec = self.num_spec[rows]
         samples = seq_lens - num_spec == batch.num_tokens[rows]  # drafts sit past num_tokens
-        tree_mask = None
+        verify_rows = bool(num_spec.any() and samples.all() and (counts == 1 + num_spec).all())
+        tree_mask = tree_rows = None
         if self.trees:
             # A tree-verification step: node i of a row is read from slot n + i (in node order) but sits at
-            # position n - 1 + depth_i, and the rows attend through the ancestor mask (the prefill path).
+            # position n - 1 + depth_i, and sees the cached prefix, the root and its ancestors only.
             from roofline.spec_decode.tree import region_mask
 
+            as_rows = self.tree_as_decode_rows and verify_rows
             width = max(len(t) for t in self.trees.values())
             tree_mask = np.full((len(rows), width), -1, dtype=np.int64)
+            if as_rows:  # decode rows (below): row lo + i, node i, sees keys from start + 1 on by its ancestor bits
+                tree_rows = (np.full(total, TREE_LO_NONE, dtype=np.int64), np.full(total, -1, dtype=np.int64))
             for i, r in enumerate(rows.tolist()):
                 t = self.trees.get(r)
                 if t is not None and counts[i] == 1 + len(t):
                     lo = query_start[i] + 1
                     positions[lo:lo + len(t)] = start[i] + t.depth
-                    tree_mask[i] = region_mask(t, width)
-        if tree_mask is None and num_spec.any() and samples.all() and (counts == 1 + num_spec).all():
+                    if tree_rows is not None:
+                        tree_rows[0][lo:lo + len(t)] = start[i] + 1
+                        tree_rows[1][lo:lo + len(t)] = region_mask(t, len(t), q_len=len(t))
+                    else:
+                        tree_mask[i] = region_mask(t, width)
+            if tree_rows is not None:
+                tree_mask = None
+        if verify_rows and tree_mask is None:
             # A verify step (every request decodes its last token + its drafts): one decode row per token,
-            # row j of a request seeing start + j + 1 keys through the request's block table. The cache store
-            # precedes attention, so this is the causal extend, with the decode kernel's fixed shapes (CUDA
-            # graphs replay it). Query rows, sample rows and logits indices are unchanged.
-            attn_rows, attn_starts, attn_lens = token_rows, np.arange(total + 1), positions + 1
+            # row j of a request seeing start + j + 1 keys through the request's block table (a tree's rows
+            # only those of ``tree_rows``). The cache store precedes attention, so this is the causal extend,
+            # with the decode kernel's fixed shapes (CUDA graphs replay it). Query rows, sample rows and logits
+            # indices are unchanged.
+            attn_rows, attn_starts = token_rows, np.arange(total + 1)
+            attn_lens = np.repeat(start - query_start[:-1], counts) + np.arange(total) + 1
         else:
             attn_rows, attn_starts, attn_lens = rows, query_start, seq_lens
         meta = paged_metadata(slots, attn_starts, attn_lens, batch.block_table[attn_rows, :max_blocks],
-                              lambda name, a: self.to_device(tag + name, a), tree_mask)
+                              lambda name, a: self.to_device(tag + name, a), tree_mask, tree_rows)
         ids = self.to_device(tag + "input_ids", input_ids)
         pos = self.to_device(tag + "positions", positions)
         # A sequence's newest token may still be on its way from the previous step (async scheduling): read

@@ -34,7 +34,8 @@ class LocalStage:
         input_ids, positions, meta, sample_rows, logits_indices = w.prepare_inputs(step)
         if w.cpu_plan is not None and w.cpu_plan.takes(meta):  # the CPU's one-call step (decode, verify passes)
             return w.cpu_plan.run(input_ids, positions, meta), sample_rows, logits_indices
-        if w.graphs is not None and meta.is_decode_only and w.graphs.can_run(meta.num_seqs, meta.block_tables.shape[1]):
+        if w.graphs is not None and meta.is_decode_only and w.graphs.can_run(meta.num_seqs, meta.block_tables.shape[1],
+                                                                             tree=meta.tree_lo is not None):
             return w.graphs.run(input_ids, positions, meta), sample_rows, logits_indices
         return w.model(input_ids, positions, meta), sample_rows, logits_indices
 

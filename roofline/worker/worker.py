@@ -113,20 +113,23 @@ class Worker:
         self.input_batch = InputBatch(sc.max_num_seqs, sc.max_model_len, self.max_blocks_per_seq, mc.vocab_size,
                                       self.device)
         self.inputs = InputPreparer(self.input_batch, self.device, self.block_size, mc.vocab_size,
-                                    self.backend.build_metadata)
+                                    self.backend.build_metadata, self.backend.tree_as_decode_rows)
         self.sampler = Sampler()
         self.stage = make_stage(self)
         self._draft_probs: dict[int, torch.Tensor] = {}  # this step's device proposer's q per row
         self.graphs: CUDAGraphRunner | None = None
         if config.uses_cuda_graphs:
             if self.backend.supports_cuda_graphs:
-                # A verify step is 1 + k decode rows per request (see InputPreparer.prepare_inputs): capture that
-                # many rows, up to the ladder's top, so verify steps replay graphs too.
+                # A verify step is 1 + k decode rows per request (see InputPreparer.prepare_inputs; a tree's, 1 +
+                # tree_budget, with the backend's tree_as_decode_rows): capture that many rows, up to the ladder's
+                # top, so verify steps replay graphs too.
                 rows = sc.max_num_seqs
+                tree_rows = spec is not None and spec.is_tree and self.backend.tree_as_decode_rows
                 if spec is not None:
-                    rows = max(rows, min(rows * (1 + spec.num_speculative_tokens), max(DEFAULT_LADDER)))
+                    per_request = 1 + (spec.tree_budget if tree_rows else spec.num_speculative_tokens)
+                    rows = max(rows, min(rows * per_request, max(DEFAULT_LADDER)))
                 self.graphs = CUDAGraphRunner(self.model, self.backend, rows, self.max_blocks_per_seq,
-                                              self.device, mc.hidden_size, self.dtype)
+                                              self.device, mc.hidden_size, self.dtype, tree_rows=tree_rows)
                 self.graphs.capture()
                 if self.proposer is not None:
                     self.proposer.capture_graphs(self, rows)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -122,14 +123,15 @@ def test_split_count_follows_the_pool_page(block_size, expected):
     assert choose_num_splits(1, 8, 4096, num_sms=132, block_size=block_size, block_n=64) == expected
 
 
-@pytest.mark.parametrize("mode", ["prefill", "decode"])
-def test_backend_reads_a_tree_mask_from_the_metadata(mode, monkeypatch):
-    # 4 new rows after 12 cached tokens, a tree: 0 the root, 1 under 0, 2 under 0, 3 under 2. A metadata object
-    # carrying tree_mask reaches the prefill kernel (ROOFLINE_TREE_VERIFY=prefill, the default) or the decode
-    # kernel on one decode row per node (=decode) through forward (which rotates q in place and stores k/v).
+@pytest.mark.parametrize("form", ["prefill", "decode rows"])
+def test_backend_applies_a_tree_mask_in_both_forms(form):
+    # 4 new rows after 12 cached tokens, a tree: 0 the root, 1 under 0, 2 under 0, 3 under 2. Metadata carrying
+    # tree_mask reaches the prefill kernel; the same step laid out as one decode row per node (tree_lo/tree_bits,
+    # what InputPreparer builds for ROOFLINE_TREE_VERIFY=decode) the decode kernel, through forward (which
+    # rotates q in place and stores k/v). Both equal the tree-masked reference.
+    from roofline.attention.backend import paged_metadata, tree_decode_rows
     from roofline.kernels.prefill_attention import ref_prefill_attention
 
-    monkeypatch.setenv("ROOFLINE_TREE_VERIFY", mode)
     q, kc, vc, meta = make_paged_case([4], [16], 4, 2, 32, 16, torch.float32, seed=9)
     g = torch.Generator().manual_seed(10)
     k, v = torch.randn(4, 2, 32, generator=g).to(DEVICE), torch.randn(4, 2, 32, generator=g).to(DEVICE)
@@ -137,10 +139,12 @@ def test_backend_reads_a_tree_mask_from_the_metadata(mode, monkeypatch):
     tm = torch.tensor([[0b1, 0b11, 0b101, 0b1101]], dtype=torch.int64, device=DEVICE)
     meta.tree_mask = tm
     tmeta = backend.build_metadata(meta)
-    assert (tmeta.tree_decode is not None) == (mode == "decode")
-    if mode == "decode":
-        _, lens, lo, bits = tmeta.tree_decode
+    if form == "decode rows":
+        table, lens, lo, bits = tree_decode_rows(meta, 4)
         assert lens.tolist() == [13, 14, 15, 16] and lo.tolist() == [12] * 4 and bits.tolist() == tm[0].tolist()
+        tmeta = paged_metadata(meta.slot_mapping.cpu().numpy(), np.arange(5), lens.numpy(), table.cpu().numpy(),
+                               torch.device(DEVICE), tree_rows=(lo.numpy(), bits.numpy()))
+        assert tmeta.is_decode_only and tmeta.tree_lo.tolist() == [12] * 4
     qr = q.clone()
     out = backend.forward(qr, k, v, positions_of(meta), backend.kv_cache(0), tmeta)
     assert not torch.equal(qr, q)  # rotated in place: qr is what the kernel attended with
@@ -159,7 +163,7 @@ def test_tree_verify_mode_names_the_allowed_values(monkeypatch):
     with pytest.raises(ValueError, match=r"ROOFLINE_TREE_VERIFY='graph': must be one of \('prefill', 'decode'\)"):
         tree_verify_mode()
     monkeypatch.delenv("ROOFLINE_TREE_VERIFY")
-    assert tree_verify_mode() == "prefill"
+    assert tree_verify_mode() == "decode"
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -239,6 +239,53 @@ def test_tree_greedy_is_token_identical_on_the_tiny_model(tiny, tiny_dir, heads,
     assert llm.engine.spec_stats.num_drafts > 0
 
 
+def test_tree_steps_as_decode_rows_see_what_the_prefill_form_sees(tiny_dir, heads):
+    """``InputPreparer`` with ``tree_as_decode_rows`` (the Triton backend's default, whose CUDA graphs replay it)
+    lays a tree verify step out as one decode row per query row with ``tree_lo`` / ``tree_bits``. On every tree
+    step of a real engine run, each row sees exactly the keys that the prefill form's ancestor mask
+    (``tree_decode_rows``, the form checked against per-path runs above) shows it, through the same block table;
+    the inputs, positions and slots are the same. (The engine itself runs the prefill form: the torch backend.)"""
+    from roofline.attention.backend import tree_decode_rows
+
+    rng = np.random.default_rng(3)
+    prompts = [{"prompt_token_ids": rng.integers(2, VOCAB, size=int(n)).tolist()} for n in (9, 21)]
+    llm = LLM(str(tiny_dir), speculative_config={"method": "eagle", "model": heads["eagle"], "adaptive": False,
+                                                 "num_speculative_tokens": 3, "tree_topk": 2, "tree_budget": 5},
+              **COMMON)
+    inputs = llm.engine.worker.inputs
+    orig, checked = inputs.prepare_inputs, []
+
+    def both(step, tag=""):
+        out = orig(step, tag)
+        if inputs.trees:
+            inputs.tree_as_decode_rows = True
+            try:
+                rows = orig(step, tag)
+            finally:
+                inputs.tree_as_decode_rows = False
+            for a, b in zip(out[:2], rows[:2], strict=True):
+                assert torch.equal(a, b)  # input ids, positions
+            pm, dm = out[2], rows[2]
+            assert dm.tree_mask is None and dm.is_decode_only and pm.tree_mask is not None
+            assert torch.equal(pm.slot_mapping, dm.slot_mapping)
+            table, lens, lo, bits = tree_decode_rows(pm, len(out[1]))
+            assert dm.seq_lens.tolist() == lens.tolist() and torch.equal(dm.block_tables, table)
+            for i, n in enumerate(lens.tolist()):
+                p = np.arange(n)
+
+                def seen(lo_i, bits_i, p=p):
+                    rel = p - lo_i
+                    return (rel < 0) | ((bits_i >> np.clip(rel, 0, 63)) & 1 == 1)
+
+                assert (seen(int(lo[i]), int(bits[i])) == seen(int(dm.tree_lo[i]), int(dm.tree_bits[i]))).all()
+            checked.append(len(lens))
+        return out
+
+    inputs.prepare_inputs = both
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert checked and max(checked) == 2 * (1 + 5)  # both requests verified full trees in one step
+
+
 def test_trees_respect_max_tokens_and_max_model_len(tiny, tiny_dir, heads):
     """Near a request's max_tokens a tree is no deeper than the tokens left (the controller sends fewer nodes
     than the depth), and near max_model_len (128) no wider than the slots left: outputs equal plain decoding's

@@ -1,7 +1,7 @@
-"""Token trees on the GPU: the verify pass goes through the Triton prefill kernel's ancestor mask
-(``paged_prefill_attention(tree_mask=...)``) and EAGLE's tree drafting through the same kernel on its one-layer
-pool. Random weights at the default model's shape with random-weight heads (greedy identity does not depend
-on the head's quality), fp32, CUDA graphs on (tree steps run eager)."""
+"""Token trees on the GPU: the verify pass as decode rows with the ancestor mask, replayed from the CUDA graphs
+(``ROOFLINE_TREE_VERIFY=decode``, the default) or through the Triton prefill kernel's mask (``=prefill``), and
+EAGLE's tree drafting. Random weights at the default model's shape with random-weight heads (greedy identity
+does not depend on the head's quality)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ from roofline.spec_decode.heads import DraftHeadConfig, save_head
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def test_eagle_and_medusa_trees_are_token_identical_on_the_gpu(tmp_path, device="cuda", backend="triton"):
+@pytest.mark.parametrize("verify", ["decode", "prefill"])
+def test_eagle_and_medusa_trees_are_token_identical_on_the_gpu(tmp_path, monkeypatch, verify, device="cuda",
+                                                               backend="triton"):
     # fp32: the tree pass runs the prefill kernel where plain decoding runs the decode kernel; in bf16 their
     # rounding differs enough to flip near-ties of random weights (the chain's verify uses decode rows instead).
+    monkeypatch.setenv("ROOFLINE_TREE_VERIFY", verify)
     kw = dict(model="smollm2-135m", load_format="dummy", device=device, dtype="float32", max_model_len=512,
               kv_cache_memory="2GiB", attention_backend=backend)
     prompts = [{"prompt_token_ids": list(range(100 + 7 * i, 140 + 9 * i))} for i in range(3)]
@@ -45,13 +48,13 @@ def test_eagle_and_medusa_trees_are_token_identical_on_the_gpu(tmp_path, device=
         assert llm.engine.spec_stats.num_drafts > 0
 
 
-def test_bf16_tree_verified_as_decode_rows_is_token_identical(monkeypatch):
-    """``ROOFLINE_TREE_VERIFY=decode``: a tree's nodes are verified as decode rows (the decode kernel with the
-    ancestor mask), so in bf16 the verify pass runs plain decoding's arithmetic: attention by the same kernel,
-    and with a tree of 3 nodes (4 rows) the linears on the M <= 4 GEMV, whose rows do not depend on M (as a
-    chain's verify rows, greedy-identical in bf16 on an H100: bench/results/eagle-h100-20261205/). The prefill
-    form was identical to plain on 1 of 8 real prompts there. Written 2026-12-05 without a GPU to run it."""
-    monkeypatch.setenv("ROOFLINE_TREE_VERIFY", "decode")
+def test_bf16_tree_verified_as_decode_rows_is_token_identical():
+    """``ROOFLINE_TREE_VERIFY=decode`` (the default): a tree's nodes are verified as decode rows (the decode kernel
+    with the ancestor mask) replayed from the CUDA graphs, so in bf16 the verify pass runs plain decoding's
+    arithmetic: attention by the same kernel, and with a tree of 3 nodes (4 rows) the linears on the M <= 4 GEMV,
+    whose rows do not depend on M (as a chain's verify rows, greedy-identical in bf16 on an H100:
+    bench/results/eagle-h100-20261205/). The prefill form was identical to plain on 1 of 8 real prompts there.
+    Plain steps of the tree engine replay the same graphs with every key visible."""
     kw = dict(model="smollm2-135m", load_format="dummy", device="cuda", dtype="bfloat16", max_model_len=512,
               kv_cache_memory="2GiB", attention_backend="triton")
     prompts = [{"prompt_token_ids": list(range(100 + 7 * i, 140 + 9 * i))} for i in range(3)]
@@ -72,7 +75,70 @@ def test_bf16_tree_verified_as_decode_rows_is_token_identical(monkeypatch):
                            (("heads.0.weight", (h, h)), ("heads.0.bias", (h,)))})
         llm = LLM(speculative_config={"method": "medusa", "model": d, "num_speculative_tokens": 1, "tree_topk": 3,
                                       "tree_budget": 3, "adaptive": False}, **kw)
+        worker = llm.engine.worker
+        assert worker.backend.tree_as_decode_rows and worker.graphs.tree_rows
+        replays = []
+        run = worker.graphs.run
+
+        def counted(ids, pos, meta):
+            replays.append(meta.tree_lo is not None)
+            return run(ids, pos, meta)
+
+        worker.graphs.run = counted
         got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
-    assert llm.engine.worker.backend.tree_as_decode_rows
+    assert any(replays)  # tree verify steps replayed the graphs
     assert got == ref
     assert llm.engine.spec_stats.num_drafts > 0
+
+
+def _random_head(tmp_path, method, mc, seed=0):
+    """A head directory of ``method`` with random weights at ``mc``'s shapes (the tests' greedy identity does not
+    depend on its quality)."""
+    cfg = DraftHeadConfig.for_target(method, mc, num_heads=3 if method == "medusa" else 0)
+    h, i = mc.hidden_size, mc.intermediate_size
+    q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
+    shapes = ({"fc.weight": (h, 2 * h), "fc.bias": (h,), "layer.input_layernorm.weight": (h,),
+               "layer.post_attention_layernorm.weight": (h,), "layer.self_attn.q_proj.weight": (q, h),
+               "layer.self_attn.k_proj.weight": (kv, h), "layer.self_attn.v_proj.weight": (kv, h),
+               "layer.self_attn.o_proj.weight": (h, q), "layer.mlp.gate_proj.weight": (i, h),
+               "layer.mlp.up_proj.weight": (i, h), "layer.mlp.down_proj.weight": (h, i)}
+              if method == "eagle" else {f"heads.{k}.{n}": s for k in range(3)
+                                         for n, s in (("weight", (h, h)), ("bias", (h,)))})
+    g = torch.Generator().manual_seed(seed)
+    d = tmp_path / method
+    save_head(str(d), cfg, {n: torch.randn(s, generator=g) * 0.02 for n, s in shapes.items()})
+    return str(d)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_eagle_draft_passes_from_graphs_equal_eager(tmp_path, tree):
+    """EAGLE's draft-layer passes replayed from its CUDA graphs (catch-up and chain passes as decode rows, tree
+    passes as decode rows with the ancestor mask) give the eager packed pass's features: every pass of a real
+    run is recomputed eagerly (the prefill form, which stores the same K/V) and compared, fp32, relative error
+    below 1e-4."""
+    kw = dict(model="smollm2-135m", load_format="dummy", device="cuda", dtype="float32", max_model_len=512,
+              kv_cache_memory="2GiB", attention_backend="triton")
+    probe = LLM(**kw)
+    head = _random_head(tmp_path, "eagle", probe.engine.worker.model_config)
+    del probe
+    spec = {"method": "eagle", "model": head, "num_speculative_tokens": 3, "adaptive": False,
+            **({"tree_topk": 3, "tree_budget": 10} if tree else {})}
+    llm = LLM(speculative_config=spec, **kw)
+    prop = llm.engine.worker.proposer
+    assert prop.graphs is not None and prop.graphs.tree_rows == tree
+    orig, errors = prop._pass, []
+
+    def both(worker, token_rows, slot_pos, rope_pos, next_ids, feats, prefill, t=None):
+        out = orig(worker, token_rows, slot_pos, rope_pos, next_ids, feats, prefill, t)
+        graphs, prop.graphs = prop.graphs, None
+        try:
+            ref = orig(worker, token_rows, slot_pos, rope_pos, next_ids, feats, prefill, t)
+        finally:
+            prop.graphs = graphs
+        errors.append(((out - ref).norm() / ref.norm()).item())
+        return out
+
+    prop._pass = both
+    prompts = [{"prompt_token_ids": list(range(100 + 7 * i, 140 + 9 * i))} for i in range(3)]
+    llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    assert len(errors) > 10 and max(errors) < 1e-4, errors
