@@ -296,6 +296,11 @@ class EagleProposer(AutoregressiveProposer):
         return self.fc(x) if out is None else out
 
     def draft_logits(self, worker: Any, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        return self.logits(worker, self._predict(worker, rows, positions))
+
+    def _predict(self, worker: Any, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
+        """The predicted features [len(rows), H] of the draft reading the token at ``positions[i]`` of row
+        ``rows[i]`` (a step's first pass catches the draft KV up first; see the module docstring)."""
         batch = worker.input_batch
         first = positions == batch.num_tokens[rows] - 1  # the step's first pass (all rows or none)
         if first.all():
@@ -320,7 +325,19 @@ class EagleProposer(AutoregressiveProposer):
             pred = self._forward(worker, rows, starts, positions, feats, batch.token_ids[rows, positions])
         for i, r in enumerate(rows.tolist()):
             self.pred[r] = pred[i]
-        return self.logits(worker, pred)
+        return pred
+
+    def _topk(self, worker: Any, hidden: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The draft's k most likely tokens [N, k] int64 and their log-probabilities [N, k] float32 (host arrays)
+        at predicted features ``hidden`` [N, H]. With a truncated draft vocabulary on a plain LM head: over its
+        ``token_map`` rows only (the same distribution as ``logits``, whose other entries are -inf, without the
+        full-vocabulary logits)."""
+        if self.lm_sub is not None and self.lm_sub_packed is None:
+            lp = torch.log_softmax(F.linear(hidden.to(self.lm_sub.dtype), self.lm_sub).float(), dim=-1)
+            top = lp.topk(k, dim=-1)
+            return self.token_map[top.indices].cpu().numpy(), top.values.cpu().numpy()
+        top = torch.log_softmax(self.logits(worker, hidden).float(), dim=-1).topk(k, dim=-1)
+        return top.indices.cpu().numpy(), top.values.cpu().numpy()
 
     def logits(self, worker: Any, hidden: torch.Tensor) -> torch.Tensor:
         """The draft's logits [N, V] fp32 for predicted features ``hidden`` [N, H]: the target's LM head, or with
@@ -356,9 +373,8 @@ class EagleProposer(AutoregressiveProposer):
 
         batch, k, depth_max = worker.input_batch, self.tree_topk, self.spec_config.num_speculative_tokens
         n = batch.num_tokens[rows].copy()
-        root_logits = self.draft_logits(worker, rows, n - 1)  # catches up; self.pred[r]: the root's output
-        top = torch.log_softmax(root_logits.float(), dim=-1).topk(k, dim=-1)
-        tok0, val0 = top.indices.cpu().numpy(), top.values.cpu().numpy()
+        # The first pass catches up; self.pred[r]: the root's output.
+        tok0, val0 = self._topk(worker, self._predict(worker, rows, n - 1), k)
         # Per row: candidates (parent candidate, token, score, depth), expanded candidates in order, and the
         # draft layer's input feature and output of each expanded one.
         cands = [dict(parent=[-1] * k, token=tok0[i].tolist(), score=val0[i].tolist(), depth=[1] * k)
@@ -395,9 +411,7 @@ class EagleProposer(AutoregressiveProposer):
             offs = np.cumsum([0] + sizes)
             self.out = {int(i): out[offs[a]:offs[a + 1]] for a, i in enumerate(act.tolist())}
             last = torch.cat([torch.arange(offs[a + 1] - m, offs[a + 1]) for a, (_, m) in enumerate(new_rows)])
-            lp = torch.log_softmax(self.logits(worker, out[last.to(out.device)]).float(), dim=-1)
-            top = lp.topk(k, dim=-1)
-            tok, val = top.indices.cpu().numpy(), top.values.cpu().numpy()
+            tok, val = self._topk(worker, out[last.to(out.device)], k)
             q = 0
             for i, m in new_rows:
                 c = cands[i]

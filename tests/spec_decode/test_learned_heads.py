@@ -219,6 +219,12 @@ def test_truncated_draft_vocabulary_is_greedy_identical(tiny, tiny_dir, truncate
     assert torch.isinf(logits[:, outside]).all() and torch.isfinite(logits[:, tmap]).all()
     full = llm.engine.worker.model.compute_logits(torch.ones(2, 64))
     torch.testing.assert_close(p.logits(llm.engine.worker, torch.ones(2, 64))[:, tmap], full[:, tmap])
+    # The tree's top-k over the mapped rows only: the full-vocabulary logits' top-k (tokens, log-probabilities).
+    h = torch.randn(5, 64, generator=torch.Generator().manual_seed(2))
+    tok, lp = p._topk(llm.engine.worker, h, 4)
+    top = torch.log_softmax(p.logits(llm.engine.worker, h).float(), dim=-1).topk(4, dim=-1)
+    assert tok.tolist() == top.indices.tolist() and set(tok.ravel().tolist()) <= set(tmap.tolist())
+    np.testing.assert_allclose(lp, top.values.numpy(), rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("truncated", [False, True])
