@@ -99,8 +99,10 @@ class KVCachePool:
                 return torch.ones(num_kv_heads, dtype=torch.float32, device=device)
             return None
 
-        self.caches = [KVCache(_zeros(shape, dtype, device), _zeros(shape, dtype, device), scales(), scales())
-                       for _ in range(num_layers)]
+        # One allocation [num_layers, 2 (k, v), *shape]: each layer's k and v are contiguous views of it, and an
+        # operation on every layer's slots (speculative trees' KV compaction) is one indexing op over all of it.
+        self.kv = _zeros((num_layers, 2, *shape), dtype, device)
+        self.caches = [KVCache(self.kv[i, 0], self.kv[i, 1], scales(), scales()) for i in range(num_layers)]
 
     @property
     def num_tokens(self) -> int:

@@ -241,15 +241,16 @@ def place_tree(worker: Any, row: int, tree: DraftTree, num_drafts: int) -> None:
     worker.inputs.trees[row] = tree
 
 
-def compact_kv(caches: list[Any], src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
+def compact_kv(pool: Any, src_slots: torch.Tensor, dst_slots: torch.Tensor) -> None:
     """Copy the K/V (and an int8 cache's per-slot scales) at ``src_slots`` [m] to ``dst_slots`` [m] in every
-    layer's ``KVCache`` (flat slot ids; the accepted path's nodes to their final positions)."""
+    layer of the ``KVCachePool`` (flat slot ids; the accepted path's nodes to their final positions): one
+    gather and one scatter over the pool's single [layers, 2, blocks, block_size, heads, dim] tensor."""
     if src_slots.numel() == 0:
         return
-    for c in caches:
-        for t in (c.k, c.v):
-            flat = t.view(-1, *t.shape[2:])
-            flat[dst_slots] = flat[src_slots]
+    kv = pool.kv
+    flat = kv.view(kv.shape[0] * 2, kv.shape[2] * kv.shape[3], *kv.shape[4:])
+    flat[:, dst_slots] = flat[:, src_slots]
+    for c in pool.caches:
         for s in (c.k_scale, c.v_scale):
             if s is not None and s.dim() == 3:
                 flat = s.view(-1, s.shape[-1])

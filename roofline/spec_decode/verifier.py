@@ -190,7 +190,7 @@ def verify_tree(worker: Any, hidden: torch.Tensor, rows: np.ndarray, last_indice
         bs = worker.block_size
         s_rows, s_pos = np.array(src).T
         d_rows, d_pos = np.array(dst).T
-        compact_kv(worker.backend.kv_pool.caches,
+        compact_kv(worker.backend.kv_pool,
                    torch.from_numpy(slot_mapping(batch.block_table, s_rows, s_pos, bs)).to(dev),
                    torch.from_numpy(slot_mapping(batch.block_table, d_rows, d_pos, bs)).to(dev))
     num_accepted = torch.tensor([len(w.path) for w in results], dtype=torch.int64)

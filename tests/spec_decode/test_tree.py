@@ -178,7 +178,7 @@ def test_tree_verify_pass_equals_each_path_alone_and_compacts_kv(tiny_dir):
     path = [1, 4, 6]
     src = slot_mapping(table, np.zeros(3, dtype=np.int64), np.array([n + c for c in path]), bs)
     dst = slot_mapping(table, np.zeros(3, dtype=np.int64), np.arange(n, n + 3), bs)
-    compact_kv(w.backend.kv_pool.caches, torch.from_numpy(src), torch.from_numpy(dst))
+    compact_kv(w.backend.kv_pool, torch.from_numpy(src), torch.from_numpy(dst))
     kept = [torch.stack([c.k.view(-1, *c.k.shape[2:])[:n + 3], c.v.view(-1, *c.v.shape[2:])[:n + 3]]).clone()
             for c in w.backend.kv_pool.caches]
     plain = prefix + [int(TREE7.tokens[c]) for c in path]
