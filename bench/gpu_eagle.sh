@@ -64,7 +64,15 @@ for step in "$@"; do
       '{"method": "eagle", "num_speculative_tokens": 2, "tree_topk": 4, "tree_budget": 8, "adaptive": false}' \
       '{"method": "eagle", "num_speculative_tokens": 4, "tree_topk": 4, "tree_budget": 16, "adaptive": false}' \
       '{"method": "eagle", "num_speculative_tokens": 1, "tree_topk": 3, "tree_budget": 3}' \
-      '{"method": "eagle", "num_speculative_tokens": 4, "tree_topk": 4, "tree_budget": 16}' ;;
+      '{"method": "eagle", "num_speculative_tokens": 4, "tree_topk": 4, "tree_budget": 16}'
+    # where a depth-1 tree's step goes now: cProfile of a short run (3 prompts x 64 tokens), top 30 by own time
+    timeout 200 python3 -m cProfile -o "$OUT/profile-graphs.prof" -m roofline.cli bench spec \
+      --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --device cuda --dtype bfloat16 --workloads sharegpt \
+      --num-prompts 3 --max-tokens 64 --repeats 1 --out-dir "$OUT/profile" --speculative-configs \
+      '{"method": "eagle", "num_speculative_tokens": 1, "tree_topk": 3, "tree_budget": 3, "adaptive": false}' \
+      > "$OUT/profile-graphs.log" 2>&1
+    python3 -c "import pstats; pstats.Stats('$OUT/profile-graphs.prof').sort_stats('tottime').print_stats(30)" \
+      >> "$OUT/profile-graphs.log" 2>&1; log "profile rc $?" ;;
   train)
     timeout ${TRAIN_S:-420} python3 -m roofline.cli train-draft --method eagle --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf --device cuda \
       --prompts-file .devcarry/sharegpt_train.json.xz --num-prompts 30000 --max-tokens 192 \
