@@ -14,11 +14,30 @@ from roofline.spec_decode.heads import DraftHeadConfig, save_head
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
+def _random_head(tmp_path, method, mc, seed=0):
+    """A head directory of ``method`` with random weights at ``mc``'s shapes (the tests' greedy identity does not
+    depend on its quality)."""
+    cfg = DraftHeadConfig.for_target(method, mc, num_heads=3 if method == "medusa" else 0)
+    h, i = mc.hidden_size, mc.intermediate_size
+    q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
+    shapes = ({"fc.weight": (h, 2 * h), "fc.bias": (h,), "layer.input_layernorm.weight": (h,),
+               "layer.post_attention_layernorm.weight": (h,), "layer.self_attn.q_proj.weight": (q, h),
+               "layer.self_attn.k_proj.weight": (kv, h), "layer.self_attn.v_proj.weight": (kv, h),
+               "layer.self_attn.o_proj.weight": (h, q), "layer.mlp.gate_proj.weight": (i, h),
+               "layer.mlp.up_proj.weight": (i, h), "layer.mlp.down_proj.weight": (h, i)}
+              if method == "eagle" else {f"heads.{k}.{n}": s for k in range(3)
+                                         for n, s in (("weight", (h, h)), ("bias", (h,)))})
+    g = torch.Generator().manual_seed(seed)
+    d = tmp_path / method
+    save_head(str(d), cfg, {n: torch.randn(s, generator=g) * 0.02 for n, s in shapes.items()})
+    return str(d)
+
+
 @pytest.mark.parametrize("verify", ["decode", "prefill"])
 def test_eagle_and_medusa_trees_are_token_identical_on_the_gpu(tmp_path, monkeypatch, verify, device="cuda",
                                                                backend="triton"):
-    # fp32: the tree pass runs the prefill kernel where plain decoding runs the decode kernel; in bf16 their
-    # rounding differs enough to flip near-ties of random weights (the chain's verify uses decode rows instead).
+    # fp32: with =prefill the tree pass runs the prefill kernel where plain decoding runs the decode kernel; in bf16
+    # their rounding differs enough to flip near-ties of random weights (decode rows: the test below, in bf16).
     monkeypatch.setenv("ROOFLINE_TREE_VERIFY", verify)
     kw = dict(model="smollm2-135m", load_format="dummy", device=device, dtype="float32", max_model_len=512,
               kv_cache_memory="2GiB", attention_backend=backend)
@@ -27,19 +46,8 @@ def test_eagle_and_medusa_trees_are_token_identical_on_the_gpu(tmp_path, monkeyp
     plain = LLM(**kw)
     ref = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
     mc = plain.engine.worker.model_config
-    g = torch.Generator().manual_seed(0)
     for method in ("eagle", "medusa"):
-        cfg = DraftHeadConfig.for_target(method, mc, num_heads=3 if method == "medusa" else 0)
-        h, i = mc.hidden_size, mc.intermediate_size
-        q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
-        shapes = ({"fc.weight": (h, 2 * h), "fc.bias": (h,), "layer.input_layernorm.weight": (h,),
-                   "layer.post_attention_layernorm.weight": (h,), "layer.self_attn.q_proj.weight": (q, h),
-                   "layer.self_attn.k_proj.weight": (kv, h), "layer.self_attn.v_proj.weight": (kv, h),
-                   "layer.self_attn.o_proj.weight": (h, q), "layer.mlp.gate_proj.weight": (i, h),
-                   "layer.mlp.up_proj.weight": (i, h), "layer.mlp.down_proj.weight": (h, i)}
-                  if method == "eagle" else {f"heads.{k}.{n}": s for k in range(3)
-                                             for n, s in (("weight", (h, h)), ("bias", (h,)))})
-        save_head(str(tmp_path / method), cfg, {n: torch.randn(s, generator=g) * 0.02 for n, s in shapes.items()})
+        _random_head(tmp_path, method, mc)
         spec = {"method": method, "model": str(tmp_path / method), "num_speculative_tokens": 3, "tree_topk": 3,
                 "tree_budget": 10, "adaptive": False}
         llm = LLM(speculative_config=spec, **kw)
@@ -89,25 +97,6 @@ def test_bf16_tree_verified_as_decode_rows_is_token_identical():
     assert any(replays)  # tree verify steps replayed the graphs
     assert got == ref
     assert llm.engine.spec_stats.num_drafts > 0
-
-
-def _random_head(tmp_path, method, mc, seed=0):
-    """A head directory of ``method`` with random weights at ``mc``'s shapes (the tests' greedy identity does not
-    depend on its quality)."""
-    cfg = DraftHeadConfig.for_target(method, mc, num_heads=3 if method == "medusa" else 0)
-    h, i = mc.hidden_size, mc.intermediate_size
-    q, kv = mc.num_attention_heads * mc.head_dim, mc.num_key_value_heads * mc.head_dim
-    shapes = ({"fc.weight": (h, 2 * h), "fc.bias": (h,), "layer.input_layernorm.weight": (h,),
-               "layer.post_attention_layernorm.weight": (h,), "layer.self_attn.q_proj.weight": (q, h),
-               "layer.self_attn.k_proj.weight": (kv, h), "layer.self_attn.v_proj.weight": (kv, h),
-               "layer.self_attn.o_proj.weight": (h, q), "layer.mlp.gate_proj.weight": (i, h),
-               "layer.mlp.up_proj.weight": (i, h), "layer.mlp.down_proj.weight": (h, i)}
-              if method == "eagle" else {f"heads.{k}.{n}": s for k in range(3)
-                                         for n, s in (("weight", (h, h)), ("bias", (h,)))})
-    g = torch.Generator().manual_seed(seed)
-    d = tmp_path / method
-    save_head(str(d), cfg, {n: torch.randn(s, generator=g) * 0.02 for n, s in shapes.items()})
-    return str(d)
 
 
 @pytest.mark.parametrize("tree", [False, True])
