@@ -33,10 +33,10 @@ logger = logging.getLogger(__name__)
 DEFAULT_LADDER = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 160, 192, 224, 256, 320, 384, 448, 512)
 
 
-def capture_graph(fn: Callable[[], Any], warmup: int = 1) -> tuple[torch.cuda.CUDAGraph, Any]:
+def capture_graph(fn: Callable[[], Any], warmup: int = 1, pool: Any = None) -> tuple[torch.cuda.CUDAGraph, Any]:
     """(a CUDA graph of ``fn()``, the output ``fn`` returned while captured: static tensors each replay
     rewrites), after ``warmup`` calls on a side stream (torch's capture recipe: Triton compiles and autotunes
-    there, outside the capture). Used by kernel tests and benchmarks; the decode runner captures its own."""
+    there, outside the capture), in memory pool ``pool`` (None: a new one, ``graph.pool()``)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -44,7 +44,7 @@ def capture_graph(fn: Callable[[], Any], warmup: int = 1) -> tuple[torch.cuda.CU
             fn()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool):
         out = fn()
     return graph, out
 
@@ -88,12 +88,11 @@ class CUDAGraphRunner:
         """Capture every ladder size, largest first, sharing one memory pool."""
         for bs in reversed(self.batch_sizes):
             meta = self.backend.capture_metadata(bs)
-            # Warm-up outside capture: Triton compiles and autotunes here, not inside the graph.
-            self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], meta)
-            torch.cuda.synchronize(self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+
+            def step(bs=bs, meta=meta) -> None:
                 self.hidden[:bs] = self.model(self.input_ids[:bs], self.positions[:bs], meta)
+
+            graph, _ = capture_graph(step, pool=self.pool)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
