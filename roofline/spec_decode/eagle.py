@@ -162,6 +162,7 @@ class EagleProposer(AutoregressiveProposer):
         super().__init__(spec_config)
         self.layer: Any = None
         self.graphs: Any = None  # CUDAGraphRunner of the draft layer's passes (capture_graphs; GPU only)
+        self._passes = 0  # draft-layer passes so far (their staging names)
 
     def load(self, worker: Any) -> None:
         from roofline.distributed.parallel_state import get_tp_size
@@ -263,20 +264,28 @@ class EagleProposer(AutoregressiveProposer):
         ``slot_pos[t]`` (with ``tree`` = (tree_lo, tree_bits) [T], in the tree region only its ancestors). As
         decode rows replayed from the graphs where they fit one, else eager in the packed form ``prefill`` =
         (rows [S], query_start_loc [S + 1], ends [S], tree_mask [S, W] or None). Returns [T, H] (a fresh tensor)."""
-        batch, bs, dev = worker.input_batch, worker.block_size, worker.device
+        batch, bs = worker.input_batch, worker.block_size
         n = len(token_rows)
+        # Through the worker's pinned staging (non-blocking copies on a GPU), under names of their own per pass:
+        # every pass ends in a host copy of its drafts, so a name's buffer is free again 8 passes later.
+        self._passes += 1
+        tag = f"eagle{self._passes % 8}_"
+
+        def to_device(name: str, a: np.ndarray) -> torch.Tensor:
+            return worker.inputs.to_device(tag + name, a)
+
         slots = slot_mapping(batch.block_table, token_rows, slot_pos, bs)
-        ids = torch.from_numpy(next_ids).to(dev)
-        pos = torch.from_numpy(rope_pos).to(dev)
+        ids = to_device("ids", np.ascontiguousarray(next_ids, dtype=np.int64))
+        pos = to_device("pos", np.ascontiguousarray(rope_pos, dtype=np.int64))
         max_blocks = int((slot_pos // bs).max()) + 1
         if self.graphs is not None and self.graphs.can_run(n, max_blocks, tree=tree is not None):
             meta = paged_metadata(slots, np.arange(n + 1), slot_pos + 1, batch.block_table[token_rows, :max_blocks],
-                                  dev, tree_rows=tree)
+                                  to_device, tree_rows=tree)
             self._feats[:n].copy_(feats)
             return self.graphs.run(ids, pos, self.backend.build_metadata(meta)).clone()
         rows, qsl, ends, mask = prefill
         max_blocks = int(((ends + bs - 1) // bs).max())
-        meta = paged_metadata(slots, qsl, ends, batch.block_table[rows, :max_blocks], dev, mask)
+        meta = paged_metadata(slots, qsl, ends, batch.block_table[rows, :max_blocks], to_device, mask)
         return self._step(ids, feats, pos, self.backend.build_metadata(meta))
 
     def _forward(self, worker: Any, rows: np.ndarray, starts: np.ndarray, ends: np.ndarray,

@@ -163,7 +163,8 @@ def test_engine_eagle_layer_equals_the_trained_module(tiny_dir, heads):
     with torch.no_grad():
         want = torch.cat([ref(f, embed[t], torch.arange(len(f)), cos_sin) for f, t in zip(feats, ids, strict=True)])
     table = np.array([[0, 1, 2, -1], [3, 4, -1, -1]], dtype=np.int32)
-    fake = SimpleNamespace(input_batch=SimpleNamespace(block_table=table), block_size=w.block_size, device=w.device)
+    fake = SimpleNamespace(input_batch=SimpleNamespace(block_table=table), block_size=w.block_size, device=w.device,
+                           inputs=w.inputs)
     with torch.inference_mode():
         got = p._forward(fake, np.array([0, 1]), np.zeros(2, dtype=np.int64), np.array(lens), torch.cat(feats),
                          torch.cat(ids).numpy())
