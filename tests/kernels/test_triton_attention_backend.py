@@ -238,7 +238,7 @@ def test_qwen3_model_fuses_qk_norm_on_the_triton_backend():
     calls = {"triton": 0, "torch": 0}
     models = {}
     for name in calls:
-        backend = get_attention_backend(name)(4, 2, 32, RotaryEmbedding.from_config(cfg))
+        backend = get_attention_backend(name)(4, 2, 32, RotaryEmbedding.from_config(cfg, DEVICE))
         backend.allocate_kv_cache(cfg.num_hidden_layers, 4, 16, torch.float32, torch.device(DEVICE))
         model = build_model(cfg, backend).eval().to(DEVICE)
         loader.load_weights(model, iter(state.items()))
