@@ -19,6 +19,11 @@ wrote them filled from the same tokens.
 
 With ``tree_topk`` the proposer drafts EAGLE-2's dynamic tree (``propose_draft_token_ids``,
 ``roofline.spec_decode.tree``) instead of a chain.
+
+On a GPU the draft layer's passes replay CUDA graphs of their own (``capture_graphs``): a catch-up or chain pass as
+one decode row per position, a tree depth as one decode row per node with the ancestor mask (``tree_lo`` /
+``tree_bits``, where the backend takes trees as decode rows). Each pass still ends in one device -> host copy of
+its drafts (the chain's sampled tokens, the tree's top-k), which EAGLE-2's host-side expansion reads.
 """
 
 from __future__ import annotations
