@@ -355,7 +355,9 @@ class AttentionBackend(ABC):
 
     # ------------------------------------------------------------------------------ CUDA graphs
 
-    def init_capture(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
+    def init_capture(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device,
+                     tree_rows: bool = False) -> None:
+        """Allocate the graphs' static buffers (``tree_rows``: also a token tree's decode-row masks)."""
         raise NotImplementedError(f"the {self.name} attention backend cannot be captured in CUDA graphs")
 
     def capture_metadata(self, batch_size: int) -> AttentionMetadata:

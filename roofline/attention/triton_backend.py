@@ -81,7 +81,6 @@ class TritonAttentionBackend(AttentionBackend):
         # itself still falls back per call where the Gluon kernel does not apply): no environment read per layer.
         self.decode_kernel = decode_kernel_choice()
         self.tree_as_decode_rows = tree_verify_mode() == "decode"  # AttentionBackend.tree_as_decode_rows
-        self._tree_rows_set = False
 
     def decode_variant_for(self, cache_dtype: torch.dtype | None) -> str:
         """The decode kernel variant for a cache of ``cache_dtype`` (None: a 16-bit cache)."""
@@ -148,11 +147,6 @@ class TritonAttentionBackend(AttentionBackend):
             tree_bits=s["tree_bits"][:bs] if "tree_bits" in s else None,
         )
         return self.build_metadata(meta)
-
-    def can_replay(self, meta: AttentionMetadata) -> bool:
-        """Whether the captured graphs can run ``meta`` (a decode-only step; a tree's rows need graphs captured
-        with ``tree_rows``)."""
-        return meta.tree_lo is None or "tree_lo" in self._static
 
     def prepare_replay(self, batch_size: int, meta: AttentionMetadata) -> None:
         s, n = self._static, meta.num_seqs

@@ -268,7 +268,8 @@ class EagleProposer(AutoregressiveProposer):
         ``slot_pos[t]`` of the row's draft KV, rotated at ``rope_pos[t]``, and sees the row's keys through
         ``slot_pos[t]`` (with ``tree`` = (tree_lo, tree_bits) [T], in the tree region only its ancestors). As
         decode rows replayed from the graphs where they fit one, else eager in the packed form ``prefill`` =
-        (rows [S], query_start_loc [S + 1], ends [S], tree_mask [S, W] or None). Returns [T, H] (a fresh tensor)."""
+        (rows [S], query_start_loc [S + 1], ends [S]), whose tree mask [S, max count] is ``tree``'s bits per row
+        (a row's tree region being its T_i tokens). Returns [T, H] (a fresh tensor)."""
         batch, bs = worker.input_batch, worker.block_size
         n = len(token_rows)
         # Through the worker's pinned staging (non-blocking copies on a GPU), under names of their own per pass:
@@ -288,7 +289,12 @@ class EagleProposer(AutoregressiveProposer):
                                   to_device, tree_rows=tree)
             self._feats[:n].copy_(feats)
             return self.graphs.run(ids, pos, self.backend.build_metadata(meta)).clone()
-        rows, qsl, ends, mask = prefill
+        rows, qsl, ends = prefill
+        mask = None
+        if tree is not None:
+            counts = np.diff(qsl)
+            mask = np.full((len(rows), int(counts.max())), -1, dtype=np.int64)
+            mask[np.repeat(np.arange(len(rows)), counts), np.arange(n) - np.repeat(qsl[:-1], counts)] = tree[1]
         max_blocks = int(((ends + bs - 1) // bs).max())
         meta = paged_metadata(slots, qsl, ends, batch.block_table[rows, :max_blocks], to_device, mask)
         return self._step(ids, feats, pos, self.backend.build_metadata(meta))
@@ -302,7 +308,7 @@ class EagleProposer(AutoregressiveProposer):
         np.cumsum(counts, out=qsl[1:])
         token_rows = np.repeat(rows, counts)
         positions = np.repeat(starts - qsl[:-1], counts) + np.arange(int(qsl[-1]))
-        return self._pass(worker, token_rows, positions, positions, next_ids, feats, (rows, qsl, ends, None))
+        return self._pass(worker, token_rows, positions, positions, next_ids, feats, (rows, qsl, ends))
 
     def _fc(self, x: torch.Tensor) -> torch.Tensor:
         """fc [T, 2H] -> [T, H]: through its packed copy where it has one (bf16 on a CPU)."""
@@ -457,9 +463,7 @@ class EagleProposer(AutoregressiveProposer):
         token_rows = np.repeat(rows, sizes)
         slot_pos = np.concatenate([n[i] - 1 + np.arange(sizes[i]) for i in range(len(rows))])
         rope_pos = np.concatenate([n[i] - 2 + t.depth for i, t in enumerate(trees)])
-        width = int(sizes.max())
-        mask = np.stack([region_mask(t, width, q_len=len(t)) for t in trees])  # the region: the E_i nodes
-        # As decode rows: node m of row i sees the draft KV below n_i - 1, then its ancestors' bits.
+        # Node m of row i sees the draft KV below n_i - 1, then its ancestors' bits (the region: the E_i nodes).
         tree = (np.repeat(n - 1, sizes), np.concatenate([region_mask(t, len(t), q_len=len(t)) for t in trees]))
         return self._pass(worker, token_rows, slot_pos, rope_pos, np.concatenate([t.tokens for t in trees]), feats,
-                          (rows, qsl, n - 1 + sizes, mask), tree)
+                          (rows, qsl, n - 1 + sizes), tree)

@@ -73,7 +73,7 @@ class CUDAGraphRunner:
         # tree_rows: the graphs also take a token tree's decode rows (AttentionMetadata.tree_lo / tree_bits).
         self.tree_rows = tree_rows if share_with is None else share_with.tree_rows
         if share_with is None:
-            backend.init_capture(n, max_blocks_per_seq, device, **({"tree_rows": True} if tree_rows else {}))
+            backend.init_capture(n, max_blocks_per_seq, device, tree_rows=tree_rows)
         elif n > share_with.batch_sizes[-1] or max_blocks_per_seq > share_with.max_blocks_per_seq:
             raise ValueError(f"a shared runner's {n} rows x {max_blocks_per_seq} blocks exceed the first runner's "
                              f"{share_with.batch_sizes[-1]} x {share_with.max_blocks_per_seq}")

@@ -99,11 +99,12 @@ class InputPreparer:
             # position n - 1 + depth_i, and sees the cached prefix, the root and its ancestors only.
             from roofline.spec_decode.tree import region_mask
 
-            as_rows = self.tree_as_decode_rows and verify_rows
-            width = max(len(t) for t in self.trees.values())
-            tree_mask = np.full((len(rows), width), -1, dtype=np.int64)
-            if as_rows:  # decode rows (below): row lo + i, node i, sees keys from start + 1 on by its ancestor bits
+            if self.tree_as_decode_rows and verify_rows:
+                # decode rows (below): row lo + i, node i, sees keys from start + 1 on by its ancestor bits
                 tree_rows = (np.full(total, TREE_LO_NONE, dtype=np.int64), np.full(total, -1, dtype=np.int64))
+            else:
+                width = max(len(t) for t in self.trees.values())
+                tree_mask = np.full((len(rows), width), -1, dtype=np.int64)
             for i, r in enumerate(rows.tolist()):
                 t = self.trees.get(r)
                 if t is not None and counts[i] == 1 + len(t):
@@ -114,8 +115,6 @@ class InputPreparer:
                         tree_rows[1][lo:lo + len(t)] = region_mask(t, len(t), q_len=len(t))
                     else:
                         tree_mask[i] = region_mask(t, width)
-            if tree_rows is not None:
-                tree_mask = None
         if verify_rows and tree_mask is None:
             # A verify step (every request decodes its last token + its drafts): one decode row per token,
             # row j of a request seeing start + j + 1 keys through the request's block table (a tree's rows
