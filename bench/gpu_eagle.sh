@@ -14,6 +14,9 @@
 #          defaults since 2026-12-06): plain, chain k 3, trees of 3 / 8 / 16 nodes, adaptive depth 1 and 4
 #   train  train-draft --method eagle --unroll (time-capped), then bench spec of the new head against the
 #          shipped one at depth 2 and 4
+#   data   train-draft's regeneration (REGEN_S seconds, up to 30,000 prompts, 512 at once) and target features
+#          only, kept in /tmp/cache for `recipes` (a call later, on the same warm machine)
+#   recipes  bench/gpu_train_recipes.py: one head per recipe in RECIPES from /tmp/cache, RECIPE_S seconds each
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd):$(pwd)/.site
 # ShareGPT prompts: the held-out shim in .devcarry (bench/extract_sharegpt_prompts.py) where the package is missing
@@ -85,6 +88,18 @@ for step in "$@"; do
       "{\"method\": \"eagle\", \"model\": \"$OUT/head\", \"num_speculative_tokens\": 2, \"tree_topk\": 4, \"tree_budget\": 8, \"adaptive\": false}" \
       '{"method": "eagle", "num_speculative_tokens": 4, "tree_topk": 4, "tree_budget": 16, "adaptive": false}' \
       "{\"method\": \"eagle\", \"model\": \"$OUT/head\", \"num_speculative_tokens\": 4, \"tree_topk\": 4, \"tree_budget\": 16, \"adaptive\": false}" ;;
+  data)
+    timeout ${DATA_S:-560} python3 -m roofline.cli train-draft --method eagle --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
+      --device cuda --prompts-file .devcarry/sharegpt_train.json.xz --num-prompts 30000 --max-tokens 192 \
+      --max-regenerate-seconds ${REGEN_S:-400} --max-feature-seconds 90 --kv-cache-memory 24GiB --max-num-seqs 512 \
+      --steps 1 --batch-size 32 --cache-dir /tmp/cache --output /tmp/head-unused > "$OUT/data.log" 2>&1
+    log "data rc $?"; grep -aE "regenerat|features|sequences" "$OUT/data.log" | tail -6 | tee -a "$OUT/log"; ls -la /tmp/cache | tee -a "$OUT/log" ;;
+  recipes)
+    # shellcheck disable=SC2086 # RECIPES is a list of NAME=JSON words
+    timeout ${RECIPES_TIMEOUT_S:-580} python3 bench/gpu_train_recipes.py --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
+      --cache "$(ls /tmp/cache/data-*.pt | head -1)" --seconds ${RECIPE_S:-120} --out "$OUT/recipes" $RECIPES \
+      > "$OUT/recipes.log" 2>&1
+    log "recipes rc $?"; grep -a "^{" "$OUT/recipes.log" | tee -a "$OUT/log" ;;
   *) log "unknown step $step" ;;
   esac
 done

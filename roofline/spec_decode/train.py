@@ -99,14 +99,18 @@ def _init_eagle_from_target(head: EagleHead, llm: Any) -> None:
 def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: list[torch.Tensor], *,
                steps: int, batch_size: int = 8, lr: float = 5e-4, num_heads: int = 4, seed: int = 0,
                max_seconds: float | None = None, progress: bool = True, cls_rows: int = 48,
-               cls_weight: float = EAGLE_CLS_WEIGHT, unroll: bool = False, device: str | None = None,
-               bf16: bool | None = None
+               cls_weight: float = EAGLE_CLS_WEIGHT, unroll: bool = False, feature_noise: float = 0.0,
+               device: str | None = None, bf16: bool | None = None
                ) -> tuple[DraftHeadConfig, dict[str, torch.Tensor], list[float], dict[str, float]]:
     """Train a ``method`` head on sequences ``seqs`` [(ids, prompt length)] and their target features
     ``feats`` ([T, H] each, any device and float dtype). A 10% slice (at least one sequence) is held out for
     the top-1 agreement with the target (EAGLE: argmax of W f̂_{p+1} == argmax of W f_{p+1}; Medusa: head 0's
     argmax == the token two ahead). ``cls_weight``: EAGLE's token-loss weight (0.1 in the paper); ``unroll``:
-    add the losses of a second pass that reads the head's own predicted features.
+    add the losses of a second pass that reads the head's own predicted features; ``feature_noise`` a: add
+    U(-a, a) noise to the input features while training (EAGLE-1 uses a = 0.1 against the drift of its own
+    predicted features at later draft steps; the regression targets stay clean). EAGLE also reports
+    ``val_top1_step2``: the held-out agreement of a second draft step, the pass that reads the head's own f̂_p
+    (every row of it, as ``unroll`` trains), with the target's argmax, the proxy for depth-2 acceptance.
 
     Each step trains on ``batch_size`` sequences at once, right-padded (the padding masked out of every loss);
     the token losses (and the agreement) use at most ``cls_rows`` x ``batch_size`` random rows of the batch
@@ -158,7 +162,9 @@ def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: 
             idx = idx[torch.randperm(len(idx), generator=gen)[:cap].to(idx.device)]
         return idx
 
-    def batch_loss(batch: list[int]) -> tuple[torch.Tensor, int, int]:
+    def batch_loss(batch: list[int], training: bool = True) -> tuple[torch.Tensor, int, int, int]:
+        """The batch's loss, its top-1 agreements (first and, EAGLE in evaluation, second draft step) and the
+        rows they count."""
         ids = pad_rows([torch.tensor(seqs[i][0]) for i in batch], dev)  # [B, T]
         lens = torch.tensor([len(seqs[i][0]) for i in batch], device=dev)
         plens = torch.tensor([seqs[i][1] for i in batch], device=dev)
@@ -170,7 +176,10 @@ def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: 
             if method == "eagle":
                 valid = p[:, :-1] < (lens[:, None] - 1)  # [B, T-1]: row p predicts f_{p+1}
                 nxt = embed[ids[:, 1:]]
-                pred = model(f[:, :-1], nxt, p[0, :-1], cos_sin).float()  # [B, T-1, H]
+                f_in = f[:, :-1]
+                if training and feature_noise > 0:
+                    f_in = f_in + torch.empty_like(f_in).uniform_(-feature_noise, feature_noise)
+                pred = model(f_in, nxt, p[0, :-1], cos_sin).float()  # [B, T-1, H]
                 target = f[:, 1:]
                 m = valid[..., None].float()
                 n_valid = valid.sum().clamp(min=1)
@@ -182,16 +191,19 @@ def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: 
                     p_tgt = torch.softmax(tgt_logits, dim=-1)
                 logits = (flat_p[rows] @ lm_head.T).float()
                 cls = -(p_tgt * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
-                if unroll:
+                agree2 = 0
+                if unroll or not training:
                     # One unrolled step (after EAGLE-3's training-time test): row p reads the head's own f̂_p
                     # (predicted from f_{p-1}), as drafts past the first do at inference.
                     pred2 = model(torch.cat([f[:, :1], pred[:, :-1]], dim=1), nxt, p[0, :-1], cos_sin).float()
-                    reg = reg + (F.smooth_l1_loss(pred2, target, reduction="none") * m).sum() / (
-                        n_valid * cfg.hidden_size)
                     logits2 = (pred2.reshape(-1, cfg.hidden_size)[rows] @ lm_head.T).float()
-                    cls = cls - (p_tgt * torch.log_softmax(logits2, dim=-1)).sum(-1).mean()
+                    agree2 = int((logits2.argmax(-1) == tgt_logits.argmax(-1)).sum())
+                    if unroll:
+                        reg = reg + (F.smooth_l1_loss(pred2, target, reduction="none") * m).sum() / (
+                            n_valid * cfg.hidden_size)
+                        cls = cls - (p_tgt * torch.log_softmax(logits2, dim=-1)).sum(-1).mean()
                 agree = int((logits.argmax(-1) == tgt_logits.argmax(-1)).sum())
-                return reg + cls_weight * cls, agree, len(rows)
+                return reg + cls_weight * cls, agree, agree2, len(rows)
             out = model(f)  # [K, B, T, H]
             total, agree, count = torch.zeros((), device=dev), 0, 0
             for k in range(cfg.num_heads):
@@ -205,7 +217,7 @@ def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: 
                 total = total + MEDUSA_DECAY ** k * F.cross_entropy(logits, labels)
                 if k == 0:
                     agree, count = int((logits.argmax(-1) == labels).sum()), len(rows)
-            return total, agree, count
+            return total, agree, 0, count
 
     from tqdm import tqdm
 
@@ -217,7 +229,7 @@ def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: 
         set_lr(s, time.perf_counter() - t0)
         batch = [train[rng.randrange(len(train))] for _ in range(batch_size)] if train else val
         opt.zero_grad()
-        loss, _, _ = batch_loss(batch)
+        loss, _, _, _ = batch_loss(batch)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
@@ -226,13 +238,15 @@ def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: 
         if max_seconds is not None and time.perf_counter() - t0 > max_seconds:
             break
     with torch.no_grad():
-        agree = count = 0
+        agree = agree2 = count = 0
         for j in range(0, len(val), batch_size):
-            _, a, c = batch_loss(val[j:j + batch_size])
-            agree, count = agree + a, count + c
+            _, a, a2, c = batch_loss(val[j:j + batch_size], training=False)
+            agree, agree2, count = agree + a, agree2 + a2, count + c
     stats = dict(val_top1=agree / max(count, 1), val_rows=count, steps=len(losses),
                  seconds=time.perf_counter() - t0, train_sequences=len(train), val_sequences=len(val),
-                 device=str(dev), bf16=use_bf16, cls_rows=cls_rows)
+                 device=str(dev), bf16=use_bf16, cls_rows=cls_rows, feature_noise=feature_noise)
+    if method == "eagle":
+        stats["val_top1_step2"] = agree2 / max(count, 1)
     return cfg, {k: v.float().cpu() for k, v in model.export().items()}, losses, stats
 
 
@@ -382,7 +396,8 @@ def run_train_draft(args: argparse.Namespace) -> int:
     cfg, tensors, losses, stats = train_head(llm, args.method, seqs, feats, steps=args.steps,
                                              batch_size=args.batch_size, lr=args.lr, num_heads=args.num_heads,
                                              seed=args.seed, max_seconds=args.max_train_seconds,
-                                             cls_weight=args.cls_weight, unroll=args.unroll, cls_rows=cls_rows)
+                                             cls_weight=args.cls_weight, unroll=args.unroll, cls_rows=cls_rows,
+                                             feature_noise=args.feature_noise)
     stats.update(num_prompts=n_prompts, num_sequences=len(seqs), num_tokens=n_tokens, answer_tokens=n_answer,
                  max_tokens=args.max_tokens, regenerate_seconds=round(t_gen, 1), lr=args.lr,
                  batch_size=args.batch_size, cls_weight=args.cls_weight, unroll=args.unroll, first_loss=losses[0],
@@ -425,6 +440,8 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
                    help="EAGLE: the token loss's weight beside the feature regression (default 0.1, the paper's)")
     p.add_argument("--unroll", action="store_true", help="EAGLE: also train on its own predicted features (one "
                                                          "unrolled step)")
+    p.add_argument("--feature-noise", type=float, default=0.0,
+                   help="EAGLE: U(-a, a) noise on the input features while training (EAGLE-1: 0.1; default 0)")
     p.add_argument("--max-train-seconds", type=float, default=None, help="stop training after this long")
     p.add_argument("--max-regenerate-seconds", type=float, default=None,
                    help="stop starting new chunks of prompts to regenerate after this long")
