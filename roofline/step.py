@@ -93,9 +93,12 @@ class StepOutput:
     prompt_logprobs: dict[int, tuple[int, list[dict[int, Logprob]]]] = field(default_factory=dict)
     duration_s: float = 0.0
     # Speculative decoding: seq_id -> drafts accepted this step (its sampled tokens are those plus one), and
-    # the seconds the worker's draft model took (0 for host proposers).
+    # the seconds the worker's draft model took (0 for host proposers), and the most positions one request's
+    # first draft pass caught up over (``DeviceProposer.catch_up_rows``: more than a drafting step leaves behind
+    # after steps off; the policy then keeps that time out of its draft cost).
     num_accepted: dict[int, int] = field(default_factory=dict)
     draft_duration_s: float = 0.0
+    draft_catch_up_rows: int = 0
     # Sequences whose step failed (for example a non-finite sampling distribution): str(seq_id) -> error message.
     # The engine finishes each one's request with that error (``RequestOutput.error``) and frees its blocks.
     errors: dict[str, str] = field(default_factory=dict)

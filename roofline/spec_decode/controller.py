@@ -200,7 +200,9 @@ class SpecController:
         self.stats.draft_seconds += result.draft_duration_s
         self.stats.verify_seconds += verify_s
         if result.draft_duration_s > 0:  # the n-gram proposer's host time is inside the step's wall time
-            policy.record_cost(result.draft_duration_s / gamma, len(result.seq_ids), verify_s)
+            # Steady: the first pass read no more than a drafting step leaves behind (1 + the accepted drafts).
+            steady = result.draft_catch_up_rows <= self.spec_config.num_speculative_tokens + 1
+            policy.record_cost(result.draft_duration_s / gamma, len(result.seq_ids), verify_s, steady)
 
     def record_step(self, batch: int, spec_seqs: dict[int, int], wall_t0: float, result: StepOutput,
                     mode: str) -> None:

@@ -141,6 +141,8 @@ class DraftModelProposer(AutoregressiveProposer):
 
     def draft_logits(self, worker: Any, rows: np.ndarray, positions: np.ndarray) -> torch.Tensor:
         # Catches the draft's KV up through ``positions`` first (DraftModel.decode).
+        if (positions == worker.input_batch.num_tokens[rows] - 1).all():  # a step's first pass
+            self.catch_up_rows = int((positions - np.minimum(self.draft.computed[rows], positions)).max()) + 1
         return self.draft.decode(worker.input_batch.token_ids, worker.input_batch.block_table, rows, positions,
                                  worker.block_size, worker.config.scheduler_config.max_num_batched_tokens)
 

@@ -328,6 +328,7 @@ class EagleProposer(AutoregressiveProposer):
             starts = np.array([max(int(self.done[r]), int(self.store.start[r])) if self.done[r] >= 0
                                else int(self.store.start[r]) for r in rows], dtype=np.int64)
             starts = np.minimum(starts, ends - 1)
+            self.catch_up_rows = int((ends - starts).max())
             feats = torch.cat([self.store.get(int(r), int(s), int(e)) for r, s, e in zip(rows, starts, ends,
                                                                                          strict=True)])
             ids = np.concatenate([batch.token_ids[r, s + 1:e + 1] for r, s, e in zip(rows, starts, ends,

@@ -51,6 +51,11 @@ class DeviceProposer(Proposer):
     its known tokens and returns {row: q [k_r, vocab] fp32} (the draft distributions the verifier needs)."""
 
     on_device = True
+    # The most positions one request's first draft pass read in the last ``propose_draft_token_ids``: a draft
+    # with state of its own (a separate draft's KV, an EAGLE layer's) first catches up over every position the
+    # target computed since it last drafted, 1 + the accepted drafts while drafting every step, a prompt or the
+    # steps spent off otherwise. 0 where the draft keeps no such state (it shares the target's KV).
+    catch_up_rows = 0
 
     @abstractmethod
     def load(self, worker: Any) -> None:

@@ -305,6 +305,8 @@ class Worker:
         self.update_states(step)
         if step.spec_token_ids or step.num_draft_tokens:
             pending.draft_duration_s = self._place_drafts(step)
+            if pending.draft_duration_s > 0:
+                pending.draft_catch_up_rows = self.proposer.catch_up_rows
         hidden, sample_rows, logits_indices = self.stage.forward(step)
         if self.proposer is not None and hidden is not None:
             self.proposer.observe(self, step, hidden)  # a learned drafter keeps the target's features
@@ -382,6 +384,7 @@ class PendingStep:
         self.prompt_plan: PromptLogprobsPlan | None = None
         self.prompt_host: dict[str, torch.Tensor] = {}
         self.draft_duration_s = 0.0
+        self.draft_catch_up_rows = 0
         self.verified: Verified | None = None
 
     def expect(self, sample_rows: np.ndarray, so: Any) -> PendingStep:
@@ -436,5 +439,6 @@ class PendingStep:
         if self.prompt_plan is not None:
             out.prompt_logprobs = collect_prompt_logprobs(self.prompt_plan, self.prompt_host)
         out.draft_duration_s = self.draft_duration_s
+        out.draft_catch_up_rows = self.draft_catch_up_rows
         out.duration_s = time.perf_counter() - self.t0
         return out

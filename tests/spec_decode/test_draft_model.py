@@ -91,9 +91,17 @@ def test_int4_self_draft_is_token_identical(greedy_ref):
     draft = llm.engine.worker.draft
     # 4-bit codes (and, on CPU, a uint8 copy for prefill-sized GEMMs); the tied fp32 embedding stays
     assert draft is not None and draft.weight_bytes < llm.engine.worker.weight_bytes / 2
+    rows = []  # each drafting step's catch-up (StepOutput.draft_catch_up_rows)
+    record = llm.engine.spec.record
+    llm.engine.spec.record = lambda spec_seqs, result: (rows.append(result.draft_catch_up_rows),
+                                                        record(spec_seqs, result))[1]
     sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     assert _ids(llm.generate(PROMPTS[1:2], sp, use_tqdm=False)) == [greedy_ref[1][:12]]
     _check_accounting(llm)
+    # The first draft pass reads the whole prompt and the first sampled token; later ones 1 + the accepted
+    # drafts, at most gamma + 1 = 3 (what the policy counts as steady).
+    n = len(llm.tokenizer(PROMPTS[1]).input_ids)
+    assert rows[0] == n + 1 and 1 <= max(rows[1:]) <= 3, (n, rows)
 
 
 def test_draft_pool_is_sized_with_the_target_and_survives_preemption(draft_dir):

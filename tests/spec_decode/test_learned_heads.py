@@ -105,6 +105,45 @@ def test_unrolled_eagle_training_loss_falls(tiny, tiny_data):
     assert tensors["fc.weight"].shape == (64, 128)
 
 
+def test_feature_noise_and_the_held_out_agreements(tiny, tiny_data):
+    """``feature_noise`` perturbs the inputs of training only (same seed: another first loss) and the loss still
+    falls; ``val_top1`` / ``val_top1_step2`` are the held-out agreements with the target's argmax of the head's
+    first step and of a second step reading its own predicted features, recomputed here from the returned head."""
+    import random
+
+    from roofline.spec_decode.features import target_parts
+
+    seqs, feats = tiny_data
+    kw = dict(steps=24, batch_size=4, lr=5e-3, progress=False)
+    _, _, clean, _ = train.train_head(tiny, "eagle", seqs, feats, **kw)
+    cfg, tensors, noisy, stats = train.train_head(tiny, "eagle", seqs, feats, feature_noise=0.5, **kw)
+    assert noisy[0] != pytest.approx(clean[0], rel=1e-4)
+    assert np.mean(noisy[-4:]) < 0.8 * np.mean(noisy[:4]), noisy
+    assert stats["feature_noise"] == 0.5
+    head = EagleHead(cfg)
+    with torch.no_grad():
+        head.fc.weight.copy_(tensors["fc.weight"])
+        head.fc.bias.copy_(tensors["fc.bias"])
+    head.layer.load_hf_state_dict({k[len("layer."):]: v for k, v in tensors.items() if k.startswith("layer.")})
+    _, embed, lm_head, cos_sin = target_parts(tiny, torch.device("cpu"))
+    order = list(range(len(seqs)))
+    random.Random(0).shuffle(order)  # train_head's split (seed 0): the first 10%, at least one, held out
+    agree = agree2 = rows = 0
+    with torch.no_grad():
+        for i in order[:max(1, len(order) // 10)]:
+            ids, f = torch.tensor(seqs[i][0]), feats[i].float()
+            pos, nxt = torch.arange(len(ids) - 1), embed[ids[1:]]
+            want = (f[1:] @ lm_head.T).argmax(-1)
+            pred = head(f[:-1], nxt, pos, cos_sin)
+            pred2 = head(torch.cat([f[:1], pred[:-1]]), nxt, pos, cos_sin)
+            agree += int(((pred @ lm_head.T).argmax(-1) == want).sum())
+            agree2 += int(((pred2 @ lm_head.T).argmax(-1) == want).sum())
+            rows += len(want)
+    assert stats["val_rows"] == rows
+    assert stats["val_top1"] == pytest.approx(agree / rows, abs=1e-9)
+    assert stats["val_top1_step2"] == pytest.approx(agree2 / rows, abs=1e-9)
+
+
 def test_batched_eagle_head_equals_one_sequence_at_a_time():
     """A right-padded batch [B, T, H] (GPU training) gives each sequence's rows exactly as running it alone."""
     from roofline.layers.rotary import RotaryEmbedding
@@ -183,6 +222,27 @@ def test_greedy_is_token_identical_on_the_tiny_model(tiny, tiny_dir, heads, meth
     assert got == ref
     stats = llm.engine.spec_stats
     assert stats.num_draft_tokens > 0 and stats.num_drafts > 0
+
+
+def test_each_step_reports_how_far_the_eagle_layer_caught_up(tiny_dir, heads):
+    """``StepOutput.draft_catch_up_rows``: a request's first drafting step reads every position its prompt's
+    prefill computed (17 prompt tokens + the first sampled one: rows 0..16), each later one 1 + the drafts the
+    step before accepted, which the policy counts as steady (at most gamma + 1 rows)."""
+    llm = LLM(str(tiny_dir), speculative_config={"method": "eagle", "model": heads["eagle"][0],
+                                                 "num_speculative_tokens": 3, "adaptive": False}, **COMMON)
+    seen = []
+    record = llm.engine.spec.record
+
+    def spy(spec_seqs, result):
+        seen.append((result.draft_catch_up_rows, sum(result.num_accepted.values())))
+        return record(spec_seqs, result)
+
+    llm.engine.spec.record = spy
+    prompt = np.random.default_rng(1).integers(2, VOCAB, size=17).tolist()
+    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+                 use_tqdm=False)
+    assert len(seen) > 3 and seen[0][0] == 17, seen
+    assert [rows for rows, _ in seen[1:]] == [1 + acc for _, acc in seen[:-1]], seen
 
 
 @pytest.fixture(scope="module")

@@ -375,3 +375,36 @@ def test_a_probe_waits_long_enough_to_cost_at_most_the_probe_budget(verify_ratio
     assert pol.probe_interval == wait
     gammas = [pol.choose([1], [1]) for _ in range(wait)]
     assert gammas.index(1) == wait - 1 and sum(gammas) == 1
+
+
+@pytest.mark.parametrize("respect_steady", [True, False], ids=["catch_up_apart", "catch_up_in_c"])
+def test_a_drafts_catch_up_after_steps_off_does_not_price_its_steady_draft_cost(respect_steady):
+    """A draft with state of its own (EAGLE's layer, a separate draft's KV) first reads every position the target
+    computed since it last drafted: a request's prompt at its first draft, the steps spent off at a probe. On the
+    CPU (Intel Xeon, bf16, the EAGLE head at depth 1, 2026-12-06) a probe's draft took 10.3 ms against 2.75 ms a
+    steady one, a plain step 13.3 ms and the verify 15.5 ms (r 1.17, c 0.21, alpha 0.62: 1.10x plain fixed).
+    Modelled here as c(k rows) = 0.18 + 0.035 k plain steps, a 100-token prompt first. Reported as not steady
+    (``record_cost(..., steady=False)``, as the controller does past 1 + gamma_max rows) the catch-up stays out of
+    c and the drafter stays on; counted in c, as before 2026-12-06, the prompt's catch-up turns it off and every
+    probe's catch-up keeps it off (measured then: on in 6 of 2,029 steps, 0.97x)."""
+    import random
+
+    rng = random.Random(0)
+    pol = SpecPolicy(gamma_max=1, adaptive=True, verify_ratio=lambda b, g: 1.17, draft_cost=0.067)
+    pol.record_step(1, 0, 0.01)  # a plain step, timed
+    time_, tokens, on, since = 0.0, 0, 0, 100  # rows the draft has not read: the prompt
+    for _ in range(2000):
+        if pol.choose([1], [1]):
+            acc = int(rng.random() < 0.62)
+            pol.record(1, 1, acc)
+            c = 0.18 + 0.035 * since
+            pol.record_cost(0.01 * c, 1, 0.0117, since <= 2 or not respect_steady)
+            pol.record_step(1, 1, 0.0117)
+            time_, tokens, on, since = time_ + 1.17 + c, tokens + 1 + acc, on + 1, 1 + acc
+        else:
+            time_, tokens, since = time_ + 1.0, tokens + 1, since + 1
+    if respect_steady:
+        assert on > 1800 and tokens / time_ > 1.05, (on, tokens / time_)
+        assert pol.draft_cost == pytest.approx(0.18 + 0.035 * 1.62, abs=0.03)
+    else:
+        assert on < 100 and tokens / time_ < 1.01, (on, tokens / time_)
