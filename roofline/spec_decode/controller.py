@@ -88,7 +88,7 @@ class SpecController:
         self.summary = f"speculative decoding: {what}; {shape}; {'adaptive' if spec.adaptive else 'fixed'} gamma"
         logger.info("%s; verify ratio from %.1f GB/s and %.2f TFLOP/s (%s, measured)", self.summary,
                     bandwidth / 1e9, peak / 1e12, profile.dtype)
-        self.policy = SpecPolicy(spec.num_speculative_tokens, spec.adaptive, verify_ratio, draft_cost)
+        self.policy = SpecPolicy(spec.num_speculative_tokens, spec.adaptive, verify_ratio, draft_cost, tree=self.is_tree)
         self.refill: tuple[int, int] | None = None  # (batch, gamma) of a drafting step the next async step follows
 
     def gamma(self, num_drafts: int) -> int:

@@ -32,7 +32,7 @@ throughput, while a throughput gain can come from a few copying requests at the 
 Until a plain step has been timed at the batch's size bucket, gamma is 0 (with the bound alone the policy
 would stay on and never see what a plain step costs: measured at 32 concurrent requests on the H200, TPOT
 2.5x the plain server's). gamma = 0 turns speculation off for the step. While it is off, a probe step
-speculates with gamma 1 so the estimates keep up (a copy-heavy request can start later): after
+speculates with gamma 1 (a token tree: its whole shape, gamma_max) so the estimates keep up (a copy-heavy request can start later): after
 ``PROBE_INTERVAL`` steps off; while the best gamma predicts below ``PROBE_BACKOFF_BELOW`` x plain (a clear
 loss), twice as many each time a probe ends off again, up to ``MAX_PROBE_INTERVAL``; near break-even a probe
 costs little and the interval returns to ``PROBE_INTERVAL``. Either way, once a probe's verify timing arrives
@@ -125,6 +125,10 @@ class SpecPolicy:
     adaptive: bool
     verify_ratio: Callable[[int, int], float]
     draft_cost: float = 0.0
+    # A token tree drafts its whole shape (depth gamma_max, tree_budget nodes) whenever it drafts, so the only
+    # choices are off and gamma_max, and every verify timing is the whole tree's. Pricing gamma 1 from a timing
+    # taken once and never again kept a losing depth-2 tree on (CPU, 2026-12-06).
+    tree: bool = False
     proposer: _Acceptance = field(default_factory=_Acceptance)
     requests: dict[int, _Acceptance] = field(default_factory=dict)
     steps_off: int = 0
@@ -253,7 +257,7 @@ class SpecPolicy:
         # rather than trust the bound, which alone would keep speculation on with nothing to compare it to.
         measured = self._bucket(b) in self.plain_s
         top: PolicyDecision | None = None  # the best gamma >= 1, for the log line when it loses
-        for g in range(1, self.gamma_max + 1 if measured else 1):
+        for g in range(self.gamma_max if self.tree else 1, self.gamma_max + 1 if measured else 1):
             if max(caps) < 1:
                 break
             ratio = self.ratio(b, g)
@@ -281,7 +285,8 @@ class SpecPolicy:
                 else:  # near break-even a probe costs little: keep testing often
                     self.probe_interval = PROBE_INTERVAL
                 self._probing = True  # its timing re-measures the bucket (record_step)
-                best = PolicyDecision(1, best.predicted_speedup, b, best.mean_alpha, self.draft_cost, self.ratio(b, 1))
+                g = self.gamma_max if self.tree else 1
+                best = PolicyDecision(g, best.predicted_speedup, b, best.mean_alpha, self.draft_cost, self.ratio(b, g))
         else:
             self.steps_off = 0
             if best.predicted_speedup > 1.0:

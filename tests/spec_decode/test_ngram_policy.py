@@ -408,3 +408,23 @@ def test_a_drafts_catch_up_after_steps_off_does_not_price_its_steady_draft_cost(
         assert pol.draft_cost == pytest.approx(0.18 + 0.035 * 1.62, abs=0.03)
     else:
         assert on < 100 and tokens / time_ < 1.01, (on, tokens / time_)
+
+
+def test_a_tree_policy_chooses_only_off_or_the_whole_tree():
+    """A token tree drafts its whole shape whenever it drafts, and every verify timing is the whole tree's
+    (the controller keys it at the tree's depth). So the policy of a depth-2 tree picks 0 or 2, probes at 2, and a
+    cheap gamma-1 timing (taken once: on the CPU, 2026-12-06, 37.8 ms against 58.6 ms for the tree's verify pass
+    each step since) cannot keep a losing tree on: verify ratio 1.5, c 0.2 a depth, alpha 0.5 is
+    E(0.5, 2) / (1.5 + 0.4) = 0.92x plain. A chain still prices every gamma."""
+    tree = SpecPolicy(gamma_max=2, adaptive=True, verify_ratio=lambda b, g: 1.0, draft_cost=0.2, tree=True)
+    chain = SpecPolicy(gamma_max=2, adaptive=True, verify_ratio=lambda b, g: 1.0, draft_cost=0.2)
+    for pol in (tree, chain):
+        pol.record_step(1, 0, 0.010)  # a plain step
+        pol.record_step(1, 1, 0.0105)  # a cheap gamma-1 timing
+        pol.record_step(1, 2, 0.015)  # the tree's (or the chain's gamma 2) verify pass
+        for _ in range(40):
+            pol.record(1, 2, 1)  # alpha 0.5
+    gammas = [tree.choose([1], [2]) for _ in range(PROBE_INTERVAL)]
+    assert gammas[:-1] == [0] * (PROBE_INTERVAL - 1) and gammas[-1] == 2  # off, then a probe of the whole tree
+    assert tree.last.verify_ratio == pytest.approx(1.5)
+    assert chain.choose([1], [2]) == 1  # (1.05 + 0.2) against 1.5 tokens: 1.2x, from the gamma-1 timing
