@@ -14,8 +14,12 @@ COPY_PROMPT = ("Repeat exactly: alpha beta gamma delta epsilon zeta eta theta. R
 NGRAM = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": false}'
 
 
-def test_generate_with_a_speculative_config():
-    r = roofline("generate", "--prompt", COPY_PROMPT, "--max-tokens", "24", "--floor", "none", "--no-progress",
+def test_generate_with_a_speculative_config_explains_its_decode_step_beside_the_floor():
+    """One ``roofline generate`` run (a subprocess loading the default model) checks both summary lines:
+    ``speculative decode:`` (acceptance rate = accepted / drafted, acceptance length = (accepted + passes) /
+    passes) and, above the floor line, ``speculative steps:``: the summary's mean decode step mixes drafting steps
+    (draft passes + a verify pass) with plain ones while its floor is one plain pass."""
+    r = roofline("generate", "--prompt", COPY_PROMPT, "--max-tokens", "24", "--no-progress",
                  "--speculative-config", NGRAM)
     assert r.returncode == 0, r.stderr
     m = re.search(r"^speculative decode: acceptance rate ([0-9.]+), mean acceptance length ([0-9.]+) tokens per "
@@ -25,14 +29,6 @@ def test_generate_with_a_speculative_config():
     assert 0 <= rate <= 1 and passes > 0 and acc <= drafted
     assert rate == pytest.approx(acc / drafted, abs=1e-3)
     assert length == pytest.approx((acc + passes) / passes, abs=1e-2)
-
-
-def test_generate_with_speculation_explains_its_decode_step_beside_the_floor():
-    """The summary's mean decode step mixes drafting steps (draft passes + a verify pass) with plain ones, while its
-    floor is one plain pass: a line says so, with the drafted steps and the tokens per verify pass."""
-    r = roofline("generate", "--prompt", COPY_PROMPT, "--max-tokens", "24", "--no-progress",
-                 "--speculative-config", NGRAM)
-    assert r.returncode == 0, r.stderr
     m = re.search(r"^speculative steps:  (\d+) of (\d+) decode steps drafted; such a step is the draft passes plus "
                   r"one verify pass and yields ([0-9.]+) tokens per request", r.stdout, re.M)
     assert m, r.stdout
