@@ -122,12 +122,15 @@ def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: 
     ``{"val_top1": ..., "steps": ..., "seconds": ...}``.
 
     Raises:
-        ValueError: an unknown method, fewer than 2 sequences, or ``steps`` < 1.
+        ValueError: an unknown method, fewer than 2 sequences, ``steps`` < 1, or ``feature_noise`` outside
+            [0, 10].
     """
     if method not in ("eagle", "medusa"):
         raise ValueError(f"train-draft --method must be eagle or medusa, got {method!r}")
     if len(seqs) < 2 or steps < 1:
         raise ValueError(f"train-draft needs >= 2 sequences and >= 1 step, got {len(seqs)} and {steps}")
+    if not 0.0 <= feature_noise <= 10.0:  # also refuses NaN
+        raise ValueError(f"train-draft --feature-noise must be in [0, 10], got {feature_noise}")
     torch.manual_seed(seed)
     dev = torch.device(device) if device is not None else torch.device(llm.engine.worker.device)
     use_bf16 = dev.type == "cuda" if bf16 is None else bf16
@@ -336,6 +339,8 @@ def run_train_draft(args: argparse.Namespace) -> int:
 
     from roofline.llm import LLM
 
+    if not 0.0 <= args.feature_noise <= 10.0:  # before the target loads and regenerates (minutes)
+        raise ValueError(f"train-draft --feature-noise must be in [0, 10], got {args.feature_noise}")
     t_start = time.perf_counter()
     cpu = args.device in ("auto", "cpu") and not torch.cuda.is_available() or args.device == "cpu"
     cache = os.path.join(args.cache_dir, f"data-{args.num_prompts}-{args.max_tokens}-{args.max_prompt_tokens}-"

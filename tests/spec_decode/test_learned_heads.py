@@ -142,6 +142,9 @@ def test_feature_noise_and_the_held_out_agreements(tiny, tiny_data):
     assert stats["val_rows"] == rows
     assert stats["val_top1"] == pytest.approx(agree / rows, abs=1e-9)
     assert stats["val_top1_step2"] == pytest.approx(agree2 / rows, abs=1e-9)
+    for bad in (-0.1, float("nan"), 11.0):
+        with pytest.raises(ValueError, match=r"--feature-noise must be in \[0, 10\], got"):
+            train.train_head(tiny, "eagle", seqs, feats, feature_noise=bad, **kw)
 
 
 def test_batched_eagle_head_equals_one_sequence_at_a_time():
