@@ -127,6 +127,11 @@ class SpeculativeConfig:
                 what = "is not a directory" if os.path.exists(self.model) else "does not exist"
                 raise ValueError(f"speculative_config model {self.model!r} {what}: give {head} "
                                  f"directory written by `roofline train-draft --method {self.method}`")
+            need = ("config.json", "model.safetensors")  # roofline.spec_decode.heads' CONFIG_NAME, WEIGHTS_NAME
+            if self.model is not None and not all(os.path.isfile(os.path.join(self.model, f)) for f in need):
+                raise ValueError(f"speculative_config model {self.model!r} is not a draft head directory (it needs "
+                                 f"{need[0]} and {need[1]}, as `roofline train-draft --method {self.method}` "
+                                 f"writes)")
             return
         if self.method != "draft_model":
             return  # another registered proposer: its options are its own

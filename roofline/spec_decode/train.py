@@ -334,13 +334,44 @@ def file_prompts(tokenizer: Any, texts: list[str], n: int, seed: int = 1, max_pr
     return out
 
 
+def check_train_args(args: argparse.Namespace) -> None:
+    """Refuse bad ``train-draft`` arguments before the target loads.
+
+    Raises:
+        ValueError: naming the flag, its value and the allowed range: ``--num-prompts`` < 2, ``--max-tokens`` < 2,
+            ``--steps`` / ``--batch-size`` / ``--num-heads`` < 1, ``--lr`` not finite and > 0, ``--cls-weight`` not
+            finite and >= 0, ``--feature-noise`` outside [0, 10], ``--draft-vocab-size`` < 0, or an EAGLE-only
+            option (``--feature-noise``, ``--unroll``, ``--draft-vocab-size``) with ``--method medusa``.
+    """
+    def bad(flag: str, value: Any, allowed: str) -> ValueError:
+        return ValueError(f"train-draft {flag} must be {allowed}, got {value!r}")
+
+    for flag, value, lo in (("--num-prompts", args.num_prompts, 2), ("--max-tokens", args.max_tokens, 2),
+                            ("--steps", args.steps, 1), ("--batch-size", args.batch_size, 1),
+                            ("--num-heads", args.num_heads, 1)):
+        if value < lo:
+            raise bad(flag, value, f"an integer >= {lo}")
+    if not (math.isfinite(args.lr) and args.lr > 0):
+        raise bad("--lr", args.lr, "a finite number > 0")
+    if not (math.isfinite(args.cls_weight) and args.cls_weight >= 0):
+        raise bad("--cls-weight", args.cls_weight, "a finite number >= 0")
+    if not 0.0 <= args.feature_noise <= 10.0:  # also refuses NaN
+        raise bad("--feature-noise", args.feature_noise, "in [0, 10]")
+    if args.draft_vocab_size < 0:
+        raise bad("--draft-vocab-size", args.draft_vocab_size, "0 (the whole vocabulary) or >= 1")
+    if args.method != "eagle":
+        for flag, on in (("--feature-noise", args.feature_noise > 0), ("--unroll", args.unroll),
+                         ("--draft-vocab-size", args.draft_vocab_size > 0)):
+            if on:
+                raise ValueError(f"train-draft {flag} is for --method eagle, got --method {args.method}")
+
+
 def run_train_draft(args: argparse.Namespace) -> int:
     from dataclasses import replace
 
     from roofline.llm import LLM
 
-    if not 0.0 <= args.feature_noise <= 10.0:  # before the target loads and regenerates (minutes)
-        raise ValueError(f"train-draft --feature-noise must be in [0, 10], got {args.feature_noise}")
+    check_train_args(args)  # before the target loads and regenerates (minutes)
     t_start = time.perf_counter()
     cpu = args.device in ("auto", "cpu") and not torch.cuda.is_available() or args.device == "cpu"
     cache = os.path.join(args.cache_dir, f"data-{args.num_prompts}-{args.max_tokens}-{args.max_prompt_tokens}-"

@@ -413,6 +413,10 @@ def test_a_missing_head_directory_is_refused_before_the_target_loads(method, tmp
     (tmp_path / "file").write_text("x")
     with pytest.raises(ValueError, match="is not a directory"):
         SpeculativeConfig(method=method, num_speculative_tokens=2, model=str(tmp_path / "file"))
+    (tmp_path / "empty").mkdir()  # a directory without the head's two files: refused here too, not after loading
+    with pytest.raises(ValueError, match=r"'.*/empty' is not a draft head directory \(it needs config.json and "
+                                         r"model.safetensors"):
+        SpeculativeConfig(method=method, num_speculative_tokens=2, model=str(tmp_path / "empty"))
 
 
 def test_feature_store_appends_replaces_accepts_and_drops():
@@ -445,3 +449,26 @@ def test_feature_store_appends_replaces_accepts_and_drops():
         store.get(1, 59, 61)
     store.reset(1)
     assert store.feats(1) is None
+
+
+@pytest.mark.parametrize(("argv", "match"), [
+    (["--steps", "-5"], r"--steps must be an integer >= 1, got -5"),
+    (["--num-prompts", "0"], r"--num-prompts must be an integer >= 2, got 0"),
+    (["--lr", "nan"], r"--lr must be a finite number > 0, got nan"),
+    (["--cls-weight", "-1"], r"--cls-weight must be a finite number >= 0, got -1.0"),
+    (["--feature-noise", "inf"], r"--feature-noise must be in \[0, 10\], got inf"),
+    (["--method", "medusa", "--feature-noise", "0.1"], r"--feature-noise is for --method eagle, got --method medusa"),
+    (["--method", "medusa", "--unroll"], r"--unroll is for --method eagle"),
+])
+def test_train_draft_refuses_bad_arguments_before_loading_the_target(argv, match):
+    """``check_train_args`` runs first in ``run_train_draft``: before it, a bad value was found after the target
+    loaded and regenerated its answers (minutes), or never (a negative token-loss weight trained on)."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    train.add_train_draft_parser(parser.add_subparsers())
+    args = parser.parse_args(["train-draft", "--output", "/nonexistent/out", *(
+        [] if "--method" in argv else ["--method", "eagle"]), *argv])
+    with pytest.raises(ValueError, match=match):
+        args.func(args)
+    train.check_train_args(parser.parse_args(["train-draft", "--method", "eagle", "--output", "x"]))  # defaults

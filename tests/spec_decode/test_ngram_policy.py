@@ -428,3 +428,26 @@ def test_a_tree_policy_chooses_only_off_or_the_whole_tree():
     assert gammas[:-1] == [0] * (PROBE_INTERVAL - 1) and gammas[-1] == 2  # off, then a probe of the whole tree
     assert tree.last.verify_ratio == pytest.approx(1.5)
     assert chain.choose([1], [2]) == 1  # (1.05 + 0.2) against 1.5 tokens: 1.2x, from the gamma-1 timing
+
+
+def test_a_verify_step_is_a_decode_step_of_the_run_summary():
+    """``EngineStats``: a step whose sequences each scheduled their next token and their drafts (no prefill work)
+    counts toward the summary's mean decode step, with its keys read; one with a prefill chunk does not."""
+    from types import SimpleNamespace
+
+    from roofline.engine.stats import EngineStats
+
+    def chunk(start, n, drafts=0):
+        return SimpleNamespace(start_position=start, num_scheduled_tokens=n, spec_token_ids=[0] * drafts)
+
+    sched = SimpleNamespace(num_preemptions=0)
+    st = EngineStats()
+    for scheduled, dt in (([chunk(10, 1), chunk(20, 1)], 0.01),  # plain decode
+                          ([chunk(11, 4, 3), chunk(21, 1)], 0.03),  # a verify step beside a plain row
+                          ([chunk(0, 8), chunk(22, 1)], 0.05)):  # a prefill chunk: not a decode step
+        st.record_step(SimpleNamespace(scheduled=scheduled, num_batched_tokens=sum(c.num_scheduled_tokens
+                                                                                   for c in scheduled)),
+                       dt, sched, None)
+    assert (st.num_steps, st.num_decode_steps) == (3, 2)
+    assert st.decode_time_s == pytest.approx(0.04) and st.decode_seqs == 4
+    assert st.decode_kv_tokens == (11 + 21) + (15 + 22)

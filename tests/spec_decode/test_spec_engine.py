@@ -40,8 +40,11 @@ def ngram_llm():
 def test_ngram_greedy_is_token_identical(ngram_llm, greedy_ref):
     sp = SamplingParams(temperature=0.0, max_tokens=128, ignore_eos=True)
     before = ngram_llm.engine.spec_stats.copy()
+    decode_before = ngram_llm.engine.stats.num_decode_steps
     assert _ids(ngram_llm.generate(PROMPTS, sp, use_tqdm=False)) == greedy_ref
     st = ngram_llm.engine.spec_stats.since(before)
+    # A verify step (each sequence's next token and its drafts, no prefill) is a decode step of the run summary.
+    assert ngram_llm.engine.stats.num_decode_steps - decode_before >= st.num_steps_on > 0, st.as_dict()
     assert st.num_drafts > 20 and st.num_accepted_tokens > 20, st.as_dict()
     # Accounting: every verify pass emits its accepted drafts plus one token.
     assert st.num_emitted_tokens == st.num_accepted_tokens + st.num_drafts
