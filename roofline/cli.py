@@ -20,7 +20,7 @@ _COMMANDS = [
     ("roofline.cost_cli", "add_probe_parser"),
     ("roofline.eval.cli", "add_eval_parser"),
     ("roofline.quantize_cli", "add_quantize_parser"),
-    ("roofline.spec_decode.train", "add_train_draft_parser"),
+    ("roofline.spec_decode.train_cli", "add_train_draft_parser"),
 ]
 _BENCH_COMMANDS = [
     ("roofline.bench.serve", "add_parser"),

@@ -311,8 +311,7 @@ class LLMEngine:
                                       if str(s.seq.seq_id) in result.errors}) if result.errors else []
         # A steady-state step of decodes only (no prefill chunk; not one drained before a drafting step, whose
         # launch-to-result time is not a step period) teaches the policy the measured verify ratio, timed below.
-        timed = self.spec is not None and wall_t0 is not None and all(
-            s.num_scheduled_tokens == 1 + len(s.spec_token_ids) for s in out.scheduled)
+        timed = self.spec is not None and wall_t0 is not None and out.is_decode
         changed = self.scheduler.update(out, sampled)
         touched: dict[str, RequestState] = {}
         now = time.monotonic()

@@ -83,6 +83,11 @@ class ScheduledSequence:
     # Speculative decoding: the drafts this decode chunk verifies (it is 1 + len(spec_token_ids) tokens).
     spec_token_ids: list[int] = field(default_factory=list)
 
+    @property
+    def is_decode(self) -> bool:
+        """The sequence's next token and its drafts, if any: no prefill work."""
+        return self.num_scheduled_tokens == 1 + len(self.spec_token_ids)
+
     def __post_init__(self) -> None:
         if self.start_position < 0:
             self.start_position = self.seq.num_computed_tokens
@@ -109,7 +114,14 @@ class SchedulerOutput:
 
     @property
     def is_decode_only(self) -> bool:
+        """One token per sequence: a plain decode step (no drafts, no prefill)."""
         return bool(self.scheduled) and all(s.num_scheduled_tokens == 1 for s in self.scheduled)
+
+    @property
+    def is_decode(self) -> bool:
+        """No prefill work: every sequence scheduled its next token and its drafts, if any (a plain decode or a
+        speculative verify step)."""
+        return bool(self.scheduled) and all(s.is_decode for s in self.scheduled)
 
 
 class Scheduler:

@@ -59,8 +59,7 @@ class EngineStats:
             duration_s=duration_s,
             num_seqs=len(out.scheduled),
             num_tokens=out.num_batched_tokens,
-            is_decode_only=bool(out.scheduled) and all(
-                s.num_scheduled_tokens == 1 + len(s.spec_token_ids) for s in out.scheduled),
+            is_decode_only=out.is_decode,
             context_tokens=sum(s.start_position + s.num_scheduled_tokens for s in out.scheduled),
         ))
         self.num_preemptions = scheduler.num_preemptions
@@ -89,9 +88,8 @@ def trace_step(out: Any, result: Any, mode: str, spec_seqs: dict[int, int], num_
     """One debug line per processed step, for finding where a run's time goes (``bench/step_trace.py``
     summarizes a log of them): when it ended (``time.perf_counter``, s), how it ran (``mode``), its decode
     and prefill work, and its speculative tokens."""
-    decode = sum(1 for s in out.scheduled if s.num_scheduled_tokens == 1 + len(s.spec_token_ids))
-    prefill = sum(s.num_scheduled_tokens for s in out.scheduled
-                  if s.num_scheduled_tokens != 1 + len(s.spec_token_ids))
+    decode = sum(1 for s in out.scheduled if s.is_decode)
+    prefill = sum(s.num_scheduled_tokens for s in out.scheduled if not s.is_decode)
     accepted = sum(result.num_accepted.get(sid, 0) for sid in spec_seqs)
     logger.debug("step trace: end=%.6f mode=%s decode=%d prefill_tokens=%d spec_seqs=%d drafted=%d "
                  "accepted=%d device_ms=%.3f waiting=%d gamma=%d", time.perf_counter(), mode, decode, prefill,

@@ -15,7 +15,7 @@ import torch
 
 from roofline import LLM, SamplingParams
 from roofline.spec_config import SpeculativeConfig
-from roofline.spec_decode import train
+from roofline.spec_decode import features, train, train_cli
 from roofline.spec_decode.heads import DraftHeadConfig, EagleHead, load_head, save_head
 
 from .tiny import CHATS, COMMON, DEFAULT, VOCAB
@@ -26,7 +26,7 @@ def tiny_data(tiny):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, VOCAB, size=int(rng.integers(6, 14))).tolist() for _ in range(12)]
     seqs = train.regenerate(tiny, prompts, max_tokens=20)
-    feats = [train.target_features(tiny, ids) for ids, _ in seqs]
+    feats = [features.target_features(tiny, ids) for ids, _ in seqs]
     return seqs, feats
 
 
@@ -59,12 +59,12 @@ def test_batched_features_equal_the_engine_path(tiny, tiny_data):
     """The plain-torch batched features (right-padded batches, longest first, several batches) equal the
     engine's one-sequence-at-a-time features within fp32 rounding; a time limit leaves None for the rest."""
     seqs, feats = tiny_data
-    got = train.batched_target_features(tiny, seqs, batch_tokens=64)  # 2-4 sequences a batch: padding inside
+    got = features.batched_target_features(tiny, seqs, batch_tokens=64)  # 2-4 sequences a batch: padding inside
     assert got is not None and len(got) == len(seqs)
     for g, f in zip(got, feats, strict=True):
         assert g.shape == f.shape and g.dtype == torch.float32
         torch.testing.assert_close(g, f, atol=2e-4, rtol=2e-4)
-    part = train.batched_target_features(tiny, seqs, max_seconds=0.0, batch_tokens=64)
+    part = features.batched_target_features(tiny, seqs, max_seconds=0.0, batch_tokens=64)
     done = [f is not None for f in part]
     assert 0 < sum(done) < len(seqs)  # the first (longest) batch only
     lens = [len(ids) for ids, _ in seqs]
@@ -77,7 +77,7 @@ def test_batched_features_refuse_a_target_that_is_not_plain_llama(tiny, monkeypa
 
     w = tiny.engine.worker
     monkeypatch.setattr(w, "model_config", dataclasses.replace(w.model_config, qk_norm=True))
-    assert train.batched_target_features(tiny, [([1, 2, 3], 1)]) is None
+    assert features.batched_target_features(tiny, [([1, 2, 3], 1)]) is None
 
 
 @pytest.mark.parametrize(("method", "factor"), [("eagle", 0.8), ("medusa", 0.95)])
@@ -466,9 +466,9 @@ def test_train_draft_refuses_bad_arguments_before_loading_the_target(argv, match
     import argparse
 
     parser = argparse.ArgumentParser()
-    train.add_train_draft_parser(parser.add_subparsers())
+    train_cli.add_train_draft_parser(parser.add_subparsers())
     args = parser.parse_args(["train-draft", "--output", "/nonexistent/out", *(
         [] if "--method" in argv else ["--method", "eagle"]), *argv])
     with pytest.raises(ValueError, match=match):
         args.func(args)
-    train.check_train_args(parser.parse_args(["train-draft", "--method", "eagle", "--output", "x"]))  # defaults
+    train_cli.check_train_args(parser.parse_args(["train-draft", "--method", "eagle", "--output", "x"]))  # defaults

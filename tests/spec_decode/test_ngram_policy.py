@@ -435,19 +435,18 @@ def test_a_verify_step_is_a_decode_step_of_the_run_summary():
     counts toward the summary's mean decode step, with its keys read; one with a prefill chunk does not."""
     from types import SimpleNamespace
 
+    from roofline.engine.scheduler import ScheduledSequence, SchedulerOutput
     from roofline.engine.stats import EngineStats
 
-    def chunk(start, n, drafts=0):
-        return SimpleNamespace(start_position=start, num_scheduled_tokens=n, spec_token_ids=[0] * drafts)
+    def chunk(start, n, drafts=0):  # start and preemptions given: the chunk reads no sequence
+        return ScheduledSequence(None, n, start_position=start, num_preemptions=0, spec_token_ids=[0] * drafts)
 
     sched = SimpleNamespace(num_preemptions=0)
     st = EngineStats()
     for scheduled, dt in (([chunk(10, 1), chunk(20, 1)], 0.01),  # plain decode
                           ([chunk(11, 4, 3), chunk(21, 1)], 0.03),  # a verify step beside a plain row
                           ([chunk(0, 8), chunk(22, 1)], 0.05)):  # a prefill chunk: not a decode step
-        st.record_step(SimpleNamespace(scheduled=scheduled, num_batched_tokens=sum(c.num_scheduled_tokens
-                                                                                   for c in scheduled)),
-                       dt, sched, None)
+        st.record_step(SchedulerOutput(scheduled), dt, sched, None)
     assert (st.num_steps, st.num_decode_steps) == (3, 2)
     assert st.decode_time_s == pytest.approx(0.04) and st.decode_seqs == 4
     assert st.decode_kv_tokens == (11 + 21) + (15 + 22)

@@ -13,7 +13,7 @@ import torch
 from roofline import LLM, SamplingParams
 from roofline.attention.backend import paged_metadata, slot_mapping
 from roofline.spec_config import SpeculativeConfig, max_tree_nodes
-from roofline.spec_decode import train
+from roofline.spec_decode import features, train
 from roofline.spec_decode.heads import save_head
 from roofline.spec_decode.tree import (
     DraftTree,
@@ -39,7 +39,7 @@ def heads(tiny, tmp_path_factory):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(2, VOCAB, size=int(rng.integers(6, 14))).tolist() for _ in range(12)]
     seqs = train.regenerate(tiny, prompts, max_tokens=20)
-    feats = [train.target_features(tiny, ids) for ids, _ in seqs]
+    feats = [features.target_features(tiny, ids) for ids, _ in seqs]
     out = {}
     for method in ("eagle", "medusa"):
         cfg, tensors, _, _ = train.train_head(tiny, method, seqs, feats, steps=24, batch_size=4, lr=5e-3,

@@ -4,7 +4,7 @@ top-1 / top-3 (over its draft vocabulary) against the target's argmax, on the ro
 import sys, torch
 from roofline import LLM, SamplingParams
 from roofline.bench.spec import workload_prompts
-from roofline.spec_decode import train
+from roofline.spec_decode import features, train
 from roofline.spec_decode.features import target_parts
 from roofline.spec_decode.heads import EagleHead, load_head
 
@@ -15,7 +15,7 @@ prompts = [tok.apply_chat_template([{"role": "user", "content": t}], add_generat
 prompts = [p["input_ids"] if isinstance(p, dict) or hasattr(p, "keys") else p for p in prompts]
 outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=128), use_tqdm=False)
 seqs = [(list(p) + list(o.outputs[0].token_ids), len(p)) for p, o in zip(prompts, outs)]
-feats = [train.target_features(llm, ids) for ids, _ in seqs]
+feats = [features.target_features(llm, ids) for ids, _ in seqs]
 _, embed, W, cos_sin = target_parts(llm, torch.device("cpu"))
 for d in sys.argv[1:]:
     cfg, t = load_head(d, "eagle")
