@@ -1,6 +1,6 @@
 """Compile the Gluon INT4 mma GEMM (``roofline/kernels/gluon_w4a16.py``) for sm_90 without a GPU and print its
 resources and inner-loop SASS mix. Run with a Triton that has Gluon (3.6, as on the H200), e.g.
-``/work/tr36/bin/python bench/gluon_aot_w4a16.py 16,128,4 64,128,4``  (BLOCK_M,BN,NUM_WARPS[,PDL[,STAGES]])."""
+``/work/tr36/bin/python bench/gluon_aot_w4a16.py 16,128,4 64,128,4``  (BLOCK_M,BN,NUM_WARPS[,PDL[,STAGES[,PERSIST]]])."""
 
 import collections
 import importlib.util
@@ -21,15 +21,16 @@ mod = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(mod)
 
 
-def compile_kernel(bm, bn, nw, pdl=0, stages=1):
+def compile_kernel(bm, bn, nw, pdl=0, stages=1, persist=0):
     sig = {"X": "*bf16", "W": "*i32", "S": "*bf16", "Z": "*bf16", "Out": "*bf16", "Partials": "*fp32",
            "Counters": "*i32", "M": "i32", "N": "i32", "K": "i32", "k_tiles_per_split": "i32", "SPLIT_K": "i32",
            "stride_xm": "i32", "stride_sg": "i32", "stride_om": "i32",
-           "BLOCK_M": "constexpr", "BN": "constexpr", "NUM_WARPS": "constexpr", "STAGES": "constexpr", "XPRE": "constexpr", "PDL": "constexpr"}
+           "BLOCK_M": "constexpr", "BN": "constexpr", "NUM_WARPS": "constexpr", "STAGES": "constexpr", "XPRE": "constexpr", "PDL": "constexpr",
+           "PERSIST": "constexpr"}
     names = list(sig)
     div = ["X", "W", "S", "Z", "Out", "Partials", "N", "K", "stride_xm", "stride_sg", "stride_om"]
     attrs = {(names.index(a),): [["tt.divisibility", 16]] for a in div}
-    consts = {"BLOCK_M": bm, "BN": bn, "NUM_WARPS": nw, "STAGES": stages, "XPRE": int(bm <= 16), "PDL": pdl}
+    consts = {"BLOCK_M": bm, "BN": bn, "NUM_WARPS": nw, "STAGES": stages, "XPRE": int(bm <= 16), "PDL": pdl, "PERSIST": persist}
     fn = mod._w4a16_mma_kernel
     src = GluonASTSource(fn, sig, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": nw})
@@ -71,11 +72,12 @@ for arg in sys.argv[1:] or ["16,128,4"]:
     bm, bn, nw = map(int, parts[:3])
     pdl = int(parts[3]) if len(parts) > 3 else 0
     stages = int(parts[4]) if len(parts) > 4 else 1
-    k = compile_kernel(bm, bn, nw, pdl, stages)
+    persist = int(parts[5]) if len(parts) > 5 else 0
+    k = compile_kernel(bm, bn, nw, pdl, stages, persist)
     ops = sass_mix(k)
     n = sum(ops.values())
     weights = 128 * bn // (32 * nw)  # per thread per k-tile
     ttg = k.asm["ttgir"]
-    print(f"PDL={pdl} STAGES={stages} BLOCK_M={bm} BN={bn} warps={nw}: smem {k.metadata.shared} {resources(k)} "
+    print(f"PDL={pdl} STAGES={stages} PERSIST={persist} BLOCK_M={bm} BN={bn} warps={nw}: smem {k.metadata.shared} {resources(k)} "
           f"local_alloc {ttg.count('local_alloc')} | loop SASS {n} = {n / weights:.2f} per weight "
           f"{dict(ops.most_common(12))}")

@@ -40,6 +40,10 @@ def main(argv=None):
                     "are replaced (rows of other M are kept)")
     ap.add_argument("--stages", default="1,2", help="comma list of MmaConfig.stages to sweep (>= 3: the cp.async ring)")
     ap.add_argument("--splits", default="none,1,2,4,8,16")
+    ap.add_argument("--persist", default="0", help="comma list of MmaConfig.persistent (programs per SM; 0: one "
+                    "program per work item) to sweep; persistent configs take stages 1 with x prefetched only")
+    ap.add_argument("--table-flat", default=None, help="also write a table (like --table) from the configs with "
+                    "persistent = 0 only: the baseline of a persistent-grid A/B")
     args = ap.parse_args(argv)
 
     import torch
@@ -58,7 +62,7 @@ def main(argv=None):
     sw = Sweep(SimpleNamespace(dry_run=False, reps=args.reps))
     bw = measure_read_bandwidth("cuda")
     print(f"{torch.cuda.get_device_name()}  torch {torch.__version__}  read bandwidth {bw / 1e12:.3f} TB/s", flush=True)
-    rows, best = [], []
+    rows, best, best_flat = [], [], []
     t0 = time.time()
     for shape in args.shapes.split(","):
         n, k = SHAPES[shape]
@@ -88,8 +92,11 @@ def main(argv=None):
                     continue
                 for stages in [int(v) for v in args.stages.split(",")]:
                     for pre in ((True, False) if bm <= 16 else (False,)):
-                        for split in [None if v == "none" else int(v) for v in args.splits.split(",")]:
-                            cfg = MmaConfig(bm, bn, nw, stages, pre, split)
+                        for split, persist in [(None if v == "none" else int(v), int(p))
+                                               for v in args.splits.split(",") for p in args.persist.split(",")]:
+                            if persist and (stages != 1 or not pre):
+                                continue
+                            cfg = MmaConfig(bm, bn, nw, stages, pre, split, persist)
                             try:
                                 out = w4a16_mma_gemm(x, qm, p.scales, p.zeros, config=cfg)
                                 err = sw.rel(out, ref)
@@ -109,6 +116,10 @@ def main(argv=None):
                             rows.append(dict(shape=shape, m=m, config=cfg._asdict(), us=us, rel_err=err,
                                              frac_of_read_bw=floor_us / us))
             default_us = None
+            flat = [c for c in cands if not c[1].persistent]
+            if flat:
+                us, cfg, err = min(flat, key=lambda c: c[0])
+                best_flat.append(dict(shape=shape, n=n, k=k, m=m, config=cfg._asdict(), us=us, triton_us=t_old))
             if cands:
                 us, cfg, err = min(cands, key=lambda c: c[0])
                 default = [c for c in cands if c[1] == pick_tile(m)]
@@ -124,14 +135,16 @@ def main(argv=None):
     Path(args.out).write_text(json.dumps(dict(
         bench="gpu_w4a16_mma", device=torch.cuda.get_device_name(), torch=torch.__version__,
         triton=__import__("triton").__version__, read_bytes_per_s=bw, best=best, rows=rows), indent=1))
-    if args.table:
-        table = json.loads(Path(args.table).read_text()) if Path(args.table).is_file() else {}
+    for path, chosen in ((args.table, best), (args.table_flat, best_flat)):
+        if not path:
+            continue
+        table = json.loads(Path(path).read_text()) if Path(path).is_file() else {}
         fresh = {(b["n"], b["k"], b["m"]): dict(n=b["n"], k=b["k"], m=b["m"], config=b["config"], us=b["us"],
-                                                 triton_us=b["triton_us"]) for b in best}
+                                                 triton_us=b["triton_us"]) for b in chosen}
         kept = [r for r in table.get("int4_mma", []) if (r["n"], r["k"], r["m"]) not in fresh]  # other M buckets
         table["int4_mma"] = sorted(kept + list(fresh.values()), key=lambda r: (r["n"], r["k"], r["m"]))
-        Path(args.table).write_text(json.dumps(table, indent=1) + "\n")
-        print(f"wrote {len(best)} int4_mma rows to {args.table}")
+        Path(path).write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {len(chosen)} int4_mma rows to {path}")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,10 @@ class MmaConfig(NamedTuple):
     """A launch configuration: rows of x per program (a multiple of 8), output channels per program (a multiple
     of 16 * num_warps), k-tiles of weights in flight per thread (1 or 2 prefetched in registers; 3 or more: a
     cp.async ring of that many tiles in shared memory, 8 KB each at BN 128), x prefetched a tile ahead, K splits
-    (None: by the grid, ``quant_gemm.choose_split_k``)."""
+    (None: by the grid, ``quant_gemm.choose_split_k``), and ``persistent``: 0 for one program per work item
+    (column tile, K split), else that many programs per SM, each streaming its items' k-tiles as one chain with
+    the next tile always in flight (stages 1 with x prefetched only; the split is then rounded down to a
+    power of two that divides K / 128)."""
 
     block_m: int
     block_n: int
@@ -37,6 +40,7 @@ class MmaConfig(NamedTuple):
     stages: int = 1
     prefetch_x: bool = True
     split_k: int | None = None
+    persistent: int = 0
 
 
 # Defaults by the largest M each serves, where no measured table row exists: the fastest tiles of the first
@@ -137,7 +141,6 @@ def w4a16_mma_gemm(x: torch.Tensor, qweight_mma: torch.Tensor, scales: torch.Ten
     Raises:
         ValueError: shapes or dtypes that disagree, or more than 64 rows.
     """
-    from roofline.kernels.gluon_w4a16 import _w4a16_mma_kernel
     from roofline.kernels.quant_gemm import _counters, _num_sms, choose_split_k
 
     kt, n16 = qweight_mma.shape
@@ -153,21 +156,31 @@ def w4a16_mma_gemm(x: torch.Tensor, qweight_mma: torch.Tensor, scales: torch.Ten
     bm, bn, nw = cfg.block_m, cfg.block_n, cfg.num_warps
     if m > bm or n % bn:
         raise ValueError(f"w4a16_mma_gemm: M={m} rows and N={n} do not fit the tile BLOCK_M={bm}, BN={bn}")
+    if cfg.persistent and (cfg.stages != 1 or not cfg.prefetch_x):
+        raise ValueError(f"w4a16_mma_gemm: persistent={cfg.persistent} takes stages=1 and prefetch_x=True, got "
+                         f"stages={cfg.stages}, prefetch_x={cfg.prefetch_x}")
     out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], n)
+    from roofline.kernels.gluon_w4a16 import _w4a16_mma_kernel
+
     tiles = n // bn
     split = cfg.split_k or choose_split_k(tiles, kt, _num_sms(x.device))
     split = max(1, min(split, kt))
+    if cfg.persistent:
+        while kt % split:  # the persistent stream takes equal splits
+            split //= 2
     per_split = -(-kt // split)
     split = -(-kt // per_split)
     partials = torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     counters = _counters(x.device, tiles)
     launch = pdl.launch_kwargs(x.device, pdl_mode)
-    _w4a16_mma_kernel[(tiles, split)](
+    grid = (min(tiles * split, cfg.persistent * _num_sms(x.device)),) if cfg.persistent else (tiles, split)
+    _w4a16_mma_kernel[grid](
         x2, qweight_mma, scales, zeros, out, partials, counters,
         m, n, k, per_split, split,
         x2.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_M=bm, BN=bn, NUM_WARPS=nw, STAGES=cfg.stages, XPRE=bool(cfg.prefetch_x), num_warps=nw, **launch,
+        BLOCK_M=bm, BN=bn, NUM_WARPS=nw, STAGES=cfg.stages, XPRE=bool(cfg.prefetch_x), PERSIST=int(bool(cfg.persistent)),
+        num_warps=nw, **launch,
     )
     return out.view(*x.shape[:-1], n)

@@ -81,6 +81,22 @@ def test_measured_table_picks_the_mma_kernel_only_where_it_won(monkeypatch):
     assert linear_dispatch.int4_mma_config(65, 4096, 4096, dev) is None
     monkeypatch.setattr(linear_dispatch, "_table", lambda device: {})
     assert linear_dispatch.int4_mma_config(3, 4096, 4096, dev) == pick_tile(3)
+    # a table measured up to M = 16 only: larger M get the default tile for their rows, not the M = 16 tile
+    monkeypatch.setattr(linear_dispatch, "_table", lambda device: {"int4_mma": rows[:3]})
+    assert linear_dispatch.int4_mma_config(40, 4096, 4096, dev) == pick_tile(40)
+    assert linear_dispatch.int4_mma_config(16, 4096, 4096, dev).block_m == 16
+
+
+def test_persistent_grid_refuses_a_register_ring_or_x_loaded_in_the_iteration():
+    from roofline.kernels.w4a16_mma import w4a16_mma_gemm
+
+    qm = repack_int4_mma(pack_int4(_codes(128, 256)))
+    s = torch.ones(2, 128, dtype=torch.bfloat16)
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="persistent=2 takes stages=1.*stages=3"):
+        w4a16_mma_gemm(x, qm, s, s, config=MmaConfig(8, 128, 4, stages=3, persistent=2))
+    with pytest.raises(ValueError, match="prefetch_x=False"):
+        w4a16_mma_gemm(x, qm, s, s, config=MmaConfig(8, 128, 4, prefetch_x=False, persistent=1))
 
 
 def test_tile_table_covers_every_decode_m():
@@ -134,10 +150,12 @@ def test_gpu_mma_gemm_matches_float64(m, n, k):
         for stages in (1, 2, 4):
             for prefetch_x in ((True, False) if tile.block_m <= 16 else (False,)):
                 for split in (1, 2, 3, None):
-                    cfg = tile._replace(stages=stages, prefetch_x=prefetch_x, split_k=split)
-                    out = w4a16_mma_gemm(x, qm, p.scales, p.zeros, config=cfg)
-                    err = ((out.double() - ref).norm() / ref.norm()).item()
-                    assert err < 4e-3, (cfg, err)  # bf16 output rounding (2^-9 relative) plus fp32 sums
+                    # persistent: 1 program per SM (each takes several items at these shapes) and 64 (one each)
+                    for persistent in ((0, 1, 64) if stages == 1 and prefetch_x else (0,)):
+                        cfg = tile._replace(stages=stages, prefetch_x=prefetch_x, split_k=split, persistent=persistent)
+                        out = w4a16_mma_gemm(x, qm, p.scales, p.zeros, config=cfg)
+                        err = ((out.double() - ref).norm() / ref.norm()).item()
+                        assert err < 4e-3, (cfg, err)  # bf16 output rounding (2^-9 relative) plus fp32 sums
 
 
 @pytest.mark.gpu
