@@ -6,13 +6,16 @@ launch ramp and tail are paid as in a decode step). Per launch: microseconds and
 
 - ``mma``: ``w4a16_mma_gemm`` with a per-item grid (program = column tile x K split), several splits;
 - ``persist``: the same kernel on a persistent grid (P programs per SM, each one stream of k-tiles);
-- ``loads``: a kernel with exactly the mma kernel's weight loads and no arithmetic (XOR of the words): the
-  memory side's ceiling for this access pattern;
+- ``triton``: the Triton INT4 path (``linear_dispatch.w4a16`` on the GPTQ layout), which the table weighs the mma
+  kernel against;
 - ``bf16``: cuBLAS (`F.linear`) on bf16 weights of the same shape (4x the bytes), for reference.
 
-Every mma / persist config is first checked against a float64 oracle (rel err < 4e-3).
+Every mma / persist config is first checked against a float64 oracle (rel err < 4e-3). ``--table`` / ``--table-flat``
+write the fastest config per (shape, M), with and without persistent configs, as a dispatch table's ``int4_mma``
+rows (``bench/gpu_w4a16_mma.py``'s format; rows of other M are kept).
 
-    python bench/gpu_w4_chain.py --out $OUT/w4_chain.json [--ms 1,8] [--shapes qkv,o,gate_up,down] [--chain 12]
+    python bench/gpu_w4_chain.py --out $OUT/w4_chain.json [--ms 1,8,16,32,64] [--shapes qkv,o,gate_up,down]
+        [--chain 12] [--table T.json] [--table-flat F.json]
 """
 
 from __future__ import annotations
@@ -31,42 +34,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
-
-try:
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-
-    @gluon.jit
-    def _loads_kernel(W, Out, N, K, k_tiles_per_split, BN: gl.constexpr, NUM_WARPS: gl.constexpr):
-        # The mma kernel's weight loads (same layout, one tile ahead), XOR-reduced: no dequantization, no MMA.
-        pid_n = gl.program_id(0)
-        split = gl.program_id(1)
-        C: gl.constexpr = BN // 16
-        w_layout: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 4], [1, 1, 8, 4, 1], [NUM_WARPS, 1, 1, 1, 1],
-                                                  [4, 1, 3, 2, 0])
-        l4: gl.constexpr = gl.SliceLayout(4, w_layout)
-        offs_c = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, l4))))
-        offs_h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, l4))))
-        offs_g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, l4))))
-        offs_t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, l4))))
-        offs_rb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
-            3, w_layout)))))
-        n4 = pid_n * BN + offs_c[:, None, None, None] * 16 + offs_h[None, :, None, None] * 8 \
-            + offs_g[None, None, :, None]
-        w_off = ((n4 * 16 + offs_t[None, None, None, :] * 4)[:, :, :, :, None] + offs_rb[None, None, None, None, :])
-        tile_words = 16 * N
-        kt_start = split * k_tiles_per_split
-        kt_end = gl.minimum(kt_start + k_tiles_per_split, K // 128)
-        acc = gl.zeros([C, 2, 8, 4, 4], gl.int32, w_layout)
-        w_next = gl.load(W + kt_start.to(gl.int64) * tile_words + w_off)
-        for kt in range(kt_start, kt_end):
-            words = w_next
-            w_next = gl.load(W + gl.minimum(kt + 1, kt_end - 1).to(gl.int64) * tile_words + w_off)
-            acc = acc ^ words
-        gl.store(Out + w_off * 0, acc)  # one word, any thread's: the loads must not be dead code
-except Exception:  # noqa: BLE001
-    gluon = None
-
 
 def read_bandwidth() -> float:
     x = torch.ones(2**30 // 2, dtype=torch.bfloat16, device="cuda")
@@ -111,15 +78,23 @@ def chain_us(fns) -> float:
 
 
 def main(argv=None) -> int:
+    from types import SimpleNamespace
+
+    from roofline.kernels import linear_dispatch
+    from roofline.kernels.switch import set_kernels_enabled
     from roofline.kernels.w4a16_mma import MmaConfig, repack_int4_mma, w4a16_mma_gemm
+
+    set_kernels_enabled(True)
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", required=True)
-    ap.add_argument("--ms", default="1,8")
+    ap.add_argument("--ms", default="1,8,16,32,64")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--chain", type=int, default=12)
     ap.add_argument("--splits", default="none,2,4,8,16")
-    ap.add_argument("--persist", default="1,2,4")
+    ap.add_argument("--persist", default="2,4")
+    ap.add_argument("--table", default=None)
+    ap.add_argument("--table-flat", default=None)
     args = ap.parse_args(argv)
     bw = read_bandwidth()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -151,14 +126,18 @@ def main(argv=None) -> int:
                 print(f"{shape:>8} M={m:<3} {kind:<8} {str(cfg):<90} {us:8.2f} us  {rows[-1]['frac_of_read_bw']:.3f}"
                       + (f"  err {err:.1e}" if err is not None else ""), flush=True)
 
-            bm = 8 if m <= 8 else 16
+            bm = 8 if m <= 8 else 16 if m <= 16 else 32 if m <= 32 else 64
+            tiles = ((128, 4), (128, 8), (256, 8)) if bm <= 16 else ((64, 4), (128, 4), (128, 8))
             cfgs = []
-            for bn, nw in ((128, 4), (128, 8), (256, 8)):
+            for bn, nw in tiles:
                 for sp in splits:
-                    cfgs.append(MmaConfig(bm, bn, nw, 1, True, sp))
-                    for p in [int(v) for v in args.persist.split(",")]:
-                        if sp is None or kt % sp == 0:
+                    if bm <= 16:
+                        cfgs.append(MmaConfig(bm, bn, nw, 1, False, sp))
+                        cfgs.append(MmaConfig(bm, bn, nw, 1, True, sp))
+                        for p in [int(v) for v in args.persist.split(",") if v]:
                             cfgs.append(MmaConfig(bm, bn, nw, 1, True, sp, p))
+                    else:
+                        cfgs += [MmaConfig(bm, bn, nw, st, False, sp) for st in (1, 2)]
             for cfg in cfgs:
                 try:
                     out = w4a16_mma_gemm(x, qm0, s0, z0, config=cfg)
@@ -171,19 +150,15 @@ def main(argv=None) -> int:
                 except Exception as e:  # noqa: BLE001
                     rows.append(dict(shape=shape, m=m, config=cfg._asdict(), error=repr(e)[:300]))
                     print(f"{shape} M={m} {cfg} error {e!r}"[:400], flush=True)
-            if gluon is not None and m == 1:
-                sink = torch.empty(1, dtype=torch.int32, device="cuda")
-                for bn, nw in ((128, 4), (128, 8)):
-                    for sp in (1, 4, 8, 16):
-                        per = -(-kt // sp)
-                        us = chain_us([lambda w=w: _loads_kernel[(n // bn, -(-kt // per))](
-                            w[0], sink, n, k, per, BN=bn, NUM_WARPS=nw, num_warps=nw) for w in ws])
-                        record("loads", dict(block_n=bn, num_warps=nw, split_k=sp), us, b=n * k // 2)
+            layers = [SimpleNamespace(qweight=w[3], scales=w[1], zeros=w[2], int4_group_size=128) for w in ws]
+            us = chain_us([lambda lay=lay: linear_dispatch.w4a16(x, lay) for lay in layers])
+            record("triton", "linear_dispatch.w4a16 (GPTQ layout)", us)
             us = chain_us([lambda w=w: F.linear(x, w) for w in wbf] * 2)
             record("bf16", "cuBLAS F.linear", us, b=n * k * 2)
         print(f"[{time.time() - t0:.0f} s]", flush=True)
     Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(0), torch=torch.__version__,
                                               read_bytes_per_s=bw, rows=rows), indent=1))
+    write_tables(args, rows)
     print("\nbest per (shape, M, kind):")
     best = {}
     for r in rows:
@@ -194,6 +169,28 @@ def main(argv=None) -> int:
     for key, r in sorted(best.items()):
         print(f"  {key[0]:>8} M={key[1]:<3} {key[2]:<8} {r['us']:8.2f} us {r['frac_of_read_bw']:.3f}  {r['config']}")
     return 0
+
+
+def write_tables(args, rows) -> None:
+    """``--table`` (every config) and ``--table-flat`` (persistent = 0 only): the fastest mma config per (N, K, M)
+    with the Triton path's time beside it, merged into the JSON file's ``int4_mma`` rows."""
+    for path, flat in ((args.table, False), (args.table_flat, True)):
+        if not path:
+            continue
+        fresh = {}
+        for r in rows:
+            if r.get("kind") not in ("mma", "persist") or not r["us"] == r["us"] or (flat and r["kind"] == "persist"):
+                continue
+            key = (r["n"], r["k"], r["m"])
+            triton_us = next(t["us"] for t in rows if t.get("kind") == "triton" and (t["n"], t["k"], t["m"]) == key)
+            if key not in fresh or r["us"] < fresh[key]["us"]:
+                fresh[key] = dict(n=r["n"], k=r["k"], m=r["m"], config=r["config"], us=r["us"], triton_us=triton_us)
+        p = Path(path)
+        table = json.loads(p.read_text()) if p.is_file() else {}
+        kept = [r for r in table.get("int4_mma", []) if (r["n"], r["k"], r["m"]) not in fresh]
+        table["int4_mma"] = sorted(kept + list(fresh.values()), key=lambda r: (r["n"], r["k"], r["m"]))
+        p.write_text(json.dumps(table, indent=1) + "\n")
+        print(f"wrote {len(fresh)} int4_mma rows to {path}")
 
 
 if __name__ == "__main__":

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Device steps (issue 28): the INT4 mma GEMM's persistent grid, A/B on this GPU. Run from the repo root:
-#   bash bench/gpu_w4_persist.sh sweep           # per Llama-3-8B projection and M, with and without persistent
-#                                                # configs: $OUT/table_{flat,persist}.json, each built on this
-#                                                # device's committed table if there is one
+#   bash bench/gpu_w4_persist.sh sweep           # per Llama-3-8B projection and M, chained in a CUDA graph
+#                                                # (bench/gpu_w4_chain.py), with and without persistent configs:
+#                                                # $OUT/table_{flat,persist}.json, each built on this device's
+#                                                # committed table if there is one
 #   TABLES=DIR bash bench/gpu_w4_persist.sh decode   # `bench decode` (bf16 + int4, one process each) with
 #                                                # DIR/table_flat.json, then DIR/table_persist.json, twice, alternated
 set -uo pipefail
@@ -17,11 +18,10 @@ for step in "$@"; do
   case "$step" in
   sweep)
     for t in flat persist; do if [ -f "$T" ]; then cp "$T" "$OUT/table_$t.json"; else echo '{}' > "$OUT/table_$t.json"; fi; done
-    timeout ${SWEEP_S:-330} python3 bench/gpu_w4a16_mma.py --out "$OUT/w4_sweep.json" --ms "${MS:-1,8,16,32,64}" \
-      --reps ${REPS:-10} --stages 1 --splits none,2,4,8,16 --persist 0,2,4 --table "$OUT/table_persist.json" \
-      --table-flat "$OUT/table_flat.json" > "$OUT/w4_sweep.log" 2>&1
+    timeout ${SWEEP_S:-330} python3 bench/gpu_w4_chain.py --out "$OUT/w4_chain.json" --ms "${MS:-1,8,16,32,64}" \
+      --table "$OUT/table_persist.json" --table-flat "$OUT/table_flat.json" > "$OUT/w4_chain.log" 2>&1
     echo "sweep rc $?" | tee -a "$OUT/log"
-    grep -E "^ *[a-z_]+ M=|done in" "$OUT/w4_sweep.log" | tee -a "$OUT/log"
+    sed -n '/best per/,$p' "$OUT/w4_chain.log" | tee -a "$OUT/log"
     ;;
   decode)
     [ -f "$T" ] && cp "$T" /tmp/orig_table.json
@@ -30,7 +30,7 @@ for step in "$@"; do
         cp "${TABLES:-$OUT}/table_$t.json" "$T"
         echo "=== decode $t round $round" | tee -a "$OUT/log"
         PYTHONPATH=$NEW timeout ${DECODE_S:-120} python3 -m roofline.cli bench decode --model llama-3-8b \
-          --batch-sizes ${BATCHES:-1,8,64} --contexts 1k --quantization none,int4 --out-dir "$OUT/decode_$t$round" 2>&1 \
+          --batch-sizes ${BATCHES:-1,8} --contexts 1k --quantization none,int4 --out-dir "$OUT/decode_$t$round" 2>&1 \
           | grep -E "measured|^ +[0-9]|x$" | tee -a "$OUT/log"
       done
     done
