@@ -6,6 +6,7 @@ launch ramp and tail are paid as in a decode step). Per launch: microseconds and
 
 - ``mma``: ``w4a16_mma_gemm`` with a per-item grid (program = column tile x K split), several splits;
 - ``persist``: the same kernel on a persistent grid (P programs per SM, each one stream of k-tiles);
+- ``wgmma``: the Hopper kernel (``gluon_w4a16_wgmma``: register-A ``wgmma``, x staged in shared memory);
 - ``triton``: the Triton INT4 path (``linear_dispatch.w4a16`` on the GPTQ layout), which the table weighs the mma
   kernel against;
 - ``bf16``: cuBLAS (`F.linear`) on bf16 weights of the same shape (4x the bytes), for reference.
@@ -138,15 +139,19 @@ def main(argv=None) -> int:
                             cfgs.append(MmaConfig(bm, bn, nw, 1, True, sp, p))
                     else:
                         cfgs += [MmaConfig(bm, bn, nw, st, False, sp) for st in (1, 2)]
+            if torch.cuda.get_device_capability(0)[0] == 9:
+                cfgs += [MmaConfig(bm, bn, nw, split_k=sp, wgmma=True)
+                         for bn, nw in ((64, 4), (128, 4), (128, 8), (256, 8)) for sp in splits]
             for cfg in cfgs:
                 try:
                     out = w4a16_mma_gemm(x, qm0, s0, z0, config=cfg)
                     err = float((out.double() - ref).norm() / ref.norm())
+                    kind = "wgmma" if cfg.wgmma else "persist" if cfg.persistent else "mma"
                     if not err < 4e-3:
-                        record("persist" if cfg.persistent else "mma", cfg._asdict(), float("nan"), err)
+                        record(kind, cfg._asdict(), float("nan"), err)
                         continue
                     us = chain_us([lambda w=w: w4a16_mma_gemm(x, w[0], w[1], w[2], config=cfg) for w in ws])
-                    record("persist" if cfg.persistent else "mma", cfg._asdict(), us, err)
+                    record(kind, cfg._asdict(), us, err)
                 except Exception as e:  # noqa: BLE001
                     rows.append(dict(shape=shape, m=m, config=cfg._asdict(), error=repr(e)[:300]))
                     print(f"{shape} M={m} {cfg} error {e!r}"[:400], flush=True)
@@ -172,14 +177,15 @@ def main(argv=None) -> int:
 
 
 def write_tables(args, rows) -> None:
-    """``--table`` (every config) and ``--table-flat`` (persistent = 0 only): the fastest mma config per (N, K, M)
+    """``--table`` (every config) and ``--table-flat`` (the mma.sync kernel's per-item grid only): the fastest config per (N, K, M)
     with the Triton path's time beside it, merged into the JSON file's ``int4_mma`` rows."""
     for path, flat in ((args.table, False), (args.table_flat, True)):
         if not path:
             continue
         fresh = {}
         for r in rows:
-            if r.get("kind") not in ("mma", "persist") or not r["us"] == r["us"] or (flat and r["kind"] == "persist"):
+            if r.get("kind") not in ("mma", "persist", "wgmma") or not r["us"] == r["us"] \
+                    or (flat and r["kind"] != "mma"):
                 continue
             key = (r["n"], r["k"], r["m"])
             triton_us = next(t["us"] for t in rows if t.get("kind") == "triton" and (t["n"], t["k"], t["m"]) == key)

@@ -6,6 +6,8 @@
 #                                                # committed table if there is one
 #   TABLES=DIR bash bench/gpu_w4_persist.sh decode   # `bench decode` (bf16 + int4, one process each) with
 #                                                # DIR/table_flat.json, then DIR/table_persist.json, twice, alternated
+#                                                # (DECODE_TABLES="base persist": the committed table against the
+#                                                # new one, which has every kind, wgmma included)
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 NEW=$(pwd)
@@ -17,6 +19,7 @@ for step in "$@"; do
   echo "=== $step $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
   case "$step" in
   sweep)
+    if [ -f "$T" ]; then cp "$T" "$OUT/table_base.json"; else echo '{}' > "$OUT/table_base.json"; fi
     for t in flat persist; do if [ -f "$T" ]; then cp "$T" "$OUT/table_$t.json"; else echo '{}' > "$OUT/table_$t.json"; fi; done
     timeout ${SWEEP_S:-330} python3 bench/gpu_w4_chain.py --out "$OUT/w4_chain.json" --ms "${MS:-1,8,16,32,64}" \
       --table "$OUT/table_persist.json" --table-flat "$OUT/table_flat.json" > "$OUT/w4_chain.log" 2>&1
@@ -26,7 +29,7 @@ for step in "$@"; do
   decode)
     [ -f "$T" ] && cp "$T" /tmp/orig_table.json
     for round in 1 2; do
-      for t in flat persist; do
+      for t in ${DECODE_TABLES:-flat persist}; do
         cp "${TABLES:-$OUT}/table_$t.json" "$T"
         echo "=== decode $t round $round" | tee -a "$OUT/log"
         PYTHONPATH=$NEW timeout ${DECODE_S:-120} python3 -m roofline.cli bench decode --model llama-3-8b \

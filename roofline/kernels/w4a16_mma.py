@@ -32,7 +32,9 @@ class MmaConfig(NamedTuple):
     (None: by the grid, ``quant_gemm.choose_split_k``), and ``persistent``: 0 for one program per work item
     (column tile, K split), else that many programs per SM, each streaming its items' k-tiles as one chain with
     the next tile always in flight (stages 1 with x prefetched only; the split is then rounded down to a
-    power of two that divides K / 128)."""
+    power of two that divides K / 128), and ``wgmma``: the Hopper kernel (``gluon_w4a16_wgmma``: register-A
+    ``wgmma`` with x staged in shared memory; sm_90 only, num_warps 4 or 8, block_n a multiple of 16 * num_warps
+    and of 64, no persistent grid; stages and prefetch_x do not apply)."""
 
     block_m: int
     block_n: int
@@ -41,6 +43,7 @@ class MmaConfig(NamedTuple):
     prefetch_x: bool = True
     split_k: int | None = None
     persistent: int = 0
+    wgmma: bool = False
 
 
 # Defaults by the largest M each serves, where no measured table row exists: the fastest tiles of the first
@@ -156,14 +159,17 @@ def w4a16_mma_gemm(x: torch.Tensor, qweight_mma: torch.Tensor, scales: torch.Ten
     bm, bn, nw = cfg.block_m, cfg.block_n, cfg.num_warps
     if m > bm or n % bn:
         raise ValueError(f"w4a16_mma_gemm: M={m} rows and N={n} do not fit the tile BLOCK_M={bm}, BN={bn}")
+    if cfg.wgmma and (cfg.persistent or nw not in (4, 8) or bn % 64 or x.device.type == "cuda"
+                      and torch.cuda.get_device_capability(x.device)[0] != 9):
+        raise ValueError(f"w4a16_mma_gemm: wgmma=True takes an sm_90 GPU, num_warps 4 or 8, block_n a multiple of 64 "
+                         f"and no persistent grid, got num_warps={nw}, block_n={bn}, persistent={cfg.persistent} on "
+                         f"{x.device}")
     if cfg.persistent and (cfg.stages != 1 or not cfg.prefetch_x):
         raise ValueError(f"w4a16_mma_gemm: persistent={cfg.persistent} takes stages=1 and prefetch_x=True, got "
                          f"stages={cfg.stages}, prefetch_x={cfg.prefetch_x}")
     out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
     if m == 0:
         return out.view(*x.shape[:-1], n)
-    from roofline.kernels.gluon_w4a16 import _w4a16_mma_kernel
-
     tiles = n // bn
     split = cfg.split_k or choose_split_k(tiles, kt, _num_sms(x.device))
     split = max(1, min(split, kt))
@@ -175,12 +181,16 @@ def w4a16_mma_gemm(x: torch.Tensor, qweight_mma: torch.Tensor, scales: torch.Ten
     partials = torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     counters = _counters(x.device, tiles)
     launch = pdl.launch_kwargs(x.device, pdl_mode)
-    grid = (min(tiles * split, cfg.persistent * _num_sms(x.device)),) if cfg.persistent else (tiles, split)
-    _w4a16_mma_kernel[grid](
-        x2, qweight_mma, scales, zeros, out, partials, counters,
-        m, n, k, per_split, split,
-        x2.stride(0), scales.stride(0), out.stride(0),
-        BLOCK_M=bm, BN=bn, NUM_WARPS=nw, STAGES=cfg.stages, XPRE=bool(cfg.prefetch_x), PERSIST=int(bool(cfg.persistent)),
-        num_warps=nw, **launch,
-    )
+    args = (x2, qweight_mma, scales, zeros, out, partials, counters, m, n, k, per_split, split,
+            x2.stride(0), scales.stride(0), out.stride(0))
+    if cfg.wgmma:
+        from roofline.kernels.gluon_w4a16_wgmma import _w4a16_wgmma_kernel
+
+        _w4a16_wgmma_kernel[(tiles, split)](*args, BLOCK_M=bm, BN=bn, NUM_WARPS=nw, num_warps=nw, **launch)
+    else:
+        from roofline.kernels.gluon_w4a16 import _w4a16_mma_kernel
+
+        grid = (min(tiles * split, cfg.persistent * _num_sms(x.device)),) if cfg.persistent else (tiles, split)
+        _w4a16_mma_kernel[grid](*args, BLOCK_M=bm, BN=bn, NUM_WARPS=nw, STAGES=cfg.stages,
+                                XPRE=bool(cfg.prefetch_x), PERSIST=int(bool(cfg.persistent)), num_warps=nw, **launch)
     return out.view(*x.shape[:-1], n)

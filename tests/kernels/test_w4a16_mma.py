@@ -97,6 +97,8 @@ def test_persistent_grid_refuses_a_register_ring_or_x_loaded_in_the_iteration():
         w4a16_mma_gemm(x, qm, s, s, config=MmaConfig(8, 128, 4, stages=3, persistent=2))
     with pytest.raises(ValueError, match="prefetch_x=False"):
         w4a16_mma_gemm(x, qm, s, s, config=MmaConfig(8, 128, 4, prefetch_x=False, persistent=1))
+    with pytest.raises(ValueError, match="wgmma=True takes .*num_warps=2, block_n=64, persistent=1"):
+        w4a16_mma_gemm(x, qm, s, s, config=MmaConfig(8, 64, 2, persistent=1, wgmma=True))
 
 
 def test_tile_table_covers_every_decode_m():
@@ -156,6 +158,29 @@ def test_gpu_mma_gemm_matches_float64(m, n, k):
                         out = w4a16_mma_gemm(x, qm, p.scales, p.zeros, config=cfg)
                         err = ((out.double() - ref).norm() / ref.norm()).item()
                         assert err < 4e-3, (cfg, err)  # bf16 output rounding (2^-9 relative) plus fp32 sums
+
+
+@pytest.mark.gpu
+@needs_gluon
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs sm_90")
+@pytest.mark.parametrize("m", [1, 3, 8, 13, 16, 31, 64])
+@pytest.mark.parametrize("n,k", [(256, 256), (384, 1152), (4096, 4096)])
+def test_gpu_wgmma_gemm_matches_float64(m, n, k):
+    from roofline.kernels.w4a16_mma import w4a16_mma_gemm
+
+    p, qm = _gpu_case(n, k, seed=m)
+    x = (torch.randn(m, k, device="cuda") * 0.5).bfloat16()
+    ref = _oracle(x, p)
+    bm = pick_tile(m).block_m
+    for bn, nw in ((64, 4), (128, 4), (128, 8)):
+        if n % bn:
+            continue
+        for split in (1, 2, 3, None):
+            cfg = MmaConfig(bm, bn, nw, split_k=split, wgmma=True)
+            out = w4a16_mma_gemm(x, qm, p.scales, p.zeros, config=cfg)
+            assert out.shape == (m, n)
+            err = ((out.double() - ref).norm() / ref.norm()).item()
+            assert err < 4e-3, (cfg, err)  # bf16 output rounding plus fp32 sums, as the mma.sync kernel
 
 
 @pytest.mark.gpu
