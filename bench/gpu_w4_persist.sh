@@ -28,7 +28,7 @@ for step in "$@"; do
     ;;
   decode)
     [ -f "$T" ] && cp "$T" /tmp/orig_table.json
-    for round in 1 2; do
+    for round in $(seq 1 ${ROUNDS:-2}); do
       for t in ${DECODE_TABLES:-flat persist}; do
         cp "${TABLES:-$OUT}/table_$t.json" "$T"
         echo "=== decode $t round $round" | tee -a "$OUT/log"
