@@ -35,7 +35,8 @@ class MmaConfig(NamedTuple):
     power of two that divides K / 128), and ``wgmma``: the Hopper kernel (``gluon_w4a16_wgmma``: register-A
     ``wgmma`` with x staged in shared memory; sm_90 only, num_warps 4 or 8, block_n a multiple of 16 * num_warps
     and of 64, no persistent grid; stages and prefetch_x do not apply): 0 off, 1 one k-tile at a time, 2
-    software-pipelined (tile k + 1 dequantized while tile k's wgmma run)."""
+    software-pipelined (tile k + 1 dequantized while tile k's wgmma run; one warpgroup only: with two it gave wrong
+    results on the H100, 2026-12-06, not yet understood)."""
 
     block_m: int
     block_n: int
@@ -161,10 +162,11 @@ def w4a16_mma_gemm(x: torch.Tensor, qweight_mma: torch.Tensor, scales: torch.Ten
     if m > bm or n % bn:
         raise ValueError(f"w4a16_mma_gemm: M={m} rows and N={n} do not fit the tile BLOCK_M={bm}, BN={bn}")
     if cfg.wgmma and (cfg.persistent or nw not in (4, 8) or bn % 64 or int(cfg.wgmma) not in (1, 2)
+                      or (cfg.wgmma == 2 and nw != 4)
                       or x.device.type == "cuda"
                       and torch.cuda.get_device_capability(x.device)[0] != 9):
-        raise ValueError(f"w4a16_mma_gemm: wgmma in (1, 2) takes an sm_90 GPU, num_warps 4 or 8, block_n a multiple "
-                         f"of 64 and no persistent grid, got wgmma={cfg.wgmma}, num_warps={nw}, block_n={bn}, "
+        raise ValueError(f"w4a16_mma_gemm: wgmma in (1, 2) takes an sm_90 GPU, num_warps 4 or 8 (4 for wgmma=2), "
+                         f"block_n a multiple of 64 and no persistent grid, got wgmma={cfg.wgmma}, num_warps={nw}, block_n={bn}, "
                          f"persistent={cfg.persistent} on {x.device}")
     if cfg.persistent and (cfg.stages != 1 or not cfg.prefetch_x):
         raise ValueError(f"w4a16_mma_gemm: persistent={cfg.persistent} takes stages=1 and prefetch_x=True, got "
