@@ -140,8 +140,8 @@ def main(argv=None) -> int:
                     else:
                         cfgs += [MmaConfig(bm, bn, nw, st, False, sp) for st in (1, 2)]
             if torch.cuda.get_device_capability(0)[0] == 9:
-                cfgs += [MmaConfig(bm, bn, nw, split_k=sp, wgmma=True)
-                         for bn, nw in ((64, 4), (128, 4), (128, 8), (256, 8)) for sp in splits]
+                cfgs += [MmaConfig(bm, bn, nw, split_k=sp, wgmma=pipe)
+                         for bn, nw in ((64, 4), (128, 4), (128, 8), (256, 8)) for sp in splits for pipe in (1, 2)]
             for cfg in cfgs:
                 try:
                     out = w4a16_mma_gemm(x, qm0, s0, z0, config=cfg)

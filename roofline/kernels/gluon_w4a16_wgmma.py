@@ -56,6 +56,32 @@ if gluon is not None:
         return gl.convert_layout(a, A_LAYOUT, assert_trivial=True)
 
     @gluon.jit
+    def _tile_fragments(words, z_next, C: gl.constexpr, BN: gl.constexpr, Q_LAYOUT: gl.constexpr,
+                        A_LAYOUT: gl.constexpr):
+        # a k-tile's words [C, 2, 8, 4, 4] and zero points -> its four k32 A fragments (bf16 [BN, 32], q - z)
+        z = z_next.to(gl.float32)
+        zb = (z + 128.0).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        zz = zb | (zb << 16)  # [C, 2, 8, 1] bf16x2 (128 + z, 128 + z)
+        w01, w23 = gl.split(gl.reshape(words, [C, 2, 8, 4, 2, 2]))  # rb = 2 a + b: (rb 0, 2) | (rb 1, 3)
+        w0, w2 = gl.split(w01)
+        w1, w3 = gl.split(w23)
+        a0 = _a_fragment_v3(gl.convert_layout(w0, Q_LAYOUT, assert_trivial=True), zz, BN, A_LAYOUT)
+        a1 = _a_fragment_v3(gl.convert_layout(w1, Q_LAYOUT, assert_trivial=True), zz, BN, A_LAYOUT)
+        a2 = _a_fragment_v3(gl.convert_layout(w2, Q_LAYOUT, assert_trivial=True), zz, BN, A_LAYOUT)
+        a3 = _a_fragment_v3(gl.convert_layout(w3, Q_LAYOUT, assert_trivial=True), zz, BN, A_LAYOUT)
+        return a0, a1, a2, a3
+
+    @gluon.jit
+    def _issue_wgmma(a0, a1, a2, a3, x_smem, buf, BN: gl.constexpr, BLOCK_M: gl.constexpr,
+                     ACC_LAYOUT: gl.constexpr):
+        # the tile's four k32 products from slabs 4 buf .. 4 buf + 3, async, into a fresh fp32 accumulator
+        accg = gl.zeros([BN, BLOCK_M], gl.float32, ACC_LAYOUT)
+        accg = warpgroup_mma(a0, x_smem.index(4 * buf + 0).permute((1, 0)), accg, use_acc=False, is_async=True)
+        accg = warpgroup_mma(a1, x_smem.index(4 * buf + 1).permute((1, 0)), accg, is_async=True)
+        accg = warpgroup_mma(a2, x_smem.index(4 * buf + 2).permute((1, 0)), accg, is_async=True)
+        return warpgroup_mma(a3, x_smem.index(4 * buf + 3).permute((1, 0)), accg, is_async=True)
+
+    @gluon.jit
     def _load_x_tile(x_rows, kt, xmask):
         # x^T's k-tile kt, permuted for the slab: x_rows [4 (slab), BM, 32 (position r)] pointers at column pi(r)
         return gl.load(x_rows + kt * 128, mask=xmask, other=0.0)
@@ -77,11 +103,15 @@ if gluon is not None:
         M, N, K, k_tiles_per_split, SPLIT_K,
         stride_xm, stride_sg, stride_om,
         BLOCK_M: gl.constexpr, BN: gl.constexpr, NUM_WARPS: gl.constexpr, PDL: gl.constexpr = 0,
+        PIPE: gl.constexpr = 1,
     ):
         # out^T [N, M] = W [N, K] @ x^T [K, M]; X bf16 [M, K] (M <= BLOCK_M, BLOCK_M in 8..64 a multiple of 8),
         # W int32 [K / 128, N * 16] (mma layout), S, Z bf16 [K / 128, N], Out bf16 [M, N], Partials fp32
         # [SPLIT_K, M, N], Counters int32 [N / BN]. Grid (N / BN, SPLIT_K); NUM_WARPS 4 or 8 (one or two
         # warpgroups); BN a multiple of 16 * NUM_WARPS (each warpgroup takes 64-row blocks). PDL as the mma kernel.
+        # PIPE: 1, one k-tile at a time; 2, two k-tiles a loop body, the second dequantized while the first's
+        # products run (no fragment of a running wgmma crosses the loop's back edge: the register allocator
+        # would reuse its registers, docs/kernels.md).
         pid_n = gl.program_id(0)
         split = gl.program_id(1)
         C: gl.constexpr = BN // 16
@@ -135,39 +165,73 @@ if gluon is not None:
         _store_x_tile(x_smem, 0, _load_x_tile(x_rows, kt_start, xmask))
         fence_async_shared()
         gl.thread_barrier()
-        for kt in range(kt_start, kt_end):
-            buf = (kt - kt_start) % 2
-            words = w_next
-            z = z_next.to(gl.float32)
-            s = s_next.to(gl.float32)
-            kn = gl.minimum(kt + 1, kt_end - 1)  # the last iteration re-reads its own tile (an L2 hit)
-            w_next = gl.load(W + kn.to(gl.int64) * tile_words + w_off)
-            z_next = gl.load(Z + kn * stride_sg + offs_zn)
-            s_next = gl.load(S + kn * stride_sg + offs_sn)
-            x_next = _load_x_tile(x_rows, kn, xmask)
+        if PIPE == 2:
+            for kp in range(kt_start, kt_end, 2):
+                # tiles kp (x in buffer 0) and k1 = kp + 1 (its products discarded past the end)
+                k1 = gl.minimum(kp + 1, kt_end - 1)
+                k2 = gl.minimum(kp + 2, kt_end - 1)
+                words0 = w_next
+                z0 = z_next
+                s0 = s_next.to(gl.float32)
+                words1 = gl.load(W + k1.to(gl.int64) * tile_words + w_off)
+                z1 = gl.load(Z + k1 * stride_sg + offs_zn)
+                s1 = gl.load(S + k1 * stride_sg + offs_sn).to(gl.float32) * (kp + 1 < kt_end).to(gl.float32)
+                x1 = _load_x_tile(x_rows, k1, xmask)
+                w_next = gl.load(W + k2.to(gl.int64) * tile_words + w_off)
+                z_next = gl.load(Z + k2 * stride_sg + offs_zn)
+                s_next = gl.load(S + k2 * stride_sg + offs_sn)
+                x2 = _load_x_tile(x_rows, k2, xmask)
+                a0, a1, a2, a3 = _tile_fragments(words0, z0, C, BN, q_layout, a_layout)
+                acc0 = _issue_wgmma(a0, a1, a2, a3, x_smem, 0, BN, BLOCK_M, acc_layout)
+                # buffer 1 was last read by the previous body's second tile, waited for there (and the barrier
+                # at the end of that body)
+                _store_x_tile(x_smem, 1, x1)
+                fence_async_shared()
+                gl.thread_barrier()
+                b0, b1, b2, b3 = _tile_fragments(words1, z1, C, BN, q_layout, a_layout)
+                acc0, a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc0, a0, a1, a2, a3))
+                acc += acc0 * s0[:, None]
+                acc1 = _issue_wgmma(b0, b1, b2, b3, x_smem, 1, BN, BLOCK_M, acc_layout)
+                gl.thread_barrier()  # every warpgroup is done with buffer 0 (tile kp)
+                _store_x_tile(x_smem, 0, x2)
+                fence_async_shared()
+                acc1, b0, b1, b2, b3 = warpgroup_mma_wait(num_outstanding=0, deps=(acc1, b0, b1, b2, b3))
+                acc += acc1 * s1[:, None]
+                gl.thread_barrier()  # x tile kp + 2 is stored and fenced by every thread
+        else:
+            for kt in range(kt_start, kt_end):
+                buf = (kt - kt_start) % 2
+                words = w_next
+                z = z_next.to(gl.float32)
+                s = s_next.to(gl.float32)
+                kn = gl.minimum(kt + 1, kt_end - 1)  # the last iteration re-reads its own tile (an L2 hit)
+                w_next = gl.load(W + kn.to(gl.int64) * tile_words + w_off)
+                z_next = gl.load(Z + kn * stride_sg + offs_zn)
+                s_next = gl.load(S + kn * stride_sg + offs_sn)
+                x_next = _load_x_tile(x_rows, kn, xmask)
 
-            zb = (z + 128.0).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-            zz = zb | (zb << 16)  # [C, 2, 8, 1] bf16x2 (128 + z, 128 + z)
-            w01, w23 = gl.split(gl.reshape(words, [C, 2, 8, 4, 2, 2]))  # rb = 2 a + b: (rb 0, 2) | (rb 1, 3)
-            w0, w2 = gl.split(w01)
-            w1, w3 = gl.split(w23)
-            a0 = _a_fragment_v3(gl.convert_layout(w0, q_layout, assert_trivial=True), zz, BN, a_layout)
-            a1 = _a_fragment_v3(gl.convert_layout(w1, q_layout, assert_trivial=True), zz, BN, a_layout)
-            a2 = _a_fragment_v3(gl.convert_layout(w2, q_layout, assert_trivial=True), zz, BN, a_layout)
-            a3 = _a_fragment_v3(gl.convert_layout(w3, q_layout, assert_trivial=True), zz, BN, a_layout)
-            accg = gl.zeros([BN, BLOCK_M], gl.float32, acc_layout)
-            accg = warpgroup_mma(a0, x_smem.index(4 * buf + 0).permute((1, 0)), accg, use_acc=False, is_async=True)
-            accg = warpgroup_mma(a1, x_smem.index(4 * buf + 1).permute((1, 0)), accg, is_async=True)
-            accg = warpgroup_mma(a2, x_smem.index(4 * buf + 2).permute((1, 0)), accg, is_async=True)
-            accg = warpgroup_mma(a3, x_smem.index(4 * buf + 3).permute((1, 0)), accg, is_async=True)
-            # the A fragments' registers must live until the products that read them have landed
-            accg, a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(accg, a0, a1, a2, a3))
-            acc += accg * s[:, None]
-            # the other buffer was last read by the previous iteration's wgmma, which every warp has waited for
-            # (the barrier below, one iteration ago)
-            _store_x_tile(x_smem, 1 - buf, x_next)
-            fence_async_shared()
-            gl.thread_barrier()
+                zb = (z + 128.0).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+                zz = zb | (zb << 16)  # [C, 2, 8, 1] bf16x2 (128 + z, 128 + z)
+                w01, w23 = gl.split(gl.reshape(words, [C, 2, 8, 4, 2, 2]))  # rb = 2 a + b: (rb 0, 2) | (rb 1, 3)
+                w0, w2 = gl.split(w01)
+                w1, w3 = gl.split(w23)
+                a0 = _a_fragment_v3(gl.convert_layout(w0, q_layout, assert_trivial=True), zz, BN, a_layout)
+                a1 = _a_fragment_v3(gl.convert_layout(w1, q_layout, assert_trivial=True), zz, BN, a_layout)
+                a2 = _a_fragment_v3(gl.convert_layout(w2, q_layout, assert_trivial=True), zz, BN, a_layout)
+                a3 = _a_fragment_v3(gl.convert_layout(w3, q_layout, assert_trivial=True), zz, BN, a_layout)
+                accg = gl.zeros([BN, BLOCK_M], gl.float32, acc_layout)
+                accg = warpgroup_mma(a0, x_smem.index(4 * buf + 0).permute((1, 0)), accg, use_acc=False, is_async=True)
+                accg = warpgroup_mma(a1, x_smem.index(4 * buf + 1).permute((1, 0)), accg, is_async=True)
+                accg = warpgroup_mma(a2, x_smem.index(4 * buf + 2).permute((1, 0)), accg, is_async=True)
+                accg = warpgroup_mma(a3, x_smem.index(4 * buf + 3).permute((1, 0)), accg, is_async=True)
+                # the A fragments' registers must live until the products that read them have landed
+                accg, a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(accg, a0, a1, a2, a3))
+                acc += accg * s[:, None]
+                # the other buffer was last read by the previous iteration's wgmma, which every warp has waited for
+                # (the barrier below, one iteration ago)
+                _store_x_tile(x_smem, 1 - buf, x_next)
+                fence_async_shared()
+                gl.thread_barrier()
         if PDL == 2:
             _gdc_launch_dependents()
         _store_tile(acc, Out, Partials, Counters, pid_n, split, M, N, stride_om, SPLIT_K, BN, BLOCK_M, acc_layout)

@@ -34,7 +34,8 @@ class MmaConfig(NamedTuple):
     the next tile always in flight (stages 1 with x prefetched only; the split is then rounded down to a
     power of two that divides K / 128), and ``wgmma``: the Hopper kernel (``gluon_w4a16_wgmma``: register-A
     ``wgmma`` with x staged in shared memory; sm_90 only, num_warps 4 or 8, block_n a multiple of 16 * num_warps
-    and of 64, no persistent grid; stages and prefetch_x do not apply)."""
+    and of 64, no persistent grid; stages and prefetch_x do not apply): 0 off, 1 one k-tile at a time, 2 two
+    k-tiles a loop body, the second dequantized while the first's products run."""
 
     block_m: int
     block_n: int
@@ -43,7 +44,7 @@ class MmaConfig(NamedTuple):
     prefetch_x: bool = True
     split_k: int | None = None
     persistent: int = 0
-    wgmma: bool = False
+    wgmma: int = 0
 
 
 # Defaults by the largest M each serves, where no measured table row exists: the fastest tiles of the first
@@ -159,11 +160,12 @@ def w4a16_mma_gemm(x: torch.Tensor, qweight_mma: torch.Tensor, scales: torch.Ten
     bm, bn, nw = cfg.block_m, cfg.block_n, cfg.num_warps
     if m > bm or n % bn:
         raise ValueError(f"w4a16_mma_gemm: M={m} rows and N={n} do not fit the tile BLOCK_M={bm}, BN={bn}")
-    if cfg.wgmma and (cfg.persistent or nw not in (4, 8) or bn % 64 or x.device.type == "cuda"
+    if cfg.wgmma and (cfg.persistent or nw not in (4, 8) or bn % 64 or int(cfg.wgmma) not in (1, 2)
+                      or x.device.type == "cuda"
                       and torch.cuda.get_device_capability(x.device)[0] != 9):
-        raise ValueError(f"w4a16_mma_gemm: wgmma=True takes an sm_90 GPU, num_warps 4 or 8, block_n a multiple of 64 "
-                         f"and no persistent grid, got num_warps={nw}, block_n={bn}, persistent={cfg.persistent} on "
-                         f"{x.device}")
+        raise ValueError(f"w4a16_mma_gemm: wgmma in (1, 2) takes an sm_90 GPU, num_warps 4 or 8, block_n a multiple "
+                         f"of 64 and no persistent grid, got wgmma={cfg.wgmma}, num_warps={nw}, block_n={bn}, "
+                         f"persistent={cfg.persistent} on {x.device}")
     if cfg.persistent and (cfg.stages != 1 or not cfg.prefetch_x):
         raise ValueError(f"w4a16_mma_gemm: persistent={cfg.persistent} takes stages=1 and prefetch_x=True, got "
                          f"stages={cfg.stages}, prefetch_x={cfg.prefetch_x}")
@@ -186,7 +188,8 @@ def w4a16_mma_gemm(x: torch.Tensor, qweight_mma: torch.Tensor, scales: torch.Ten
     if cfg.wgmma:
         from roofline.kernels.gluon_w4a16_wgmma import _w4a16_wgmma_kernel
 
-        _w4a16_wgmma_kernel[(tiles, split)](*args, BLOCK_M=bm, BN=bn, NUM_WARPS=nw, num_warps=nw, **launch)
+        _w4a16_wgmma_kernel[(tiles, split)](*args, BLOCK_M=bm, BN=bn, NUM_WARPS=nw, PIPE=int(cfg.wgmma), num_warps=nw,
+                                            **launch)
     else:
         from roofline.kernels.gluon_w4a16 import _w4a16_mma_kernel
 

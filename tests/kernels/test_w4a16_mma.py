@@ -97,8 +97,10 @@ def test_persistent_grid_refuses_a_register_ring_or_x_loaded_in_the_iteration():
         w4a16_mma_gemm(x, qm, s, s, config=MmaConfig(8, 128, 4, stages=3, persistent=2))
     with pytest.raises(ValueError, match="prefetch_x=False"):
         w4a16_mma_gemm(x, qm, s, s, config=MmaConfig(8, 128, 4, prefetch_x=False, persistent=1))
-    with pytest.raises(ValueError, match="wgmma=True takes .*num_warps=2, block_n=64, persistent=1"):
-        w4a16_mma_gemm(x, qm, s, s, config=MmaConfig(8, 64, 2, persistent=1, wgmma=True))
+    with pytest.raises(ValueError, match=r"wgmma in \(1, 2\) takes .*wgmma=1, num_warps=2, block_n=64, persistent=1"):
+        w4a16_mma_gemm(x, qm, s, s, config=MmaConfig(8, 64, 2, persistent=1, wgmma=1))
+    with pytest.raises(ValueError, match="wgmma=3"):
+        w4a16_mma_gemm(x, qm, s, s, config=MmaConfig(8, 64, 4, wgmma=3))
 
 
 def test_tile_table_covers_every_decode_m():
@@ -175,8 +177,8 @@ def test_gpu_wgmma_gemm_matches_float64(m, n, k):
     for bn, nw in ((64, 4), (128, 4), (128, 8)):
         if n % bn:
             continue
-        for split in (1, 2, 3, None):
-            cfg = MmaConfig(bm, bn, nw, split_k=split, wgmma=True)
+        for split, pipe in [(sp, p) for sp in (1, 2, 3, None) for p in (1, 2)]:  # split 3 of 9 k-tiles: odd bodies
+            cfg = MmaConfig(bm, bn, nw, split_k=split, wgmma=pipe)
             out = w4a16_mma_gemm(x, qm, p.scales, p.zeros, config=cfg)
             assert out.shape == (m, n)
             err = ((out.double() - ref).norm() / ref.norm()).item()
