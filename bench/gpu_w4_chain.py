@@ -36,20 +36,17 @@ import torch.nn.functional as F  # noqa: E402
 
 SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
 
-def read_bandwidth() -> float:
-    x = torch.ones(2**30 // 2, dtype=torch.bfloat16, device="cuda")
-    for _ in range(3):
-        x.sum()
-    torch.cuda.synchronize()
+def median_ms(run, n: int) -> float:
+    """Median device milliseconds of ``run()`` over ``n`` calls, CUDA events around each."""
     t = []
-    for _ in range(10):
+    for _ in range(n):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        x.sum()
+        run()
         b.record()
         torch.cuda.synchronize()
-        t.append(a.elapsed_time(b) * 1e-3)
-    return 2**30 / statistics.median(t)
+        t.append(a.elapsed_time(b))
+    return statistics.median(t)
 
 
 def chain_us(fns) -> float:
@@ -66,16 +63,9 @@ def chain_us(fns) -> float:
             f()
     g.replay()
     torch.cuda.synchronize()
-    t = []
-    for _ in range(7):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        torch.cuda.synchronize()
-        t.append(a.elapsed_time(b) * 1e3)
+    us = median_ms(g.replay, 7) * 1e3
     del g
-    return statistics.median(t) / len(fns)
+    return us / len(fns)
 
 
 def main(argv=None) -> int:
@@ -97,7 +87,9 @@ def main(argv=None) -> int:
     ap.add_argument("--table", default=None)
     ap.add_argument("--table-flat", default=None)
     args = ap.parse_args(argv)
-    bw = read_bandwidth()
+    from roofline.hardware import measure_read_bandwidth
+
+    bw = measure_read_bandwidth("cuda")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     print(f"{torch.cuda.get_device_name(0)}: read bandwidth {bw / 1e12:.2f} TB/s, {sms} SMs", flush=True)
     rows, t0 = [], time.time()

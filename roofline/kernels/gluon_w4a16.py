@@ -100,17 +100,47 @@ if gluon is not None:
         return gl.convert_layout(a, A_LAYOUT, assert_trivial=True)
 
     @gluon.jit
+    def _split_tile(words, z_next):
+        # a k-tile's words [C, 2, 8, 4, 4] (c, h, g, t, rb) -> the four k32 blocks' words [C, 2, 8, 4] (rb 0..3),
+        # and the zero points [C, 2, 8, 1] as bf16x2 pairs (128 + z, 128 + z) for _dequant8
+        z = z_next.to(gl.float32)
+        zb = (z + 128.0).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
+        zz = zb | (zb << 16)
+        C: gl.constexpr = words.shape[0]
+        w01, w23 = gl.split(gl.reshape(words, [C, 2, 8, 4, 2, 2]))  # rb = 2 a + b: (rb 0, 2) | (rb 1, 3)
+        w0, w2 = gl.split(w01)
+        w1, w3 = gl.split(w23)
+        return w0, w1, w2, w3, zz
+
+    @gluon.jit
+    def _tile_offsets(row0, BN: gl.constexpr, w_layout: gl.constexpr, q_layout: gl.constexpr):
+        # For the column tile of BN rows from row0: the words' offsets [C, 2, 8, 4, 4] in a k-tile of the mma
+        # layout in w_layout, and the zero points' column offsets [C, 2, 8, 1] in q_layout (row0 is added before
+        # the broadcasts: adding it to the 5-D offsets afterwards cost 5-100 registers in ptxas); the layouts are the kernels' (words: rows n = 16 c + 8 h + g, rb and h in
+        # registers, one 16-byte load per (n, t), lanes t fastest then g, warps along c, cyclically).
+        C: gl.constexpr = BN // 16
+        l4: gl.constexpr = gl.SliceLayout(4, w_layout)
+        offs_c = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, l4))))
+        offs_h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, l4))))
+        offs_g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, l4))))
+        offs_t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, l4))))
+        offs_rb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
+            3, w_layout)))))
+        n4 = row0 + offs_c[:, None, None, None] * 16 + offs_h[None, :, None, None] * 8 + offs_g[None, None, :, None]
+        w_off = ((n4 * 16 + offs_t[None, None, None, :] * 4)[:, :, :, :, None] + offs_rb[None, None, None, None, :])
+        qc = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, q_layout))))
+        qh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, q_layout))))
+        qg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, q_layout))))
+        offs_zn = row0 + qc[:, None, None, None] * 16 + qh[None, :, None, None] * 8 + qg[None, None, :, None]
+        return w_off, offs_zn
+
+    @gluon.jit
     def _mma_tile(acc, words, z_next, s_next, x0, x1, x2, x3, C: gl.constexpr, BN: gl.constexpr,
                   BLOCK_M: gl.constexpr, MMA: gl.constexpr, A_LAYOUT: gl.constexpr, Q_LAYOUT: gl.constexpr):
         # One k-tile (128 input channels): acc [BN, BLOCK_M] fp32 += s * (W[rows, tile] - z) @ x^T[tile, :], the
         # words [C, 2, 8, 4, 4] (c, h, g, t, rb) of the tile's rows, z / s their group's zero points and scales.
-        z = z_next.to(gl.float32)
+        w0, w1, w2, w3, zz = _split_tile(words, z_next)
         s = s_next.to(gl.float32)
-        zb = (z + 128.0).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-        zz = zb | (zb << 16)  # [C, 2, 8, 1] bf16x2 (128 + z, 128 + z)
-        w01, w23 = gl.split(gl.reshape(words, [C, 2, 8, 4, 2, 2]))  # rb = 2 a + b: (rb 0, 2) | (rb 1, 3)
-        w0, w2 = gl.split(w01)
-        w1, w3 = gl.split(w23)
         accg = gl.zeros([BN, BLOCK_M], gl.float32, MMA)
         accg = mma_v2(_a_fragment(gl.convert_layout(w0, Q_LAYOUT, assert_trivial=True), zz, BN, A_LAYOUT), x0, accg)
         accg = mma_v2(_a_fragment(gl.convert_layout(w1, Q_LAYOUT, assert_trivial=True), zz, BN, A_LAYOUT), x1, accg)
@@ -168,29 +198,11 @@ if gluon is not None:
                                                       instr_shape=[16, 8])
         a_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma, k_width=8)
         b_layout: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=mma, k_width=8)
-        # words [C, 2 (h), 8 (g), 4 (t), 4 (rb)] for rows n = 16 c + 8 h + g: rb and h in registers (one
-        # 16-byte load per (n, t)), lanes t fastest then g, warps along c.
+        # words [C, 2 (h), 8 (g), 4 (t), 4 (rb)] for rows n = 16 c + 8 h + g (_tile_offsets)
         w_layout: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1, 4], [1, 1, 8, 4, 1], [NUM_WARPS, 1, 1, 1, 1],
                                                   [4, 1, 3, 2, 0])
         q_layout: gl.constexpr = gl.BlockedLayout([1, 2, 1, 1], [1, 1, 8, 4], [NUM_WARPS, 1, 1, 1], [1, 3, 2, 0])
-        l4: gl.constexpr = gl.SliceLayout(4, w_layout)
-        offs_c = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, l4))))
-        offs_h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, l4))))
-        offs_g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, l4))))
-        offs_t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, l4))))
-        offs_rb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3,
-                                                                                                        w_layout)))))
-        # offsets within a column tile (add pid_n * BN rows: pid_n * BN * 16 words)
-        n4 = offs_c[:, None, None, None] * 16 + offs_h[None, :, None, None] * 8 + offs_g[None, None, :, None]
-        w_off = ((n4 * 16 + offs_t[None, None, None, :] * 4)[:, :, :, :, None]
-                 + offs_rb[None, None, None, None, :])  # [C, 2, 8, 4, 4]
         tile_words = 16 * N  # one k-tile (128 input channels) of the mma layout
-
-        # zero points in the words' layout (per row n), scales on the accumulator rows
-        qc = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, q_layout))))
-        qh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, q_layout))))
-        qg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, q_layout))))
-        offs_zn = qc[:, None, None, None] * 16 + qh[None, :, None, None] * 8 + qg[None, None, :, None]  # [C, 2, 8, 1]
         offs_sn = gl.arange(0, BN, layout=gl.SliceLayout(1, mma))
         offs_bk = gl.arange(0, 32, layout=gl.SliceLayout(1, b_layout))
         offs_bm = gl.arange(0, BLOCK_M, layout=gl.SliceLayout(0, b_layout))
@@ -200,6 +212,8 @@ if gluon is not None:
 
         if PERSIST:
             # One stream of steps (item, k-tile) per program; everything step s + 1 needs is loaded in step s.
+            # Offsets within a column tile (the item's pid_n * BN * 16 words are added to the base pointers).
+            w_off, offs_zn = _tile_offsets(0, BN, w_layout, q_layout)
             nprog = gl.num_programs(0)
             tiles = N // BN
             items = tiles * SPLIT_K
@@ -275,8 +289,7 @@ if gluon is not None:
         else:
             pid_n = gl.program_id(0)
             split = gl.program_id(1)
-            w_off = w_off + pid_n * BN * 16
-            offs_zn = offs_zn + pid_n * BN
+            w_off, offs_zn = _tile_offsets(pid_n * BN, BN, w_layout, q_layout)
             offs_sn = offs_sn + pid_n * BN
             kt_start = split * k_tiles_per_split
             kt_end = gl.minimum(kt_start + k_tiles_per_split, k_tiles)

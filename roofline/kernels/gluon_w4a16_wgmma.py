@@ -37,7 +37,14 @@ try:
         warpgroup_mma_wait,
     )
 
-    from roofline.kernels.gluon_w4a16 import _dequant8, _gdc_launch_dependents, _gdc_wait, _store_tile
+    from roofline.kernels.gluon_w4a16 import (
+        _dequant8,
+        _gdc_launch_dependents,
+        _gdc_wait,
+        _split_tile,
+        _store_tile,
+        _tile_offsets,
+    )
 except ImportError:  # pragma: no cover - Triton without Gluon's Hopper module
     gluon = None
 
@@ -59,12 +66,7 @@ if gluon is not None:
     def _tile_fragments(words, z_next, C: gl.constexpr, BN: gl.constexpr, Q_LAYOUT: gl.constexpr,
                         A_LAYOUT: gl.constexpr):
         # a k-tile's words [C, 2, 8, 4, 4] and zero points -> its four k32 A fragments (bf16 [BN, 32], q - z)
-        z = z_next.to(gl.float32)
-        zb = (z + 128.0).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-        zz = zb | (zb << 16)  # [C, 2, 8, 1] bf16x2 (128 + z, 128 + z)
-        w01, w23 = gl.split(gl.reshape(words, [C, 2, 8, 4, 2, 2]))  # rb = 2 a + b: (rb 0, 2) | (rb 1, 3)
-        w0, w2 = gl.split(w01)
-        w1, w3 = gl.split(w23)
+        w0, w1, w2, w3, zz = _split_tile(words, z_next)
         a0 = _a_fragment_v3(gl.convert_layout(w0, Q_LAYOUT, assert_trivial=True), zz, BN, A_LAYOUT)
         a1 = _a_fragment_v3(gl.convert_layout(w1, Q_LAYOUT, assert_trivial=True), zz, BN, A_LAYOUT)
         a2 = _a_fragment_v3(gl.convert_layout(w2, Q_LAYOUT, assert_trivial=True), zz, BN, A_LAYOUT)
@@ -124,21 +126,8 @@ if gluon is not None:
         x_layout: gl.constexpr = gl.BlockedLayout([1, 1, 2], [1, 2, 16], [1, NUM_WARPS, 1], [2, 1, 0])
         x_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, 32], gl.bfloat16)
 
-        l4: gl.constexpr = gl.SliceLayout(4, w_layout)
-        offs_c = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, l4))))
-        offs_h = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, l4))))
-        offs_g = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, l4))))
-        offs_t = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, l4))))
-        offs_rb = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(
-            3, w_layout)))))
-        n4 = pid_n * BN + offs_c[:, None, None, None] * 16 + offs_h[None, :, None, None] * 8 \
-            + offs_g[None, None, :, None]
-        w_off = ((n4 * 16 + offs_t[None, None, None, :] * 4)[:, :, :, :, None] + offs_rb[None, None, None, None, :])
+        w_off, offs_zn = _tile_offsets(pid_n * BN, BN, w_layout, q_layout)
         tile_words = 16 * N
-        qc = gl.arange(0, C, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, q_layout))))
-        qh = gl.arange(0, 2, layout=gl.SliceLayout(0, gl.SliceLayout(2, gl.SliceLayout(3, q_layout))))
-        qg = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, gl.SliceLayout(3, q_layout))))
-        offs_zn = pid_n * BN + qc[:, None, None, None] * 16 + qh[None, :, None, None] * 8 + qg[None, None, :, None]
         offs_sn = pid_n * BN + gl.arange(0, BN, layout=gl.SliceLayout(1, acc_layout))
 
         # x^T slabs: [4 (k32 block i), BLOCK_M, 32 (position r)] at column 128 kt + 32 i + pi(r)
@@ -202,7 +191,7 @@ if gluon is not None:
             for kt in range(kt_start, kt_end):
                 buf = (kt - kt_start) % 2
                 words = w_next
-                z = z_next.to(gl.float32)
+                z_cur = z_next
                 s = s_next.to(gl.float32)
                 kn = gl.minimum(kt + 1, kt_end - 1)  # the last iteration re-reads its own tile (an L2 hit)
                 w_next = gl.load(W + kn.to(gl.int64) * tile_words + w_off)
@@ -210,20 +199,8 @@ if gluon is not None:
                 s_next = gl.load(S + kn * stride_sg + offs_sn)
                 x_next = _load_x_tile(x_rows, kn, xmask)
 
-                zb = (z + 128.0).to(gl.bfloat16).to(gl.int16, bitcast=True).to(gl.int32) & 0xFFFF
-                zz = zb | (zb << 16)  # [C, 2, 8, 1] bf16x2 (128 + z, 128 + z)
-                w01, w23 = gl.split(gl.reshape(words, [C, 2, 8, 4, 2, 2]))  # rb = 2 a + b: (rb 0, 2) | (rb 1, 3)
-                w0, w2 = gl.split(w01)
-                w1, w3 = gl.split(w23)
-                a0 = _a_fragment_v3(gl.convert_layout(w0, q_layout, assert_trivial=True), zz, BN, a_layout)
-                a1 = _a_fragment_v3(gl.convert_layout(w1, q_layout, assert_trivial=True), zz, BN, a_layout)
-                a2 = _a_fragment_v3(gl.convert_layout(w2, q_layout, assert_trivial=True), zz, BN, a_layout)
-                a3 = _a_fragment_v3(gl.convert_layout(w3, q_layout, assert_trivial=True), zz, BN, a_layout)
-                accg = gl.zeros([BN, BLOCK_M], gl.float32, acc_layout)
-                accg = warpgroup_mma(a0, x_smem.index(4 * buf + 0).permute((1, 0)), accg, use_acc=False, is_async=True)
-                accg = warpgroup_mma(a1, x_smem.index(4 * buf + 1).permute((1, 0)), accg, is_async=True)
-                accg = warpgroup_mma(a2, x_smem.index(4 * buf + 2).permute((1, 0)), accg, is_async=True)
-                accg = warpgroup_mma(a3, x_smem.index(4 * buf + 3).permute((1, 0)), accg, is_async=True)
+                a0, a1, a2, a3 = _tile_fragments(words, z_cur, C, BN, q_layout, a_layout)
+                accg = _issue_wgmma(a0, a1, a2, a3, x_smem, buf, BN, BLOCK_M, acc_layout)
                 # the A fragments' registers must live until the products that read them have landed
                 accg, a0, a1, a2, a3 = warpgroup_mma_wait(num_outstanding=0, deps=(accg, a0, a1, a2, a3))
                 acc += accg * s[:, None]
