@@ -186,7 +186,8 @@ _MMA_ROWS: dict[tuple, tuple] = {}  # (table key, id(rows), m, n, k) -> (rows, M
 def _measured_mma(key: str, m: int, n: int, k: int, device: torch.device, default_max_m: int):
     """The measured table's ``key`` rows (``int4_mma``) for the nearest (N, K): the row
     of the smallest measured M >= ``m`` (its fastest config, if it beat the Triton path there, else None); without
-    rows, or above the largest measured M, ``w4a16_mma.pick_tile`` up to ``default_max_m``. Cached per (rows, m, n, k): a decode step asks once per
+    rows, or above the largest measured M, ``w4a16_mma.pick_tile`` up to ``default_max_m`` (its wgmma tiles above
+    M = 16 on an sm_90 device). Cached per (rows, m, n, k): a decode step asks once per
     layer (the cache keeps the rows alive, so their id is not reused)."""
     from roofline.kernels.w4a16_mma import MmaConfig, pick_tile
 
@@ -195,14 +196,15 @@ def _measured_mma(key: str, m: int, n: int, k: int, device: torch.device, defaul
     hit = _MMA_ROWS.get(ck)
     if hit is not None:
         return hit[1]
+    hopper = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9
     if not rows:
-        cfg = pick_tile(m) if m <= default_max_m else None
+        cfg = pick_tile(m, hopper) if m <= default_max_m else None
     else:
         near = _nearest(rows, n, k)
         same = sorted((r for r in rows if (r["n"], r["k"]) == (near["n"], near["k"])), key=lambda r: r["m"])
         row = next((r for r in same if r["m"] >= m), None)
         if row is None:  # above every measured M: the default tile for m rows (a smaller M's tile cannot take them)
-            cfg = pick_tile(m) if m <= default_max_m else None
+            cfg = pick_tile(m, hopper) if m <= default_max_m else None
         else:
             cfg = None if row["us"] > row["triton_us"] else MmaConfig(**row["config"])
     _MMA_ROWS[ck] = (rows, cfg)

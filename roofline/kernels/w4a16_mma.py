@@ -51,6 +51,11 @@ class MmaConfig(NamedTuple):
 # H200 sweep (bench/results/int4-mma-20261204/w4a16_mma-call1.json), compiled without spills for sm_90.
 DEFAULT_TILES = ((8, MmaConfig(8, 128, 8)), (16, MmaConfig(16, 128, 4)), (32, MmaConfig(32, 128, 4, prefetch_x=False)),
                  (64, MmaConfig(64, 64, 4, prefetch_x=False)))
+# On sm_90 (Hopper) above M = 16 the wgmma kernel, two k-tiles a loop body, wins over mma.sync at every Llama-3-8B
+# projection and M = 32 / 64 measured (H100, chained launches: gate_up M = 64 62-64 us against 104, M = 32 42.5
+# against 65; bench/results/int4-persist-20261206/call4-wgmma, call8-wgmma-two-tile-body); these are its tiles
+# there (the most frequent winners), for Hopper parts with no measured table.
+HOPPER_TILES = ((32, MmaConfig(32, 128, 4, split_k=4, wgmma=2)), (64, MmaConfig(64, 128, 8, split_k=4, wgmma=2)))
 # Bit of nibble j of a word in the mma layout: pairs (j, j + 1) share one LOP3 (low and high bf16 halves).
 _NIBBLE_SHIFT = (0, 16, 4, 20, 8, 24, 12, 28)
 
@@ -116,13 +121,14 @@ def mma_supported(n: int, k: int, group_size: int, dtype: torch.dtype, device: t
     return None
 
 
-def pick_tile(m: int) -> MmaConfig:
-    """The default :class:`MmaConfig` for ``m`` rows (:data:`DEFAULT_TILES`).
+def pick_tile(m: int, hopper: bool = False) -> MmaConfig:
+    """The default :class:`MmaConfig` for ``m`` rows (:data:`DEFAULT_TILES`; with ``hopper``, an sm_90 device,
+    :data:`HOPPER_TILES` above M = 16).
 
     Raises:
         ValueError: ``m`` above :data:`MMA_MAX_M`.
     """
-    for max_m, cfg in DEFAULT_TILES:
+    for max_m, cfg in (HOPPER_TILES if hopper and m > 16 else DEFAULT_TILES):
         if m <= max_m:
             return cfg
     raise ValueError(f"w4a16_mma_gemm takes M <= {MMA_MAX_M} rows, got {m}")
@@ -136,7 +142,7 @@ def w4a16_mma_gemm(x: torch.Tensor, qweight_mma: torch.Tensor, scales: torch.Ten
         x: [..., K] bfloat16, CUDA, at most :data:`MMA_MAX_M` rows.
         qweight_mma: int32 [K / 128, N * 16] (:func:`repack_int4_mma`).
         scales, zeros: bfloat16 [K / 128, N] (group size 128; zeros are the integer zero points 0..15).
-        config: the launch configuration, default :func:`pick_tile`.
+        config: the launch configuration, default :func:`pick_tile` (its Hopper tiles on sm_90).
         pdl_mode: programmatic dependent launch mode (``roofline.kernels.pdl``), default the process-wide one.
 
     Returns:
@@ -156,7 +162,7 @@ def w4a16_mma_gemm(x: torch.Tensor, qweight_mma: torch.Tensor, scales: torch.Ten
                          f"disagree (want bf16 x, int32 [K/128, N*16], bf16 [K/128, N] with group 128)")
     x2 = _as_rows(x, k, "w4a16_mma_gemm")
     m = x2.shape[0]
-    cfg = config or pick_tile(m)
+    cfg = config or pick_tile(m, x.is_cuda and torch.cuda.get_device_capability(x.device)[0] == 9)
     bm, bn, nw = cfg.block_m, cfg.block_n, cfg.num_warps
     if m > bm or n % bn:
         raise ValueError(f"w4a16_mma_gemm: M={m} rows and N={n} do not fit the tile BLOCK_M={bm}, BN={bn}")

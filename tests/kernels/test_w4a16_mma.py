@@ -15,6 +15,7 @@ from roofline.kernels.quant_layouts import pack_int4
 from roofline.kernels.w4a16_mma import (
     _NIBBLE_SHIFT,
     DEFAULT_TILES,
+    HOPPER_TILES,
     MmaConfig,
     mma_supported,
     pick_tile,
@@ -105,6 +106,13 @@ def test_persistent_grid_refuses_a_register_ring_or_x_loaded_in_the_iteration():
 
 def test_tile_table_covers_every_decode_m():
     assert [pick_tile(m).block_m for m in (1, 8, 9, 16, 17, 32, 33, 64)] == [8, 8, 16, 16, 32, 32, 64, 64]
+    hopper = [pick_tile(m, hopper=True) for m in (1, 16, 17, 32, 33, 64)]
+    assert [c.block_m for c in hopper] == [8, 16, 32, 32, 64, 64]
+    assert [c.wgmma for c in hopper] == [0, 0, 2, 2, 2, 2]  # mma.sync up to 16 rows, wgmma above
+    for _, cfg in HOPPER_TILES:
+        assert cfg.block_n % 64 == 0 and cfg.num_warps in (4, 8) and not cfg.persistent
+    with pytest.raises(ValueError, match="M <= 64.*65"):
+        pick_tile(65, hopper=True)
     for max_m, cfg in DEFAULT_TILES:
         assert cfg.block_m >= max_m and cfg.block_m % 8 == 0 and cfg.block_n % (16 * cfg.num_warps) == 0
     with pytest.raises(ValueError, match="M <= 64.*65"):
