@@ -978,8 +978,12 @@ extern "C" int roofline_decode_step(const RooflineLayer* layers, int64_t L, cons
     roofline_silu_mul_bf16(gu.data(), act.data(), M, ly.down.K, nthreads);
     plan_linear(ly.down, act.data(), x, M, nthreads);
   }
-  roofline_add_rmsnorm_bf16(x, res.data(), final_norm, h.data(), res2.data(), M, hidden, final_eps, nthreads);
-  std::memcpy(x, h.data(), M * hidden * 2);
+  if (final_norm) {
+    roofline_add_rmsnorm_bf16(x, res.data(), final_norm, h.data(), res2.data(), M, hidden, final_eps, nthreads);
+    std::memcpy(x, h.data(), M * hidden * 2);
+  } else {  // no final norm (an EAGLE draft layer's output): x + residual, rounded once as torch's bf16 add
+    for (int64_t i = 0; i < M * hidden; ++i) x[i] = narrow(widen(x[i]) + widen(res[i]));
+  }
   return 1;
 }
 """

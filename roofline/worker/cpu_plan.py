@@ -19,7 +19,9 @@ AMX-INT8 GEMM at more, so a CPU with AMX-INT8 past one row), an fp32
 or bf16 KV cache the C++ attention reads, one process, at most ``cpu_bf16.AMX_MAX_ROWS`` rows (past that the
 modules run oneDNN's large-M GEMM). Speculative decoding's verify passes run in it too: a chain's are decode rows
 already (``InputPreparer``), and a token tree's become decode rows with the tree's ancestor mask
-(:meth:`CpuDecodePlan.run`); the drafts' own passes run their modules. ``build`` returns None otherwise,
+(:meth:`CpuDecodePlan.run`). An EAGLE draft layer's decode-row passes run in a plan of their own
+(:meth:`CpuDecodePlan.for_layers`: the layer without an embedding or a final norm, over the draft's KV pool); other
+drafts run their modules. ``build`` returns None otherwise,
 with the reason, which ``roofline generate`` prints under its start-up CPU line (``CPU decode plan: off (...)``);
 the worker then runs the modules, as before. ``ROOFLINE_CPU_PLAN=0`` turns it off (A/B).
 
@@ -86,10 +88,11 @@ class CpuDecodePlan:
     """``can_run(num_seqs, max_blocks)`` / ``run(input_ids, positions, meta)``, as ``CUDAGraphRunner``: a decode
     step of up to ``max_rows`` rows through ``roofline_decode_step``. Build with :meth:`build`."""
 
-    def __init__(self, lib, layers, model, backend, cache_bf16: bool, one_row_why: str = ""):
+    def __init__(self, lib, layers, model, backend, cache_bf16: bool, one_row_why: str = "", final_norm=None):
         from roofline.kernels.cpu_bf16 import AMX_MAX_ROWS
 
         self.lib, self.layers, self.model, self.backend = lib, layers, model, backend
+        self.final_norm = final_norm  # an RMSNorm module applied after the last layer, or None (x + residual)
         self.cache_bf16 = cache_bf16
         self.one_row_why = one_row_why  # why a step takes one row only ("": up to AMX_MAX_ROWS)
         self.max_rows = 1 if one_row_why else AMX_MAX_ROWS
@@ -127,14 +130,42 @@ class CpuDecodePlan:
     @classmethod
     def _build(cls, model, backend) -> CpuDecodePlan:
         from roofline.kernels import cpu_bf16
-        from roofline.kernels import cpu_paged_attention as cpa
-        from roofline.models.llama import LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
+        from roofline.models.llama import LlamaForCausalLM
 
         if not isinstance(model, LlamaForCausalLM):
             raise _Unsupported(f"the {type(model).__name__} model")
         inner = model.model
         if inner.start_layer != 0 or not (inner.is_first_stage and inner.is_last_stage):
             raise _Unsupported("pipeline parallelism")
+        layers, cache_bf16, one_row_why = cls._layers(list(inner.layers), backend)
+        if inner.norm.weight.dtype != torch.bfloat16:
+            raise _Unsupported("final norm weight not bf16")
+        return cls(cpu_bf16._cpp_library(), layers, model, backend, cache_bf16, one_row_why, inner.norm)
+
+    @classmethod
+    def for_layers(cls, decoder_layers, backend, dtype: torch.dtype,
+                   device: torch.device) -> tuple[CpuDecodePlan | None, str]:
+        """(a plan over ``decoder_layers`` alone, layer i on ``backend``'s KV cache i, with no embedding and no
+        final norm: :meth:`run_rows` returns the last layer's output plus its residual; ""), or (None, the
+        reason). An EAGLE draft layer's decode-row passes on the CPU (``roofline.spec_decode.eagle``)."""
+        why = cls._why_not(None, backend, dtype, device, 1)
+        if why is None:
+            try:
+                from roofline.kernels import cpu_bf16
+
+                layers, cache_bf16, one_row_why = cls._layers(list(decoder_layers), backend)
+                return cls(cpu_bf16._cpp_library(), layers, None, backend, cache_bf16, one_row_why), ""
+            except _Unsupported as e:
+                why = str(e)
+        return None, why
+
+    @staticmethod
+    def _layers(decoder_layers, backend):
+        """The C array of ``decoder_layers`` over ``backend``'s caches, the caches' dtype flag and why a step
+        takes one row only ("" for none); raises :class:`_Unsupported`."""
+        from roofline.kernels import cpu_paged_attention as cpa
+        from roofline.models.llama import LlamaDecoderLayer, LlamaMLP
+
         caches = backend.kv_pool.caches
         k0 = caches[0].k
         cache_bf16 = k0.dtype == torch.bfloat16
@@ -144,8 +175,8 @@ class CpuDecodePlan:
                 f"{backend.num_heads}/{k0.shape[2]} heads of {backend.head_dim} (it reads float32/bfloat16 blocks "
                 f"of <= {cpa.MAX_BLOCK} tokens, <= {cpa.MAX_GROUP} query heads per KV head, head_dim <= "
                 f"{cpa.MAX_HEAD_DIM})")
-        layers = (_Layer * len(inner.layers))()
-        for i, layer in enumerate(inner.layers):
+        layers = (_Layer * len(decoder_layers))()
+        for i, layer in enumerate(decoder_layers):
             attn = layer.self_attn if isinstance(layer, LlamaDecoderLayer) else None
             if attn is None or layer.mlp_name != "mlp" or not isinstance(layer.mlp, LlamaMLP) or attn.qk_norm:
                 raise _Unsupported(f"layer {i} is not a dense Llama layer without q/k norm")
@@ -164,8 +195,6 @@ class CpuDecodePlan:
             layers[i] = _Layer(norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[0].eps, norms[1].eps,
                                parts["qkv"], parts["o"], parts["gate_up"], parts["down"], cache.k.data_ptr(),
                                cache.v.data_ptr())
-        if inner.norm.weight.dtype != torch.bfloat16:
-            raise _Unsupported("final norm weight not bf16")
         cs = backend.rotary.cos_sin_cache
         if cs.dtype != torch.float32 or not cs.is_contiguous() or cs.shape[1] != backend.head_dim:
             raise _Unsupported("a RoPE table that is not fp32 [positions, head_dim]")
@@ -178,7 +207,7 @@ class CpuDecodePlan:
         if not all(getattr(ly, name).amx for ly in layers for name in ("qkv", "o", "gate_up", "down")):
             one_row_why = ("INT8 W8A8 linears without AMX-INT8 tiles" if any(ly.qkv.kind == 1 for ly in layers)
                            else "no AMX tiles: ROOFLINE_CPU_AMX=0, or no AMX-BF16 on this CPU")
-        return cls(cpu_bf16._cpp_library(), layers, model, backend, cache_bf16, one_row_why)
+        return layers, cache_bf16, one_row_why
 
     def describe(self) -> str:
         """What a step runs, for the start-up line."""
@@ -204,7 +233,7 @@ class CpuDecodePlan:
         (tree-depth) RoPE position and slot; the last r_i = min(q_i, W) rows of i, the tree region of
         ``meta.tree_mask`` [S, W], see a region key only where their ancestor bit is set (the C++ attention's
         ``tree_lo`` / ``tree_bits``). Every row's k/v is stored before any row attends, as in the prefill path."""
-        model, backend = self.model, self.backend
+        model = self.model
         inner = model.model
         x = inner.embed_tokens(input_ids)  # [M, hidden] bf16, a fresh tensor the call overwrites
         m = x.shape[0]
@@ -224,18 +253,33 @@ class CpuDecodePlan:
                 or table.stride(1) != 1 or pos.shape != (m,) or slots.shape != (m,) or not slots.is_contiguous()
                 or seq_lens.shape != (m,)):
             return model(input_ids, positions, meta)
-        cache = backend.kv_pool.caches[0]
-        num_blocks, bs = cache.k.shape[:2]
-        ok = self.lib.roofline_decode_step(
-            ctypes.addressof(self.layers), len(self.layers), inner.norm.weight.data_ptr(), inner.norm.eps,
-            x.data_ptr(), m, x.shape[1], backend.num_heads, backend.num_kv_heads, backend.head_dim, bs,
-            int(self.cache_bf16), backend.scale, pos.data_ptr(), slots.data_ptr(), table.data_ptr(),
-            table.stride(0), seq_lens.data_ptr(), backend.rotary.cos_sin_cache.data_ptr(),
-            backend.rotary.cos_sin_cache.shape[0], num_blocks * bs, torch.get_num_threads(),
-            None if tree_lo is None else tree_lo.data_ptr(), None if tree_bits is None else tree_bits.data_ptr())
-        if not ok:
+        if not self.run_rows(x, pos, slots, table, seq_lens, tree_lo, tree_bits):
             return model(input_ids, positions, meta)
         return x
+
+    def run_rows(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
+                 seq_lens: torch.Tensor, tree_lo: torch.Tensor | None = None,
+                 tree_bits: torch.Tensor | None = None) -> bool:
+        """The plan's layers (then its final norm, if any) over M decode rows, in place: ``x`` [M, hidden] bf16
+        contiguous, row r at RoPE position ``pos[r]`` (int64 [M]), its k/v stored at slot ``slots[r]`` (int64),
+        attending to the first ``seq_lens[r]`` (int64) positions of block-table row ``table[r]`` (int32 [M, W],
+        unit column stride); with ``tree_lo`` / ``tree_bits`` (int64 [M]), keys from ``tree_lo[r]`` on only where
+        their bit is set (all ones: no mask). Returns False, with ``x`` untouched, where the C++ declines (a row
+        outside the cache or the block table) or for more than ``max_rows`` rows: the caller runs its modules."""
+        if x.dtype != torch.bfloat16 or not x.is_contiguous() or not 1 <= x.shape[0] <= self.max_rows:
+            return False
+        backend = self.backend
+        cache = backend.kv_pool.caches[0]
+        num_blocks, bs = cache.k.shape[:2]
+        norm = self.final_norm
+        return bool(self.lib.roofline_decode_step(
+            ctypes.addressof(self.layers), len(self.layers), None if norm is None else norm.weight.data_ptr(),
+            0.0 if norm is None else norm.eps, x.data_ptr(), x.shape[0], x.shape[1], backend.num_heads,
+            backend.num_kv_heads, backend.head_dim, bs, int(self.cache_bf16), backend.scale, pos.data_ptr(),
+            slots.data_ptr(), table.data_ptr(), table.stride(0), seq_lens.data_ptr(),
+            backend.rotary.cos_sin_cache.data_ptr(), backend.rotary.cos_sin_cache.shape[0], num_blocks * bs,
+            torch.get_num_threads(), None if tree_lo is None else tree_lo.data_ptr(),
+            None if tree_bits is None else tree_bits.data_ptr()))
 
 
 class _Unsupported(Exception):

@@ -178,3 +178,52 @@ def test_verify_passes_run_in_the_plan_and_keep_greedy_output_bit_exact(spec, qu
     ref = LLM(device="cpu", dtype="bfloat16", max_model_len=512, quantization=quantization).generate(
         prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+
+
+def test_eagle_draft_layer_runs_in_the_plan_close_to_its_modules():
+    """The EAGLE draft layer's decode-row passes (the step's first pass and the tree's) run in one C++ call each,
+    without the target's embedding and final norm (the layer's output plus its residual): bit-identical to the
+    layer's modules on the same tokens (which attend in the packed prefill form), and greedy output stays plain
+    decoding's."""
+    import numpy as np
+
+    from roofline import LLM, SamplingParams
+
+    spec = {"method": "eagle", "num_speculative_tokens": 2, "tree_topk": 3, "tree_budget": 6, "adaptive": False}
+    llm = LLM(device="cpu", dtype="bfloat16", max_model_len=512, speculative_config=spec)
+    worker = llm.engine.worker
+    prop = worker.proposer
+    if prop.cpu_plan is None or prop.cpu_plan.max_rows == 1:
+        pytest.skip("no multi-row CPU plan on this CPU (no AMX tiles)")
+    calls = {"n": 0, "trees": 0}
+    run_rows = prop.cpu_plan.run_rows
+
+    def counted(x, pos, slots, table, seq_lens, tree_lo=None, tree_bits=None):
+        calls["n"] += 1
+        calls["trees"] += tree_lo is not None
+        return run_rows(x, pos, slots, table, seq_lens, tree_lo, tree_bits)
+
+    prop.cpu_plan.run_rows = counted
+    sp = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    prompts = ["Write a short poem about the sea.", "def fibonacci(n):"]
+    got = llm.generate(prompts, sp, use_tqdm=False)
+    steps = llm.engine.spec_stats.num_steps_on
+    assert steps > 5 and calls["n"] >= steps and calls["trees"] >= 1  # the first pass of a step, then the tree
+    ref = LLM(device="cpu", dtype="bfloat16", max_model_len=512).generate(prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
+
+    # A 5-token catch-up in the draft's (now free) pool, blocks 0-1: the plan's decode rows (row t sees keys
+    # 0..t) against the layer's modules in the packed prefill form, on the same input.
+    from roofline.attention.backend import paged_metadata
+
+    t, bs = 5, worker.block_size
+    x = torch.randn(t, worker.model_config.hidden_size, dtype=torch.bfloat16)
+    pos = torch.arange(t, dtype=torch.int64)
+    table = np.array([[0, 1]] * t, dtype=np.int32)
+    slots = (table[np.arange(t), np.arange(t) // bs].astype(np.int64) * bs + np.arange(t) % bs)
+    meta = paged_metadata(slots, np.array([0, t]), np.array([t]), table[:1], torch.device("cpu"))
+    out, res = prop.layer(pos, x.clone(), None, prop.backend.build_metadata(meta))
+    want = out + res
+    got_x = x.clone()
+    assert prop.cpu_plan.run_rows(got_x, pos, torch.from_numpy(slots), torch.from_numpy(table), pos + 1)
+    assert torch.equal(got_x, want)
