@@ -5,7 +5,7 @@ k + 2 positions past the feature it reads, and t_{N-1} (the target's own token) 
 
 Medusa's drafts do not condition on each other; each is sampled from the distribution the verifier receives
 as its q, so rejection sampling keeps the target's distribution exactly as for any draft. It keeps no KV:
-only each row's latest feature (``eagle.FeatureStore``).
+only each row's latest feature (``feature_store.FeatureStore``).
 
 With ``tree_topk`` (``roofline.spec_decode.tree``) it drafts a tree instead: the Cartesian product of the heads'
 top-k tokens, pruned to the tree budget by summed log-probability.
@@ -21,7 +21,8 @@ import torch.nn.functional as F
 
 from roofline.kernels.cpu_bf16 import packed_linear, prepack, should_prepack
 from roofline.spec_decode.draft_proposers import AutoregressiveProposer
-from roofline.spec_decode.eagle import FeatureStore, check_tree_backend, resolve_head
+from roofline.spec_decode.eagle import check_tree_backend, resolve_head
+from roofline.spec_decode.feature_store import FeatureStore
 from roofline.spec_decode.tree import best_first_tree, place_tree
 
 

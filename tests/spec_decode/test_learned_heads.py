@@ -426,7 +426,7 @@ def test_feature_store_appends_replaces_accepts_and_drops():
 
     import numpy as np
 
-    from roofline.spec_decode.eagle import FeatureStore
+    from roofline.spec_decode.feature_store import FeatureStore
 
     store = FeatureStore(2)
     batch = SimpleNamespace(row_of={7: 1}, num_computed_tokens=np.zeros(2, dtype=np.int64))
