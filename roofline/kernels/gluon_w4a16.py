@@ -53,6 +53,21 @@ if gluon is not None:
                                   is_pure=False, pack=1)
 
     @gluon.jit
+    def _pdl_sync(PDL: gl.constexpr):
+        # Programmatic dependent launch (roofline.kernels.pdl), once the first weight tile is in flight: wait for
+        # the previous kernel (mode > 0), and with mode 1 release the next kernel at once.
+        if PDL:
+            _gdc_wait()
+            if PDL == 1:
+                _gdc_launch_dependents()
+
+    @gluon.jit
+    def _load_x_tile4(xk, bmask):
+        # x^T's k-tile from xk (pointers [32, BLOCK_M] at its first channel) as the four k32 B operands
+        return (gl.load(xk, mask=bmask, other=0.0), gl.load(xk + 32, mask=bmask, other=0.0),
+                gl.load(xk + 64, mask=bmask, other=0.0), gl.load(xk + 96, mask=bmask, other=0.0))
+
+    @gluon.jit
     def _dequant8(w, zz):
         # w int32: the codes of 8 input channels j = 0..7, nibble j at bit 16 (j % 2) + 4 (j // 2); zz int32:
         # the bf16 pair (128 + z, 128 + z). Returns q_j - z as 8 bf16 values, exact.
@@ -230,14 +245,8 @@ if gluon is not None:
             w_next = gl.load(w_base + w_off)
             z_next = gl.load(z_base + offs_zn)
             s_next = gl.load(s_base + offs_sn)
-            if PDL:
-                _gdc_wait()
-                if PDL == 1:
-                    _gdc_launch_dependents()
-            x0n = gl.load(x_base, mask=bmask, other=0.0)
-            x1n = gl.load(x_base + 32, mask=bmask, other=0.0)
-            x2n = gl.load(x_base + 64, mask=bmask, other=0.0)
-            x3n = gl.load(x_base + 96, mask=bmask, other=0.0)
+            _pdl_sync(PDL)
+            x0n, x1n, x2n, x3n = _load_x_tile4(x_base, bmask)
             acc = gl.zeros([BN, BLOCK_M], gl.float32, mma)
             for _ in range(steps):
                 words = w_next
@@ -267,10 +276,7 @@ if gluon is not None:
                 z_next = gl.load(zb_n + kl_n * stride_sg + offs_zn)
                 s_next = gl.load(sb_n + kl_n * stride_sg + offs_sn)
                 xk = xb_n + kl_n * 128
-                x0n = gl.load(xk, mask=bmask, other=0.0)
-                x1n = gl.load(xk + 32, mask=bmask, other=0.0)
-                x2n = gl.load(xk + 64, mask=bmask, other=0.0)
-                x3n = gl.load(xk + 96, mask=bmask, other=0.0)
+                x0n, x1n, x2n, x3n = _load_x_tile4(xk, bmask)
                 acc = _mma_tile(acc, words, z_cur, s_cur, x0, x1, x2, x3, C, BN, BLOCK_M, mma, a_layout, q_layout)
                 if kl == T - 1:
                     _store_tile(acc, Out, Partials, Counters, pid_n, split, M, N, stride_om, SPLIT_K, BN, BLOCK_M,
@@ -316,16 +322,10 @@ if gluon is not None:
                 w_next2 = gl.load(W + gl.minimum(kt_start + 1, kt_end - 1).to(gl.int64) * tile_words + w_off)
             z_next = gl.load(Z + kt_start * stride_sg + offs_zn)
             s_next = gl.load(S + kt_start * stride_sg + offs_sn)
-            if PDL:
-                _gdc_wait()
-                if PDL == 1:
-                    _gdc_launch_dependents()
+            _pdl_sync(PDL)
             if XPRE:
                 xk = x_cols + kt_start * 128
-                x0n = gl.load(xk, mask=bmask, other=0.0)
-                x1n = gl.load(xk + 32, mask=bmask, other=0.0)
-                x2n = gl.load(xk + 64, mask=bmask, other=0.0)
-                x3n = gl.load(xk + 96, mask=bmask, other=0.0)
+                x0n, x1n, x2n, x3n = _load_x_tile4(xk, bmask)
             else:  # loop-carried but unused
                 x0n = gl.zeros([32, BLOCK_M], gl.bfloat16, b_layout)
                 x1n = x0n
@@ -348,10 +348,7 @@ if gluon is not None:
                     x0, x1, x2, x3 = x0n, x1n, x2n, x3n
                 else:
                     xk = x_cols + kt * 128
-                    x0 = gl.load(xk, mask=bmask, other=0.0)
-                    x1 = gl.load(xk + 32, mask=bmask, other=0.0)
-                    x2 = gl.load(xk + 64, mask=bmask, other=0.0)
-                    x3 = gl.load(xk + 96, mask=bmask, other=0.0)
+                    x0, x1, x2, x3 = _load_x_tile4(xk, bmask)
                 kn = gl.minimum(kt + 1, kt_end - 1)  # the last iteration re-reads its own tile (an L2 hit)
                 if STAGES == 2:
                     w_next = w_next2
@@ -362,10 +359,7 @@ if gluon is not None:
                 s_next = gl.load(S + kn * stride_sg + offs_sn)
                 if XPRE:
                     xk = x_cols + kn * 128
-                    x0n = gl.load(xk, mask=bmask, other=0.0)
-                    x1n = gl.load(xk + 32, mask=bmask, other=0.0)
-                    x2n = gl.load(xk + 64, mask=bmask, other=0.0)
-                    x3n = gl.load(xk + 96, mask=bmask, other=0.0)
+                    x0n, x1n, x2n, x3n = _load_x_tile4(xk, bmask)
                 acc = _mma_tile(acc, words, z_cur, s_cur, x0, x1, x2, x3, C, BN, BLOCK_M, mma, a_layout, q_layout)
             if STAGES >= 3:
                 async_copy.wait_group(0)  # the clamped copies of the last iterations

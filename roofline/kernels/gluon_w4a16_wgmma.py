@@ -40,7 +40,7 @@ try:
     from roofline.kernels.gluon_w4a16 import (
         _dequant8,
         _gdc_launch_dependents,
-        _gdc_wait,
+        _pdl_sync,
         _split_tile,
         _store_tile,
         _tile_offsets,
@@ -147,10 +147,7 @@ if gluon is not None:
         w_next = gl.load(W + kt_start.to(gl.int64) * tile_words + w_off)
         z_next = gl.load(Z + kt_start * stride_sg + offs_zn)
         s_next = gl.load(S + kt_start * stride_sg + offs_sn)
-        if PDL:
-            _gdc_wait()
-            if PDL == 1:
-                _gdc_launch_dependents()
+        _pdl_sync(PDL)
         _store_x_tile(x_smem, 0, _load_x_tile(x_rows, kt_start, xmask))
         fence_async_shared()
         gl.thread_barrier()
