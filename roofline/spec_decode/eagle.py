@@ -154,9 +154,8 @@ class EagleProposer(AutoregressiveProposer):
         self.backend.allocate_kv_cache(1, num_blocks, block_size, self.kv_dtype, w.device)
         # On a CPU in bf16, decode-row passes run the layer in one C++ call (the target's decode plan, without
         # its embedding and final norm), built over the pool just allocated (it holds its pointers).
-        self.cpu_plan, why = (CpuDecodePlan.for_layers([self.layer], self.backend, w.dtype, w.device)
-                              if w.device.type == "cpu" else (None, "not a CPU"))
         if w.device.type == "cpu":
+            self.cpu_plan, why = CpuDecodePlan.for_layers([self.layer], self.backend, w.dtype, w.device)
             logger.info("EAGLE draft layer on the CPU decode plan: %s", "on" if self.cpu_plan else f"off ({why})")
 
     def reset(self, row: int) -> None:
