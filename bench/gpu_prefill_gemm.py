@@ -16,7 +16,14 @@ int8            ``w8a16`` (weight-only): dequantize + ``F.linear``
 Each path is checked against float64 (relative Frobenius error printed). Times are CUDA-event medians of
 ``--reps`` back-to-back calls after warm-up (these GEMMs take 0.1-2 ms, so launch gaps do not matter).
 
+``--producer``: each path also runs the kernel that produces its input in a decoder layer, as the engine does:
+residual add + RMSNorm before qkv and gate_up, SiLU-and-mul (of a [M, 2K] gate_up output) before down, nothing
+before o (attention). Two more paths then show the fusion of issue 28: ``fp8_fused`` / ``int8_w8a8_fused``, the
+producer writing the per-token codes itself (``roofline.kernels.act_quant.rmsnorm_quant`` /
+``silu_and_mul_quant``) so the linear skips its quantizer.
+
 Usage (H200, repo root): PYTHONPATH=. python bench/gpu_prefill_gemm.py --out OUT.json [--ms 2048,4096,8192]
+[--producer]
 """
 
 from __future__ import annotations
@@ -40,12 +47,16 @@ def main(argv=None) -> int:
     ap.add_argument("--ms", default="2048,4096,8192")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--shapes", default=",".join(SHAPES))
+    ap.add_argument("--producer", action="store_true", help="time each path with the kernel producing its input")
     args = ap.parse_args(argv)
 
     import torch
     import torch.nn.functional as F
 
+    from roofline.kernels import act_quant
     from roofline.kernels import linear_dispatch as ld
+    from roofline.kernels.activation import silu_and_mul
+    from roofline.kernels.rmsnorm import fused_add_rmsnorm
     from roofline.kernels.switch import set_kernels_enabled
     from roofline.quant.quantize import quantize_fp8_per_channel, quantize_int4_rtn, quantize_int8_per_channel
 
@@ -73,6 +84,26 @@ def main(argv=None) -> int:
         acc = torch._int_mm(xq, layer.qweight.t())
         return (acc.float() * xs * layer.weight_scale[None, :]).to(x.dtype)
 
+    def producer_of(name, m, k, norm_w):
+        """(the producer's inputs, the producer, its fused-quantization form) of a projection's input."""
+        if args.producer and name == "down":  # x = silu_and_mul(the gate_up output)
+            return ((torch.randn(m, 2 * k, device=dev, dtype=dt),), silu_and_mul, act_quant.silu_and_mul_quant)
+        if args.producer and name != "o":  # x = rmsnorm(h + residual)
+            def produce(h, r):
+                return fused_add_rmsnorm(h, r, norm_w, 1e-5)[0]
+
+            def produce_q(h, r, fmt):
+                return act_quant.rmsnorm_quant(h, r, norm_w, 1e-5, fmt)[:2]
+
+            return (torch.randn(m, k, device=dev, dtype=dt), torch.randn(m, k, device=dev, dtype=dt)), produce, produce_q
+        return (torch.randn(m, k, device=dev, dtype=dt),), (lambda v: v), None
+
+    def with_producer(path, fn0, produce, produce_q):
+        if path.endswith("_fused"):  # the producer writes the codes; the linear takes them
+            fmt = "fp8" if path.startswith("fp8") else "int8"
+            return lambda *a: fn0(act_quant.QuantizedActivation(*produce_q(*a, fmt), dt))
+        return lambda *a: fn0(produce(*a))
+
     rows = []
     print(f"{'shape':>8} {'M':>5} {'path':>16} {'ms':>8} {'TFLOP/s':>8} {'vs bf16':>8} {'rel err':>9}", flush=True)
     for name in args.shapes.split(","):
@@ -96,15 +127,22 @@ def main(argv=None) -> int:
             "int4": lambda x, lay=l_w4: ld.w4a16(x, lay),
             "int8": lambda x, lay=l_int8: ld.w8a16(x, lay),
         }
+        if args.producer and name != "o":
+            refs["fp8_fused"], refs["int8_w8a8_fused"] = refs["fp8"], refs["int8_w8a8"]
+            paths["fp8_fused"] = lambda qa, fq=fq, fs=fs: ld.fp8_w8a8(qa, fq, fs)
+            paths["int8_w8a8_fused"] = lambda qa, lay=l_int8: ld.int8_w8a8(qa, lay)
+        norm_w = (1 + 0.1 * torch.randn(k, device=dev)).to(dt)
         for m in (int(v) for v in args.ms.split(",")):
-            x = torch.randn(m, k, device=dev, dtype=dt)
+            src, produce, produce_q = producer_of(name, m, k, norm_w)
+            x = produce(*src)
             base = None
-            for path, fn in paths.items():
+            for path, fn0 in paths.items():
+                fn = with_producer(path, fn0, produce, produce_q)
                 try:
-                    out = fn(x)
+                    out = fn(*src)
                     ref = x.double() @ refs[path].t()
                     err = float((out.double() - ref).norm() / ref.norm())
-                    ms = time_ms(lambda fn=fn, x=x: fn(x))
+                    ms = time_ms(lambda fn=fn, src=src: fn(*src))
                 except Exception as e:  # noqa: BLE001 - report and go on
                     print(f"{name:>8} {m:>5} {path:>16} error: {type(e).__name__}: {e}", flush=True)
                     rows.append(dict(shape=name, n=n, k=k, m=m, path=path, error=str(e)))
@@ -120,7 +158,7 @@ def main(argv=None) -> int:
     # per path: geometric mean of the speedup over all shapes and M, and the sum-of-time ratio (a prefill's mix)
     print("\npath: total time of all shapes x M vs bf16 (a prefill's mix of projections)")
     summary = {}
-    for path in paths:
+    for path in dict.fromkeys(r["path"] for r in rows):
         got = [r for r in rows if r["path"] == path and "ms" in r]
         keys = {(r["shape"], r["m"]) for r in got}
         bf = sum(r["ms"] for r in rows if r["path"] == "bf16" and "ms" in r and (r["shape"], r["m"]) in keys)
@@ -129,7 +167,7 @@ def main(argv=None) -> int:
             summary[path] = bf / mine
             print(f"  {path:>16}: {bf / mine:.2f}x  ({len(got)} points)")
     info = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=__import__("triton").__version__, rows=rows, summary=summary)
+                triton=__import__("triton").__version__, producer=args.producer, rows=rows, summary=summary)
     Path(args.out).write_text(json.dumps(info, indent=1))
     return 0
 

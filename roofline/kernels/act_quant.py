@@ -1,11 +1,22 @@
 """Dynamic per-token activation quantizers (INT8 for SmoothQuant W8A8, E4M3 for FP8 W8A8), each beside its
-bit-exact pure-torch ``ref_`` twin: one program per row, amax, IEEE division, round to the code."""
+bit-exact pure-torch ``ref_`` twin: one program per row, amax, IEEE division, round to the code.
+
+The same quantization fused into the kernel that produces a W8A8 linear's input (issue 28, "fewer kernels per
+layer"): residual add + RMSNorm + quantize (the input of qkv and gate_up) and SiLU-and-mul + quantize (the input of
+down). Each writes the codes and scales instead of the 16-bit activation, so the separate quantizer's launch and
+its two reads and one write of the activation go away; the codes are bit-identical to running the two kernels.
+``QuantizedActivation`` carries them to the linear layer (``roofline.kernels.linear_dispatch``)."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from roofline.kernels import pdl
+from roofline.kernels.activation import ref_silu_and_mul
 from roofline.kernels.quant_types import FP8_E4M3_MAX, INT8_MAX
+from roofline.kernels.rmsnorm import ref_fused_add_rmsnorm, ref_rmsnorm
 
 try:
     import triton
@@ -14,6 +25,61 @@ except ImportError:  # pragma: no cover
     triton = None
 
 from roofline.kernels.quant_layouts import _MIN_SCALE, _as_rows
+
+QUANT_FORMATS = ("int8", "fp8")  # the per-token activation formats: SmoothQuant's INT8, FP8 W8A8's E4M3
+
+
+class QuantizedActivation(NamedTuple):
+    """A linear layer's input already quantized per token by its producer (a fused norm or SiLU-and-mul), as
+    the W8A8 linear would quantize it itself (:func:`per_token_quant_int8` / :func:`per_token_quant_fp8`).
+
+    codes: int8 or float8_e4m3fn [T, K]; scales: float32 [T, 1]; dtype: the 16-bit activation dtype the layer
+    computes in (its output's dtype)."""
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.codes.shape
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    @property
+    def fmt(self) -> str:
+        return "fp8" if self.codes.dtype == torch.float8_e4m3fn else "int8"
+
+
+def _check_fmt(fmt: str) -> None:
+    if fmt not in QUANT_FORMATS:
+        raise ValueError(f"activation quantization format must be one of {QUANT_FORMATS}, got {fmt!r}")
+
+
+def ref_per_token_quant(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ref_per_token_quant_int8` (``fmt`` "int8") or :func:`ref_per_token_quant_fp8` ("fp8") of x
+    [..., K] as rows. Raises ValueError for another ``fmt``."""
+    _check_fmt(fmt)
+    rows = x.reshape(-1, x.shape[-1])
+    return ref_per_token_quant_int8(rows) if fmt == "int8" else ref_per_token_quant_fp8(rows)
+
+
+def ref_rmsnorm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                      fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Twin of :func:`rmsnorm_quant`: HF RMSNorm of x (+ residual, added in x's dtype), then the per-token
+    quantizer's ``ref_``. Returns (codes [M, K], scales float32 [M, 1], x + residual or None)."""
+    if residual is None:
+        return (*ref_per_token_quant(ref_rmsnorm(x, weight, eps), fmt), None)
+    normed, new_residual = ref_fused_add_rmsnorm(x, residual, weight, eps)
+    return (*ref_per_token_quant(normed, fmt), new_residual)
+
+
+def ref_silu_and_mul_quant(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of :func:`silu_and_mul_quant`: HF's ``silu(gate) * up`` of x [..., 2I], then the per-token quantizer's
+    ``ref_``. Returns (codes [M, I], scales float32 [M, 1])."""
+    return ref_per_token_quant(ref_silu_and_mul(x), fmt)
 
 
 def ref_per_token_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -38,46 +104,87 @@ def ref_per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 
 
 if triton is not None:
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+    from roofline.kernels.rmsnorm import hf_rmsnorm_apply
 
     @triton.jit
-    def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, BLOCK: tl.constexpr):
+    def _row_scale(amax, FP8: tl.constexpr):
+        # the per-token scale of a row from its amax: max(amax / QMAX, 1e-10), IEEE division as the refs
+        if FP8:
+            return tl.maximum(tl.div_rn(amax, 448.0), 1e-10)
+        return tl.maximum(tl.div_rn(amax, 127.0), 1e-10)
+
+    @triton.jit
+    def _to_codes(x, scale, FP8: tl.constexpr):
+        # x fp32 [BLOCK] -> the code values (fp32; the store casts them to int8 / float8_e4m3fn exactly)
+        y = tl.div_rn(x, tl.zeros(x.shape, tl.float32) + scale)  # div_rn takes equal shapes
+        if FP8:
+            return tl.minimum(tl.maximum(y, -448.0), 448.0)  # saturate: E4M3FN has no inf
+        # Round half to even (torch.round): adding 1.5 * 2^23 leaves no fraction bits, and IEEE
+        # round-to-nearest-even does the rounding; exact for |y| < 2^22 (here |y| <= 127).
+        y = (y + 12582912.0) - 12582912.0
+        return tl.minimum(tl.maximum(y, -127.0), 127.0)
+
+    @triton.jit
+    def _rmsnorm_quant_kernel(X, R, W, Q, S, ResOut, stride_x, stride_r, stride_q, stride_ro, N, eps,
+                              HAS_RESIDUAL: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr = 0):
+        # roofline.kernels.rmsnorm._rmsnorm_kernel's row, then _per_token_quant_*_kernel's on its bf16 output
+        if PDL:  # roofline.kernels.pdl: every load and store below depends on the previous kernel
+            gdc_wait()
+            gdc_launch_dependents()
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < N
+        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+        if HAS_RESIDUAL:
+            r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
+            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # HF adds in the input dtype
+            tl.store(ResOut + row * stride_ro + cols, x, mask=mask)
+        h = x.to(tl.float32)
+        var = tl.sum(h * h, axis=0) / N
+        w = tl.load(W + cols, mask=mask, other=0.0)
+        out = hf_rmsnorm_apply(x, tl.rsqrt(var + eps), w, X.dtype.element_ty).to(tl.float32)
+        scale = _row_scale(tl.max(tl.abs(out), axis=0), FP8)  # masked columns are 0 (w = 0 there)
+        tl.store(Q + row * stride_q + cols, _to_codes(out, scale, FP8).to(Q.dtype.element_ty), mask=mask)
+        tl.store(S + row, scale)
+
+    @triton.jit
+    def _silu_and_mul_quant_kernel(X, Q, S, stride_x, stride_q, inter, FP8: tl.constexpr, BLOCK: tl.constexpr,
+                                   PDL: tl.constexpr = 0):
+        # roofline.kernels.activation._silu_and_mul_kernel's row (whole), then the per-token quantizer's
+        if PDL:
+            gdc_wait()
+            gdc_launch_dependents()
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        mask = cols < inter
+        g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+        u = tl.load(X + row * stride_x + inter + cols, mask=mask, other=0.0)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # silu rounded to the input dtype, as torch's F.silu
+        out = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
+        scale = _row_scale(tl.max(tl.abs(out), axis=0), FP8)
+        tl.store(Q + row * stride_q + cols, _to_codes(out, scale, FP8).to(Q.dtype.element_ty), mask=mask)
+        tl.store(S + row, scale)
+
+    @triton.jit
+    def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, FP8: tl.constexpr, BLOCK: tl.constexpr):
+        # two passes over a row in BLOCK chunks (any K): amax, then the codes
         row = tl.program_id(0).to(tl.int64)
         offs = tl.arange(0, BLOCK)
         amax = tl.zeros([BLOCK], tl.float32)
         for k0 in range(0, K, BLOCK):
             x = tl.load(X + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
             amax = tl.maximum(amax, tl.abs(x))
-        amax_row = tl.max(amax, axis=0)
-        scale = tl.maximum(tl.div_rn(amax_row, 127.0), 1e-10)  # IEEE division, as the ref
-        scale_v = tl.zeros([BLOCK], tl.float32) + scale  # div_rn takes equal shapes
+        scale = _row_scale(tl.max(amax, axis=0), FP8)
         for k0 in range(0, K, BLOCK):
             kmask = k0 + offs < K
             x = tl.load(X + row * stride_x + k0 + offs, mask=kmask, other=0.0).to(tl.float32)
-            y = tl.div_rn(x, scale_v)
-            # Round half to even (torch.round): adding 1.5 * 2^23 leaves no fraction bits, and IEEE
-            # round-to-nearest-even does the rounding; exact for |y| < 2^22 (here |y| <= 127).
-            y = (y + 12582912.0) - 12582912.0
-            y = tl.minimum(tl.maximum(y, -127.0), 127.0)
-            tl.store(Q + row * stride_q + k0 + offs, y.to(tl.int8), mask=kmask)
+            tl.store(Q + row * stride_q + k0 + offs, _to_codes(x, scale, FP8).to(Q.dtype.element_ty), mask=kmask)
         tl.store(S + row, scale)
 
-    @triton.jit
-    def _per_token_quant_fp8_kernel(X, Q, S, K, stride_x, stride_q, BLOCK: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        offs = tl.arange(0, BLOCK)
-        amax = tl.zeros([BLOCK], tl.float32)
-        for k0 in range(0, K, BLOCK):
-            x = tl.load(X + row * stride_x + k0 + offs, mask=k0 + offs < K, other=0.0).to(tl.float32)
-            amax = tl.maximum(amax, tl.abs(x))
-        amax_row = tl.max(amax, axis=0)
-        scale = tl.maximum(tl.div_rn(amax_row, 448.0), 1e-10)  # IEEE division, as the ref
-        scale_v = tl.zeros([BLOCK], tl.float32) + scale
-        for k0 in range(0, K, BLOCK):
-            kmask = k0 + offs < K
-            x = tl.load(X + row * stride_x + k0 + offs, mask=kmask, other=0.0).to(tl.float32)
-            y = tl.minimum(tl.maximum(tl.div_rn(x, scale_v), -448.0), 448.0)  # saturate: E4M3FN has no inf
-            tl.store(Q + row * stride_q + k0 + offs, y.to(Q.dtype.element_ty), mask=kmask)
-        tl.store(S + row, scale)
 
 
 
@@ -107,7 +214,7 @@ def per_token_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         block = min(4096, triton.next_power_of_2(max(k, 16)))
-        _per_token_quant_kernel[(m,)](x2, q, scale, k, x2.stride(0), q.stride(0), BLOCK=block,
+        _per_token_quant_kernel[(m,)](x2, q, scale, k, x2.stride(0), q.stride(0), FP8=False, BLOCK=block,
                                       num_warps=4 if block <= 1024 else 8)
     return q, scale
 
@@ -141,6 +248,82 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         block = min(4096, triton.next_power_of_2(max(k, 16)))
-        _per_token_quant_fp8_kernel[(m,)](x2, q, scale, k, x2.stride(0), q.stride(0), BLOCK=block,
-                                          num_warps=4 if block <= 1024 else 8)
+        _per_token_quant_kernel[(m,)](x2, q, scale, k, x2.stride(0), q.stride(0), FP8=True, BLOCK=block,
+                                      num_warps=4 if block <= 1024 else 8)
+    return q, scale
+
+
+def _codes_like(rows: int, k: int, fmt: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = torch.float8_e4m3fn if fmt == "fp8" else torch.int8
+    return (torch.empty((rows, k), dtype=dtype, device=device),
+            torch.empty((rows, 1), dtype=torch.float32, device=device))
+
+
+def rmsnorm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
+                  fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(Residual add +) RMSNorm + per-token quantization in one pass: what ``fused_add_rmsnorm`` (or ``rmsnorm``)
+    followed by ``per_token_quant_{fmt}`` computes, bit for bit, without writing the 16-bit normed row. One
+    program holds a row in registers (hidden sizes up to 16k), reads x (and residual) once and writes the codes,
+    the scale (and x + residual).
+
+    Args:
+        x: [..., hidden] float16/bfloat16; residual: None or x's shape and dtype.
+        weight: [hidden] in x's dtype; eps: as in ``rmsnorm``.
+        fmt: "int8" (symmetric, amax / 127, round half to even) or "fp8" (E4M3, amax / 448, saturating).
+
+    Returns:
+        (codes int8/float8_e4m3fn [M, hidden], scales float32 [M, 1], x + residual [..., hidden] or None),
+        M = prod of x's leading dims.
+
+    Raises:
+        ValueError: an unknown ``fmt``, a weight or residual that does not match x. RuntimeError: triton
+        missing.
+    """
+    if triton is None:
+        raise RuntimeError("triton is not installed; use ref_rmsnorm_quant on this machine")
+    _check_fmt(fmt)
+    hidden = x.shape[-1]
+    if weight.shape != (hidden,) or weight.dtype != x.dtype:
+        raise ValueError(f"weight {tuple(weight.shape)}/{weight.dtype} must be ({hidden},)/{x.dtype}")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"residual {tuple(residual.shape)}/{residual.dtype} must match x {tuple(x.shape)}/{x.dtype}")
+    x2 = _as_rows(x, hidden, "rmsnorm_quant")
+    r2 = _as_rows(residual, hidden, "rmsnorm_quant") if residual is not None else x2
+    res_out = torch.empty_like(x2) if residual is not None else x2  # x2: an unused placeholder
+    q, scale = _codes_like(x2.shape[0], hidden, fmt, x.device)
+    block = triton.next_power_of_2(hidden)
+    if x2.shape[0]:
+        _rmsnorm_quant_kernel[(x2.shape[0],)](
+            x2, r2, weight, q, scale, res_out, x2.stride(0), r2.stride(0), q.stride(0), res_out.stride(0), hidden,
+            eps, HAS_RESIDUAL=residual is not None, FP8=fmt == "fp8", BLOCK=block,
+            num_warps=4 if block <= 2048 else (8 if block <= 8192 else 16), **pdl.launch_kwargs(x.device))
+    return q, scale, (res_out.view(x.shape) if residual is not None else None)
+
+
+def silu_and_mul_quant(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """SiLU-and-mul + per-token quantization in one pass: ``per_token_quant_{fmt}(silu_and_mul(x))`` bit for bit,
+    without writing the 16-bit activation (one program per row, the row in registers: I up to 32k).
+
+    Args:
+        x: [..., 2I] float16/bfloat16 (gate | up halves, last dim contiguous); fmt: "int8" or "fp8".
+
+    Returns:
+        (codes int8/float8_e4m3fn [M, I], scales float32 [M, 1]), M = prod of x's leading dims.
+
+    Raises:
+        ValueError: an odd last dim, an unknown ``fmt``. RuntimeError: triton missing.
+    """
+    if triton is None:
+        raise RuntimeError("triton is not installed; use ref_silu_and_mul_quant on this machine")
+    _check_fmt(fmt)
+    if x.shape[-1] % 2:
+        raise ValueError(f"last dim must be even (gate and up halves), got {x.shape[-1]}")
+    inter = x.shape[-1] // 2
+    x2 = _as_rows(x, x.shape[-1], "silu_and_mul_quant")
+    q, scale = _codes_like(x2.shape[0], inter, fmt, x.device)
+    block = triton.next_power_of_2(inter)
+    if x2.shape[0]:
+        _silu_and_mul_quant_kernel[(x2.shape[0],)](
+            x2, q, scale, x2.stride(0), q.stride(0), inter, FP8=fmt == "fp8", BLOCK=block,
+            num_warps=4 if block <= 2048 else (8 if block <= 8192 else 16), **pdl.launch_kwargs(x.device))
     return q, scale

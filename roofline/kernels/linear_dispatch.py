@@ -11,7 +11,9 @@ Every function takes activations ``x`` [..., K] in the model dtype and returns [
   - W8A8 (INT8 SmoothQuant, FP8): at M <= 4 the GEMV that quantizes x per token itself (one launch); above,
     the Triton per-token quantizer then the Triton INT8 tensor-core GEMM or ``torch._scaled_mm`` (FP8 tensor
     cores, row-wise scales, compute capability >= 8.9). FP8 at decode sizes (``use_fused("fp8_w8a16")``, M <= 16
-    without a table) runs weight-only instead: ``quant_gemm.fp8_w8a16_gemm``;
+    without a table) runs weight-only instead: ``quant_gemm.fp8_w8a16_gemm``. Where the quantizer would run
+    (``input_quant_format``), the producer of x may have run it already, fused into its own kernel (RMSNorm,
+    SiLU-and-mul: ``roofline.kernels.act_quant.rmsnorm_quant``): x then comes as a ``QuantizedActivation``;
   - 16-bit (``dense_linear``, the unquantized method): our split-K GEMV where it beat cuBLAS, else F.linear.
 - CPU: torch's own low-bit kernels: ``torch._int_mm`` for INT8 with activations quantized per token
   (``roofline.kernels.cpu_int8``; SmoothQuant's W8A8, and ``--quantization int8`` too, since torch's CPU W8A16
@@ -30,12 +32,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from roofline.kernels.act_quant import QuantizedActivation
 from roofline.kernels.quant_types import (
     ChannelWeight,
     Int4Weight,
     quantize_per_token_fp8,
 )
-from roofline.kernels.switch import kernels_for
+from roofline.kernels.switch import kernels_for, kernels_on
 
 logger = logging.getLogger(__name__)
 
@@ -292,10 +295,33 @@ def prepare_int8_w8a8(w: ChannelWeight) -> dict[str, torch.Tensor]:
     return prepare_w8a16(w)
 
 
-def int8_w8a8(x: torch.Tensor, layer, bias: torch.Tensor | None = None) -> torch.Tensor:
+def input_quant_format(method: str, m: int, n: int, k: int, device: torch.device) -> str | None:
+    """The per-token format, "int8" or "fp8", in which the W8A8 linear of ``method`` ("smoothquant" or "fp8")
+    of shape [N, K] quantizes an input of M tokens in a pass of its own (the quantizer, then the tensor-core GEMM):
+    the producer of that input (RMSNorm, SiLU-and-mul) may then write the codes itself, in the same kernel
+    (``roofline.kernels.act_quant``), and hand over a ``QuantizedActivation``. None where the layer takes the
+    16-bit x: the weight-only FP8 kernel or the self-quantizing GEMV at decode sizes, the CPU, FP8 emulation."""
+    if kernels_on(device) is None:
+        return None
+    if method == "smoothquant":
+        return None if use_fused("int8_int8", m, n, k, device) else "int8"
+    if method == "fp8" and fp8_tensor_cores(device):
+        if use_fused("fp8_w8a16", m, n, k, device) or use_fused("fp8", m, n, k, device):
+            return None
+        return "fp8"
+    return None
+
+
+def int8_w8a8(x: torch.Tensor | QuantizedActivation, layer, bias: torch.Tensor | None = None) -> torch.Tensor:
     """SmoothQuant's matmul: ``x`` [..., K] quantized to INT8 per token (dynamic, symmetric, amax / 127), times
     the layer's ``qweight`` int8 [N, K] with per-channel ``weight_scale`` float32 [N], accumulated exactly in
-    int32, then ``acc * x_scale[m] * w_scale[n]`` in float32 -> [..., N] in x's dtype."""
+    int32, then ``acc * x_scale[m] * w_scale[n]`` in float32 -> [..., N] in x's dtype. ``x`` may come quantized
+    (a ``QuantizedActivation`` of format "int8", where ``input_quant_format`` says "int8")."""
+    if isinstance(x, QuantizedActivation):
+        qk = _quant_kernels(x.codes)
+        out = qk.int8_gemm(x.codes, x.scales, layer.qweight, layer.weight_scale, x.dtype,
+                           config=qk.pick_config("int8_int8", max(x.shape[0], qk.SMALL_M)))
+        return _finish(out, x, bias)
     x2 = _flat(x)
     qk = _quant_kernels(x)
     if qk is not None:
@@ -339,8 +365,8 @@ def fp8_emulation_weight(qweight: torch.Tensor) -> torch.Tensor:
     return qweight.to(torch.float64)
 
 
-def fp8_w8a8(x: torch.Tensor, qweight: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor | None = None,
-             dense: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_w8a8(x: torch.Tensor | QuantizedActivation, qweight: torch.Tensor, scale: torch.Tensor,
+             bias: torch.Tensor | None = None, dense: torch.Tensor | None = None) -> torch.Tensor:
     """FP8 W8A8: ``x`` [..., K] rounded to E4M3 per token (dynamic, amax / 448), times ``qweight``
     float8_e4m3fn [N, K] with per-channel ``scale`` float32 [N], float32 accumulation -> [..., N] in x's dtype.
     ``dense``: the weight's E4M3 values as float64 [N, K] (``fp8_emulation_weight``) for the emulated path

@@ -44,6 +44,11 @@ def _load_kernels() -> SimpleNamespace | None:
 
 def kernels_for(x: torch.Tensor) -> SimpleNamespace | None:
     """The Triton kernel namespace when kernels are enabled and ``x`` is on a CUDA device, else None."""
-    if not (_enabled and x.is_cuda):
+    return kernels_on(x.device)
+
+
+def kernels_on(device: torch.device) -> SimpleNamespace | None:
+    """:func:`kernels_for` by device: the namespace when kernels are enabled and ``device`` is a CUDA device."""
+    if not (_enabled and device.type == "cuda"):
         return None
     return _load_kernels()

@@ -10,8 +10,17 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from roofline.kernels.act_quant import QuantizedActivation
 from roofline.kernels.rmsnorm import ref_fused_add_rmsnorm, ref_rmsnorm
 from roofline.layers import dispatch
+
+
+def input_quant_for(consumer: nn.Module | None, x: torch.Tensor) -> str | None:
+    """The per-token format in which ``consumer`` (a linear layer, or None) would quantize ``x`` [T, K] itself
+    (``LinearMethod.input_quant``): what a producer kernel may fuse in. None without CUDA kernels."""
+    if consumer is None or x.dim() != 2 or dispatch.kernels_for(x) is None:
+        return None
+    return consumer.quant_method.input_quant(consumer, x.shape[0])
 
 
 class RMSNorm(nn.Module):
@@ -21,9 +30,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None
-    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-        """x: [..., hidden] (2-D or more). With ``residual``, returns (rmsnorm(x + residual), x + residual)."""
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, quant_for: nn.Module | None = None
+    ) -> torch.Tensor | QuantizedActivation | tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
+        """x: [..., hidden] (2-D or more). With ``residual``, returns (rmsnorm(x + residual), x + residual).
+
+        ``quant_for``: the linear layer this norm feeds. Where that layer would quantize its input per token in a
+        pass of its own (W8A8 above decode sizes, ``input_quant_for``), the norm writes the codes in the same
+        kernel (``roofline.kernels.act_quant.rmsnorm_quant``, bit-identical) and returns a
+        ``QuantizedActivation`` in place of the normed tensor; only that layer may consume it."""
+        if (fmt := input_quant_for(quant_for, x)) is not None and self.weight.dtype == x.dtype:
+            from roofline.kernels.act_quant import rmsnorm_quant
+
+            codes, scales, new_residual = rmsnorm_quant(x, residual, self.weight, self.eps, fmt)
+            out = QuantizedActivation(codes, scales, x.dtype)
+            return out if residual is None else (out, new_residual)
         kernels = dispatch.kernels_for(x)
         if kernels is None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
             from roofline.kernels.cpu_bf16 import add_rmsnorm

@@ -16,6 +16,7 @@ from torch import nn
 from roofline.attention import Attention, AttentionBackend, AttentionMetadata, QKNorm
 from roofline.config import ModelConfig
 from roofline.distributed.parallel_state import get_parallel_state
+from roofline.kernels.act_quant import QuantizedActivation
 from roofline.layers.activation import silu_and_mul
 from roofline.layers.linear import (
     MergedColumnParallelLinear,
@@ -48,7 +49,8 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(backend, layer_id, QKNorm(self.q_norm, self.k_norm) if config.qk_norm else None)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | QuantizedActivation, meta: AttentionMetadata
+                ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -70,8 +72,8 @@ class LlamaMLP(nn.Module):
         self.down_proj = RowParallelLinear(width, config.hidden_size, bias=False,
                                            quant_config=quant_config, prefix=f"{prefix}.down_proj")
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), quant_for=self.down_proj))
 
 
 # HF names of an expert's gate, up and down projections, per architecture (Qwen's are the default).
@@ -126,14 +128,18 @@ class LlamaDecoderLayer(nn.Module):
     def forward(
         self, positions: torch.Tensor, x: torch.Tensor, residual: torch.Tensor | None, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        # A norm feeding a W8A8 linear above decode sizes writes that linear's per-token codes itself
+        # (``RMSNorm.forward``'s ``quant_for``); the MoE block's router reads the 16-bit x, so it gets that.
         if residual is None:
             residual = x
-            x = self.input_layernorm(x)
+            x = self.input_layernorm(x, quant_for=self.self_attn.qkv_proj)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.input_layernorm(x, residual, quant_for=self.self_attn.qkv_proj)
         x = self.self_attn(positions, x, meta)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return getattr(self, self.mlp_name)(x), residual
+        mlp = getattr(self, self.mlp_name)
+        x, residual = self.post_attention_layernorm(
+            x, residual, quant_for=mlp.gate_up_proj if isinstance(mlp, LlamaMLP) else None)
+        return mlp(x), residual
 
 
 class PPMissingLayer(nn.Identity):

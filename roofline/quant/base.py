@@ -58,6 +58,13 @@ class LinearMethod(ABC):
     def apply(self, layer: nn.Module, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``x``: [num_tokens, input_size_per_partition] -> [num_tokens, sum(output_partition_sizes)]."""
 
+    def input_quant(self, layer: nn.Module, num_tokens: int) -> str | None:
+        """The per-token format ("int8" / "fp8") in which :meth:`apply` would quantize an input of ``num_tokens``
+        rows in a pass of its own, so that the producer of that input may write the codes instead
+        (``roofline.kernels.act_quant.QuantizedActivation``, which ``apply`` then accepts as ``x``); None (the
+        default) where ``apply`` takes 16-bit x."""
+        return None
+
     def weight_bytes(self, layer: nn.Module) -> int:
         """Bytes a forward pass reads for this layer's weights (what the bound model counts)."""
         return sum(p.numel() * p.element_size() for p in layer.parameters(recurse=False))

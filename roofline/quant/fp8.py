@@ -35,6 +35,11 @@ class Fp8LinearMethod(QuantizedLinearMethod):
         # The emulated path's float64 copy of the E4M3 values: not a parameter (no FP8 device reads it).
         layer.fp8_emulation_weight = None if gemm.fp8_tensor_cores(q.device) else gemm.fp8_emulation_weight(q)
 
+    def input_quant(self, layer, num_tokens):
+        from roofline.kernels import linear_dispatch as gemm
+
+        return gemm.input_quant_format("fp8", num_tokens, *layer.qweight.shape, layer.qweight.device)
+
     def apply(self, layer, x, bias=None):
         from roofline.kernels import linear_dispatch as gemm
 

@@ -43,6 +43,11 @@ class SmoothQuantLinearMethod(QuantizedLinearMethod):
         for name, tensor in gemm.prepare_int8_w8a8(canonical).items():
             register_frozen(layer, name, tensor)
 
+    def input_quant(self, layer, num_tokens):
+        from roofline.kernels import linear_dispatch as gemm
+
+        return gemm.input_quant_format("smoothquant", num_tokens, *layer.qweight.shape, layer.qweight.device)
+
     def apply(self, layer, x, bias=None):
         from roofline.kernels import linear_dispatch as gemm
 
