@@ -372,7 +372,11 @@ def fp8_w8a8(x: torch.Tensor | QuantizedActivation, qweight: torch.Tensor, scale
     ``dense``: the weight's E4M3 values as float64 [N, K] (``fp8_emulation_weight``) for the emulated path
     (saves the cast per call). The activation scale is per token on every path (the GEMV's in-kernel rounding,
     the Triton/torch per-token quantizers), and the emulated matmul is exact (float64 accumulation of E4M3
-    products), so on the emulated path a row's output is bit-identical whatever its batch-mates."""
+    products), so on the emulated path a row's output is bit-identical whatever its batch-mates. ``x`` may come
+    quantized (a ``QuantizedActivation`` of format "fp8", where ``input_quant_format`` says "fp8")."""
+    if isinstance(x, QuantizedActivation):
+        out = torch._scaled_mm(x.codes, qweight.t(), scale_a=x.scales, scale_b=scale[None, :], out_dtype=x.dtype)
+        return _finish(out, x, bias)
     x2 = _flat(x)
     qk = _quant_kernels(x)
     m, (n, k) = x2.shape[0], qweight.shape
