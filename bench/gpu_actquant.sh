@@ -5,6 +5,8 @@
 #   prefill  bench/gpu_prefill_gemm.py --producer (each projection with the kernel producing its input)
 #   decode   roofline bench decode --model llama-3-8b --quantization $QUANTS at $BATCHES, the baseline tree and this
 #            one alternated, ROUNDS times, each from its own directory
+#   tput     roofline bench throughput (ShareGPT 1000, carried .devcarry/sharegpt1000.json from --export-dataset):
+#            this tree in bf16, then fp8 on the baseline and on this tree, alternated ROUNDS times
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 HERE=$(pwd)
@@ -33,6 +35,16 @@ for step in "$@"; do
         echo "$side round $round rc $?:" | tee -a "$OUT/log"
         grep -E "measured|^ +[0-9]|x$" "$OUT/decode.log" | tee -a "$OUT/log"
       done
+    done ;;
+  tput)
+    runs="head:none"; for round in $(seq 1 ${ROUNDS:-2}); do runs="$runs base:fp8 head:fp8"; done
+    for run in $runs; do
+      side=${run%%:*}; q=${run##*:}
+      path=$HERE; [ $side = base ] && path=$(cd "${AB_BASE:-.ab/base}" && pwd)
+      (cd "$path" && PYTHONPATH=$path:$HERE/.site timeout ${TPUT_S:-120} python3 -m roofline.cli bench throughput \
+        --model llama-3-8b --dataset-file "$HERE/.devcarry/sharegpt1000.json" --num-prompts 1000 --no-progress \
+        $([ $q != none ] && echo --quantization $q) --out-dir "$OUT/tput-$side-$q" > "$OUT/tput.log" 2>&1)
+      echo "$side $q rc $?: $(grep -i 'tok/s' "$OUT/tput.log" | tail -2 | tr '\n' ' ')" | tee -a "$OUT/log"
     done ;;
   *) echo "unknown step $step" | tee -a "$OUT/log" ;;
   esac
