@@ -4,7 +4,9 @@ bit-exact pure-torch ``ref_`` twin: one program per row, amax, IEEE division, ro
 The same quantization fused into the kernel that produces a W8A8 linear's input (issue 28, "fewer kernels per
 layer"): residual add + RMSNorm + quantize (the input of qkv and gate_up) and SiLU-and-mul + quantize (the input of
 down). Each writes the codes and scales instead of the 16-bit activation, so the separate quantizer's launch and
-its two reads and one write of the activation go away; the codes are bit-identical to running the two kernels.
+its two reads and one write of the activation go away. In the 16-bit model dtypes the codes are bit-identical to
+running the two kernels (the row is rounded to 16 bits before it is quantized, in both); in fp32 the two compiled
+reductions may round a row's sum of squares differently (one code step).
 ``QuantizedActivation`` carries them to the linear layer (``roofline.kernels.linear_dispatch``)."""
 
 from __future__ import annotations
@@ -106,7 +108,8 @@ def ref_per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
-    from roofline.kernels.rmsnorm import hf_rmsnorm_apply
+    from roofline.kernels.activation import silu_and_mul_cols
+    from roofline.kernels.rmsnorm import add_rmsnorm_row
 
     @triton.jit
     def _row_scale(amax, FP8: tl.constexpr):
@@ -127,28 +130,24 @@ if triton is not None:
         return tl.minimum(tl.maximum(y, -127.0), 127.0)
 
     @triton.jit
+    def _store_codes(out, QRow, SRow, mask, FP8: tl.constexpr):
+        # a whole row's codes (fp32 values [BLOCK], 0 where masked) and its scale
+        scale = _row_scale(tl.max(tl.abs(out), axis=0), FP8)
+        tl.store(QRow + tl.arange(0, out.shape[0]), _to_codes(out, scale, FP8).to(QRow.dtype.element_ty), mask=mask)
+        tl.store(SRow, scale)
+
+    @triton.jit
     def _rmsnorm_quant_kernel(X, R, W, Q, S, ResOut, stride_x, stride_r, stride_q, stride_ro, N, eps,
                               HAS_RESIDUAL: tl.constexpr, FP8: tl.constexpr, BLOCK: tl.constexpr,
                               PDL: tl.constexpr = 0):
-        # roofline.kernels.rmsnorm._rmsnorm_kernel's row, then _per_token_quant_*_kernel's on its bf16 output
+        # roofline.kernels.rmsnorm._rmsnorm_kernel's row, then _per_token_quant_kernel's on its 16-bit output
         if PDL:  # roofline.kernels.pdl: every load and store below depends on the previous kernel
             gdc_wait()
             gdc_launch_dependents()
         row = tl.program_id(0).to(tl.int64)
-        cols = tl.arange(0, BLOCK)
-        mask = cols < N
-        x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-        if HAS_RESIDUAL:
-            r = tl.load(R + row * stride_r + cols, mask=mask, other=0.0)
-            x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # HF adds in the input dtype
-            tl.store(ResOut + row * stride_ro + cols, x, mask=mask)
-        h = x.to(tl.float32)
-        var = tl.sum(h * h, axis=0) / N
-        w = tl.load(W + cols, mask=mask, other=0.0)
-        out = hf_rmsnorm_apply(x, tl.rsqrt(var + eps), w, X.dtype.element_ty).to(tl.float32)
-        scale = _row_scale(tl.max(tl.abs(out), axis=0), FP8)  # masked columns are 0 (w = 0 there)
-        tl.store(Q + row * stride_q + cols, _to_codes(out, scale, FP8).to(Q.dtype.element_ty), mask=mask)
-        tl.store(S + row, scale)
+        out, mask = add_rmsnorm_row(X, R, W, ResOut, row, stride_x, stride_r, stride_ro, N, eps, X.dtype.element_ty,
+                                    HAS_RESIDUAL, BLOCK)
+        _store_codes(out.to(tl.float32), Q + row * stride_q, S + row, mask, FP8)  # masked columns are 0
 
     @triton.jit
     def _silu_and_mul_quant_kernel(X, Q, S, stride_x, stride_q, inter, FP8: tl.constexpr, BLOCK: tl.constexpr,
@@ -160,14 +159,8 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < inter
-        g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-        u = tl.load(X + row * stride_x + inter + cols, mask=mask, other=0.0)
-        gf = g.to(tl.float32)
-        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # silu rounded to the input dtype, as torch's F.silu
-        out = (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype).to(tl.float32)
-        scale = _row_scale(tl.max(tl.abs(out), axis=0), FP8)
-        tl.store(Q + row * stride_q + cols, _to_codes(out, scale, FP8).to(Q.dtype.element_ty), mask=mask)
-        tl.store(S + row, scale)
+        out = silu_and_mul_cols(X, row, cols, mask, stride_x, inter)
+        _store_codes(out.to(tl.float32), Q + row * stride_q, S + row, mask, FP8)  # masked columns are 0
 
     @triton.jit
     def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, FP8: tl.constexpr, BLOCK: tl.constexpr):
@@ -262,7 +255,8 @@ def _codes_like(rows: int, k: int, fmt: str, device: torch.device) -> tuple[torc
 def rmsnorm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                   fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(Residual add +) RMSNorm + per-token quantization in one pass: what ``fused_add_rmsnorm`` (or ``rmsnorm``)
-    followed by ``per_token_quant_{fmt}`` computes, bit for bit, without writing the 16-bit normed row. One
+    followed by ``per_token_quant_{fmt}`` computes (bit for bit in bf16 / fp16: module docstring), without writing the
+    16-bit normed row. One
     program holds a row in registers (hidden sizes up to 16k), reads x (and residual) once and writes the codes,
     the scale (and x + residual).
 
@@ -301,7 +295,7 @@ def rmsnorm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
 
 
 def silu_and_mul_quant(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """SiLU-and-mul + per-token quantization in one pass: ``per_token_quant_{fmt}(silu_and_mul(x))`` bit for bit,
+    """SiLU-and-mul + per-token quantization in one pass: ``per_token_quant_{fmt}(silu_and_mul(x))`` (bit for bit),
     without writing the 16-bit activation (one program per row, the row in registers: I up to 32k).
 
     Args:

@@ -30,6 +30,16 @@ if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
     @triton.jit
+    def silu_and_mul_cols(X, row, cols, mask, stride_x, inter):
+        """silu(gate) * up at columns ``cols`` of row ``row`` (int64) of X [T, 2 inter], in X's dtype (HF's two
+        roundings). Shared by this module's kernel and ``roofline.kernels.act_quant``'s SiLU-and-mul + quantize."""
+        g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+        u = tl.load(X + row * stride_x + inter + cols, mask=mask, other=0.0)
+        gf = g.to(tl.float32)
+        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # silu rounded to the input dtype, as torch's F.silu
+        return (act.to(tl.float32) * u.to(tl.float32)).to(g.dtype)
+
+    @triton.jit
     def _silu_and_mul_kernel(X, Out, stride_x, stride_o, inter, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
         if PDL:  # roofline.kernels.pdl
             gdc_wait()
@@ -37,12 +47,7 @@ if triton is not None:
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
         mask = cols < inter
-        g = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
-        u = tl.load(X + row * stride_x + inter + cols, mask=mask, other=0.0)
-        gf = g.to(tl.float32)
-        act = (gf / (1.0 + tl.exp(-gf))).to(g.dtype)  # silu rounded to the input dtype, as torch's F.silu
-        out = act.to(tl.float32) * u.to(tl.float32)
-        tl.store(Out + row * stride_o + cols, out.to(g.dtype), mask=mask)
+        tl.store(Out + row * stride_o + cols, silu_and_mul_cols(X, row, cols, mask, stride_x, inter), mask=mask)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:

@@ -51,16 +51,11 @@ if triton is not None:
         return (w.to(tl.float32) * y.to(tl.float32)).to(OUT_T)
 
     @triton.jit
-    def _rmsnorm_kernel(
-        X, R, W, Out, ResOut,
-        stride_x, stride_r, stride_o, stride_ro,
-        N, eps,
-        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0,
-    ):
-        if PDL:  # roofline.kernels.pdl: every load and store below depends on the previous kernel
-            gdc_wait()
-            gdc_launch_dependents()
-        row = tl.program_id(0).to(tl.int64)
+    def add_rmsnorm_row(X, R, W, ResOut, row, stride_x, stride_r, stride_ro, N, eps, OUT_T: tl.constexpr,
+                        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+        """One row (``row``, int64) of (residual add +) RMSNorm, the whole row in registers: stores x + residual
+        to ResOut (HAS_RESIDUAL), returns the normed row [BLOCK] in OUT_T (0 past N) and the column mask.
+        Shared by this module's kernel and ``roofline.kernels.act_quant``'s norm + quantize."""
         cols = tl.arange(0, BLOCK)
         mask = cols < N
         x = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
@@ -72,8 +67,22 @@ if triton is not None:
         h = x.to(tl.float32)
         var = tl.sum(h * h, axis=0) / N
         w = tl.load(W + cols, mask=mask, other=0.0)
-        out = hf_rmsnorm_apply(x, tl.rsqrt(var + eps), w, Out.dtype.element_ty)
-        tl.store(Out + row * stride_o + cols, out, mask=mask)
+        return hf_rmsnorm_apply(x, tl.rsqrt(var + eps), w, OUT_T), mask
+
+    @triton.jit
+    def _rmsnorm_kernel(
+        X, R, W, Out, ResOut,
+        stride_x, stride_r, stride_o, stride_ro,
+        N, eps,
+        HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = 0,
+    ):
+        if PDL:  # roofline.kernels.pdl: every load and store below depends on the previous kernel
+            gdc_wait()
+            gdc_launch_dependents()
+        row = tl.program_id(0).to(tl.int64)
+        out, mask = add_rmsnorm_row(X, R, W, ResOut, row, stride_x, stride_r, stride_ro, N, eps,
+                                    Out.dtype.element_ty, HAS_RESIDUAL, BLOCK)
+        tl.store(Out + row * stride_o + tl.arange(0, BLOCK), out, mask=mask)
 
 
 def _launch(x, residual, weight, eps):

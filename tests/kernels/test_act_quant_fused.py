@@ -31,6 +31,21 @@ def _bits(q: torch.Tensor) -> torch.Tensor:
     return q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q
 
 
+def _assert_same_codes(q, s, two_q, two_s, dtype):
+    """The fused kernel's codes and scales against the two kernels'. In the 16-bit model dtypes, bit for bit: the
+    normed row is rounded to 16 bits before it is quantized, in both. In fp32 the two compiled kernels may sum the
+    row's squares in another order (an H100 gave other codes at 576 channels, 2026-12-06), so there: scales within
+    2 ulp and codes within one step."""
+    if dtype != torch.float32:
+        assert torch.equal(s, two_s) and torch.equal(_bits(q), _bits(two_q))
+        return
+    assert torch.allclose(s, two_s, rtol=2.0**-22, atol=0)
+    if q.dtype == torch.int8:
+        assert int((q.int() - two_q.int()).abs().max()) <= 1
+    else:
+        assert torch.allclose(q.float(), two_q.float(), rtol=2.0**-3, atol=2.0**-9)
+
+
 def _dequant(q, s):
     return q.double().cpu() * s.double().cpu()
 
@@ -70,7 +85,7 @@ def test_rmsnorm_quant_is_the_two_kernels_bit_for_bit(shape, residual, dtype, fm
     rows = x.numel() // shape[-1]
     assert q.shape == (rows, shape[-1]) and s.shape == (rows, 1) and s.dtype == torch.float32
     assert q.dtype == (torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
-    assert torch.equal(s, two_s) and torch.equal(_bits(q), _bits(two_q))
+    _assert_same_codes(q, s, two_q, two_s, dtype)
     # against float64: the HF norm of x + residual, then the dequantized codes
     x64 = x.double().cpu() + (res.double().cpu() if residual else 0)
     f64 = w.double().cpu() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)
@@ -89,7 +104,7 @@ def test_silu_and_mul_quant_is_the_two_kernels_bit_for_bit(shape, dtype, fmt):
     two_q, two_s = QUANT[fmt](silu_and_mul(x))
     rows, inter = x.numel() // shape[-1], shape[-1] // 2
     assert q.shape == (rows, inter) and s.shape == (rows, 1)
-    assert torch.equal(s, two_s) and torch.equal(_bits(q), _bits(two_q))
+    _assert_same_codes(q, s, two_q, two_s, dtype)
     x64 = x.double().cpu().reshape(rows, -1)
     f64 = torch.nn.functional.silu(x64[:, :inter]) * x64[:, inter:]
     _assert_within_a_code_step(q, s, f64, dtype)
