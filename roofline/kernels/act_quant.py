@@ -4,9 +4,12 @@ bit-exact pure-torch ``ref_`` twin: one program per row, amax, IEEE division, ro
 The same quantization fused into the kernel that produces a W8A8 linear's input (issue 28, "fewer kernels per
 layer"): residual add + RMSNorm + quantize (the input of qkv and gate_up) and SiLU-and-mul + quantize (the input of
 down). Each writes the codes and scales instead of the 16-bit activation, so the separate quantizer's launch and
-its two reads and one write of the activation go away. In the 16-bit model dtypes the codes are bit-identical to
-running the two kernels (the row is rounded to 16 bits before it is quantized, in both); in fp32 the two compiled
-reductions may round a row's sum of squares differently (one code step).
+its two reads and one write of the activation go away. The arithmetic is the two kernels' (the same jit helpers),
+but not always the order of the norm's fp32 sum of squares: the compiler lays the row out for the kernel's store
+(16 elements a thread for 1-byte codes past 1,024 channels, 8 for a 16-bit row), so a row's rstd can differ in its
+last bit, flipping the 16-bit rounding of a few normed elements and moving their codes by one step (a CPU
+emulation of the two orders at 4,096 x 4,096 bf16: 8 codes in one row). Up to 1,024 16-bit channels the layouts
+match and the codes are bit-identical (tested on the GPU); SiLU-and-mul has no sum and is always exact.
 ``QuantizedActivation`` carries them to the linear layer (``roofline.kernels.linear_dispatch``)."""
 
 from __future__ import annotations
@@ -255,8 +258,8 @@ def _codes_like(rows: int, k: int, fmt: str, device: torch.device) -> tuple[torc
 def rmsnorm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float,
                   fmt: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """(Residual add +) RMSNorm + per-token quantization in one pass: what ``fused_add_rmsnorm`` (or ``rmsnorm``)
-    followed by ``per_token_quant_{fmt}`` computes (bit for bit in bf16 / fp16: module docstring), without writing the
-    16-bit normed row. One
+    followed by ``per_token_quant_{fmt}`` computes (to one code step in a rare row: module docstring), without writing
+    the 16-bit normed row. One
     program holds a row in registers (hidden sizes up to 16k), reads x (and residual) once and writes the codes,
     the scale (and x + residual).
 

@@ -16,7 +16,7 @@ def silu_and_mul(x: torch.Tensor, quant_for: nn.Module | None = None) -> torch.T
 
     ``quant_for``: the linear layer the result feeds (down_proj). Where it would quantize its input per token in a
     pass of its own (``roofline.layers.norm.input_quant_for``), the codes are written by this kernel instead
-    (``roofline.kernels.act_quant.silu_and_mul_quant``, bit-identical in bf16 / fp16) and a ``QuantizedActivation`` returned."""
+    (``roofline.kernels.act_quant.silu_and_mul_quant``, bit-identical) and a ``QuantizedActivation`` returned."""
     if (fmt := input_quant_for(quant_for, x)) is not None:
         from roofline.kernels.act_quant import silu_and_mul_quant
 

@@ -36,7 +36,7 @@ class RMSNorm(nn.Module):
 
         ``quant_for``: the linear layer this norm feeds. Where that layer would quantize its input per token in a
         pass of its own (W8A8 above decode sizes, ``input_quant_for``), the norm writes the codes in the same
-        kernel (``roofline.kernels.act_quant.rmsnorm_quant``, bit-identical in bf16 / fp16) and returns a
+        kernel (``roofline.kernels.act_quant.rmsnorm_quant``, the same codes to one step in a rare row) and returns a
         ``QuantizedActivation`` in place of the normed tensor; only that layer may consume it."""
         if (fmt := input_quant_for(quant_for, x)) is not None and self.weight.dtype == x.dtype:
             from roofline.kernels.act_quant import rmsnorm_quant

@@ -31,15 +31,16 @@ def _bits(q: torch.Tensor) -> torch.Tensor:
     return q.view(torch.uint8) if q.dtype == torch.float8_e4m3fn else q
 
 
-def _assert_same_codes(q, s, two_q, two_s, dtype):
-    """The fused kernel's codes and scales against the two kernels'. In the 16-bit model dtypes, bit for bit: the
-    normed row is rounded to 16 bits before it is quantized, in both. In fp32 the two compiled kernels may sum the
-    row's squares in another order (an H100 gave other codes at 576 channels, 2026-12-06), so there: scales within
-    2 ulp and codes within one step."""
-    if dtype != torch.float32:
+def _assert_same_codes(q, s, two_q, two_s, dtype, width=0):
+    """The fused kernel's codes and scales against the two kernels'. Bit for bit for a 16-bit row of at most 1,024
+    channels (or any row without a sum: SiLU-and-mul, ``width`` 0). Otherwise the norm's fp32 sum of squares may be
+    added in another order (the row laid out for a 1-byte store; an H100 gave other codes in fp32 at 576 channels,
+    2026-12-06; act_quant's module docstring): scales within one 16-bit rounding (2 ulp in fp32), codes within one
+    step."""
+    if dtype != torch.float32 and width <= 1024:
         assert torch.equal(s, two_s) and torch.equal(_bits(q), _bits(two_q))
         return
-    assert torch.allclose(s, two_s, rtol=2.0**-22, atol=0)
+    assert torch.allclose(s, two_s, rtol=2.0**-22 if dtype == torch.float32 else 2.0**-7, atol=0)
     if q.dtype == torch.int8:
         assert int((q.int() - two_q.int()).abs().max()) <= 1
     else:
@@ -67,7 +68,8 @@ def _assert_within_a_code_step(q, s, f64, dtype):
 
 @pytest.mark.parametrize("fmt", ["int8", "fp8"])
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape,residual", [((1, 64), True), ((7, 576), True), ((5, 300), False), ((3, 2, 256), True)])
+@pytest.mark.parametrize("shape,residual", [((1, 64), True), ((7, 576), True), ((5, 300), False), ((3, 2, 256), True),
+                                            ((3, 4096), True)])
 def test_rmsnorm_quant_is_the_two_kernels_bit_for_bit(shape, residual, dtype, fmt):
     g = torch.Generator().manual_seed(shape[-1])
     x = (torch.randn(shape, generator=g) * 3).to(dtype).to(DEVICE)
@@ -85,7 +87,7 @@ def test_rmsnorm_quant_is_the_two_kernels_bit_for_bit(shape, residual, dtype, fm
     rows = x.numel() // shape[-1]
     assert q.shape == (rows, shape[-1]) and s.shape == (rows, 1) and s.dtype == torch.float32
     assert q.dtype == (torch.float8_e4m3fn if fmt == "fp8" else torch.int8)
-    _assert_same_codes(q, s, two_q, two_s, dtype)
+    _assert_same_codes(q, s, two_q, two_s, dtype, width=shape[-1])
     # against float64: the HF norm of x + residual, then the dequantized codes
     x64 = x.double().cpu() + (res.double().cpu() if residual else 0)
     f64 = w.double().cpu() * x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + 1e-5)
@@ -114,7 +116,8 @@ def test_silu_and_mul_quant_is_the_two_kernels_bit_for_bit(shape, dtype, fmt):
 
 def test_int8_codes_are_the_twins_on_exact_rows():
     # Rows whose norm is exact (x = +-1 everywhere, weight 1: rstd = 1): the twin and the kernel agree bit for
-    # bit, ties included (amax 1 -> scale 1/127; code = round(x * 127)).
+    # bit (amax 1 -> scale 1/127; code = round(x * 127)). Ties (round half to even) are the shared code rounding's
+    # (``_to_codes``), tested through the plain quantizer in test_quant_gemm.py::test_per_token_quant_int8_known_answer.
     x = torch.tensor([[1.0, -1.0, 1.0, 1.0], [-1.0, -1.0, 1.0, -1.0]], device=DEVICE)
     w = torch.ones(4, device=DEVICE)
     q, s, _ = rmsnorm_quant(x, None, w, 0.0, "int8")
@@ -149,7 +152,8 @@ def test_bad_arguments_are_refused():
 def test_gpu_model_with_fused_input_quantization_is_unchanged(quantization, tmp_path, monkeypatch):
     """A bf16 Llama with W8A8 linears, prefilling 96 tokens (above the decode sizes, so qkv, gate_up and down
     quantize their inputs per token): the norms and SiLU-and-mul writing the codes themselves give the same
-    prompt logprobs and greedy tokens, bit for bit, as the separate quantizer."""
+    prompt logprobs and greedy tokens, bit for bit, as the separate quantizer (at 256 channels both kernels lay the
+    norm's row out alike; past 1,024 a rare code moves by one step: act_quant's module docstring)."""
     import json
 
     from roofline import LLM, SamplingParams
