@@ -21,7 +21,7 @@ import torch
 from roofline.kernels import pdl
 from roofline.kernels.activation import ref_silu_and_mul
 from roofline.kernels.quant_types import FP8_E4M3_MAX, INT8_MAX
-from roofline.kernels.rmsnorm import ref_fused_add_rmsnorm, ref_rmsnorm
+from roofline.kernels.rmsnorm import ref_fused_add_rmsnorm, ref_rmsnorm, row_num_warps
 
 try:
     import triton
@@ -293,7 +293,7 @@ def rmsnorm_quant(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.
         _rmsnorm_quant_kernel[(x2.shape[0],)](
             x2, r2, weight, q, scale, res_out, x2.stride(0), r2.stride(0), q.stride(0), res_out.stride(0), hidden,
             eps, HAS_RESIDUAL=residual is not None, FP8=fmt == "fp8", BLOCK=block,
-            num_warps=4 if block <= 2048 else (8 if block <= 8192 else 16), **pdl.launch_kwargs(x.device))
+            num_warps=row_num_warps(block), **pdl.launch_kwargs(x.device))
     return q, scale, (res_out.view(x.shape) if residual is not None else None)
 
 
@@ -322,5 +322,5 @@ def silu_and_mul_quant(x: torch.Tensor, fmt: str) -> tuple[torch.Tensor, torch.T
     if x2.shape[0]:
         _silu_and_mul_quant_kernel[(x2.shape[0],)](
             x2, q, scale, x2.stride(0), q.stride(0), inter, FP8=fmt == "fp8", BLOCK=block,
-            num_warps=4 if block <= 2048 else (8 if block <= 8192 else 16), **pdl.launch_kwargs(x.device))
+            num_warps=row_num_warps(block), **pdl.launch_kwargs(x.device))
     return q, scale

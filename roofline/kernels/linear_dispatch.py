@@ -295,21 +295,31 @@ def prepare_int8_w8a8(w: ChannelWeight) -> dict[str, torch.Tensor]:
     return prepare_w8a16(w)
 
 
+def w8a8_path(method: str, m: int, n: int, k: int, device: torch.device) -> str:
+    """The matmul the W8A8 linear of ``method`` ("smoothquant" or "fp8") of shape [N, K] runs for M tokens: decided
+    here once, for ``int8_w8a8`` / ``fp8_w8a8`` and for the producer of their input (``input_quant_format``).
+    "weight_only": FP8 at decode sizes, x stays 16-bit (``use_fused("fp8_w8a16")``); "gemv": one launch, the GEMV
+    quantizes x itself (``use_fused("int8_int8")`` / ``use_fused("fp8")``); "quantize": x is quantized per token
+    in a pass of its own, then the device's GEMM (the Triton INT8 GEMM, ``torch._scaled_mm``, FP8 emulation, or
+    the CPU's ``_int_mm``). The first two need the Triton kernels (and, for FP8, FP8 tensor cores)."""
+    if kernels_on(device) is None or (method == "fp8" and not fp8_tensor_cores(device)):
+        return "quantize"
+    if method == "fp8" and use_fused("fp8_w8a16", m, n, k, device):
+        return "weight_only"
+    return "gemv" if use_fused("fp8" if method == "fp8" else "int8_int8", m, n, k, device) else "quantize"
+
+
 def input_quant_format(method: str, m: int, n: int, k: int, device: torch.device) -> str | None:
-    """The per-token format, "int8" or "fp8", in which the W8A8 linear of ``method`` ("smoothquant" or "fp8")
-    of shape [N, K] quantizes an input of M tokens in a pass of its own (the quantizer, then the tensor-core GEMM):
-    the producer of that input (RMSNorm, SiLU-and-mul) may then write the codes itself, in the same kernel
-    (``roofline.kernels.act_quant``), and hand over a ``QuantizedActivation``. None where the layer takes the
-    16-bit x: the weight-only FP8 kernel or the self-quantizing GEMV at decode sizes, the CPU, FP8 emulation."""
-    if kernels_on(device) is None:
+    """The per-token format, "int8" or "fp8", in which the W8A8 linear of ``method`` quantizes an input of M
+    tokens in a pass of its own (``w8a8_path`` "quantize") before a GEMM that takes the codes as they are (the
+    Triton INT8 GEMM, ``torch._scaled_mm``): the producer of that input (RMSNorm, SiLU-and-mul) may then write the
+    codes itself, in the same kernel (``roofline.kernels.act_quant``), and hand over a ``QuantizedActivation``.
+    None where the layer takes the 16-bit x: weight-only FP8, the self-quantizing GEMV, the CPU, FP8 emulation."""
+    if kernels_on(device) is None or (method == "fp8" and not fp8_tensor_cores(device)):
         return None
-    if method == "smoothquant":
-        return None if use_fused("int8_int8", m, n, k, device) else "int8"
-    if method == "fp8" and fp8_tensor_cores(device):
-        if use_fused("fp8_w8a16", m, n, k, device) or use_fused("fp8", m, n, k, device):
-            return None
-        return "fp8"
-    return None
+    if w8a8_path(method, m, n, k, device) != "quantize":
+        return None
+    return "fp8" if method == "fp8" else "int8"
 
 
 def int8_w8a8(x: torch.Tensor | QuantizedActivation, layer, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -326,7 +336,7 @@ def int8_w8a8(x: torch.Tensor | QuantizedActivation, layer, bias: torch.Tensor |
     qk = _quant_kernels(x)
     if qk is not None:
         m, (n, k) = x2.shape[0], layer.qweight.shape
-        if use_fused("int8_int8", m, n, k, x.device):  # one launch: the GEMV quantizes x itself
+        if w8a8_path("smoothquant", m, n, k, x.device) == "gemv":  # one launch: the GEMV quantizes x itself
             out = qk.w8a8_gemv(x2, layer.qweight, layer.weight_scale,
                                config=gemv_config("int8_int8", m, n, k, x.device))
         else:
@@ -380,13 +390,14 @@ def fp8_w8a8(x: torch.Tensor | QuantizedActivation, qweight: torch.Tensor, scale
     x2 = _flat(x)
     qk = _quant_kernels(x)
     m, (n, k) = x2.shape[0], qweight.shape
-    if qk is not None and fp8_tensor_cores(x.device) and use_fused("fp8_w8a16", m, n, k, x.device):
+    path = w8a8_path("fp8", m, n, k, x.device)
+    if path == "weight_only":
         # Decode sizes: FP8 weight-only (x stays in 16 bits, the E4M3 codes upcast in registers): the weight
         # stream without a quantization pass. Its numerics are x @ W (W the E4M3 values): closer to the
         # unquantized model than W8A8, and a request's logits differ by path (this one below the measured M).
         cfg = gemv_config("fp8_w8a16", m, n, k, x.device) or gemv_config("int8", m, n, k, x.device)
         return _finish(qk.fp8_w8a16_gemm(x2, qweight, scale, config=cfg), x, bias)
-    if qk is not None and fp8_tensor_cores(x.device) and use_fused("fp8", m, n, k, x.device):
+    if path == "gemv":
         # Decode sizes: one launch, x rounded to E4M3 per token inside the GEMV (the same arithmetic).
         return _finish(qk.w8a8_gemv(x2, qweight, scale, config=gemv_config("fp8", m, n, k, x.device)), x, bias)
     xq, xs = qk.per_token_quant_fp8(x2) if qk is not None else quantize_per_token_fp8(x2)

@@ -85,6 +85,12 @@ if triton is not None:
         tl.store(Out + row * stride_o + tl.arange(0, BLOCK), out, mask=mask)
 
 
+def row_num_warps(block: int) -> int:
+    """Warps of a kernel holding a row of ``block`` (a power of two) elements in registers, one program per row
+    (this module's, and ``roofline.kernels.act_quant``'s fused norm / SiLU-and-mul + quantize)."""
+    return 4 if block <= 2048 else (8 if block <= 8192 else 16)
+
+
 def _launch(x, residual, weight, eps):
     if triton is None:
         raise RuntimeError("triton is not installed; use ref_rmsnorm on this machine")
@@ -103,7 +109,7 @@ def _launch(x, residual, weight, eps):
     else:
         r2, res_out = x2, out  # unused placeholders (HAS_RESIDUAL=False)
     block = triton.next_power_of_2(hidden)
-    num_warps = 4 if block <= 2048 else (8 if block <= 8192 else 16)
+    num_warps = row_num_warps(block)
     if x2.shape[0] > 0:
         _rmsnorm_kernel[(x2.shape[0],)](
             x2, r2, weight, out, res_out,

@@ -2,22 +2,25 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from torch import nn
 
 from roofline.kernels.act_quant import QuantizedActivation
 from roofline.kernels.activation import ref_silu_and_mul
 from roofline.layers import dispatch
-from roofline.layers.norm import input_quant_for
+
+if TYPE_CHECKING:
+    from roofline.layers.linear import LinearBase
 
 
-def silu_and_mul(x: torch.Tensor, quant_for: nn.Module | None = None) -> torch.Tensor | QuantizedActivation:
+def silu_and_mul(x: torch.Tensor, quant_for: LinearBase | None = None) -> torch.Tensor | QuantizedActivation:
     """x: [num_tokens, 2 * intermediate] -> [num_tokens, intermediate].
 
     ``quant_for``: the linear layer the result feeds (down_proj). Where it would quantize its input per token in a
-    pass of its own (``roofline.layers.norm.input_quant_for``), the codes are written by this kernel instead
+    pass of its own (``LinearBase.input_quant``), the codes are written by this kernel instead
     (``roofline.kernels.act_quant.silu_and_mul_quant``, bit-identical) and a ``QuantizedActivation`` returned."""
-    if (fmt := input_quant_for(quant_for, x)) is not None:
+    if quant_for is not None and (fmt := quant_for.input_quant(x)) is not None:
         from roofline.kernels.act_quant import silu_and_mul_quant
 
         return QuantizedActivation(*silu_and_mul_quant(x, fmt), x.dtype)

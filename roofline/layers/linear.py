@@ -93,6 +93,12 @@ class LinearBase(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.quant_method.apply(self, x, self.bias)
 
+    def input_quant(self, x: torch.Tensor) -> str | None:
+        """The per-token format ("int8" / "fp8") in which this layer would quantize its input ``x`` [T, K] in a pass
+        of its own (``LinearMethod.input_quant``): what the kernel producing x may fuse in (``RMSNorm.forward``'s and
+        ``silu_and_mul``'s ``quant_for``, which then hand over a ``QuantizedActivation``); None otherwise."""
+        return self.quant_method.input_quant(self, x.shape[0]) if x.dim() == 2 else None
+
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, tp={self.tp_rank}/{self.tp_size}, "
                 f"method={type(self.quant_method).__name__}")

@@ -7,6 +7,8 @@ back, then scale by the weight. With kernels enabled on CUDA the fused Triton ke
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
@@ -14,13 +16,8 @@ from roofline.kernels.act_quant import QuantizedActivation
 from roofline.kernels.rmsnorm import ref_fused_add_rmsnorm, ref_rmsnorm
 from roofline.layers import dispatch
 
-
-def input_quant_for(consumer: nn.Module | None, x: torch.Tensor) -> str | None:
-    """The per-token format in which ``consumer`` (a linear layer, or None) would quantize ``x`` [T, K] itself
-    (``LinearMethod.input_quant``): what a producer kernel may fuse in. None without CUDA kernels."""
-    if consumer is None or x.dim() != 2 or dispatch.kernels_for(x) is None:
-        return None
-    return consumer.quant_method.input_quant(consumer, x.shape[0])
+if TYPE_CHECKING:
+    from roofline.layers.linear import LinearBase
 
 
 class RMSNorm(nn.Module):
@@ -30,15 +27,16 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None = None, quant_for: nn.Module | None = None
+        self, x: torch.Tensor, residual: torch.Tensor | None = None, quant_for: LinearBase | None = None
     ) -> torch.Tensor | QuantizedActivation | tuple[torch.Tensor | QuantizedActivation, torch.Tensor]:
         """x: [..., hidden] (2-D or more). With ``residual``, returns (rmsnorm(x + residual), x + residual).
 
         ``quant_for``: the linear layer this norm feeds. Where that layer would quantize its input per token in a
-        pass of its own (W8A8 above decode sizes, ``input_quant_for``), the norm writes the codes in the same
+        pass of its own (W8A8 above decode sizes, ``LinearBase.input_quant``), the norm writes the codes in the same
         kernel (``roofline.kernels.act_quant.rmsnorm_quant``, the same codes to one step in a rare row) and returns a
         ``QuantizedActivation`` in place of the normed tensor; only that layer may consume it."""
-        if (fmt := input_quant_for(quant_for, x)) is not None and self.weight.dtype == x.dtype:
+        fmt = quant_for.input_quant(x) if quant_for is not None else None
+        if fmt is not None and self.weight.dtype == x.dtype:
             from roofline.kernels.act_quant import rmsnorm_quant
 
             codes, scales, new_residual = rmsnorm_quant(x, residual, self.weight, self.eps, fmt)

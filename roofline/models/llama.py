@@ -10,13 +10,14 @@ their ``LinearMethod`` (the weight format), and norms/activations choose their k
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 from torch import nn
 
 from roofline.attention import Attention, AttentionBackend, AttentionMetadata, QKNorm
 from roofline.config import ModelConfig
 from roofline.distributed.parallel_state import get_parallel_state
-from roofline.kernels.act_quant import QuantizedActivation
 from roofline.layers.activation import silu_and_mul
 from roofline.layers.linear import (
     MergedColumnParallelLinear,
@@ -28,6 +29,9 @@ from roofline.layers.moe import FusedMoE
 from roofline.layers.norm import RMSNorm
 from roofline.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from roofline.quant.base import QuantConfig
+
+if TYPE_CHECKING:
+    from roofline.kernels.act_quant import QuantizedActivation
 
 
 class LlamaAttention(nn.Module):

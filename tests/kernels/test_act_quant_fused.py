@@ -158,7 +158,7 @@ def test_gpu_model_with_fused_input_quantization_is_unchanged(quantization, tmp_
 
     from roofline import LLM, SamplingParams
     from roofline.kernels import act_quant
-    from roofline.layers import activation, norm
+    from roofline.layers.linear import LinearBase
 
     config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 1000, "hidden_size": 256,
               "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -181,8 +181,7 @@ def test_gpu_model_with_fused_input_quantization_is_unchanged(quantization, tmp_
     runs = []
     for fused in (True, False):
         if not fused:  # the layers never ask for codes: each W8A8 linear quantizes its own input
-            monkeypatch.setattr(norm, "input_quant_for", lambda consumer, x: None)
-            monkeypatch.setattr(activation, "input_quant_for", lambda consumer, x: None)
+            monkeypatch.setattr(LinearBase, "input_quant", lambda self, x: None)
         llm = LLM(str(tmp_path), load_format="dummy", dtype="bfloat16", quantization=quantization,
                   enforce_eager=True, max_model_len=256, max_num_seqs=4, kv_cache_memory="64MiB")
         out = llm.generate(prompt, params, use_tqdm=False)[0]

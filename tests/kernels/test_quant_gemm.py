@@ -535,3 +535,30 @@ def test_engine_reads_the_dispatch_table(monkeypatch):
     assert gemm.gemv_config("int4", 1, 4096, 4096, dev) == GemmConfig(1, 64, 128, 4, 1, gemv=True)
     assert gemm.gemv_config("int4", 3, 6144, 4096, dev) == GemmConfig(2, 32, 64, 2, 1, split_k=4, gemv=True)
     assert gemm.gemv_config("int4", 5, 4096, 4096, dev) is None and gemm.gemv_config("int8", 1, 64, 64, dev) is None
+
+
+@pytest.mark.parametrize("tensor_cores", [True, False])
+def test_w8a8_path_and_the_producers_quantization_agree(monkeypatch, tensor_cores):
+    """One decision for a W8A8 linear's matmul (``w8a8_path``) serves the linear and the kernel producing its input:
+    the producer writes the codes (``input_quant_format``) exactly where the linear would quantize in a pass of its
+    own before a GEMM that takes codes. No table: fp8 weight-only to M = 16, the self-quantizing GEMVs to M = 4."""
+    from roofline.kernels import linear_dispatch as gemm
+
+    monkeypatch.setattr(gemm, "_table", lambda device: {})
+    monkeypatch.setattr(gemm, "kernels_on", lambda device: object())
+    monkeypatch.setattr(gemm, "fp8_tensor_cores", lambda device: tensor_cores)
+    dev = torch.device("cuda")
+    paths = {(meth, m): gemm.w8a8_path(meth, m, 4096, 4096, dev) for meth in ("fp8", "smoothquant")
+             for m in (1, 4, 5, 16, 17, 2048)}
+    if tensor_cores:
+        assert [paths[("fp8", m)] for m in (1, 16, 17, 2048)] == ["weight_only", "weight_only", "quantize", "quantize"]
+    else:  # FP8 emulation: the quantizer, then the emulated matmul
+        assert {paths[("fp8", m)] for m in (1, 16, 17, 2048)} == {"quantize"}
+    assert [paths[("smoothquant", m)] for m in (1, 4, 5, 2048)] == ["gemv", "gemv", "quantize", "quantize"]
+    for (meth, m), path in paths.items():
+        fmt = gemm.input_quant_format(meth, m, 4096, 4096, dev)
+        takes_codes = path == "quantize" and (meth == "smoothquant" or tensor_cores)
+        assert fmt == ({"fp8": "fp8", "smoothquant": "int8"}[meth] if takes_codes else None), (meth, m, path)
+    monkeypatch.setattr(gemm, "kernels_on", lambda device: None)  # no Triton kernels: the torch / CPU paths
+    assert gemm.w8a8_path("smoothquant", 1, 4096, 4096, dev) == "quantize"
+    assert gemm.input_quant_format("fp8", 2048, 4096, 4096, dev) is None
