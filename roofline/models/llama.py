@@ -57,6 +57,7 @@ class LlamaAttention(nn.Module):
                 ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+        self.o_proj.prefetch_l2(num_tokens)  # into L2 while RoPE and attention run (decode, where it is on)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -77,7 +78,9 @@ class LlamaMLP(nn.Module):
                                            quant_config=quant_config, prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x), quant_for=self.down_proj))
+        gate_up = self.gate_up_proj(x)
+        self.down_proj.prefetch_l2(gate_up.shape[0])
+        return self.down_proj(silu_and_mul(gate_up, quant_for=self.down_proj))
 
 
 # HF names of an expert's gate, up and down projections, per architecture (Qwen's are the default).
@@ -141,6 +144,8 @@ class LlamaDecoderLayer(nn.Module):
             x, residual = self.input_layernorm(x, residual, quant_for=self.self_attn.qkv_proj)
         x = self.self_attn(positions, x, meta)
         mlp = getattr(self, self.mlp_name)
+        if isinstance(mlp, LlamaMLP):
+            mlp.gate_up_proj.prefetch_l2(x.shape[0])
         x, residual = self.post_attention_layernorm(
             x, residual, quant_for=mlp.gate_up_proj if isinstance(mlp, LlamaMLP) else None)
         return mlp(x), residual
