@@ -150,10 +150,10 @@ def run_decode_bench(args: argparse.Namespace) -> int:
                for q, kv, ex, pdl, i4, l2 in configs]
     rows, meta, bandwidth, peak = [], {}, None, None
     for (quant, kv, ex, pdl, i4, l2), fmt in zip(configs, formats, strict=True):
-        if l2 is not None:  # the L2 weight prefetch (sites@MB per call, or 0), before the graphs are captured
+        if l2 is not None:  # the L2 weight prefetch (SITE+SITE:MB per call, or MB), before the graphs are captured
             from roofline.kernels import l2_prefetch
 
-            sites, _, mb = l2.rpartition("@")
+            sites, _, mb = l2.rpartition(":")
             l2_prefetch.MAX_BYTES = int(float(mb) * 2**20)
             if sites:
                 l2_prefetch.SITES = frozenset(s for s in sites.split("+") if s)
@@ -298,7 +298,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "w4a16_mma)")
     p.add_argument("--l2-prefetch", default="",
                    help="comma list of L2 weight-prefetch settings to measure in turn, each MB per call or "
-                        "SITE+SITE@MB (sites: o_proj, gate_up_proj, down_proj; 0 off; roofline.kernels.l2_prefetch)")
+                        "SITE+SITE:MB (sites: o_proj, gate_up_proj, down_proj, gate_up_proj@qkv; 0 off; "
+                        "roofline.kernels.l2_prefetch)")
     p.add_argument("--out-dir", default="bench/results")
     p.set_defaults(func=run_decode_bench)
     return p

@@ -14,8 +14,10 @@ still runs; it issues its prefetches first, then lets the next kernel launch, th
 Sources: PTX ISA 8.0, ``cp.async.bulk.prefetch`` (sm_90); CUDA C++ Programming Guide, "Programmatic Dependent
 Launch"; H100/H200 L2 capacity, NVIDIA H100 Tensor Core GPU Architecture whitepaper (50 MB).
 
-``MAX_BYTES`` (per call; 0 off) and ``SITES`` (which layers prefetch: their names as ``LinearBase.prefetch_site``)
-are process-wide and read at launch, so before CUDA graph capture (``roofline bench decode --l2-prefetch``).
+``MAX_BYTES`` (per call; 0 off) and ``SITES`` are process-wide and read at launch, so before CUDA graph capture
+(``roofline bench decode --l2-prefetch``). A site is a layer's name, launched right after the kernel before its
+producer (``o_proj`` after qkv, ``gate_up_proj`` after o_proj, ``down_proj`` after gate_up), or ``NAME@qkv``:
+that layer's weight launched right after qkv, to stream during RoPE and attention as well.
 """
 
 from __future__ import annotations
