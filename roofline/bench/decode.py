@@ -154,6 +154,8 @@ def run_decode_bench(args: argparse.Namespace) -> int:
             from roofline.kernels import l2_prefetch
 
             sites, _, mb = l2.rpartition(":")
+            if mb.endswith(("bulk", "line")):
+                mb, l2_prefetch.KIND = mb[:-4], mb[-4:]
             l2_prefetch.MAX_BYTES = int(float(mb) * 2**20)
             if sites:
                 l2_prefetch.SITES = frozenset(s for s in sites.split("+") if s)
@@ -298,7 +300,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                         "w4a16_mma)")
     p.add_argument("--l2-prefetch", default="",
                    help="comma list of L2 weight-prefetch settings to measure in turn, each MB per call or "
-                        "SITE+SITE:MB (sites: o_proj, gate_up_proj, down_proj, gate_up_proj@qkv; 0 off; "
+                        "SITE+SITE:MB[bulk|line] (sites: o_proj, gate_up_proj, down_proj, gate_up_proj@qkv; 0 off; "
                         "roofline.kernels.l2_prefetch)")
     p.add_argument("--out-dir", default="bench/results")
     p.set_defaults(func=run_decode_bench)

@@ -34,8 +34,10 @@ except ImportError:  # pragma: no cover
 
 MAX_BYTES = 0  # bytes of a weight prefetched per call; 0: off
 SITES: frozenset[str] = frozenset({"o_proj", "gate_up_proj", "down_proj"})
-LANES = 32  # one warp a program
-LANE_BYTES = 4096  # bytes per bulk prefetch (a multiple of 16)
+KIND = "line"  # "bulk": cp.async.bulk.prefetch.L2 of LANE_BYTES a lane; "line": prefetch.global.L2 per 128-byte line
+LANES = 32  # bulk: one warp a program
+LANE_BYTES = 4096  # bulk: bytes per prefetch (a multiple of 16)
+LINES = 1024  # line: 128-byte lines a program (128 KB), over 4 warps
 MAX_M = 16  # decode sizes only: above this the GEMMs are not bound by the weight stream
 
 
@@ -61,6 +63,18 @@ if triton is not None:
             gdc_launch_dependents()  # the next kernel may launch; it still waits for this one to finish
             gdc_wait()  # finish after the previous kernel, so the next kernel's gdc_wait covers it too
 
+    @triton.jit
+    def _l2_prefetch_lines_kernel(P, nbytes, LINES: tl.constexpr, PDL: tl.constexpr):
+        # One prefetch.global.L2::evict_last per 128-byte line of P below nbytes: no destination register, nothing
+        # to wait for, so the warp moves on (unlike a bulk prefetch, which the measured CTAs outlived).
+        off = tl.program_id(0).to(tl.int64) * (LINES * 128) + tl.arange(0, LINES).to(tl.int64) * 128
+        tl.inline_asm_elementwise(
+            "{ .reg .pred p; setp.lt.s64 p, $2, $3; @p prefetch.global.L2::evict_last [$1]; mov.u32 $0, 0; }",
+            "=r,l,l,l", [P + off, off, nbytes + tl.zeros_like(off)], dtype=tl.int32, is_pure=False, pack=1)
+        if PDL:
+            gdc_launch_dependents()
+            gdc_wait()
+
 
 def prefetch(t: torch.Tensor, max_bytes: int | None = None) -> int:
     """Start moving the first ``max_bytes`` (default ``MAX_BYTES``) of ``t``'s storage into L2; returns the bytes
@@ -80,7 +94,11 @@ def prefetch(t: torch.Tensor, max_bytes: int | None = None) -> int:
     nbytes = min(t.numel() * t.element_size(), cap) // 16 * 16
     if nbytes <= 0:
         return 0
-    grid = (triton.cdiv(nbytes, LANES * LANE_BYTES),)
-    _l2_prefetch_kernel[grid](t.view(torch.uint8) if t.dim() else t.reshape(1).view(torch.uint8), nbytes,
-                              LANES=LANES, LANE_BYTES=LANE_BYTES, num_warps=1, **pdl.launch_kwargs(t.device))
+    flat = t.reshape(-1).view(torch.uint8)
+    if KIND == "bulk":
+        _l2_prefetch_kernel[(triton.cdiv(nbytes, LANES * LANE_BYTES),)](
+            flat, nbytes, LANES=LANES, LANE_BYTES=LANE_BYTES, num_warps=1, **pdl.launch_kwargs(t.device))
+    else:
+        _l2_prefetch_lines_kernel[(triton.cdiv(nbytes, LINES * 128),)](
+            flat, nbytes, LINES=LINES, num_warps=4, **pdl.launch_kwargs(t.device))
     return nbytes
