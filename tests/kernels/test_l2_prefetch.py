@@ -83,8 +83,11 @@ needs_hopper = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.ge
 @pytest.mark.gpu
 @needs_hopper
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int32, torch.float8_e4m3fn])
-def test_gpu_prefetch_leaves_the_weight_and_the_gemv_unchanged(dtype):
+@pytest.mark.parametrize("kind", ["bulk", "line"])
+def test_gpu_prefetch_leaves_the_weight_and_the_gemv_unchanged(dtype, kind, monkeypatch):
     from roofline.kernels.quant_gemm import dense_gemv
+
+    monkeypatch.setattr(l2_prefetch, "KIND", kind)
 
     w = torch.randn(1000, 520, device="cuda").to(dtype) if dtype != torch.int32 else \
         torch.randint(-2**31, 2**31 - 1, (1000, 520), device="cuda", dtype=torch.int32)
