@@ -95,11 +95,18 @@ class LLM:
         if isinstance(prompts, (str, dict)) or (isinstance(prompts, list) and prompts
                                                  and all(isinstance(t, int) for t in prompts)):
             prompts = [prompts]  # type: ignore[list-item]
-        prompts = list(prompts)  # type: ignore[arg-type]
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a str, a list of token ids, a dict with 'prompt_token_ids', or a list "
+                            f"of those; got {type(prompts).__name__}")
+        prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         params_list = (list(sampling_params) if isinstance(sampling_params, Seq)
                        else [sampling_params] * len(prompts))
+        bad = next((p for p in params_list if not isinstance(p, SamplingParams)), None)
+        if bad is not None:
+            raise TypeError(f"sampling_params must be a SamplingParams or a list of them, got {type(bad).__name__}"
+                            + (" (build one with SamplingParams(**that_dict))" if isinstance(bad, dict) else ""))
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(params_list)} SamplingParams for {len(prompts)} prompts; "
                              f"pass one, or one per prompt")
@@ -115,6 +122,11 @@ class LLM:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         if self.tokenizer is None:
             raise ValueError("chat needs a tokenizer; this model has none (dummy weights)")
+        if not isinstance(messages, (list, tuple)) or not all(isinstance(m, (dict, list, tuple)) for m in messages):
+            raise TypeError("messages must be a conversation (a list of {'role': ..., 'content': ...} dicts) or a "
+                            f"list of conversations; got {type(messages).__name__}"
+                            + (f" of {type(messages[0]).__name__}" if isinstance(messages, (list, tuple)) and messages
+                               else ""))
         conversations = [messages] if messages and isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = [
             {"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt)} for conv in conversations

@@ -151,6 +151,23 @@ def test_prompt_of_wrong_type_is_a_per_request_error(default_llm):
     _assert_idle(default_llm)
 
 
+def test_call_of_wrong_shape_is_a_type_error_naming_the_argument(default_llm):
+    """Whole-call mistakes (not one bad prompt) raise TypeError before anything is queued: a dict of sampling
+    settings instead of SamplingParams (was an AttributeError from deep in the engine), a prompts argument that is
+    not a prompt or a list (None, 5, bytes: bytes were split into one rejected request per byte), a chat given a
+    string (was walked character by character)."""
+    with pytest.raises(TypeError, match=r"sampling_params must be a SamplingParams .* got dict .*SamplingParams\(\*\*"):
+        default_llm.generate("a", {"temperature": 0}, use_tqdm=False)
+    with pytest.raises(TypeError, match="got str"):
+        default_llm.generate(["a", "b"], [SamplingParams(), "greedy"], use_tqdm=False)
+    for bad, name in ((None, "NoneType"), (5, "int"), (b"hello", "bytes")):
+        with pytest.raises(TypeError, match=f"prompts must be .* got {name}"):
+            default_llm.generate(bad, GREEDY8, use_tqdm=False)
+    with pytest.raises(TypeError, match="messages must be a conversation .* got str"):
+        default_llm.chat("hello", GREEDY8, use_tqdm=False)
+    _assert_idle(default_llm)
+
+
 def test_failure_mid_run_leaves_engine_clean(default_llm, monkeypatch):
     """An exception during the run (here from the model runner on the second step) propagates, and the
     call's requests are aborted: no request stays queued and no block stays taken."""
