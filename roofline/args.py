@@ -122,6 +122,13 @@ def _check_kernel_env() -> None:
             raise ValueError(f"{env}={value!r}: must be 0 (off) or 1 (on, the default)")
 
 
+_INT_FIELDS = ("seed", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "block_size",
+               "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "quantization_group_size")
+_BOOL_FIELDS = ("enable_expert_parallel", "enable_chunked_prefill", "enforce_eager", "disable_triton_kernels",
+                "async_scheduling", "enable_prefix_caching")
+_OPTIONAL_FIELDS = ("max_model_len", "block_size", "num_kv_blocks", "max_num_batched_tokens", "async_scheduling")
+
+
 @dataclass
 class EngineArgs:
     model: str | None = None
@@ -156,6 +163,16 @@ class EngineArgs:
     speculative_config: dict | str | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
+        for name in _INT_FIELDS:  # a wrong type fails here, naming the field (not as a comparison deep inside)
+            v = getattr(self, name)
+            if not (v is None and name in _OPTIONAL_FIELDS) and (not isinstance(v, int) or isinstance(v, bool)):
+                raise TypeError(f"{name} must be an integer{' or None' if name in _OPTIONAL_FIELDS else ''}, got "
+                                f"{v!r} ({type(v).__name__})")
+        for name in _BOOL_FIELDS:
+            v = getattr(self, name)
+            if not (v is None and name in _OPTIONAL_FIELDS) and not isinstance(v, bool):
+                raise TypeError(f"{name} must be True or False{' or None' if name in _OPTIONAL_FIELDS else ''}, got "
+                                f"{v!r} ({type(v).__name__})")
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if (self.speculative_config is not None and self.speculative_config.model is not None

@@ -526,3 +526,21 @@ def test_a_bad_kernel_environment_variable_is_refused_on_the_cpu_too(env, monkey
     from roofline.kernels.gluon_prefill import choose_prefill_kernel, paged_prefill_attention
 
     assert choose_prefill_kernel(" Triton") is paged_prefill_attention
+
+
+@pytest.mark.parametrize("kwargs, needle", [
+    ({"max_model_len": "2048"}, "max_model_len must be an integer or None, got '2048' (str)"),
+    ({"max_num_seqs": "4"}, "max_num_seqs must be an integer, got '4' (str)"),
+    ({"block_size": 16.5}, "block_size must be an integer or None, got 16.5 (float)"),
+    ({"seed": "x"}, "seed must be an integer, got 'x' (str)"),
+    ({"tensor_parallel_size": True}, "tensor_parallel_size must be an integer, got True (bool)"),
+    ({"enforce_eager": "yes"}, "enforce_eager must be True or False, got 'yes' (str)"),
+])
+def test_engine_args_of_the_wrong_type_name_the_field(kwargs, needle):
+    """A wrong type fails at construction naming the field, value and type (it was a raw comparison TypeError,
+    "'<' not supported between instances of 'str' and 'int'", from inside the engine's set-up)."""
+    from roofline.args import EngineArgs
+
+    with pytest.raises(TypeError) as e:
+        EngineArgs(**kwargs)
+    assert needle in str(e.value)
