@@ -544,3 +544,13 @@ def test_engine_args_of_the_wrong_type_name_the_field(kwargs, needle):
     with pytest.raises(TypeError) as e:
         EngineArgs(**kwargs)
     assert needle in str(e.value)
+
+
+def test_bool_token_ids_are_refused_per_request(default_llm):
+    """True is not token id 1: a prompt holding a bool is rejected with the range (it generated before)."""
+    outs = default_llm.generate([{"prompt_token_ids": [True, 2, 3]}, "The capital of France is"],
+                                SamplingParams(temperature=0, max_tokens=2), use_tqdm=False)
+    assert outs[0].error is not None and "prompt token id True is a bool, not an integer token id in [0, 49152)" \
+        in outs[0].error
+    assert outs[1].error is None and outs[1].outputs[0].token_ids == [7042, 30]
+    _assert_idle(default_llm)

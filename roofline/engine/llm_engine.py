@@ -137,9 +137,10 @@ class LLMEngine:
                 f"{max_len - 1} tokens to leave room for one generated token"
             )
         vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token id {bad[0]!r} is out of range [0, {vocab})")
+            what = "is a bool, not an integer token id in" if isinstance(bad[0], bool) else "is out of range"
+            raise ValueError(f"prompt token id {bad[0]!r} {what} [0, {vocab})")
         params.verify_for_model(vocab)
         if params.n > self.config.scheduler_config.max_num_seqs:
             raise ValueError(f"n must be <= max_num_seqs ({self.config.scheduler_config.max_num_seqs}), "

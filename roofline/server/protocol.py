@@ -14,7 +14,7 @@ import typing
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
 
 
 def random_id(prefix: str) -> str:
@@ -180,7 +180,7 @@ class CompletionRequest(_SamplingFields):
     (vLLM extension) returns each choice's ``prompt_logprobs`` in vLLM's layout.
     """
 
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[StrictInt] | list[list[StrictInt]]  # strict: JSON true is not token id 1
     max_tokens: int | None = 16
     echo: bool = False
     logprobs: int | None = None

@@ -67,9 +67,12 @@ def _render_chat(serving: OpenAIServing, req: P.ChatCompletionRequest) -> list[i
         if isinstance(content, list):
             texts = []
             for part in content:
-                if part.type != "text" or part.text is None:
+                if part.type != "text":
                     raise bad_request(f"messages[{i}].content has a part of type {part.type!r}; only 'text' "
                                       f"parts are supported", param=f"messages[{i}].content")
+                if part.text is None:
+                    raise bad_request(f"messages[{i}].content has a 'text' part without its 'text' string",
+                                      param=f"messages[{i}].content")
                 texts.append(part.text)
             content = "\n".join(texts)
         role = "system" if m.role == "developer" else m.role
