@@ -84,9 +84,7 @@ class SpeculativeConfig:
             PROPOSERS,  # the registry of methods (one entry per proposer)
         )
 
-        if self.method not in PROPOSERS:
-            raise ValueError(f"speculative_config method must be one of {', '.join(PROPOSERS)}, "
-                             f"got {self.method!r}")
+        _check_method(self.method)
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
             raise ValueError(f"speculative_config num_speculative_tokens must be an integer in "
@@ -201,10 +199,17 @@ class SpeculativeConfig:
         if unknown:
             raise ValueError(f"speculative_config has unknown key(s) {', '.join(map(repr, unknown))}; allowed: "
                              f"{', '.join(_SPEC_KEYS)}")
-        for key in ("method", "num_speculative_tokens"):
-            if key not in d:
-                raise ValueError(f"speculative_config needs {key!r}")
+        if "method" not in d:
+            raise ValueError("speculative_config needs 'method'")
+        _check_method(d["method"])  # before the other keys: a wrong method is the first thing to say
+        if "num_speculative_tokens" not in d:
+            raise ValueError("speculative_config needs 'num_speculative_tokens'")
         return cls(**d)
+
+
+def _check_method(method: Any) -> None:
+    if method not in PROPOSERS:
+        raise ValueError(f"speculative_config method must be one of {', '.join(PROPOSERS)}, got {method!r}")
 
 
 def check_draft_vocab(draft: ModelConfig, target: ModelConfig) -> None:

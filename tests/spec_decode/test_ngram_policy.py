@@ -220,6 +220,8 @@ def test_stats_accounting():
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/x", "num_layers": 3}, "does not combine with"),
     ({"method": "ngram", "num_speculative_tokens": 2, "gamma": 3}, "unknown key.*'gamma'; allowed: method"),
     ({"num_speculative_tokens": 2}, "needs 'method'"),
+    ({"method": "nope"}, "method must be one of .*got 'nope'"),  # the bad method first, then the missing key
+    ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
     ("{not json", "not valid JSON"),
 ])
 def test_config_errors_name_the_value(cfg, match):
