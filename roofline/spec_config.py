@@ -80,10 +80,6 @@ class SpeculativeConfig:
     tree_budget: int | None = None  # the tree's nodes (default: as many as it can offer, at most 64)
 
     def __post_init__(self) -> None:
-        from roofline.spec_decode.proposer import (
-            PROPOSERS,  # the registry of methods (one entry per proposer)
-        )
-
         _check_method(self.method)
         k = self.num_speculative_tokens
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
@@ -208,6 +204,8 @@ class SpeculativeConfig:
 
 
 def _check_method(method: Any) -> None:
+    from roofline.spec_decode.proposer import PROPOSERS  # the registry of methods (one entry per proposer)
+
     if method not in PROPOSERS:
         raise ValueError(f"speculative_config method must be one of {', '.join(PROPOSERS)}, got {method!r}")
 
