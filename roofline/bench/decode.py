@@ -140,25 +140,13 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     executors = [None if e in ("", "auto") else e for e in args.executor.split(",")]
     pdls = [int(p) for p in str(getattr(args, "pdl", "") or "").split(",") if p != ""] or [None]
     int4ks = [k for k in str(getattr(args, "int4_kernel", "") or "").split(",") if k] or [None]
-    l2s = [p for p in str(getattr(args, "l2_prefetch", "") or "").split(",") if p] or [None]
-    configs = [(q, kv, ex, pdl, i4, l2) for ex in executors for q in quants for pdl in pdls
-               for i4 in (int4ks if q == "int4" else [None]) for l2 in l2s
-               for kv in args.kv_cache_dtype.split(",") if kv]
+    configs = [(q, kv, ex, pdl, i4) for ex in executors for q in quants for pdl in pdls
+               for i4 in (int4ks if q == "int4" else [None]) for kv in args.kv_cache_dtype.split(",") if kv]
     formats = [_label(q, kv, len(quants) > 1) + (f"@{ex}" if len(executors) > 1 else "")
                + (f"+pdl{pdl}" if len(pdls) > 1 else "") + (f"+{i4}" if i4 and len(int4ks) > 1 else "")
-               + (f"+l2:{l2}" if len(l2s) > 1 else "")
-               for q, kv, ex, pdl, i4, l2 in configs]
+               for q, kv, ex, pdl, i4 in configs]
     rows, meta, bandwidth, peak = [], {}, None, None
-    for (quant, kv, ex, pdl, i4, l2), fmt in zip(configs, formats, strict=True):
-        if l2 is not None:  # the L2 weight prefetch (SITE+SITE:MB per call, or MB), before the graphs are captured
-            from roofline.kernels import l2_prefetch
-
-            sites, _, mb = l2.rpartition(":")
-            if mb.endswith(("bulk", "line")):
-                mb, l2_prefetch.KIND = mb[:-4], mb[-4:]
-            l2_prefetch.MAX_BYTES = int(float(mb) * 2**20)
-            if sites:
-                l2_prefetch.SITES = frozenset(s for s in sites.split("+") if s)
+    for (quant, kv, ex, pdl, i4), fmt in zip(configs, formats, strict=True):
         if pdl is not None:  # the GEMM kernels' programmatic-dependent-launch mode, before the graphs are captured
             from roofline.kernels import pdl as pdl_mod
 
@@ -298,10 +286,6 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="comma list of INT4 decode GEMMs to measure in turn for --quantization int4: mma (the "
                         "Gluon tensor-core kernel, the default where it applies) or triton (roofline.kernels."
                         "w4a16_mma)")
-    p.add_argument("--l2-prefetch", default="",
-                   help="comma list of L2 weight-prefetch settings to measure in turn, each MB per call or "
-                        "SITE+SITE:MB[bulk|line] (sites: o_proj, gate_up_proj, down_proj, gate_up_proj@qkv; 0 off; "
-                        "roofline.kernels.l2_prefetch)")
     p.add_argument("--out-dir", default="bench/results")
     p.set_defaults(func=run_decode_bench)
     return p

@@ -287,17 +287,6 @@ def w4a16(x: torch.Tensor, layer, bias: torch.Tensor | None = None) -> torch.Ten
     return _finish(out, x, bias)
 
 
-def streamed_weight(layer, m: int) -> torch.Tensor | None:
-    """The tensor whose bytes ``layer``'s GEMM streams at ``m`` rows on a GPU (what ``l2_prefetch.prefetch`` warms):
-    INT4's tensor-core layout ``qweight_mma`` where ``w4a16`` would run that kernel, else ``qweight`` (every
-    quantized format), else the 16-bit ``weight``; None where the layer holds none of them."""
-    qm = getattr(layer, "qweight_mma", None)
-    qw = getattr(layer, "qweight", None)
-    if qm is not None and qw is not None and int4_mma_config(m, qw.shape[1], qw.shape[0] * 8, qw.device) is not None:
-        return qm
-    return qw if qw is not None else getattr(layer, "weight", None)
-
-
 # ------------------------------------------------------------------------------------------- W8A8
 
 

@@ -20,7 +20,6 @@ from torch import nn
 
 from roofline.distributed.communication import tensor_parallel_all_reduce
 from roofline.distributed.parallel_state import divide, get_tp_rank, get_tp_size
-from roofline.kernels import l2_prefetch, linear_dispatch
 from roofline.quant.base import QuantConfig, UnquantizedLinearMethod, set_weight_attrs
 
 
@@ -99,17 +98,6 @@ class LinearBase(nn.Module):
         of its own (``LinearMethod.input_quant``): what the kernel producing x may fuse in (``RMSNorm.forward``'s and
         ``silu_and_mul``'s ``quant_for``, which then hand over a ``QuantizedActivation``); None otherwise."""
         return self.quant_method.input_quant(self, x.shape[0]) if x.dim() == 2 else None
-
-    def prefetch_l2(self, num_tokens: int, where: str = "") -> None:
-        """Start streaming the weight this layer's GEMM will read at ``num_tokens`` rows into the GPU's L2, where
-        ``roofline.kernels.l2_prefetch`` is on for this site (the layer's name, ``o_proj``, ``gate_up_proj``,
-        ``down_proj``, plus ``@where`` when the caller is not the usual one) at this size: called a few kernels
-        ahead of ``forward``, so the bytes arrive while latency-bound kernels (RoPE, attention, norms) run. A no-op
-        elsewhere (CPU, pre-sm_90, off, prefill sizes)."""
-        if l2_prefetch.enabled(num_tokens, self.prefix.rsplit(".", 1)[-1] + (f"@{where}" if where else "")):
-            t = linear_dispatch.streamed_weight(self, num_tokens)
-            if t is not None:
-                l2_prefetch.prefetch(t)
 
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, tp={self.tp_rank}/{self.tp_size}, "

@@ -20,7 +20,6 @@ from roofline.config import ModelConfig
 from roofline.distributed.parallel_state import get_parallel_state
 from roofline.layers.activation import silu_and_mul
 from roofline.layers.linear import (
-    LinearBase,
     MergedColumnParallelLinear,
     QKVParallelLinear,
     ReplicatedLinear,
@@ -54,15 +53,10 @@ class LlamaAttention(nn.Module):
             self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
         self.attn = Attention(backend, layer_id, QKNorm(self.q_norm, self.k_norm) if config.qk_norm else None)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor | QuantizedActivation, meta: AttentionMetadata,
-                prefetch: tuple[LinearBase, ...] = ()) -> torch.Tensor:
-        """``prefetch``: later layers whose weights may stream into L2 while RoPE and attention run
-        (``LinearBase.prefetch_l2`` at site ``NAME@qkv``), beside o_proj's own."""
+    def forward(self, positions: torch.Tensor, x: torch.Tensor | QuantizedActivation, meta: AttentionMetadata
+                ) -> torch.Tensor:
         num_tokens = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-        self.o_proj.prefetch_l2(num_tokens)  # into L2 while RoPE and attention run (decode, where it is on)
-        for layer in prefetch:
-            layer.prefetch_l2(num_tokens, "qkv")
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(num_tokens, self.num_heads, self.head_dim)
         k = k.reshape(num_tokens, self.num_kv_heads, self.head_dim)
@@ -83,9 +77,7 @@ class LlamaMLP(nn.Module):
                                            quant_config=quant_config, prefix=f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor | QuantizedActivation) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        self.down_proj.prefetch_l2(gate_up.shape[0])
-        return self.down_proj(silu_and_mul(gate_up, quant_for=self.down_proj))
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x), quant_for=self.down_proj))
 
 
 # HF names of an expert's gate, up and down projections, per architecture (Qwen's are the default).
@@ -147,11 +139,8 @@ class LlamaDecoderLayer(nn.Module):
             x = self.input_layernorm(x, quant_for=self.self_attn.qkv_proj)
         else:
             x, residual = self.input_layernorm(x, residual, quant_for=self.self_attn.qkv_proj)
+        x = self.self_attn(positions, x, meta)
         mlp = getattr(self, self.mlp_name)
-        dense = isinstance(mlp, LlamaMLP)
-        x = self.self_attn(positions, x, meta, prefetch=(mlp.gate_up_proj,) if dense else ())
-        if dense:
-            mlp.gate_up_proj.prefetch_l2(x.shape[0])
         x, residual = self.post_attention_layernorm(
             x, residual, quant_for=mlp.gate_up_proj if isinstance(mlp, LlamaMLP) else None)
         return mlp(x), residual
