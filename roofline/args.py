@@ -85,7 +85,10 @@ def parse_kv_cache_memory(value: str | int | float | None,
         size, unit = int(value), ""
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-        if not m or m.group(2).lower() not in _UNITS:
+        if m and m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{name} must be {_KV_FORMS}, got {value!r}: unit {m.group(2)!r} is not one of "
+                             f"B, KiB, MiB, GiB (or K/KB, M/MB, G/GB, read as binary units)")
+        if not m:
             raise ValueError(f"{name} must be {_KV_FORMS}, got {value!r}")
         number, unit = float(m.group(1)), m.group(2).lower()
         if unit == "" and 0 < number <= 1 and "." in m.group(1):

@@ -247,6 +247,13 @@ def test_unparsable_kv_cache_memory_names_the_forms(value):
         parse_kv_cache_memory(value)
 
 
+def test_an_unknown_kv_cache_memory_unit_is_named_with_the_units():
+    from roofline.args import parse_kv_cache_memory
+
+    with pytest.raises(ValueError, match=r"got '10TiB': unit 'TiB' is not one of B, KiB, MiB, GiB"):
+        parse_kv_cache_memory("10TiB")
+
+
 def test_kv_cache_memory_accepted_forms():
     from roofline.args import parse_kv_cache_memory
 
