@@ -165,10 +165,12 @@ class SpeculativeConfig:
         if budget is None:
             object.__setattr__(self, "tree_budget", most)
             return
-        if isinstance(budget, bool) or not isinstance(budget, int) or not 1 <= budget <= most:
-            raise ValueError(f"speculative_config tree_budget must be an integer in [1, {most}] (the nodes method "
-                             f"{self.method!r} offers with tree_topk {topk} and depth {self.num_speculative_tokens}, "
-                             f"at most {MAX_TREE_BUDGET} for the tree mask), got {_shown(budget)}")
+        depth = self.num_speculative_tokens
+        if isinstance(budget, bool) or not isinstance(budget, int) or not depth <= budget <= most:
+            raise ValueError(f"speculative_config tree_budget must be an integer in [{depth}, {most}] (at least a node "
+                             f"per depth, num_speculative_tokens {depth}; at most the nodes method {self.method!r} "
+                             f"offers with tree_topk {topk} and depth {depth}, and {MAX_TREE_BUDGET} for the tree "
+                             f"mask), got {_shown(budget)}")
 
     @property
     def is_tree(self) -> bool:

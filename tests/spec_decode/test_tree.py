@@ -362,9 +362,11 @@ def test_bad_tree_configs_are_refused():
         ({"method": "eagle", "num_speculative_tokens": 4, "tree_topk": 0}, r"tree_topk must be an integer in \[1, 16\], got 0"),
         ({"method": "medusa", "num_speculative_tokens": 2, "tree_topk": 17}, r"tree_topk must be an integer in \[1, 16\], got 17"),
         ({"method": "eagle", "num_speculative_tokens": 6, "tree_topk": 4, "tree_budget": 65},
-         r"tree_budget must be an integer in \[1, 64\] .*got 65"),
+         r"tree_budget must be an integer in \[6, 64\] .*got 65"),
         ({"method": "medusa", "num_speculative_tokens": 2, "tree_topk": 2, "tree_budget": 7},
-         r"tree_budget must be an integer in \[1, 6\] .*tree_topk 2 and depth 2.*got 7"),
+         r"tree_budget must be an integer in \[2, 6\] .*tree_topk 2 and depth 2.*got 7"),
+        ({"method": "eagle", "num_speculative_tokens": 8, "tree_topk": 4, "tree_budget": 3},  # depth 8 in 3 nodes
+         r"tree_budget must be an integer in \[8, 64\] \(at least a node per depth.*got 3"),
         ({"method": "eagle", "num_speculative_tokens": 2, "tree_budget": 4}, "tree_budget needs tree_topk"),
         ({"method": "ngram", "num_speculative_tokens": 2, "tree_topk": 2},
          "tree_topk applies to methods eagle and medusa .*not 'ngram'"),
