@@ -85,11 +85,11 @@ def parse_kv_cache_memory(value: str | int | float | None,
         size, unit = int(value), ""
     else:
         m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(value))
-        if m and m.group(2).lower() not in _UNITS:
-            raise ValueError(f"{name} must be {_KV_FORMS}, got {value!r}: unit {m.group(2)!r} is not one of "
-                             f"B, KiB, MiB, GiB (or K/KB, M/MB, G/GB, read as binary units)")
         if not m:
             raise ValueError(f"{name} must be {_KV_FORMS}, got {value!r}")
+        if m.group(2).lower() not in _UNITS:
+            raise ValueError(f"{name} must be {_KV_FORMS}, got {value!r}: unit {m.group(2)!r} is not one of "
+                             f"B, KiB, MiB, GiB (or K/KB, M/MB, G/GB, read as binary units)")
         number, unit = float(m.group(1)), m.group(2).lower()
         if unit == "" and 0 < number <= 1 and "." in m.group(1):
             return None, number
@@ -125,11 +125,19 @@ def _check_kernel_env() -> None:
             raise ValueError(f"{env}={value!r}: must be 0 (off) or 1 (on, the default)")
 
 
-_INT_FIELDS = ("seed", "tensor_parallel_size", "pipeline_parallel_size", "max_model_len", "block_size",
-               "num_kv_blocks", "max_num_seqs", "max_num_batched_tokens", "quantization_group_size")
-_BOOL_FIELDS = ("enable_expert_parallel", "enable_chunked_prefill", "enforce_eager", "disable_triton_kernels",
-                "async_scheduling", "enable_prefix_caching")
-_OPTIONAL_FIELDS = ("max_model_len", "block_size", "num_kv_blocks", "max_num_batched_tokens", "async_scheduling")
+def _check_field_types(args: EngineArgs) -> None:
+    """TypeError naming the field, value and type for an ``int`` / ``bool`` field (``| None`` allows None) holding
+    anything else, bool included for ``int`` (read from the dataclass's annotations, so a new field is covered)."""
+    for f in fields(args):
+        kind, optional = f.type.removesuffix(" | None"), f.type.endswith(" | None")
+        if kind not in ("int", "bool"):
+            continue
+        v = getattr(args, f.name)
+        if (v is None and optional) or (type(v) is bool if kind == "bool" else isinstance(v, int)
+                                        and not isinstance(v, bool)):
+            continue
+        want = "an integer" if kind == "int" else "True or False"
+        raise TypeError(f"{f.name} must be {want}{' or None' if optional else ''}, got {v!r} ({type(v).__name__})")
 
 
 @dataclass
@@ -166,16 +174,7 @@ class EngineArgs:
     speculative_config: dict | str | SpeculativeConfig | None = None
 
     def __post_init__(self) -> None:
-        for name in _INT_FIELDS:  # a wrong type fails here, naming the field (not as a comparison deep inside)
-            v = getattr(self, name)
-            if not (v is None and name in _OPTIONAL_FIELDS) and (not isinstance(v, int) or isinstance(v, bool)):
-                raise TypeError(f"{name} must be an integer{' or None' if name in _OPTIONAL_FIELDS else ''}, got "
-                                f"{v!r} ({type(v).__name__})")
-        for name in _BOOL_FIELDS:
-            v = getattr(self, name)
-            if not (v is None and name in _OPTIONAL_FIELDS) and not isinstance(v, bool):
-                raise TypeError(f"{name} must be True or False{' or None' if name in _OPTIONAL_FIELDS else ''}, got "
-                                f"{v!r} ({type(v).__name__})")
+        _check_field_types(self)  # a wrong type fails here, naming the field (not as a comparison deep inside)
         if self.speculative_config is not None and not isinstance(self.speculative_config, SpeculativeConfig):
             self.speculative_config = SpeculativeConfig.from_dict(self.speculative_config)
         if (self.speculative_config is not None and self.speculative_config.model is not None
