@@ -201,7 +201,7 @@ def build_app(
     # default's other spelling (the config's name) is accepted in ``model`` as an alias, not listed.
     listed_names = config.served_model_names or model_names[:1]
     metrics = ServerMetrics(model_names[0], async_engine.state, _expert_counts(async_engine))
-    serving = OpenAIServing(async_engine, config, metrics, model_names)
+    serving = OpenAIServing(async_engine, config, metrics, model_names, tuple(listed_names))
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:

@@ -99,11 +99,12 @@ class OpenAIServing:
     """Request handling shared by both endpoints. Lives on the event loop; never touches the engine."""
 
     def __init__(self, async_engine: AsyncLLMEngine, config: ServerConfig, metrics: ServerMetrics,
-                 model_names: tuple[str, ...]):
+                 model_names: tuple[str, ...], listed_names: tuple[str, ...] | None = None):
         self.async_engine = async_engine
         self.config = config
         self.metrics = metrics
-        self.model_names = model_names
+        self.model_names = model_names  # accepted in ``model``: the listed names and the default's alias
+        self.listed_names = listed_names or model_names  # what /v1/models lists and a 404 names
         engine = async_engine.engine
         # A private tokenizer: HF fast tokenizers are not safe to share with the engine thread.
         self.tokenizer = copy.deepcopy(engine.tokenizer) if engine.tokenizer is not None else None
@@ -118,7 +119,7 @@ class OpenAIServing:
         if model is None or model in self.model_names:
             return self.model_names[0]
         raise APIError(404, f"The model '{model}' does not exist; this server serves: "
-                            f"{', '.join(self.model_names)}", param="model", code="model_not_found")
+                            f"{', '.join(self.listed_names)}", param="model", code="model_not_found")
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:

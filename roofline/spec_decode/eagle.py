@@ -33,12 +33,12 @@ from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from roofline.attention.backend import get_attention_backend, paged_metadata, slot_mapping
 from roofline.attention.kv_cache import kv_bytes_per_token
 from roofline.kernels.cpu_bf16 import layer_linear, pack_layer, packed_linear, prepack, should_prepack
+from roofline.kernels.cpu_f32 import cpu_linear
 from roofline.models.loader import process_weights_after_loading
 from roofline.spec_decode.draft_proposers import AutoregressiveProposer
 from roofline.spec_decode.feature_store import FeatureStore
@@ -308,7 +308,7 @@ class EagleProposer(AutoregressiveProposer):
         if self.lm_sub is not None:
             x = hidden.to(self.lm_sub.dtype)
             sub = (packed_linear(x, self.lm_sub_packed, dense=self.lm_sub) if self.lm_sub_packed is not None
-                   else F.linear(x, self.lm_sub))
+                   else cpu_linear(x, self.lm_sub))
             top = torch.log_softmax(sub.float(), dim=-1).topk(k, dim=-1)
             return self.token_map[top.indices].cpu().numpy(), top.values.cpu().numpy()
         top = torch.log_softmax(self.logits(worker, hidden).float(), dim=-1).topk(k, dim=-1)
@@ -324,7 +324,7 @@ class EagleProposer(AutoregressiveProposer):
             full[:, self.token_map] = packed_linear(hidden.to(self.lm_sub.dtype), self.lm_sub_packed,
                                                     dense=self.lm_sub).float()
         elif self.lm_sub is not None:
-            full[:, self.token_map] = F.linear(hidden.to(self.lm_sub.dtype), self.lm_sub).float()
+            full[:, self.token_map] = cpu_linear(hidden.to(self.lm_sub.dtype), self.lm_sub).float()
         else:  # an LM head without a plain weight (quantized): the whole head, masked
             full[:, self.token_map] = worker.model.compute_logits(hidden)[:, self.token_map]
         return full

@@ -62,6 +62,10 @@ def test_models_and_health(server, client, async_engine):
     missing = httpx.get(server.url + "/v1/models/no-such-model")
     assert missing.status_code == 404 and missing.json()["error"]["code"] == "model_not_found"
     assert '"no-such-model"' in missing.json()["error"]["message"]
+    # Both 404s name what /v1/models lists, not the alias (which it does not list).
+    bad = httpx.post(server.url + "/v1/completions", json={"model": "gpt-4", "prompt": "hi"})
+    for r in (missing, bad):
+        assert r.json()["error"]["message"].endswith(f"this server serves: {MODEL}"), r.json()
 
 
 def test_completion_greedy_text_usage_and_finish_reason(client, tokenizer):
