@@ -15,8 +15,10 @@
 #   train  train-draft --method eagle --unroll (time-capped), then bench spec of the new head against the
 #          shipped one at depth 2 and 4
 #   data   train-draft's regeneration (REGEN_S seconds, up to 30,000 prompts, 512 at once) and target features
-#          only, kept in /tmp/cache for `recipes` (a call later, on the same warm machine)
+#          only, kept in /tmp/cache for `recipes` (a call later, on the same warm machine); the token ids come
+#          back as $OUT/sequences.npz
 #   recipes  bench/gpu_train_recipes.py: one head per recipe in RECIPES from /tmp/cache, RECIPE_S seconds each
+#   long   the same, one process per recipe side by side, each head back as $OUT/head-NAME.tgz
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd):$(pwd)/.site
 # ShareGPT prompts: the held-out shim in .devcarry (bench/extract_sharegpt_prompts.py) where the package is missing
@@ -93,7 +95,31 @@ for step in "$@"; do
       --device cuda --prompts-file .devcarry/sharegpt_train.json.xz --num-prompts 30000 --max-tokens 192 \
       --max-regenerate-seconds ${REGEN_S:-400} --max-feature-seconds 90 --kv-cache-memory 24GiB --max-num-seqs 512 \
       --steps 1 --batch-size 32 --cache-dir /tmp/cache --output /tmp/head-unused > "$OUT/data.log" 2>&1
-    log "data rc $?"; grep -aE "regenerat|features|sequences" "$OUT/data.log" | tail -6 | tee -a "$OUT/log"; ls -la /tmp/cache | tee -a "$OUT/log" ;;
+    log "data rc $?"; grep -aE "regenerat|features|sequences" "$OUT/data.log" | tail -6 | tee -a "$OUT/log"; ls -la /tmp/cache | tee -a "$OUT/log"
+    # the regenerated token ids alone (~13 MB), so that they can come back and travel again
+    python3 - "$(ls /tmp/cache/data-*.pt | head -1)" "$OUT/sequences.npz" <<'PY' 2>&1 | tee -a "$OUT/log"
+import sys, numpy as np, torch
+seqs, _ = torch.load(sys.argv[1], mmap=True, map_location="cpu")
+ids = np.concatenate([np.asarray(s, dtype=np.uint16) for s, _ in seqs])
+np.savez_compressed(sys.argv[2], ids=ids, lens=np.array([len(s) for s, _ in seqs]), prompt_lens=np.array([p for _, p in seqs]))
+print(f"sequences.npz: {len(seqs)} sequences, {len(ids)} tokens")
+PY
+    ;;
+  long)
+    # one process per recipe in RECIPES, side by side (the 576-wide head leaves the GPU mostly idle), each
+    # RECIPE_S seconds from /tmp/cache; each head comes back as $OUT/head-NAME.tgz
+    cache=$(ls /tmp/cache/data-*.pt | head -1); pids=""
+    for r in $RECIPES; do
+      name=${r%%=*}
+      timeout ${RECIPES_TIMEOUT_S:-585} python3 bench/gpu_train_recipes.py --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
+        --cache "$cache" --seconds ${RECIPE_S:-480} --out /tmp/long "$r" > "/tmp/long-$name.log" 2>&1 &
+      pids="$pids $!"
+    done
+    for p in $pids; do wait $p; log "recipe pid $p rc $?"; done
+    for r in $RECIPES; do
+      name=${r%%=*}; grep -a "^{" "/tmp/long-$name.log" | tee -a "$OUT/log"; tail -3 "/tmp/long-$name.log" >> "$OUT/long.log"
+      [ -d "/tmp/long/$name" ] && tar czf "$OUT/head-$name.tgz" -C /tmp/long "$name"
+    done ;;
   recipes)
     # shellcheck disable=SC2086 # RECIPES is a list of NAME=JSON words
     timeout ${RECIPES_TIMEOUT_S:-580} python3 bench/gpu_train_recipes.py --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
