@@ -11,6 +11,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_prefill_sweep import inputs  # noqa: E402
+
 from roofline.kernels.prefill_attention import paged_prefill_attention  # noqa: E402
 
 q, kc, vc, meta = inputs(2, 8192, 32, 8, 128, 64)

@@ -229,7 +229,7 @@ def main(out_dir: str) -> None:
             for v in row["variants"]:
                 log(f"     {v['kind']:4} {str(v['config']):90} " + (f"{v['tflops']:6.0f} {v['ratio']:.3f} err {v['rel_err']:.1e}"
                                                                if "ms" in v else v["error"]))
-            del q, kc, vc, meta, qd, kr, vr, ref, out
+            q = kc = vc = meta = qd = kr = vr = ref = out = None  # free them before the next size
             torch.cuda.empty_cache()
     if quick:
         with open(f"{out_dir}/prefill-sweep-qtma.json", "w") as f:
@@ -252,7 +252,7 @@ def main(out_dir: str) -> None:
             frac = kv_bytes / (t * 1e-3) / bw["read_bytes_per_s"]
             res["decode"].append(dict(batch=batch, ctx=ctx, block_size=block_size, ms=t, frac_of_read=frac))
             log(f"decode B={batch:>3} ctx={ctx:>6} bs={block_size:>3}: {t * 1e3:7.1f} us  {frac:.3f} of read")
-            del kc, vc
+            kc = vc = None
             torch.cuda.empty_cache()
     with open(f"{out_dir}/prefill-sweep.json", "w") as f:
         json.dump(res, f, indent=1)

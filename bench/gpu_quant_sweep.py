@@ -195,8 +195,8 @@ def build_table(rows: list[dict], source: str) -> dict:
 def main(argv=None) -> int:
     import torch
     import torch.nn.functional as F
-
     import triton
+
     from roofline.kernels import quant_gemm as qg
     from roofline.quant.quantize import quantize_fp8_per_channel, quantize_int4_rtn, quantize_int8_per_channel
 
