@@ -106,15 +106,25 @@ class SpecController:
         return (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
                 and seq.num_output_tokens >= p.min_tokens)
 
+    @classmethod
+    def pinned(cls, seq: Any) -> bool:
+        """A seeded random request that may speculate drafts what it can (gamma_max) on every decode step, what
+        the policy says: how many random draws a step takes from its generator then depends on its own tokens
+        only, so the same seed gives the same tokens whatever else runs and whatever the timings."""
+        p = seq.sampling_params
+        return p.seed is not None and not p.is_greedy and cls.may_speculate(seq)
+
     def drafting_due(self, running: list[Any], num_waiting: int) -> bool:
-        """Whether this step proposes drafts, and so runs synchronously (``SpecPolicy.drafting_due``)."""
-        decoding, prefill = [], num_waiting > 0  # one pass over the batch (every step)
+        """Whether this step proposes drafts, and so runs synchronously (``SpecPolicy.drafting_due``): always
+        while a ``pinned`` request decodes."""
+        decoding, prefill, pinned = [], num_waiting > 0, False  # one pass over the batch (every step)
         for s in running:
             if s.is_prefill:
                 prefill = True
             else:
                 decoding.append(s.seq_id)
-        return self.policy.drafting_due(decoding, prefill)
+                pinned = pinned or self.pinned(s)
+        return pinned or self.policy.drafting_due(decoding, prefill)
 
     def propose(self, running: list[Any], num_waiting: int) -> None:
         """Before scheduling: choose gamma for the decoding requests (the policy) and fill their drafts. Every
@@ -126,11 +136,12 @@ class SpecController:
         spec, policy = self.spec_config, self.policy
         for seq in running:
             seq.spec_token_ids = []
-        if policy.adaptive and (num_waiting > 0 or any(s.is_prefill for s in running)):
-            return  # see SpecPolicy.drafting_due: a step that carries prefill work does not draft
+        # See SpecPolicy.drafting_due: with the adaptive policy a step that carries prefill work does not draft,
+        # but for the pinned requests (drafted below without a policy decision).
+        only_pinned = policy.adaptive and (num_waiting > 0 or any(s.is_prefill for s in running))
         cands, caps, drafts = [], [], []
         for seq in running:
-            if seq.num_uncomputed_tokens != 1:
+            if seq.num_uncomputed_tokens != 1 or (only_pinned and not self.pinned(seq)):
                 continue
             p = seq.sampling_params
             room = self.max_model_len - seq.num_tokens - 1
@@ -148,6 +159,9 @@ class SpecController:
                 d = self.proposer.propose(seq.token_ids, k)
             else:
                 d = [0] * k
+            if only_pinned:
+                seq.spec_token_ids = d
+                continue
             cands.append(seq)
             caps.append(self.gamma(len(d)))
             drafts.append(d)
@@ -163,7 +177,7 @@ class SpecController:
         for seq, d in zip(cands, drafts, strict=True):
             p = seq.sampling_params
             # A seeded random request drafts gamma_max (what it can): its draws then depend on its own tokens
-            # and seed only, not on the batch or on timings.
+            # and seed only, not on the batch or on timings (``pinned``).
             pinned = p.seed is not None and not p.is_greedy
             seq.spec_token_ids = d if pinned or (self.is_tree and gamma > 0) else d[:gamma]
 

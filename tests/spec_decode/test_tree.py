@@ -408,3 +408,25 @@ def test_shipped_heads_as_trees_are_token_identical_on_the_default_model(default
     assert got == default_greedy_ref
     stats = llm.engine.spec_stats
     assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+
+
+@pytest.mark.parametrize("method", ["eagle", "medusa"])
+def test_seeded_sampling_repeats_under_the_adaptive_policy_whatever_runs_beside_it(tiny_dir, heads, method):
+    """A seeded random request drafts what it can on every decode step (``SpecController.pinned``), also on the
+    steps the adaptive policy keeps without drafts (another request's prefill chunks in the step, speculation
+    judged off): the same seed gives the same tokens alone, again, and beside a long prompt whose chunked prefill
+    shares its steps. A fresh user found EAGLE / Medusa with the default adaptive policy drawing other tokens
+    for 3 of 4 seeds (`` the earth: Now I am in victory`` against `` the earth comes fortune. But I will``)."""
+    llm = LLM(str(tiny_dir), speculative_config={"method": method, "model": heads[method],
+                                                 "num_speculative_tokens": 2},
+              **{**COMMON, "max_num_batched_tokens": 16})
+    assert llm.engine.spec.policy.adaptive
+    long_prompt = {"prompt_token_ids": [(7 * i) % VOCAB for i in range(1, 90)]}
+    for seed in (1, 2, 3):
+        sp = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True, seed=seed)
+        runs = [llm.generate({"prompt_token_ids": [5, 9, 17, 3]}, sp, use_tqdm=False)[0].outputs[0].token_ids
+                for _ in range(2)]
+        beside = llm.generate([{"prompt_token_ids": [5, 9, 17, 3]}, long_prompt],
+                              [sp, SamplingParams(temperature=1.0, max_tokens=4)], use_tqdm=False)
+        runs.append(beside[0].outputs[0].token_ids)
+        assert runs[0] == runs[1] == runs[2] and len(runs[0]) == 16, (seed, runs)
