@@ -115,6 +115,7 @@ def _read_prompts(path: str) -> list[str]:
 
 
 def run_generate(args: argparse.Namespace) -> int:
+    from roofline.engine.llm_engine import check_unicode
     from roofline.llm import LLM
     from roofline.report import print_run_summary
 
@@ -129,6 +130,8 @@ def run_generate(args: argparse.Namespace) -> int:
 
         load_hardware(args.hardware)  # fail now, not after the run
     file_prompts = _read_prompts(args.prompts_file) if args.prompts_file and not args.prompt else None
+    for i, text in enumerate(args.prompt or []):
+        check_unicode(text, f"--prompt {i + 1}")  # non-UTF-8 bytes on the command line: before the model loads
     llm = LLM(**engine_args.to_dict())
     if (startup := startup_lines(llm.engine)):
         print(startup, flush=True)

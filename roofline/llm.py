@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from roofline.args import EngineArgs
+from roofline.engine.llm_engine import check_unicode
 from roofline.engine_factory import engine_from_model
 from roofline.outputs import RequestOutput
 from roofline.sampling_params import SamplingParams
@@ -16,6 +17,10 @@ from roofline.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 Prompt = str | list[int] | dict[str, Any]
+
+
+# The roles a chat message may have (the server's ChatMessage.role).
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass
@@ -127,7 +132,9 @@ class LLM:
                             f"list of conversations; got {type(messages).__name__}"
                             + (f" of {type(messages[0]).__name__}" if isinstance(messages, (list, tuple)) and messages
                                else ""))
-        conversations = [messages] if messages and isinstance(messages[0], dict) else messages
+        if not messages:  # an empty conversation, or an empty list of them: the server's 400, not a silent []
+            raise ValueError("messages must contain at least 1 message, got an empty conversation")
+        conversations = [messages] if isinstance(messages[0], dict) else messages
         prompts: list[Prompt] = [
             {"prompt_token_ids": self.apply_chat_template(conv, add_generation_prompt)} for conv in conversations
         ]
@@ -137,14 +144,22 @@ class LLM:
         """Token ids of ``conversation`` rendered with the model's chat template.
 
         Raises:
-            ValueError: the model has no tokenizer or its tokenizer has no chat template.
+            ValueError: the model has no tokenizer or its tokenizer has no chat template; an empty conversation; a
+                message that is not a dict with string 'role' (one of ``CHAT_ROLES``, as the server's) and
+                'content'; content that is not valid Unicode (a lone surrogate).
         """
         tok = self.tokenizer
         if tok is None or getattr(tok, "chat_template", None) is None:
             raise ValueError("this model has no chat template; use generate() with a plain prompt")
+        if not conversation:
+            raise ValueError("messages must contain at least 1 message, got an empty conversation")
         for i, m in enumerate(conversation):
             if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(m.get("content"), str):
                 raise ValueError(f"message {i} must be a dict with string 'role' and 'content', got {m!r}")
+            if m["role"] not in CHAT_ROLES:
+                raise ValueError(f"message {i}: role must be one of {', '.join(map(repr, CHAT_ROLES))}, "
+                                 f"got {m['role']!r}")
+            check_unicode(m["content"], f"message {i} content")
         ids = tok.apply_chat_template(conversation, add_generation_prompt=add_generation_prompt, tokenize=True)
         if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # transformers >= 5 returns a BatchEncoding
             ids = ids["input_ids"]
@@ -220,7 +235,10 @@ class LLM:
                 except ValueError as e:
                     token_ids = list(prompt) if isinstance(prompt, (list, tuple)) else []
                     if isinstance(prompt, str) and prompt and engine.tokenizer is not None:
-                        token_ids = engine.tokenize(prompt)  # e.g. too long: the caller sees how long
+                        try:
+                            token_ids = engine.tokenize(prompt)  # e.g. too long: the caller sees how long
+                        except ValueError:  # the text itself was refused (not valid Unicode)
+                            pass
                     results[i] = RequestOutput(request_id, text, token_ids, [], finished=True, error=str(e))
                     logger.warning("prompt %d of %d rejected (its output has error set, no outputs): %s",
                                    i, len(prompts), e)

@@ -554,3 +554,29 @@ def test_bool_token_ids_are_refused_per_request(default_llm):
         in outs[0].error
     assert outs[1].error is None and outs[1].outputs[0].token_ids == [7042, 30]
     _assert_idle(default_llm)
+
+
+def test_chat_role_empty_conversation_and_lone_surrogates_are_clear_errors(default_llm):
+    """What the server refuses with a 400, the API refuses too (a fresh user found an unknown role rendered into
+    the template and an empty conversation returning [] silently); text that is not valid Unicode (a lone
+    surrogate, as Python makes of non-UTF-8 bytes) is one prompt's error, not a tokenizer TypeError for the batch."""
+    from typing import get_args
+
+    from roofline.llm import CHAT_ROLES
+    from roofline.server.protocol import ChatMessage
+
+    assert set(get_args(ChatMessage.model_fields["role"].annotation)) == set(CHAT_ROLES)
+    sp = SamplingParams(temperature=0, max_tokens=2)
+    with pytest.raises(ValueError, match=r"^message 0: role must be one of 'system', 'developer', 'user', "
+                                         r"'assistant', 'tool', got 'wizard'$"):
+        default_llm.chat([{"role": "wizard", "content": "hi"}], sp, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^messages must contain at least 1 message, got an empty conversation$"):
+        default_llm.chat([], sp, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"^message 1 content contains a lone UTF-16 surrogate '\\udcff' at "
+                                         r"character 4 \(non-UTF-8 bytes\?\): not valid Unicode text$"):
+        default_llm.chat([{"role": "system", "content": "x"}, {"role": "user", "content": "bad \udcff"}], sp,
+                         use_tqdm=False)
+    outs = default_llm.generate(["hi \udcff there", "The capital of France is"], sp, use_tqdm=False)
+    assert outs[0].error == ("prompt contains a lone UTF-16 surrogate '\\udcff' at character 3 (non-UTF-8 "
+                             "bytes?): not valid Unicode text")
+    assert outs[1].error is None and outs[1].outputs[0].text == " Paris."

@@ -168,3 +168,35 @@ def test_dev_null_prompts_file_exits_2_without_a_traceback():
     assert r.stderr.strip() == ("roofline: error: --prompts-file '/dev/null' is not a regular file (a device, pipe or "
                                 "socket); give a text file with one prompt per line")
     assert r.stdout == ""  # nothing loaded: no KV cache line
+
+
+def test_non_utf8_prompt_is_refused_before_the_model_loads(no_model):
+    from roofline.commands import run_generate
+
+    with pytest.raises(ValueError) as e:
+        run_generate(_generate_args("--prompt", "Hello", "--prompt", "hi \udcff\udcfe there"))
+    assert str(e.value) == ("--prompt 2 contains a lone UTF-16 surrogate '\\udcff' at character 3 (non-UTF-8 "
+                            "bytes?): not valid Unicode text")
+
+
+def test_serve_port_out_of_range_or_taken_is_refused_before_the_model_loads(monkeypatch, capsys):
+    import socket
+
+    import roofline.server.app
+    from roofline.cli import main
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the port check")
+
+    monkeypatch.setattr(roofline.server.app, "build_app", refuse)
+
+    with pytest.raises(SystemExit) as e:
+        main(["serve", "--port", "99999"])
+    assert e.value.code == 2
+    assert "argument --port: must be in [0, 65535], got 99999" in capsys.readouterr().err
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 3
+    assert f"roofline serve: error: cannot serve on 127.0.0.1:{port}: Address already in use" in capsys.readouterr().err

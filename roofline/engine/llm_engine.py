@@ -43,6 +43,17 @@ from roofline.step import Executor, StepInput
 logger = logging.getLogger(__name__)
 
 
+def check_unicode(text: str, what: str) -> None:
+    """Raise ValueError where ``text`` holds a lone UTF-16 surrogate (\\ud800-\\udfff), which no tokenizer can
+    encode: what Python makes of non-UTF-8 bytes in a command-line argument (``surrogateescape``), or a JSON
+    string's unpaired escape. The message names ``what``, the character and its index."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} contains a lone UTF-16 surrogate {text[e.start]!r} at character {e.start} "
+                         f"(non-UTF-8 bytes?): not valid Unicode text") from None
+
+
 class LLMEngine:
     def __init__(self, config: EngineConfig, executor: Executor, model_config: ModelConfig,
                  tokenizer: Any = None):
@@ -121,8 +132,10 @@ class LLMEngine:
         return str(next(self._ids))
 
     def tokenize(self, prompt: str) -> list[int]:
+        """Token ids of ``prompt``. Raises ValueError: no tokenizer, or text that is not valid Unicode."""
         if self.tokenizer is None:
             raise ValueError("this model has no tokenizer (dummy weights); pass prompt token ids")
+        check_unicode(prompt, "prompt")
         return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
 
     def validate(self, prompt_token_ids: list[int], params: SamplingParams) -> None:

@@ -10,6 +10,31 @@ from roofline.args import EngineArgs
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB: ~250k tokens of JSON token ids, far above any context we serve
 
 
+def _port(value: str) -> int:
+    """argparse type of ``--port``: an integer in [0, 65535]."""
+    try:
+        port = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer in [0, 65535], got {value!r}") from None
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {port}")
+    return port
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """Raise OSError naming the address when ``host``:``port`` cannot be bound (in use, no such address), before
+    the model loads (minutes on a large one); uvicorn binds it again once the engine is up."""
+    import socket
+
+    for family, kind, proto, _, addr in socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[:1]:
+        with socket.socket(family, kind, proto) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does
+            try:
+                sock.bind(addr)
+            except OSError as e:
+                raise OSError(e.errno, f"cannot serve on {host}:{port}: {e.strerror}") from None
+
+
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "serve", help="OpenAI-compatible HTTP server (/v1/completions, /v1/chat/completions, /metrics)",
@@ -17,7 +42,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     EngineArgs.add_cli_args(p, model_positional=True)
     g = p.add_argument_group("server")
     g.add_argument("--host", default="127.0.0.1", help="bind address (default 127.0.0.1, loopback only)")
-    g.add_argument("--port", type=int, default=8000)
+    g.add_argument("--port", type=_port, default=8000, help="TCP port in [0, 65535] (default 8000)")
     g.add_argument("--api-key", default=os.environ.get("ROOFLINE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1/* (default: $ROOFLINE_API_KEY)")
     g.add_argument("--served-model-name", nargs="+", default=None,
@@ -48,6 +73,13 @@ def run_serve(args: argparse.Namespace) -> int:
         max_stop=args.max_stop,
     )
     engine_args = EngineArgs.from_cli_args(args)
+    try:
+        _check_bindable(args.host, args.port)
+    except OSError as e:
+        import sys
+
+        print(f"roofline serve: error: {e.strerror}", file=sys.stderr)
+        return 3  # uvicorn's status for a failed bind
     app = build_app(engine_args, config=config)
     serving = app.state.serving
     print(f"roofline serve: model {serving.model_names[0]!r}, max_model_len {serving.max_model_len}, "
