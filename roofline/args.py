@@ -127,7 +127,14 @@ def _check_kernel_env() -> None:
 
 def _check_field_types(args: EngineArgs) -> None:
     """TypeError naming the field, value and type for an ``int`` / ``bool`` field (``| None`` allows None) holding
-    anything else, bool included for ``int`` (read from the dataclass's annotations, so a new field is covered)."""
+    anything else, bool included for ``int`` (read from the dataclass's annotations, so a new field is covered);
+    ``model`` a non-empty string (a path, a GGUF file, a named shape) or None (ValueError for the empty one)."""
+    if args.model is not None and not isinstance(args.model, (str, os.PathLike)):
+        raise TypeError(f"model must be a path or a model name (str) or None, got {args.model!r} "
+                        f"({type(args.model).__name__})")
+    if isinstance(args.model, str) and not args.model.strip():
+        raise ValueError("model must be a path or a model name, got an empty string (leave it out for the "
+                         "default model)")
     for f in fields(args):
         kind, optional = f.type.removesuffix(" | None"), f.type.endswith(" | None")
         if kind not in ("int", "bool"):

@@ -535,6 +535,7 @@ def test_a_bad_kernel_environment_variable_is_refused_on_the_cpu_too(env, monkey
     ({"seed": "x"}, "seed must be an integer, got 'x' (str)"),
     ({"tensor_parallel_size": True}, "tensor_parallel_size must be an integer, got True (bool)"),
     ({"enforce_eager": "yes"}, "enforce_eager must be True or False, got 'yes' (str)"),
+    ({"model": 123}, "model must be a path or a model name (str) or None, got 123 (int)"),
 ])
 def test_engine_args_of_the_wrong_type_name_the_field(kwargs, needle):
     """A wrong type fails at construction naming the field, value and type (it was a raw comparison TypeError,
@@ -544,6 +545,14 @@ def test_engine_args_of_the_wrong_type_name_the_field(kwargs, needle):
     with pytest.raises(TypeError) as e:
         EngineArgs(**kwargs)
     assert needle in str(e.value)
+
+
+def test_an_empty_model_name_is_refused():
+    from roofline.args import EngineArgs
+
+    with pytest.raises(ValueError, match=r"^model must be a path or a model name, got an empty string \(leave it "
+                                         r"out for the default model\)$"):
+        EngineArgs(model=" ")
 
 
 def test_bool_token_ids_are_refused_per_request(default_llm):

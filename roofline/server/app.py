@@ -133,6 +133,14 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     shown = text if len(text) < 200 else f"{_JSON_TYPE.get(type(value), type(value).__name__)} of {len(text)} chars"
     if first.get("type") == "missing":
         return f"{'.'.join(loc) or 'body'}: field required", param
+    if not loc and isinstance(value, (bytes, str)):  # a body that was not parsed as JSON: the content type
+        return ("the request body must be a JSON object sent with 'Content-Type: application/json' (it was read "
+                "as raw bytes; curl -d sends application/x-www-form-urlencoded unless told otherwise)"), None
+    if not loc and first.get("type") == "value_error":  # a check across fields, which names its field first
+        message = str(first.get("msg")).removeprefix("Value error, ")
+        return message, message.split(":", 1)[0] if ":" in message else None
+    if first.get("type") == "int_parsing_size":
+        return f"{'.'.join(loc)}: {shown} is too large for an integer", param
     # A union field (prompt, stop, content) fails once per member type: name the accepted types once.
     same_field = [e for e in errors if [str(x) for x in e.get("loc", ()) if x != "body"][:1] == loc[:1]]
     if len(loc) >= 2 and len(same_field) > 1 and len(same_field) == len(errors):
@@ -229,7 +237,10 @@ def build_app(
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return error_json(exc.status_code, str(exc.detail), headers=getattr(exc, "headers", None))
+        detail = str(exc.detail)
+        if exc.status_code == 400 and detail == "There was an error parsing the body":
+            detail = "the request body could not be read as JSON (is it UTF-8 text?)"
+        return error_json(exc.status_code, detail, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(EngineDeadError)
     async def _engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:

@@ -14,7 +14,7 @@ import typing
 import uuid
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, ValidationInfo, field_validator, model_validator
 
 
 def random_id(prefix: str) -> str:
@@ -167,6 +167,13 @@ class _SamplingFields(BaseModel):
         if _has_lone_surrogate(value):
             raise ValueError("contains a lone UTF-16 surrogate (\\ud800-\\udfff): not valid Unicode text")
         return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> _SamplingFields:
+        """``stream_options`` without ``"stream": true`` is refused, as vLLM does (OpenAI ignores nothing here)."""
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options: only allowed with \"stream\": true")
+        return self
 
 
 # ---------------------------------------------------------------------------------------------- completions

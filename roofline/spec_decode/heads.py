@@ -90,6 +90,11 @@ class DraftHeadConfig:
                              f"{mc.intermediate_size})")
 
 
+def _a(word: str) -> str:
+    """``word`` with its indefinite article ("an eagle", "a medusa")."""
+    return f"{'an' if word[:1] in 'aeiou' else 'a'} {word}"
+
+
 def _rmsnorm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w.float()).to(x.dtype)
@@ -231,7 +236,7 @@ def load_head(directory: str, method: str) -> tuple[DraftHeadConfig, dict[str, t
     known = set(DraftHeadConfig.__dataclass_fields__)
     cfg = DraftHeadConfig(**{k: v for k, v in raw.items() if k in known})
     if cfg.method != method:
-        raise ValueError(f"speculative_config model {directory!r} holds a {cfg.method} head, not a {method} "
+        raise ValueError(f"speculative_config model {directory!r} holds {_a(cfg.method)} head, not {_a(method)} "
                          f"head; use method {cfg.method!r}")
     tensors = {k: v.float() if v.is_floating_point() else v for k, v in load_file(wpath).items()}
     tm = tensors.get("token_map")

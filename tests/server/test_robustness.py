@@ -73,6 +73,12 @@ BAD_INPUTS = [
     ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, 400, "messages", None,
      ["messages.0.role", '"wizard"']),
     ("/v1/completions", {"max_tokens": 4}, 400, "prompt", None, ["prompt: field required"]),
+    ("/v1/completions", b'{"prompt": "hi \xff"}', 400, None, None,
+     ["the request body could not be read as JSON (is it UTF-8 text?)"]),
+    ("/v1/completions", '{"prompt": "hi", "max_tokens": 1e30}', 400, "max_tokens", None,
+     ["max_tokens: 1e+30 is too large for an integer"]),
+    ("/v1/completions", {"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options", None,
+     ['stream_options: only allowed with "stream": true']),
     ("/v1/completions", {"prompt": "hi", "model": "gpt-4"}, 404, "model", "model_not_found",
      ["'gpt-4' does not exist", MODEL]),
     ("/v1/completions", {"prompt": list(range(100, 100 + MAX_MODEL_LEN))}, 400, "prompt",
@@ -195,6 +201,15 @@ def test_unused_values_of_unsupported_fields_and_unknown_fields_are_accepted(ser
     r = _post(server, "/v1/chat/completions", {"messages": _CHAT, "max_tokens": 1, "tool_choice": "none",
                                                "parallel_tool_calls": True, "echo": False, "also_unknown": 3})
     assert r.status_code == 200, r.text
+
+
+def test_a_body_not_sent_as_json_names_the_content_type(server):
+    """curl -d without -H sends application/x-www-form-urlencoded: FastAPI then reads the body as bytes."""
+    r = httpx.post(server.url + "/v1/completions", content=b'{"prompt": "hi", "max_tokens": 2}',
+                   headers={"content-type": "application/x-www-form-urlencoded"}, timeout=60)
+    assert r.status_code == 400
+    assert r.json()["error"]["message"].startswith(
+        "the request body must be a JSON object sent with 'Content-Type: application/json'")
 
 
 def test_bad_inputs_get_openai_errors_while_a_request_completes(server):

@@ -344,7 +344,7 @@ def test_bad_configs_and_mismatched_heads(tiny_dir, heads, tmp_path):
         LLM(str(tiny_dir), speculative_config={"method": "eagle", "model": str(tmp_path / "other"),
                                                "num_speculative_tokens": 2}, **COMMON)
     # A Medusa head passed as EAGLE, a directory that is no head, and no head for a model without a bundled one.
-    with pytest.raises(ValueError, match="holds a medusa head, not a eagle head"):
+    with pytest.raises(ValueError, match="holds a medusa head, not an eagle head"):
         LLM(str(tiny_dir), speculative_config={"method": "eagle", "model": heads["medusa"][0],
                                                "num_speculative_tokens": 2}, **COMMON)
     with pytest.raises(ValueError, match="is not a draft head directory"):
