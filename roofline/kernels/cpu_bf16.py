@@ -217,37 +217,38 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
                 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-    """HF ``LlamaRMSNorm`` of bf16 rows in one C++ call (``roofline_add_rmsnorm_bf16``): ``x`` [T, H] bf16,
-    ``weight`` [H] bf16; with ``residual`` [T, H] bf16 returns (rmsnorm(x + residual), x + residual), the add
-    rounded to bf16 first (``roofline.kernels.rmsnorm.ref_fused_add_rmsnorm``'s numerics), else rmsnorm(x).
-    The sum of squares runs in fp32 in another order than torch's ``mean`` (so the last bit can differ); every
-    other rounding is the reference's. None where it does not apply (not bf16 2-D contiguous rows on CPU, no
-    library, ``ROOFLINE_CPU_GEMV=0``): the caller runs the reference. It replaces ~9 small torch ops per call,
-    each ~5-10 us at decode sizes."""
-    if (x.device.type != "cpu" or x.dim() != 2 or x.dtype != torch.bfloat16
-            or weight.dtype != torch.bfloat16 or not x.is_contiguous() or not weight.is_contiguous()
+    """HF ``LlamaRMSNorm`` of bf16 or fp32 rows in one C++ call (``roofline_add_rmsnorm_bf16`` / ``_f32``): ``x``
+    [T, H], ``weight`` [H] and ``residual`` [T, H] in one dtype; with ``residual`` returns (rmsnorm(x + residual),
+    x + residual), the add rounded to the dtype first (``roofline.kernels.rmsnorm.ref_fused_add_rmsnorm``'s
+    numerics), else rmsnorm(x). The sum of squares runs in fp32 in another order than torch's ``mean`` (so the
+    last bit can differ); every other rounding is the reference's. None where it does not apply (not bf16 / fp32
+    2-D contiguous rows on CPU, no library, ``ROOFLINE_CPU_GEMV=0``): the caller runs the reference. It replaces
+    ~9 small torch ops per call, each ~5-10 us at decode sizes (and is what the CPU decode plan runs)."""
+    if (x.device.type != "cpu" or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32)
+            or weight.dtype != x.dtype or not x.is_contiguous() or not weight.is_contiguous()
             or (residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype
                                           or not residual.is_contiguous()))
             or (lib := _cpp_library()) is None):
         return None
     out = torch.empty_like(x)
     res_out = torch.empty_like(x) if residual is not None else None
-    lib.roofline_add_rmsnorm_bf16(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(),
-                                  out.data_ptr(), 0 if res_out is None else res_out.data_ptr(), x.shape[0],
-                                  x.shape[1], float(eps), torch.get_num_threads())
+    fn = lib.roofline_add_rmsnorm_bf16 if x.dtype == torch.bfloat16 else lib.roofline_add_rmsnorm_f32
+    fn(x.data_ptr(), 0 if residual is None else residual.data_ptr(), weight.data_ptr(), out.data_ptr(),
+       0 if res_out is None else res_out.data_ptr(), x.shape[0], x.shape[1], float(eps), torch.get_num_threads())
     return out if residual is None else (out, res_out)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
-    """``x`` [T, 2I] bf16 (contiguous, CPU) -> [T, I] bf16 = bf16(bf16(silu(gate)) * up), the rounding of
-    ``roofline.kernels.activation.ref_silu_and_mul`` (torch's bf16 silu, then its bf16 multiply), in one C++ pass
-    (``roofline_silu_mul_bf16``) instead of a silu, a multiply and two slices; the fp32 exp is the C library's, not
-    torch's SLEEF one, so a rare product can differ in its last bf16 bit. None where it does not apply (another
-    dtype or layout, no library, ``ROOFLINE_CPU_GEMV=0``): the caller runs the reference."""
-    if (x.device.type != "cpu" or x.dim() != 2 or x.dtype != torch.bfloat16 or x.shape[1] % 2
+    """``x`` [T, 2I] bf16 or fp32 (contiguous, CPU) -> [T, I] = silu(gate) * up, the rounding of
+    ``roofline.kernels.activation.ref_silu_and_mul`` (bf16: torch's bf16 silu, then its bf16 multiply), in one C++
+    pass (``roofline_silu_mul_bf16`` / ``_f32``) instead of a silu, a multiply and two slices; the fp32 exp is
+    Cephes' (~1 ulp), not torch's SLEEF one, so a rare product can differ in its last bit. None where it does not
+    apply (another dtype or layout, no library, ``ROOFLINE_CPU_GEMV=0``): the caller runs the reference."""
+    if (x.device.type != "cpu" or x.dim() != 2 or x.dtype not in (torch.bfloat16, torch.float32) or x.shape[1] % 2
             or not x.is_contiguous() or (lib := _cpp_library()) is None):
         return None
     half = x.shape[1] // 2
-    out = torch.empty(x.shape[0], half, dtype=torch.bfloat16)
-    lib.roofline_silu_mul_bf16(x.data_ptr(), out.data_ptr(), x.shape[0], half, torch.get_num_threads())
+    out = torch.empty(x.shape[0], half, dtype=x.dtype)
+    fn = lib.roofline_silu_mul_bf16 if x.dtype == torch.bfloat16 else lib.roofline_silu_mul_f32
+    fn(x.data_ptr(), out.data_ptr(), x.shape[0], half, torch.get_num_threads())
     return out

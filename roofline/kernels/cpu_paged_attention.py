@@ -749,6 +749,73 @@ extern "C" void roofline_silu_mul_bf16(const uint16_t* x, uint16_t* out, int64_t
     for (; i < I; ++i) o[i] = silu_mul_one(widen(g[i]), widen(u[i]));
   }
 }
+// fp32 rows (roofline.kernels.cpu_f32.add_rmsnorm): r = x + res (written to res_out when res is given, else r = x);
+// y = w * (r * (1 / sqrt(mean(r^2) + eps))), HF LlamaRMSNorm's order in fp32, r^2 summed in 16 lanes (lane k: h = k
+// mod 16, in order), then the lanes in order. One row per iteration; rows over the threads only past 16 rows.
+extern "C" void roofline_add_rmsnorm_f32(const float* x, const float* res, const float* w, float* out, float* res_out,
+                                        int64_t T, int64_t H, float eps, int nthreads) {
+  #pragma omp parallel for schedule(static) num_threads(T > 16 ? nthreads : 1)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* xr = x + t * H;
+    float* rr = res ? res_out + t * H : nullptr;
+    alignas(64) float lanes[16] = {0};
+    int64_t h0 = 0;
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (; h0 + 16 <= H; h0 += 16) {
+      __m512 v = _mm512_loadu_ps(xr + h0);
+      if (res) {
+        v = _mm512_add_ps(v, _mm512_loadu_ps(res + t * H + h0));
+        _mm512_storeu_ps(rr + h0, v);
+      }
+      acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+    }
+    _mm512_store_ps(lanes, acc);
+#endif
+    for (int64_t h = h0; h < H; ++h) {
+      float v = xr[h];
+      if (res) {
+        v = v + res[t * H + h];
+        rr[h] = v;
+      }
+      const float sq = v * v;
+      lanes[h & 15] += sq;
+    }
+    float ss = 0.f;
+    for (int i = 0; i < 16; ++i) ss += lanes[i];
+    const float inv = 1.0f / std::sqrt(ss / (float)H + eps);
+    const float* r = res ? rr : xr;
+    for (int64_t h = 0; h < H; ++h) {
+      const float n = r[h] * inv;
+      out[t * H + h] = w[h] * n;
+    }
+  }
+}
+
+// fp32 SiLU-and-mul (roofline.kernels.cpu_f32.silu_and_mul): x [T, 2I] -> out [T, I] = g / (1 + exp(-g)) * u, g the
+// first half of a row, u the second; exp512 (Cephes, ~1 ulp) 16 lanes at a time, std::exp on the tail.
+extern "C" void roofline_silu_mul_f32(const float* x, float* out, int64_t T, int64_t I, int nthreads) {
+  #pragma omp parallel for schedule(static) num_threads(T * I >= 16384 ? nthreads : 1)
+  for (int64_t t = 0; t < T; ++t) {
+    const float* g = x + t * 2 * I;
+    const float* u = g + I;
+    float* o = out + t * I;
+    int64_t i = 0;
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+    for (; i + 16 <= I; i += 16) {
+      const __m512 gv = _mm512_loadu_ps(g + i);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
+      const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+      _mm512_storeu_ps(o + i, _mm512_mul_ps(sv, _mm512_loadu_ps(u + i)));
+    }
+#endif
+    for (; i < I; ++i) {
+      const float sv = g[i] / (1.0f + std::exp(-g[i]));
+      o[i] = sv * u[i];
+    }
+  }
+}
+
 // One-row INT8 W8A8 dynamic GEMV (roofline.kernels.cpu_int8.w8a8_dynamic_linear at M = 1), bit-identical to its torch
 // path: s = max(max_k |x[k]| / 127, 1e-10) and q[k] = round-half-even(x[k] / s) in fp32; acc[n] = sum_k q[k] w[n, k]
 // exact in int32 (AVX-512 VNNI vpdpbusd takes u8 x s8, so q + 128 goes in and 128 * sum_k w[n, k], summed by a second
@@ -954,7 +1021,7 @@ extern "C" int roofline_amx_linear_w8a8(const void* x, int x_bf16, const int8_t*
 // of range, a row's blocks past its table).
 struct RooflineLinear { int32_t kind; int32_t bias_bf16; const void* w; const float* scale; const void* bias;
                         int64_t N, K; const void* amx; };
-struct RooflineLayer { const uint16_t* norm1; const uint16_t* norm2; float eps1, eps2;
+struct RooflineLayer { const void* norm1; const void* norm2; float eps1, eps2;  // bf16 or fp32, as x
                        RooflineLinear qkv, o, gate_up, down; void* k_cache; void* v_cache; };
 
 // A linear of the plan on M rows, as roofline.kernels.cpu_bf16.packed_linear / cpu_int8 run it: kind 0 (bf16) the
@@ -973,7 +1040,15 @@ static int plan_linear(const RooflineLinear& l, const uint16_t* x, uint16_t* y, 
   return roofline_gemv_w8a8(x, 1, (const int8_t*)l.w, l.scale, l.bias, l.bias_bf16, y, 1, l.N, l.K, nthreads);
 }
 
+// Kind 2 (fp32 weights, fp32 x): roofline_linear_f32, whose rows do not depend on M.
+static int plan_linear(const RooflineLinear& l, const float* x, float* y, int64_t M, int nthreads) {
+  return l.kind == 2 && roofline_linear_f32(x, (const float*)l.w, (const float*)l.bias, y, M, l.N, l.K, nthreads);
+}
+
 static bool plan_linear_ok(const RooflineLinear& l, int64_t M) {
+#if defined(__AVX512F__)
+  if (l.kind == 2) return l.K % 16 == 0 && M <= 64;
+#endif
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (l.kind == 0) return l.K % 32 == 0 && (l.amx != nullptr ? l.N % 16 == 0 : M == 1);
   return l.kind == 1 && l.K % 64 == 0 && l.K <= 16384 && (M == 1 || (l.amx != nullptr && l.N % 16 == 0));
@@ -991,13 +1066,34 @@ static bool plan_linear_ok(const RooflineLinear& l, int64_t M) {
 // tree_lo[r] only where bit t - tree_lo[r] of tree_bits[r] is set (a token tree's ancestor mask; all ones: plain
 // causal), with seq_lens[r] - tree_lo[r] in [1, 64] and key 0 seen (tree_lo[r] >= 1 or bit 0 set). Returns 0,
 // having written nothing, where a check fails (the caller runs the modules then).
-extern "C" int roofline_decode_step(const RooflineLayer* layers, int64_t L, const uint16_t* final_norm,
-                                    float final_eps, uint16_t* x, int64_t M, int64_t hidden, int64_t H, int64_t Hkv,
-                                    int64_t D, int64_t bs, int cache_bf16, float scale, const int64_t* pos,
-                                    const int64_t* slot, const int32_t* table, int64_t table_stride,
-                                    const int64_t* seq_lens, const float* cs, int64_t max_pos, int64_t num_slots,
-                                    int nthreads, const int64_t* tree_lo, const uint64_t* tree_bits) {
+static void plan_norm(const uint16_t* x, const uint16_t* res, const void* w, uint16_t* out, uint16_t* res_out,
+                      int64_t T, int64_t H, float eps, int nthreads) {
+  roofline_add_rmsnorm_bf16(x, res, (const uint16_t*)w, out, res_out, T, H, eps, nthreads);
+}
+static void plan_norm(const float* x, const float* res, const void* w, float* out, float* res_out, int64_t T,
+                      int64_t H, float eps, int nthreads) {
+  roofline_add_rmsnorm_f32(x, res, (const float*)w, out, res_out, T, H, eps, nthreads);
+}
+static void plan_silu_mul(const uint16_t* x, uint16_t* out, int64_t T, int64_t I, int nthreads) {
+  roofline_silu_mul_bf16(x, out, T, I, nthreads);
+}
+static void plan_silu_mul(const float* x, float* out, int64_t T, int64_t I, int nthreads) {
+  roofline_silu_mul_f32(x, out, T, I, nthreads);
+}
+static inline uint16_t plan_add(uint16_t a, uint16_t b) { return narrow(widen(a) + widen(b)); }  // torch's bf16 add
+static inline float plan_add(float a, float b) { return a + b; }
+
+// The step in the model's dtype A: uint16_t (bf16; linears of kinds 0 and 1, a bf16 or fp32 cache) or float (fp32;
+// kind 2 linears, an fp32 cache).
+template <typename A>
+static int decode_step(const RooflineLayer* layers, int64_t L, const void* final_norm, float final_eps, A* x,
+                       int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t bs, int cache_bf16,
+                       float scale, const int64_t* pos, const int64_t* slot, const int32_t* table,
+                       int64_t table_stride, const int64_t* seq_lens, const float* cs, int64_t max_pos,
+                       int64_t num_slots, int nthreads, const int64_t* tree_lo, const uint64_t* tree_bits) {
+  constexpr bool kBf16 = sizeof(A) == 2;
   if (M < 1 || (H / Hkv) > 16 || D > 256 || H > 256 || H * D > 16384 || bs > 64 || D % 2) return 0;
+  if (!kBf16 && cache_bf16) return 0;  // roofline_rope_store: an fp32 model writes an fp32 cache
   const int64_t num_blocks = num_slots / bs;
   for (int64_t r = 0; r < M; ++r) {
     const int64_t nb = (seq_lens[r] + bs - 1) / bs;
@@ -1013,10 +1109,11 @@ extern "C" int roofline_decode_step(const RooflineLayer* layers, int64_t L, cons
     const RooflineLayer& ly = layers[i];
     if (!plan_linear_ok(ly.qkv, M) || !plan_linear_ok(ly.o, M) || !plan_linear_ok(ly.gate_up, M)
         || !plan_linear_ok(ly.down, M)) return 0;
+    if ((ly.qkv.kind == 2) == kBf16) return 0;  // fp32 linears with fp32 rows only
     inter = ly.down.K > inter ? ly.down.K : inter;
   }
   const int64_t qkv_n = (H + 2 * Hkv) * D;
-  std::vector<uint16_t> h(M * hidden), res(M * hidden), res2(M * hidden), qkv(M * qkv_n), att(M * H * D),
+  std::vector<A> h(M * hidden), res(M * hidden), res2(M * hidden), qkv(M * qkv_n), att(M * H * D),
       gu(M * 2 * inter), act(M * inter);
   std::vector<float> q32(M * H * D);
   std::vector<int64_t> tab(M * table_stride), rows(M);
@@ -1025,16 +1122,16 @@ extern "C" int roofline_decode_step(const RooflineLayer* layers, int64_t L, cons
   for (int64_t i = 0; i < L; ++i) {
     const RooflineLayer& ly = layers[i];
     if (i == 0) {  // residual = the embedding; h = rmsnorm(x)
-      std::memcpy(res.data(), x, M * hidden * 2);
-      roofline_add_rmsnorm_bf16(x, nullptr, ly.norm1, h.data(), nullptr, M, hidden, ly.eps1, nthreads);
+      std::memcpy(res.data(), x, M * hidden * sizeof(A));
+      plan_norm(x, nullptr, ly.norm1, h.data(), nullptr, M, hidden, ly.eps1, nthreads);
     } else {  // (h, residual) = rmsnorm(x + residual), x + residual
-      roofline_add_rmsnorm_bf16(x, res.data(), ly.norm1, h.data(), res2.data(), M, hidden, ly.eps1, nthreads);
+      plan_norm(x, res.data(), ly.norm1, h.data(), res2.data(), M, hidden, ly.eps1, nthreads);
       std::swap(res, res2);
     }
     plan_linear(ly.qkv, h.data(), qkv.data(), M, nthreads);
-    const uint16_t* q = qkv.data();
+    const A* q = qkv.data();
     roofline_rope_store(q, q + H * D, q + (H + Hkv) * D, qkv_n, qkv_n, qkv_n, pos, cs, slot, ly.k_cache, ly.v_cache,
-                        q32.data(), M, H, Hkv, D, 1, cache_bf16, 0, max_pos, num_slots, nthreads);
+                        q32.data(), M, H, Hkv, D, kBf16, cache_bf16, 0, max_pos, num_slots, nthreads);
     if (cache_bf16)
       decode(q32.data(), (const uint16_t*)ly.k_cache, (const uint16_t*)ly.v_cache, tab.data(), seq_lens, rows.data(),
              att.data(), M, H, Hkv, D, bs, table_stride, scale, nthreads, tree_lo, tree_bits);
@@ -1042,19 +1139,34 @@ extern "C" int roofline_decode_step(const RooflineLayer* layers, int64_t L, cons
       decode(q32.data(), (const float*)ly.k_cache, (const float*)ly.v_cache, tab.data(), seq_lens, rows.data(),
              att.data(), M, H, Hkv, D, bs, table_stride, scale, nthreads, tree_lo, tree_bits);
     plan_linear(ly.o, att.data(), x, M, nthreads);
-    roofline_add_rmsnorm_bf16(x, res.data(), ly.norm2, h.data(), res2.data(), M, hidden, ly.eps2, nthreads);
+    plan_norm(x, res.data(), ly.norm2, h.data(), res2.data(), M, hidden, ly.eps2, nthreads);
     std::swap(res, res2);
     plan_linear(ly.gate_up, h.data(), gu.data(), M, nthreads);
-    roofline_silu_mul_bf16(gu.data(), act.data(), M, ly.down.K, nthreads);
+    plan_silu_mul(gu.data(), act.data(), M, ly.down.K, nthreads);
     plan_linear(ly.down, act.data(), x, M, nthreads);
   }
   if (final_norm) {
-    roofline_add_rmsnorm_bf16(x, res.data(), final_norm, h.data(), res2.data(), M, hidden, final_eps, nthreads);
-    std::memcpy(x, h.data(), M * hidden * 2);
-  } else {  // no final norm (an EAGLE draft layer's output): x + residual, rounded once as torch's bf16 add
-    for (int64_t i = 0; i < M * hidden; ++i) x[i] = narrow(widen(x[i]) + widen(res[i]));
+    plan_norm(x, res.data(), final_norm, h.data(), res2.data(), M, hidden, final_eps, nthreads);
+    std::memcpy(x, h.data(), M * hidden * sizeof(A));
+  } else {  // no final norm (an EAGLE draft layer's output): x + residual, rounded once as torch's add
+    for (int64_t i = 0; i < M * hidden; ++i) x[i] = plan_add(x[i], res[i]);
   }
   return 1;
+}
+
+// x [M, hidden] bf16 (roofline_decode_step) or fp32 (roofline_decode_step_f32); the arguments as decode_step's.
+#define ROOFLINE_STEP_ARGS const RooflineLayer* layers, int64_t L, const void* final_norm, float final_eps
+#define ROOFLINE_STEP_REST int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t bs, int cache_bf16, \
+    float scale, const int64_t* pos, const int64_t* slot, const int32_t* table, int64_t table_stride, \
+    const int64_t* seq_lens, const float* cs, int64_t max_pos, int64_t num_slots, int nthreads, \
+    const int64_t* tree_lo, const uint64_t* tree_bits
+#define ROOFLINE_STEP_CALL(X) decode_step(layers, L, final_norm, final_eps, X, M, hidden, H, Hkv, D, bs, cache_bf16, \
+    scale, pos, slot, table, table_stride, seq_lens, cs, max_pos, num_slots, nthreads, tree_lo, tree_bits)
+extern "C" int roofline_decode_step(ROOFLINE_STEP_ARGS, uint16_t* x, ROOFLINE_STEP_REST) {
+  return ROOFLINE_STEP_CALL(x);
+}
+extern "C" int roofline_decode_step_f32(ROOFLINE_STEP_ARGS, float* x, ROOFLINE_STEP_REST) {
+  return ROOFLINE_STEP_CALL(x);
 }
 """
 MAX_BLOCK = 64  # s[16 * 64]: keys per block the kernel's score buffer holds
@@ -1142,6 +1254,12 @@ def _load(so: Path) -> ctypes.CDLL:
     lib.roofline_decode_step.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr] + [i64] * 6 + [ctypes.c_int, ctypes.c_float] \
         + [ptr] * 3 + [i64, ptr, ptr, i64, i64, ctypes.c_int, ptr, ptr]
     lib.roofline_decode_step.restype = ctypes.c_int
+    lib.roofline_decode_step_f32.argtypes = lib.roofline_decode_step.argtypes
+    lib.roofline_decode_step_f32.restype = ctypes.c_int
+    lib.roofline_add_rmsnorm_f32.argtypes = [ptr] * 5 + [i64] * 2 + [ctypes.c_float, ctypes.c_int]
+    lib.roofline_add_rmsnorm_f32.restype = None
+    lib.roofline_silu_mul_f32.argtypes = [ptr] * 2 + [i64] * 2 + [ctypes.c_int]
+    lib.roofline_silu_mul_f32.restype = None
     lib.roofline_gemv_bf16.argtypes = [ptr] * 4 + [i64] * 2 + [ctypes.c_int]
     lib.roofline_gemv_bf16.restype = ctypes.c_int
     lib.roofline_linear_f32.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]

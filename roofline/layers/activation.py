@@ -27,7 +27,7 @@ def silu_and_mul(x: torch.Tensor, quant_for: LinearBase | None = None) -> torch.
     kernels = dispatch.kernels_for(x)
     if kernels is not None:
         return kernels.silu_and_mul(x)
-    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+    if x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu":
         from roofline.kernels.cpu_bf16 import silu_and_mul as cpu_silu_and_mul
 
         if (y := cpu_silu_and_mul(x)) is not None:

@@ -43,7 +43,7 @@ class RMSNorm(nn.Module):
             out = QuantizedActivation(codes, scales, x.dtype)
             return out if residual is None else (out, new_residual)
         kernels = dispatch.kernels_for(x)
-        if kernels is None and x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        if kernels is None and x.dtype in (torch.bfloat16, torch.float32) and x.device.type == "cpu":
             from roofline.kernels.cpu_bf16 import add_rmsnorm
 
             if (fused := add_rmsnorm(x, residual, self.weight, self.eps)) is not None:

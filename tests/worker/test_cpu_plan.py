@@ -25,6 +25,10 @@ class _Counting:
         self.calls += 1
         return self.lib.roofline_decode_step(*args)
 
+    def roofline_decode_step_f32(self, *args):
+        self.calls += 1
+        return self.lib.roofline_decode_step_f32(*args)
+
 
 def _same(outs, refs):
     for got, ref in zip(outs, refs, strict=True):
@@ -34,11 +38,12 @@ def _same(outs, refs):
             assert {t: lp.logprob for t, lp in a.items()} == {t: lp.logprob for t, lp in b.items()}
 
 
-@pytest.mark.parametrize("kv,quantization", [("float32", None), ("bfloat16", None), ("auto", "int8")])
-def test_plan_is_bit_identical_to_the_modules(kv, quantization):
+@pytest.mark.parametrize("dtype,kv,quantization", [("bfloat16", "float32", None), ("bfloat16", "bfloat16", None),
+                                                  ("bfloat16", "auto", "int8"), ("float32", "auto", None)])
+def test_plan_is_bit_identical_to_the_modules(dtype, kv, quantization):
     from roofline import LLM, SamplingParams
 
-    llm = LLM(device="cpu", dtype="bfloat16", kv_cache_dtype=kv, quantization=quantization, max_model_len=512)
+    llm = LLM(device="cpu", dtype=dtype, kv_cache_dtype=kv, quantization=quantization, max_model_len=512)
     worker = llm.engine.worker
     plan = worker.cpu_plan
     if plan is None:
@@ -46,10 +51,15 @@ def test_plan_is_bit_identical_to_the_modules(kv, quantization):
     multi = plan.max_rows > 1
     from roofline.kernels.cpu_int8 import amx_int8_available
 
-    assert multi == (cpu_bf16.amx_available() and (quantization is None or amx_int8_available()))
+    if dtype == "float32":  # the small-M fp32 linear: rows independent of M, up to its MAX_ROWS
+        from roofline.kernels.cpu_f32 import MAX_ROWS
+
+        assert plan.max_rows == MAX_ROWS and plan.dtype == torch.float32
+    else:
+        assert multi == (cpu_bf16.amx_available() and (quantization is None or amx_int8_available()))
     if worker.cpu_summary is not None:
         assert worker.cpu_summary.endswith(f"CPU decode plan: on ({plan.describe()})")
-        assert ("1-256 rows" in plan.describe()) == multi
+        assert (f"1-{plan.max_rows} rows" in plan.describe()) == multi
     plan.lib = counting = _Counting(plan.lib)
     sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
     prompts = ["The capital of France is", "Once upon a time", "def fibonacci(n): # a longer prompt, in two blocks"]
@@ -75,22 +85,25 @@ def test_plan_is_not_built_where_it_does_not_apply(monkeypatch, caplog):
     from roofline.worker import cpu_plan
 
     with caplog.at_level(logging.INFO, logger="roofline.worker.worker"):
-        llm = LLM(device="cpu", dtype="float32", max_model_len=256)  # an fp32 model: the modules (exact to HF)
+        # an fp16 model: no C++ pieces for it, the modules run
+        llm = LLM(device="cpu", dtype="float16", max_model_len=256, load_format="dummy")
     assert llm.engine.worker.cpu_plan is None
-    assert "CPU decode plan: off (cpu torch.float32, not a bf16 model on CPU)" in caplog.text
+    assert "CPU decode plan: off (cpu torch.float16, not a bf16 or fp32 model on CPU)" in caplog.text
+    # the start-up summary `roofline generate` prints says so
+    assert llm.engine.worker.cpu_summary.endswith(
+        "CPU decode plan: off (cpu torch.float16, not a bf16 or fp32 model on CPU)")
+    llm = LLM(device="cpu", dtype="float32", max_model_len=256, kv_cache_dtype="bfloat16")
+    assert llm.engine.worker.cpu_plan is None
     monkeypatch.setattr(cpu_plan, "ENABLED", False)
     worker = llm.engine.worker
-    assert cpu_plan.CpuDecodePlan.build(worker.model, worker.backend, torch.bfloat16,
+    assert cpu_plan.CpuDecodePlan.build(worker.model, worker.backend, torch.float32,
                                         torch.device("cpu")) == (None, "ROOFLINE_CPU_PLAN=0")
     monkeypatch.setattr(cpu_plan, "ENABLED", True)
+    assert cpu_plan.CpuDecodePlan.build(worker.model, worker.backend, torch.float32,
+                                        torch.device("cpu")) == (None, "an fp32 model with a bf16 KV cache")
     # an fp32 model's modules asked for as bf16: refused at its first fp32 part, naming it
     assert cpu_plan.CpuDecodePlan.build(worker.model, worker.backend, torch.bfloat16,
-                                        torch.device("cpu")) == (None, "norm weights not bf16")
-    from roofline.worker.cpu_plan import _linear
-
-    assert _linear(worker.model.model.layers[0].self_attn.qkv_proj)[1] == "16-bit weights not packed bf16"
-    # the start-up summary `roofline generate` prints says so
-    assert worker.cpu_summary.endswith("CPU decode plan: off (cpu torch.float32, not a bf16 model on CPU)")
+                                        torch.device("cpu")) == (None, "norm weights not bfloat16")
 
 
 def test_plan_names_the_cache_it_cannot_read(caplog):
@@ -141,20 +154,21 @@ def test_tree_rows_see_exactly_the_reference_mask():
     assert int(lo[-1]) == 0 and int(bits[-1]) & 1  # the last sequence's region starts at key 0, which it sees
 
 
-@pytest.mark.parametrize("spec,quantization", [
-    ({"method": "eagle", "num_speculative_tokens": 2, "tree_topk": 3, "tree_budget": 6}, None),
-    ({"method": "medusa", "num_speculative_tokens": 2, "tree_topk": 3, "tree_budget": 6}, None),
-    ({"method": "eagle", "num_speculative_tokens": 2}, None),  # a chain: its verify rows are decode rows
-    ({"method": "eagle", "num_speculative_tokens": 2, "tree_topk": 3, "tree_budget": 6}, "int8"),  # AMX-INT8 rows
+@pytest.mark.parametrize("spec,quantization,dtype", [
+    ({"method": "eagle", "num_speculative_tokens": 2, "tree_topk": 3, "tree_budget": 6}, None, "bfloat16"),
+    ({"method": "medusa", "num_speculative_tokens": 2, "tree_topk": 3, "tree_budget": 6}, None, "bfloat16"),
+    ({"method": "eagle", "num_speculative_tokens": 2}, None, "bfloat16"),  # a chain: its verify rows are decode rows
+    ({"method": "eagle", "num_speculative_tokens": 2, "tree_topk": 3, "tree_budget": 6}, "int8", "bfloat16"),
+    ({"method": "eagle", "num_speculative_tokens": 2, "tree_topk": 3, "tree_budget": 6}, None, "float32"),
 ])
-def test_verify_passes_run_in_the_plan_and_keep_greedy_output_bit_exact(spec, quantization):
+def test_verify_passes_run_in_the_plan_and_keep_greedy_output_bit_exact(spec, quantization, dtype):
     """Speculation on a bf16 model: every verify pass runs in the plan (a token tree as decode rows whose attention
     sees each node's path as a chain would), and the greedy output equals plain decoding's token for token: the
     AMX GEMM's rows do not depend on M, and a node's attention is its path's decode row bit for bit."""
     from roofline import LLM, SamplingParams
 
     spec = dict(spec, adaptive=False)
-    llm = LLM(device="cpu", dtype="bfloat16", max_model_len=512, speculative_config=spec, quantization=quantization)
+    llm = LLM(device="cpu", dtype=dtype, max_model_len=512, speculative_config=spec, quantization=quantization)
     plan = llm.engine.worker.cpu_plan
     if plan is None or plan.max_rows == 1:
         pytest.skip("the plan takes one row on this CPU (no AMX tiles): verify passes run the modules")
@@ -175,12 +189,13 @@ def test_verify_passes_run_in_the_plan_and_keep_greedy_output_bit_exact(spec, qu
     assert steps > 10 and trees["steps"] == (steps if "tree_topk" in spec else 0)
     assert counting.calls >= steps  # every verify pass reached the C++ call
     assert llm.engine.spec_stats.num_accepted_tokens >= 5  # drafted nodes were accepted, not only the roots
-    ref = LLM(device="cpu", dtype="bfloat16", max_model_len=512, quantization=quantization).generate(
+    ref = LLM(device="cpu", dtype=dtype, max_model_len=512, quantization=quantization).generate(
         prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
 
 
-def test_eagle_draft_layer_runs_in_the_plan_close_to_its_modules():
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_eagle_draft_layer_runs_in_the_plan_close_to_its_modules(dtype):
     """The EAGLE draft layer's decode-row passes (the step's first pass and the tree's) run in one C++ call each,
     without the target's embedding and final norm (the layer's output plus its residual): bit-identical to the
     layer's modules on the same tokens (which attend in the packed prefill form), and greedy output stays plain
@@ -190,7 +205,7 @@ def test_eagle_draft_layer_runs_in_the_plan_close_to_its_modules():
     from roofline import LLM, SamplingParams
 
     spec = {"method": "eagle", "num_speculative_tokens": 2, "tree_topk": 3, "tree_budget": 6, "adaptive": False}
-    llm = LLM(device="cpu", dtype="bfloat16", max_model_len=512, speculative_config=spec)
+    llm = LLM(device="cpu", dtype=dtype, max_model_len=512, speculative_config=spec)
     worker = llm.engine.worker
     prop = worker.proposer
     if prop.cpu_plan is None or prop.cpu_plan.max_rows == 1:
@@ -209,7 +224,7 @@ def test_eagle_draft_layer_runs_in_the_plan_close_to_its_modules():
     got = llm.generate(prompts, sp, use_tqdm=False)
     steps = llm.engine.spec_stats.num_steps_on
     assert steps > 5 and calls["n"] >= steps and calls["trees"] >= 1  # the first pass of a step, then the tree
-    ref = LLM(device="cpu", dtype="bfloat16", max_model_len=512).generate(prompts, sp, use_tqdm=False)
+    ref = LLM(device="cpu", dtype=dtype, max_model_len=512).generate(prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
 
     # A 5-token catch-up in the draft's (now free) pool, blocks 0-1: the plan's decode rows (row t sees keys
@@ -217,7 +232,7 @@ def test_eagle_draft_layer_runs_in_the_plan_close_to_its_modules():
     from roofline.attention.backend import paged_metadata
 
     t, bs = 5, worker.block_size
-    x = torch.randn(t, worker.model_config.hidden_size, dtype=torch.bfloat16)
+    x = torch.randn(t, worker.model_config.hidden_size, dtype=getattr(torch, dtype))
     pos = torch.arange(t, dtype=torch.int64)
     table = np.array([[0, 1]] * t, dtype=np.int32)
     slots = (table[np.arange(t), np.arange(t) // bs].astype(np.int64) * bs + np.arange(t) % bs)
@@ -226,4 +241,7 @@ def test_eagle_draft_layer_runs_in_the_plan_close_to_its_modules():
     want = out + res
     got_x = x.clone()
     assert prop.cpu_plan.run_rows(got_x, pos, torch.from_numpy(slots), torch.from_numpy(table), pos + 1)
-    assert torch.equal(got_x, want)
+    if dtype == "bfloat16":
+        assert torch.equal(got_x, want)
+    else:  # fp32 keeps what bf16 rounds away: the prefill form's SDPA sums its keys in another order
+        torch.testing.assert_close(got_x, want, rtol=2e-5, atol=1e-4)
