@@ -60,12 +60,8 @@ def pack_layer(layer) -> None:
 
 def layer_linear(layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``x`` @ ``layer.weight``^T (+ ``bias``) through the packed copy (and :func:`gemv` at one row) where
-    :func:`pack_layer` made one and ``x`` is bf16 on the CPU, through ``roofline.kernels.cpu_f32.linear_f32`` where
-    ``x`` is fp32 on the CPU with at most its ``MAX_ROWS`` rows; None otherwise (the caller's own path)."""
-    if x.dtype == torch.float32 and x.device.type == "cpu" and isinstance(getattr(layer, "weight", None), torch.Tensor):
-        from roofline.kernels.cpu_f32 import linear_f32
-
-        return linear_f32(x, layer.weight, bias)
+    :func:`pack_layer` made one and ``x`` is bf16 on the CPU; None otherwise (the caller's own path). fp32 rows:
+    ``roofline.kernels.cpu_f32.layer_linear``, which the layers call."""
     packed = getattr(layer, "packed_weight", None)
     if packed is None or x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return None

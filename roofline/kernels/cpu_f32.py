@@ -21,6 +21,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from roofline.kernels import cpu_bf16
 from roofline.kernels.cpu_bf16 import _cpp_library
 
 # Past this many rows MKL's sgemm is as fast (M = 48 above); the C++ loop takes at most 64.
@@ -48,6 +49,14 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     ok = lib.roofline_linear_f32(x2.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
                                  y.data_ptr(), M, weight.shape[0], K, torch.get_num_threads())
     return y.reshape(*x.shape[:-1], weight.shape[0]) if ok else None
+
+
+def layer_linear(layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """A dense linear layer's product on the CPU's own kernels: :func:`linear_f32` for fp32 rows, else
+    ``cpu_bf16.layer_linear`` (bf16 through the packed copy); None where neither applies (the caller's path)."""
+    if x.dtype == torch.float32 and x.device.type == "cpu" and isinstance(getattr(layer, "weight", None), torch.Tensor):
+        return linear_f32(x, layer.weight, bias)
+    return cpu_bf16.layer_linear(layer, x, bias)
 
 
 def cpu_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -13,7 +13,8 @@ from torch import nn
 
 from roofline.distributed.communication import tensor_parallel_all_gather, tensor_parallel_all_reduce
 from roofline.distributed.parallel_state import get_tp_rank, get_tp_size
-from roofline.kernels.cpu_bf16 import layer_linear, pack_layer
+from roofline.kernels.cpu_bf16 import pack_layer
+from roofline.kernels.cpu_f32 import layer_linear
 from roofline.quant.base import set_weight_attrs
 
 
@@ -54,7 +55,7 @@ class VocabParallelEmbedding(nn.Module):
 
 class DenseLMHeadMethod:
     """The 16-bit LM head: ``F.linear`` on its (possibly tied) ``weight``; bf16 on a CPU with bf16 units, a packed
-    copy for oneDNN made after loading and the C++ GEMV at one row (``roofline.kernels.cpu_bf16.layer_linear``;
+    copy for oneDNN made after loading and the C++ GEMV at one row (``roofline.kernels.cpu_f32.layer_linear``;
     the table stays for the embedding lookup)."""
 
     def process_weights_after_loading(self, layer: nn.Module) -> None:

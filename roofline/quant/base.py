@@ -21,7 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from roofline.kernels.cpu_bf16 import layer_linear, pack_layer
+from roofline.kernels.cpu_bf16 import pack_layer
+from roofline.kernels.cpu_f32 import layer_linear
 
 WeightLoader = Callable[..., None]
 

@@ -37,8 +37,8 @@ from torch import nn
 
 from roofline.attention.backend import get_attention_backend, paged_metadata, slot_mapping
 from roofline.attention.kv_cache import kv_bytes_per_token
-from roofline.kernels.cpu_bf16 import layer_linear, pack_layer, packed_linear, prepack, should_prepack
-from roofline.kernels.cpu_f32 import cpu_linear
+from roofline.kernels.cpu_bf16 import pack_layer, packed_linear, prepack, should_prepack
+from roofline.kernels.cpu_f32 import cpu_linear, layer_linear
 from roofline.models.loader import process_weights_after_loading
 from roofline.spec_decode.draft_proposers import AutoregressiveProposer
 from roofline.spec_decode.feature_store import FeatureStore

@@ -78,7 +78,7 @@ def test_engine_fp32_linears_and_head_take_it_at_decode_sizes(monkeypatch):
     for layer in linears[:4] + [model.lm_head]:
         for m in (1, 4, cpu_f32.MAX_ROWS + 1):
             x = torch.randn(m, layer.weight.shape[1])
-            out = cpu_bf16.layer_linear(layer, x)
+            out = cpu_f32.layer_linear(layer, x)
             assert (out is not None) == (m <= cpu_f32.MAX_ROWS)
             if out is not None:
                 assert torch.equal(out, cpu_f32.linear_f32(x, layer.weight))

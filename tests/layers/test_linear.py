@@ -110,11 +110,12 @@ def test_merged_column_parallel_tp2_concatenates_per_shard():
     half = inter // 2
     assert torch.equal(torch.cat([layer.weight[:half] for layer in ranks]), gate)
     assert torch.equal(torch.cat([layer.weight[half:] for layer in ranks]), up)
-    # Each rank's output is [gate slice | up slice] of its own columns.
+    # Each rank's output is [gate slice | up slice] of its own columns. (On a CPU with AVX-512F the layers run
+    # roofline.kernels.cpu_f32's loop, which sums K in another order than F.linear's MKL: 2 ulps apart at most.)
     outs = [layer(x) for layer in ranks]
     full_gate, full_up = F.linear(x, gate), F.linear(x, up)
-    torch.testing.assert_close(torch.cat([o[:, :half] for o in outs], -1), full_gate, rtol=0, atol=1e-6)
-    torch.testing.assert_close(torch.cat([o[:, half:] for o in outs], -1), full_up, rtol=0, atol=1e-6)
+    torch.testing.assert_close(torch.cat([o[:, :half] for o in outs], -1), full_gate, rtol=1e-6, atol=2e-6)
+    torch.testing.assert_close(torch.cat([o[:, half:] for o in outs], -1), full_up, rtol=1e-6, atol=2e-6)
 
 
 def _qkv_full(num_heads: int, num_kv_heads: int, bias: bool = False) -> dict[str, torch.Tensor]:
