@@ -3,7 +3,8 @@ token) / 128 per batch, best of 2, after a warm-up. Run once per code tree to A/
 
     for i in 1 2; do for t in OLD_TREE NEW_TREE; do PYTHONPATH=$t python bench/cpu_step_ab.py $t int8; done; done
 
-Arguments: a label, the quantization (``none``, ``int8``, ...); ``--dtype bfloat16`` throughout."""
+Arguments: a label, the quantization (``none``, ``int8``, ...), and optionally the dtype (default ``bfloat16``;
+``float32``: the CPU's default). ``ROOFLINE_CPU_PLAN=0`` in the environment A/Bs the decode plan in one tree."""
 
 import sys
 import time
@@ -11,7 +12,8 @@ import time
 from roofline import LLM, SamplingParams
 
 label, quant = sys.argv[1], sys.argv[2]
-llm = LLM(device="cpu", dtype="bfloat16", quantization=None if quant == "none" else quant, max_model_len=1024)
+dtype = sys.argv[3] if len(sys.argv) > 3 else "bfloat16"
+llm = LLM(device="cpu", dtype=dtype, quantization=None if quant == "none" else quant, max_model_len=1024)
 for batch in (1, 32):
     prompts = [f"Write a long story number {i} about a lighthouse keeper and the sea." for i in range(batch)]
 
@@ -23,4 +25,4 @@ for batch in (1, 32):
 
     timed(4)
     best = min((timed(129) - timed(1)) / 128 for _ in range(2))
-    print(f"RESULT {label} {quant} batch {batch}: {best * 1e3:.2f} ms/step", flush=True)
+    print(f"RESULT {label} {quant} {dtype} batch {batch}: {best * 1e3:.2f} ms/step", flush=True)
