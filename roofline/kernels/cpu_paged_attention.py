@@ -749,9 +749,10 @@ extern "C" void roofline_silu_mul_bf16(const uint16_t* x, uint16_t* out, int64_t
     for (; i < I; ++i) o[i] = silu_mul_one(widen(g[i]), widen(u[i]));
   }
 }
-// fp32 rows (roofline.kernels.cpu_bf16.add_rmsnorm on fp32): r = x + res (written to res_out when res is given, else r = x);
-// y = w * (r * (1 / sqrt(mean(r^2) + eps))), HF LlamaRMSNorm's order in fp32, r^2 summed in 16 lanes (lane k: h = k
-// mod 16, in order), then the lanes in order. One row per iteration; rows over the threads only past 16 rows.
+// fp32 rows (roofline.kernels.cpu_bf16.add_rmsnorm on fp32): r = x + res (written to res_out when res is given,
+// else r = x); y = w * (r * (1 / sqrt(mean(r^2) + eps))), HF LlamaRMSNorm's order in fp32, r^2 summed in 16 lanes
+// (lane k: h = k mod 16, in order), then the lanes in order. One row per iteration; rows over the threads only
+// past 16 rows.
 extern "C" void roofline_add_rmsnorm_f32(const float* x, const float* res, const float* w, float* out, float* res_out,
                                         int64_t T, int64_t H, float eps, int nthreads) {
   #pragma omp parallel for schedule(static) num_threads(T > 16 ? nthreads : 1)
@@ -792,8 +793,8 @@ extern "C" void roofline_add_rmsnorm_f32(const float* x, const float* res, const
   }
 }
 
-// fp32 SiLU-and-mul (roofline.kernels.cpu_bf16.silu_and_mul on fp32): x [T, 2I] -> out [T, I] = g / (1 + exp(-g)) * u, g the
-// first half of a row, u the second; exp512 (Cephes, ~1 ulp) 16 lanes at a time, std::exp on the tail.
+// fp32 SiLU-and-mul (roofline.kernels.cpu_bf16.silu_and_mul on fp32): x [T, 2I] -> out [T, I] = g / (1 + exp(-g))
+// * u, g the first half of a row, u the second; exp512 (Cephes, ~1 ulp) 16 lanes at a time, std::exp on the tail.
 extern "C" void roofline_silu_mul_f32(const float* x, float* out, int64_t T, int64_t I, int nthreads) {
   #pragma omp parallel for schedule(static) num_threads(T * I >= 16384 ? nthreads : 1)
   for (int64_t t = 0; t < T; ++t) {
