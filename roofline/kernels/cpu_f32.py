@@ -22,7 +22,6 @@ import torch
 import torch.nn.functional as F
 
 from roofline.kernels import cpu_bf16
-from roofline.kernels.cpu_bf16 import _cpp_library
 
 # Past this many rows MKL's sgemm is as fast (M = 48 above); the C++ loop takes at most 64.
 MAX_ROWS = 32
@@ -42,13 +41,18 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
         return None
     x2 = x.reshape(-1, K)
     M = x2.shape[0]
-    if not 1 <= M <= MAX_ROWS or (lib := _cpp_library()) is None:
+    if not 1 <= M <= MAX_ROWS or (lib := cpu_bf16._cpp_library()) is None:
         return None
     x2 = x2.contiguous()
     y = torch.empty(M, weight.shape[0], dtype=torch.float32)
     ok = lib.roofline_linear_f32(x2.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
                                  y.data_ptr(), M, weight.shape[0], K, torch.get_num_threads())
     return y.reshape(*x.shape[:-1], weight.shape[0]) if ok else None
+
+
+def available() -> bool:
+    """The loop runs here: the library built with AVX-512F and ``ROOFLINE_CPU_GEMV`` on (a 1 x 16 product)."""
+    return linear_f32(torch.ones(1, 16), torch.ones(1, 16)) is not None
 
 
 def layer_linear(layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -175,11 +175,8 @@ class SpecController:
         if gamma == 0:
             self.stats.num_steps_off += 1
         for seq, d in zip(cands, drafts, strict=True):
-            p = seq.sampling_params
-            # A seeded random request drafts gamma_max (what it can): its draws then depend on its own tokens
-            # and seed only, not on the batch or on timings (``pinned``).
-            pinned = p.seed is not None and not p.is_greedy
-            seq.spec_token_ids = d if pinned or (self.is_tree and gamma > 0) else d[:gamma]
+            # A pinned request (seeded, random) drafts gamma_max (what it can), whatever gamma the policy chose.
+            seq.spec_token_ids = d if self.pinned(seq) or (self.is_tree and gamma > 0) else d[:gamma]
 
     def skip(self, running: list[Any]) -> None:
         """A step run without drafts (async): clear any drafts a sequence kept from a drafting step that did

@@ -306,13 +306,18 @@ class EagleProposer(AutoregressiveProposer):
         full-vocabulary logits: on the CPU in bf16, 0.41 against 0.61 ms a call at one row, Intel Xeon, 2 threads;
         equal values may come out in another order)."""
         if self.lm_sub is not None:
-            x = hidden.to(self.lm_sub.dtype)
-            sub = (packed_linear(x, self.lm_sub_packed, dense=self.lm_sub) if self.lm_sub_packed is not None
-                   else cpu_linear(x, self.lm_sub))
-            top = torch.log_softmax(sub.float(), dim=-1).topk(k, dim=-1)
+            top = torch.log_softmax(self._sub_logits(hidden), dim=-1).topk(k, dim=-1)
             return self.token_map[top.indices].cpu().numpy(), top.values.cpu().numpy()
         top = torch.log_softmax(self.logits(worker, hidden).float(), dim=-1).topk(k, dim=-1)
         return top.indices.cpu().numpy(), top.values.cpu().numpy()
+
+    def _sub_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The truncated draft head's logits [N, draft_vocab_size] fp32: its packed copy (bf16 on a CPU with bf16
+        units), else the small-M fp32 loop or F.linear (``cpu_linear``)."""
+        x = hidden.to(self.lm_sub.dtype)
+        if self.lm_sub_packed is not None:
+            return packed_linear(x, self.lm_sub_packed, dense=self.lm_sub).float()
+        return cpu_linear(x, self.lm_sub).float()
 
     def logits(self, worker: Any, hidden: torch.Tensor) -> torch.Tensor:
         """The draft's logits [N, V] fp32 for predicted features ``hidden`` [N, H]: the target's LM head, or with
@@ -320,11 +325,8 @@ class EagleProposer(AutoregressiveProposer):
         if self.token_map is None:
             return worker.model.compute_logits(hidden)
         full = torch.full((hidden.shape[0], worker.model_config.vocab_size), float("-inf"), device=hidden.device)
-        if self.lm_sub_packed is not None:
-            full[:, self.token_map] = packed_linear(hidden.to(self.lm_sub.dtype), self.lm_sub_packed,
-                                                    dense=self.lm_sub).float()
-        elif self.lm_sub is not None:
-            full[:, self.token_map] = cpu_linear(hidden.to(self.lm_sub.dtype), self.lm_sub).float()
+        if self.lm_sub is not None:
+            full[:, self.token_map] = self._sub_logits(hidden)
         else:  # an LM head without a plain weight (quantized): the whole head, masked
             full[:, self.token_map] = worker.model.compute_logits(hidden)[:, self.token_map]
         return full

@@ -139,9 +139,9 @@ class CpuDecodePlan:
         if cpu_bf16._cpp_library() is None:
             return f"no C++ library ({cpa.unavailable_reason() or 'ROOFLINE_CPU_GEMV=0'})"
         if dtype == torch.float32:
-            from roofline.kernels.cpu_f32 import linear_f32
+            from roofline.kernels import cpu_f32
 
-            if linear_f32(torch.ones(1, 16), torch.ones(1, 16)) is None:
+            if not cpu_f32.available():
                 return "fp32 needs the small-M fp32 linear (AVX-512F)"
         if getattr(backend, "name", None) != "torch" or getattr(backend, "kv_pool", None) is None:
             return "not the torch attention backend with an allocated pool"
