@@ -50,7 +50,11 @@ GEMV_K_LANES = {1: [(1, 8, 256, 4), (1, 16, 256, 4), (1, 8, 512, 4), (1, 16, 512
 W8A8_K_LANES = {1: [(1, 8, 256, 4), (1, 16, 256, 4), (1, 8, 512, 4), (1, 16, 512, 8)],
                 4: [(2, 8, 256, 4), (2, 8, 512, 4), (4, 8, 256, 4), (1, 8, 512, 4)]}
 SPLITS = [None, 1, 2, 4, 8]
-TILED_M = [16, 64, 256, 4096]
+TILED_M = [16, 32, 64, 128, 256, 4096]
+# Swap-AB tiles for the weight-only 8-bit formats (out^T = W @ x^T, the codes converted into the MMA's A operand):
+# (block_n, block_k, num_warps, num_stages); block_m follows M (16 up to 64 rows of x a program).
+SWAP_TILES = [(64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (64, 256, 4, 3),
+              (128, 64, 8, 5), (256, 64, 8, 3)]
 
 
 def parse_args(argv=None):
@@ -189,7 +193,18 @@ def build_table(rows: list[dict], source: str) -> dict:
                          and r["path"] == "other"]
                 gemv.setdefault(fmt, []).append(dict(n=n, k=k, m=m, config=best["config"], us=best["us"],
                                                      timed_at_m=best["m"], other_us=min(other) if other else None))
-    return {"_source": source, "gemv": gemv, "fused_max_m": fused}
+    # tiled = per (format, N, K, M >= 16) the fastest correct tiled config (linear_dispatch.kernel_config: the row of
+    # the smallest measured M >= the call's M).
+    tiled: dict = {}
+    for r in rows:
+        if "us" in r and r["path"] == "tiled":
+            key = (r["fmt"], r["n"], r["k"], r["m"])
+            if key not in tiled or r["us"] < tiled[key]["us"]:
+                tiled[key] = dict(n=r["n"], k=r["k"], m=r["m"], config=r["config"], us=r["us"])
+    by_fmt: dict = {}
+    for (fmt, *_), row in sorted(tiled.items()):
+        by_fmt.setdefault(fmt, []).append(row)
+    return {"_source": source, "gemv": gemv, "fused_max_m": fused, "tiled": by_fmt}
 
 
 def main(argv=None) -> int:
@@ -337,6 +352,11 @@ def main(argv=None) -> int:
                     bm = min(128, max(16, triton.next_power_of_2(m)))
                     alts += [C(bm, 64, 64, 4, 3, unpack=1), C(min(bm, 64), 128, 64, 4, 2, unpack=1),
                              C(bm, 128, 64 if fmt == "int4" else 128, 8, 2, unpack=1)]
+                if fmt != "int4":
+                    sm = min(64, max(16, triton.next_power_of_2(m)))
+                    tiles = SWAP_TILES if not args.dry_run else [(32, 64, 4, 1)]
+                    alts += [C(bm_, bn, bk, nw, st, swap_ab=True) for bn, bk, nw, st in tiles
+                             for bm_ in dict.fromkeys((sm, max(16, sm // 2)))]
                 for cfg in dict.fromkeys(alts):
                     timed(fmt, m, "tiled", lambda cfg=cfg: ours(fmt, x, cfg), x, cfg)
         print(f"{shape} done at {time.time() - sw.t0:.0f} s", flush=True)
@@ -346,7 +366,8 @@ def main(argv=None) -> int:
     fused_max, t = fused_max_m(sw.rows)
     dev = torch.cuda.get_device_name() if sw.dev == "cuda" else "cpu (interpreter)"
     table = build_table(sw.rows, f"bench/gpu_quant_sweep.py on the {dev}, {time.strftime('%Y-%m-%d')}: gemv = the "
-                        "fastest correct small-M config per (format, N, K, M); fused_max_m = the largest measured M up "
+                        "fastest correct small-M config per (format, N, K, M); tiled = the fastest tiled config per (format, N, K, M >= 16); "
+                        "fused_max_m = the largest measured M up "
                         "to which our kernel beat the other path at every measured M (0 = never)")
     result = dict(bench="quant_sweep", device=dev, torch=torch.__version__, triton=triton.__version__,
                   date=time.strftime("%Y-%m-%dT%H:%M:%S%z"), copy_bytes_per_s=bw, group_size=GROUP, shapes=shapes,
@@ -354,7 +375,7 @@ def main(argv=None) -> int:
     Path(args.out).write_text(json.dumps(result, indent=1))
     if args.merge_into:
         old = json.loads(Path(args.merge_into).read_text())
-        for part in ("gemv", "fused_max_m"):
+        for part in ("gemv", "fused_max_m", "tiled"):
             table[part] = {**{f: r for f, r in old.get(part, {}).items() if f not in formats}, **table[part]}
         table["_source"] += f"; formats {','.join(formats)} re-swept, the others kept from the earlier table"
     if args.table:

@@ -5,7 +5,7 @@
 Every function takes activations ``x`` [..., K] in the model dtype and returns [..., N] in that dtype.
 
 - GPU (Triton kernels on, ``roofline.kernels.switch``), chosen per (format, M, N, K) by ``use_fused`` and
-  ``gemv_config`` from the table ``bench/gpu_quant_sweep.py`` measured on the device:
+  ``kernel_config`` from the table ``bench/gpu_quant_sweep.py`` measured on the device:
   - weight-only INT4/INT8: our kernel (``roofline.kernels.quant_gemm``: the GEMV at M <= 4, tiled tl.dot above,
     dequantized in registers) or dequantize-then-cuBLAS;
   - W8A8 (INT8 SmoothQuant, FP8): at M <= 4 the GEMV that quantizes x per token itself (one launch); above,
@@ -105,15 +105,23 @@ def use_fused(fmt: str, m: int, n: int, k: int, device: torch.device) -> bool:
     return m <= limit
 
 
-def gemv_config(fmt: str, m: int, n: int, k: int, device: torch.device):
-    """The measured fastest GEMV config for ``fmt`` at ``m <= GEMV_MAX_M`` rows and the nearest (N, K) (the
-    M = 1 row for m = 1, the M = 4 row otherwise), or None (``quant_gemm.CONFIGS``' default)."""
+def kernel_config(fmt: str, m: int, n: int, k: int, device: torch.device):
+    """The measured fastest config of our kernel for ``fmt`` at ``m`` rows and the nearest measured (N, K), or None
+    (``quant_gemm.CONFIGS``' default): at ``m <= GEMV_MAX_M`` the table's ``gemv`` rows (the M = 1 row for m = 1,
+    the M = 4 row otherwise); above, its ``tiled`` rows (the row of the smallest measured M >= m; None past the
+    largest)."""
     from roofline.kernels.quant_gemm import GemmConfig
 
-    rows = [r for r in _table(device).get("gemv", {}).get(fmt, []) if r["m"] == (1 if m == 1 else 4)]
-    if m > GEMV_MAX_M or not rows:
+    table = _table(device)
+    if m <= GEMV_MAX_M:
+        rows = [r for r in table.get("gemv", {}).get(fmt, []) if r["m"] == (1 if m == 1 else 4)]
+        return GemmConfig(**_nearest(rows, n, k)["config"]) if rows else None
+    rows = table.get("tiled", {}).get(fmt)
+    if not rows:
         return None
-    return GemmConfig(**_nearest(rows, n, k)["config"])
+    near = _nearest(rows, n, k)
+    above = [r for r in rows if (r["n"], r["k"]) == (near["n"], near["k"]) and r["m"] >= m]
+    return GemmConfig(**min(above, key=lambda r: r["m"])["config"]) if above else None
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,7 +132,7 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         x2 = _flat(x)
         m, (n, k) = x2.shape[0], weight.shape
         if use_fused("dense", m, n, k, x.device):
-            return _finish(qk.dense_gemv(x2, weight, config=gemv_config("dense", m, n, k, x.device)), x, bias)
+            return _finish(qk.dense_gemv(x2, weight, config=kernel_config("dense", m, n, k, x.device)), x, bias)
     return F.linear(x, weight, bias)
 
 
@@ -144,7 +152,7 @@ def w8a16(x: torch.Tensor, layer, bias: torch.Tensor | None = None) -> torch.Ten
     if qk is not None:
         m, (n, k) = x2.shape[0], q.shape
         if use_fused("int8", m, n, k, x.device):
-            out = qk.w8a16_gemm(x2, q, s, config=gemv_config("int8", m, n, k, x.device))
+            out = qk.w8a16_gemm(x2, q, s, config=kernel_config("int8", m, n, k, x.device))
         else:
             out = F.linear(x2, qk.dequantize_int8(q, s, x.dtype))
     elif x.device.type == "cpu":  # W8A8 dynamic: torch's CPU W8A16 kernel is slower than fp32 (issue 32)
@@ -280,7 +288,7 @@ def w4a16(x: torch.Tensor, layer, bias: torch.Tensor | None = None) -> torch.Ten
 
         out = w4a16_mma_gemm(x2, qm, s, z, config=mma)
     elif use_fused("int4", x2.shape[0], qw.shape[1], qw.shape[0] * 8, x.device):
-        out = qk.w4a16_gemm(x2, qw, s, z, g, config=gemv_config("int4", x2.shape[0], qw.shape[1], qw.shape[0] * 8,
+        out = qk.w4a16_gemm(x2, qw, s, z, g, config=kernel_config("int4", x2.shape[0], qw.shape[1], qw.shape[0] * 8,
                                                                 x.device))
     else:
         out = F.linear(x2, qk.dequantize_int4(qw, s, z, g, x.dtype))
@@ -338,7 +346,7 @@ def int8_w8a8(x: torch.Tensor | QuantizedActivation, layer, bias: torch.Tensor |
         m, (n, k) = x2.shape[0], layer.qweight.shape
         if w8a8_path("smoothquant", m, n, k, x.device) == "gemv":  # one launch: the GEMV quantizes x itself
             out = qk.w8a8_gemv(x2, layer.qweight, layer.weight_scale,
-                               config=gemv_config("int8_int8", m, n, k, x.device))
+                               config=kernel_config("int8_int8", m, n, k, x.device))
         else:
             xq, xs = qk.per_token_quant_int8(x2)
             out = qk.int8_gemm(xq, xs, layer.qweight, layer.weight_scale, x.dtype,
@@ -395,11 +403,11 @@ def fp8_w8a8(x: torch.Tensor | QuantizedActivation, qweight: torch.Tensor, scale
         # Decode sizes: FP8 weight-only (x stays in 16 bits, the E4M3 codes upcast in registers): the weight
         # stream without a quantization pass. Its numerics are x @ W (W the E4M3 values): closer to the
         # unquantized model than W8A8, and a request's logits differ by path (this one below the measured M).
-        cfg = gemv_config("fp8_w8a16", m, n, k, x.device) or gemv_config("int8", m, n, k, x.device)
+        cfg = kernel_config("fp8_w8a16", m, n, k, x.device) or kernel_config("int8", m, n, k, x.device)
         return _finish(qk.fp8_w8a16_gemm(x2, qweight, scale, config=cfg), x, bias)
     if path == "gemv":
         # Decode sizes: one launch, x rounded to E4M3 per token inside the GEMV (the same arithmetic).
-        return _finish(qk.w8a8_gemv(x2, qweight, scale, config=gemv_config("fp8", m, n, k, x.device)), x, bias)
+        return _finish(qk.w8a8_gemv(x2, qweight, scale, config=kernel_config("fp8", m, n, k, x.device)), x, bias)
     xq, xs = qk.per_token_quant_fp8(x2) if qk is not None else quantize_per_token_fp8(x2)
     if fp8_tensor_cores(x.device):
         out = torch._scaled_mm(xq, qweight.t(), scale_a=xs, scale_b=scale[None, :], out_dtype=x.dtype)

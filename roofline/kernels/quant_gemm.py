@@ -115,6 +115,7 @@ if triton is not None:
         FMT: tl.constexpr, GROUP: tl.constexpr, SCALES: tl.constexpr, UNPACK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = 0,
+        SWAP_AB: tl.constexpr = 0,
     ):
         # PDL (sm_90): wait for the previous kernel before the first activation load (the launch, the grid's
         # set-up and its residency overlap that kernel's tail), release the next one after the K loop.
@@ -139,6 +140,8 @@ if triton is not None:
         x_rows = X + offs_m[:, None].to(tl.int64) * stride_xm
         if FMT == 3:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.int32)
+        elif SWAP_AB:
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)  # out^T: the weights are the MMA's A operand
         else:
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
 
@@ -194,6 +197,22 @@ if triton is not None:
                     z = tl.load(Z + sg, mask=smask, other=0.0).to(tl.float32) + 8388608.0
                     w = ((qf - z) * s).to(x.dtype)
                     acc = tl.dot(x, w, acc, input_precision=DOT_PRECISION)
+            elif SWAP_AB:
+                # out^T [BLOCK_N, BLOCK_M] += W [BLOCK_N, BLOCK_K] @ x^T: the 8-bit codes are converted in
+                # registers straight into the A operand (Hopper's wgmma takes A from registers, B from shared
+                # memory), where the unswapped dot stages the converted tile to shared memory again as B; and
+                # the output channels fill the MMA's M (64 a warpgroup) while few rows of x fill its N (>= 8).
+                wb = W.to(tl.pointer_type(tl.uint8)) if FMT == 5 else W
+                w_ptrs = wb + offs_n[:, None].to(tl.int64) * stride_wr + ks[None, :]
+                if EVEN_K:
+                    w = tl.load(w_ptrs, mask=nmask[:, None], other=0)
+                else:
+                    w = tl.load(w_ptrs, mask=nmask[:, None] & kmask[None, :], other=0)
+                if FMT == 5:
+                    wf = w.to(tl.float8e4nv, bitcast=True).to(x.dtype)
+                else:
+                    wf = ((w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0).to(x.dtype)
+                acc = tl.dot(wf, tl.trans(x), acc, input_precision=DOT_PRECISION)
             else:
                 # [N, K] weights (dense, int8, fp8 codes read as bytes): the [BLOCK_K, BLOCK_N] tile of W^T.
                 wb = W.to(tl.pointer_type(tl.uint8)) if FMT == 5 else W
@@ -217,6 +236,8 @@ if triton is not None:
 
         if PDL:
             gdc_launch_dependents()
+        if SWAP_AB:
+            acc = tl.trans(acc)  # [BLOCK_M, BLOCK_N]
         # Epilogue: per-channel (and per-token) scales, then store or split-K reduce.
         if FMT == 2 or FMT == 5:
             acc = acc * tl.load(S + offs_n, mask=nmask, other=0.0)[None, :]
@@ -333,13 +354,15 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
         return out
     if quant_x:
         raise ValueError(f"fused activation quantization is a GEMV config only, got {cfg}")
+    if cfg.swap_ab and fmt not in (FMT_INT8, FMT_FP8_W8A16):
+        raise ValueError(f"swap_ab is a weight-only 8-bit (int8, fp8 W8A16) config only, got format {fmt}: {cfg}")
     _qgemm_kernel[(tiles_mn, split)](
         x, w, s, z if z is not None else s, xs if xs is not None else s, out, partials, counters,
         m, n, k, per_split,
         x.stride(0), w.stride(0), z.stride(0) if z is not None else 0, out.stride(0),
         FMT=fmt, GROUP=group, SCALES=scales_mode, UNPACK=cfg.unpack,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8,
-        SPLIT_K=split, EVEN_K=k % block_k == 0, DOT_PRECISION=_dot_precision(x.dtype),
+        SPLIT_K=split, EVEN_K=k % block_k == 0, DOT_PRECISION=_dot_precision(x.dtype), SWAP_AB=int(cfg.swap_ab),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     return out

@@ -36,6 +36,9 @@ class GemmConfig:
     # Programmatic dependent launch (sm_90+): 0 off, 1 release the next kernel right after the wait, 2 release it
     # after the K loop; None: ``roofline.kernels.pdl.MODE``. The kernel starts its first weight loads before it waits.
     pdl: int | None = None
+    # Tiled weight-only 8-bit (int8, fp8 W8A16): out^T = W @ x^T, the converted codes as the MMA's A operand in
+    # registers (``quant_gemm._qgemm_kernel``'s SWAP_AB). Other formats refuse it.
+    swap_ab: bool = False
     # GEMV configs take num_stages=1: the kernel prefetches the next tile itself, and Triton's pipeliner on top of
     # that gave wrong 16-bit results on the H200 (triton 3.6, 2026-12-01).
 

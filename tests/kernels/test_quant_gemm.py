@@ -33,8 +33,10 @@ TILED_BK128 = GemmConfig(32, 32, 128, 4, 1)  # BLOCK_K > G for G = 32/64: scales
 GEMV_SPLIT = GemmConfig(4, 16, 32, 4, 1, split_k=2, gemv=True)  # the FMA stream, 4 rows, 2 K splits
 GEMV_ONE = GemmConfig(1, 32, 64, 4, 1, gemv=True)  # one row per program (M programs along M)
 GEMV_ONE_SPLIT = GemmConfig(1, 64, 32, 4, 1, split_k=3, gemv=True)  # INT4: the 2-D one-row stream, 3 K splits
+SWAP = GemmConfig(16, 32, 64, 4, 1, swap_ab=True)  # weight-only 8-bit: out^T = W @ x^T (codes as the A operand)
+SWAP_SPLIT = GemmConfig(32, 16, 64, 4, 1, split_k=3, swap_ab=True)  # ... over 3 K splits, 32 rows of x a program
 CONFIGS = {"default": None, "split3": SMALL_SPLIT, "unpack": SMALL_UNPACK, "tiled": TILED, "bk128": TILED_BK128,
-           "gemv": GEMV_SPLIT, "gemv1": GEMV_ONE, "gemv1split": GEMV_ONE_SPLIT}
+           "gemv": GEMV_SPLIT, "gemv1": GEMV_ONE, "gemv1split": GEMV_ONE_SPLIT, "swap": SWAP, "swap_split": SWAP_SPLIT}
 
 
 def _int4_case(n, k, group_size, dtype, seed=0):
@@ -167,7 +169,7 @@ W8_SHAPES = [(1, 64, 256), (7, 70, 200), (33, 40, 128)]  # K = 200: a K tail in 
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k", W8_SHAPES)
-@pytest.mark.parametrize("cfg", ["default", "split3", "tiled"])
+@pytest.mark.parametrize("cfg", ["default", "split3", "tiled", "swap", "swap_split"])
 def test_w8a16_matches_f64(m, n, k, cfg, dtype):
     cw = quantize_int8_per_channel(torch.randn(n, k, generator=torch.Generator().manual_seed(n)))
     p = _to(qg.prepare_int8(cw), DEVICE)
@@ -184,9 +186,17 @@ def test_w8a16_extreme_codes():
     q = torch.tensor([[-128, 127, -1, 0] * 8, [1, -127, 5, -5] * 8], dtype=torch.int8)
     s = torch.tensor([0.5, 2.0])
     x = torch.eye(32)[:3]
-    for cfg in (TILED, GEMV_SPLIT):
+    for cfg in (TILED, GEMV_SPLIT, SWAP):
         out = qg.w8a16_gemm(x.to(DEVICE), q.to(DEVICE), s.to(DEVICE), config=cfg)
         assert torch.equal(out.cpu(), (q.float() * s[:, None]).t()[:3])
+
+
+def test_swap_ab_is_refused_outside_the_8bit_weight_only_formats():
+    cw = _int4_case(32, 64, 32, torch.float32)
+    p = _to(qg.prepare_int4(cw, torch.float32), DEVICE)
+    x = torch.randn(2, 64).to(DEVICE)
+    with pytest.raises(ValueError, match="swap_ab is a weight-only 8-bit"):
+        qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, 32, config=SWAP)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -287,7 +297,7 @@ def test_fp8_weight_only_twin_and_errors():
 @pytest.mark.parametrize("m,n,k", [(1, 70, 200), (3, 33, 136), (20, 40, 256), (1, 4096, 4096)])  # 20: tl.dot
 def test_gpu_fp8_weight_only_matches_f64(m, n, k, dtype):
     x, q8, ws, exact = _fp8_wo_case(m, n, k, dtype)
-    for cfg in (None, GEMV_SPLIT, GEMV_ONE, SMALL_SPLIT, TILED):
+    for cfg in (None, GEMV_SPLIT, GEMV_ONE, SMALL_SPLIT, TILED, SWAP, SWAP_SPLIT, GemmConfig(64, 128, 128, 8, 4, swap_ab=True)):
         out = qg.fp8_w8a16_gemm(x.cuda(), q8.cuda(), ws.cuda(), config=cfg)
         assert out.shape == (m, n) and out.dtype == dtype
         assert rel_err(out.cpu(), exact) < TOL[dtype]
@@ -515,6 +525,19 @@ def test_sweep_table_takes_the_largest_m_won_at_every_smaller_m():
     assert best[("int4", 4, 8, 1, "gemv")] == 2.0
 
 
+def test_sweep_table_keeps_the_fastest_tiled_config_per_m():
+    sw = _sweep_module()
+    a, b = dict(block_m=64, block_n=64, block_k=64, num_warps=4, num_stages=4), dict(block_m=64, block_n=128, block_k=128,
+                                                                                    num_warps=8, num_stages=4, swap_ab=True)
+    rows = [dict(fmt="int8", n=4, k=8, m=64, path="tiled", config=a, us=9.0),
+            dict(fmt="int8", n=4, k=8, m=64, path="tiled", config=b, us=5.0),
+            dict(fmt="int8", n=4, k=8, m=16, path="tiled", config=b, us=7.0),
+            dict(fmt="int8", n=4, k=8, m=16, path="tiled", config=a, us=3.0),
+            dict(fmt="int8", n=4, k=8, m=16, path="tiled", config=b, error="rel err 1e0")]  # a failed check: never
+    table = sw.build_table(rows, "test")
+    assert table["tiled"] == {"int8": [dict(n=4, k=8, m=16, config=a, us=3.0), dict(n=4, k=8, m=64, config=b, us=5.0)]}
+
+
 def test_engine_reads_the_dispatch_table(monkeypatch):
     from roofline.kernels import linear_dispatch as gemm
 
@@ -532,9 +555,21 @@ def test_engine_reads_the_dispatch_table(monkeypatch):
     assert gemm.use_fused("fp8", 4, 4096, 4096, dev) and not gemm.use_fused("fp8", 5, 4096, 4096, dev)  # default
     # FP8 weight-only (tl.dot path too, not GEMV-only): M <= 16 without a measured row.
     assert gemm.use_fused("fp8_w8a16", 16, 4096, 4096, dev) and not gemm.use_fused("fp8_w8a16", 17, 4096, 4096, dev)
-    assert gemm.gemv_config("int4", 1, 4096, 4096, dev) == GemmConfig(1, 64, 128, 4, 1, gemv=True)
-    assert gemm.gemv_config("int4", 3, 6144, 4096, dev) == GemmConfig(2, 32, 64, 2, 1, split_k=4, gemv=True)
-    assert gemm.gemv_config("int4", 5, 4096, 4096, dev) is None and gemm.gemv_config("int8", 1, 64, 64, dev) is None
+    assert gemm.kernel_config("int4", 1, 4096, 4096, dev) == GemmConfig(1, 64, 128, 4, 1, gemv=True)
+    assert gemm.kernel_config("int4", 3, 6144, 4096, dev) == GemmConfig(2, 32, 64, 2, 1, split_k=4, gemv=True)
+    assert gemm.kernel_config("int4", 5, 4096, 4096, dev) is None and gemm.kernel_config("int8", 1, 64, 64, dev) is None
+    # Above the GEMV's rows: the tiled rows, the smallest measured M >= the call's M of the nearest (N, K).
+    swap = dict(block_m=64, block_n=128, block_k=128, num_warps=8, num_stages=4, swap_ab=True)
+    table["tiled"] = {"int8": [dict(n=4096, k=4096, m=16, config=dict(block_m=16, block_n=32, block_k=128, num_warps=4,
+                                                                       num_stages=4)),
+                               dict(n=4096, k=4096, m=64, config=swap),
+                               dict(n=28672, k=4096, m=16, config=dict(block_m=16, block_n=64, block_k=64, num_warps=4,
+                                                                        num_stages=3))]}
+    assert gemm.kernel_config("int8", 5, 4096, 4096, dev) == GemmConfig(16, 32, 128, 4, 4)
+    assert gemm.kernel_config("int8", 17, 4000, 4096, dev) == GemmConfig(**swap)
+    assert gemm.kernel_config("int8", 64, 4096, 4096, dev).swap_ab
+    assert gemm.kernel_config("int8", 65, 4096, 4096, dev) is None  # past the largest measured M: CONFIGS' default
+    assert gemm.kernel_config("int8", 40, 28672, 4096, dev) is None  # that shape measured only M = 16
 
 
 @pytest.mark.parametrize("tensor_cores", [True, False])
