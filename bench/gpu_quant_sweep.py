@@ -172,20 +172,17 @@ def fused_max_m(rows: list[dict]) -> tuple[dict, dict]:
 
 def build_table(rows: list[dict], source: str) -> dict:
     """The dispatch table from the sweep's rows: ``gemv`` = per (format, N, K, M in {1, 4}) the fastest correct
-    config among the GEMV candidates and, for the weight-only formats, the tiled tl.dot default config timed at
-    M = 16 (rows past M are masked, so its M = 16 time bounds its time at M <= 4); ``fused_max_m`` as
-    :func:`fused_max_m`."""
-    from roofline.kernels import quant_gemm as qg
-
+    config among the GEMV candidates and, for the weight-only formats, the tiled tl.dot configs of 16-row tiles
+    timed at M = 16 (rows past M are masked, so their M = 16 time bounds their time at M <= 4); ``tiled`` = per
+    (format, N, K, M >= 16) the fastest tiled config; ``fused_max_m`` as :func:`fused_max_m`."""
     fused, _ = fused_max_m(rows)
     gemv: dict = {}
     for fmt in dict.fromkeys(r["fmt"] for r in rows):
         for n, k in sorted({(r["n"], r["k"]) for r in rows if r["fmt"] == fmt}):
             for m in (1, 4):
                 cands = [r for r in rows if "us" in r and r["fmt"] == fmt and (r["n"], r["k"]) == (n, k)
-                         and ((r["path"] == "gemv" and r["m"] == m) or (r["path"] == "tiled" and r["m"] == 16
-                              and r.get("config") == {kk: v for kk, v in asdict(qg.pick_config(fmt, 16)).items()
-                                                      if v is not None}))]
+                         and ((r["path"] == "gemv" and r["m"] == m)
+                              or (r["path"] == "tiled" and r["m"] == 16 and r["config"]["block_m"] == 16))]
                 if not cands:
                     continue
                 best = min(cands, key=lambda r: r["us"])
