@@ -268,6 +268,10 @@ class EngineArgs:
             from roofline.models import loader
 
             check_draft_vocab(loader.load_config(self._draft_source()), model_config)
+        if spec is not None and spec.method in ("eagle", "medusa"):
+            from roofline.spec_decode.heads import check_head
+
+            check_head(spec, model_config)  # its config.json only: a mismatch is refused before the target loads
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                   self.distributed_executor_backend, _parse_partition(self.pipeline_layer_partition),
                                   enable_expert_parallel=self.enable_expert_parallel)

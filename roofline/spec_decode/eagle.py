@@ -42,24 +42,20 @@ from roofline.kernels.cpu_f32 import cpu_linear, layer_linear
 from roofline.models.loader import process_weights_after_loading
 from roofline.spec_decode.draft_proposers import AutoregressiveProposer
 from roofline.spec_decode.feature_store import FeatureStore
-from roofline.spec_decode.heads import bundled_head, load_head
+from roofline.spec_decode.heads import check_head, load_head
 
 logger = logging.getLogger(__name__)
 
 
-def resolve_head(spec: Any, method: str, mc: Any) -> tuple[Any, dict[str, torch.Tensor], str]:
-    """The head named by ``spec.model`` (or the one bundled for the target), checked against the target.
+def resolve_head(spec: Any, mc: Any) -> tuple[Any, dict[str, torch.Tensor], str]:
+    """The ``spec.method`` head named by ``spec.model`` (or the one bundled for the target), checked against the
+    target: its config, tensors and directory.
 
     Raises:
-        ValueError: no head given and none bundled for the target; a directory that is not a head of this
-            method; a head made for another hidden size or vocabulary (names both of each).
+        ValueError: as ``heads.check_head`` and ``heads.load_head``.
     """
-    path = spec.model or bundled_head(method, mc)
-    if path is None:
-        raise ValueError(f"speculative_config method {method!r} needs \"model\": a head directory written by "
-                         f"`roofline train-draft --method {method}` (none ships for the target {mc.name!r})")
-    cfg, tensors = load_head(path, method)
-    cfg.check_target(mc, path)
+    _, path = check_head(spec, mc)
+    cfg, tensors = load_head(path, spec.method)
     return cfg, tensors, path
 
 
@@ -100,7 +96,7 @@ class EagleProposer(AutoregressiveProposer):
         if get_tp_size() > 1 or worker.pp.pp_size > 1:
             raise ValueError("speculative_config method 'eagle' runs on one device (tensor and pipeline "
                              "parallel size 1)")
-        cfg, t, self.path = resolve_head(self.spec_config, "eagle", mc)
+        cfg, t, self.path = resolve_head(self.spec_config, mc)
         backend_cls = get_attention_backend(worker.config.attention_backend)
         self.backend = backend_cls(mc.num_attention_heads, mc.num_key_value_heads, mc.head_dim,
                                    RotaryEmbedding.from_config(mc, dev))

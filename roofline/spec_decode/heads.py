@@ -227,6 +227,26 @@ def load_head(directory: str, method: str) -> tuple[DraftHeadConfig, dict[str, t
     """
     from safetensors.torch import load_file
 
+    cfg = read_head_config(directory, method)
+    wpath = os.path.join(directory, WEIGHTS_NAME)
+    tensors = {k: v.float() if v.is_floating_point() else v for k, v in load_file(wpath).items()}
+    tm = tensors.get("token_map")
+    if cfg.draft_vocab_size and (tm is None or tm.shape != (cfg.draft_vocab_size,) or tm.is_floating_point()
+                                 or int(tm.min()) < 0 or int(tm.max()) >= cfg.vocab_size
+                                 or len(torch.unique(tm)) != len(tm)):
+        raise ValueError(f"speculative_config model {directory!r}: draft_vocab_size {cfg.draft_vocab_size} needs "
+                         f"a token_map of that many distinct integer ids in [0, {cfg.vocab_size}), got "
+                         f"{None if tm is None else (tuple(tm.shape), str(tm.dtype))}")
+    return cfg, tensors
+
+
+def read_head_config(directory: str, method: str) -> DraftHeadConfig:
+    """The config of the ``method`` head in ``directory`` (its ``config.json``; the weights are not read).
+
+    Raises:
+        ValueError: the directory lacks ``config.json`` or ``model.safetensors``, or holds a head of another
+            method (names both).
+    """
     cpath, wpath = os.path.join(directory, CONFIG_NAME), os.path.join(directory, WEIGHTS_NAME)
     if not (os.path.isfile(cpath) and os.path.isfile(wpath)):
         raise ValueError(f"speculative_config model {directory!r} is not a draft head directory (it needs "
@@ -238,15 +258,31 @@ def load_head(directory: str, method: str) -> tuple[DraftHeadConfig, dict[str, t
     if cfg.method != method:
         raise ValueError(f"speculative_config model {directory!r} holds {_a(cfg.method)} head, not {_a(method)} "
                          f"head; use method {cfg.method!r}")
-    tensors = {k: v.float() if v.is_floating_point() else v for k, v in load_file(wpath).items()}
-    tm = tensors.get("token_map")
-    if cfg.draft_vocab_size and (tm is None or tm.shape != (cfg.draft_vocab_size,) or tm.is_floating_point()
-                                 or int(tm.min()) < 0 or int(tm.max()) >= cfg.vocab_size
-                                 or len(torch.unique(tm)) != len(tm)):
-        raise ValueError(f"speculative_config model {directory!r}: draft_vocab_size {cfg.draft_vocab_size} needs "
-                         f"a token_map of that many distinct integer ids in [0, {cfg.vocab_size}), got "
-                         f"{None if tm is None else (tuple(tm.shape), str(tm.dtype))}")
-    return cfg, tensors
+    return cfg
+
+
+def check_head(spec: Any, mc: Any) -> tuple[DraftHeadConfig, str]:
+    """The head ``spec`` names (``spec.model``, or the one bundled for target ``mc``) and its directory, checked
+    against the target from its config alone, so that the CLI, ``LLM`` and the server refuse a mismatch before
+    the target's weights load.
+
+    Raises:
+        ValueError: no head given and none bundled for the target; a directory that is not a head of
+            ``spec.method``; a head made for another hidden size or vocabulary (names both of each); a Medusa
+            ``num_speculative_tokens`` above the head count (names the allowed range [1, K]).
+    """
+    method = spec.method
+    path = spec.model or bundled_head(method, mc)
+    if path is None:
+        raise ValueError(f"speculative_config method {method!r} needs \"model\": a head directory written by "
+                         f"`roofline train-draft --method {method}` (none ships for the target {mc.name!r})")
+    cfg = read_head_config(path, method)
+    cfg.check_target(mc, path)
+    k = spec.num_speculative_tokens
+    if method == "medusa" and not 1 <= k <= cfg.num_heads:
+        raise ValueError(f"speculative_config num_speculative_tokens must be in [1, {cfg.num_heads}] for the "
+                         f"Medusa head {path!r} ({cfg.num_heads} heads), got {k}")
+    return cfg, path
 
 
 _BUNDLED = {"SmolLM2-135M-Instruct": "smollm2-135m"}  # target name prefix -> heads/ directory stem

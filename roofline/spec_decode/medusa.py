@@ -33,14 +33,9 @@ class MedusaProposer(AutoregressiveProposer):
         """Load the heads (``speculative_config.model`` or the bundled ones).
 
         Raises:
-            ValueError: as ``eagle.resolve_head``; ``num_speculative_tokens`` above the head count (names the
-                allowed range [1, K])."""
+            ValueError: as ``heads.check_head`` (which ``roofline.args`` also runs before the target loads)."""
         mc, dev, dtype = worker.model_config, worker.device, worker.dtype
-        cfg, t, self.path = resolve_head(self.spec_config, "medusa", mc)
-        k = self.spec_config.num_speculative_tokens
-        if not 1 <= k <= cfg.num_heads:
-            raise ValueError(f"speculative_config num_speculative_tokens must be in [1, {cfg.num_heads}] for the "
-                             f"Medusa head {self.path!r} ({cfg.num_heads} heads), got {k}")
+        cfg, t, self.path = resolve_head(self.spec_config, mc)
         self.weight = torch.stack([t[f"heads.{i}.weight"] for i in range(cfg.num_heads)]).to(dev, dtype)  # [K, H, H]
         self.bias = torch.stack([t[f"heads.{i}.bias"] for i in range(cfg.num_heads)]).to(dev, dtype)  # [K, H]
         self.weight_bytes = self.weight.numel() * self.weight.element_size()

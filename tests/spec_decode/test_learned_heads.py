@@ -404,6 +404,26 @@ def test_token_map_counts_the_regenerated_answers():
         train.token_map_from(seqs, 11, 10)
 
 
+def test_a_mismatched_head_is_refused_before_the_target_loads(tiny_dir, heads, tmp_path, monkeypatch):
+    import roofline.engine_factory as factory
+
+    def no_load(*a, **k):
+        raise AssertionError("the target's weights were loaded before the head was checked")
+
+    monkeypatch.setattr(factory, "build_executor", no_load)
+    other = DraftHeadConfig(method="eagle", target="other", hidden_size=96, vocab_size=1000)
+    save_head(str(tmp_path / "other"), other, {"fc.weight": torch.zeros(1)})
+    for spec, match in [({"method": "medusa", "model": heads["medusa"][0], "num_speculative_tokens": 4},
+                         r"num_speculative_tokens must be in \[1, 3\] for the Medusa head .*\(3 heads\), got 4"),
+                        ({"method": "eagle", "model": str(tmp_path / "other"), "num_speculative_tokens": 2},
+                         "hidden size 96, vocabulary 1000"),
+                        ({"method": "eagle", "model": heads["medusa"][0], "num_speculative_tokens": 2},
+                         "holds a medusa head, not an eagle head"),
+                        ({"method": "medusa", "num_speculative_tokens": 2}, "none ships for the target")]:
+        with pytest.raises(ValueError, match=match):
+            LLM(str(tiny_dir), speculative_config=spec, **COMMON)
+
+
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
 def test_a_missing_head_directory_is_refused_before_the_target_loads(method, tmp_path):
     from roofline.spec_config import SpeculativeConfig
