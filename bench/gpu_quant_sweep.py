@@ -52,7 +52,7 @@ W8A8_K_LANES = {1: [(1, 8, 256, 4), (1, 16, 256, 4), (1, 8, 512, 4), (1, 16, 512
 SPLITS = [None, 1, 2, 4, 8]
 TILED_M = [16, 32, 64, 128, 256, 4096]
 # Swap-AB tiles for the weight-only 8-bit formats (out^T = W @ x^T, the codes converted into the MMA's A operand):
-# (block_n, block_k, num_warps, num_stages); block_m follows M (16 up to 64 rows of x a program).
+# (block_n, block_k, num_warps, num_stages); block_m follows M (16 up to 128 rows of x a program, and half that).
 SWAP_TILES = [(64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (64, 256, 4, 3),
               (128, 64, 8, 5), (256, 64, 8, 3)]
 
@@ -350,7 +350,7 @@ def main(argv=None) -> int:
                     alts += [C(bm, 64, 64, 4, 3, unpack=1), C(min(bm, 64), 128, 64, 4, 2, unpack=1),
                              C(bm, 128, 64 if fmt == "int4" else 128, 8, 2, unpack=1)]
                 if fmt != "int4":
-                    sm = min(64, max(16, triton.next_power_of_2(m)))
+                    sm = min(128, max(16, triton.next_power_of_2(m)))  # 256 rows: > 227 KB of shared memory
                     tiles = SWAP_TILES if not args.dry_run else [(32, 64, 4, 1)]
                     alts += [C(bm_, bn, bk, nw, st, swap_ab=True) for bn, bk, nw, st in tiles
                              for bm_ in dict.fromkeys((sm, max(16, sm // 2)))]
