@@ -113,19 +113,8 @@ class SpeculativeConfig:
                     raise ValueError(f"speculative_config {name} does not apply to method {self.method!r} (its keys: "
                                      f"method, num_speculative_tokens, model, adaptive, tree_topk, tree_budget)")
             self._check_tree()
-            head = f"{'an' if self.method[0] in 'aeiou' else 'a'} {self.method} head"  # an eagle, a medusa
-            if self.model is not None and not (isinstance(self.model, str) and self.model):
-                raise ValueError(f"speculative_config model must be {head} directory (written by "
-                                 f"`roofline train-draft --method {self.method}`), got {self.model!r}")
-            if self.model is not None and not os.path.isdir(self.model):  # before the target loads
-                what = "is not a directory" if os.path.exists(self.model) else "does not exist"
-                raise ValueError(f"speculative_config model {self.model!r} {what}: give {head} "
-                                 f"directory written by `roofline train-draft --method {self.method}`")
-            need = ("config.json", "model.safetensors")  # roofline.spec_decode.heads' CONFIG_NAME, WEIGHTS_NAME
-            if self.model is not None and not all(os.path.isfile(os.path.join(self.model, f)) for f in need):
-                raise ValueError(f"speculative_config model {self.model!r} is not a draft head directory (it needs "
-                                 f"{need[0]} and {need[1]}, as `roofline train-draft --method {self.method}` "
-                                 f"writes)")
+            if self.model is not None:
+                self._check_head_dir(self.method, self.model)
             return
         if self.method != "draft_model":
             return  # another registered proposer: its options are its own
@@ -154,6 +143,10 @@ class SpeculativeConfig:
     def _check_tree(self) -> None:
         topk, budget = self.tree_topk, self.tree_budget
         if topk is None:
+            if budget is not None and (isinstance(budget, bool) or not isinstance(budget, int)
+                                       or not 1 <= budget <= MAX_TREE_BUDGET):
+                raise ValueError(f"speculative_config tree_budget must be an integer in [1, {MAX_TREE_BUDGET}] (the "
+                                 f"tree's nodes, with tree_topk), got {_shown(budget)}")
             if budget is not None:
                 raise ValueError("speculative_config tree_budget needs tree_topk (the tree's branching, in "
                                  f"[1, {MAX_TREE_TOPK}])")
@@ -171,6 +164,22 @@ class SpeculativeConfig:
                              f"per depth, num_speculative_tokens {depth}; at most the nodes method {self.method!r} "
                              f"offers with tree_topk {topk} and depth {depth}, and {MAX_TREE_BUDGET} for the tree "
                              f"mask), got {_shown(budget)}")
+
+    @staticmethod
+    def _check_head_dir(method: str, model: Any) -> None:
+        """Raises ValueError unless ``model`` is a directory holding a head's two files (before the target loads)."""
+        head = f"{'an' if method[0] in 'aeiou' else 'a'} {method} head"  # an eagle, a medusa
+        if not (isinstance(model, str) and model):
+            raise ValueError(f"speculative_config model must be {head} directory (written by "
+                             f"`roofline train-draft --method {method}`), got {model!r}")
+        if not os.path.isdir(model):
+            what = "is not a directory" if os.path.exists(model) else "does not exist"
+            raise ValueError(f"speculative_config model {model!r} {what}: give {head} "
+                             f"directory written by `roofline train-draft --method {method}`")
+        need = ("config.json", "model.safetensors")  # roofline.spec_decode.heads' CONFIG_NAME, WEIGHTS_NAME
+        if not all(os.path.isfile(os.path.join(model, f)) for f in need):
+            raise ValueError(f"speculative_config model {model!r} is not a draft head directory (it needs "
+                             f"{need[0]} and {need[1]}, as `roofline train-draft --method {method}` writes)")
 
     @property
     def is_tree(self) -> bool:
@@ -201,7 +210,10 @@ class SpeculativeConfig:
             raise ValueError("speculative_config needs 'method'")
         _check_method(d["method"])  # before the other keys: a wrong method is the first thing to say
         if "num_speculative_tokens" not in d:
-            raise ValueError("speculative_config needs 'num_speculative_tokens'")
+            if d["method"] in LEARNED_HEAD_METHODS and d.get("model") is not None:
+                cls._check_head_dir(d["method"], d["model"])  # a bad path first: it is the bigger mistake
+            raise ValueError("speculative_config needs 'num_speculative_tokens' (gamma_max, the most drafts a "
+                             f"request and step; an integer in [1, {MAX_SPECULATIVE_TOKENS}]; for a tree, its depth)")
         return cls(**d)
 
 

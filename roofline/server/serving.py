@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,8 @@ from roofline.sampling_params import SamplingParams
 from roofline.server import protocol as P
 from roofline.server.async_engine import AsyncLLMEngine, EngineDeadError, EngineOverloadedError, RequestStream
 from roofline.server.metrics import RequestTracker, ServerMetrics
+
+logger = logging.getLogger(__name__)
 
 MAX_LOGPROBS = 20  # the sampler's limit (SamplingParams.logprobs <= 20)
 MAX_N = 128  # OpenAI's limit on n; the server also caps it at max_num_seqs
@@ -165,6 +168,9 @@ class OpenAIServing:
             name = unsupported[0]
             raise bad_request(f"{name} is not supported by this server (got {json.dumps(req.model_extra[name])}); "
                               f"send null or leave it out", param=name)
+        ignored = sorted(set(req.model_extra or {}) - set(req.UNSUPPORTED))
+        if ignored:  # neither OpenAI nor vLLM defines them: ignored, as both do, and said in the log as vLLM does
+            logger.warning("The following fields were present in the request but ignored: %s", ", ".join(ignored))
         if not 1 <= req.n <= self.max_n:
             raise bad_request(f"n must be in [1, {self.max_n}], got {req.n}", param="n")
         stops = _stop_list(req.stop)

@@ -77,9 +77,9 @@ class DraftHeadConfig:
         made for a target of ``mc``'s shape."""
         if (self.hidden_size, self.vocab_size) != (mc.hidden_size, mc.vocab_size):
             raise ValueError(
-                f"speculative_config model {path!r}: this {self.method} head was trained for {self.target!r} "
-                f"(hidden size {self.hidden_size}, vocabulary {self.vocab_size}); the target {mc.name!r} has "
-                f"hidden size {mc.hidden_size} and vocabulary {mc.vocab_size}")
+                f"speculative_config model {path!r}: this {self.method} head has hidden size {self.hidden_size} and "
+                f"vocabulary {self.vocab_size}; the target {mc.name!r} has hidden size {mc.hidden_size} and "
+                f"vocabulary {mc.vocab_size} (the head's config says it was trained for {self.target!r})")
         if self.method == "eagle" and (self.num_attention_heads, self.num_key_value_heads, self.head_dim,
                                        self.intermediate_size) != (mc.num_attention_heads, mc.num_key_value_heads,
                                                                    mc.head_dim, mc.intermediate_size):

@@ -189,9 +189,10 @@ def test_unsupported_vllm_and_openai_fields_are_400_naming_the_field(server, pat
     assert err["message"].startswith(f"{field} is not supported by this server (got {json.dumps(value)})")
 
 
-def test_unused_values_of_unsupported_fields_and_unknown_fields_are_accepted(server):
+def test_unused_values_of_unsupported_fields_and_unknown_fields_are_accepted(server, caplog):
     # The defaults (null, false, vLLM's defaults) apply nothing, and a field neither vLLM nor OpenAI defines is
-    # ignored, as OpenAI does.
+    # ignored, as OpenAI does, with a warning in the server's log naming it, as vLLM gives.
+    caplog.set_level("WARNING", logger="roofline.server.serving")
     body = {"prompt": "The capital of France is", "max_tokens": 2, "temperature": 0, "guided_json": None,
             "use_beam_search": False, "length_penalty": 1, "add_special_tokens": True, "priority": 0,
             "response_format": {"type": "text"}, "not_a_field_anywhere": {"x": 1}}
@@ -201,6 +202,9 @@ def test_unused_values_of_unsupported_fields_and_unknown_fields_are_accepted(ser
     r = _post(server, "/v1/chat/completions", {"messages": _CHAT, "max_tokens": 1, "tool_choice": "none",
                                                "parallel_tool_calls": True, "echo": False, "also_unknown": 3})
     assert r.status_code == 200, r.text
+    warned = [rec.getMessage() for rec in caplog.records if "ignored" in rec.getMessage()]
+    assert warned == ["The following fields were present in the request but ignored: not_a_field_anywhere",
+                      "The following fields were present in the request but ignored: also_unknown"]
 
 
 def test_a_body_not_sent_as_json_names_the_content_type(server):

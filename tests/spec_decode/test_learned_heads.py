@@ -340,7 +340,7 @@ def test_bad_configs_and_mismatched_heads(tiny_dir, heads, tmp_path):
     other = DraftHeadConfig(method="eagle", target="other", hidden_size=96, vocab_size=1000, num_attention_heads=4,
                             num_key_value_heads=2, head_dim=24, intermediate_size=128)
     save_head(str(tmp_path / "other"), other, {"fc.weight": torch.zeros(1)})
-    with pytest.raises(ValueError, match="hidden size 96, vocabulary 1000.*hidden size 64 and vocabulary 48"):
+    with pytest.raises(ValueError, match="hidden size 96 and vocabulary 1000; the target .* has hidden size 64 and vocabulary 48"):
         LLM(str(tiny_dir), speculative_config={"method": "eagle", "model": str(tmp_path / "other"),
                                                "num_speculative_tokens": 2}, **COMMON)
     # A Medusa head passed as EAGLE, a directory that is no head, and no head for a model without a bundled one.
@@ -416,7 +416,7 @@ def test_a_mismatched_head_is_refused_before_the_target_loads(tiny_dir, heads, t
     for spec, match in [({"method": "medusa", "model": heads["medusa"][0], "num_speculative_tokens": 4},
                          r"num_speculative_tokens must be in \[1, 3\] for the Medusa head .*\(3 heads\), got 4"),
                         ({"method": "eagle", "model": str(tmp_path / "other"), "num_speculative_tokens": 2},
-                         "hidden size 96, vocabulary 1000"),
+                         "hidden size 96 and vocabulary 1000; the target"),
                         ({"method": "eagle", "model": heads["medusa"][0], "num_speculative_tokens": 2},
                          "holds a medusa head, not an eagle head"),
                         ({"method": "medusa", "num_speculative_tokens": 2}, "none ships for the target")]:

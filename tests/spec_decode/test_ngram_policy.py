@@ -221,7 +221,9 @@ def test_stats_accounting():
     ({"method": "ngram", "num_speculative_tokens": 2, "gamma": 3}, "unknown key.*'gamma'; allowed: method"),
     ({"num_speculative_tokens": 2}, "needs 'method'"),
     ({"method": "nope"}, "method must be one of .*got 'nope'"),  # the bad method first, then the missing key
-    ({"method": "ngram"}, "needs 'num_speculative_tokens'"),
+    ({"method": "ngram"}, r"needs 'num_speculative_tokens' \(gamma_max, .* an integer in \[1, 16\]"),
+    # A learned head's bad path is named before the missing key (it is the bigger mistake).
+    ({"method": "eagle", "model": "/nonexistent/head"}, "model '/nonexistent/head' does not exist: give an eagle head"),
     ("{not json", "not valid JSON"),
 ])
 def test_config_errors_name_the_value(cfg, match):

@@ -368,6 +368,11 @@ def test_bad_tree_configs_are_refused():
         ({"method": "eagle", "num_speculative_tokens": 8, "tree_topk": 4, "tree_budget": 3},  # depth 8 in 3 nodes
          r"tree_budget must be an integer in \[8, 64\] \(at least a node per depth.*got 3"),
         ({"method": "eagle", "num_speculative_tokens": 2, "tree_budget": 4}, "tree_budget needs tree_topk"),
+        # A bad value is named before the missing tree_topk.
+        ({"method": "eagle", "num_speculative_tokens": 4, "tree_budget": -1},
+         r"tree_budget must be an integer in \[1, 64\] \(the tree's nodes, with tree_topk\), got -1"),
+        ({"method": "eagle", "num_speculative_tokens": 4, "tree_budget": 1.5}, r"tree_budget must be an integer.*got 1.5"),
+        ({"method": "eagle", "num_speculative_tokens": 4, "tree_budget": 100000}, r"\[1, 64\].*got 100000"),
         ({"method": "ngram", "num_speculative_tokens": 2, "tree_topk": 2},
          "tree_topk applies to methods eagle and medusa .*not 'ngram'"),
         ({"method": "eagle", "num_speculative_tokens": 2, "tree_topk": True}, "tree_topk must be an integer"),
