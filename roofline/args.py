@@ -11,7 +11,7 @@ import argparse
 import logging
 import os
 import re
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 
 from roofline.config import (
     QUANTIZATION_METHODS,
@@ -271,7 +271,9 @@ class EngineArgs:
         if spec is not None and spec.method in ("eagle", "medusa"):
             from roofline.spec_decode.heads import check_head
 
-            check_head(spec, model_config)  # its config.json only: a mismatch is refused before the target loads
+            head, _ = check_head(spec, model_config)  # its config.json only: refused before the target loads
+            if spec.num_speculative_tokens is None:  # Medusa without a depth: the head's count (vLLM's default)
+                spec = replace(spec, num_speculative_tokens=head.num_heads)
         parallel = ParallelConfig(self.tensor_parallel_size, self.pipeline_parallel_size,
                                   self.distributed_executor_backend, _parse_partition(self.pipeline_layer_partition),
                                   enable_expert_parallel=self.enable_expert_parallel)

@@ -50,7 +50,8 @@ class SpeculativeConfig:
     [0, gamma_max] each step (``roofline.spec_decode.policy``); False pins gamma_max.
 
     ``eagle`` (EAGLE-1: one decoder layer on the target's features) and ``medusa`` (Medusa-1: residual heads,
-    ``num_speculative_tokens`` <= their count) read a head directory from ``model`` (``roofline train-draft``);
+    ``num_speculative_tokens`` <= their count, their count when not given, as vLLM takes it from the draft
+    config) read a head directory from ``model`` (``roofline train-draft``);
     without ``model``, the head shipped for the target (the default model's EAGLE head) is used.
 
     Trees (``eagle`` and ``medusa``; ``roofline.spec_decode.tree``): ``tree_topk`` k in [1, 16] drafts a token
@@ -69,7 +70,7 @@ class SpeculativeConfig:
     """
 
     method: str
-    num_speculative_tokens: int
+    num_speculative_tokens: int | None = None  # None: medusa only, the head's count (args.create_engine_config)
     prompt_lookup_min: int | None = None  # ngram only; default 2
     prompt_lookup_max: int | None = None  # ngram only; default 5
     model: str | None = None
@@ -82,7 +83,9 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         _check_method(self.method)
         k = self.num_speculative_tokens
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS:
+        if k is None and self.method != "medusa":
+            raise ValueError(_NEEDS_K)
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(f"speculative_config num_speculative_tokens must be an integer in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {_shown(k)}")
         if not isinstance(self.adaptive, bool):
@@ -112,7 +115,8 @@ class SpeculativeConfig:
                 if getattr(self, name) is not None:
                     raise ValueError(f"speculative_config {name} does not apply to method {self.method!r} (its keys: "
                                      f"method, num_speculative_tokens, model, adaptive, tree_topk, tree_budget)")
-            self._check_tree()
+            if k is not None:  # a Medusa depth left to the head's count is checked once resolved
+                self._check_tree()
             if self.model is not None:
                 self._check_head_dir(self.method, self.model)
             return
@@ -209,12 +213,16 @@ class SpeculativeConfig:
         if "method" not in d:
             raise ValueError("speculative_config needs 'method'")
         _check_method(d["method"])  # before the other keys: a wrong method is the first thing to say
-        if "num_speculative_tokens" not in d:
+        if "num_speculative_tokens" not in d and d["method"] != "medusa":  # Medusa: the head's count, as vLLM
             if d["method"] in LEARNED_HEAD_METHODS and d.get("model") is not None:
                 cls._check_head_dir(d["method"], d["model"])  # a bad path first: it is the bigger mistake
-            raise ValueError("speculative_config needs 'num_speculative_tokens' (gamma_max, the most drafts a "
-                             f"request and step; an integer in [1, {MAX_SPECULATIVE_TOKENS}]; for a tree, its depth)")
+            raise ValueError(_NEEDS_K)
         return cls(**d)
+
+
+_NEEDS_K = ("speculative_config needs 'num_speculative_tokens' (gamma_max, the most drafts a request and step; an "
+            f"integer in [1, {MAX_SPECULATIVE_TOKENS}]; for a tree, its depth; method 'medusa' defaults to its head "
+            "count)")
 
 
 def _check_method(method: Any) -> None:

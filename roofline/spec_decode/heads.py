@@ -279,7 +279,7 @@ def check_head(spec: Any, mc: Any) -> tuple[DraftHeadConfig, str]:
     cfg = read_head_config(path, method)
     cfg.check_target(mc, path)
     k = spec.num_speculative_tokens
-    if method == "medusa" and not 1 <= k <= cfg.num_heads:
+    if method == "medusa" and k is not None and not 1 <= k <= cfg.num_heads:
         raise ValueError(f"speculative_config num_speculative_tokens must be in [1, {cfg.num_heads}] for the "
                          f"Medusa head {path!r} ({cfg.num_heads} heads), got {k}")
     return cfg, path

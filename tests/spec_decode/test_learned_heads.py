@@ -424,6 +424,23 @@ def test_a_mismatched_head_is_refused_before_the_target_loads(tiny_dir, heads, t
             LLM(str(tiny_dir), speculative_config=spec, **COMMON)
 
 
+def test_medusa_depth_defaults_to_the_head_count(tiny, tiny_dir, heads):
+    # vLLM takes num_speculative_tokens from the draft config when it has one: Medusa's head count here.
+    from roofline.spec_config import max_tree_nodes
+
+    llm = LLM(str(tiny_dir), speculative_config={"method": "medusa", "model": heads["medusa"][0], "tree_topk": 2,
+                                                 "adaptive": False}, **COMMON)
+    spec = llm.engine.config.speculative_config
+    assert (spec.num_speculative_tokens, spec.tree_budget) == (3, max_tree_nodes("medusa", 2, 3))
+    prompts = [{"prompt_token_ids": list(range(2, 2 + n))} for n in (5, 17)]
+    sp = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == [o.outputs[0].token_ids for o in tiny.generate(prompts, sp, use_tqdm=False)]
+    assert llm.engine.spec_stats.num_drafts > 0
+    with pytest.raises(ValueError, match=r"needs 'num_speculative_tokens' \(gamma_max.*'medusa' defaults to its head"):
+        SpeculativeConfig.from_dict({"method": "eagle", "model": heads["eagle"][0]})
+
+
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
 def test_a_missing_head_directory_is_refused_before_the_target_loads(method, tmp_path):
     from roofline.spec_config import SpeculativeConfig
