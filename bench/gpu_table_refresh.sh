@@ -7,8 +7,10 @@
 #   small-M GEMV configs, the fastest tiled config per M, swap-AB included for the 8-bit weight-only formats, and
 #   the largest M where our kernel beats the other path), merged with the card's committed rows of the other
 #   formats (int4_mma included), then `bench decode` for QUANTS at BATCHES with the new table.
-# STEPS (default "sweep decode"): "sweep" leaves the new table in /tmp/table_new.json too, so that "decode" can run
-# in the next call on the same warm machine (a call is at most 600 s).
+# STEPS (default "sweep decode"): "sweep" (or "probe": INT8's 128-row swap tiles at M = 128 / 256 alone,
+# bench/gpu_w8_swap_probe.py) leaves the new table in /tmp/table_new.json too, so that "decode" can run in the next
+# call on the same warm machine (a call is at most 600 s). E.g. MODE=sweep STEPS="probe decode" QUANTS=none,int8
+# BATCHES=64,128,256.
 # $OUT gets the tables and logs. Run from the repo root.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)
@@ -38,6 +40,11 @@ for key, rows in old.items():  # keep what the sweep does not measure (the int4_
     new.setdefault(key, rows)
 json.dump(new, open(sys.argv[2], "w"), indent=1)
 PY
+    cp "$OUT/table_new.json" /tmp/table_new.json ;;
+  probe)  # INT8's 128-row swap tiles at M = 128 / 256 only (bench/gpu_w8_swap_probe.py), merged into the table
+    timeout ${PROBE_S:-240} python3 bench/gpu_w8_swap_probe.py --out "$OUT/probe.json" --merge-into "$T" \
+      --table "$OUT/table_new.json" > "$OUT/probe.log" 2>&1
+    echo "probe rc $?" | tee -a "$OUT/log"; grep -vi warning "$OUT/probe.log" | tail -12 | tee -a "$OUT/log"
     cp "$OUT/table_new.json" /tmp/table_new.json ;;
   decode)
     cp "$T" /tmp/table_committed.json; cp /tmp/table_new.json "$T"
