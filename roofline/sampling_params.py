@@ -57,8 +57,9 @@ class SamplingParams:
             logit under 3.4e36 in magnitude stays under float32 max); 1e-38 used to make the row +inf, then NaN.
         presence_penalty, frequency_penalty: in [-2, 2] (OpenAI semantics, over generated tokens).
         seed: per-request seed in [-2**63, 2**63 - n]; sample i is seeded with ``seed + i``, which must fit
-            torch's 64-bit generator seed without two seeds aliasing. The same seed gives the same tokens
-            whatever else is in the batch.
+            torch's 64-bit generator seed without two seeds aliasing. Each token's draw is keyed by that seed
+            and the token's position (``roofline.layers.sampler.keyed_seed``), so the same seed gives the same
+            tokens whatever else is in the batch, and with speculative decoding on or off.
         max_tokens: None (until the context limit) or in [1, 2**63 - 1] new tokens. 0 is refused, as in
             vLLM: a request for its prompt's logprobs alone uses max_tokens=1 (the token is sampled from the
             last prefill position in the same step, so no decode step runs); the server's ``echo`` with

@@ -36,7 +36,7 @@ class NewRequest:
     token_ids: list[int]  # prompt + output so far (a resumed sequence recomputes its output tokens)
     num_prompt_tokens: int
     sampling_params: SamplingParams
-    seed_offset: int  # sample index within the request: its generator is seeded with seed + seed_offset
+    seed_offset: int  # sample index within the request: its draws are keyed by seed + seed_offset (keyed_seed)
     block_ids: list[int]
     num_computed_tokens: int
 

@@ -2,8 +2,10 @@
 
 Random rows sample with the exponential race (Gumbel-max in another form): ``argmax(p_i / E_i)`` with
 ``E_i ~ Exp(1)`` draws ``i`` with probability ``p_i``; it needs no sort and no host sync. Rows with a
-seed draw their noise from their own ``torch.Generator``, so a seeded request gets the same tokens
-whatever else is in the batch.
+seed draw their noise from their own ``torch.Generator``, re-seeded before each draw with
+:func:`keyed_seed` of the request's seed and the position of the token being sampled, so a seeded request
+gets the same tokens whatever else is in the batch, and whether or not speculative decoding skips positions
+(a verify pass draws the same keyed noise at each position it scores; ``roofline.spec_decode.verifier``).
 
 Penalties follow vLLM / OpenAI semantics:
 - repetition (Keskar et al. 2019, CTRL): logits of tokens seen in prompt or output are divided by the
@@ -19,6 +21,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+_MASK64 = (1 << 64) - 1
+
+
+def keyed_seed(seed: int, position: int) -> int:
+    """The generator seed of a seeded request's draw for the token at sequence index ``position``: SplitMix64's
+    finalizer (Steele, Lea, Flood 2014, "Fast splittable pseudorandom number generators") of
+    ``seed * golden + position``, so nearby seeds and positions give unrelated streams. In [0, 2^64)."""
+    z = (seed * 0x9E3779B97F4A7C15 + position + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return z ^ (z >> 31)
 
 
 @dataclass

@@ -106,25 +106,17 @@ class SpecController:
         return (p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
                 and seq.num_output_tokens >= p.min_tokens)
 
-    @classmethod
-    def pinned(cls, seq: Any) -> bool:
-        """A seeded random request that may speculate drafts what it can (gamma_max) on every decode step, what
-        the policy says: how many random draws a step takes from its generator then depends on its own tokens
-        only, so the same seed gives the same tokens whatever else runs and whatever the timings."""
-        p = seq.sampling_params
-        return p.seed is not None and not p.is_greedy and cls.may_speculate(seq)
-
     def drafting_due(self, running: list[Any], num_waiting: int) -> bool:
-        """Whether this step proposes drafts, and so runs synchronously (``SpecPolicy.drafting_due``): always
-        while a ``pinned`` request decodes."""
-        decoding, prefill, pinned = [], num_waiting > 0, False  # one pass over the batch (every step)
+        """Whether this step proposes drafts, and so runs synchronously (``SpecPolicy.drafting_due``). Seeded
+        requests follow the policy like any other: their draws are keyed by position (``keyed_seed``), so their
+        tokens do not depend on which steps drafted."""
+        decoding, prefill = [], num_waiting > 0  # one pass over the batch (every step)
         for s in running:
             if s.is_prefill:
                 prefill = True
             else:
                 decoding.append(s.seq_id)
-                pinned = pinned or self.pinned(s)
-        return pinned or self.policy.drafting_due(decoding, prefill)
+        return self.policy.drafting_due(decoding, prefill)
 
     def propose(self, running: list[Any], num_waiting: int) -> None:
         """Before scheduling: choose gamma for the decoding requests (the policy) and fill their drafts. Every
@@ -136,12 +128,12 @@ class SpecController:
         spec, policy = self.spec_config, self.policy
         for seq in running:
             seq.spec_token_ids = []
-        # See SpecPolicy.drafting_due: with the adaptive policy a step that carries prefill work does not draft,
-        # but for the pinned requests (drafted below without a policy decision).
-        only_pinned = policy.adaptive and (num_waiting > 0 or any(s.is_prefill for s in running))
+        # See SpecPolicy.drafting_due: with the adaptive policy a step that carries prefill work does not draft.
+        if policy.adaptive and (num_waiting > 0 or any(s.is_prefill for s in running)):
+            return
         cands, caps, drafts = [], [], []
         for seq in running:
-            if seq.num_uncomputed_tokens != 1 or (only_pinned and not self.pinned(seq)):
+            if seq.num_uncomputed_tokens != 1:
                 continue
             p = seq.sampling_params
             room = self.max_model_len - seq.num_tokens - 1
@@ -159,9 +151,6 @@ class SpecController:
                 d = self.proposer.propose(seq.token_ids, k)
             else:
                 d = [0] * k
-            if only_pinned:
-                seq.spec_token_ids = d
-                continue
             cands.append(seq)
             caps.append(self.gamma(len(d)))
             drafts.append(d)
@@ -175,8 +164,7 @@ class SpecController:
         if gamma == 0:
             self.stats.num_steps_off += 1
         for seq, d in zip(cands, drafts, strict=True):
-            # A pinned request (seeded, random) drafts gamma_max (what it can), whatever gamma the policy chose.
-            seq.spec_token_ids = d if self.pinned(seq) or (self.is_tree and gamma > 0) else d[:gamma]
+            seq.spec_token_ids = d if self.is_tree and gamma > 0 else d[:gamma]
 
     def skip(self, running: list[Any]) -> None:
         """A step run without drafts (async): clear any drafts a sequence kept from a drafting step that did

@@ -61,7 +61,9 @@ class AutoregressiveProposer(DeviceProposer):
             act = rows[num_drafts > j]
             pos = batch.num_tokens[act] - 1 + j  # [A]
             logits = self.draft_logits(worker, act, pos)
-            md = worker.prepare_sampling(act, tag="draft_")
+            # A seeded row draws the noise its verify pass will draw at that position (keyed_seed): the draft's
+            # sample then couples with the target's, and the two agree wherever the distributions are close.
+            md = worker.prepare_sampling(act, tag="draft_", positions=pos + 1)
             probs = processed_probs(logits, md)  # [A, V]
             noise = torch.empty_like(probs).exponential_()
             for i, g in enumerate(md.generators):

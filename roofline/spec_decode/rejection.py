@@ -44,6 +44,8 @@ def rejection_sample(
     draft_probs: torch.Tensor | None = None,
     is_greedy: torch.Tensor | None = None,
     generators: list[torch.Generator | None] | None = None,
+    matched: torch.Tensor | None = None,
+    match_ids: torch.Tensor | None = None,
 ) -> RejectionOutput:
     """Verify padded drafts against the target and emit each row's tokens.
 
@@ -56,6 +58,10 @@ def rejection_sample(
             proposer). Must put mass > 0 on each draft token it proposed.
         is_greedy: [R] bool (None: no row is greedy).
         generators: per row, a generator for its random draws or None for the default one.
+        matched: [R] bool rows verified by matching instead (None: none): a draft is accepted while it equals
+            ``match_ids`` [R, K + 1] int64 at its position, and the token emitted is ``match_ids`` at the first
+            position that differs (or after the last draft). A seeded row's keyed samples
+            (``verifier.keyed_samples``); greedy rows are the case ``match_ids`` = the argmax.
 
     Returns:
         ``RejectionOutput``.
@@ -103,6 +109,8 @@ def rejection_sample(
     accept = u * q_draft < p_draft  # u < p / q without dividing (q > 0 where it drafted)
     if is_greedy is not None:
         accept = torch.where(is_greedy[:, None], drafts == argmax[:, :k], accept)
+    if matched is not None:
+        accept = torch.where(matched[:, None], drafts == match_ids[:, :k], accept)
     accept &= valid
     num_accepted = accept.to(torch.int64).cumprod(dim=1).sum(dim=1)  # [R] leading run of accepts
 
@@ -124,6 +132,8 @@ def rejection_sample(
     final = (residual / noise).argmax(dim=-1)
     if is_greedy is not None:
         final = torch.where(is_greedy, argmax[rows, num_accepted], final)
+    if matched is not None:
+        final = torch.where(matched, match_ids[rows, num_accepted], final)
 
     out = torch.full((r, k1), -1, dtype=torch.int64, device=dev)
     out[:, :k] = torch.where(cols[None, :] < num_accepted[:, None], drafts, -1)

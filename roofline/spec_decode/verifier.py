@@ -103,9 +103,18 @@ def verify(worker: Any, hidden: torch.Tensor, rows: np.ndarray, last_indices: np
                 q[i, torch.arange(k, device=dev), torch.from_numpy(drafts[i, :k]).to(dev)] = 1.0
     first = np.cumsum(counts) - counts  # flat index of each row's first position
     temps = md.temperatures[torch.from_numpy(first).to(dev)]
-    gens = [md.generators[f] for f in first.tolist()]
+    keyed = keyed_samples(worker, rows, [np.arange(int(c)) for c in counts],
+                          [int(f) + np.arange(int(c)) for f, c in zip(first, counts, strict=True)], probs,
+                          batch.temperature[rows])
+    matched = match_ids = None
+    if keyed:  # seeded sampling rows: accept while each draft is the target's own keyed sample there
+        match_ids = target.argmax(dim=-1)
+        matched = torch.zeros(s, dtype=torch.bool, device=dev)
+        for i, ids in keyed.items():
+            match_ids[i, :len(ids)] = torch.tensor(ids, device=dev)
+            matched[i] = True
     res = rejection_sample(target, torch.from_numpy(drafts).to(dev), torch.from_numpy(ks).to(dev), q,
-                           temps < 1e-5, gens)
+                           temps < 1e-5, [None] * s, matched=matched, match_ids=match_ids)
     row_list = rows.tolist()
     host = {"token_ids": worker.to_host(res.token_ids), "num_accepted": worker.to_host(res.num_accepted)}
     spec_counts: list[int] = []
@@ -116,6 +125,45 @@ def verify(worker: Any, hidden: torch.Tensor, rows: np.ndarray, last_indices: np
                     top_ids=worker.to_host(so.top_ids), top_logprobs=worker.to_host(so.top_logprobs))
         spec_counts = counts.tolist()
     return Verified(row_list, [batch.seq_ids[r] for r in row_list], host, spec_counts)
+
+
+def keyed_samples(worker: Any, rows: np.ndarray, offsets: list[np.ndarray], prob_rows: list[np.ndarray],
+                  probs: torch.Tensor, temps: np.ndarray) -> dict[int, list[int]]:
+    """The target's own samples of each seeded sampling row, as plain decoding would draw them: for row ``i``
+    (batch row ``rows[i]``) and each pair ``(j, f)`` of ``offsets[i]`` and ``prob_rows[i]``,
+    ``argmax(probs[f] / E)`` with ``E`` [V] drawn from the request's generator re-seeded with
+    ``keyed_seed(seed, n + j)`` (``n``: the row's known tokens, so ``n + j`` is the sequence index of the token
+    ``probs[f]`` predicts). ``temps`` [S]: the rows' temperatures. Returns {i: [ids]}; rows without a seed or at
+    temperature 0 are absent.
+
+    Verifying a seeded row by matching its drafts against these ("accept while equal, emit the first sample that
+    differs") makes its output the plain engine's token for token, with speculation on or off; a one-hot draft
+    is accepted exactly as often as rejection sampling accepts it (with probability p(draft))."""
+    from roofline.layers.sampler import keyed_seed
+
+    inputs, batch = worker.inputs, worker.input_batch
+    which, flat = [], []  # (row i, its count) and the probs rows, in order
+    for i, r in enumerate(rows.tolist()):
+        sid = batch.seq_ids[r]
+        if sid in inputs.generators and temps[i] >= 1e-5:
+            which.append((i, sid))
+            flat += prob_rows[i].tolist()
+    if not which:
+        return {}
+    noise = torch.empty(len(flat), probs.shape[1], device=probs.device)
+    t = 0
+    for i, sid in which:
+        g, seed, n = inputs.generators[sid], inputs.seeds[sid], int(batch.num_tokens[rows[i]])
+        for j in offsets[i].tolist():
+            g.manual_seed(keyed_seed(seed, n + j))
+            noise[t].exponential_(generator=g)
+            t += 1
+    ids = (probs[torch.tensor(flat, device=probs.device)] / noise).argmax(dim=-1).tolist()  # one host copy
+    out, t = {}, 0
+    for i, _ in which:
+        out[i] = ids[t:t + len(offsets[i])]
+        t += len(offsets[i])
+    return out
 
 
 def verify_tree(worker: Any, hidden: torch.Tensor, rows: np.ndarray, last_indices: np.ndarray) -> Verified:
@@ -157,9 +205,18 @@ def verify_tree(worker: Any, hidden: torch.Tensor, rows: np.ndarray, last_indice
         child_p = np.zeros(len(node_tok), dtype=np.float32)
     argmax = logits.max(dim=-1).indices.cpu().numpy()  # argmax's first-of-ties; on a CPU 3x faster (0.32 ms)
     gens = [md.generators[f] for f in first.tolist()]
+    # Seeded sampling rows walk their keyed samples as greedy rows walk the argmax (keyed_samples): the root's
+    # row and node c's row predict the tokens at n and n + depth[c].
+    keyed = keyed_samples(worker, rows, [np.concatenate([[0], trees[r].depth]) for r in row_list],
+                          [int(f) + np.arange(int(c)) for f, c in zip(first, counts, strict=True)], probs,
+                          temps) if sampling else {}
     results = []
     for i, r in enumerate(row_list):
         g, base = gens[i], int(first[i])
+        if i in keyed:
+            off = int(np.sum(sizes[:i]))
+            results.append(walk(trees[r], child_p[off:off + sizes[i]], np.array(keyed[i]), True, None, None))
+            continue
 
         def uniform(g=g) -> float:
             return float(torch.rand((), generator=g, device=dev)) if g is not None else float(torch.rand(()))

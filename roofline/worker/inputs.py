@@ -40,6 +40,7 @@ class InputPreparer:
         self.num_spec = np.zeros(len(batch.num_tokens), dtype=np.int64)
         self.prev_sampled: torch.Tensor | None = None
         self.generators: dict[int, torch.Generator] = {}
+        self.seeds: dict[int, int] = {}  # seq_id -> seed + seed_offset, for ``keyed_seed``
         # row -> this step's token tree (``roofline.spec_decode.tree.DraftTree``) from a tree proposer; its
         # nodes sit in token_ids after the row's known tokens, and the verifier clears the dict.
         self.trees: dict[int, Any] = {}
@@ -139,12 +140,22 @@ class InputPreparer:
             ids[dst] = self.prev_sampled[src]
         return ids, pos, self.build_metadata(meta), rows[samples], query_start[1:][samples] - 1
 
-    def prepare_sampling(self, rows: np.ndarray, tag: str = "") -> SamplingMetadata:
+    def prepare_sampling(self, rows: np.ndarray, tag: str = "", positions: np.ndarray | None = None) -> SamplingMetadata:
         """Sampling inputs for logits rows ``i`` = sequence rows ``rows[i]`` (the row -> request index).
+
+        ``positions[i]``: the sequence index of the token row ``i`` samples; a seeded request's generator is
+        re-seeded with ``keyed_seed(seed, positions[i])`` for that one draw (rows must then be distinct).
 
         ``tag`` prefixes the staging buffers' names: a second call in the same step (speculative decoding's
         verify and draft passes) must not overwrite pinned buffers whose non-blocking copies may be pending."""
         batch = self.batch
+        if positions is not None and self.generators:
+            from roofline.layers.sampler import keyed_seed
+
+            for r, pos in zip(rows.tolist(), positions.tolist(), strict=True):
+                sid = batch.seq_ids[r]
+                if sid in self.generators:
+                    self.generators[sid].manual_seed(keyed_seed(self.seeds[sid], pos))
         temps = batch.temperature[rows]
         need_rep, need_pres, need_freq = batch.uses_penalties(rows)
         penalties = need_rep or need_pres or need_freq

@@ -260,6 +260,7 @@ class Worker:
         for sid in step.finished_seq_ids:
             batch.remove(sid)
             self.inputs.generators.pop(sid, None)
+            self.inputs.seeds.pop(sid, None)
         for sid in step.preempted_seq_ids:
             batch.remove(sid)
         for req in step.new_requests:
@@ -268,9 +269,8 @@ class Worker:
                 self.proposer.reset(batch.row_of[req.seq_id])
             seed = req.sampling_params.seed
             if seed is not None and req.seq_id not in self.inputs.generators:
-                g = torch.Generator(device=self.device)
-                g.manual_seed(seed + req.seed_offset)
-                self.inputs.generators[req.seq_id] = g
+                self.inputs.generators[req.seq_id] = torch.Generator(device=self.device)  # keyed per draw
+                self.inputs.seeds[req.seq_id] = seed + req.seed_offset
         for c in step.cached_requests:
             row = batch.row_of[c.seq_id]
             if c.num_kept_blocks >= 0:
@@ -282,9 +282,9 @@ class Worker:
         """The step's flat batch (``InputPreparer.prepare_inputs``)."""
         return self.inputs.prepare_inputs(step, tag)
 
-    def prepare_sampling(self, rows: np.ndarray, tag: str = "") -> SamplingMetadata:
+    def prepare_sampling(self, rows: np.ndarray, tag: str = "", positions: np.ndarray | None = None) -> SamplingMetadata:
         """Sampling inputs for batch rows ``rows`` (``InputPreparer.prepare_sampling``)."""
-        return self.inputs.prepare_sampling(rows, tag)
+        return self.inputs.prepare_sampling(rows, tag, positions)
 
     def to_host(self, t: torch.Tensor) -> torch.Tensor:
         return self.inputs.to_host(t)
@@ -328,7 +328,9 @@ class Worker:
             pending.prompt_host = {name: self.to_host(t) for name, t in lps.items()}
         if len(sample_rows):
             logits = self.model.compute_logits(hidden[self.inputs.to_device("logits_indices", logits_indices)])
-            pending.expect(sample_rows, self.sampler(logits, self.prepare_sampling(sample_rows)))
+            # The sampled token's sequence index: the row's computed tokens, this step's included (above).
+            md = self.prepare_sampling(sample_rows, positions=self.input_batch.num_computed_tokens[sample_rows])
+            pending.expect(sample_rows, self.sampler(logits, md))
         if self.device.type == "cuda":
             pending.event = torch.cuda.Event()
             pending.event.record()

@@ -417,11 +417,12 @@ def test_shipped_heads_as_trees_are_token_identical_on_the_default_model(default
 
 @pytest.mark.parametrize("method", ["eagle", "medusa"])
 def test_seeded_sampling_repeats_under_the_adaptive_policy_whatever_runs_beside_it(tiny_dir, heads, method):
-    """A seeded random request drafts what it can on every decode step (``SpecController.pinned``), also on the
-    steps the adaptive policy keeps without drafts (another request's prefill chunks in the step, speculation
-    judged off): the same seed gives the same tokens alone, again, and beside a long prompt whose chunked prefill
-    shares its steps. A fresh user found EAGLE / Medusa with the default adaptive policy drawing other tokens
-    for 3 of 4 seeds (`` the earth: Now I am in victory`` against `` the earth comes fortune. But I will``)."""
+    """A seeded random request's draws are keyed by (seed, position) (``sampler.keyed_seed``) in plain steps and
+    verify passes alike, so the adaptive policy may draft or not on any step (another request's prefill chunks
+    in the step, speculation judged off): the same seed gives the same tokens alone, again, and beside a long
+    prompt whose chunked prefill shares its steps. A fresh user found EAGLE / Medusa with the default adaptive
+    policy drawing other tokens for 3 of 4 seeds (`` the earth: Now I am in victory`` against `` the earth comes
+    fortune. But I will``)."""
     llm = LLM(str(tiny_dir), speculative_config={"method": method, "model": heads[method],
                                                  "num_speculative_tokens": 2},
               **{**COMMON, "max_num_batched_tokens": 16})
@@ -435,3 +436,29 @@ def test_seeded_sampling_repeats_under_the_adaptive_policy_whatever_runs_beside_
                               [sp, SamplingParams(temperature=1.0, max_tokens=4)], use_tqdm=False)
         runs.append(beside[0].outputs[0].token_ids)
         assert runs[0] == runs[1] == runs[2] and len(runs[0]) == 16, (seed, runs)
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "eagle", "num_speculative_tokens": 2, "adaptive": False},  # chain: rejection_sample's matched rows
+    {"method": "eagle", "num_speculative_tokens": 3, "tree_topk": 2, "tree_budget": 6, "adaptive": False},  # tree walk
+    {"method": "medusa", "num_speculative_tokens": 2, "tree_topk": 3, "tree_budget": 6, "adaptive": False},
+    {"method": "eagle", "num_speculative_tokens": 2, "tree_topk": 3},  # the adaptive policy: drafting or not
+    {"method": "draft_model", "num_layers": 1, "num_speculative_tokens": 3, "adaptive": False},  # sampled drafts
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "adaptive": False},
+])
+def test_seeded_sampling_equals_the_plain_engine_token_for_token(tiny, tiny_dir, heads, spec):
+    """A seeded random row is verified by matching each draft against the target's own keyed sample at its
+    position (``verifier.keyed_samples``), so its tokens are the plain engine's for the same seed, with
+    speculation on or off, at any temperature and top-p; and drafts are still accepted."""
+    spec = {**spec, "model": heads[spec["method"]]} if spec["method"] in heads else spec
+    llm = LLM(str(tiny_dir), speculative_config=spec, **COMMON)
+    prompts = [{"prompt_token_ids": [5, 9, 17, 3, 5, 9, 17]}, {"prompt_token_ids": [(7 * i) % VOCAB for i in range(1, 30)]}]
+    sps = [SamplingParams(temperature=t, top_p=tp, max_tokens=24, ignore_eos=True, seed=seed)
+           for seed, t, tp in ((1, 1.0, 1.0), (2, 0.7, 0.9))]
+    got = [[o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)] for sp in sps]
+    ref = [[o.outputs[0].token_ids for o in tiny.generate(prompts, sp, use_tqdm=False)] for sp in sps]
+    assert got == ref
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0, spec
+    if spec.get("adaptive") is False:  # the adaptive policy may keep speculation off after its probes, as it did
+        assert stats.num_accepted_tokens > 0, spec
