@@ -724,30 +724,48 @@ extern "C" int roofline_rope_store(const void* q, const void* k, const void* v, 
   return 1;
 }
 
-// SiLU-and-mul of bf16 rows (roofline.kernels.cpu_bf16.silu_and_mul): out[t, i] = bf16(bf16(silu(g)) * u) with
-// g = x[t, i], u = x[t, I + i], silu(g) = g / (1 + exp(-g)) in fp32 (torch's bf16 F.silu, then its bf16 mul). The exp
-// is exp512 (Cephes, ~1 ulp; torch's is SLEEF's, also ~1 ulp) 16 lanes at a time, std::exp on the tail or without
-// AVX-512; rows over the threads past 16k elements.
-static inline uint16_t silu_mul_one(float gv, float uv) {
-  return narrow(widen(narrow(gv / (1.0f + std::exp(-gv)))) * uv);
+// SiLU-and-mul rows (roofline.kernels.cpu_bf16.silu_and_mul): x [T, 2I] -> out [T, I], out[t, i] = silu(g) * u with
+// g = x[t, i], u = x[t, I + i], silu(g) = g / (1 + exp(-g)) in fp32. bf16 rows round silu(g) to bf16 and then the
+// product (torch's bf16 F.silu, then its bf16 mul); fp32 rows round neither. The exp is exp512 (Cephes, ~1 ulp;
+// torch's is SLEEF's, also ~1 ulp) 16 lanes at a time, std::exp on the tail or without AVX-512; rows over the threads
+// past 16k elements. The element type's loads, stores and rounding are the overloads below.
+static inline uint16_t silu_mul_one(uint16_t g, uint16_t u) {
+  const float gv = widen(g);
+  return narrow(widen(narrow(gv / (1.0f + std::exp(-gv)))) * widen(u));
 }
-extern "C" void roofline_silu_mul_bf16(const uint16_t* x, uint16_t* out, int64_t T, int64_t I, int nthreads) {
+static inline float silu_mul_one(float g, float u) { return g / (1.0f + std::exp(-g)) * u; }
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+static inline __m512 silu_load(const uint16_t* p) { return load16(p); }
+static inline __m512 silu_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline __m512 silu_round(__m512 v, const uint16_t*) { return round_bf16(v); }
+static inline __m512 silu_round(__m512 v, const float*) { return v; }
+static inline void silu_store(uint16_t* p, __m512 v) { _mm256_storeu_si256((__m256i*)p, narrow16(v)); }
+static inline void silu_store(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+#endif
+template <typename E>
+static void silu_mul_rows(const E* x, E* out, int64_t T, int64_t I, int nthreads) {
   #pragma omp parallel for schedule(static) num_threads(T * I >= 16384 ? nthreads : 1)
   for (int64_t t = 0; t < T; ++t) {
-    const uint16_t* g = x + t * 2 * I;
-    const uint16_t* u = g + I;
-    uint16_t* o = out + t * I;
+    const E* g = x + t * 2 * I;
+    const E* u = g + I;
+    E* o = out + t * I;
     int64_t i = 0;
 #if defined(__AVX512F__) && defined(__AVX512BW__)
     for (; i + 16 <= I; i += 16) {
-      const __m512 gv = load16(g + i);
+      const __m512 gv = silu_load(g + i);
       const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-      const __m512 sv = round_bf16(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)));
-      _mm256_storeu_si256((__m256i*)(o + i), narrow16(_mm512_mul_ps(sv, load16(u + i))));
+      const __m512 sv = silu_round(_mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e)), g);
+      silu_store(o + i, _mm512_mul_ps(sv, silu_load(u + i)));
     }
 #endif
-    for (; i < I; ++i) o[i] = silu_mul_one(widen(g[i]), widen(u[i]));
+    for (; i < I; ++i) o[i] = silu_mul_one(g[i], u[i]);
   }
+}
+extern "C" void roofline_silu_mul_bf16(const uint16_t* x, uint16_t* out, int64_t T, int64_t I, int nthreads) {
+  silu_mul_rows(x, out, T, I, nthreads);
+}
+extern "C" void roofline_silu_mul_f32(const float* x, float* out, int64_t T, int64_t I, int nthreads) {
+  silu_mul_rows(x, out, T, I, nthreads);
 }
 // fp32 rows (roofline.kernels.cpu_bf16.add_rmsnorm on fp32): r = x + res (written to res_out when res is given,
 // else r = x); y = w * (r * (1 / sqrt(mean(r^2) + eps))), HF LlamaRMSNorm's order in fp32, r^2 summed in 16 lanes
@@ -789,30 +807,6 @@ extern "C" void roofline_add_rmsnorm_f32(const float* x, const float* res, const
     for (int64_t h = 0; h < H; ++h) {
       const float n = r[h] * inv;
       out[t * H + h] = w[h] * n;
-    }
-  }
-}
-
-// fp32 SiLU-and-mul (roofline.kernels.cpu_bf16.silu_and_mul on fp32): x [T, 2I] -> out [T, I] = g / (1 + exp(-g))
-// * u, g the first half of a row, u the second; exp512 (Cephes, ~1 ulp) 16 lanes at a time, std::exp on the tail.
-extern "C" void roofline_silu_mul_f32(const float* x, float* out, int64_t T, int64_t I, int nthreads) {
-  #pragma omp parallel for schedule(static) num_threads(T * I >= 16384 ? nthreads : 1)
-  for (int64_t t = 0; t < T; ++t) {
-    const float* g = x + t * 2 * I;
-    const float* u = g + I;
-    float* o = out + t * I;
-    int64_t i = 0;
-#if defined(__AVX512F__) && defined(__AVX512BW__)
-    for (; i + 16 <= I; i += 16) {
-      const __m512 gv = _mm512_loadu_ps(g + i);
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), gv));
-      const __m512 sv = _mm512_div_ps(gv, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
-      _mm512_storeu_ps(o + i, _mm512_mul_ps(sv, _mm512_loadu_ps(u + i)));
-    }
-#endif
-    for (; i < I; ++i) {
-      const float sv = g[i] / (1.0f + std::exp(-g[i]));
-      o[i] = sv * u[i];
     }
   }
 }
