@@ -108,11 +108,10 @@ def verify(worker: Any, hidden: torch.Tensor, rows: np.ndarray, last_indices: np
                           batch.temperature[rows])
     matched = match_ids = None
     if keyed:  # seeded sampling rows: accept while each draft is the target's own keyed sample there
-        match_ids = target.argmax(dim=-1)
-        matched = torch.zeros(s, dtype=torch.bool, device=dev)
+        ids_h, rows_h = np.zeros((s, kmax + 1), dtype=np.int64), np.zeros(s, dtype=bool)
         for i, ids in keyed.items():
-            match_ids[i, :len(ids)] = torch.tensor(ids, device=dev)
-            matched[i] = True
+            ids_h[i, :len(ids)], rows_h[i] = ids, True
+        match_ids, matched = torch.from_numpy(ids_h).to(dev), torch.from_numpy(rows_h).to(dev)
     res = rejection_sample(target, torch.from_numpy(drafts).to(dev), torch.from_numpy(ks).to(dev), q,
                            temps < 1e-5, [None] * s, matched=matched, match_ids=match_ids)
     row_list = rows.tolist()

@@ -328,8 +328,10 @@ class Worker:
             pending.prompt_host = {name: self.to_host(t) for name, t in lps.items()}
         if len(sample_rows):
             logits = self.model.compute_logits(hidden[self.inputs.to_device("logits_indices", logits_indices)])
-            # The sampled token's sequence index: the row's computed tokens, this step's included (above).
-            md = self.prepare_sampling(sample_rows, positions=self.input_batch.num_computed_tokens[sample_rows])
+            # A seeded row's draw is keyed by the sampled token's sequence index: the row's computed tokens, this
+            # step's included (above). Without seeded requests nothing is keyed.
+            pos = self.input_batch.num_computed_tokens[sample_rows] if self.inputs.generators else None
+            md = self.prepare_sampling(sample_rows, positions=pos)
             pending.expect(sample_rows, self.sampler(logits, md))
         if self.device.type == "cuda":
             pending.event = torch.cuda.Event()
