@@ -196,8 +196,14 @@ class SpeculativeConfig:
         if isinstance(d, str):
             import json
 
+            def no_repeats(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+                seen = [k for i, (k, _) in enumerate(pairs) if k in dict(pairs[:i])]
+                if seen:  # json.loads would keep the last silently
+                    raise ValueError(f"speculative_config gives key {seen[0]!r} more than once: {given!r}")
+                return dict(pairs)
+
             try:
-                d = json.loads(d)
+                d = json.loads(d, object_pairs_hook=no_repeats)
             except json.JSONDecodeError as e:
                 raise ValueError(f"speculative_config is not valid JSON ({e.msg} at column {e.colno}): {d!r}") from e
         if not isinstance(d, dict):

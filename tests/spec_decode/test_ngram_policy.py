@@ -225,6 +225,7 @@ def test_stats_accounting():
     # A learned head's bad path is named before the missing key (it is the bigger mistake).
     ({"method": "eagle", "model": "/nonexistent/head"}, "model '/nonexistent/head' does not exist: give an eagle head"),
     ("{not json", "not valid JSON"),
+    ('{"method": "eagle", "num_speculative_tokens": 2, "method": "ngram"}', "gives key 'method' more than once"),
 ])
 def test_config_errors_name_the_value(cfg, match):
     with pytest.raises(ValueError, match=match):
