@@ -1,4 +1,5 @@
-"""Where the INT8 / FP8 weight-only swap-AB GEMM loses to bf16 at M = 128 / 256 (issue 28): the code conversion or
+"""Where the INT8 / FP8 weight-only swap-AB GEMM loses to bf16 at M = 128 / 256 (issue 28), and whether a cheaper
+conversion makes 16-row tensor-core tiles beat the FMA GEMV at M = 1 / 16: the code conversion or
 the register-A ``wgmma`` itself. One minimal swap-AB kernel (out^T = W @ x^T, the weight tile converted in registers
 as the MMA's A operand), timed per conversion:
 
@@ -34,6 +35,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MODES = {"i8_bf16": 0, "i8_bf16x4": 5, "i8_f16x4": 1, "f8_bf16": 2, "f8_f16": 3, "w16": 4}
 TILES = [(128, 64, 128, 4, 3), (128, 128, 64, 8, 3), (256, 64, 64, 8, 3), (64, 64, 128, 4, 4)]
+# M <= 16 (decode at batch 1-16): 16-row tiles, narrow N so that the small projections still fill the SMs
+TILES_SMALL = [(16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 4)]
 
 
 @triton.jit
@@ -115,7 +118,7 @@ def main() -> int:
 
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
-    ap.add_argument("--ms", default="128,256")
+    ap.add_argument("--ms", default="1,16,64,128,256")
     ap.add_argument("--reps", type=int, default=20)
     args = ap.parse_args()
     args.dry_run = False
@@ -139,7 +142,7 @@ def main() -> int:
                 x = xh if mode.endswith(("f16", "f16x4")) else xb
                 wt = {0: c8.q, 1: c8.q, 5: c8.q, 2: f8, 3: f8, 4: dense}[code]
                 s = c8.scales if code in (0, 1, 5) else ones
-                for bm, bn, bk, nw, ns in TILES:
+                for bm, bn, bk, nw, ns in TILES_SMALL if m <= 16 else TILES:
                     out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
 
                     def fn(x=x, wt=wt, s=s, out=out, code=code, bm=bm, bn=bn, bk=bk, nw=nw, ns=ns):
