@@ -33,48 +33,12 @@ import triton.language as tl
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from roofline.kernels.quant_gemm import _int8x4_to_16bit  # noqa: E402 - after the path set-up
+
 MODES = {"i8_bf16": 0, "i8_bf16x4": 5, "i8_f16x4": 1, "f8_bf16": 2, "f8_f16": 3, "w16": 4}
 TILES = [(128, 64, 128, 4, 3), (128, 128, 64, 8, 3), (256, 64, 64, 8, 3), (64, 64, 128, 4, 4)]
 # M <= 16 (decode at batch 1-16): 16-row tiles, narrow N so that the small projections still fill the SMs
 TILES_SMALL = [(16, 64, 128, 4, 4), (16, 32, 128, 4, 4), (16, 64, 256, 4, 3), (16, 128, 128, 4, 4)]
-
-
-@triton.jit
-def _i8_to_f16x4(w):
-    # four int8 codes in one register -> four fp16 (exact): bytes b ^ 0x80 = q + 128 under the 0x64 exponent byte
-    # are the halves 1024 + 128 + q; subtracting 1152 (0x6480) leaves q. (MARLIN's LOP3/PRMT magic, fp16 form.)
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t, m;
-        xor.b32 t, $2, 0x80808080;
-        mov.b32 m, 0x64806480;
-        prmt.b32 $0, t, 0x64646464, 0x4140;
-        prmt.b32 $1, t, 0x64646464, 0x4342;
-        sub.f16x2 $0, $0, m;
-        sub.f16x2 $1, $1, m;
-        }""",
-        constraints="=r,=r,r", args=[w], dtype=tl.float16, is_pure=True, pack=4)
-
-
-@triton.jit
-def _i8_to_bf16x4(w):
-    # four int8 codes b in one register -> four bf16 (exact): (128 + (b & 0x7F)) - (128 + (b & 0x80)) = q
-    return tl.inline_asm_elementwise(
-        asm="""{
-        .reg .b32 t, u, a, b, lo, hi, base;
-        mov.b32 lo, 0x007F007F;
-        mov.b32 hi, 0x00800080;
-        mov.b32 base, 0x43004300;
-        prmt.b32 t, $2, 0, 0x4140;
-        prmt.b32 u, $2, 0, 0x4342;
-        lop3.b32 a, t, lo, base, 0xEA;
-        lop3.b32 b, t, hi, base, 0xEA;
-        sub.rn.bf16x2 $0, a, b;
-        lop3.b32 a, u, lo, base, 0xEA;
-        lop3.b32 b, u, hi, base, 0xEA;
-        sub.rn.bf16x2 $1, a, b;
-        }""",
-        constraints="=r,=r,r", args=[w], dtype=tl.bfloat16, is_pure=True, pack=4)
 
 
 @triton.jit
@@ -95,9 +59,9 @@ def _swap_kernel(X, W, S, Out, M, N, K, MODE: tl.constexpr, BLOCK_M: tl.constexp
             w = tl.load(wp)
             wf = ((w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0).to(x.dtype)
         elif MODE == 1:
-            wf = _i8_to_f16x4(tl.load(wp))
+            wf = _int8x4_to_16bit(tl.load(wp), tl.float16)
         elif MODE == 5:
-            wf = _i8_to_bf16x4(tl.load(wp))
+            wf = _int8x4_to_16bit(tl.load(wp), tl.bfloat16)
         elif MODE == 2 or MODE == 3:
             wf = tl.load(wp.to(tl.pointer_type(tl.uint8))).to(tl.float8e4nv, bitcast=True).to(x.dtype)
         else:

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 
@@ -106,6 +107,53 @@ def ref_dense_gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 if triton is not None:
     from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+    @triton.jit
+    def _int8x4_to_16bit(w, DTYPE: tl.constexpr):
+        # int8 codes -> bf16 / fp16, exact, four a register in PTX (sm_90: sub.bf16x2), where the magic-float path
+        # costs a sign extension, an add, a subtract and a cvt per code. bf16: two prmt put the bytes b under zero
+        # high bytes; per pair A = 0x4300 | (b & 0x7F) = 128 + low 7 bits and B = 0x4300 | (b & 0x80) = 128, or
+        # 256 where the sign bit is set (one lop3 each); A - B = q. fp16: the bytes b ^ 0x80 = q + 128 under the
+        # exponent byte 0x64 are 1024 + 128 + q; minus 1152 (0x6480) is q. (MARLIN's LOP3/PRMT magic numbers,
+        # Frantar et al. 2024, in 8-bit form.)
+        if DTYPE == tl.bfloat16:
+            return tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 t, u, a, b, lo, hi, base;
+                mov.b32 lo, 0x007F007F;
+                mov.b32 hi, 0x00800080;
+                mov.b32 base, 0x43004300;
+                prmt.b32 t, $2, 0, 0x4140;
+                prmt.b32 u, $2, 0, 0x4342;
+                lop3.b32 a, t, lo, base, 0xEA;
+                lop3.b32 b, t, hi, base, 0xEA;
+                sub.rn.bf16x2 $0, a, b;
+                lop3.b32 a, u, lo, base, 0xEA;
+                lop3.b32 b, u, hi, base, 0xEA;
+                sub.rn.bf16x2 $1, a, b;
+                }""",
+                constraints="=r,=r,r", args=[w], dtype=tl.bfloat16, is_pure=True, pack=4)
+        else:
+            return tl.inline_asm_elementwise(
+                asm="""{
+                .reg .b32 t, m;
+                xor.b32 t, $2, 0x80808080;
+                mov.b32 m, 0x64806480;
+                prmt.b32 $0, t, 0x64646464, 0x4140;
+                prmt.b32 $1, t, 0x64646464, 0x4342;
+                sub.f16x2 $0, $0, m;
+                sub.f16x2 $1, $1, m;
+                }""",
+                constraints="=r,=r,r", args=[w], dtype=tl.float16, is_pure=True, pack=4)
+
+    @triton.jit
+    def _int8_to(w, DTYPE: tl.constexpr, PTX_CVT: tl.constexpr):
+        # int8 codes -> DTYPE, exact: in PTX four at a time (PTX_CVT, 16-bit DTYPE on sm_90), else 0x4B000080 + q
+        # read as a float is 2^23 + 128 + q (q in [-128, 127]), no I2F.
+        if PTX_CVT:
+            return _int8x4_to_16bit(w, DTYPE)
+        else:
+            return ((w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0).to(DTYPE)
+
     # M and the split length are not specialized (no recompile per batch size inside one M bucket).
     @triton.jit(do_not_specialize=["M", "k_tiles_per_split"])
     def _qgemm_kernel(
@@ -115,7 +163,7 @@ if triton is not None:
         FMT: tl.constexpr, GROUP: tl.constexpr, SCALES: tl.constexpr, UNPACK: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
         SPLIT_K: tl.constexpr, EVEN_K: tl.constexpr, DOT_PRECISION: tl.constexpr, PDL: tl.constexpr = 0,
-        SWAP_AB: tl.constexpr = 0,
+        SWAP_AB: tl.constexpr = 0, PTX_CVT: tl.constexpr = 0,
     ):
         # PDL (sm_90): wait for the previous kernel before the first activation load (the launch, the grid's
         # set-up and its residency overlap that kernel's tail), release the next one after the K loop.
@@ -211,7 +259,7 @@ if triton is not None:
                 if FMT == 5:
                     wf = w.to(tl.float8e4nv, bitcast=True).to(x.dtype)
                 else:
-                    wf = ((w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0).to(x.dtype)
+                    wf = _int8_to(w, x.dtype, PTX_CVT)
                 acc = tl.dot(wf, tl.trans(x), acc, input_precision=DOT_PRECISION)
             else:
                 # [N, K] weights (dense, int8, fp8 codes read as bytes): the [BLOCK_K, BLOCK_N] tile of W^T.
@@ -228,9 +276,7 @@ if triton is not None:
                     # bf16/fp16), the channel scale in the epilogue.
                     acc = tl.dot(x, w.to(tl.float8e4nv, bitcast=True).to(x.dtype), acc, input_precision=DOT_PRECISION)
                 elif FMT == 2:
-                    # int8 -> float: 0x4B000080 + q is the float 2^23 + 128 + q (q in [-128, 127]).
-                    wf = (w.to(tl.int32) + 0x4B000080).to(tl.float32, bitcast=True) - 8388736.0
-                    acc = tl.dot(x, wf.to(x.dtype), acc, input_precision=DOT_PRECISION)
+                    acc = tl.dot(x, _int8_to(w, x.dtype, PTX_CVT), acc, input_precision=DOT_PRECISION)
                 else:
                     acc = tl.dot(x, w, acc, out_dtype=tl.int32)
 
@@ -298,6 +344,20 @@ def choose_split_k(tiles_mn: int, k_tiles: int, num_sms: int, programs_per_sm: i
     return 1 << (max(1, cap).bit_length() - 1)
 
 
+def _ptx_cvt(x: torch.Tensor) -> bool:
+    """Whether the INT8 codes convert in inline PTX (:func:`_int8x4_to_16bit`): 16-bit x on an sm_90+ GPU, not
+    under ``TRITON_INTERPRET`` (which runs no PTX); ``ROOFLINE_INT8_PTX_CVT=0`` turns it off (read at import)."""
+    return _PTX_CVT_ON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _sm90(x.device.index)
+
+
+_PTX_CVT_ON = os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("ROOFLINE_INT8_PTX_CVT", "1") != "0"
+
+
+@functools.cache
+def _sm90(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index) >= (9, 0)
+
+
 def _dot_precision(dtype: torch.dtype) -> str:
     return "ieee" if dtype == torch.float32 else "tf32"  # tf32 is ignored for 16-bit operands
 
@@ -363,6 +423,7 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
         FMT=fmt, GROUP=group, SCALES=scales_mode, UNPACK=cfg.unpack,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, GROUP_M=8,
         SPLIT_K=split, EVEN_K=k % block_k == 0, DOT_PRECISION=_dot_precision(x.dtype), SWAP_AB=int(cfg.swap_ab),
+        PTX_CVT=int(fmt == FMT_INT8 and _ptx_cvt(x)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     return out
