@@ -106,9 +106,10 @@ class SpeculativeConfig:
                     raise ValueError(f"speculative_config {name} must be an integer >= 1, got {_shown(v)}")
             if lo > hi:
                 raise ValueError(f"speculative_config prompt_lookup_min ({lo}) must be <= prompt_lookup_max ({hi})")
-            for name in ("model", "quantization", "num_layers"):
+            for name, methods in (("model", "'draft_model', 'eagle' and 'medusa'"), ("quantization", "'draft_model'"),
+                                  ("num_layers", "'draft_model'")):
                 if getattr(self, name) is not None:
-                    raise ValueError(f"speculative_config {name} applies to method 'draft_model', not 'ngram'")
+                    raise ValueError(f"speculative_config {name} applies to method {methods}, not 'ngram'")
             return
         if self.method in LEARNED_HEAD_METHODS:
             for name in ("prompt_lookup_min", "prompt_lookup_max", "quantization", "num_layers"):
@@ -234,7 +235,7 @@ _NEEDS_K = ("speculative_config needs 'num_speculative_tokens' (gamma_max, the m
 def _check_method(method: Any) -> None:
     from roofline.spec_decode.proposer import PROPOSERS  # the registry of methods (one entry per proposer)
 
-    if method not in PROPOSERS:
+    if not isinstance(method, str) or method not in PROPOSERS:  # an object or array is unhashable: say so too
         raise ValueError(f"speculative_config method must be one of {', '.join(PROPOSERS)}, got {method!r}")
 
 

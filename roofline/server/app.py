@@ -239,7 +239,8 @@ def build_app(
     async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         detail = str(exc.detail)
         if exc.status_code == 400 and detail == "There was an error parsing the body":
-            detail = "the request body could not be read as JSON (is it UTF-8 text?)"
+            detail = ("the request body could not be read as JSON (it must be UTF-8 text, nested no deeper than "
+                      "Python's JSON parser allows, about 1,000 levels)")
         return error_json(exc.status_code, detail, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(EngineDeadError)

@@ -259,6 +259,9 @@ class OpenAIServing:
 
         watcher = asyncio.ensure_future(_wait_disconnect(raw))
         runner = asyncio.ensure_future(asyncio.gather(*(drain(i) for i in range(len(streams)))))
+        # After a disconnect the gather may end with its children's CancelledError as its exception; retrieving
+        # it here keeps asyncio from logging "exception was never retrieved" at ERROR for a normal event.
+        runner.add_done_callback(lambda f: f.cancelled() or f.exception())
         try:
             await asyncio.wait({watcher, runner}, return_when=asyncio.FIRST_COMPLETED)
             if runner.done():

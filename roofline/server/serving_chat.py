@@ -106,6 +106,9 @@ async def create_chat_completion(serving: OpenAIServing, req: P.ChatCompletionRe
     if req.logprobs:
         logprobs = req.top_logprobs or 0
     ids = _render_chat(serving, req)
+    if req.max_completion_tokens is not None and req.max_tokens is not None and req.max_tokens < 1:
+        # max_completion_tokens wins, but a negative max_tokens beside it is still a mistake to name
+        raise bad_request(f"max_tokens must be >= 1, got {req.max_tokens}", param="max_tokens")
     requested = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
     max_tokens = serving.check_context(len(ids), requested, "messages", param)

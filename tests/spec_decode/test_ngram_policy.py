@@ -215,12 +215,16 @@ def test_stats_accounting():
     ({"method": "ngram", "num_speculative_tokens": 2, "prompt_lookup_min": 4, "prompt_lookup_max": 2},
      r"prompt_lookup_min \(4\) must be <= prompt_lookup_max \(2\)"),
     ({"method": "ngram", "num_speculative_tokens": 2, "num_layers": 3}, "num_layers applies to method 'draft_model'"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "model": "/x"},
+     "model applies to method 'draft_model', 'eagle' and 'medusa', not 'ngram'"),
     ({"method": "draft_model", "num_speculative_tokens": 2}, "or \"num_layers\" \\(a layer-truncated self\\)"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": ""}, "model must be a draft checkpoint path .*got ''"),
     ({"method": "draft_model", "num_speculative_tokens": 2, "model": "/x", "num_layers": 3}, "does not combine with"),
     ({"method": "ngram", "num_speculative_tokens": 2, "gamma": 3}, "unknown key.*'gamma'; allowed: method"),
     ({"num_speculative_tokens": 2}, "needs 'method'"),
-    ({"method": "nope"}, "method must be one of .*got 'nope'"),  # the bad method first, then the missing key
+    ({"method": "nope"}, "method must be one of .*got 'nope'"),
+    ({"method": {"x": 1}, "num_speculative_tokens": 2}, r"method must be one of .*got \{'x': 1\}"),
+    ({"method": ["ngram"], "num_speculative_tokens": 2}, r"method must be one of .*got \['ngram'\]"),  # the bad method first, then the missing key
     ({"method": "ngram"}, r"needs 'num_speculative_tokens' \(gamma_max, .* an integer in \[1, 16\]"),
     # A learned head's bad path is named before the missing key (it is the bigger mistake).
     ({"method": "eagle", "model": "/nonexistent/head"}, "model '/nonexistent/head' does not exist: give an eagle head"),
