@@ -88,6 +88,8 @@ class SpeculativeConfig:
         if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_SPECULATIVE_TOKENS):
             raise ValueError(f"speculative_config num_speculative_tokens must be an integer in "
                              f"[1, {MAX_SPECULATIVE_TOKENS}], got {_shown(k)}")
+        if self.adaptive is None:  # JSON null = the default, as for the other optional keys
+            object.__setattr__(self, "adaptive", True)
         if not isinstance(self.adaptive, bool):
             raise ValueError(f"speculative_config adaptive must be true or false, got {_shown(self.adaptive)}")
         if self.method not in LEARNED_HEAD_METHODS:
@@ -142,8 +144,8 @@ class SpeculativeConfig:
                              "\"quantization\" (a quantized self, e.g. \"int4\") or \"num_layers\" (a "
                              "layer-truncated self); the target's own full weights would only repeat it")
         if isinstance(self.num_layers, bool) or not isinstance(self.num_layers, int) or self.num_layers < 1:
-            raise ValueError(f"speculative_config num_layers must be an integer >= 1, "
-                             f"got {_shown(self.num_layers)}")
+            raise ValueError(f"speculative_config num_layers must be an integer in [1, the target's layers - 1] "
+                             f"(checked against the model when it loads), got {_shown(self.num_layers)}")
 
     def _check_tree(self) -> None:
         topk, budget = self.tree_topk, self.tree_budget

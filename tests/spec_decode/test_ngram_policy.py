@@ -229,6 +229,9 @@ def test_stats_accounting():
     # A learned head's bad path is named before the missing key (it is the bigger mistake).
     ({"method": "eagle", "model": "/nonexistent/head"}, "model '/nonexistent/head' does not exist: give an eagle head"),
     ("{not json", "not valid JSON"),
+    ({"method": "ngram", "num_speculative_tokens": 2, "adaptive": "yes"}, "adaptive must be true or false, got 'yes'"),
+    ({"method": "draft_model", "num_speculative_tokens": 2, "num_layers": 0},
+     r"num_layers must be an integer in \[1, the target's layers - 1\] .*got 0"),
     ('{"method": "eagle", "num_speculative_tokens": 2, "method": "ngram"}', "gives key 'method' more than once"),
 ])
 def test_config_errors_name_the_value(cfg, match):
@@ -459,3 +462,10 @@ def test_a_verify_step_is_a_decode_step_of_the_run_summary():
     assert (st.num_steps, st.num_decode_steps) == (3, 2)
     assert st.decode_time_s == pytest.approx(0.04) and st.decode_seqs == 4
     assert st.decode_kv_tokens == (11 + 21) + (15 + 22)
+
+
+def test_config_null_means_the_default():
+    # JSON null for an optional key is its default, as vLLM reads it: adaptive as well as the n-gram window
+    cfg = SpeculativeConfig.from_dict('{"method": "ngram", "num_speculative_tokens": 2, "adaptive": null, '
+                                      '"prompt_lookup_min": null}')
+    assert cfg.adaptive is True and cfg.prompt_lookup_min == 2 and cfg.prompt_lookup_max == 5
