@@ -14,7 +14,8 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/
 timeout ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_quant_gemm.py \
   -k "w8a16 or int8 or swap" > "$OUT/tests.log" 2>&1
 echo "tests rc $?: $(tail -1 "$OUT/tests.log")" | tee -a "$OUT/log"
-timeout ${PROBE_S:-200} python3 bench/gpu_w8_convert_probe.py --out "$OUT/convert.json" > "$OUT/convert.log" 2>&1
+timeout ${PROBE_S:-200} python3 bench/gpu_w8_convert_probe.py --out "$OUT/convert.json" --ms ${PROBE_MS:-1,16,64,128,256} \
+  --modes ${PROBE_MODES:-i8_bf16,i8_bf16x4,i8_f16x4,f8_bf16,f8_f16,w16} > "$OUT/convert.log" 2>&1
 echo "convert probe rc $?" | tee -a "$OUT/log"; grep -vi warning "$OUT/convert.log" | tee -a "$OUT/log"
 for side in before after; do
   flag=1; [ $side = before ] && flag=0

@@ -84,6 +84,7 @@ def main() -> int:
     ap.add_argument("--out", required=True)
     ap.add_argument("--ms", default="1,16,64,128,256")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma list of {', '.join(MODES)}")
     args = ap.parse_args()
     args.dry_run = False
     sw = Sweep(args)
@@ -102,7 +103,7 @@ def main() -> int:
             cands = [("bf16", None, lambda: F.linear(xb, dense), "w16"),
                      ("table", None, lambda: qg.w8a16_gemm(xb, c8.q, c8.scales,
                                                           config=kernel_config("int8", m, n, k, dev)), "i8")]
-            for mode, code in MODES.items():
+            for mode, code in [(md, MODES[md]) for md in args.modes.split(",")]:
                 x = xh if mode.endswith(("f16", "f16x4")) else xb
                 wt = {0: c8.q, 1: c8.q, 5: c8.q, 2: f8, 3: f8, 4: dense}[code]
                 s = c8.scales if code in (0, 1, 5) else ones
