@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Issue 28, one device call: INT8 W8A16 with the codes converted in inline PTX (quant_gemm._int8x4_to_16bit)
-# against the magic-float conversion, on whichever card comes. Most informative first (a call may be cut short):
+# (off by default: ROOFLINE_INT8_PTX_CVT=1) against the magic-float conversion, on whichever card comes. Most informative first (a call may be cut short):
 #   1. the int8 GPU tests (the PTX conversion on: bf16 / fp16, extreme codes);
 #   2. bench decode (bf16, int8; batch 1-256), committed table, ROOFLINE_INT8_PTX_CVT=0 (before) and on (after);
 #   3. bench/gpu_w8_convert_probe.py: one swap-AB kernel per conversion (M 1-256), cuBLAS and the table's kernel;

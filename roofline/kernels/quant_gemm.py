@@ -346,11 +346,13 @@ def choose_split_k(tiles_mn: int, k_tiles: int, num_sms: int, programs_per_sm: i
 
 def _ptx_cvt(x: torch.Tensor) -> bool:
     """Whether the INT8 codes convert in inline PTX (:func:`_int8x4_to_16bit`): 16-bit x on an sm_90+ GPU, not
-    under ``TRITON_INTERPRET`` (which runs no PTX); ``ROOFLINE_INT8_PTX_CVT=0`` turns it off (read at import)."""
+    under ``TRITON_INTERPRET`` (which runs no PTX), and only with ``ROOFLINE_INT8_PTX_CVT=1`` (read at import): off by
+    default until it has run on a GPU (written 2026-12-06, when no device could be had; ``bench/gpu_int8_cvt.sh``
+    tests and times it)."""
     return _PTX_CVT_ON and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16) and _sm90(x.device.index)
 
 
-_PTX_CVT_ON = os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("ROOFLINE_INT8_PTX_CVT", "1") != "0"
+_PTX_CVT_ON = os.environ.get("TRITON_INTERPRET") != "1" and os.environ.get("ROOFLINE_INT8_PTX_CVT", "0") == "1"
 
 
 @functools.cache

@@ -13,7 +13,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import DEVICE, DTYPES, TOL, rel_err  # noqa: E402
+from kernel_cases import DEVICE, DTYPES, TOL, gpu_only, rel_err  # noqa: E402
 
 from roofline.kernels import quant_gemm as qg  # noqa: E402
 from roofline.kernels.quant_gemm import GemmConfig  # noqa: E402
@@ -167,10 +167,12 @@ def test_split_k_is_deterministic_and_rearms_counters():
 W8_SHAPES = [(1, 64, 256), (7, 70, 200), (33, 40, 128)]  # K = 200: a K tail in every config
 
 
+@pytest.mark.parametrize("ptx", [False, pytest.param(True, marks=gpu_only, id="ptx")])
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("m,n,k", W8_SHAPES)
 @pytest.mark.parametrize("cfg", ["default", "split3", "tiled", "swap", "swap_split"])
-def test_w8a16_matches_f64(m, n, k, cfg, dtype):
+def test_w8a16_matches_f64(m, n, k, cfg, dtype, ptx, monkeypatch):
+    monkeypatch.setattr(qg, "_PTX_CVT_ON", ptx)  # the inline-PTX code conversion (16-bit x on sm_90) or not
     cw = quantize_int8_per_channel(torch.randn(n, k, generator=torch.Generator().manual_seed(n)))
     p = _to(qg.prepare_int8(cw), DEVICE)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEVICE)
@@ -181,11 +183,13 @@ def test_w8a16_matches_f64(m, n, k, cfg, dtype):
     assert rel_err(out, qg.ref_w8a16_gemm(x, p.q, p.scales)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("ptx", [False, pytest.param(True, marks=gpu_only, id="ptx")])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_w8a16_extreme_codes(dtype):
-    # -128 and 127 through each conversion (the 0x4B000080 float; on an sm_90 GPU in 16 bits the PTX one, which
-    # splits the sign bit from the low 7 bits): canonical codes stop at -127, the kernel takes any int8. Every
-    # q * s here is exact in bf16.
+def test_w8a16_extreme_codes(dtype, ptx, monkeypatch):
+    # -128 and 127 through each conversion (the 0x4B000080 float; with ``ptx``, on an sm_90 GPU in 16 bits, the
+    # inline-PTX one, which splits the sign bit from the low 7 bits): canonical codes stop at -127, the kernel
+    # takes any int8. Every q * s here is exact in bf16.
+    monkeypatch.setattr(qg, "_PTX_CVT_ON", ptx)
     q = torch.tensor([[-128, 127, -1, 0] * 8, [1, -127, 5, -5] * 8] * 8, dtype=torch.int8)
     s = torch.tensor([0.5, 2.0] * 8)
     x = torch.eye(32)[:3].to(dtype)
