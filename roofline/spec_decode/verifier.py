@@ -113,7 +113,7 @@ def verify(worker: Any, hidden: torch.Tensor, rows: np.ndarray, last_indices: np
             ids_h[i, :len(ids)], rows_h[i] = ids, True
         match_ids, matched = torch.from_numpy(ids_h).to(dev), torch.from_numpy(rows_h).to(dev)
     res = rejection_sample(target, torch.from_numpy(drafts).to(dev), torch.from_numpy(ks).to(dev), q,
-                           temps < 1e-5, [None] * s, matched=matched, match_ids=match_ids)
+                           temps < 1e-5, matched=matched, match_ids=match_ids)
     row_list = rows.tolist()
     host = {"token_ids": worker.to_host(res.token_ids), "num_accepted": worker.to_host(res.num_accepted)}
     spec_counts: list[int] = []
@@ -210,10 +210,10 @@ def verify_tree(worker: Any, hidden: torch.Tensor, rows: np.ndarray, last_indice
                           [int(f) + np.arange(int(c)) for f, c in zip(first, counts, strict=True)], probs,
                           temps) if sampling else {}
     results = []
+    child_off = (np.cumsum(sizes) - sizes).tolist()  # each row's first node in child_p
     for i, r in enumerate(row_list):
-        g, base = gens[i], int(first[i])
+        g, base, off = gens[i], int(first[i]), child_off[i]
         if i in keyed:
-            off = int(np.sum(sizes[:i]))
             results.append(walk(trees[r], child_p[off:off + sizes[i]], np.array(keyed[i]), True, None, None))
             continue
 
@@ -223,7 +223,6 @@ def verify_tree(worker: Any, hidden: torch.Tensor, rows: np.ndarray, last_indice
         def final_sample(node: int, rejected: list[int], g=g, base=base) -> int:
             return residual_sample(probs[base + 1 + node], rejected, g)
 
-        off = int(np.sum(sizes[:i]))
         results.append(walk(trees[r], child_p[off:off + sizes[i]], argmax[base:base + counts[i]],
                             bool(temps[i] < 1e-5), uniform, final_sample))
     depth = max(len(w.path) for w in results)
