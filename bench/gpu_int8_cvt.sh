@@ -14,6 +14,10 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee -a "$OUT/
 timeout ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_quant_gemm.py \
   -k "w8a16 or int8 or swap" > "$OUT/tests.log" 2>&1
 echo "tests rc $?: $(tail -1 "$OUT/tests.log")" | tee -a "$OUT/log"
+# issue 30: a fused EAGLE head's residual streams out of the target's CUDA graphs (tests/spec_decode)
+timeout ${FUSED_S:-150} python3 -m pytest -q -p no:cacheprovider tests/spec_decode/test_draft_graphs_gpu.py -k fused \
+  > "$OUT/fused.log" 2>&1
+echo "fused eagle test rc $?: $(tail -1 "$OUT/fused.log")" | tee -a "$OUT/log"
 for side in before after; do
   flag=1; [ $side = before ] && flag=0
   ROOFLINE_INT8_PTX_CVT=$flag timeout ${DECODE_S:-120} python3 -m roofline.cli bench decode --model llama-3-8b \

@@ -1059,7 +1059,9 @@ static bool plan_linear_ok(const RooflineLinear& l, int64_t M) {
 // ...] (int32). Every row's k/v is stored before any row attends, so rows of one sequence with consecutive slots
 // and lengths are a causal extend (a chain verify pass). tree_lo / tree_bits (null, or [M]): row r sees key t >=
 // tree_lo[r] only where bit t - tree_lo[r] of tree_bits[r] is set (a token tree's ancestor mask; all ones: plain
-// causal), with seq_lens[r] - tree_lo[r] in [1, 64] and key 0 seen (tree_lo[r] >= 1 or bit 0 set). Returns 0,
+// causal), with seq_lens[r] - tree_lo[r] in [1, 64] and key 0 seen (tree_lo[r] >= 1 or bit 0 set). aux_out (null,
+// or [M, aux_stride] of A): where aux_slot[i] >= 0 (aux_slot [L]), the residual stream entering layer i goes to
+// columns [aux_slot[i] * hidden, + hidden) of each row (LlamaModel.set_aux_layers). Returns 0,
 // having written nothing, where a check fails (the caller runs the modules then).
 static void plan_norm(const uint16_t* x, const uint16_t* res, const void* w, uint16_t* out, uint16_t* res_out,
                       int64_t T, int64_t H, float eps, int nthreads) {
@@ -1085,7 +1087,8 @@ static int decode_step(const RooflineLayer* layers, int64_t L, const void* final
                        int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t bs, int cache_bf16,
                        float scale, const int64_t* pos, const int64_t* slot, const int32_t* table,
                        int64_t table_stride, const int64_t* seq_lens, const float* cs, int64_t max_pos,
-                       int64_t num_slots, int nthreads, const int64_t* tree_lo, const uint64_t* tree_bits) {
+                       int64_t num_slots, int nthreads, const int64_t* tree_lo, const uint64_t* tree_bits,
+                       void* aux_out, const int64_t* aux_slot, int64_t aux_stride) {
   constexpr bool kBf16 = sizeof(A) == 2;
   if (M < 1 || (H / Hkv) > 16 || D > 256 || H > 256 || H * D > 16384 || bs > 64 || D % 2) return 0;
   if (!kBf16 && cache_bf16) return 0;  // roofline_rope_store: an fp32 model writes an fp32 cache
@@ -1123,6 +1126,9 @@ static int decode_step(const RooflineLayer* layers, int64_t L, const void* final
       plan_norm(x, res.data(), ly.norm1, h.data(), res2.data(), M, hidden, ly.eps1, nthreads);
       std::swap(res, res2);
     }
+    if (aux_out && aux_slot[i] >= 0)  // the residual stream entering layer i (LlamaModel.set_aux_layers)
+      for (int64_t r = 0; r < M; ++r)
+        std::memcpy((A*)aux_out + r * aux_stride + aux_slot[i] * hidden, res.data() + r * hidden, hidden * sizeof(A));
     plan_linear(ly.qkv, h.data(), qkv.data(), M, nthreads);
     const A* q = qkv.data();
     roofline_rope_store(q, q + H * D, q + (H + Hkv) * D, qkv_n, qkv_n, qkv_n, pos, cs, slot, ly.k_cache, ly.v_cache,
@@ -1154,9 +1160,10 @@ static int decode_step(const RooflineLayer* layers, int64_t L, const void* final
 #define ROOFLINE_STEP_REST int64_t M, int64_t hidden, int64_t H, int64_t Hkv, int64_t D, int64_t bs, int cache_bf16, \
     float scale, const int64_t* pos, const int64_t* slot, const int32_t* table, int64_t table_stride, \
     const int64_t* seq_lens, const float* cs, int64_t max_pos, int64_t num_slots, int nthreads, \
-    const int64_t* tree_lo, const uint64_t* tree_bits
+    const int64_t* tree_lo, const uint64_t* tree_bits, void* aux_out, const int64_t* aux_slot, int64_t aux_stride
 #define ROOFLINE_STEP_CALL(X) decode_step(layers, L, final_norm, final_eps, X, M, hidden, H, Hkv, D, bs, cache_bf16, \
-    scale, pos, slot, table, table_stride, seq_lens, cs, max_pos, num_slots, nthreads, tree_lo, tree_bits)
+    scale, pos, slot, table, table_stride, seq_lens, cs, max_pos, num_slots, nthreads, tree_lo, tree_bits, aux_out, \
+    aux_slot, aux_stride)
 extern "C" int roofline_decode_step(ROOFLINE_STEP_ARGS, uint16_t* x, ROOFLINE_STEP_REST) {
   return ROOFLINE_STEP_CALL(x);
 }
@@ -1247,7 +1254,7 @@ def _load(so: Path) -> ctypes.CDLL:
                                        ctypes.c_int]
     lib.roofline_gemv_w8a8.restype = ctypes.c_int
     lib.roofline_decode_step.argtypes = [ptr, i64, ptr, ctypes.c_float, ptr] + [i64] * 6 + [ctypes.c_int, ctypes.c_float] \
-        + [ptr] * 3 + [i64, ptr, ptr, i64, i64, ctypes.c_int, ptr, ptr]
+        + [ptr] * 3 + [i64, ptr, ptr, i64, i64, ctypes.c_int, ptr, ptr, ptr, ptr, i64]
     lib.roofline_decode_step.restype = ctypes.c_int
     lib.roofline_decode_step_f32.argtypes = lib.roofline_decode_step.argtypes
     lib.roofline_decode_step_f32.restype = ctypes.c_int

@@ -170,6 +170,19 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         ])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
+        self.aux_slot: dict[int, int] = {}  # decoder layer -> its slot in aux_out (set_aux_layers)
+        self.aux_out: torch.Tensor | None = None
+
+    def set_aux_layers(self, layers: tuple[int, ...] | list[int], max_tokens: int) -> None:
+        """Keep the residual stream entering each of ``layers`` (decoder layer indices) at every forward: written
+        into the static ``aux_out`` [max_tokens, len(layers) H] (model dtype; rows [0, T) of a T-token forward,
+        layer ``layers[j]`` in columns [j H, (j + 1) H)), which a CUDA graph's replay rewrites in place. The
+        features EAGLE-3's fusion reads (``roofline.spec_decode.heads.fuse_features``). A forward of more than
+        ``max_tokens`` tokens writes none. The first pipeline stage
+        only (it holds the embedding, whose dtype the buffer takes)."""
+        w = self.embed_tokens.weight
+        self.aux_slot = {int(i): j for j, i in enumerate(layers)}
+        self.aux_out = torch.zeros(max_tokens, len(layers) * w.shape[1], dtype=w.dtype, device=w.device)
 
     def forward(
         self, input_ids: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata,
@@ -186,7 +199,12 @@ class LlamaModel(nn.Module):
         else:
             x, residual = intermediate
         end = self.end_layer if num_layers is None else self.start_layer + num_layers
-        for layer in self.layers[self.start_layer:end]:
+        aux = self.aux_out if self.aux_slot and num_layers is None and positions.shape[0] <= len(self.aux_out) \
+            else None
+        for i, layer in enumerate(self.layers[self.start_layer:end], self.start_layer):
+            if aux is not None and (j := self.aux_slot.get(i)) is not None:
+                h = aux.shape[1] // len(self.aux_slot)
+                aux[:x.shape[0], j * h:(j + 1) * h] = x if residual is None else x + residual
             x, residual = layer(positions, x, residual, meta)
         if not self.is_last_stage:
             return x, residual

@@ -17,6 +17,11 @@ separate draft model's does, ``roofline.spec_decode.draft_model``), so it costs 
 target's KV per token. A prefix-cache hit reuses the draft KV of the cached blocks, which the sequence that
 wrote them filled from the same tokens.
 
+A head with ``aux_layers`` (``heads.fuse_features``) reads EAGLE-3's fused features instead of f_p: the target keeps
+the residual streams entering those layers at every forward (``LlamaModel.set_aux_layers``: the modules, the CUDA
+graphs and the CPU decode plan write them into one static buffer) and ``observe`` stores f_p + W [rms(a_1) | ...].
+Later passes read the head's own predicted features, as without.
+
 With ``tree_topk`` the proposer drafts EAGLE-2's dynamic tree (``propose_draft_token_ids``,
 ``roofline.spec_decode.tree``) instead of a chain.
 
@@ -42,7 +47,7 @@ from roofline.kernels.cpu_f32 import cpu_linear, layer_linear
 from roofline.models.loader import process_weights_after_loading
 from roofline.spec_decode.draft_proposers import AutoregressiveProposer
 from roofline.spec_decode.feature_store import FeatureStore
-from roofline.spec_decode.heads import check_head, load_head
+from roofline.spec_decode.heads import check_head, fuse_features, load_head
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +121,20 @@ class EagleProposer(AutoregressiveProposer):
         self.fc.load_state_dict({"weight": t["fc.weight"], "bias": t["fc.bias"]})
         self.fc = self.fc.to(device=dev, dtype=dtype).eval()
         pack_layer(self.fc)
+        # EAGLE-3's fused features: the target keeps the residual streams entering cfg.aux_layers at every
+        # forward (LlamaModel.set_aux_layers), and observe() fuses them into the features the store keeps.
+        self.fuse_w: torch.Tensor | None = None
+        if cfg.aux_layers:
+            if "fuse.weight" not in t or tuple(t["fuse.weight"].shape) != (mc.hidden_size,
+                                                                            len(cfg.aux_layers) * mc.hidden_size):
+                raise ValueError(f"speculative_config model {self.path!r}: aux_layers {cfg.aux_layers} needs a "
+                                 f"fuse.weight of shape [{mc.hidden_size}, {len(cfg.aux_layers) * mc.hidden_size}]")
+            self.fuse_w = t["fuse.weight"].to(device=dev, dtype=dtype)
+            sc, spec = worker.config.scheduler_config, self.spec_config
+            per_request = 1 + max(spec.num_speculative_tokens or 0, getattr(spec, "tree_budget", None) or 0)
+            worker.model.model.set_aux_layers(cfg.aux_layers, max(sc.max_num_batched_tokens, 512,
+                                                                  sc.max_num_seqs * per_request))
+        self.eps = cfg.rms_norm_eps
         self.embed = worker.model.model.embed_tokens
         # A truncated draft vocabulary: the LM head's rows of ``token_map`` (logits elsewhere -inf, so the draft
         # proposes only mapped tokens and its q is 0 outside them: rejection sampling stays exact).
@@ -130,7 +149,8 @@ class EagleProposer(AutoregressiveProposer):
         self.lm_sub_packed = prepack(self.lm_sub) if self.lm_sub is not None and should_prepack(self.lm_sub) else None
         self.kv_dtype = worker.kv_dtype
         self.kv_bytes_per_token = kv_bytes_per_token(1, mc.num_key_value_heads, mc.head_dim, worker.kv_dtype)
-        self.weight_bytes = sum(p.numel() * p.element_size() for m in (self.layer, self.fc) for p in m.parameters())
+        self.weight_bytes = sum(p.numel() * p.element_size() for m in (self.layer, self.fc) for p in m.parameters()) + (
+            0 if self.fuse_w is None else self.fuse_w.numel() * self.fuse_w.element_size())
         rows = worker.config.scheduler_config.max_num_seqs
         self.tree_topk = check_tree_backend(self.spec_config, worker)
         if cfg.draft_vocab_size and self.tree_topk > cfg.draft_vocab_size:
@@ -160,6 +180,19 @@ class EagleProposer(AutoregressiveProposer):
         self.pred.pop(row, None)
 
     def observe(self, worker: Any, step: Any, hidden: torch.Tensor) -> None:
+        """Keep the step's features (``FeatureStore.observe``): the final normed hidden states [T, H], or with
+        fused features f + W [rms(a_1) | ...] from the target's ``aux_out`` (``heads.fuse_features``).
+
+        Raises:
+            RuntimeError: the step's forward kept no residual streams (more tokens than ``aux_out`` holds)."""
+        if self.fuse_w is not None:
+            inner = worker.model.model
+            n = hidden.shape[0]
+            if n > len(inner.aux_out):  # every forward path writes them where they fit (set_aux_layers)
+                raise RuntimeError(f"EAGLE fused features: a step of {n} tokens, but the target keeps residual "
+                                   f"streams for at most {len(inner.aux_out)}")
+            hidden = fuse_features(torch.cat([hidden, inner.aux_out[:n].to(hidden.dtype)], dim=-1), self.fuse_w,
+                                   hidden.shape[1], self.eps)
         self.store.observe(worker, step, hidden)
 
     def accept_tree(self, row: int, root_pos: int, path: list[int]) -> None:

@@ -95,8 +95,8 @@ def _plain_llama(llm: Any, device: torch.device, dtype: torch.dtype) -> tuple[An
 
 
 def batched_target_features(llm: Any, seqs: list[tuple[list[int], int]], max_seconds: float | None = None,
-                            batch_tokens: int | None = None, progress: bool = False
-                            ) -> list[torch.Tensor | None] | None:
+                            batch_tokens: int | None = None, progress: bool = False,
+                            aux_layers: tuple[int, ...] = ()) -> list[torch.Tensor | None] | None:
     """The target's final normed hidden states [T_i, H] for many sequences at once, as ``target_features``
     gives one at a time, from a plain-torch copy of a Llama target (``EagleLayer`` per decoder layer; right-padded
     batches of at most ``batch_tokens`` padded tokens, longest first, causal attention): fp32 on the CPU, or on
@@ -105,7 +105,9 @@ def batched_target_features(llm: Any, seqs: list[tuple[list[int], int]], max_sec
 
     The values differ from the engine's kernels by rounding only (fp32: ~1e-5 relative; the test checks it).
     Returns one entry per sequence of ``seqs``, None for those not reached within ``max_seconds`` (longest
-    first); None instead of the list where the target is not a plain Llama (``_plain_llama``).
+    first); None instead of the list where the target is not a plain Llama (``_plain_llama``). With
+    ``aux_layers`` (decoder layer indices) each entry is [T_i, (1 + len(aux_layers)) H]: the final normed
+    features, then the residual stream entering each of those layers (``heads.EagleHead``'s fused features).
     """
     dev = torch.device(llm.engine.worker.device)
     on_device = dev.type != "cpu"
@@ -132,9 +134,14 @@ def batched_target_features(llm: Any, seqs: list[tuple[list[int], int]], max_sec
             ids = pad_rows([torch.tensor(seqs[i][0]) for i in batch], dev)
             x = embed[ids]
             pos = torch.arange(t, device=dev)
-            for m in mods:
+            aux = {}
+            for li, m in enumerate(mods):
+                if li in aux_layers:
+                    aux[li] = x
                 x = m(x, pos, cos_sin)
             x = _rmsnorm(x, norm, eps)
+            if aux_layers:
+                x = torch.cat([x] + [aux[li] for li in aux_layers], dim=-1)
             for b, i in enumerate(batch):
                 f = x[b, :len(seqs[i][0])]
                 out[i] = f.clone() if on_device else f.float().cpu().clone()

@@ -12,7 +12,8 @@ the modules ``roofline train-draft`` trains, their JSON config and the safetenso
 Tensor names in ``model.safetensors`` (EAGLE): ``fc.weight`` [H, 2H], ``fc.bias`` [H],
 ``layer.input_layernorm.weight``, ``layer.self_attn.{q,k,v,o}_proj.weight``, ``layer.mlp.{gate,up,down}_proj.weight``,
 ``layer.post_attention_layernorm.weight`` (Hugging Face's names inside one Llama layer), with a truncated draft
-vocabulary ``token_map`` [draft_vocab_size] int64 (target ids, most frequent first); (Medusa)
+vocabulary ``token_map`` [draft_vocab_size] int64 (target ids, most frequent first) and, with ``aux_layers`` (n of
+them, EAGLE-3's fused low / mid-level features, ``fuse_features``), ``fuse.weight`` [H, nH]; (Medusa)
 ``heads.{k}.weight`` [H, H] and ``heads.{k}.bias`` [H] for k in [0, K).
 """
 
@@ -53,6 +54,9 @@ class DraftHeadConfig:
     # EAGLE: a truncated draft vocabulary (FR-Spec; SGLang's --speculative-token-map): the draft's LM head over
     # these many target tokens, ``token_map`` [draft_vocab_size] int64 in model.safetensors (0: the whole vocabulary)
     draft_vocab_size: int = 0
+    # EAGLE: EAGLE-3's low / mid-level features fused into the input (``EagleHead``): the target decoder layers
+    # whose input residual stream the head also reads ([] : EAGLE-1's final features alone)
+    aux_layers: list[int] = field(default_factory=list)
     training: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -61,16 +65,21 @@ class DraftHeadConfig:
         if self.draft_vocab_size and (self.method != "eagle" or not 1 <= self.draft_vocab_size <= self.vocab_size):
             raise ValueError(f"draft_vocab_size must be 0 (the whole vocabulary) or, for an eagle head, in [1, "
                              f"{self.vocab_size}], got {self.draft_vocab_size!r} for a {self.method} head")
+        if self.aux_layers and (self.method != "eagle" or len(set(self.aux_layers)) != len(self.aux_layers)
+                                or not all(isinstance(i, int) and i >= 0 for i in self.aux_layers)):
+            raise ValueError(f"aux_layers must be distinct decoder layer indices >= 0 of an eagle head, got "
+                             f"{self.aux_layers!r} for a {self.method} head")
         if self.method == "medusa" and not 1 <= self.num_heads <= 16:
             raise ValueError(f"a Medusa head config needs num_heads in [1, 16], got {self.num_heads!r}")
 
     @classmethod
-    def for_target(cls, method: str, mc: Any, num_heads: int = 0) -> DraftHeadConfig:
+    def for_target(cls, method: str, mc: Any, num_heads: int = 0,
+                   aux_layers: list[int] | tuple[int, ...] = ()) -> DraftHeadConfig:
         """The config of a ``method`` head for target ``mc`` (a ``ModelConfig``)."""
         return cls(method=method, target=mc.name, hidden_size=mc.hidden_size, vocab_size=mc.vocab_size,
                    num_attention_heads=mc.num_attention_heads, num_key_value_heads=mc.num_key_value_heads,
                    head_dim=mc.head_dim, intermediate_size=mc.intermediate_size, rms_norm_eps=mc.rms_norm_eps,
-                   num_heads=num_heads)
+                   num_heads=num_heads, aux_layers=list(aux_layers))
 
     def check_target(self, mc: Any, path: str) -> None:
         """Raises ValueError naming both hidden sizes and both vocabularies when the head at ``path`` was not
@@ -80,6 +89,9 @@ class DraftHeadConfig:
                 f"speculative_config model {path!r}: this {self.method} head has hidden size {self.hidden_size} and "
                 f"vocabulary {self.vocab_size}; the target {mc.name!r} has hidden size {mc.hidden_size} and "
                 f"vocabulary {mc.vocab_size} (the head's config says it was trained for {self.target!r})")
+        if self.aux_layers and max(self.aux_layers) >= mc.num_hidden_layers:
+            raise ValueError(f"speculative_config model {path!r}: this eagle head reads the target's layers "
+                             f"{self.aux_layers}; the target {mc.name!r} has layers [0, {mc.num_hidden_layers})")
         if self.method == "eagle" and (self.num_attention_heads, self.num_key_value_heads, self.head_dim,
                                        self.intermediate_size) != (mc.num_attention_heads, mc.num_key_value_heads,
                                                                    mc.head_dim, mc.intermediate_size):
@@ -161,23 +173,55 @@ class EagleLayer(nn.Module):
                 getattr(self, n).weight.copy_(sd[f"mlp.{n}.weight"])
 
 
+def fuse_features(features: torch.Tensor, fuse_weight: torch.Tensor, hidden: int, eps: float) -> torch.Tensor:
+    """EAGLE-3's feature fusion on EAGLE-1's input: ``features`` [..., (1 + n) H] (the final normed features f,
+    then n residual streams of lower layers) -> f + W [rms(a_1) | ... | rms(a_n)], [..., H]; each a_i scaled to unit
+    RMS (no weight; the residual stream grows with depth), ``fuse_weight`` W [H, nH]. Features of width H (the
+    head's own predicted features, at draft steps past the first) pass unchanged."""
+    if features.shape[-1] == hidden:
+        return features
+    aux = features[..., hidden:].unflatten(-1, (-1, hidden)).float()
+    aux = (aux * torch.rsqrt(aux.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2).to(fuse_weight.dtype)
+    return features[..., :hidden] + F.linear(aux, fuse_weight).to(features.dtype)
+
+
 class EagleHead(nn.Module):
     """EAGLE-1's draft (module docstring). ``forward(features [T, H], next_embeds [T, H], positions [T])`` ->
     predicted next features [T, H]: row p reads f_p and the embedding of token p + 1 (or [B, T, H] each, a
-    right-padded batch, ``EagleLayer``)."""
+    right-padded batch, ``EagleLayer``). With ``cfg.aux_layers`` (n of them) the features may be
+    [..., (1 + n) H], fused by ``fuse_features`` through ``fuse`` [H, nH], which starts at zero: the head then starts
+    as the EAGLE-1 head it may be initialised from (Li et al., "EAGLE-3: Scaling up Inference Acceleration of
+    Large Language Models via Training-Time Test", 2025, fuses low, middle and top-layer features)."""
 
     def __init__(self, cfg: DraftHeadConfig):
         super().__init__()
         self.cfg = cfg
         self.fc = nn.Linear(2 * cfg.hidden_size, cfg.hidden_size, bias=True)
         self.layer = EagleLayer(cfg)
+        self.fuse = None
+        if cfg.aux_layers:
+            self.fuse = nn.Linear(len(cfg.aux_layers) * cfg.hidden_size, cfg.hidden_size, bias=False)
+            nn.init.zeros_(self.fuse.weight)
 
     def forward(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor,
                 cos_sin: torch.Tensor) -> torch.Tensor:
+        if self.fuse is not None:
+            features = fuse_features(features, self.fuse.weight, self.cfg.hidden_size, self.cfg.rms_norm_eps)
         return self.layer(self.fc(torch.cat([features, next_embeds], dim=-1)), positions, cos_sin)
+
+    def load_export(self, sd: dict[str, torch.Tensor]) -> None:
+        """Load ``export``'s tensors (an EAGLE-1 head's into a fused one: ``fuse`` stays at zero)."""
+        with torch.no_grad():
+            self.fc.weight.copy_(sd["fc.weight"])
+            self.fc.bias.copy_(sd["fc.bias"])
+            if self.fuse is not None and "fuse.weight" in sd:
+                self.fuse.weight.copy_(sd["fuse.weight"])
+        self.layer.load_hf_state_dict({k[len("layer."):]: v for k, v in sd.items() if k.startswith("layer.")})
 
     def export(self) -> dict[str, torch.Tensor]:
         sd = {"fc.weight": self.fc.weight.detach(), "fc.bias": self.fc.bias.detach()}
+        if self.fuse is not None:
+            sd["fuse.weight"] = self.fuse.weight.detach()
         sd.update({f"layer.{k}": v for k, v in self.layer.hf_state_dict().items()})
         return sd
 

@@ -103,7 +103,8 @@ def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: 
                steps: int, batch_size: int = 8, lr: float = 5e-4, num_heads: int = 4, seed: int = 0,
                max_seconds: float | None = None, progress: bool = True, cls_rows: int = 48,
                cls_weight: float = EAGLE_CLS_WEIGHT, unroll: bool = False, feature_noise: float = 0.0,
-               device: str | None = None, bf16: bool | None = None
+               device: str | None = None, bf16: bool | None = None, aux_layers: tuple[int, ...] = (),
+               init: dict[str, torch.Tensor] | None = None
                ) -> tuple[DraftHeadConfig, dict[str, torch.Tensor], list[float], dict[str, float]]:
     """Train a ``method`` head on sequences ``seqs`` [(ids, prompt length)] and their target features
     ``feats`` ([T, H] each, any device and float dtype). A 10% slice (at least one sequence) is held out for
@@ -116,10 +117,13 @@ def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: 
     (every row of it, as ``unroll`` trains), with the target's argmax, the proxy for depth-2 acceptance.
 
     Each step trains on ``batch_size`` sequences at once, right-padded (the padding masked out of every loss);
-    the token losses (and the agreement) use at most ``cls_rows`` x ``batch_size`` random rows of the batch
-    (the LM head [V, H] is most of a step's FLOPs on the CPU; on a GPU pass a large ``cls_rows``).
+    the token losses use at most ``cls_rows`` x ``batch_size`` random rows of the batch (the LM head [V, H] is
+    most of a step's FLOPs on the CPU; on a GPU pass a large ``cls_rows``); the held-out agreement uses every row.
     ``device``: where to train (default: the target's device); ``bf16``: autocast the head's matmuls to
-    bfloat16 (default: on CUDA only; the losses and the optimizer stay fp32).
+    bfloat16 (default: on CUDA only; the losses and the optimizer stay fp32). ``aux_layers`` (EAGLE): the head
+    fuses these layers' input residual streams too (``heads.fuse_features``), ``feats`` then being
+    [T, (1 + n) H] as ``batched_target_features(..., aux_layers=...)`` gives; ``init``: an EAGLE head's tensors
+    to start from (``load_head``; else the target's last layer).
 
     Returns the config, the tensors to save (fp32, CPU), the loss of every step and
     ``{"val_top1": ..., "steps": ..., "seconds": ...}``.
@@ -137,11 +141,14 @@ def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: 
     dev = torch.device(device) if device is not None else torch.device(llm.engine.worker.device)
     use_bf16 = dev.type == "cuda" if bf16 is None else bf16
     mc, embed, lm_head, cos_sin = target_parts(llm, dev, torch.bfloat16 if use_bf16 else torch.float32)
-    cfg = DraftHeadConfig.for_target(method, mc, num_heads if method == "medusa" else 0)
+    cfg = DraftHeadConfig.for_target(method, mc, num_heads if method == "medusa" else 0, aux_layers)
     model: Any
     if method == "eagle":
         model = EagleHead(cfg)
-        _init_eagle_from_target(model, llm)
+        if init is not None:
+            model.load_export(init)
+        else:
+            _init_eagle_from_target(model, llm)
     else:
         model = MedusaHeads(cfg)
     model = model.to(dev)
@@ -173,15 +180,16 @@ def train_head(llm: Any, method: str, seqs: list[tuple[list[int], int]], feats: 
         ids = pad_rows([torch.tensor(seqs[i][0]) for i in batch], dev)  # [B, T]
         lens = torch.tensor([len(seqs[i][0]) for i in batch], device=dev)
         plens = torch.tensor([seqs[i][1] for i in batch], device=dev)
-        f = pad_rows([feats[i] for i in batch], dev).float()  # [B, T, H]
+        f_all = pad_rows([feats[i] for i in batch], dev).float()  # [B, T, (1 + len(aux_layers)) H]
+        f = f_all[..., :cfg.hidden_size]  # the final normed features
         b, t = ids.shape
         p = torch.arange(t, device=dev)[None]  # [1, T]
-        cap = cls_rows * b
+        cap = cls_rows * b if training else ids.numel()  # the held-out agreement counts every row
         with torch.autocast(dev.type, dtype=torch.bfloat16, enabled=use_bf16):
             if method == "eagle":
                 valid = p[:, :-1] < (lens[:, None] - 1)  # [B, T-1]: row p predicts f_{p+1}
                 nxt = embed[ids[:, 1:]]
-                f_in = f[:, :-1]
+                f_in = f_all[:, :-1]
                 if training and feature_noise > 0:
                     f_in = f_in + torch.empty_like(f_in).uniform_(-feature_noise, feature_noise)
                 pred = model(f_in, nxt, p[0, :-1], cos_sin).float()  # [B, T-1, H]

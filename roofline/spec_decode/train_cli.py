@@ -51,11 +51,29 @@ def check_train_args(args: argparse.Namespace) -> None:
     check_feature_noise(args.feature_noise)
     if args.draft_vocab_size < 0:
         raise bad("--draft-vocab-size", args.draft_vocab_size, "0 (the whole vocabulary) or >= 1")
+    args.aux_layer_ids = parse_aux_layers(args.aux_layers)
     if args.method != "eagle":
         for flag, on in (("--feature-noise", args.feature_noise > 0), ("--unroll", args.unroll),
-                         ("--draft-vocab-size", args.draft_vocab_size > 0)):
+                         ("--draft-vocab-size", args.draft_vocab_size > 0), ("--aux-layers", args.aux_layer_ids),
+                         ("--init-head", args.init_head)):
             if on:
                 raise ValueError(f"train-draft {flag} is for --method eagle, got --method {args.method}")
+
+
+def parse_aux_layers(text: str) -> tuple[int, ...]:
+    """``--aux-layers`` "2,15" -> (2, 15) ("" -> ()).
+
+    Raises:
+        ValueError: not distinct integers >= 0, naming the value."""
+    parts = [x.strip() for x in (text or "").split(",") if x.strip()]
+    try:
+        ids = tuple(int(x) for x in parts)
+    except ValueError:
+        ids = (-1,)
+    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+        raise ValueError(f"train-draft --aux-layers must be distinct decoder layer indices >= 0, comma-separated "
+                         f"(e.g. 2,15), got {text!r}")
+    return ids
 
 
 def run_train_draft(args: argparse.Namespace) -> int:
@@ -66,8 +84,10 @@ def run_train_draft(args: argparse.Namespace) -> int:
     check_train_args(args)  # before the target loads and regenerates (minutes)
     t_start = time.perf_counter()
     cpu = args.device in ("auto", "cpu") and not torch.cuda.is_available() or args.device == "cpu"
+    aux = getattr(args, "aux_layer_ids", ())
+    tag = "-aux" + "_".join(map(str, aux)) if aux else ""
     cache = os.path.join(args.cache_dir, f"data-{args.num_prompts}-{args.max_tokens}-{args.max_prompt_tokens}-"
-                                         f"{args.seed}.pt") if args.cache_dir else None
+                                         f"{args.seed}{tag}.pt") if args.cache_dir else None
     cached = cache is not None and os.path.isfile(cache)
     # A GPU run reading cached data generates nothing: no CUDA graphs to capture.
     extra: dict[str, Any] = {} if cpu else {"max_num_seqs": args.max_num_seqs, "enforce_eager": cached}
@@ -75,6 +95,16 @@ def run_train_draft(args: argparse.Namespace) -> int:
               max_model_len=args.max_prompt_tokens + args.max_tokens + 16, enable_prefix_caching=False,
               kv_cache_memory=args.kv_cache_memory, max_num_batched_tokens=1024 if cpu else 8192, **extra)
     dev = torch.device(llm.engine.worker.device)
+    n_layers = llm.engine.worker.model_config.num_hidden_layers
+    if aux and max(aux) >= n_layers:
+        raise ValueError(f"train-draft --aux-layers must name layers in [0, {n_layers}) of the target, got "
+                         f"{args.aux_layers!r}")
+    init = None
+    if args.init_head:
+        from roofline.spec_decode.heads import load_head
+
+        init_cfg, init = load_head(args.init_head, "eagle")
+        init_cfg.check_target(llm.engine.worker.model_config, args.init_head)
     print(f"train-draft {args.method}: target {llm.engine.worker.model_config.name} on {dev}", flush=True)
     from tqdm import tqdm
 
@@ -95,9 +125,12 @@ def run_train_draft(args: argparse.Namespace) -> int:
                           chunk=4 * (args.max_num_seqs if not cpu else 64))
         t_feat, n_regen = time.perf_counter(), len(seqs)
         # On a GPU the batched plain-torch path (the engine's one sequence at a time left it idle); on the CPU the
-        # engine's path was faster (1.0 against 3.0 s for 6 chats of the default model, fp32, 2 cores).
-        batched = (batched_target_features(llm, seqs, args.max_feature_seconds, progress=True)
-                   if dev.type != "cpu" else None)
+        # engine's path was faster (1.0 against 3.0 s for 6 chats of the default model, fp32, 2 cores), except
+        # with --aux-layers, whose residual streams only the batched path returns.
+        batched = (batched_target_features(llm, seqs, args.max_feature_seconds, progress=True, aux_layers=aux)
+                   if dev.type != "cpu" or aux else None)
+        if batched is None and aux:
+            raise ValueError("train-draft --aux-layers needs a plain Llama target (the batched feature path)")
         if batched is not None:
             seqs = [sq for sq, f in zip(seqs, batched, strict=True) if f is not None]
             feats = [f for f in batched if f is not None]
@@ -125,7 +158,7 @@ def run_train_draft(args: argparse.Namespace) -> int:
                                              batch_size=args.batch_size, lr=args.lr, num_heads=args.num_heads,
                                              seed=args.seed, max_seconds=args.max_train_seconds,
                                              cls_weight=args.cls_weight, unroll=args.unroll, cls_rows=cls_rows,
-                                             feature_noise=args.feature_noise)
+                                             feature_noise=args.feature_noise, aux_layers=aux, init=init)
     stats.update(num_prompts=n_prompts, num_sequences=len(seqs), num_tokens=n_tokens, answer_tokens=n_answer,
                  max_tokens=args.max_tokens, regenerate_seconds=round(t_gen, 1), lr=args.lr,
                  batch_size=args.batch_size, cls_weight=args.cls_weight, unroll=args.unroll, first_loss=losses[0],
@@ -191,4 +224,9 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
                                                      "them (e.g. for the other method)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-fp16", action="store_true", help="store the weights in fp16 (half the file)")
+    p.add_argument("--aux-layers", default="", help="EAGLE: also fuse the residual streams entering these target "
+                                                    "layers (comma-separated, e.g. 2,15: EAGLE-3's low / mid-level "
+                                                    "features; default: none, EAGLE-1)")
+    p.add_argument("--init-head", default=None, help="EAGLE: start from this head directory (e.g. the bundled "
+                                                     "one) instead of the target's last layer")
     p.set_defaults(func=run_train_draft)

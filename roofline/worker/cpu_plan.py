@@ -280,18 +280,29 @@ class CpuDecodePlan:
                 or table.stride(1) != 1 or pos.shape != (m,) or slots.shape != (m,) or not slots.is_contiguous()
                 or seq_lens.shape != (m,)):
             return model(input_ids, positions, meta)
-        if not self.run_rows(x, pos, slots, table, seq_lens, tree_lo, tree_bits):
+        aux = None
+        if inner.aux_slot:  # the residual streams an EAGLE head fuses (LlamaModel.set_aux_layers)
+            if m > len(inner.aux_out):
+                return model(input_ids, positions, meta)  # it writes none either
+            slot = torch.full((len(self.layers),), -1, dtype=torch.int64)
+            for i, j in inner.aux_slot.items():
+                slot[i] = j
+            aux = (inner.aux_out, slot)
+        if not self.run_rows(x, pos, slots, table, seq_lens, tree_lo, tree_bits, aux):
             return model(input_ids, positions, meta)
         return x
 
     def run_rows(self, x: torch.Tensor, pos: torch.Tensor, slots: torch.Tensor, table: torch.Tensor,
                  seq_lens: torch.Tensor, tree_lo: torch.Tensor | None = None,
-                 tree_bits: torch.Tensor | None = None) -> bool:
+                 tree_bits: torch.Tensor | None = None,
+                 aux: tuple[torch.Tensor, torch.Tensor] | None = None) -> bool:
         """The plan's layers (then its final norm, if any) over M decode rows, in place: ``x`` [M, hidden] bf16
         contiguous, row r at RoPE position ``pos[r]`` (int64 [M]), its k/v stored at slot ``slots[r]`` (int64),
         attending to the first ``seq_lens[r]`` (int64) positions of block-table row ``table[r]`` (int32 [M, W],
         unit column stride); with ``tree_lo`` / ``tree_bits`` (int64 [M]), keys from ``tree_lo[r]`` on only where
-        their bit is set (all ones: no mask). Returns False, with ``x`` untouched, where the C++ declines (a row
+        their bit is set (all ones: no mask); with ``aux`` = (out [>= M, n hidden] in x's dtype, contiguous; slot
+        int64 [layers]), the residual stream entering layer i into columns [slot[i] hidden, + hidden) of out's
+        first M rows where slot[i] >= 0. Returns False, with ``x`` untouched, where the C++ declines (a row
         outside the cache or the block table) or for more than ``max_rows`` rows: the caller runs its modules."""
         if x.dtype != self.dtype or not x.is_contiguous() or not 1 <= x.shape[0] <= self.max_rows:
             return False
@@ -307,7 +318,8 @@ class CpuDecodePlan:
             slots.data_ptr(), table.data_ptr(), table.stride(0), seq_lens.data_ptr(),
             backend.rotary.cos_sin_cache.data_ptr(), backend.rotary.cos_sin_cache.shape[0], num_blocks * bs,
             torch.get_num_threads(), None if tree_lo is None else tree_lo.data_ptr(),
-            None if tree_bits is None else tree_bits.data_ptr()))
+            None if tree_bits is None else tree_bits.data_ptr(), None if aux is None else aux[0].data_ptr(),
+            None if aux is None else aux[1].data_ptr(), 0 if aux is None else aux[0].stride(0)))
 
 
 class _Unsupported(Exception):

@@ -52,3 +52,55 @@ def test_separate_draft_decode_replays_cuda_graphs_like_eager():
         agree += int((g.argmax(-1) == e.argmax(-1)).sum())
         total += g.shape[0]
     assert agree >= 0.99 * total, (agree, total)
+
+
+def test_fused_eagle_features_come_out_of_the_target_graphs(tmp_path):
+    """A fused EAGLE head (``aux_layers`` 0 and 1, random weights at the default model's shape) makes the target
+    keep its residual streams before its graphs are captured: after every step (prefill eager, decode and verify
+    replayed), ``aux_out``'s rows hold the streams a plain-torch pass over the sequence gives (bf16: within
+    2e-2 relative; layer 0's, the embedding, exactly), and greedy output equals plain decoding's."""
+    from roofline.spec_decode import features
+    from roofline.spec_decode.heads import DraftHeadConfig, EagleHead, save_head
+
+    kw = dict(model="smollm2-135m", load_format="dummy", device="cuda", dtype="bfloat16", max_model_len=512,
+              kv_cache_memory="2GiB")
+    plain = LLM(**kw)
+    cfg = DraftHeadConfig.for_target("eagle", plain.engine.worker.model_config, aux_layers=[1, 0])
+    torch.manual_seed(0)
+    head = EagleHead(cfg)
+    save_head(str(tmp_path), cfg, head.export())
+    prompt = list(range(100, 141))
+    sp = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    ref = list(plain.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0].token_ids)
+    del plain
+    llm = LLM(**kw, speculative_config={"method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 2,
+                                        "adaptive": False})
+    w = llm.engine.worker
+    assert w.graphs is not None and w.model.model.aux_slot == {1: 0, 0: 1}
+    seen: list[torch.Tensor] = []
+    forward = w.stage.forward
+
+    def spy(step):
+        out = forward(step)
+        seen.append(w.model.model.aux_out[:out[0].shape[0]].float().cpu())
+        return out
+
+    w.stage.forward = spy
+    got = list(llm.generate([{"prompt_token_ids": prompt}], sp, use_tqdm=False)[0].outputs[0].token_ids)
+    assert got == ref
+    (full,) = features.batched_target_features(llm, [(prompt + got, len(prompt))], aux_layers=(1, 0))
+    full = full.float().cpu()[:, 576:]
+    # The prefill's rows are the prompt's; a decode step's first row is the position after the tokens so far.
+    torch.testing.assert_close(seen[0], full[:len(prompt)], rtol=2e-2, atol=2e-2)
+    assert torch.equal(seen[0][:, 576:], full[:len(prompt), 576:])
+    assert len(seen) > 2 and all(len(s) == 3 for s in seen[1:]), [len(s) for s in seen]  # 1 + 2 drafts per step
+    # A verify step's first row is the last emitted token, at the position after the tokens before it: the
+    # stream there is the full sequence's (later rows read drafts, which may have been rejected).
+    last = len(prompt) - 1
+    for s in seen[1:]:
+        dist = (full[last + 1:, :576] - s[0, :576]).abs().amax(-1)
+        p = last + 1 + int(dist.argmin())
+        torch.testing.assert_close(s[0], full[p], rtol=2e-2, atol=2e-2)
+        assert torch.equal(s[0, 576:], full[p, 576:])
+        last = p
+    assert last > len(prompt)

@@ -168,6 +168,84 @@ def test_batched_eagle_head_equals_one_sequence_at_a_time():
     assert got.shape == (3, 11, 64)
 
 
+def test_batched_features_with_aux_layers(tiny, tiny_data):
+    """``aux_layers``: each entry is [T, (1 + n) H], the final normed features first (as without), then the
+    residual stream entering each named layer, in the order named: Hugging Face transformers' ``hidden_states[i]``
+    of the same weights (layer 0's: the token embedding)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from roofline.spec_decode.features import layer_state_dict
+
+    from .tiny import TINY
+
+    seqs, feats = tiny_data
+    got = features.batched_target_features(tiny, seqs[:3], batch_tokens=64, aux_layers=(1, 0))
+    w = tiny.engine.worker
+    hf = LlamaForCausalLM(LlamaConfig(**{k: v for k, v in TINY.items() if k != "architectures"})).eval()
+    sd = {"model.embed_tokens.weight": w.model.model.embed_tokens.weight.detach().float(),
+          "model.norm.weight": w.model.model.norm.weight.detach().float(),
+          "lm_head.weight": w.model.lm_head.weight.detach().float()}
+    for i, layer in enumerate(w.model.model.layers):
+        sd.update({f"model.layers.{i}.{k}": v for k, v in layer_state_dict(layer).items()})
+    hf.load_state_dict(sd, strict=False)
+    for (ids, _), g, f in zip(seqs[:3], got, feats[:3], strict=False):
+        assert g.shape == (len(ids), 3 * 64)
+        torch.testing.assert_close(g[:, :64], f, atol=2e-4, rtol=2e-4)
+        with torch.no_grad():
+            hs = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        torch.testing.assert_close(g[:, 64:128], hs[1][0], atol=2e-4, rtol=2e-4)
+        torch.testing.assert_close(g[:, 128:], hs[0][0], atol=0, rtol=0)
+
+
+def test_fused_head_starts_as_its_eagle1_head_and_fuses_normed_streams():
+    """A head with ``aux_layers`` loaded from an EAGLE-1 head's tensors gives that head's outputs on [T, 3H]
+    features (``fuse`` starts at zero); with a fusing weight, f + W [rms(a_1) | rms(a_2)] (float64 reference);
+    features of width H (its own predictions) pass unfused."""
+    from roofline.layers.rotary import RotaryEmbedding
+    from roofline.spec_decode.heads import fuse_features
+
+    kw = dict(method="eagle", target="t", hidden_size=64, vocab_size=VOCAB, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, intermediate_size=128)
+    torch.manual_seed(0)
+    one, fused = EagleHead(DraftHeadConfig(**kw)), EagleHead(DraftHeadConfig(**kw, aux_layers=[3, 1]))
+    fused.load_export(one.export())
+    cos_sin = RotaryEmbedding(16, 256, 10000.0).cos_sin_cache
+    f, a, e = torch.randn(9, 64), 5 * torch.randn(9, 128), torch.randn(9, 64)
+    pos = torch.arange(9)
+    with torch.no_grad():
+        torch.testing.assert_close(fused(torch.cat([f, a], -1), e, pos, cos_sin), one(f, e, pos, cos_sin),
+                                   atol=0, rtol=0)
+        fused.fuse.weight.normal_()
+        got = fuse_features(torch.cat([f, a], -1), fused.fuse.weight, 64, 1e-5)
+    a64 = a.double().view(9, 2, 64)
+    want = f.double() + (a64 / (a64.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()).view(9, 128) @ \
+        fused.fuse.weight.double().T
+    torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
+    assert fuse_features(f, fused.fuse.weight, 64, 1e-5) is f
+    assert fused.export()["fuse.weight"].shape == (64, 128) and "fuse.weight" not in one.export()
+
+
+def test_fused_training_loss_falls_and_its_config_round_trips(tiny, tiny_data, tmp_path):
+    """Training with ``aux_layers`` (features from ``batched_target_features``) lowers the loss, learns a
+    non-zero fusing weight and saves ``aux_layers`` in config.json; bad ``aux_layers`` are refused, naming them."""
+    seqs, _ = tiny_data
+    feats = features.batched_target_features(tiny, seqs, aux_layers=(0, 1))
+    cfg, tensors, losses, _ = train.train_head(tiny, "eagle", seqs, feats, steps=24, batch_size=4, lr=5e-3,
+                                               aux_layers=(0, 1), progress=False)
+    assert np.mean(losses[-4:]) < 0.8 * np.mean(losses[:4]), losses
+    assert tensors["fuse.weight"].shape == (64, 128) and float(tensors["fuse.weight"].abs().max()) > 0
+    save_head(str(tmp_path), cfg, tensors)
+    back, t = load_head(str(tmp_path), "eagle")
+    assert back.aux_layers == [0, 1] and torch.equal(t["fuse.weight"], tensors["fuse.weight"])
+    kw = dict(target="t", hidden_size=64, vocab_size=VOCAB)
+    for bad, method in (([1, 1], "eagle"), ([-1], "eagle"), ([0], "medusa")):
+        with pytest.raises(ValueError, match=r"aux_layers must be distinct decoder layer indices"):
+            DraftHeadConfig(method=method, aux_layers=bad, num_heads=2, **kw)
+    mc = tiny.engine.worker.model_config
+    with pytest.raises(ValueError, match=r"reads the target's layers \[0, 5\]; .* has layers \[0, 2\)"):
+        DraftHeadConfig.for_target("eagle", mc, aux_layers=[0, 5]).check_target(mc, "d")
+
+
 def test_prompts_file(tmp_path):
     """``--prompts-file``: a JSON list of user messages (here .json.xz) reads back; anything else is refused
     naming the file."""
@@ -246,6 +324,69 @@ def test_each_step_reports_how_far_the_eagle_layer_caught_up(tiny_dir, heads):
                  use_tqdm=False)
     assert len(seen) > 3 and seen[0][0] == 17, seen
     assert [rows for rows, _ in seen[1:]] == [1 + acc for _, acc in seen[:-1]], seen
+
+
+@pytest.fixture(scope="module")
+def fused_eagle(tiny, tiny_data, tmp_path_factory):
+    """The tiny EAGLE head fusing the residual streams entering layers 1 and 0 (``aux_layers``), 24 steps."""
+    seqs, _ = tiny_data
+    feats = features.batched_target_features(tiny, seqs, aux_layers=(1, 0))
+    cfg, tensors, _, _ = train.train_head(tiny, "eagle", seqs, feats, steps=24, batch_size=4, lr=5e-3,
+                                          aux_layers=(1, 0), progress=False)
+    d = tmp_path_factory.mktemp("eagle-fused")
+    save_head(str(d), cfg, tensors)
+    return str(d)
+
+
+@pytest.mark.parametrize("plan", [True, False])
+def test_the_target_keeps_its_residual_streams_in_every_forward_path(tiny_dir, tiny_data, plan):
+    """``LlamaModel.set_aux_layers``: after a prefill (modules) and after each decode step (the C++ decode plan,
+    or the modules), ``aux_out``'s first T rows hold the residual streams entering the named layers at the step's
+    tokens, as ``batched_target_features`` (plain torch) gives them for the whole sequence."""
+    llm = LLM(str(tiny_dir), **COMMON)
+    w = llm.engine.worker
+    if plan and w.cpu_plan is None:
+        pytest.skip("no CPU decode plan on this machine")
+    if not plan:
+        w.cpu_plan = None
+    inner = w.model.model
+    inner.set_aux_layers((1, 0), 64)
+    seen = []
+    forward = w.stage.forward
+
+    def spy(step):
+        out = forward(step)
+        seen.append(inner.aux_out[:out[0].shape[0]].clone())
+        return out
+
+    w.stage.forward = spy
+    prompt = np.random.default_rng(3).integers(2, VOCAB, size=17).tolist()
+    (o,) = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True),
+                        use_tqdm=False)
+    ids = prompt + list(o.outputs[0].token_ids)
+    (ref,) = features.batched_target_features(llm, [(ids[:-1], 17)], aux_layers=(1, 0))
+    assert [len(a) for a in seen] == [17, 1, 1, 1, 1, 1]
+    torch.testing.assert_close(torch.cat(seen), ref[:, 64:], atol=2e-4, rtol=2e-4)
+
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_a_fused_eagle_head_is_greedy_identical(tiny, tiny_dir, fused_eagle, tree):
+    """An EAGLE head with ``aux_layers`` drafts from the fused features (chain and tree) and the output is the
+    target's, token for token; its start-up line counts the fusing weight."""
+    rng = np.random.default_rng(1)
+    prompts = [{"prompt_token_ids": rng.integers(2, VOCAB, size=int(n)).tolist()} for n in (5, 17, 33)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    ref = [o.outputs[0].token_ids for o in tiny.generate(prompts, sp, use_tqdm=False)]
+    spec = {"method": "eagle", "model": fused_eagle, "num_speculative_tokens": 3, "adaptive": False}
+    if tree:
+        spec.update(tree_topk=2, tree_budget=6)
+    llm = LLM(str(tiny_dir), speculative_config=spec, **COMMON)
+    p = llm.engine.worker.proposer
+    assert p.fuse_w is not None and tuple(p.fuse_w.shape) == (64, 128)
+    assert llm.engine.worker.model.model.aux_slot == {1: 0, 0: 1}
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == ref
+    assert llm.engine.spec_stats.num_accepted_tokens > 0
 
 
 @pytest.fixture(scope="module")
@@ -496,6 +637,9 @@ def test_feature_store_appends_replaces_accepts_and_drops():
     (["--feature-noise", "inf"], r"--feature-noise must be in \[0, 10\], got inf"),
     (["--method", "medusa", "--feature-noise", "0.1"], r"--feature-noise is for --method eagle, got --method medusa"),
     (["--method", "medusa", "--unroll"], r"--unroll is for --method eagle"),
+    (["--aux-layers", "2,x"], r"--aux-layers must be distinct decoder layer indices >= 0.*got '2,x'"),
+    (["--aux-layers", "3,3"], r"--aux-layers must be distinct .* got '3,3'"),
+    (["--method", "medusa", "--aux-layers", "2"], r"--aux-layers is for --method eagle"),
 ])
 def test_train_draft_refuses_bad_arguments_before_loading_the_target(argv, match):
     """``check_train_args`` runs first in ``run_train_draft``: before it, a bad value was found after the target
