@@ -176,6 +176,9 @@ def run_train_draft(args: argparse.Namespace) -> int:
         cfg = replace(cfg, draft_vocab_size=args.draft_vocab_size)
         print(f"draft vocabulary: the {args.draft_vocab_size} most frequent tokens cover "
               f"{stats['draft_vocab_coverage']:.1%} of the regenerated answers' tokens", flush=True)
+    elif init is not None and "token_map" in init:  # --init-head: keep its draft vocabulary
+        tensors["token_map"] = init["token_map"]
+        cfg = replace(cfg, draft_vocab_size=len(init["token_map"]))
     cfg = replace(cfg, training=stats)
     save_head(args.output, cfg, tensors, torch.float16 if args.save_fp16 else torch.float32)
     plot_losses(losses, os.path.join(args.output, "loss.png"), f"{args.method} head for {cfg.target}")
@@ -228,5 +231,6 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
                                                     "layers (comma-separated, e.g. 2,15: EAGLE-3's low / mid-level "
                                                     "features; default: none, EAGLE-1)")
     p.add_argument("--init-head", default=None, help="EAGLE: start from this head directory (e.g. the bundled "
-                                                     "one) instead of the target's last layer")
+                                                     "one) instead of the target's last layer; its draft vocabulary "
+                                                     "is kept unless --draft-vocab-size is given")
     p.set_defaults(func=run_train_draft)

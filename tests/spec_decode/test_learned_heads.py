@@ -653,3 +653,30 @@ def test_train_draft_refuses_bad_arguments_before_loading_the_target(argv, match
     with pytest.raises(ValueError, match=match):
         args.func(args)
     train_cli.check_train_args(parser.parse_args(["train-draft", "--method", "eagle", "--output", "x"]))  # defaults
+
+
+def test_train_draft_fuses_aux_layers_from_an_initial_head(tiny, truncated_eagle, tmp_path, monkeypatch):
+    """``train-draft --aux-layers 1,0 --init-head DIR`` (the target and its prompts stubbed by the tiny model's):
+    the head it writes fuses those layers, starts from DIR's weights (its fusing weight from zero) and keeps DIR's
+    draft vocabulary; a layer past the target's is refused naming its range."""
+    import argparse
+
+    rng = np.random.default_rng(5)
+    monkeypatch.setattr("roofline.llm.LLM", lambda *a, **k: tiny)
+    monkeypatch.setattr(train_cli, "train_prompts", lambda tok, n, seed, mpt: [
+        rng.integers(2, VOCAB, size=9).tolist() for _ in range(n)])
+    parser = argparse.ArgumentParser()
+    train_cli.add_train_draft_parser(parser.add_subparsers())
+    out = tmp_path / "fused"
+    args = parser.parse_args(["train-draft", "--method", "eagle", "--output", str(out), "--num-prompts", "6",
+                              "--max-tokens", "12", "--steps", "3", "--batch-size", "2", "--lr", "1e-3",
+                              "--aux-layers", "1,0", "--init-head", truncated_eagle])
+    assert args.func(args) == 0
+    cfg, t = load_head(str(out), "eagle")
+    _, init = load_head(truncated_eagle, "eagle")
+    assert cfg.aux_layers == [1, 0] and cfg.draft_vocab_size == 16 and torch.equal(t["token_map"], init["token_map"])
+    assert t["fuse.weight"].shape == (64, 128) and 0 < float(t["fuse.weight"].abs().max()) < 0.1  # 3 steps from 0
+    assert float((t["fc.weight"] - init["fc.weight"]).abs().max()) < 0.1  # 3 steps from the initial head
+    bad = parser.parse_args(["train-draft", "--method", "eagle", "--output", str(out), "--aux-layers", "0,2"])
+    with pytest.raises(ValueError, match=r"--aux-layers must name layers in \[0, 2\) of the target, got '0,2'"):
+        bad.func(bad)
