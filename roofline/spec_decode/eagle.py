@@ -124,11 +124,7 @@ class EagleProposer(AutoregressiveProposer):
         # EAGLE-3's fused features: the target keeps the residual streams entering cfg.aux_layers at every
         # forward (LlamaModel.set_aux_layers), and observe() fuses them into the features the store keeps.
         self.fuse_w: torch.Tensor | None = None
-        if cfg.aux_layers:
-            if "fuse.weight" not in t or tuple(t["fuse.weight"].shape) != (mc.hidden_size,
-                                                                            len(cfg.aux_layers) * mc.hidden_size):
-                raise ValueError(f"speculative_config model {self.path!r}: aux_layers {cfg.aux_layers} needs a "
-                                 f"fuse.weight of shape [{mc.hidden_size}, {len(cfg.aux_layers) * mc.hidden_size}]")
+        if cfg.aux_layers:  # load_head checked fuse.weight's shape
             self.fuse_w = t["fuse.weight"].to(device=dev, dtype=dtype)
             sc, spec = worker.config.scheduler_config, self.spec_config
             per_request = 1 + max(spec.num_speculative_tokens or 0, getattr(spec, "tree_budget", None) or 0)

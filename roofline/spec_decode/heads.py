@@ -65,10 +65,14 @@ class DraftHeadConfig:
         if self.draft_vocab_size and (self.method != "eagle" or not 1 <= self.draft_vocab_size <= self.vocab_size):
             raise ValueError(f"draft_vocab_size must be 0 (the whole vocabulary) or, for an eagle head, in [1, "
                              f"{self.vocab_size}], got {self.draft_vocab_size!r} for a {self.method} head")
-        if self.aux_layers and (self.method != "eagle" or len(set(self.aux_layers)) != len(self.aux_layers)
-                                or not all(isinstance(i, int) and i >= 0 for i in self.aux_layers)):
-            raise ValueError(f"aux_layers must be distinct decoder layer indices >= 0 of an eagle head, got "
-                             f"{self.aux_layers!r} for a {self.method} head")
+        if self.aux_layers and self.method != "eagle":
+            raise ValueError(f"aux_layers applies to eagle heads only, got {self.aux_layers!r} for {_a(self.method)} "
+                             f"head")
+        if not isinstance(self.aux_layers, (list, tuple)) or not all(
+                type(i) is int and i >= 0 for i in self.aux_layers) or len(set(self.aux_layers)) != len(
+                self.aux_layers):
+            raise ValueError(f"aux_layers must be a list of distinct decoder layer indices >= 0 (integers), got "
+                             f"{self.aux_layers!r}")
         if self.method == "medusa" and not 1 <= self.num_heads <= 16:
             raise ValueError(f"a Medusa head config needs num_heads in [1, 16], got {self.num_heads!r}")
 
@@ -274,6 +278,15 @@ def load_head(directory: str, method: str) -> tuple[DraftHeadConfig, dict[str, t
     cfg = read_head_config(directory, method)
     wpath = os.path.join(directory, WEIGHTS_NAME)
     tensors = {k: v.float() if v.is_floating_point() else v for k, v in load_file(wpath).items()}
+    fw, h, n = tensors.get("fuse.weight"), cfg.hidden_size, len(cfg.aux_layers)
+    if (fw is None) != (n == 0) or (fw is not None and (tuple(fw.shape) != (h, n * h) or not fw.is_floating_point())):
+        found = "none" if fw is None else f"{tuple(fw.shape)} {str(fw.dtype).replace('torch.', '')}"
+        raise ValueError(f"speculative_config model {directory!r}: aux_layers {cfg.aux_layers} needs "
+                         + (f"a floating fuse.weight of shape [{h}, {n * h}]" if n else "no fuse.weight")
+                         + f", found {found}")
+    bad = [k for k, v in tensors.items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if bad:
+        raise ValueError(f"speculative_config model {directory!r}: non-finite values (NaN or inf) in {', '.join(bad)}")
     tm = tensors.get("token_map")
     if cfg.draft_vocab_size and (tm is None or tm.shape != (cfg.draft_vocab_size,) or tm.is_floating_point()
                                  or int(tm.min()) < 0 or int(tm.max()) >= cfg.vocab_size
@@ -298,7 +311,10 @@ def read_head_config(directory: str, method: str) -> DraftHeadConfig:
     with open(cpath) as f:
         raw = json.load(f)
     known = set(DraftHeadConfig.__dataclass_fields__)
-    cfg = DraftHeadConfig(**{k: v for k, v in raw.items() if k in known})
+    try:
+        cfg = DraftHeadConfig(**{k: v for k, v in raw.items() if k in known})
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"speculative_config model {directory!r}: {cpath}: {e}") from None
     if cfg.method != method:
         raise ValueError(f"speculative_config model {directory!r} holds {_a(cfg.method)} head, not {_a(method)} "
                          f"head; use method {cfg.method!r}")

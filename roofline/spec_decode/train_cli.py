@@ -52,6 +52,21 @@ def check_train_args(args: argparse.Namespace) -> None:
     if args.draft_vocab_size < 0:
         raise bad("--draft-vocab-size", args.draft_vocab_size, "0 (the whole vocabulary) or >= 1")
     args.aux_layer_ids = parse_aux_layers(args.aux_layers)
+    if args.init_head is not None and args.method == "eagle":
+        from roofline.spec_decode.heads import read_head_config
+
+        if not args.init_head.strip():
+            raise bad("--init-head", args.init_head, "a head directory (config.json and model.safetensors)")
+        try:
+            init_cfg = read_head_config(args.init_head, "eagle")
+        except ValueError as e:
+            raise ValueError(str(e).replace("speculative_config model", "train-draft --init-head", 1)) from None
+        if not args.aux_layer_ids:  # keep the head's fused layers (its fuse.weight reads them)
+            args.aux_layer_ids = tuple(init_cfg.aux_layers)
+        elif init_cfg.aux_layers and list(args.aux_layer_ids) != init_cfg.aux_layers:
+            raise ValueError(f"train-draft --init-head {args.init_head!r} fuses layers {init_cfg.aux_layers}; "
+                             f"--aux-layers must name the same, in the same order (or be left out), got "
+                             f"{args.aux_layers!r}")
     if args.method != "eagle":
         for flag, on in (("--feature-noise", args.feature_noise > 0), ("--unroll", args.unroll),
                          ("--draft-vocab-size", args.draft_vocab_size > 0), ("--aux-layers", args.aux_layer_ids),
@@ -65,14 +80,13 @@ def parse_aux_layers(text: str) -> tuple[int, ...]:
 
     Raises:
         ValueError: not distinct integers >= 0, naming the value."""
-    parts = [x.strip() for x in (text or "").split(",") if x.strip()]
-    try:
-        ids = tuple(int(x) for x in parts)
-    except ValueError:
-        ids = (-1,)
-    if any(i < 0 for i in ids) or len(set(ids)) != len(ids):
+    import re
+
+    parts = [x.strip() for x in text.split(",")] if (text or "").strip() else []
+    if not all(re.fullmatch(r"[0-9]+", x) for x in parts) or len(set(map(int, parts))) != len(parts):
         raise ValueError(f"train-draft --aux-layers must be distinct decoder layer indices >= 0, comma-separated "
                          f"(e.g. 2,15), got {text!r}")
+    ids = tuple(int(x) for x in parts)
     return ids
 
 
@@ -84,7 +98,7 @@ def run_train_draft(args: argparse.Namespace) -> int:
     check_train_args(args)  # before the target loads and regenerates (minutes)
     t_start = time.perf_counter()
     cpu = args.device in ("auto", "cpu") and not torch.cuda.is_available() or args.device == "cpu"
-    aux = getattr(args, "aux_layer_ids", ())
+    aux = args.aux_layer_ids
     tag = "-aux" + "_".join(map(str, aux)) if aux else ""
     cache = os.path.join(args.cache_dir, f"data-{args.num_prompts}-{args.max_tokens}-{args.max_prompt_tokens}-"
                                          f"{args.seed}{tag}.pt") if args.cache_dir else None
@@ -103,8 +117,11 @@ def run_train_draft(args: argparse.Namespace) -> int:
     if args.init_head:
         from roofline.spec_decode.heads import load_head
 
-        init_cfg, init = load_head(args.init_head, "eagle")
-        init_cfg.check_target(llm.engine.worker.model_config, args.init_head)
+        try:
+            init_cfg, init = load_head(args.init_head, "eagle")
+            init_cfg.check_target(llm.engine.worker.model_config, args.init_head)
+        except ValueError as e:
+            raise ValueError(str(e).replace("speculative_config model", "train-draft --init-head", 1)) from None
     print(f"train-draft {args.method}: target {llm.engine.worker.model_config.name} on {dev}", flush=True)
     from tqdm import tqdm
 
@@ -232,5 +249,6 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
                                                     "features; default: none, EAGLE-1)")
     p.add_argument("--init-head", default=None, help="EAGLE: start from this head directory (e.g. the bundled "
                                                      "one) instead of the target's last layer; its draft vocabulary "
-                                                     "is kept unless --draft-vocab-size is given")
+                                                     "is kept unless --draft-vocab-size is given, and its "
+                                                     "--aux-layers unless given (they must then match)")
     p.set_defaults(func=run_train_draft)

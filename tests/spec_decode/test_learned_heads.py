@@ -238,9 +238,37 @@ def test_fused_training_loss_falls_and_its_config_round_trips(tiny, tiny_data, t
     back, t = load_head(str(tmp_path), "eagle")
     assert back.aux_layers == [0, 1] and torch.equal(t["fuse.weight"], tensors["fuse.weight"])
     kw = dict(target="t", hidden_size=64, vocab_size=VOCAB)
-    for bad, method in (([1, 1], "eagle"), ([-1], "eagle"), ([0], "medusa")):
-        with pytest.raises(ValueError, match=r"aux_layers must be distinct decoder layer indices"):
-            DraftHeadConfig(method=method, aux_layers=bad, num_heads=2, **kw)
+    for bad in ([1, 1], [-1], [True, 2], 5, "x", [2.0]):
+        with pytest.raises(ValueError, match=r"aux_layers must be a list of distinct decoder layer indices >= 0"):
+            DraftHeadConfig(method="eagle", aux_layers=bad, **kw)
+    with pytest.raises(ValueError, match=r"aux_layers applies to eagle heads only, got \[0\] for a medusa head"):
+        DraftHeadConfig(method="medusa", aux_layers=[0], num_heads=2, **kw)
+    # A hand-edited head: each refused naming its directory, never a TypeError from deep inside.
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    def edited(name, config=None, weights=None):
+        d = tmp_path / name
+        d.mkdir()
+        raw = json.loads((tmp_path / "config.json").read_text())
+        raw.update(config or {})
+        (d / "config.json").write_text(json.dumps(raw))
+        w = load_file(str(tmp_path / "model.safetensors"))
+        save_file(weights(w) if weights else w, str(d / "model.safetensors"))
+        return str(d)
+
+    cases = [(edited("int", {"aux_layers": 5}), r"int.*config.json: aux_layers must be a list"),
+             (edited("nofuse", weights=lambda w: {k: v for k, v in w.items() if k != "fuse.weight"}),
+              r"aux_layers \[0, 1\] needs a floating fuse.weight of shape \[64, 128\], found none"),
+             (edited("noaux", {"aux_layers": []}), r"aux_layers \[\] needs no fuse.weight, found \(64, 128\) float32"),
+             (edited("intfuse", weights=lambda w: dict(w, **{"fuse.weight": w["fuse.weight"].long()})),
+              r"found \(64, 128\) int64"),
+             (edited("nan", weights=lambda w: dict(w, **{"fuse.weight": w["fuse.weight"] * float("nan")})),
+              r"non-finite values \(NaN or inf\) in fuse.weight")]
+    for d, match in cases:
+        with pytest.raises(ValueError, match=match):
+            load_head(d, "eagle")
     mc = tiny.engine.worker.model_config
     with pytest.raises(ValueError, match=r"reads the target's layers \[0, 5\]; .* has layers \[0, 2\)"):
         DraftHeadConfig.for_target("eagle", mc, aux_layers=[0, 5]).check_target(mc, "d")
@@ -640,6 +668,10 @@ def test_feature_store_appends_replaces_accepts_and_drops():
     (["--aux-layers", "2,x"], r"--aux-layers must be distinct decoder layer indices >= 0.*got '2,x'"),
     (["--aux-layers", "3,3"], r"--aux-layers must be distinct .* got '3,3'"),
     (["--method", "medusa", "--aux-layers", "2"], r"--aux-layers is for --method eagle"),
+    (["--aux-layers", "2,,15"], r"--aux-layers must be distinct .* got '2,,15'"),
+    (["--aux-layers", "+3"], r"--aux-layers must be distinct .* got '\+3'"),
+    (["--init-head", ""], r"--init-head must be a head directory"),
+    (["--init-head", "/nonexistent/head"], r"train-draft --init-head '/nonexistent/head' is not a draft head directory"),
 ])
 def test_train_draft_refuses_bad_arguments_before_loading_the_target(argv, match):
     """``check_train_args`` runs first in ``run_train_draft``: before it, a bad value was found after the target
@@ -677,6 +709,19 @@ def test_train_draft_fuses_aux_layers_from_an_initial_head(tiny, truncated_eagle
     assert cfg.aux_layers == [1, 0] and cfg.draft_vocab_size == 16 and torch.equal(t["token_map"], init["token_map"])
     assert t["fuse.weight"].shape == (64, 128) and 0 < float(t["fuse.weight"].abs().max()) < 0.1  # 3 steps from 0
     assert float((t["fc.weight"] - init["fc.weight"]).abs().max()) < 0.1  # 3 steps from the initial head
+    # The fused head as --init-head: its layers are kept when --aux-layers is left out, other layers refused
+    # before the target loads.
+    args = parser.parse_args(["train-draft", "--method", "eagle", "--output", str(tmp_path / "again"), "--steps", "1",
+                              "--num-prompts", "4", "--max-tokens", "12", "--batch-size", "2", "--init-head", str(out)])
+    assert args.func(args) == 0
+    again, t2 = load_head(str(tmp_path / "again"), "eagle")
+    assert again.aux_layers == [1, 0] and t2["fuse.weight"].shape == (64, 128)
+    swapped = parser.parse_args(["train-draft", "--method", "eagle", "--output", str(out), "--init-head", str(out),
+                                 "--aux-layers", "0,1"])
+    monkeypatch.setattr("roofline.llm.LLM", None)  # must not be reached
+    with pytest.raises(ValueError, match=r"fuses layers \[1, 0\]; --aux-layers must name the same"):
+        swapped.func(swapped)
+    monkeypatch.setattr("roofline.llm.LLM", lambda *a, **k: tiny)
     bad = parser.parse_args(["train-draft", "--method", "eagle", "--output", str(out), "--aux-layers", "0,2"])
     with pytest.raises(ValueError, match=r"--aux-layers must name layers in \[0, 2\) of the target, got '0,2'"):
         bad.func(bad)
