@@ -170,18 +170,22 @@ class LlamaModel(nn.Module):
             for i in range(config.num_hidden_layers)
         ])
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps) if self.is_last_stage else PPMissingLayer()
-        self.aux_slot: dict[int, int] = {}  # decoder layer -> its slot in aux_out (set_aux_layers)
+        self.aux_layers: tuple[int, ...] = ()  # set_aux_layers
+        self.aux_slots: torch.Tensor | None = None
         self.aux_out: torch.Tensor | None = None
 
     def set_aux_layers(self, layers: tuple[int, ...] | list[int], max_tokens: int) -> None:
         """Keep the residual stream entering each of ``layers`` (decoder layer indices) at every forward: written
         into the static ``aux_out`` [max_tokens, len(layers) H] (model dtype; rows [0, T) of a T-token forward,
-        layer ``layers[j]`` in columns [j H, (j + 1) H)), which a CUDA graph's replay rewrites in place. The
+        layer ``layers[j]`` in columns [j H, (j + 1) H)), which a CUDA graph's replay rewrites in place;
+        ``aux_slots`` int64 [num_layers] (CPU) holds each layer's j, or -1 (the CPU decode plan's form). The
         features EAGLE-3's fusion reads (``roofline.spec_decode.heads.fuse_features``). A forward of more than
-        ``max_tokens`` tokens writes none. The first pipeline stage
-        only (it holds the embedding, whose dtype the buffer takes)."""
+        ``max_tokens`` tokens writes none. The first pipeline stage only (it holds the embedding, whose dtype the
+        buffer takes)."""
         w = self.embed_tokens.weight
-        self.aux_slot = {int(i): j for j, i in enumerate(layers)}
+        self.aux_layers = tuple(int(i) for i in layers)
+        self.aux_slots = torch.full((len(self.layers),), -1, dtype=torch.int64)
+        self.aux_slots[list(self.aux_layers)] = torch.arange(len(self.aux_layers))
         self.aux_out = torch.zeros(max_tokens, len(layers) * w.shape[1], dtype=w.dtype, device=w.device)
 
     def forward(
@@ -199,11 +203,11 @@ class LlamaModel(nn.Module):
         else:
             x, residual = intermediate
         end = self.end_layer if num_layers is None else self.start_layer + num_layers
-        aux = self.aux_out if self.aux_slot and num_layers is None and positions.shape[0] <= len(self.aux_out) \
+        aux = self.aux_out if self.aux_layers and num_layers is None and positions.shape[0] <= len(self.aux_out) \
             else None
         for i, layer in enumerate(self.layers[self.start_layer:end], self.start_layer):
-            if aux is not None and (j := self.aux_slot.get(i)) is not None:
-                h = aux.shape[1] // len(self.aux_slot)
+            if aux is not None and i in self.aux_layers:
+                j, h = self.aux_layers.index(i), x.shape[-1]
                 aux[:x.shape[0], j * h:(j + 1) * h] = x if residual is None else x + residual
             x, residual = layer(positions, x, residual, meta)
         if not self.is_last_stage:

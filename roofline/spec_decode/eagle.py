@@ -187,8 +187,7 @@ class EagleProposer(AutoregressiveProposer):
             if n > len(inner.aux_out):  # every forward path writes them where they fit (set_aux_layers)
                 raise RuntimeError(f"EAGLE fused features: a step of {n} tokens, but the target keeps residual "
                                    f"streams for at most {len(inner.aux_out)}")
-            hidden = fuse_features(torch.cat([hidden, inner.aux_out[:n].to(hidden.dtype)], dim=-1), self.fuse_w,
-                                   hidden.shape[1], self.eps)
+            hidden = fuse_features(hidden, inner.aux_out[:n], self.fuse_w, self.eps)
         self.store.observe(worker, step, hidden)
 
     def accept_tree(self, row: int, root_pos: int, path: list[int]) -> None:

@@ -177,23 +177,20 @@ class EagleLayer(nn.Module):
                 getattr(self, n).weight.copy_(sd[f"mlp.{n}.weight"])
 
 
-def fuse_features(features: torch.Tensor, fuse_weight: torch.Tensor, hidden: int, eps: float) -> torch.Tensor:
-    """EAGLE-3's feature fusion on EAGLE-1's input: ``features`` [..., (1 + n) H] (the final normed features f,
-    then n residual streams of lower layers) -> f + W [rms(a_1) | ... | rms(a_n)], [..., H]; each a_i scaled to unit
-    RMS (no weight; the residual stream grows with depth), ``fuse_weight`` W [H, nH]. Features of width H (the
-    head's own predicted features, at draft steps past the first) pass unchanged."""
-    if features.shape[-1] == hidden:
-        return features
-    aux = features[..., hidden:].unflatten(-1, (-1, hidden)).float()
-    aux = (aux * torch.rsqrt(aux.pow(2).mean(-1, keepdim=True) + eps)).flatten(-2).to(fuse_weight.dtype)
-    return features[..., :hidden] + F.linear(aux, fuse_weight).to(features.dtype)
+def fuse_features(top: torch.Tensor, aux: torch.Tensor, fuse_weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """EAGLE-3's feature fusion on EAGLE-1's input: the final normed features ``top`` [..., H] and n residual streams
+    of lower layers ``aux`` [..., nH] -> f + W [rms(a_1) | ... | rms(a_n)], [..., H] in ``top``'s dtype; each a_i
+    scaled to unit RMS (no weight; the residual stream grows with depth), ``fuse_weight`` W [H, nH]."""
+    h = top.shape[-1]
+    a = F.rms_norm(aux.unflatten(-1, (-1, h)).float(), (h,), eps=eps).flatten(-2).to(fuse_weight.dtype)
+    return top + F.linear(a, fuse_weight).to(top.dtype)
 
 
 class EagleHead(nn.Module):
     """EAGLE-1's draft (module docstring). ``forward(features [T, H], next_embeds [T, H], positions [T])`` ->
     predicted next features [T, H]: row p reads f_p and the embedding of token p + 1 (or [B, T, H] each, a
     right-padded batch, ``EagleLayer``). With ``cfg.aux_layers`` (n of them) the features may be
-    [..., (1 + n) H], fused by ``fuse_features`` through ``fuse`` [H, nH], which starts at zero: the head then starts
+    [..., (1 + n) H] (f, then the streams), fused by ``fuse_features`` through ``fuse`` [H, nH], which starts at zero: the head then starts
     as the EAGLE-1 head it may be initialised from (Li et al., "EAGLE-3: Scaling up Inference Acceleration of
     Large Language Models via Training-Time Test", 2025, fuses low, middle and top-layer features)."""
 
@@ -209,8 +206,9 @@ class EagleHead(nn.Module):
 
     def forward(self, features: torch.Tensor, next_embeds: torch.Tensor, positions: torch.Tensor,
                 cos_sin: torch.Tensor) -> torch.Tensor:
-        if self.fuse is not None:
-            features = fuse_features(features, self.fuse.weight, self.cfg.hidden_size, self.cfg.rms_norm_eps)
+        h = self.cfg.hidden_size
+        if self.fuse is not None and features.shape[-1] > h:  # the head's own features (width H) pass unfused
+            features = fuse_features(features[..., :h], features[..., h:], self.fuse.weight, self.cfg.rms_norm_eps)
         return self.layer(self.fc(torch.cat([features, next_embeds], dim=-1)), positions, cos_sin)
 
     def load_export(self, sd: dict[str, torch.Tensor]) -> None:

@@ -60,7 +60,7 @@ def check_train_args(args: argparse.Namespace) -> None:
         try:
             init_cfg = read_head_config(args.init_head, "eagle")
         except ValueError as e:
-            raise ValueError(str(e).replace("speculative_config model", "train-draft --init-head", 1)) from None
+            raise _as_init_head_error(e) from None
         if not args.aux_layer_ids:  # keep the head's fused layers (its fuse.weight reads them)
             args.aux_layer_ids = tuple(init_cfg.aux_layers)
         elif init_cfg.aux_layers and list(args.aux_layer_ids) != init_cfg.aux_layers:
@@ -75,6 +75,11 @@ def check_train_args(args: argparse.Namespace) -> None:
                 raise ValueError(f"train-draft {flag} is for --method eagle, got --method {args.method}")
 
 
+def _as_init_head_error(e: ValueError) -> ValueError:
+    """A head loader's error (worded for ``speculative_config model``) as ``--init-head``'s."""
+    return ValueError(str(e).replace("speculative_config model", "train-draft --init-head", 1))
+
+
 def parse_aux_layers(text: str) -> tuple[int, ...]:
     """``--aux-layers`` "2,15" -> (2, 15) ("" -> ()).
 
@@ -86,8 +91,7 @@ def parse_aux_layers(text: str) -> tuple[int, ...]:
     if not all(re.fullmatch(r"[0-9]+", x) for x in parts) or len(set(map(int, parts))) != len(parts):
         raise ValueError(f"train-draft --aux-layers must be distinct decoder layer indices >= 0, comma-separated "
                          f"(e.g. 2,15), got {text!r}")
-    ids = tuple(int(x) for x in parts)
-    return ids
+    return tuple(int(x) for x in parts)
 
 
 def run_train_draft(args: argparse.Namespace) -> int:
@@ -121,7 +125,7 @@ def run_train_draft(args: argparse.Namespace) -> int:
             init_cfg, init = load_head(args.init_head, "eagle")
             init_cfg.check_target(llm.engine.worker.model_config, args.init_head)
         except ValueError as e:
-            raise ValueError(str(e).replace("speculative_config model", "train-draft --init-head", 1)) from None
+            raise _as_init_head_error(e) from None
     print(f"train-draft {args.method}: target {llm.engine.worker.model_config.name} on {dev}", flush=True)
     from tqdm import tqdm
 

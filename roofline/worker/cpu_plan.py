@@ -281,13 +281,10 @@ class CpuDecodePlan:
                 or seq_lens.shape != (m,)):
             return model(input_ids, positions, meta)
         aux = None
-        if inner.aux_slot:  # the residual streams an EAGLE head fuses (LlamaModel.set_aux_layers)
+        if inner.aux_layers:  # the residual streams an EAGLE head fuses (LlamaModel.set_aux_layers)
             if m > len(inner.aux_out):
                 return model(input_ids, positions, meta)  # it writes none either
-            slot = torch.full((len(self.layers),), -1, dtype=torch.int64)
-            for i, j in inner.aux_slot.items():
-                slot[i] = j
-            aux = (inner.aux_out, slot)
+            aux = (inner.aux_out, inner.aux_slots)
         if not self.run_rows(x, pos, slots, table, seq_lens, tree_lo, tree_bits, aux):
             return model(input_ids, positions, meta)
         return x

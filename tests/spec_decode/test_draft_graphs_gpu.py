@@ -76,7 +76,8 @@ def test_fused_eagle_features_come_out_of_the_target_graphs(tmp_path):
     llm = LLM(**kw, speculative_config={"method": "eagle", "model": str(tmp_path), "num_speculative_tokens": 2,
                                         "adaptive": False})
     w = llm.engine.worker
-    assert w.graphs is not None and w.model.model.aux_slot == {1: 0, 0: 1}
+    assert w.graphs is not None and w.model.model.aux_layers == (1, 0)
+    assert w.model.model.aux_slots.tolist() == [1, 0] + [-1] * 28
     seen: list[torch.Tensor] = []
     forward = w.stage.forward
 

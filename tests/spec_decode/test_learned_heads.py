@@ -216,12 +216,14 @@ def test_fused_head_starts_as_its_eagle1_head_and_fuses_normed_streams():
         torch.testing.assert_close(fused(torch.cat([f, a], -1), e, pos, cos_sin), one(f, e, pos, cos_sin),
                                    atol=0, rtol=0)
         fused.fuse.weight.normal_()
-        got = fuse_features(torch.cat([f, a], -1), fused.fuse.weight, 64, 1e-5)
+        got = fuse_features(f, a, fused.fuse.weight, 1e-5)
+        unfused = fused(f, e, pos, cos_sin)  # width H: the head's own predicted features
     a64 = a.double().view(9, 2, 64)
     want = f.double() + (a64 / (a64.pow(2).mean(-1, keepdim=True) + 1e-5).sqrt()).view(9, 128) @ \
         fused.fuse.weight.double().T
     torch.testing.assert_close(got.double(), want, atol=1e-4, rtol=1e-5)
-    assert fuse_features(f, fused.fuse.weight, 64, 1e-5) is f
+    with torch.no_grad():
+        assert torch.equal(unfused, one(f, e, pos, cos_sin))
     assert fused.export()["fuse.weight"].shape == (64, 128) and "fuse.weight" not in one.export()
 
 
@@ -411,7 +413,8 @@ def test_a_fused_eagle_head_is_greedy_identical(tiny, tiny_dir, fused_eagle, tre
     llm = LLM(str(tiny_dir), speculative_config=spec, **COMMON)
     p = llm.engine.worker.proposer
     assert p.fuse_w is not None and tuple(p.fuse_w.shape) == (64, 128)
-    assert llm.engine.worker.model.model.aux_slot == {1: 0, 0: 1}
+    inner = llm.engine.worker.model.model
+    assert inner.aux_layers == (1, 0) and inner.aux_slots.tolist() == [1, 0]
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
     assert got == ref
     assert llm.engine.spec_stats.num_accepted_tokens > 0
