@@ -1,4 +1,10 @@
-"""16-bit linears on CPU with the weight packed once for oneDNN, instead of on every call.
+"""bf16 linears on CPU with the weight packed once after loading, instead of on every call.
+
+Where the C++ library has a tile kernel (:func:`tiles_available`), each weight is packed once into Intel's VNNI
+tile layout (:func:`tile_pack`) and 1 to :func:`tile_max_rows` rows run :func:`amx_linear` (AMX-BF16) or
+:func:`vnni_linear` (AVX-512 BF16): each output summed in the same order at any M, so a row's bits do not depend on
+the rows beside it (speculative verify passes equal decode steps, and the CPU decode plan runs the same kernels);
+more rows (prefill) run ``F.linear`` on the dense weight. Otherwise the weight is packed for oneDNN:
 
 ``F.linear`` on bf16 CPU tensors runs oneDNN's matmul (AVX-512 BF16 dot products, or AMX tiles), but the weight
 arrives in torch's plain [N, K] layout, so every call first reorders it into oneDNN's blocked layout: at decode
@@ -44,11 +50,11 @@ def should_prepack(weight: torch.Tensor) -> bool:
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` bf16 [N, K] -> the same bytes in a kernel's layout, for :func:`packed_linear`: AMX tiles
-    ([N/16, K/32, 16, 32] bf16, :func:`amx_pack`) where :func:`amx_available` and N % 16 == K % 32 == 0, else an
-    opaque oneDNN tensor (its blocked layout, reported as [N, K])."""
-    if amx_available() and weight.dim() == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0:
-        return amx_pack(weight)
+    """``weight`` bf16 [N, K] -> the same bytes in a kernel's layout, for :func:`packed_linear`: tiles ([N/16, K/32,
+    16, 32] bf16, :func:`tile_pack`) where :func:`tiles_available` and N % 16 == K % 32 == 0, else an opaque oneDNN
+    tensor (its blocked layout, reported as [N, K])."""
+    if tiles_available() and weight.dim() == 2 and weight.shape[0] % 16 == 0 and weight.shape[1] % 32 == 0:
+        return tile_pack(weight)
     return torch.ops.mkldnn._reorder_linear_weight(weight.detach().contiguous())
 
 
@@ -59,9 +65,9 @@ def pack_layer(layer) -> None:
 
 
 def layer_linear(layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``x`` @ ``layer.weight``^T (+ ``bias``) through the packed copy (and :func:`gemv` at one row) where
-    :func:`pack_layer` made one and ``x`` is bf16 on the CPU; None otherwise (the caller's own path). fp32 rows:
-    ``roofline.kernels.cpu_f32.layer_linear``, which the layers call."""
+    """``x`` @ ``layer.weight``^T (+ ``bias``) through the packed copy where :func:`pack_layer` made one and ``x`` is
+    bf16 on the CPU; None otherwise (the caller's own path). fp32 rows: ``roofline.kernels.cpu_f32.layer_linear``,
+    which the layers call."""
     packed = getattr(layer, "packed_weight", None)
     if packed is None or x.dtype != torch.bfloat16 or x.device.type != "cpu":
         return None
@@ -71,27 +77,23 @@ def layer_linear(layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> to
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
                   dense: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [..., K] bf16 @ the packed [N, K] weight^T (+ ``bias`` [N]) -> [..., N] bf16, as ``F.linear``.
-    An AMX-packed weight (:func:`prepack`) goes through :func:`amx_linear` at 1 to ``AMX_MAX_ROWS`` rows, so that
-    a row's result is the same bits at any M (a speculative verify pass's rows equal the decode steps' single
-    rows; on the Intel Xeon of 2026-12-05 it is also as fast as the GEMV at one row), past that (or with the library
-    turned off since packing) through ``F.linear`` on ``dense`` (oneDNN's large-M kernel); otherwise one row with
-    ``dense`` (the same weight, row-major [N, K] bf16) through :func:`gemv` where it applies, and a oneDNN-packed
-    weight through oneDNN.
+    A tile-packed weight (:func:`prepack`) goes through :func:`tile_linear` at 1 to :func:`tile_max_rows` rows, so
+    that a row's result is the same bits at any M (a speculative verify pass's rows equal the decode steps' single
+    rows), past that (or with the library turned off since packing) through ``F.linear`` on ``dense`` (oneDNN's
+    large-M kernel); a oneDNN-packed weight through oneDNN.
 
     Raises:
-        ValueError: an AMX-packed weight, no ``dense``, and the AMX kernel declined."""
+        ValueError: a tile-packed weight, no ``dense``, and the tile kernels declined."""
     x2 = x.reshape(-1, x.shape[-1])
     if not x2.is_contiguous():
         x2 = x2.contiguous()
     M = x2.shape[0]
     out = None
-    if packed.dim() == 4 and (M <= AMX_MAX_ROWS or dense is None):
-        out = amx_linear(x2, packed, bias)  # at every M, one row included: a row's result does not depend on M
-    if out is None and dense is not None and M == 1:
-        out = gemv(x2, dense, bias)
-    if out is None and packed.dim() == 4:  # past AMX_MAX_ROWS, or the library was turned off after packing
+    if packed.dim() == 4 and (M <= tile_max_rows() or dense is None):
+        out = tile_linear(x2, packed, bias)  # one row included: a row's result does not depend on M
+    if out is None and packed.dim() == 4:  # past the kernel's rows, or the library was turned off after packing
         if dense is None:
-            raise ValueError("packed_linear: an AMX-packed weight needs the C++ library or the dense weight")
+            raise ValueError("packed_linear: a tile-packed weight needs the C++ library or the dense weight")
         out = torch.nn.functional.linear(x2, dense, bias)
     if out is None:
         out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
@@ -99,7 +101,8 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 
 
 # The AMX small-M GEMM (C++, roofline_amx_linear_bf16 in the library of roofline.kernels.cpu_paged_attention);
-# ROOFLINE_CPU_AMX=0 turns it off (weights are then packed for oneDNN). Read when weights are packed.
+# ROOFLINE_CPU_AMX=0 turns it off (weights are then packed for the AVX-512 BF16 GEMM where the CPU has it, else for
+# oneDNN). Read when weights are packed.
 AMX = os.environ.get("ROOFLINE_CPU_AMX", "1") != "0"
 # Past this many rows packed_linear hands an AMX-packed layer to F.linear on the dense weight (oneDNN's reorder
 # is then amortized): on the Intel Xeon (AMX) of 2026-12-04, 2 threads, the default model's five shapes (4 layers'
@@ -128,38 +131,33 @@ def amx_available() -> bool:
     return AMX and _amx_probe()
 
 
-def amx_pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` [N, K] bf16 (N % 16 == 0, K % 32 == 0) -> [N/16, K/32, 16, 32] bf16: AMX B-operand tiles, tile
-    (n, k) holding rows 16n..16n+15 and columns 32k..32k+31 with each row's column pairs interleaved
-    (``tile[r, 2c + j] = weight[16n + c, 32k + 2r + j]``, Intel SDM's VNNI layout for TDPBF16PS).
+def tile_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` [N, K] bf16 (N % 16 == 0, K % 32 == 0) -> [N/16, K/32, 16, 32] bf16: tile (n, k) holds rows
+    16n..16n+15 and columns 32k..32k+31 with each row's column pairs interleaved (``tile[r, 2c + j] = weight[16n + c,
+    32k + 2r + j]``, Intel SDM's VNNI layout): a TDPBF16PS B-operand tile for :func:`amx_linear`, and row by row (16
+    columns x one k pair) a VDPBF16PS operand for :func:`vnni_linear`.
 
     Raises:
         ValueError: another dtype or shape, or the C++ library is missing."""
     N, K = weight.shape if weight.dim() == 2 else (0, 0)
     if weight.dtype != torch.bfloat16 or weight.dim() != 2 or N % 16 or K % 32 or N == 0 or K == 0:
-        raise ValueError(f"amx_pack needs a bf16 [N, K] weight with N % 16 == 0 and K % 32 == 0, got "
+        raise ValueError(f"tile_pack needs a bf16 [N, K] weight with N % 16 == 0 and K % 32 == 0, got "
                          f"{weight.dtype} {tuple(weight.shape)}")
     lib = _cpp_library()
     if lib is None:
-        raise ValueError("amx_pack needs the C++ kernel library (ROOFLINE_CPU_GEMV=0, or it did not build)")
+        raise ValueError("tile_pack needs the C++ kernel library (ROOFLINE_CPU_GEMV=0, or it did not build)")
     w = weight.detach().contiguous()
     out = torch.empty(N // 16, K // 32, 16, 32, dtype=torch.bfloat16)
     lib.roofline_amx_pack_bf16(w.data_ptr(), out.data_ptr(), N, K, torch.get_num_threads())
     return out
 
 
-def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``x`` [M, K] bf16 (contiguous) @ the weight packed by :func:`amx_pack` ^T (+ ``bias`` [N] bf16) -> [M, N]
-    bf16: exact bf16 products summed in fp32 on AMX tiles, the bias added in fp32, rounded once (on the Xeon of
-    2026-12-04 bit-identical to ``F.linear`` up to M = 33). None where it does not apply (no AMX, shapes): the
-    caller runs another path.
-
-    Why: in the main job (the default model, 32 rows, Intel Xeon with AMX, 2 threads, CPU decode plan off,
-    alternated twice) the decode step went from 48.0 / 48.2 ms with oneDNN's packed linear to 42.3 / 40.0 ms with
-    this kernel, its linears from 18.2 to 12.6 ms. Microbenchmarks of single shapes on that VM swung between 1.0x
-    and 1.5x oneDNN from run to run."""
+def _tiled(fn_name: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None,
+           max_rows: int) -> torch.Tensor | None:
+    """``x`` [M, K] bf16 @ a :func:`tile_pack` weight ^T (+ ``bias``) -> [M, N] bf16 through the library's
+    ``fn_name``; None where it does not apply (dtypes, shapes, more than ``max_rows`` rows, no library)."""
     if (x.dim() != 2 or x.dtype != torch.bfloat16 or packed.dim() != 4 or packed.dtype != torch.bfloat16
-            or x.shape[1] != packed.shape[1] * 32 or x.device.type != "cpu"
+            or x.shape[1] != packed.shape[1] * 32 or x.device.type != "cpu" or x.shape[0] > max_rows
             or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()))
             or (lib := _cpp_library()) is None):
         return None
@@ -168,12 +166,82 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     y = torch.empty(M, N, dtype=torch.bfloat16)
     if M == 0:
         return y
-    ok = lib.roofline_amx_linear_bf16(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                      y.data_ptr(), M, N, K, torch.get_num_threads())
+    ok = getattr(lib, fn_name)(x.data_ptr(), packed.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                               y.data_ptr(), M, N, K, torch.get_num_threads())
     return y if ok else None
 
 
-# The one-row GEMV and the fused add + RMSNorm (C++, the library of roofline.kernels.cpu_paged_attention);
+def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x`` [M, K] bf16 (contiguous) @ the weight packed by :func:`tile_pack` ^T (+ ``bias`` [N] bf16) -> [M, N]
+    bf16: exact bf16 products summed in fp32 on AMX tiles, the bias added in fp32, rounded once (on the Xeon of
+    2026-12-04 bit-identical to ``F.linear`` up to M = 33). None where it does not apply (no AMX, shapes): the
+    caller runs another path.
+
+    Why: in the main job (the default model, 32 rows, Intel Xeon with AMX, 2 threads, CPU decode plan off,
+    alternated twice) the decode step went from 48.0 / 48.2 ms with oneDNN's packed linear to 42.3 / 40.0 ms with
+    this kernel, its linears from 18.2 to 12.6 ms. Microbenchmarks of single shapes on that VM swung between 1.0x
+    and 1.5x oneDNN from run to run."""
+    return _tiled("roofline_amx_linear_bf16", x, packed, bias, 1 << 62)
+
+
+# The AVX-512 BF16 small-M GEMM takes at most this many rows (C++ roofline_vnni_linear_bf16).
+VNNI_MAX_ROWS = 64
+
+
+def vnni_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x`` [M, K] bf16, 1 <= M <= ``VNNI_MAX_ROWS``, @ the weight packed by :func:`tile_pack` ^T (+ ``bias`` [N]
+    bf16) -> [M, N] bf16 with AVX-512 BF16 dot products (C++ ``roofline_vnni_linear_bf16``: VDPBF16PS, Intel SDM,
+    x's k pair broadcast against a tile row of 16 columns), for a CPU without AMX tiles. Each output is one fp32
+    lane that takes the k pairs in order, the bias added in fp32, rounded once: the same operations at any M, so a
+    row's bits do not depend on the rows beside it (a verify pass's rows equal the decode steps' single rows), and
+    within one bf16 rounding of the float64 product. None where it does not apply (no AVX-512 BF16, shapes, rows).
+
+    Why: on the AMD EPYC of 2026-12-07 (2 threads, AVX-512 BF16, no AMX), the default model's 121 linears (269 MB
+    of bf16) took 8.0 / 10.3 / 16.4 / 26.4 / 46.3 ms at M = 1 / 4 / 16 / 32 / 64, against 11.9 / 14.3 / 25.6 /
+    40.9 / 68.6 for the one-row-style GEMV it replaces (16 lanes a row, summed across) and 12.5 / 10.3 / 17.2 /
+    27.4 / 51.9 for oneDNN with the weight packed once (``python bench/cpu_linear.py --dtype bfloat16``)."""
+    return _tiled("roofline_vnni_linear_bf16", x, packed, bias, VNNI_MAX_ROWS)
+
+
+@functools.cache
+def _vnni_probe() -> bool:
+    lib = _cpp_library()
+    if lib is None or not detect_cpu_features().avx512_bf16:
+        return False
+    w = torch.ones(16, 32, dtype=torch.bfloat16)
+    wp = torch.empty(16, 32, dtype=torch.bfloat16)
+    y = torch.empty(1, 16, dtype=torch.bfloat16)
+    x = torch.ones(1, 32, dtype=torch.bfloat16)
+    return bool(lib.roofline_amx_pack_bf16(w.data_ptr(), wp.data_ptr(), 16, 32, 1)
+                and lib.roofline_vnni_linear_bf16(x.data_ptr(), wp.data_ptr(), 0, y.data_ptr(), 1, 16, 32, 1)
+                and bool((y == 32).all()))
+
+
+def vnni_available() -> bool:
+    """The AVX-512 BF16 small-M GEMM runs here: the library built with it (the CPU has AVX-512 BF16) and a 1x16x32
+    product came out right."""
+    return GEMV and _vnni_probe()
+
+
+def tiles_available() -> bool:
+    """A tile kernel runs here (:func:`amx_linear` or :func:`vnni_linear`): weights are then packed with
+    :func:`tile_pack`."""
+    return amx_available() or vnni_available()
+
+
+def tile_max_rows() -> int:
+    """Rows up to which :func:`packed_linear` runs a tile-packed weight through :func:`tile_linear`: ``AMX_MAX_ROWS``
+    with AMX, else ``VNNI_MAX_ROWS``."""
+    return AMX_MAX_ROWS if amx_available() else VNNI_MAX_ROWS
+
+
+def tile_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The tile kernel this CPU has: :func:`amx_linear` with AMX, else :func:`vnni_linear` (None where neither
+    applies)."""
+    return amx_linear(x, packed, bias) if amx_available() else vnni_linear(x, packed, bias)
+
+
+# The small-M linear and the fused add + RMSNorm (C++, the library of roofline.kernels.cpu_paged_attention);
 # ROOFLINE_CPU_GEMV=0 turns both off.
 GEMV = os.environ.get("ROOFLINE_CPU_GEMV", "1") != "0"
 
@@ -186,29 +254,6 @@ def _cpp_library():
 
     lib = cpa._library()
     return None if isinstance(lib, str) else lib
-
-
-def gemv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """One row: ``x`` [1, K] bf16 @ ``weight`` [N, K] bf16 (contiguous)^T (+ ``bias`` [N] bf16) -> [1, N] bf16, the
-    products and the bias summed in fp32 and rounded once, through the C++ AVX-512 BF16 GEMV
-    (``roofline_gemv_bf16``: vdpbf16ps, Intel SDM). None where it does not apply (``ROOFLINE_CPU_GEMV=0``, no
-    library, no AVX-512 BF16, K not a multiple of 32, other dtypes or shapes): the caller runs oneDNN then.
-
-    Why: at M = 1 oneDNN's packed bf16 linear streams the default model's small projections at 16-27 GB/s and
-    its LM head at 44 GB/s; this loop ran them 1.2-2.2x faster (qkv 960x576 53.8 -> 28.6 us, o 576x576 40.6 ->
-    18.3, gate_up 3072x576 177.5 -> 137.9, down 576x1536 66.6 -> 43.8, LM head 49152x576 1275.6 -> 1043.5; Intel
-    Xeon with AMX, 2 threads, 30 distinct weights per shape, 2026-12-04)."""
-    if (x.dim() != 2 or x.shape[0] != 1 or x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16
-            or weight.dim() != 2 or x.shape[1] != weight.shape[1] or weight.shape[1] % 32 or x.device.type != "cpu"
-            or not weight.is_contiguous()
-            or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()))
-            or (lib := _cpp_library()) is None):
-        return None
-    x = x.contiguous()
-    y = torch.empty(1, weight.shape[0], dtype=torch.bfloat16)
-    ok = lib.roofline_gemv_bf16(x.data_ptr(), weight.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                y.data_ptr(), weight.shape[0], weight.shape[1], torch.get_num_threads())
-    return y if ok else None
 
 
 def add_rmsnorm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float

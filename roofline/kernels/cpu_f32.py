@@ -7,7 +7,7 @@ weights, distinct tensors so nothing stays in cache) took 21.4 ms at M = 1 and 2
 at M = 2 / 4 / 8 / 16 / 32: a speculative verify pass of 4 rows cost 2x a decode step in its linears. The C++ loop
 (``roofline_linear_f32`` in the library of ``roofline.kernels.cpu_paged_attention``: AVX-512F FMAs, four weight
 rows a step shared by up to four rows of x, weight rows prefetched, blocks of rows over the threads) took 21.4 /
-21.8 / 23.4 / 27.4 / 39.4 / 56.2 ms in the same process (``python bench/cpu_linear_f32.py``,
+21.8 / 23.4 / 27.4 / 39.4 / 56.2 ms in the same process (``python bench/cpu_linear.py``,
 ``bench/results/cpu-f32-linear-20261206/``); at M = 48 both took 73 ms.
 
 Numerics: every output is one 16-lane fp32 accumulator over K in order, its lanes summed, then the bias added, so

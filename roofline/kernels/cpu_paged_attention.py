@@ -13,9 +13,10 @@ nothing past the row's length (the stale tail of its last block) is read. With A
 2026-12-04) the kernel's share went from 28.8 to 13.3 ms a step. Work items are the rows, shared out by OpenMP
 (the same libgomp runtime as torch's: the library links ``libgomp.so.1``, which the process already has).
 The same library carries the decode step's other small C++ pieces: :func:`rope_and_store` (RoPE and the KV store in
-one pass, ``roofline_rope_store``), the bf16 helpers of ``roofline.kernels.cpu_bf16`` (the one-row GEMV
-``roofline_gemv_bf16``, the fused residual add + RMSNorm ``roofline_add_rmsnorm_bf16``, SiLU-and-mul
-``roofline_silu_mul_bf16``, the AMX small-M GEMM ``roofline_amx_linear_bf16`` and its weight packing), the
+one pass, ``roofline_rope_store``), the bf16 helpers of ``roofline.kernels.cpu_bf16`` (the small-M GEMMs
+``roofline_vnni_linear_bf16`` (AVX-512 BF16) and ``roofline_amx_linear_bf16`` (AMX) and their weight packing,
+the fused residual add + RMSNorm ``roofline_add_rmsnorm_bf16``, SiLU-and-mul
+``roofline_silu_mul_bf16``), the
 one-row INT8 W8A8 GEMV of ``roofline.kernels.cpu_int8`` (``roofline_gemv_w8a8``) and the CPU decode plan's whole
 step (``roofline_decode_step``, ``roofline.worker.cpu_plan``).
 
@@ -368,53 +369,6 @@ static inline uint16_t narrow(float f) {
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// One-row bf16 GEMV (roofline.kernels.cpu_bf16.gemv): y[n] = bf16(sum_k x[k] w[n, k] (+ bias[n])), x [K], w [N, K]
-// (row-major) and bias [N] (or null) bf16, the sum and the bias add in fp32, rounded once. AVX-512 BF16 dot
-// products (vdpbf16ps: pairs of bf16 products into fp32 lanes, RNE), four rows per step sharing each x chunk, rows
-// split over the threads. Returns 0 (nothing written) where the CPU or compiler lacks AVX-512 BF16 or K is not a
-// multiple of 32.
-extern "C" int roofline_gemv_bf16(const uint16_t* x, const uint16_t* w, const uint16_t* bias, uint16_t* y,
-                                  int64_t N, int64_t K, int nthreads) {
-#if defined(__AVX512BF16__)
-  if (K % 32 != 0) return 0;
-  const int64_t kc = K / 32;
-  #pragma omp parallel for schedule(static) num_threads(nthreads)
-  for (int64_t n0 = 0; n0 < N; n0 += 4) {
-    const uint16_t* w0 = w + n0 * K;
-    float s[4];
-    const int64_t rows = N - n0 < 4 ? N - n0 : 4;
-    if (rows == 4) {  // four rows share each x chunk's load
-      __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps(), a2 = _mm512_setzero_ps(), a3 = _mm512_setzero_ps();
-      for (int64_t c = 0; c < kc; ++c) {
-        __m512bh xv = (__m512bh)_mm512_loadu_si512(x + c * 32);
-        for (int r = 0; r < 4; ++r) _mm_prefetch((const char*)(w0 + r * K + c * 32) + kPrefetch, _MM_HINT_T0);
-        a0 = _mm512_dpbf16_ps(a0, xv, (__m512bh)_mm512_loadu_si512(w0 + c * 32));
-        a1 = _mm512_dpbf16_ps(a1, xv, (__m512bh)_mm512_loadu_si512(w0 + K + c * 32));
-        a2 = _mm512_dpbf16_ps(a2, xv, (__m512bh)_mm512_loadu_si512(w0 + 2 * K + c * 32));
-        a3 = _mm512_dpbf16_ps(a3, xv, (__m512bh)_mm512_loadu_si512(w0 + 3 * K + c * 32));
-      }
-      s[0] = _mm512_reduce_add_ps(a0);
-      s[1] = _mm512_reduce_add_ps(a1);
-      s[2] = _mm512_reduce_add_ps(a2);
-      s[3] = _mm512_reduce_add_ps(a3);
-    } else {
-      for (int64_t r = 0; r < rows; ++r) {
-        __m512 a = _mm512_setzero_ps();
-        for (int64_t c = 0; c < kc; ++c)
-          a = _mm512_dpbf16_ps(a, (__m512bh)_mm512_loadu_si512(x + c * 32),
-                               (__m512bh)_mm512_loadu_si512(w0 + r * K + c * 32));
-        s[r] = _mm512_reduce_add_ps(a);
-      }
-    }
-    for (int64_t r = 0; r < rows; ++r) y[n0 + r] = narrow(s[r] + (bias ? widen(bias[n0 + r]) : 0.0f));
-  }
-  return 1;
-#else
-  (void)x; (void)w; (void)bias; (void)y; (void)N; (void)K; (void)nthreads;
-  return 0;
-#endif
-}
-
 // Small-M fp32 linear (roofline.kernels.cpu_f32.linear_f32): y [M, N] = x [M, K] @ w^T (+ bias [N]), all fp32, w
 // [N, K] row-major, 1 <= M <= 64. Every weight row is streamed from memory once for all M rows; F.linear (MKL's
 // sgemm past two rows) ran 4 rows at 1.8x the time of one on the default model's linears. Each output is one
@@ -549,6 +503,93 @@ extern "C" int roofline_amx_pack_bf16(const uint16_t* w, uint16_t* out, int64_t 
         }
     }
   return 1;
+}
+
+// Small-M bf16 GEMM with AVX-512 BF16 dot products (roofline.kernels.cpu_bf16.vnni_linear), for a CPU without AMX
+// tiles: y [M, N] = bf16(x [M, K] @ w^T (+ bias [N])), 1 <= M <= 64, on w packed by roofline_amx_pack_bf16 (whose
+// tile rows are exactly vdpbf16ps's B operand: 16 columns x one k pair). Each output is one fp32 lane: vdpbf16ps
+// (Intel SDM) adds x's k pair (broadcast) times w's into it, pair after pair in k order; the bias is added in fp32
+// and the sum rounded once. The same operations at every M, so a row's bits do not depend on the rows beside it (a
+// speculative verify pass's rows equal the decode steps' single rows) and no horizontal sum is needed. A thread
+// takes 32 output columns (two 16-column panels, each K x 32 bf16 contiguous) and runs x in blocks of up to 8 rows
+// (16 accumulators); the first block streams the panels from memory (prefetched kPrefetch ahead), the others re-read
+// them from cache. Returns 0 (nothing written) without AVX-512 BF16, K % 32, N % 16 or M outside [1, 64].
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+// narrow16 is narrow() on 16 lanes (bit-identical: RNE, NaN kept quiet), stored as 16 bf16.
+static inline void narrow16(__m512 v, uint16_t* out) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                _mm512_set1_epi32(0x7f800000));
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+  _mm256_storeu_si256((__m256i*)out, _mm512_cvtepi32_epi16(r));
+}
+template <int MB, int NB>
+static inline void vnni_block(const uint16_t* x, int64_t K, const uint16_t* w0, int64_t kc, bool prefetch,
+                              const uint16_t* bias, uint16_t* y, int64_t N) {
+  const uint16_t* wj[2] = {w0, w0 + kc * 512};
+  __m512 acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_ps();
+  const int64_t pairs = kc * 16;
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) {
+      if (prefetch && (p & 1) == 0) _mm_prefetch((const char*)(wj[j] + p * 32) + kPrefetch, _MM_HINT_T0);
+      wv[j] = (__m512bh)_mm512_loadu_si512(wj[j] + p * 32);
+    }
+    for (int m = 0; m < MB; ++m) {
+      int32_t xp;
+      std::memcpy(&xp, x + m * K + 2 * p, 4);
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xp);
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbf16_ps(acc[m][j], xb, wv[j]);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
+        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + j * 16))), 16)) : _mm512_setzero_ps();
+    for (int m = 0; m < MB; ++m) narrow16(bias ? _mm512_add_ps(acc[m][j], b) : acc[m][j], y + m * N + j * 16);
+  }
+}
+template <int NB>
+static inline void vnni_rows(const uint16_t* x, int64_t M, int64_t K, const uint16_t* w0, int64_t kc,
+                             const uint16_t* bias, uint16_t* y, int64_t N) {
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const uint16_t* xm = x + m0 * K;
+    uint16_t* ym = y + m0 * N;
+    const bool pf = m0 == 0;
+    switch (M - m0 < 8 ? (int)(M - m0) : 8) {
+      case 1: vnni_block<1, NB>(xm, K, w0, kc, pf, bias, ym, N); break;
+      case 2: vnni_block<2, NB>(xm, K, w0, kc, pf, bias, ym, N); break;
+      case 3: vnni_block<3, NB>(xm, K, w0, kc, pf, bias, ym, N); break;
+      case 4: vnni_block<4, NB>(xm, K, w0, kc, pf, bias, ym, N); break;
+      case 5: vnni_block<5, NB>(xm, K, w0, kc, pf, bias, ym, N); break;
+      case 6: vnni_block<6, NB>(xm, K, w0, kc, pf, bias, ym, N); break;
+      case 7: vnni_block<7, NB>(xm, K, w0, kc, pf, bias, ym, N); break;
+      default: vnni_block<8, NB>(xm, K, w0, kc, pf, bias, ym, N); break;
+    }
+  }
+}
+#endif
+
+extern "C" int roofline_vnni_linear_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
+                                         int64_t M, int64_t N, int64_t K, int nthreads) {
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+  if (K % 32 || N % 16 || M < 1 || M > 64) return 0;
+  const int64_t kc = K / 32, nsb = (N + 31) / 32;
+  #pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const uint16_t* w0 = wp + sb * 2 * kc * 512;
+    const uint16_t* b0 = bias ? bias + sb * 32 : nullptr;
+    if (N - sb * 32 >= 32) vnni_rows<2>(x, M, K, w0, kc, b0, y + sb * 32, N);
+    else vnni_rows<1>(x, M, K, w0, kc, b0, y + sb * 32, N);
+  }
+  return 1;
+#else
+  (void)x; (void)wp; (void)bias; (void)y; (void)M; (void)N; (void)K; (void)nthreads;
+  return 0;
+#endif
 }
 
 extern "C" int roofline_amx_linear_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
@@ -1010,26 +1051,25 @@ extern "C" int roofline_amx_linear_w8a8(const void* x, int x_bf16, const int8_t*
 // module path; what it removes is the Python between them (~230 us a layer at one row). Per layer:
 // h = rmsnorm(x [+ residual]); qkv = h W_qkv^T (+ b); RoPE + the KV store; attention over each row's blocks (bf16
 // out); o = a W_o^T; h = rmsnorm(o + residual); gate_up; SiLU-and-mul; x = down. Then the final norm into x.
-// A linear is bf16 (kind 0: W [N, K] bf16, its AMX tiles or null, bias bf16 or null) or INT8 W8A8 (kind 1: W int8
-// [N, K], scale fp32 [N], bias bf16/fp32 or null, its AMX-INT8 tiles or null: one row only without them). Returns 0 with nothing written where a piece would
-// decline (no AVX-512 BF16 / VNNI, a K it does not take, no AMX tiles past one row, a position, slot or block out
-// of range, a row's blocks past its table).
+// A linear is bf16 (kind 0 / 3: W [N, K] bf16, its tiles for AMX / AVX-512 BF16 in amx, bias bf16 or null), INT8
+// W8A8 (kind 1: W int8 [N, K], scale fp32 [N], bias bf16/fp32 or null, its AMX-INT8 tiles or null: one row only
+// without them) or fp32 (kind 2). Returns 0 with nothing written where a piece would decline (no AVX-512 BF16 / VNNI,
+// a K it does not take, no AMX tiles past one row, a position, slot or block out of range, a row's blocks past its
+// table).
 struct RooflineLinear { int32_t kind; int32_t bias_bf16; const void* w; const float* scale; const void* bias;
                         int64_t N, K; const void* amx; };
 struct RooflineLayer { const void* norm1; const void* norm2; float eps1, eps2;  // bf16 or fp32, as x
                        RooflineLinear qkv, o, gate_up, down; void* k_cache; void* v_cache; };
 
 // A linear of the plan on M rows, as roofline.kernels.cpu_bf16.packed_linear / cpu_int8 run it: kind 0 (bf16) the
-// AMX GEMM on the packed copy at any M where there is one (its rows do not depend on M), else the GEMV (one row);
-// kind 1 (INT8 W8A8) the GEMV at one row, the AMX-INT8 GEMM on the packed copy (amx: int8 tiles) at more (the same
-// bits: exact int32 sums either way).
+// AMX GEMM on the tile-packed copy, kind 3 (bf16) the AVX-512 BF16 GEMM on the same layout (1-64 rows; the rows of
+// either do not depend on M); kind 1 (INT8 W8A8) the GEMV at one row, the AMX-INT8 GEMM on the packed copy (amx:
+// int8 tiles) at more (the same bits: exact int32 sums either way).
 static int plan_linear(const RooflineLinear& l, const uint16_t* x, uint16_t* y, int64_t M, int nthreads) {
-  if (l.kind == 0) {
-    if (l.amx == nullptr) return roofline_gemv_bf16(x, (const uint16_t*)l.w, (const uint16_t*)l.bias, y, l.N, l.K,
-                                                    nthreads);
-    return roofline_amx_linear_bf16(x, (const uint16_t*)l.amx, (const uint16_t*)l.bias, y, M, l.N, l.K,
-                                    nthreads);
-  }
+  if (l.kind == 0) return roofline_amx_linear_bf16(x, (const uint16_t*)l.amx, (const uint16_t*)l.bias, y, M, l.N,
+                                                   l.K, nthreads);
+  if (l.kind == 3) return roofline_vnni_linear_bf16(x, (const uint16_t*)l.amx, (const uint16_t*)l.bias, y, M, l.N,
+                                                    l.K, nthreads);
   if (M > 1) return roofline_amx_linear_w8a8(x, 1, (const int8_t*)l.amx, l.scale, l.bias, l.bias_bf16, y, 1, M, l.N,
                                              l.K, nthreads);
   return roofline_gemv_w8a8(x, 1, (const int8_t*)l.w, l.scale, l.bias, l.bias_bf16, y, 1, l.N, l.K, nthreads);
@@ -1045,7 +1085,8 @@ static bool plan_linear_ok(const RooflineLinear& l, int64_t M) {
   if (l.kind == 2) return l.K % 16 == 0 && M <= 64;
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (l.kind == 0) return l.K % 32 == 0 && (l.amx != nullptr ? l.N % 16 == 0 : M == 1);
+  if (l.kind == 0 || l.kind == 3)
+    return l.amx != nullptr && l.K % 32 == 0 && l.N % 16 == 0 && (l.kind == 0 || M <= 64);
   return l.kind == 1 && l.K % 64 == 0 && l.K <= 16384 && (M == 1 || (l.amx != nullptr && l.N % 16 == 0));
 #else
   (void)l; (void)M;
@@ -1262,8 +1303,8 @@ def _load(so: Path) -> ctypes.CDLL:
     lib.roofline_add_rmsnorm_f32.restype = None
     lib.roofline_silu_mul_f32.argtypes = [ptr] * 2 + [i64] * 2 + [ctypes.c_int]
     lib.roofline_silu_mul_f32.restype = None
-    lib.roofline_gemv_bf16.argtypes = [ptr] * 4 + [i64] * 2 + [ctypes.c_int]
-    lib.roofline_gemv_bf16.restype = ctypes.c_int
+    lib.roofline_vnni_linear_bf16.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]
+    lib.roofline_vnni_linear_bf16.restype = ctypes.c_int
     lib.roofline_linear_f32.argtypes = [ptr] * 4 + [i64] * 3 + [ctypes.c_int]
     lib.roofline_linear_f32.restype = ctypes.c_int
     lib.roofline_amx_pack_bf16.argtypes = [ptr] * 2 + [i64] * 2 + [ctypes.c_int]

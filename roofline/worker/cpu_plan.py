@@ -7,19 +7,19 @@ modules: on the default model that Python was about half of a batch-1 token (~7 
 Xeon of 2026-12-04) and ~10 ms of a 36.5 ms batch-32 forward. ``CpuDecodePlan`` collects, once, each layer's
 weight, norm and KV-cache pointers into a C array, and a decode-only step then runs every decoder layer and the
 final norm in one call (``roofline_decode_step`` in ``roofline.kernels.cpu_paged_attention``'s library). It calls
-the same C++ pieces as the modules, in the same order with the same arguments (the AMX GEMM of
-``roofline.kernels.cpu_bf16.amx_linear`` at any row count where the weights have AMX tiles, whose rows do not depend
-on M; else the one-row GEMVs), so its hidden states are bit-identical to the
+the same C++ pieces as the modules, in the same order with the same arguments (bf16: the tile GEMM of
+``roofline.kernels.cpu_bf16.tile_linear``, AMX or AVX-512 BF16, whose rows do not depend on M; INT8: the one-row
+GEMV, or the AMX-INT8 GEMM), so its hidden states are bit-identical to the
 module path's (``tests/worker/test_cpu_plan.py``); the embedding lookup and the LM head stay in torch.
 
 It applies where every piece has a C++ kernel: a bf16 model on CPU (``--dtype bfloat16``) or an fp32 one (the CPU's
 default dtype; its norms and SiLU run the same C++ in the modules, its linears the small-M fp32 linear of
 ``roofline.kernels.cpu_f32``, so a CPU with AVX-512F, and an fp32 KV cache), the Llama-family dense
-decoder (no q/k norm, no MoE), 16-bit linears packed after loading (``UnquantizedLinearMethod``; more than one row
-needs the AMX-packed copy, so a CPU with AMX-BF16) or ``--quantization int8`` (W8A8: the GEMV at one row, the
-AMX-INT8 GEMM at more, so a CPU with AMX-INT8 past one row), an fp32
-or bf16 KV cache the C++ attention reads, one process, at most ``cpu_bf16.AMX_MAX_ROWS`` rows (fp32:
-``cpu_f32.MAX_ROWS``; past that the modules run oneDNN's or MKL's large-M GEMM). On the default model in fp32
+decoder (no q/k norm, no MoE), bf16 linears tile-packed after loading (``UnquantizedLinearMethod``; a CPU with
+AVX-512 BF16 or AMX-BF16) or ``--quantization int8`` (W8A8: the GEMV at one row, the AMX-INT8 GEMM at more, so a
+CPU with AMX-INT8 past one row), an fp32 or bf16 KV cache the C++ attention reads, one process, at most
+``cpu_bf16.tile_max_rows()`` rows (256 with AMX, 64 with AVX-512 BF16; fp32: ``cpu_f32.MAX_ROWS``; past that the
+modules run oneDNN's or MKL's large-M GEMM). On the default model in fp32
 (Intel Xeon with AMX, 2 cores, 2026-12-06) a batch-1 token took 23.5 ms with the plan against 35.1 ms without,
 the same tokens. Speculative decoding's verify passes run in it too: a chain's are decode rows
 already (``InputPreparer``), and a token tree's become decode rows with the tree's ancestor mask
@@ -74,14 +74,18 @@ def _linear(module) -> tuple[_Linear, str | None]:
         return _Linear(2, 0, w.data_ptr(), None, None if bias is None else bias.data_ptr(), w.shape[0], w.shape[1],
                        None), None
     if isinstance(method, UnquantizedLinearMethod):
-        w = module.weight
-        if getattr(module, "packed_weight", None) is None or w.dtype != torch.bfloat16 or not w.is_contiguous():
+        from roofline.kernels.cpu_bf16 import amx_available
+
+        w, packed = module.weight, getattr(module, "packed_weight", None)
+        if packed is None or w.dtype != torch.bfloat16 or not w.is_contiguous():
             return _Linear(), "16-bit weights not packed bf16"
+        if packed.dim() != 4:
+            return _Linear(), "bf16 weights packed for oneDNN (no tile kernel, or N % 16 / K % 32)"
         if bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()):
             return _Linear(), "a bias that is not bf16"
-        packed = module.packed_weight  # AMX tiles (4-D) for M > 1 rows, or oneDNN's (then one row only)
-        return _Linear(0, 1, w.data_ptr(), None, None if bias is None else bias.data_ptr(), w.shape[0], w.shape[1],
-                       packed.data_ptr() if packed.dim() == 4 else None), None
+        # kind 0: the AMX GEMM on the tiles; kind 3: the AVX-512 BF16 GEMM on the same layout
+        return _Linear(0 if amx_available() else 3, 1, w.data_ptr(), None,
+                       None if bias is None else bias.data_ptr(), w.shape[0], w.shape[1], packed.data_ptr()), None
     if type(method) is Int8LinearMethod:
         q, s = getattr(module, "qweight", None), getattr(module, "weight_scale", None)
         if (q is None or q.dtype != torch.int8 or not q.is_contiguous() or s is None or s.dtype != torch.float32
@@ -102,7 +106,7 @@ class CpuDecodePlan:
 
     def __init__(self, lib, layers, model, backend, cache_bf16: bool, one_row_why: str = "", final_norm=None,
                  dtype: torch.dtype = torch.bfloat16):
-        from roofline.kernels.cpu_bf16 import AMX_MAX_ROWS
+        from roofline.kernels.cpu_bf16 import tile_max_rows
         from roofline.kernels.cpu_f32 import MAX_ROWS
 
         self.lib, self.layers, self.model, self.backend = lib, layers, model, backend
@@ -110,7 +114,7 @@ class CpuDecodePlan:
         self.cache_bf16 = cache_bf16
         self.dtype = dtype  # the model's: bf16 (roofline_decode_step) or fp32 (roofline_decode_step_f32)
         self.one_row_why = one_row_why  # why a step takes one row only ("": up to max_rows)
-        self.max_rows = 1 if one_row_why else (MAX_ROWS if dtype == torch.float32 else AMX_MAX_ROWS)
+        self.max_rows = 1 if one_row_why else (MAX_ROWS if dtype == torch.float32 else tile_max_rows())
 
     @classmethod
     def build(cls, model, backend, dtype: torch.dtype, device: torch.device, *,
@@ -226,12 +230,11 @@ class CpuDecodePlan:
         if any(ly.qkv.N != qkv_n or ly.o.K != backend.num_heads * backend.head_dim or ly.gate_up.N != 2 * ly.down.K
                for ly in layers):
             raise _Unsupported("projection sizes that do not match the heads")
-        # More than one row needs every linear's AMX copy (bf16 tiles, or INT8 tiles for W8A8; oneDNN-packed: one row).
+        # More than one row of INT8 W8A8 needs every linear's AMX-INT8 tiles (bf16 linears always have their tiles).
         one_row_why = ""
         if dtype == torch.bfloat16 and not all(getattr(ly, name).amx for ly in layers
                                                for name in ("qkv", "o", "gate_up", "down")):
-            one_row_why = ("INT8 W8A8 linears without AMX-INT8 tiles" if any(ly.qkv.kind == 1 for ly in layers)
-                           else "no AMX tiles: ROOFLINE_CPU_AMX=0, or no AMX-BF16 on this CPU")
+            one_row_why = "INT8 W8A8 linears without AMX-INT8 tiles"
         return layers, cache_bf16, one_row_why
 
     def describe(self) -> str:
@@ -240,7 +243,8 @@ class CpuDecodePlan:
             return f"a batch-1 decode step runs in one C++ call; one row only: {self.one_row_why}"
         if self.dtype == torch.float32:
             return f"a decode step of 1-{self.max_rows} rows runs in one C++ call (fp32: the small-M fp32 linear)"
-        return f"a decode step of 1-{self.max_rows} rows runs in one C++ call, AMX GEMMs past one row"
+        kernel = "AMX" if self.layers[0].qkv.kind in (0, 1) else "AVX-512 BF16"
+        return f"a decode step of 1-{self.max_rows} rows runs in one C++ call ({kernel} GEMMs)"
 
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:
         return 1 <= num_seqs <= self.max_rows

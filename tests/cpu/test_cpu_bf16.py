@@ -1,7 +1,7 @@
-"""bf16 linears on CPU with weights packed once after loading (``roofline.kernels.cpu_bf16``: AMX tiles where the
-CPU has AMX-BF16, else oneDNN's layout): the same products as ``F.linear`` within bf16 rounding and within one
-bf16 rounding of float64, for every linear and the 16-bit LM head, and the same greedy tokens as the unpacked
-engine on the default model."""
+"""bf16 linears on CPU with weights packed once after loading (``roofline.kernels.cpu_bf16``: tiles for the AMX or
+the AVX-512 BF16 small-M GEMM where the CPU has either, else oneDNN's layout): the same products as ``F.linear``
+within bf16 rounding and within one bf16 rounding of float64, for every linear and the 16-bit LM head, rows that do
+not depend on the rows beside them, and the same greedy tokens as the unpacked engine on the default model."""
 
 from __future__ import annotations
 
@@ -64,9 +64,9 @@ def test_engine_packs_every_linear_and_the_head_and_keeps_greedy_tokens():
     model = packed.engine.worker.model
     linears = [m for m in model.modules() if isinstance(m, LinearBase)]
     assert len(linears) == 4 * 30  # qkv, o, gate_up, down per layer
-    amx = cpu_bf16.amx_available()  # AMX tiles [N/16, K/32, 16, 32], else oneDNN's opaque [N, K]
+    tiles = cpu_bf16.tiles_available()  # tiles [N/16, K/32, 16, 32], else oneDNN's opaque [N, K]
     assert all(m.packed_weight is not None and m.packed_weight.numel() == m.weight.numel()
-               and m.packed_weight.dim() == (4 if amx else 2) for m in linears)
+               and m.packed_weight.dim() == (4 if tiles else 2) for m in linears)
     head = next(m for m in model.modules() if isinstance(m, ParallelLMHead))
     assert head.packed_weight is not None
     assert all(m.packed_weight is None for m in plain.engine.worker.model.modules() if isinstance(m, LinearBase))
@@ -79,107 +79,131 @@ def test_engine_packs_every_linear_and_the_head_and_keeps_greedy_tokens():
     assert got == want
 
 
-@pytest.mark.parametrize("n,k", SHAPES + [(7, 64), (5, 96)])  # tails: N not a multiple of 4 rows
-def test_gemv_matches_float64(n, k):
-    """The one-row AVX-512 BF16 GEMV: fp32 accumulation of exact bf16 products, rounded once to bf16, so within
-    one bf16 rounding (2^-8 relative) of the float64 product, bias added in fp32; also through packed_linear."""
-    from roofline.kernels import cpu_paged_attention as cpa
+needs_tiles = pytest.mark.skipif(not cpu_bf16.tiles_available(),
+                                 reason="needs AVX-512 BF16 or AMX-BF16 and the C++ library")
+needs_vnni = pytest.mark.skipif(not cpu_bf16.vnni_available(), reason="needs AVX-512 BF16 and the C++ library")
+needs_amx = pytest.mark.skipif(not cpu_bf16.amx_available(), reason="needs AMX-BF16 and the C++ library")
 
-    if cpa.unavailable_reason() is not None or "avx512_bf16" not in open("/proc/cpuinfo").read():
-        pytest.skip("needs the C++ kernel library and AVX-512 BF16")
+
+@needs_tiles
+@pytest.mark.parametrize("n,k", SHAPES + [(48, 64), (16, 96)])  # 48 / 16: a last block of 16 columns
+def test_one_row_matches_float64(n, k):
+    """One row (a decode step) through packed_linear: fp32 accumulation of exact bf16 products, rounded once to
+    bf16, so within one bf16 rounding (2^-8 of the largest output) of the float64 product, bias added in fp32."""
     gen = torch.Generator().manual_seed(n * 7 + k)
     w = torch.randn(n, k, generator=gen).bfloat16()
     x = torch.randn(1, k, generator=gen).bfloat16()
     bias = torch.randn(n, generator=gen).bfloat16()
     ref = x.double() @ w.double().t() + bias.double()
-    got = cpu_bf16.gemv(x, w, bias)
-    assert got is not None and got.shape == (1, n) and got.dtype == torch.bfloat16
-    tol = ref.abs().amax().item() * 2.0 ** -8
-    assert (got.double() - ref).abs().max().item() <= tol
     packed = cpu_bf16.prepack(w)
-    via = cpu_bf16.packed_linear(x.reshape(1, 1, k), packed, bias, dense=w).reshape(1, n)
-    if packed.dim() == 4:  # AMX tiles: packed_linear takes the AMX GEMM at one row too (the same bits at any M)
-        assert torch.equal(via, cpu_bf16.amx_linear(x, packed, bias))
-        assert (via.double() - ref).abs().max().item() <= tol
-    else:  # oneDNN's packing: the GEMV at one row
-        assert torch.equal(via, got)
+    assert packed.dim() == 4
+    got = cpu_bf16.packed_linear(x.reshape(1, 1, k), packed, bias, dense=w).reshape(1, n)
+    assert got.shape == (1, n) and got.dtype == torch.bfloat16
+    assert torch.equal(got, cpu_bf16.tile_linear(x, packed, bias))  # the tile kernel at one row too
+    assert (got.double() - ref).abs().max().item() <= ref.abs().amax().item() * 2.0 ** -8
 
 
-needs_amx = pytest.mark.skipif(not cpu_bf16.amx_available(), reason="needs AMX-BF16 and the C++ library")
-
-
-@needs_amx
-def test_amx_pack_is_the_tile_layout_and_refuses_other_shapes():
+@needs_tiles
+def test_tile_pack_is_the_vnni_layout_and_refuses_other_shapes():
     """tile (n, k)[r, 2c + j] = weight[16n + c, 32k + 2r + j] (Intel SDM's VNNI layout of a TDPBF16PS B operand)."""
     w = torch.arange(48 * 64, dtype=torch.float32).reshape(48, 64).bfloat16()
-    p = cpu_bf16.amx_pack(w)
+    p = cpu_bf16.tile_pack(w)
     assert p.shape == (3, 2, 16, 32) and p.dtype == torch.bfloat16
     want = w.view(3, 16, 2, 16, 2).permute(0, 2, 3, 1, 4).reshape(3, 2, 16, 32)  # [n, c, k, r, j] -> [n, k, r, c j]
     assert torch.equal(p, want)
     for bad in (torch.zeros(40, 64).bfloat16(), torch.zeros(48, 48).bfloat16(), torch.zeros(48, 64),
                 torch.zeros(48).bfloat16()):
         with pytest.raises(ValueError, match="N % 16 == 0 and K % 32 == 0, got"):
-            cpu_bf16.amx_pack(bad)
+            cpu_bf16.tile_pack(bad)
+
+
+def _check_tile_kernel(kernel, m, n, k, max_rows):
+    """``kernel`` (amx_linear / vnni_linear) on m rows: within one bf16 rounding (2^-8 relative to the largest
+    output) of the float64 product and of ``F.linear``, with and without a bias; through packed_linear from 1 to
+    ``max_rows`` rows (F.linear on the dense weight past it); a row's bits independent of the rows beside it."""
+    gen = torch.Generator().manual_seed(m * 31 + n + k)
+    w = torch.randn(n, k, generator=gen).bfloat16()
+    x = torch.randn(m, k, generator=gen).bfloat16()
+    bias = torch.randn(n, generator=gen).bfloat16()
+    p = cpu_bf16.tile_pack(w)
+    for b in (bias, None):
+        got = kernel(x, p, b)
+        ref = x.double() @ w.double().t() + (0 if b is None else b.double())
+        assert got is not None and got.shape == (m, n) and got.dtype == torch.bfloat16
+        tol = ref.abs().amax().item() * 2.0 ** -8
+        assert (got.double() - ref).abs().max().item() <= tol
+        assert (got.double() - F.linear(x, w, b).double()).abs().max().item() <= tol
+    full = cpu_bf16.packed_linear(x, p, bias, dense=w)
+    assert torch.equal(full, kernel(x, p, bias))
+    big = torch.randn(max_rows + 1, k, generator=gen).bfloat16()
+    assert torch.equal(cpu_bf16.packed_linear(big, p, bias, dense=w), F.linear(big, w, bias))
+    # a row's result does not depend on the rows beside it (what keeps speculative verify passes, whose rows
+    # are a request's tokens side by side, bit-identical to one-row decode steps)
+    for r in (0, m // 2, m - 1):
+        assert torch.equal(cpu_bf16.packed_linear(x[r:r + 1], p, bias, dense=w), full[r:r + 1])
+        assert torch.equal(kernel(x[r:r + 1], p, bias), full[r:r + 1])
 
 
 @needs_amx
 @pytest.mark.parametrize("m", [2, 7, 16, 17, 32, 33, 50, 64, 100])
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (48, 64)])  # 48: a last block of 16 columns
 def test_amx_linear_matches_float64_and_f_linear(m, n, k):
-    """Exact bf16 products summed in fp32, the bias added in fp32, one rounding: within one bf16 rounding (2^-8
-    relative to the largest output) of the float64 product, and of ``F.linear`` (bit-identical to it on the Xeon of
-    2026-12-04 up to M = 33); every row chunk of 32 and the tails of 1-16 and 17-31 rows."""
-    gen = torch.Generator().manual_seed(m * 31 + n + k)
-    w = torch.randn(n, k, generator=gen).bfloat16()
-    x = torch.randn(m, k, generator=gen).bfloat16()
-    bias = torch.randn(n, generator=gen).bfloat16()
-    p = cpu_bf16.amx_pack(w)
-    for b in (bias, None):
-        got = cpu_bf16.amx_linear(x, p, b)
-        ref = x.double() @ w.double().t() + (0 if b is None else b.double())
-        assert got is not None and got.shape == (m, n) and got.dtype == torch.bfloat16
-        tol = ref.abs().amax().item() * 2.0 ** -8
-        assert (got.double() - ref).abs().max().item() <= tol
-        assert (got.double() - F.linear(x, w, b).double()).abs().max().item() <= tol
-    # through packed_linear: AMX from 1 to AMX_MAX_ROWS rows, F.linear on the dense weight past it
-    full = cpu_bf16.packed_linear(x, p, bias, dense=w)
-    assert torch.equal(full, cpu_bf16.amx_linear(x, p, bias))
-    big = torch.randn(cpu_bf16.AMX_MAX_ROWS + 1, k, generator=gen).bfloat16()
-    assert torch.equal(cpu_bf16.packed_linear(big, p, bias, dense=w), F.linear(big, w, bias))
-    # a row's result does not depend on the rows beside it (what keeps speculative verify passes, whose rows
-    # are a request's tokens side by side, bit-identical to one-row decode steps)
-    for r in (0, m // 2, m - 1):
-        assert torch.equal(cpu_bf16.packed_linear(x[r:r + 1], p, bias, dense=w), full[r:r + 1])
+    """AMX tiles: every row chunk of 32 and the tails of 1-16 and 17-31 rows (bit-identical to ``F.linear`` on the
+    Xeon of 2026-12-04 up to M = 33)."""
+    _check_tile_kernel(cpu_bf16.amx_linear, m, n, k, cpu_bf16.AMX_MAX_ROWS)
 
 
-@needs_amx
+@needs_vnni
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16, 33, 64])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (48, 64), (16, 32)])  # 48, 16: a last panel of 16
+def test_vnni_linear_matches_float64_and_f_linear(m, n, k):
+    """AVX-512 BF16: every block of 8 rows and its tails, panels of 32 columns and a last one of 16."""
+    _check_tile_kernel(cpu_bf16.vnni_linear, m, n, k, cpu_bf16.VNNI_MAX_ROWS)
+
+
+@needs_vnni
+def test_vnni_linear_keeps_nan_and_inf_and_rounds_to_nearest_even():
+    """The vectorized rounding is the scalar one's (torch's .to(bfloat16)): NaN stays NaN, inf stays inf, and a sum
+    half-way between two bf16 values rounds to the even one."""
+    w = torch.zeros(16, 32).bfloat16()
+    w[0, 0], w[1, 0], w[2, 0], w[3, 0] = float("nan"), float("inf"), 1.0, 1.0
+    w[3, 2] = 2.0 ** -8  # 1 + 2^-8 is half-way between bf16 1 and 1 + 2^-7: rounds to 1 (even)
+    w[4, 0], w[4, 2] = 1.0, 3 * 2.0 ** -8  # 1 + 3 * 2^-8: half-way, rounds up to 1 + 2^-6 (even)
+    x = torch.zeros(1, 32).bfloat16()
+    x[0, 0], x[0, 2] = 1.0, 1.0
+    y = cpu_bf16.vnni_linear(x, cpu_bf16.tile_pack(w))[0].float()
+    assert y[0].isnan() and y[1] == float("inf") and y[2] == 1.0 and y[3] == 1.0 and y[4] == 1.0 + 2.0 ** -6
+    assert torch.equal(y[5:], torch.zeros(11))
+
+
+@needs_tiles
 def test_packed_linear_without_the_library_after_packing(monkeypatch):
-    """Weights packed for AMX, then the C++ library turned off (ROOFLINE_CPU_GEMV=0 / ROOFLINE_CPU_ATTENTION=0 read
+    """Weights tile-packed, then the C++ library turned off (ROOFLINE_CPU_GEMV=0 / ROOFLINE_CPU_ATTENTION=0 read
     at the call): ``F.linear`` on the dense weight, or a clear error without it."""
     w = torch.randn(64, 96).bfloat16()
     x = torch.randn(5, 96).bfloat16()
-    p = cpu_bf16.amx_pack(w)
+    p = cpu_bf16.tile_pack(w)
     monkeypatch.setattr(cpu_bf16, "GEMV", False)
     assert torch.equal(cpu_bf16.packed_linear(x, p, dense=w), F.linear(x, w))
-    with pytest.raises(ValueError, match="AMX-packed weight needs the C\\+\\+ library or the dense weight"):
+    with pytest.raises(ValueError, match="tile-packed weight needs the C\\+\\+ library or the dense weight"):
         cpu_bf16.packed_linear(x, p)
 
 
-@needs_amx
-def test_amx_linear_declines_what_it_does_not_cover():
-    p = cpu_bf16.amx_pack(torch.randn(32, 64).bfloat16())
-    assert cpu_bf16.amx_linear(torch.randn(4, 64), p) is None  # fp32 rows
-    assert cpu_bf16.amx_linear(torch.randn(4, 96).bfloat16(), p) is None  # K does not match
-    assert cpu_bf16.amx_linear(torch.randn(4, 64).bfloat16(), p, torch.randn(32)) is None  # fp32 bias
-    assert cpu_bf16.amx_linear(torch.randn(0, 64).bfloat16(), p).shape == (0, 32)
-
-
-def test_gemv_declines_what_it_does_not_cover():
-    w = torch.randn(64, 96).bfloat16()
-    assert cpu_bf16.gemv(torch.randn(2, 96).bfloat16(), w) is None  # two rows
-    assert cpu_bf16.gemv(torch.randn(1, 96), w.float()) is None  # fp32
-    assert cpu_bf16.gemv(torch.randn(1, 80).bfloat16(), torch.randn(64, 80).bfloat16()) is None  # K % 32
-    assert cpu_bf16.gemv(torch.randn(1, 96).bfloat16(), w.t().contiguous().t()) is None  # not row-major
+@needs_tiles
+@pytest.mark.parametrize("kernel", ["amx_linear", "vnni_linear"])
+def test_tile_kernels_decline_what_they_do_not_cover(kernel):
+    if kernel == "amx_linear" and not cpu_bf16.amx_available():
+        pytest.skip("no AMX-BF16 here")
+    if kernel == "vnni_linear" and not cpu_bf16.vnni_available():
+        pytest.skip("no AVX-512 BF16 here")
+    fn = getattr(cpu_bf16, kernel)
+    p = cpu_bf16.tile_pack(torch.randn(32, 64).bfloat16())
+    assert fn(torch.randn(4, 64), p) is None  # fp32 rows
+    assert fn(torch.randn(4, 96).bfloat16(), p) is None  # K does not match
+    assert fn(torch.randn(4, 64).bfloat16(), p, torch.randn(32)) is None  # fp32 bias
+    assert fn(torch.randn(0, 64).bfloat16(), p).shape == (0, 32)
+    if kernel == "vnni_linear":
+        assert fn(torch.randn(cpu_bf16.VNNI_MAX_ROWS + 1, 64).bfloat16(), p) is None  # past its rows
 
 
 @pytest.mark.parametrize("t,h", [(1, 576), (3, 576), (40, 960), (2, 17)])

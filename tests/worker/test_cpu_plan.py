@@ -1,6 +1,6 @@
 """The CPU decode plan (``roofline.worker.cpu_plan``): a decode step of the default model in one C++ call gives
 the module path's hidden states bit for bit (so the same tokens and exactly the same logprobs), for each format
-it takes, at one row and (bf16 on AMX) at several; it is used on every decode step it covers and on no other step;
+it takes, at one row and (bf16 with AMX or AVX-512 BF16 tiles) at several; it is used on every decode step it covers and on no other step;
 it is not built where it does not apply."""
 
 from __future__ import annotations
@@ -56,7 +56,9 @@ def test_plan_is_bit_identical_to_the_modules(dtype, kv, quantization):
 
         assert plan.max_rows == MAX_ROWS and plan.dtype == torch.float32
     else:
-        assert multi == (cpu_bf16.amx_available() and (quantization is None or amx_int8_available()))
+        assert multi == (cpu_bf16.tiles_available() and (quantization is None or amx_int8_available()))
+        if multi and quantization is None:
+            assert plan.max_rows == cpu_bf16.tile_max_rows()
     if worker.cpu_summary is not None:
         assert worker.cpu_summary.endswith(f"CPU decode plan: on ({plan.describe()})")
         assert (f"1-{plan.max_rows} rows" in plan.describe()) == multi
@@ -66,12 +68,13 @@ def test_plan_is_bit_identical_to_the_modules(dtype, kv, quantization):
     got = llm.generate(prompts[:1], sp, use_tqdm=False)
     assert counting.calls == 23  # every decode step of the one row (the first token comes from the prefill)
     batch = llm.generate(prompts, sp, use_tqdm=False)  # one prefill step, then 23 decode steps of three rows
-    assert counting.calls == (46 if multi else 23)  # without AMX tiles the plan takes one row, the modules run
+    assert counting.calls == (46 if multi else 23)  # INT8 without AMX-INT8: the plan takes one row, the modules run
     worker.cpu_plan = None
     _same(got, llm.generate(prompts[:1], sp, use_tqdm=False))
     _same(batch, llm.generate(prompts, sp, use_tqdm=False))
-    # batch-invariant: with AMX tiles a row's bits do not depend on the rows beside it, so the row in a batch of
-    # three gave the one-row plan's tokens and logprobs exactly; otherwise (one-row GEMVs) its first tokens
+    # batch-invariant: with tiles (AMX or AVX-512 BF16) a row's bits do not depend on the rows beside it, so the row
+    # in a batch of three gave the one-row plan's tokens and logprobs exactly; otherwise (one-row GEMVs) its first
+    # tokens
     if multi:
         _same(batch[:1], got)
     else:
@@ -171,7 +174,7 @@ def test_verify_passes_run_in_the_plan_and_keep_greedy_output_bit_exact(spec, qu
     llm = LLM(device="cpu", dtype=dtype, max_model_len=512, speculative_config=spec, quantization=quantization)
     plan = llm.engine.worker.cpu_plan
     if plan is None or plan.max_rows == 1:
-        pytest.skip("the plan takes one row on this CPU (no AMX tiles): verify passes run the modules")
+        pytest.skip("the plan takes one row here (INT8 W8A8 without AMX-INT8 tiles): verify passes run the modules")
     trees = {"steps": 0}
     run = plan.run
 
@@ -209,7 +212,7 @@ def test_eagle_draft_layer_runs_in_the_plan_close_to_its_modules(dtype):
     worker = llm.engine.worker
     prop = worker.proposer
     if prop.cpu_plan is None or prop.cpu_plan.max_rows == 1:
-        pytest.skip("no multi-row CPU plan on this CPU (no AMX tiles)")
+        pytest.skip("no multi-row CPU plan on this CPU (no AVX-512 BF16 or AMX tiles)")
     calls = {"n": 0, "trees": 0}
     run_rows = prop.cpu_plan.run_rows
 
