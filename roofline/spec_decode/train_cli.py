@@ -26,6 +26,13 @@ from roofline.spec_decode.train import (
     train_prompts,
 )
 
+# AdamW learning rates: from the target's last layer, and fine-tuning a trained head (--init-head). The shipped
+# EAGLE head fine-tuned on 600 regenerated answers (AMD EPYC, 2026-12-07, bench/results/eagle-fusion-cpu-20261207/):
+# at 5e-4 (one warm-up step of 3) or 1e-4 its held-out top-1 agreement fell from 0.55 to 0.16 within 3 steps; at
+# 3e-5 and 1e-5 it held (0.531-0.534 after 600 steps).
+LR_SCRATCH = 5e-4
+LR_INIT_HEAD = 3e-5
+
 
 def check_train_args(args: argparse.Namespace) -> None:
     """Refuse bad ``train-draft`` arguments before the target loads.
@@ -44,6 +51,8 @@ def check_train_args(args: argparse.Namespace) -> None:
                             ("--num-heads", args.num_heads, 1)):
         if value < lo:
             raise bad(flag, value, f"an integer >= {lo}")
+    if args.lr is None:  # fine-tuning a trained head at the from-scratch rate wrecks it (see LR_INIT_HEAD)
+        args.lr = LR_INIT_HEAD if args.init_head is not None else LR_SCRATCH
     if not (math.isfinite(args.lr) and args.lr > 0):
         raise bad("--lr", args.lr, "a finite number > 0")
     if not (math.isfinite(args.cls_weight) and args.cls_weight >= 0):
@@ -76,8 +85,11 @@ def check_train_args(args: argparse.Namespace) -> None:
 
 
 def _as_init_head_error(e: ValueError) -> ValueError:
-    """A head loader's error (worded for ``speculative_config model``) as ``--init-head``'s."""
-    return ValueError(str(e).replace("speculative_config model", "train-draft --init-head", 1))
+    """A head loader's error (worded for ``speculative_config model``) as ``--init-head``'s, which takes EAGLE heads
+    only (a Medusa head is retrained from scratch: ``--method medusa`` without ``--init-head``)."""
+    msg = str(e).replace("speculative_config model", "train-draft --init-head", 1)
+    return ValueError(msg.replace("; use method 'medusa'", "; --init-head takes EAGLE heads only (train a Medusa "
+                                                           "head from scratch: --method medusa without --init-head)"))
 
 
 def parse_aux_layers(text: str) -> tuple[int, ...]:
@@ -219,7 +231,8 @@ def add_train_draft_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-prompt-tokens", type=int, default=256)
     p.add_argument("--steps", type=int, default=400, help="optimizer steps (default 400)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per step (default 8)")
-    p.add_argument("--lr", type=float, default=5e-4)
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"AdamW learning rate (default {LR_SCRATCH:g}; {LR_INIT_HEAD:g} with --init-head)")
     p.add_argument("--num-heads", type=int, default=4, help="Medusa heads K (default 4)")
     p.add_argument("--cls-weight", type=float, default=EAGLE_CLS_WEIGHT,
                    help="EAGLE: the token loss's weight beside the feature regression (default 0.1, the paper's)")

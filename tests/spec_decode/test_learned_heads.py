@@ -7,6 +7,7 @@ slow tests at the end.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -19,6 +20,8 @@ from roofline.spec_decode import features, train, train_cli
 from roofline.spec_decode.heads import DraftHeadConfig, EagleHead, load_head, save_head
 
 from .tiny import CHATS, COMMON, DEFAULT, VOCAB
+
+HEADS_DIR = Path(features.__file__).parent / "heads"  # the heads shipped for the default model
 
 
 @pytest.fixture(scope="module")
@@ -675,6 +678,8 @@ def test_feature_store_appends_replaces_accepts_and_drops():
     (["--aux-layers", "+3"], r"--aux-layers must be distinct .* got '\+3'"),
     (["--init-head", ""], r"--init-head must be a head directory"),
     (["--init-head", "/nonexistent/head"], r"train-draft --init-head '/nonexistent/head' is not a draft head directory"),
+    (["--init-head", str(HEADS_DIR / "smollm2-135m-medusa")], r"holds a medusa head, not an eagle head; --init-head "
+                                                               r"takes EAGLE heads only \(train a Medusa head from"),
 ])
 def test_train_draft_refuses_bad_arguments_before_loading_the_target(argv, match):
     """``check_train_args`` runs first in ``run_train_draft``: before it, a bad value was found after the target
@@ -688,6 +693,22 @@ def test_train_draft_refuses_bad_arguments_before_loading_the_target(argv, match
     with pytest.raises(ValueError, match=match):
         args.func(args)
     train_cli.check_train_args(parser.parse_args(["train-draft", "--method", "eagle", "--output", "x"]))  # defaults
+
+
+def test_train_draft_fine_tunes_at_a_lower_default_lr(truncated_eagle):
+    """``--lr`` left out: 5e-4 from scratch, 3e-5 with ``--init-head`` (5e-4 wrecked a trained head within 3 steps);
+    a given ``--lr`` is kept either way."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    train_cli.add_train_draft_parser(parser.add_subparsers())
+    base = ["train-draft", "--method", "eagle", "--output", "x"]
+    for extra, want in (([], 5e-4), (["--init-head", truncated_eagle], 3e-5),
+                        (["--init-head", truncated_eagle, "--lr", "1e-4"], 1e-4), (["--lr", "2e-3"], 2e-3)):
+        args = parser.parse_args(base + extra)
+        train_cli.check_train_args(args)
+        assert args.lr == want, extra
+    assert (train_cli.LR_SCRATCH, train_cli.LR_INIT_HEAD) == (5e-4, 3e-5)
 
 
 def test_train_draft_fuses_aux_layers_from_an_initial_head(tiny, truncated_eagle, tmp_path, monkeypatch):
