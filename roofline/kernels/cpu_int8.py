@@ -54,22 +54,20 @@ def w8a8_dynamic_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: to
     """``x`` [..., K] (any float dtype) @ (``qweight`` int8 [N, K] * ``weight_scale`` float32 [N])^T (+ ``bias``
     [N]) with ``x`` quantized per token to INT8 -> [..., N] in ``x``'s dtype. CPU tensors. ``row_parallel``: K is
     this rank's shard of a row-parallel layer (``quantize_rows_int8``); the caller all-reduces the output.
-    ``packed``: ``qweight``'s AMX tiles (:func:`amx_pack_int8`), which 2 to ``AMX_MAX_ROWS`` rows go through
-    (:func:`amx_linear_w8a8`, bit-identical to the torch path and to :func:`gemv_w8a8`'s rows).
+    ``packed``: ``qweight``'s tiles (:func:`tile_pack_int8`), which 2 to :func:`tile_max_rows_int8` rows go
+    through (:func:`tile_linear_w8a8`, bit-identical to the torch path and to :func:`gemv_w8a8`'s rows).
 
     Raises:
         ValueError: ``x``'s last dim is not ``qweight``'s K, or ``qweight`` is not int8.
     """
-    from roofline.kernels.cpu_bf16 import AMX_MAX_ROWS
-
     if x.shape[-1] != qweight.shape[1] or qweight.dtype != torch.int8:
         raise ValueError(f"w8a8_dynamic_linear: x [..., {x.shape[-1]}] needs int8 qweight [N, {x.shape[-1]}], "
                          f"got {qweight.dtype} {tuple(qweight.shape)}")
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 1 and not row_parallel and (y := gemv_w8a8(x2, qweight, weight_scale, bias)) is not None:
         return y.reshape(*x.shape[:-1], qweight.shape[0])
-    if (packed is not None and not row_parallel and 1 < x2.shape[0] <= AMX_MAX_ROWS
-            and (y := amx_linear_w8a8(x2, packed, weight_scale, bias)) is not None):
+    if (packed is not None and not row_parallel and 1 < x2.shape[0] <= tile_max_rows_int8()
+            and (y := tile_linear_w8a8(x2, packed, weight_scale, bias)) is not None):
         return y.reshape(*x.shape[:-1], qweight.shape[0])
     xq, xs = quantize_rows_int8(x2 if x2.dtype == torch.float32 else x2.float(), row_parallel)
     out = torch._int_mm(xq, qweight.t()) * (xs * weight_scale)  # [M, N] int32 * [M, N] float32 -> float32
@@ -110,12 +108,14 @@ def gemv_w8a8(x: torch.Tensor, qweight: torch.Tensor, weight_scale: torch.Tensor
     return y if ok else None
 
 
-def amx_pack_int8(qweight: torch.Tensor) -> torch.Tensor | None:
-    """``qweight`` int8 [N, K] -> its AMX B-operand tiles [N/16, K/64, 16, 64] int8 (tile (n, k), row r, byte
-    4c + i = ``qweight[16n + c, 64k + 4r + i]``: Intel SDM's layout for TDPBSSD), for :func:`amx_linear_w8a8`; None
-    where that kernel cannot run (no AMX-INT8 or no library, ``ROOFLINE_CPU_AMX=0``, N % 16, K % 64, K > 16384)."""
+def tile_pack_int8(qweight: torch.Tensor) -> torch.Tensor | None:
+    """``qweight`` int8 [N, K] -> its tiles [N/16, K/64, 16, 64] int8 (tile (n, k), row r, byte 4c + i =
+    ``qweight[16n + c, 64k + 4r + i]``: Intel SDM's layout for TDPBSSD, whose rows are also VPDPBUSD's B operand), for
+    :func:`tile_linear_w8a8`; None where no tile kernel can run (neither AMX-INT8 nor AVX-512 VNNI, no library,
+    N % 16, K % 64, K > 16384)."""
     if (qweight.dtype != torch.int8 or qweight.dim() != 2 or qweight.shape[0] % 16 or qweight.shape[1] % 64
-            or qweight.shape[1] > 16384 or qweight.shape[0] == 0 or not amx_int8_available()):
+            or qweight.shape[1] > 16384 or qweight.shape[0] == 0
+            or not (amx_int8_available() or vnni_int8_available())):
         return None
     from roofline.kernels.cpu_bf16 import _cpp_library
 
@@ -126,20 +126,13 @@ def amx_pack_int8(qweight: torch.Tensor) -> torch.Tensor | None:
     return out
 
 
-def amx_linear_w8a8(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor,
-                    bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """:func:`w8a8_dynamic_linear` on M rows in one C++ call (``roofline_amx_linear_w8a8``): each row quantized as
-    :func:`gemv_w8a8` does, the int32 sums on AMX tiles (TDPBSSD, exact), the same fp32 epilogue, so every row is
-    bit-identical to the GEMV's and the torch path's at any M. ``x`` [M, K] float32 or bfloat16, ``packed`` from
-    :func:`amx_pack_int8`, ``weight_scale`` float32 [N], ``bias`` [N] float32/bfloat16 or None -> [M, N] in ``x``'s
-    dtype; None where it does not apply (the caller runs the torch path).
-
-    Why: the torch path at 32 rows (the main job's batch) is quantize + ``torch._int_mm`` + two elementwise ops
-    per linear; on the Intel Xeon (AMX) of 2026-12-05 the int8 batch-32 decode step was 57.4 ms against bf16's
-    20.9 (``bench/results/cpu-amx-20261205/``)."""
+def _tiled_w8a8(fn_name: str, x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor,
+                bias: torch.Tensor | None, max_rows: int) -> torch.Tensor | None:
+    """``x`` [M, K] through the library's tile kernel ``fn_name`` (see :func:`tile_linear_w8a8`)."""
     from roofline.kernels.cpu_bf16 import _cpp_library
 
     if (x.device.type != "cpu" or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16)
+            or x.shape[0] > max_rows
             or packed.dtype != torch.int8 or packed.dim() != 4 or x.shape[1] != packed.shape[1] * 64
             or weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous()
             or weight_scale.numel() != packed.shape[0] * 16
@@ -152,11 +145,78 @@ def amx_linear_w8a8(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.T
     y = torch.empty(M, N, dtype=x.dtype)
     if M == 0:
         return y
-    ok = lib.roofline_amx_linear_w8a8(x.data_ptr(), int(x.dtype == torch.bfloat16), packed.data_ptr(),
-                                      weight_scale.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                      int(bias is not None and bias.dtype == torch.bfloat16), y.data_ptr(),
-                                      int(x.dtype == torch.bfloat16), M, N, K, torch.get_num_threads())
+    ok = getattr(lib, fn_name)(x.data_ptr(), int(x.dtype == torch.bfloat16), packed.data_ptr(),
+                               weight_scale.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                               int(bias is not None and bias.dtype == torch.bfloat16), y.data_ptr(),
+                               int(x.dtype == torch.bfloat16), M, N, K, torch.get_num_threads())
     return y if ok else None
+
+
+def amx_linear_w8a8(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor,
+                    bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """:func:`w8a8_dynamic_linear` on M rows in one C++ call (``roofline_amx_linear_w8a8``): each row quantized as
+    :func:`gemv_w8a8` does, the int32 sums on AMX tiles (TDPBSSD, exact), the same fp32 epilogue, so every row is
+    bit-identical to the GEMV's and the torch path's at any M. ``x`` [M, K] float32 or bfloat16, ``packed`` from
+    :func:`tile_pack_int8`, ``weight_scale`` float32 [N], ``bias`` [N] float32/bfloat16 or None -> [M, N] in
+    ``x``'s dtype; None where it does not apply (the caller runs the torch path).
+
+    Why: the torch path at 32 rows (the main job's batch) is quantize + ``torch._int_mm`` + two elementwise ops
+    per linear; on the Intel Xeon (AMX) of 2026-12-05 the int8 batch-32 decode step was 57.4 ms against bf16's
+    20.9 (``bench/results/cpu-amx-20261205/``)."""
+    return _tiled_w8a8("roofline_amx_linear_w8a8", x, packed, weight_scale, bias, 1 << 62)
+
+
+# The AVX-512 VNNI W8A8 GEMM takes at most this many rows (C++ roofline_vnni_linear_w8a8).
+VNNI_MAX_ROWS = 64
+
+
+def vnni_linear_w8a8(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """:func:`amx_linear_w8a8` for a CPU without AMX-INT8, on the same tiles and 1 to ``VNNI_MAX_ROWS`` rows
+    (``roofline_vnni_linear_w8a8``): the int32 sums by AVX-512 VNNI ``vpdpbusd`` (Intel SDM; x's k quad, plus 128,
+    broadcast against a tile row of 16 columns, and 128 times each column's sum taken off), exact, so every row is
+    bit-identical to :func:`gemv_w8a8`'s and the torch path's at any M. None where it does not apply."""
+    return _tiled_w8a8("roofline_vnni_linear_w8a8", x, packed, weight_scale, bias, VNNI_MAX_ROWS)
+
+
+def tile_linear_w8a8(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor,
+                     bias: torch.Tensor | None = None) -> torch.Tensor | None:
+    """The tile kernel this CPU has: :func:`amx_linear_w8a8` with AMX-INT8, else :func:`vnni_linear_w8a8`."""
+    fn = amx_linear_w8a8 if amx_int8_available() else vnni_linear_w8a8
+    return fn(x, packed, weight_scale, bias)
+
+
+def tile_max_rows_int8() -> int:
+    """Rows up to which :func:`w8a8_dynamic_linear` takes :func:`tile_linear_w8a8`."""
+    from roofline.kernels.cpu_bf16 import AMX_MAX_ROWS
+
+    return AMX_MAX_ROWS if amx_int8_available() else VNNI_MAX_ROWS
+
+
+@functools.cache
+def _vnni_int8_probe() -> bool:
+    from roofline.cpu import detect_cpu_features
+    from roofline.kernels.cpu_bf16 import _cpp_library
+
+    lib = _cpp_library()
+    if lib is None or not getattr(detect_cpu_features(), "avx512_vnni", False):
+        return False
+    w = torch.ones(16, 64, dtype=torch.int8)
+    wp = torch.empty(16 * 64, dtype=torch.int8)
+    x = torch.ones(2, 64)
+    s = torch.ones(16)
+    y = torch.empty(2, 16)
+    return bool(lib.roofline_amx_pack_s8(w.data_ptr(), wp.data_ptr(), 16, 64, 1)
+                and lib.roofline_vnni_linear_w8a8(x.data_ptr(), 0, wp.data_ptr(), s.data_ptr(), 0, 0, y.data_ptr(),
+                                                  0, 2, 16, 64, 1)
+                and torch.allclose(y, torch.full_like(y, 64.0)))
+
+
+def vnni_int8_available() -> bool:
+    """The AVX-512 VNNI W8A8 GEMM runs here: the library built with it and a 2x16x64 product came out right."""
+    from roofline.kernels import cpu_bf16
+
+    return cpu_bf16.GEMV and _vnni_int8_probe()
 
 
 @functools.cache

@@ -515,16 +515,6 @@ extern "C" int roofline_amx_pack_bf16(const uint16_t* w, uint16_t* out, int64_t 
 // (16 accumulators); the first block streams the panels from memory (prefetched kPrefetch ahead), the others re-read
 // them from cache. Returns 0 (nothing written) without AVX-512 BF16, K % 32, N % 16 or M outside [1, 64].
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-// narrow16 is narrow() on 16 lanes (bit-identical: RNE, NaN kept quiet), stored as 16 bf16.
-static inline void narrow16(__m512 v, uint16_t* out) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                _mm512_set1_epi32(0x7f800000));
-  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-  _mm256_storeu_si256((__m256i*)out, _mm512_cvtepi32_epi16(r));
-}
 template <int MB, int NB>
 static inline void vnni_block(const uint16_t* x, int64_t K, const uint16_t* w0, int64_t kc, bool prefetch,
                               const uint16_t* bias, uint16_t* y, int64_t N) {
@@ -547,9 +537,9 @@ static inline void vnni_block(const uint16_t* x, int64_t K, const uint16_t* w0, 
     }
   }
   for (int j = 0; j < NB; ++j) {
-    const __m512 b = bias ? _mm512_castsi512_ps(_mm512_slli_epi32(
-        _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)(bias + j * 16))), 16)) : _mm512_setzero_ps();
-    for (int m = 0; m < MB; ++m) narrow16(bias ? _mm512_add_ps(acc[m][j], b) : acc[m][j], y + m * N + j * 16);
+    const __m512 b = bias ? load16(bias + j * 16) : _mm512_setzero_ps();
+    for (int m = 0; m < MB; ++m)
+      _mm256_storeu_si256((__m256i*)(y + m * N + j * 16), narrow16(bias ? _mm512_add_ps(acc[m][j], b) : acc[m][j]));
   }
 }
 template <int NB>
@@ -929,7 +919,7 @@ extern "C" int roofline_gemv_w8a8(const void* x, int x_bf16, const int8_t* w, co
 }
 #pragma GCC pop_options
 
-// INT8 AMX B-operand tiles for TDPBSSD (roofline.kernels.cpu_int8.amx_pack_int8): w int8 [N, K] -> [N/16][K/64]
+// INT8 AMX B-operand tiles for TDPBSSD (roofline.kernels.cpu_int8.tile_pack_int8): w int8 [N, K] -> [N/16][K/64]
 // tiles of 16 rows (k quads) x 16 columns (n) x 4, 1 KiB each: tile[r][4c + i] = w[16n + c][64k + 4r + i]. Returns
 // 0 (nothing written) unless N % 16 == 0 and K % 64 == 0.
 extern "C" int roofline_amx_pack_s8(const int8_t* w, int8_t* out, int64_t N, int64_t K, int nthreads) {
@@ -945,6 +935,127 @@ extern "C" int roofline_amx_pack_s8(const int8_t* w, int8_t* out, int64_t N, int
     }
   return 1;
 }
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+// The W8A8 rows' codes (x [M, K] fp32 or bf16, K % 16 == 0): s[m] = max(max_k |x[m, k]| / 127, 1e-10), q[m, k] =
+// round-half-even(x[m, k] / s[m]) int8, 16 lanes at a time, rows over the threads (exact: the max of |x| in any
+// order, IEEE division, round-half-even by roundscale, the same as the GEMV's scalar std::nearbyint(v / s)).
+static void quantize_rows_s8(const void* x, int x_bf16, int64_t M, int64_t K, int8_t* q, float* sx, int nthreads) {
+  #pragma omp parallel for schedule(static) num_threads(M * K >= 16384 ? nthreads : 1)
+  for (int64_t m = 0; m < M; ++m) {
+    const uint16_t* xb = (const uint16_t*)x + m * K;
+    const float* xf = (const float*)x + m * K;
+    __m512 mx = _mm512_setzero_ps();
+    for (int64_t k = 0; k < K; k += 16)
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(x_bf16 ? load16(xb + k) : _mm512_loadu_ps(xf + k)));
+    float s = _mm512_reduce_max_ps(mx) / 127.0f;
+    s = s < 1e-10f ? 1e-10f : s;
+    sx[m] = s;
+    const __m512 sv = _mm512_set1_ps(s);
+    for (int64_t k = 0; k < K; k += 16) {
+      const __m512 v = _mm512_div_ps(x_bf16 ? load16(xb + k) : _mm512_loadu_ps(xf + k), sv);
+      const __m512i c = _mm512_cvtps_epi32(_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+      _mm_storeu_si128((__m128i*)(q + m * K + k), _mm512_cvtepi32_epi8(c));
+    }
+  }
+}
+#endif
+
+// INT8 W8A8 dynamic GEMM of 1-64 rows with AVX-512 VNNI (roofline.kernels.cpu_int8.vnni_linear_w8a8), for a CPU
+// without AMX-INT8, on w packed by roofline_amx_pack_s8 (a tile row is vpdpbusd's B operand: 16 columns x one k
+// quad): the rows quantized by quantize_rows_s8; acc[m, n] = sum_k (q[m, k] + 128) w[n, k] by vpdpbusd (u8 x s8,
+// Intel SDM) with x's k quad broadcast, minus 128 * sum_k w[n, k] (a second vpdpbusd against ones): exact int32, so
+// every row is bit-identical to the GEMV's and the torch path's; then y = (float)acc * (s[m] * ws[n]) (+ bias[n])
+// rounded once to y's dtype. A thread takes 32 columns, x in blocks of up to 8 rows. Returns 0 (nothing written)
+// without AVX-512 VNNI, unless N % 16 == 0, K % 64 == 0, K <= 16384 and 1 <= M <= 64.
+#pragma GCC push_options
+#pragma GCC optimize("fp-contract=off")  // the scale product, then the bias add, as roofline_gemv_w8a8
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+template <int MB, int NB>
+static inline void vnni_block_s8(const int8_t* q, int64_t K, const int8_t* w0, int64_t kc, bool first, __m512i* sw,
+                                 const float* sx, const float* ws, const void* bias, int bias_bf16, void* y,
+                                 int y_bf16, int64_t N) {
+  const int8_t* wj[2] = {w0, w0 + kc * 1024};
+  const __m512i ones = _mm512_set1_epi8(1);
+  __m512i acc[MB][NB];
+  for (int m = 0; m < MB; ++m)
+    for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_setzero_si512();
+  if (first)
+    for (int j = 0; j < NB; ++j) sw[j] = _mm512_setzero_si512();
+  const int64_t quads = kc * 16;
+  for (int64_t p = 0; p < quads; ++p) {
+    __m512i wv[NB];
+    for (int j = 0; j < NB; ++j) {
+      if (first) _mm_prefetch((const char*)(wj[j] + p * 64) + kPrefetch, _MM_HINT_T0);
+      wv[j] = _mm512_loadu_si512(wj[j] + p * 64);
+      if (first) sw[j] = _mm512_dpbusd_epi32(sw[j], ones, wv[j]);
+    }
+    for (int m = 0; m < MB; ++m) {
+      uint32_t xp;
+      std::memcpy(&xp, q + m * K + 4 * p, 4);
+      const __m512i xb = _mm512_set1_epi32((int32_t)(xp ^ 0x80808080u));  // q + 128 as u8
+      for (int j = 0; j < NB; ++j) acc[m][j] = _mm512_dpbusd_epi32(acc[m][j], xb, wv[j]);
+    }
+  }
+  for (int j = 0; j < NB; ++j) {
+    const __m512i off = _mm512_slli_epi32(sw[j], 7);  // 128 * sum_k w[n, k]
+    const __m512 wsv = _mm512_loadu_ps(ws + j * 16);
+    const __m512 b = !bias ? _mm512_setzero_ps()
+                     : bias_bf16 ? load16((const uint16_t*)bias + j * 16) : _mm512_loadu_ps((const float*)bias + j * 16);
+    for (int m = 0; m < MB; ++m) {
+      __m512 o = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][j], off)),
+                               _mm512_mul_ps(_mm512_set1_ps(sx[m]), wsv));
+      if (bias) o = _mm512_add_ps(o, b);
+      if (y_bf16) _mm256_storeu_si256((__m256i*)((uint16_t*)y + m * N + j * 16), narrow16(o));
+      else _mm512_storeu_ps((float*)y + m * N + j * 16, o);
+    }
+  }
+}
+template <int NB>
+static inline void vnni_rows_s8(const int8_t* q, int64_t M, int64_t K, const int8_t* w0, int64_t kc, const float* sx,
+                                const float* ws, const void* bias, int bias_bf16, void* y, int y_bf16, int64_t N) {
+  __m512i sw[2];
+  const int64_t ysz = y_bf16 ? 2 : 4;
+  for (int64_t m0 = 0; m0 < M; m0 += 8) {
+    const int8_t* qm = q + m0 * K;
+    void* ym = (char*)y + m0 * N * ysz;
+    const bool first = m0 == 0;
+    switch (M - m0 < 8 ? (int)(M - m0) : 8) {
+#define ROOFLINE_S8_CASE(R) \
+      case R: vnni_block_s8<R, NB>(qm, K, w0, kc, first, sw, sx + m0, ws, bias, bias_bf16, ym, y_bf16, N); break;
+      ROOFLINE_S8_CASE(1) ROOFLINE_S8_CASE(2) ROOFLINE_S8_CASE(3) ROOFLINE_S8_CASE(4)
+      ROOFLINE_S8_CASE(5) ROOFLINE_S8_CASE(6) ROOFLINE_S8_CASE(7)
+      default: vnni_block_s8<8, NB>(qm, K, w0, kc, first, sw, sx + m0, ws, bias, bias_bf16, ym, y_bf16, N); break;
+#undef ROOFLINE_S8_CASE
+    }
+  }
+}
+#endif
+extern "C" int roofline_vnni_linear_w8a8(const void* x, int x_bf16, const int8_t* wp, const float* ws,
+                                         const void* bias, int bias_bf16, void* y, int y_bf16, int64_t M, int64_t N,
+                                         int64_t K, int nthreads) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+  if (K % 64 || N % 16 || K > 16384 || M < 1 || M > 64) return 0;
+  std::vector<int8_t> q(M * K);
+  std::vector<float> sx(M);
+  quantize_rows_s8(x, x_bf16, M, K, q.data(), sx.data(), nthreads);
+  const int64_t kc = K / 64, nsb = (N + 31) / 32, ysz = y_bf16 ? 2 : 4;
+  #pragma omp parallel for schedule(static) num_threads(nthreads)
+  for (int64_t sb = 0; sb < nsb; ++sb) {
+    const int8_t* w0 = wp + sb * 2 * kc * 1024;
+    const void* b0 = !bias ? nullptr : (const char*)bias + sb * 32 * (bias_bf16 ? 2 : 4);
+    void* y0 = (char*)y + sb * 32 * ysz;
+    if (N - sb * 32 >= 32) vnni_rows_s8<2>(q.data(), M, K, w0, kc, sx.data(), ws + sb * 32, b0, bias_bf16, y0, y_bf16, N);
+    else vnni_rows_s8<1>(q.data(), M, K, w0, kc, sx.data(), ws + sb * 32, b0, bias_bf16, y0, y_bf16, N);
+  }
+  return 1;
+#else
+  (void)x; (void)x_bf16; (void)wp; (void)ws; (void)bias; (void)bias_bf16; (void)y; (void)y_bf16; (void)M; (void)N;
+  (void)K; (void)nthreads;
+  return 0;
+#endif
+}
+#pragma GCC pop_options
 
 // INT8 W8A8 dynamic GEMM of M rows on AMX tiles (roofline.kernels.cpu_int8.w8a8_dynamic_linear at 1..256 rows): each
 // row quantized as roofline_gemv_w8a8 does (s = max(max_k |x| / 127, 1e-10), q = round-half-even(x / s), |q| <= 127),
@@ -988,25 +1099,7 @@ extern "C" int roofline_amx_linear_w8a8(const void* x, int x_bf16, const int8_t*
   if (K % 64 || N % 16 || K > 16384 || M < 1 || !amx_permitted()) return 0;
   std::vector<int8_t> q(M * K);
   std::vector<float> sx(M);
-  // The rows' codes, 16 lanes at a time over the threads (exact: the max of |x| in any order, IEEE division,
-  // round-half-even by roundscale, the same as the GEMV's scalar std::nearbyint(v / s)).
-  #pragma omp parallel for schedule(static) num_threads(M * K >= 16384 ? nthreads : 1)
-  for (int64_t m = 0; m < M; ++m) {
-    const uint16_t* xb = (const uint16_t*)x + m * K;
-    const float* xf = (const float*)x + m * K;
-    __m512 mx = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16)
-      mx = _mm512_max_ps(mx, _mm512_abs_ps(x_bf16 ? load16(xb + k) : _mm512_loadu_ps(xf + k)));
-    float s = _mm512_reduce_max_ps(mx) / 127.0f;
-    s = s < 1e-10f ? 1e-10f : s;
-    sx[m] = s;
-    const __m512 sv = _mm512_set1_ps(s);
-    for (int64_t k = 0; k < K; k += 16) {
-      const __m512 v = _mm512_div_ps(x_bf16 ? load16(xb + k) : _mm512_loadu_ps(xf + k), sv);
-      const __m512i c = _mm512_cvtps_epi32(_mm512_roundscale_ps(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-      _mm_storeu_si128((__m128i*)(q.data() + m * K + k), _mm512_cvtepi32_epi8(c));
-    }
-  }
+  quantize_rows_s8(x, x_bf16, M, K, q.data(), sx.data(), nthreads);
   const int64_t kc = K / 64, nsb = (N + 31) / 32;
   #pragma omp parallel num_threads(nthreads)
   {
@@ -1052,8 +1145,8 @@ extern "C" int roofline_amx_linear_w8a8(const void* x, int x_bf16, const int8_t*
 // h = rmsnorm(x [+ residual]); qkv = h W_qkv^T (+ b); RoPE + the KV store; attention over each row's blocks (bf16
 // out); o = a W_o^T; h = rmsnorm(o + residual); gate_up; SiLU-and-mul; x = down. Then the final norm into x.
 // A linear is bf16 (kind 0 / 3: W [N, K] bf16, its tiles for AMX / AVX-512 BF16 in amx, bias bf16 or null), INT8
-// W8A8 (kind 1: W int8 [N, K], scale fp32 [N], bias bf16/fp32 or null, its AMX-INT8 tiles or null: one row only
-// without them) or fp32 (kind 2). Returns 0 with nothing written where a piece would decline (no AVX-512 BF16 / VNNI,
+// W8A8 (kind 1 / 4: W int8 [N, K], scale fp32 [N], bias bf16/fp32 or null, its tiles for AMX-INT8 / AVX-512 VNNI
+// or null: one row only without them) or fp32 (kind 2). Returns 0 with nothing written where a piece would decline (no AVX-512 BF16 / VNNI,
 // a K it does not take, no AMX tiles past one row, a position, slot or block out of range, a row's blocks past its
 // table).
 struct RooflineLinear { int32_t kind; int32_t bias_bf16; const void* w; const float* scale; const void* bias;
@@ -1063,15 +1156,17 @@ struct RooflineLayer { const void* norm1; const void* norm2; float eps1, eps2;  
 
 // A linear of the plan on M rows, as roofline.kernels.cpu_bf16.packed_linear / cpu_int8 run it: kind 0 (bf16) the
 // AMX GEMM on the tile-packed copy, kind 3 (bf16) the AVX-512 BF16 GEMM on the same layout (1-64 rows; the rows of
-// either do not depend on M); kind 1 (INT8 W8A8) the GEMV at one row, the AMX-INT8 GEMM on the packed copy (amx:
-// int8 tiles) at more (the same bits: exact int32 sums either way).
+// either do not depend on M); kind 1 / 4 (INT8 W8A8) the GEMV at one row, at more the AMX-INT8 / AVX-512 VNNI GEMM
+// (2-64 rows) on the tiles (amx) (the same bits: exact int32 sums either way).
 static int plan_linear(const RooflineLinear& l, const uint16_t* x, uint16_t* y, int64_t M, int nthreads) {
   if (l.kind == 0) return roofline_amx_linear_bf16(x, (const uint16_t*)l.amx, (const uint16_t*)l.bias, y, M, l.N,
                                                    l.K, nthreads);
   if (l.kind == 3) return roofline_vnni_linear_bf16(x, (const uint16_t*)l.amx, (const uint16_t*)l.bias, y, M, l.N,
                                                     l.K, nthreads);
-  if (M > 1) return roofline_amx_linear_w8a8(x, 1, (const int8_t*)l.amx, l.scale, l.bias, l.bias_bf16, y, 1, M, l.N,
-                                             l.K, nthreads);
+  if (M > 1 && l.kind == 1) return roofline_amx_linear_w8a8(x, 1, (const int8_t*)l.amx, l.scale, l.bias, l.bias_bf16,
+                                                            y, 1, M, l.N, l.K, nthreads);
+  if (M > 1) return roofline_vnni_linear_w8a8(x, 1, (const int8_t*)l.amx, l.scale, l.bias, l.bias_bf16, y, 1, M, l.N,
+                                              l.K, nthreads);
   return roofline_gemv_w8a8(x, 1, (const int8_t*)l.w, l.scale, l.bias, l.bias_bf16, y, 1, l.N, l.K, nthreads);
 }
 
@@ -1087,7 +1182,8 @@ static bool plan_linear_ok(const RooflineLinear& l, int64_t M) {
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (l.kind == 0 || l.kind == 3)
     return l.amx != nullptr && l.K % 32 == 0 && l.N % 16 == 0 && (l.kind == 0 || M <= 64);
-  return l.kind == 1 && l.K % 64 == 0 && l.K <= 16384 && (M == 1 || (l.amx != nullptr && l.N % 16 == 0));
+  return (l.kind == 1 || l.kind == 4) && l.K % 64 == 0 && l.K <= 16384
+         && (M == 1 || (l.amx != nullptr && l.N % 16 == 0 && (l.kind == 1 || M <= 64)));
 #else
   (void)l; (void)M;
   return false;
@@ -1316,6 +1412,8 @@ def _load(so: Path) -> ctypes.CDLL:
     lib.roofline_amx_linear_w8a8.argtypes = [ptr, ctypes.c_int, ptr, ptr, ptr, ctypes.c_int, ptr, ctypes.c_int,
                                              i64, i64, i64, ctypes.c_int]
     lib.roofline_amx_linear_w8a8.restype = ctypes.c_int
+    lib.roofline_vnni_linear_w8a8.argtypes = lib.roofline_amx_linear_w8a8.argtypes
+    lib.roofline_vnni_linear_w8a8.restype = ctypes.c_int
     lib.roofline_add_rmsnorm_bf16.argtypes = [ptr] * 5 + [i64] * 2 + [ctypes.c_float, ctypes.c_int]
     lib.roofline_add_rmsnorm_bf16.restype = None
     return lib

@@ -159,7 +159,7 @@ def w8a16(x: torch.Tensor, layer, bias: torch.Tensor | None = None) -> torch.Ten
         from roofline.kernels.cpu_int8 import w8a8_dynamic_linear
 
         return w8a8_dynamic_linear(x, q, s, bias, row_parallel=_row_parallel(layer),
-                                   packed=getattr(layer, "amx_qweight", None))
+                                   packed=getattr(layer, "tile_qweight", None))
     else:
         out = F.linear(x2.float(), q.float() * s[:, None]).to(x.dtype)
     return _finish(out, x, bias)

@@ -34,7 +34,7 @@ class Int8LinearMethod(QuantizedLinearMethod):
 
         for name, tensor in gemm.prepare_w8a16(canonical).items():
             register_frozen(layer, name, tensor)
-        _pack_for_amx(layer)
+        _pack_tiles(layer)
 
     def apply(self, layer, x, bias=None):
         from roofline.kernels import linear_dispatch as gemm
@@ -60,7 +60,7 @@ class CpuW8A8LMHeadMethod:
         cw = quantize_int8_per_channel(layer.weight.detach())
         register_frozen(layer, "qweight", cw.q.to(torch.int8).contiguous())
         register_frozen(layer, "weight_scale", cw.scales.float().contiguous())
-        _pack_for_amx(layer)
+        _pack_tiles(layer)
 
     def apply(self, layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         if getattr(layer, "qweight", None) is None:
@@ -69,19 +69,19 @@ class CpuW8A8LMHeadMethod:
 
         # fp32 in gives fp32 logits (the same codes: the activations are quantized from fp32 either way).
         return w8a8_dynamic_linear(hidden.float(), layer.qweight, layer.weight_scale,
-                                   packed=getattr(layer, "amx_qweight", None))
+                                   packed=getattr(layer, "tile_qweight", None))
 
 
-def _pack_for_amx(layer: nn.Module) -> None:
-    """On a CPU with AMX-INT8: ``layer.amx_qweight``, ``qweight``'s AMX tiles (``cpu_int8.amx_pack_int8``), which
-    W8A8 products of 2-256 rows read (a second copy of the codes: not counted in ``weight_bytes``, as the bf16
-    layers' packed copy); None elsewhere."""
+def _pack_tiles(layer: nn.Module) -> None:
+    """On a CPU with AMX-INT8 or AVX-512 VNNI: ``layer.tile_qweight``, ``qweight``'s tiles
+    (``cpu_int8.tile_pack_int8``), which W8A8 products of 2 or more rows read (a second copy of the codes: not
+    counted in ``weight_bytes``, as the bf16 layers' packed copy); None elsewhere."""
     q = layer.qweight
-    layer.amx_qweight = None
+    layer.tile_qweight = None
     if q.device.type == "cpu":
-        from roofline.kernels.cpu_int8 import amx_pack_int8
+        from roofline.kernels.cpu_int8 import tile_pack_int8
 
-        layer.amx_qweight = amx_pack_int8(q)
+        layer.tile_qweight = tile_pack_int8(q)
 
 
 class Int8Config(ChannelQuantConfig):

@@ -93,8 +93,11 @@ def _linear(module) -> tuple[_Linear, str | None]:
             return _Linear(), "INT8 weights not in the CPU layout"
         if bias is not None and (bias.dtype not in (torch.bfloat16, torch.float32) or not bias.is_contiguous()):
             return _Linear(), "a bias that is not bf16 or fp32"
-        amx = getattr(module, "amx_qweight", None)  # AMX-INT8 tiles for more than one row, or None
-        return _Linear(1, int(bias is not None and bias.dtype == torch.bfloat16), q.data_ptr(), s.data_ptr(),
+        from roofline.kernels.cpu_int8 import amx_int8_available
+
+        amx = getattr(module, "tile_qweight", None)  # tiles for more than one row (kind 1: AMX-INT8, 4: VNNI)
+        return _Linear(1 if amx_int8_available() else 4, int(bias is not None and bias.dtype == torch.bfloat16),
+                       q.data_ptr(), s.data_ptr(),
                        None if bias is None else bias.data_ptr(), q.shape[0], q.shape[1],
                        None if amx is None else amx.data_ptr()), None
     return _Linear(), f"the {type(method).__name__} weight format"
@@ -108,13 +111,15 @@ class CpuDecodePlan:
                  dtype: torch.dtype = torch.bfloat16):
         from roofline.kernels.cpu_bf16 import tile_max_rows
         from roofline.kernels.cpu_f32 import MAX_ROWS
+        from roofline.kernels.cpu_int8 import tile_max_rows_int8
 
         self.lib, self.layers, self.model, self.backend = lib, layers, model, backend
         self.final_norm = final_norm  # an RMSNorm module applied after the last layer, or None (x + residual)
         self.cache_bf16 = cache_bf16
         self.dtype = dtype  # the model's: bf16 (roofline_decode_step) or fp32 (roofline_decode_step_f32)
         self.one_row_why = one_row_why  # why a step takes one row only ("": up to max_rows)
-        self.max_rows = 1 if one_row_why else (MAX_ROWS if dtype == torch.float32 else tile_max_rows())
+        self.max_rows = 1 if one_row_why else (MAX_ROWS if dtype == torch.float32 else min(
+            tile_max_rows() if kind in (0, 3) else tile_max_rows_int8() for kind in {ly.qkv.kind for ly in layers}))
 
     @classmethod
     def build(cls, model, backend, dtype: torch.dtype, device: torch.device, *,
@@ -230,11 +235,11 @@ class CpuDecodePlan:
         if any(ly.qkv.N != qkv_n or ly.o.K != backend.num_heads * backend.head_dim or ly.gate_up.N != 2 * ly.down.K
                for ly in layers):
             raise _Unsupported("projection sizes that do not match the heads")
-        # More than one row of INT8 W8A8 needs every linear's AMX-INT8 tiles (bf16 linears always have their tiles).
+        # More than one row of INT8 W8A8 needs every linear's tiles (bf16 linears always have theirs).
         one_row_why = ""
         if dtype == torch.bfloat16 and not all(getattr(ly, name).amx for ly in layers
                                                for name in ("qkv", "o", "gate_up", "down")):
-            one_row_why = "INT8 W8A8 linears without AMX-INT8 tiles"
+            one_row_why = "INT8 W8A8 linears without tiles (no AMX-INT8 or AVX-512 VNNI kernel)"
         return layers, cache_bf16, one_row_why
 
     def describe(self) -> str:
@@ -243,7 +248,7 @@ class CpuDecodePlan:
             return f"a batch-1 decode step runs in one C++ call; one row only: {self.one_row_why}"
         if self.dtype == torch.float32:
             return f"a decode step of 1-{self.max_rows} rows runs in one C++ call (fp32: the small-M fp32 linear)"
-        kernel = "AMX" if self.layers[0].qkv.kind in (0, 1) else "AVX-512 BF16"
+        kernel = {0: "AMX", 1: "AMX-INT8", 3: "AVX-512 BF16", 4: "AVX-512 VNNI"}[self.layers[0].qkv.kind]
         return f"a decode step of 1-{self.max_rows} rows runs in one C++ call ({kernel} GEMMs)"
 
     def can_run(self, num_seqs: int, max_blocks: int) -> bool:

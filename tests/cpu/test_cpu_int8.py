@@ -208,41 +208,38 @@ def test_one_row_cpp_gemv_declines_what_it_does_not_cover():
 
 
 needs_amx_int8 = pytest.mark.skipif(not cpu_int8.amx_int8_available(), reason="needs AMX-INT8 and the C++ library")
+needs_vnni_int8 = pytest.mark.skipif(not cpu_int8.vnni_int8_available(),
+                                     reason="needs AVX-512 VNNI and the C++ library")
+needs_int8_tiles = pytest.mark.skipif(not (cpu_int8.amx_int8_available() or cpu_int8.vnni_int8_available()),
+                                      reason="needs AMX-INT8 or AVX-512 VNNI and the C++ library")
 
 
-@needs_amx_int8
-def test_amx_pack_int8_is_the_tdpbssd_tile_layout():
+@needs_int8_tiles
+def test_tile_pack_int8_is_the_tdpbssd_tile_layout():
     q = torch.randint(-127, 128, (32, 128), dtype=torch.int8, generator=torch.Generator().manual_seed(1))
-    p = cpu_int8.amx_pack_int8(q)
+    p = cpu_int8.tile_pack_int8(q)
     assert p.shape == (2, 2, 16, 64) and p.dtype == torch.int8
     for n, k, r, c, i in ((0, 0, 0, 0, 0), (1, 1, 15, 15, 3), (1, 0, 3, 7, 2), (0, 1, 9, 4, 1)):
         assert p[n, k, r, 4 * c + i] == q[16 * n + c, 64 * k + 4 * r + i]
-    assert cpu_int8.amx_pack_int8(q[:, :96].contiguous()) is None  # K % 64
-    assert cpu_int8.amx_pack_int8(q[:24]) is None  # N % 16
+    assert cpu_int8.tile_pack_int8(q[:, :96].contiguous()) is None  # K % 64
+    assert cpu_int8.tile_pack_int8(q[:24]) is None  # N % 16
 
 
-@needs_amx_int8
-@pytest.mark.parametrize("m", [2, 7, 16, 17, 32, 33, 70])
-@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (49152, 576), (48, 64)])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_amx_w8a8_rows_are_bit_identical_to_the_gemv_and_the_torch_path(m, n, k, dtype):
-    """``amx_linear_w8a8`` (M rows: the same per-row quantization, TDPBSSD's exact int32 sums, the same fp32
-    epilogue) gives every row the bits of ``gemv_w8a8`` on that row alone and of the torch path on the batch, with
-    and without a bias of either dtype, at every row-chunk tail (1-16 and 17-31 rows of a chunk of 32); and
-    ``w8a8_dynamic_linear`` takes it at 2-256 rows when handed the tiles."""
-    if n == 49152 and m > 17:
-        pytest.skip("the LM head shape at a few row counts is enough")
+def _check_w8a8_tiles(kernel, m, n, k, dtype):
+    """``kernel`` (M rows: the same per-row quantization, exact int32 sums, the same fp32 epilogue) gives every row
+    the bits of ``gemv_w8a8`` on that row alone and of the torch path on the batch, with and without a bias of either
+    dtype; and ``w8a8_dynamic_linear`` takes the tiles at 2 or more rows."""
     gen = torch.Generator().manual_seed(m * 7 + n + k)
     cw = quantize_int8_per_channel(0.02 * torch.randn(n, k, generator=gen))
     q, s = cw.q.to(torch.int8).contiguous(), cw.scales.float().contiguous()
-    p = cpu_int8.amx_pack_int8(q)
+    p = cpu_int8.tile_pack_int8(q)
     x = (3 * torch.randn(m, k, generator=gen)).to(dtype)
     x[:, 1] *= 30  # an outlier channel sets each row's scale
     for bias in (None, torch.randn(n, generator=gen), torch.randn(n, generator=gen).bfloat16()):
-        got = cpu_int8.amx_linear_w8a8(x, p, s, bias)
+        got = kernel(x, p, s, bias)
         assert got is not None and got.dtype == dtype and got.shape == (m, n)
         xq, xs = quantize_rows_int8(x.float())
-        want = torch._int_mm(xq, q.t()) * (xs * s)
+        want = torch._int_mm(xq.expand(max(m, 2), -1).contiguous(), q.t())[:m] * (xs * s)  # _int_mm wants M > 1
         want = (want if bias is None else want + bias).to(dtype)
         assert torch.equal(got, want)
         for r in (0, m - 1):
@@ -251,10 +248,41 @@ def test_amx_w8a8_rows_are_bit_identical_to_the_gemv_and_the_torch_path(m, n, k,
 
 
 @needs_amx_int8
-def test_amx_w8a8_declines_what_it_does_not_cover():
+@pytest.mark.parametrize("m", [2, 7, 16, 17, 32, 33, 70])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (49152, 576), (48, 64)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_amx_w8a8_rows_are_bit_identical_to_the_gemv_and_the_torch_path(m, n, k, dtype):
+    """AMX-INT8 (TDPBSSD), at every row-chunk tail (1-16 and 17-31 rows of a chunk of 32)."""
+    if n == 49152 and m > 17:
+        pytest.skip("the LM head shape at a few row counts is enough")
+    _check_w8a8_tiles(cpu_int8.amx_linear_w8a8, m, n, k, dtype)
+
+
+@needs_vnni_int8
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 33, 64])
+@pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (49152, 576), (48, 64), (16, 128)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vnni_w8a8_rows_are_bit_identical_to_the_gemv_and_the_torch_path(m, n, k, dtype):
+    """AVX-512 VNNI (vpdpbusd against the tiles' rows): every block of 8 rows and its tails, panels of 32 columns
+    and a last one of 16."""
+    if n == 49152 and m > 9:
+        pytest.skip("the LM head shape at a few row counts is enough")
+    _check_w8a8_tiles(cpu_int8.vnni_linear_w8a8, m, n, k, dtype)
+
+
+@needs_int8_tiles
+@pytest.mark.parametrize("kernel", ["amx_linear_w8a8", "vnni_linear_w8a8"])
+def test_tile_w8a8_declines_what_it_does_not_cover(kernel):
+    if kernel == "amx_linear_w8a8" and not cpu_int8.amx_int8_available():
+        pytest.skip("no AMX-INT8 here")
+    if kernel == "vnni_linear_w8a8" and not cpu_int8.vnni_int8_available():
+        pytest.skip("no AVX-512 VNNI here")
+    fn = getattr(cpu_int8, kernel)
     q = torch.zeros(32, 128, dtype=torch.int8)
-    p, s = cpu_int8.amx_pack_int8(q), torch.ones(32)
-    assert cpu_int8.amx_linear_w8a8(torch.randn(2, 64), p, s) is None  # K is not the tiles'
-    assert cpu_int8.amx_linear_w8a8(torch.randn(2, 128).half(), p, s) is None  # fp16
-    assert cpu_int8.amx_linear_w8a8(torch.randn(2, 128), p, torch.ones(16)) is None  # scales for another N
-    assert cpu_int8.amx_linear_w8a8(torch.randn(2, 128), p, s, torch.ones(32).double()) is None  # fp64 bias
+    p, s = cpu_int8.tile_pack_int8(q), torch.ones(32)
+    assert fn(torch.randn(2, 64), p, s) is None  # K is not the tiles'
+    assert fn(torch.randn(2, 128).half(), p, s) is None  # fp16
+    assert fn(torch.randn(2, 128), p, torch.ones(16)) is None  # scales for another N
+    assert fn(torch.randn(2, 128), p, s, torch.ones(32).double()) is None  # fp64 bias
+    if kernel == "vnni_linear_w8a8":
+        assert fn(torch.randn(cpu_int8.VNNI_MAX_ROWS + 1, 128), p, s) is None  # past its rows

@@ -49,14 +49,15 @@ def test_plan_is_bit_identical_to_the_modules(dtype, kv, quantization):
     if plan is None:
         pytest.skip("the plan does not apply on this CPU (no AVX-512 VNNI / BF16 GEMVs)")
     multi = plan.max_rows > 1
-    from roofline.kernels.cpu_int8 import amx_int8_available
+    from roofline.kernels.cpu_int8 import amx_int8_available, vnni_int8_available
 
     if dtype == "float32":  # the small-M fp32 linear: rows independent of M, up to its MAX_ROWS
         from roofline.kernels.cpu_f32 import MAX_ROWS
 
         assert plan.max_rows == MAX_ROWS and plan.dtype == torch.float32
     else:
-        assert multi == (cpu_bf16.tiles_available() and (quantization is None or amx_int8_available()))
+        assert multi == (cpu_bf16.tiles_available() and (quantization is None or amx_int8_available()
+                                                         or vnni_int8_available()))
         if multi and quantization is None:
             assert plan.max_rows == cpu_bf16.tile_max_rows()
     if worker.cpu_summary is not None:
