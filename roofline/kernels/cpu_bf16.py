@@ -112,23 +112,25 @@ AMX_MAX_ROWS = 256
 
 
 @functools.cache
-def _amx_probe() -> bool:
+def _probe(fn_name: str, feature: str) -> bool:
+    """The CPU has ``feature`` (a ``detect_cpu_features`` flag) and the library's tile kernel ``fn_name`` gives a
+    1x16x32 product of ones right (it returns 0 where it was not built for this CPU, or AMX tiles are refused)."""
     lib = _cpp_library()
-    if lib is None or not detect_cpu_features().amx_bf16:
+    if lib is None or not getattr(detect_cpu_features(), feature, False):
         return False
     w = torch.ones(16, 32, dtype=torch.bfloat16)
     wp = torch.empty(16, 32, dtype=torch.bfloat16)
     y = torch.empty(1, 16, dtype=torch.bfloat16)
     x = torch.ones(1, 32, dtype=torch.bfloat16)
     return bool(lib.roofline_amx_pack_bf16(w.data_ptr(), wp.data_ptr(), 16, 32, 1)
-                and lib.roofline_amx_linear_bf16(x.data_ptr(), wp.data_ptr(), 0, y.data_ptr(), 1, 16, 32, 1)
+                and getattr(lib, fn_name)(x.data_ptr(), wp.data_ptr(), 0, y.data_ptr(), 1, 16, 32, 1)
                 and bool((y == 32).all()))
 
 
 def amx_available() -> bool:
     """The AMX GEMM runs here: ``AMX`` on, the C++ library built with AMX-BF16 (the CPU has it, the compiler
     targets it), Linux granted the tile state, and a 1x16x32 product came out right."""
-    return AMX and _amx_probe()
+    return AMX and _probe("roofline_amx_linear_bf16", "amx_bf16")
 
 
 def tile_pack(weight: torch.Tensor) -> torch.Tensor:
@@ -203,24 +205,10 @@ def vnni_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     return _tiled("roofline_vnni_linear_bf16", x, packed, bias, VNNI_MAX_ROWS)
 
 
-@functools.cache
-def _vnni_probe() -> bool:
-    lib = _cpp_library()
-    if lib is None or not detect_cpu_features().avx512_bf16:
-        return False
-    w = torch.ones(16, 32, dtype=torch.bfloat16)
-    wp = torch.empty(16, 32, dtype=torch.bfloat16)
-    y = torch.empty(1, 16, dtype=torch.bfloat16)
-    x = torch.ones(1, 32, dtype=torch.bfloat16)
-    return bool(lib.roofline_amx_pack_bf16(w.data_ptr(), wp.data_ptr(), 16, 32, 1)
-                and lib.roofline_vnni_linear_bf16(x.data_ptr(), wp.data_ptr(), 0, y.data_ptr(), 1, 16, 32, 1)
-                and bool((y == 32).all()))
-
-
 def vnni_available() -> bool:
     """The AVX-512 BF16 small-M GEMM runs here: the library built with it (the CPU has AVX-512 BF16) and a 1x16x32
     product came out right."""
-    return GEMV and _vnni_probe()
+    return GEMV and _probe("roofline_vnni_linear_bf16", "avx512_bf16")
 
 
 def tiles_available() -> bool:

@@ -194,12 +194,14 @@ def tile_max_rows_int8() -> int:
 
 
 @functools.cache
-def _vnni_int8_probe() -> bool:
+def _probe(fn_name: str, feature: str) -> bool:
+    """The CPU has ``feature`` (a ``detect_cpu_features`` flag) and the library's W8A8 tile kernel ``fn_name`` gives
+    a 2x16x64 product of ones right (it returns 0 where it was not built for this CPU, or AMX tiles are refused)."""
     from roofline.cpu import detect_cpu_features
     from roofline.kernels.cpu_bf16 import _cpp_library
 
     lib = _cpp_library()
-    if lib is None or not getattr(detect_cpu_features(), "avx512_vnni", False):
+    if lib is None or not getattr(detect_cpu_features(), feature, False):
         return False
     w = torch.ones(16, 64, dtype=torch.int8)
     wp = torch.empty(16 * 64, dtype=torch.int8)
@@ -207,8 +209,8 @@ def _vnni_int8_probe() -> bool:
     s = torch.ones(16)
     y = torch.empty(2, 16)
     return bool(lib.roofline_amx_pack_s8(w.data_ptr(), wp.data_ptr(), 16, 64, 1)
-                and lib.roofline_vnni_linear_w8a8(x.data_ptr(), 0, wp.data_ptr(), s.data_ptr(), 0, 0, y.data_ptr(),
-                                                  0, 2, 16, 64, 1)
+                and getattr(lib, fn_name)(x.data_ptr(), 0, wp.data_ptr(), s.data_ptr(), 0, 0, y.data_ptr(), 0, 2, 16,
+                                          64, 1)
                 and torch.allclose(y, torch.full_like(y, 64.0)))
 
 
@@ -216,26 +218,7 @@ def vnni_int8_available() -> bool:
     """The AVX-512 VNNI W8A8 GEMM runs here: the library built with it and a 2x16x64 product came out right."""
     from roofline.kernels import cpu_bf16
 
-    return cpu_bf16.GEMV and _vnni_int8_probe()
-
-
-@functools.cache
-def _amx_int8_probe() -> bool:
-    from roofline.cpu import detect_cpu_features
-    from roofline.kernels.cpu_bf16 import _cpp_library
-
-    lib = _cpp_library()
-    if lib is None or not getattr(detect_cpu_features(), "amx_int8", False):
-        return False
-    w = torch.ones(16, 64, dtype=torch.int8)
-    wp = torch.empty(16 * 64, dtype=torch.int8)
-    x = torch.ones(2, 64)
-    s = torch.ones(16)
-    y = torch.empty(2, 16)
-    return bool(lib.roofline_amx_pack_s8(w.data_ptr(), wp.data_ptr(), 16, 64, 1)
-                and lib.roofline_amx_linear_w8a8(x.data_ptr(), 0, wp.data_ptr(), s.data_ptr(), 0, 0, y.data_ptr(), 0,
-                                                 2, 16, 64, 1)
-                and torch.allclose(y, torch.full_like(y, 64.0)))
+    return cpu_bf16.GEMV and _probe("roofline_vnni_linear_w8a8", "avx512_vnni")
 
 
 def amx_int8_available() -> bool:
@@ -243,4 +226,4 @@ def amx_int8_available() -> bool:
     tile state granted, and a 2x16x64 product came out right."""
     from roofline.kernels import cpu_bf16
 
-    return cpu_bf16.AMX and _amx_int8_probe()
+    return cpu_bf16.AMX and _probe("roofline_amx_linear_w8a8", "amx_int8")
