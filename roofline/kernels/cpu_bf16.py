@@ -93,7 +93,10 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
         out = tile_linear(x2, packed, bias)  # one row included: a row's result does not depend on M
     if out is None and packed.dim() == 4:  # past the kernel's rows, or the library was turned off after packing
         if dense is None:
-            raise ValueError("packed_linear: a tile-packed weight needs the C++ library or the dense weight")
+            raise ValueError(f"packed_linear: the tile kernel declined x {x.dtype} {tuple(x.shape)} against the "
+                             f"tile-packed weight {tuple(packed.shape)} (it takes bf16 x with K = "
+                             f"{packed.shape[1] * 32} and 1 to {tile_max_rows()} rows, with the C++ library on); "
+                             f"pass the dense weight for the other cases")
         out = torch.nn.functional.linear(x2, dense, bias)
     if out is None:
         out = torch.ops.mkldnn._linear_pointwise(x2, packed, bias, "none", [], "")
@@ -159,8 +162,10 @@ def _tiled(fn_name: str, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tens
     """``x`` [M, K] bf16 @ a :func:`tile_pack` weight ^T (+ ``bias``) -> [M, N] bf16 through the library's
     ``fn_name``; None where it does not apply (dtypes, shapes, more than ``max_rows`` rows, no library)."""
     if (x.dim() != 2 or x.dtype != torch.bfloat16 or packed.dim() != 4 or packed.dtype != torch.bfloat16
+            or tuple(packed.shape[2:]) != (16, 32) or not packed.is_contiguous()
             or x.shape[1] != packed.shape[1] * 32 or x.device.type != "cpu" or x.shape[0] > max_rows
-            or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()))
+            or (bias is not None and (bias.dtype != torch.bfloat16 or not bias.is_contiguous()
+                                      or bias.shape != (packed.shape[0] * 16,)))
             or (lib := _cpp_library()) is None):
         return None
     x = x.contiguous()
@@ -186,8 +191,9 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     return _tiled("roofline_amx_linear_bf16", x, packed, bias, 1 << 62)
 
 
-# The AVX-512 BF16 small-M GEMM takes at most this many rows (C++ roofline_vnni_linear_bf16).
-VNNI_MAX_ROWS = 64
+# The AVX-512 BF16 small-M GEMM takes at most this many rows (C++ roofline_vnni_linear_bf16), as many as the AMX
+# kernel's AMX_MAX_ROWS, so that a speculative verify step of up to 256 rows stays in the CPU decode plan.
+VNNI_MAX_ROWS = 256
 
 
 def vnni_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -133,7 +133,8 @@ def _tiled_w8a8(fn_name: str, x: torch.Tensor, packed: torch.Tensor, weight_scal
 
     if (x.device.type != "cpu" or x.dim() != 2 or x.dtype not in (torch.float32, torch.bfloat16)
             or x.shape[0] > max_rows
-            or packed.dtype != torch.int8 or packed.dim() != 4 or x.shape[1] != packed.shape[1] * 64
+            or packed.dtype != torch.int8 or packed.dim() != 4 or tuple(packed.shape[2:]) != (16, 64)
+            or not packed.is_contiguous() or x.shape[1] != packed.shape[1] * 64
             or weight_scale.dtype != torch.float32 or not weight_scale.is_contiguous()
             or weight_scale.numel() != packed.shape[0] * 16
             or (bias is not None and (bias.dtype not in (torch.float32, torch.bfloat16) or not bias.is_contiguous()
@@ -166,8 +167,8 @@ def amx_linear_w8a8(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.T
     return _tiled_w8a8("roofline_amx_linear_w8a8", x, packed, weight_scale, bias, 1 << 62)
 
 
-# The AVX-512 VNNI W8A8 GEMM takes at most this many rows (C++ roofline_vnni_linear_w8a8).
-VNNI_MAX_ROWS = 64
+# The AVX-512 VNNI W8A8 GEMM takes at most this many rows (C++ roofline_vnni_linear_w8a8), as the AMX kernel's.
+VNNI_MAX_ROWS = 256
 
 
 def vnni_linear_w8a8(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor,

@@ -58,6 +58,7 @@ MAX_STATE = 16384  # query heads x head_dim of a row (its per-thread output accu
 _SOURCE = r"""
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <cmath>
 #include <immintrin.h>
 #include <omp.h>
@@ -506,14 +507,14 @@ extern "C" int roofline_amx_pack_bf16(const uint16_t* w, uint16_t* out, int64_t 
 }
 
 // Small-M bf16 GEMM with AVX-512 BF16 dot products (roofline.kernels.cpu_bf16.vnni_linear), for a CPU without AMX
-// tiles: y [M, N] = bf16(x [M, K] @ w^T (+ bias [N])), 1 <= M <= 64, on w packed by roofline_amx_pack_bf16 (whose
+// tiles: y [M, N] = bf16(x [M, K] @ w^T (+ bias [N])), 1 <= M <= 256, on w packed by roofline_amx_pack_bf16 (whose
 // tile rows are exactly vdpbf16ps's B operand: 16 columns x one k pair). Each output is one fp32 lane: vdpbf16ps
 // (Intel SDM) adds x's k pair (broadcast) times w's into it, pair after pair in k order; the bias is added in fp32
 // and the sum rounded once. The same operations at every M, so a row's bits do not depend on the rows beside it (a
 // speculative verify pass's rows equal the decode steps' single rows) and no horizontal sum is needed. A thread
 // takes 32 output columns (two 16-column panels, each K x 32 bf16 contiguous) and runs x in blocks of up to 8 rows
 // (16 accumulators); the first block streams the panels from memory (prefetched kPrefetch ahead), the others re-read
-// them from cache. Returns 0 (nothing written) without AVX-512 BF16, K % 32, N % 16 or M outside [1, 64].
+// them from cache. Returns 0 (nothing written) without AVX-512 BF16, K % 32, N % 16 or M outside [1, 256].
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
 template <int MB, int NB>
 static inline void vnni_block(const uint16_t* x, int64_t K, const uint16_t* w0, int64_t kc, bool prefetch,
@@ -566,7 +567,7 @@ static inline void vnni_rows(const uint16_t* x, int64_t M, int64_t K, const uint
 extern "C" int roofline_vnni_linear_bf16(const uint16_t* x, const uint16_t* wp, const uint16_t* bias, uint16_t* y,
                                          int64_t M, int64_t N, int64_t K, int nthreads) {
 #if defined(__AVX512BF16__) && defined(__AVX512BW__)
-  if (K % 32 || N % 16 || M < 1 || M > 64) return 0;
+  if (K % 32 || N % 16 || M < 1 || M > 256) return 0;
   const int64_t kc = K / 32, nsb = (N + 31) / 32;
   #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t sb = 0; sb < nsb; ++sb) {
@@ -856,16 +857,20 @@ extern "C" int roofline_gemv_w8a8(const void* x, int x_bf16, const int8_t* w, co
   if (K % 64 != 0 || K > 16384) return 0;
   alignas(64) uint8_t xq[16384];
   float amax = 0.f;
+  bool nan = false;
   for (int64_t k = 0; k < K; ++k) {
     const float v = x_bf16 ? widen(((const uint16_t*)x)[k]) : ((const float*)x)[k];
     const float a = std::fabs(v);
+    nan |= a != a;
     amax = a > amax ? a : amax;
   }
   float s = amax / 127.0f;
   s = s < 1e-10f ? 1e-10f : s;
+  if (nan) s = std::numeric_limits<float>::quiet_NaN();  // torch's inf-norm is NaN: the whole row comes out NaN
   for (int64_t k = 0; k < K; ++k) {
     const float v = x_bf16 ? widen(((const uint16_t*)x)[k]) : ((const float*)x)[k];
-    xq[k] = (uint8_t)((int)std::nearbyint(v / s) + 128);
+    const float r = nan ? 0.f : std::nearbyint(v / s);  // NaN: code 0 (the scale makes every output NaN)
+    xq[k] = (uint8_t)((int)(r == r ? r : 0.f) + 128);
   }
   const int64_t kc = K / 64;
   const __m512i ones = _mm512_set1_epi8(1);
@@ -946,10 +951,15 @@ static void quantize_rows_s8(const void* x, int x_bf16, int64_t M, int64_t K, in
     const uint16_t* xb = (const uint16_t*)x + m * K;
     const float* xf = (const float*)x + m * K;
     __m512 mx = _mm512_setzero_ps();
-    for (int64_t k = 0; k < K; k += 16)
-      mx = _mm512_max_ps(mx, _mm512_abs_ps(x_bf16 ? load16(xb + k) : _mm512_loadu_ps(xf + k)));
+    __mmask16 nan = 0;
+    for (int64_t k = 0; k < K; k += 16) {
+      const __m512 v = x_bf16 ? load16(xb + k) : _mm512_loadu_ps(xf + k);
+      nan |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+      mx = _mm512_max_ps(mx, _mm512_abs_ps(v));
+    }
     float s = _mm512_reduce_max_ps(mx) / 127.0f;
     s = s < 1e-10f ? 1e-10f : s;
+    if (nan) s = std::numeric_limits<float>::quiet_NaN();  // torch's inf-norm is NaN: the whole row comes out NaN
     sx[m] = s;
     const __m512 sv = _mm512_set1_ps(s);
     for (int64_t k = 0; k < K; k += 16) {
@@ -961,13 +971,13 @@ static void quantize_rows_s8(const void* x, int x_bf16, int64_t M, int64_t K, in
 }
 #endif
 
-// INT8 W8A8 dynamic GEMM of 1-64 rows with AVX-512 VNNI (roofline.kernels.cpu_int8.vnni_linear_w8a8), for a CPU
+// INT8 W8A8 dynamic GEMM of 1-256 rows with AVX-512 VNNI (roofline.kernels.cpu_int8.vnni_linear_w8a8), for a CPU
 // without AMX-INT8, on w packed by roofline_amx_pack_s8 (a tile row is vpdpbusd's B operand: 16 columns x one k
 // quad): the rows quantized by quantize_rows_s8; acc[m, n] = sum_k (q[m, k] + 128) w[n, k] by vpdpbusd (u8 x s8,
 // Intel SDM) with x's k quad broadcast, minus 128 * sum_k w[n, k] (a second vpdpbusd against ones): exact int32, so
 // every row is bit-identical to the GEMV's and the torch path's; then y = (float)acc * (s[m] * ws[n]) (+ bias[n])
 // rounded once to y's dtype. A thread takes 32 columns, x in blocks of up to 8 rows. Returns 0 (nothing written)
-// without AVX-512 VNNI, unless N % 16 == 0, K % 64 == 0, K <= 16384 and 1 <= M <= 64.
+// without AVX-512 VNNI, unless N % 16 == 0, K % 64 == 0, K <= 16384 and 1 <= M <= 256.
 #pragma GCC push_options
 #pragma GCC optimize("fp-contract=off")  // the scale product, then the bias add, as roofline_gemv_w8a8
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -1035,7 +1045,7 @@ extern "C" int roofline_vnni_linear_w8a8(const void* x, int x_bf16, const int8_t
                                          const void* bias, int bias_bf16, void* y, int y_bf16, int64_t M, int64_t N,
                                          int64_t K, int nthreads) {
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
-  if (K % 64 || N % 16 || K > 16384 || M < 1 || M > 64) return 0;
+  if (K % 64 || N % 16 || K > 16384 || M < 1 || M > 256) return 0;
   std::vector<int8_t> q(M * K);
   std::vector<float> sx(M);
   quantize_rows_s8(x, x_bf16, M, K, q.data(), sx.data(), nthreads);
@@ -1155,9 +1165,9 @@ struct RooflineLayer { const void* norm1; const void* norm2; float eps1, eps2;  
                        RooflineLinear qkv, o, gate_up, down; void* k_cache; void* v_cache; };
 
 // A linear of the plan on M rows, as roofline.kernels.cpu_bf16.packed_linear / cpu_int8 run it: kind 0 (bf16) the
-// AMX GEMM on the tile-packed copy, kind 3 (bf16) the AVX-512 BF16 GEMM on the same layout (1-64 rows; the rows of
+// AMX GEMM on the tile-packed copy, kind 3 (bf16) the AVX-512 BF16 GEMM on the same layout (1-256 rows; the rows of
 // either do not depend on M); kind 1 / 4 (INT8 W8A8) the GEMV at one row, at more the AMX-INT8 / AVX-512 VNNI GEMM
-// (2-64 rows) on the tiles (amx) (the same bits: exact int32 sums either way).
+// (2-256 rows) on the tiles (amx) (the same bits: exact int32 sums either way).
 static int plan_linear(const RooflineLinear& l, const uint16_t* x, uint16_t* y, int64_t M, int nthreads) {
   if (l.kind == 0) return roofline_amx_linear_bf16(x, (const uint16_t*)l.amx, (const uint16_t*)l.bias, y, M, l.N,
                                                    l.K, nthreads);
@@ -1181,9 +1191,9 @@ static bool plan_linear_ok(const RooflineLinear& l, int64_t M) {
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (l.kind == 0 || l.kind == 3)
-    return l.amx != nullptr && l.K % 32 == 0 && l.N % 16 == 0 && (l.kind == 0 || M <= 64);
+    return l.amx != nullptr && l.K % 32 == 0 && l.N % 16 == 0 && (l.kind == 0 || M <= 256);
   return (l.kind == 1 || l.kind == 4) && l.K % 64 == 0 && l.K <= 16384
-         && (M == 1 || (l.amx != nullptr && l.N % 16 == 0 && (l.kind == 1 || M <= 64)));
+         && (M == 1 || (l.amx != nullptr && l.N % 16 == 0 && (l.kind == 1 || M <= 256)));
 #else
   (void)l; (void)M;
   return false;

@@ -16,9 +16,9 @@ It applies where every piece has a C++ kernel: a bf16 model on CPU (``--dtype bf
 default dtype; its norms and SiLU run the same C++ in the modules, its linears the small-M fp32 linear of
 ``roofline.kernels.cpu_f32``, so a CPU with AVX-512F, and an fp32 KV cache), the Llama-family dense
 decoder (no q/k norm, no MoE), bf16 linears tile-packed after loading (``UnquantizedLinearMethod``; a CPU with
-AVX-512 BF16 or AMX-BF16) or ``--quantization int8`` (W8A8: the GEMV at one row, the AMX-INT8 GEMM at more, so a
-CPU with AMX-INT8 past one row), an fp32 or bf16 KV cache the C++ attention reads, one process, at most
-``cpu_bf16.tile_max_rows()`` rows (256 with AMX, 64 with AVX-512 BF16; fp32: ``cpu_f32.MAX_ROWS``; past that the
+AVX-512 BF16 or AMX-BF16) or ``--quantization int8`` (W8A8: the GEMV at one row, the AMX-INT8 or AVX-512 VNNI GEMM at
+more), an fp32 or bf16 KV cache the C++ attention reads, one process, at most
+``cpu_bf16.tile_max_rows()`` rows (256, with AMX or AVX-512 BF16; fp32: ``cpu_f32.MAX_ROWS``; past that the
 modules run oneDNN's or MKL's large-M GEMM). On the default model in fp32
 (Intel Xeon with AMX, 2 cores, 2026-12-06) a batch-1 token took 23.5 ms with the plan against 35.1 ms without,
 the same tokens. Speculative decoding's verify passes run in it too: a chain's are decode rows

@@ -154,7 +154,7 @@ def test_amx_linear_matches_float64_and_f_linear(m, n, k):
 
 
 @needs_vnni
-@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16, 33, 64])
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 16, 33, 64, 100, 256])
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (48, 64), (16, 32)])  # 48, 16: a last panel of 16
 def test_vnni_linear_matches_float64_and_f_linear(m, n, k):
     """AVX-512 BF16: every block of 8 rows and its tails, panels of 32 columns and a last one of 16."""
@@ -185,7 +185,7 @@ def test_packed_linear_without_the_library_after_packing(monkeypatch):
     p = cpu_bf16.tile_pack(w)
     monkeypatch.setattr(cpu_bf16, "GEMV", False)
     assert torch.equal(cpu_bf16.packed_linear(x, p, dense=w), F.linear(x, w))
-    with pytest.raises(ValueError, match="tile-packed weight needs the C\\+\\+ library or the dense weight"):
+    with pytest.raises(ValueError, match="with the C\\+\\+ library on\\); pass the dense weight"):
         cpu_bf16.packed_linear(x, p)
 
 
@@ -202,8 +202,13 @@ def test_tile_kernels_decline_what_they_do_not_cover(kernel):
     assert fn(torch.randn(4, 96).bfloat16(), p) is None  # K does not match
     assert fn(torch.randn(4, 64).bfloat16(), p, torch.randn(32)) is None  # fp32 bias
     assert fn(torch.randn(0, 64).bfloat16(), p).shape == (0, 32)
+    assert fn(torch.randn(4, 64).bfloat16(), p, torch.randn(16).bfloat16()) is None  # a bias for another N
+    assert fn(torch.randn(4, 64).bfloat16(), torch.cat([p, p], 1)[:, ::2]) is None  # tiles not contiguous
+    assert fn(torch.randn(4, 64).bfloat16(), p.reshape(2, 2, 8, 64)) is None  # not [N/16, K/32, 16, 32]
     if kernel == "vnni_linear":
         assert fn(torch.randn(cpu_bf16.VNNI_MAX_ROWS + 1, 64).bfloat16(), p) is None  # past its rows
+    with pytest.raises(ValueError, match=r"tile kernel declined x torch.float32 \(4, 64\) against the tile-packed"):
+        cpu_bf16.packed_linear(torch.randn(4, 64), p)  # no dense weight to fall back on: the error says why
 
 
 @pytest.mark.parametrize("t,h", [(1, 576), (3, 576), (40, 960), (2, 17)])

@@ -259,7 +259,7 @@ def test_amx_w8a8_rows_are_bit_identical_to_the_gemv_and_the_torch_path(m, n, k,
 
 
 @needs_vnni_int8
-@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 33, 64])
+@pytest.mark.parametrize("m", [1, 2, 7, 8, 9, 33, 64, 100, 256])
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (49152, 576), (48, 64), (16, 128)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_vnni_w8a8_rows_are_bit_identical_to_the_gemv_and_the_torch_path(m, n, k, dtype):
@@ -284,5 +284,26 @@ def test_tile_w8a8_declines_what_it_does_not_cover(kernel):
     assert fn(torch.randn(2, 128).half(), p, s) is None  # fp16
     assert fn(torch.randn(2, 128), p, torch.ones(16)) is None  # scales for another N
     assert fn(torch.randn(2, 128), p, s, torch.ones(32).double()) is None  # fp64 bias
+    assert fn(torch.randn(2, 128), torch.cat([p, p], 1)[:, ::2], s) is None  # tiles not contiguous
+    assert fn(torch.randn(2, 128), p.reshape(2, 2, 32, 32), s) is None  # not [N/16, K/64, 16, 64]
     if kernel == "vnni_linear_w8a8":
         assert fn(torch.randn(cpu_int8.VNNI_MAX_ROWS + 1, 128), p, s) is None  # past its rows
+
+
+@needs_int8_tiles
+@pytest.mark.parametrize("m", [1, 3])
+def test_w8a8_nan_rows_come_out_nan_as_in_the_torch_path(m):
+    """A NaN in a row makes torch's per-token scale NaN, so that whole output row is NaN; the C++ quantizers (the
+    one-row GEMV, the tile kernels) did the same only since 2026-12-07 (they had dropped the NaN and returned finite
+    values). Other rows keep their bits."""
+    gen = torch.Generator().manual_seed(3)
+    cw = quantize_int8_per_channel(0.02 * torch.randn(64, 128, generator=gen))
+    q, s = cw.q.to(torch.int8).contiguous(), cw.scales.float().contiguous()
+    x = torch.randn(m, 128, generator=gen)
+    x[0, 3] = float("nan")
+    got = w8a8_dynamic_linear(x, q, s, packed=cpu_int8.tile_pack_int8(q))
+    assert got[0].isnan().all()
+    if m > 1:
+        assert not got[1:].isnan().any()
+        assert torch.equal(got[1:], w8a8_dynamic_linear(x[1:], q, s))  # the torch path on the other rows
+    assert w8a8_dynamic_linear(x, q, s)[0].isnan().all()  # the torch path: the same NaN row

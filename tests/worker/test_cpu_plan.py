@@ -198,6 +198,35 @@ def test_verify_passes_run_in_the_plan_and_keep_greedy_output_bit_exact(spec, qu
     assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in ref]
 
 
+def test_a_tree_step_of_more_than_64_rows_stays_in_the_plan():
+    """Ten requests verifying 7-node trees are 70 rows a step: past the old 64-row limit of the AVX-512 tile kernels,
+    where the step fell back to the modules' prefill-form tree attention and bf16 greedy output drifted from plain
+    decoding (a fresh-user run, 2026-12-07). Every tile kernel now takes 256 rows, as the AMX ones do."""
+    from roofline import LLM, SamplingParams
+
+    spec = {"method": "eagle", "num_speculative_tokens": 2, "tree_topk": 3, "tree_budget": 6, "adaptive": False}
+    kw = dict(device="cpu", dtype="bfloat16", max_model_len=256, max_num_seqs=16, enable_prefix_caching=False)
+    llm = LLM(speculative_config=spec, **kw)
+    plan = llm.engine.worker.cpu_plan
+    if plan is None or not cpu_bf16.tiles_available():
+        pytest.skip("no multi-row CPU plan on this CPU (no AVX-512 BF16 or AMX tiles)")
+    assert plan.max_rows == 256
+    rows = []
+    run = plan.run
+
+    def counted(ids, pos, meta):
+        rows.append(sum(meta.query_lens_cpu) if meta.tree_mask is not None else 0)
+        return run(ids, pos, meta)
+
+    plan.run = counted
+    prompts = [f"Tell me fact number {i} about the ocean." for i in range(10)]
+    sp = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert max(rows) == 70  # every request's tree in one step, through the plan
+    want = [o.outputs[0].token_ids for o in LLM(**kw).generate(prompts, sp, use_tqdm=False)]
+    assert got == want
+
+
 @pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
 def test_eagle_draft_layer_runs_in_the_plan_close_to_its_modules(dtype):
     """The EAGLE draft layer's decode-row passes (the step's first pass and the tree's) run in one C++ call each,
