@@ -1,7 +1,7 @@
 """bf16 linears on CPU with the weight packed once after loading, instead of on every call.
 
 Where the C++ library has a tile kernel (:func:`tiles_available`), each weight is packed once into Intel's VNNI
-tile layout (:func:`tile_pack`) and 1 to :func:`tile_max_rows` rows run :func:`amx_linear` (AMX-BF16) or
+tile layout (:func:`tile_pack`) and 1 to ``TILE_MAX_ROWS`` rows run :func:`amx_linear` (AMX-BF16) or
 :func:`vnni_linear` (AVX-512 BF16): each output summed in the same order at any M, so a row's bits do not depend on
 the rows beside it (speculative verify passes equal decode steps, and the CPU decode plan runs the same kernels);
 more rows (prefill) run ``F.linear`` on the dense weight. Otherwise the weight is packed for oneDNN:
@@ -77,7 +77,7 @@ def layer_linear(layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> to
 def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None,
                   dense: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [..., K] bf16 @ the packed [N, K] weight^T (+ ``bias`` [N]) -> [..., N] bf16, as ``F.linear``.
-    A tile-packed weight (:func:`prepack`) goes through :func:`tile_linear` at 1 to :func:`tile_max_rows` rows, so
+    A tile-packed weight (:func:`prepack`) goes through :func:`tile_linear` at 1 to ``TILE_MAX_ROWS`` rows, so
     that a row's result is the same bits at any M (a speculative verify pass's rows equal the decode steps' single
     rows), past that (or with the library turned off since packing) through ``F.linear`` on ``dense`` (oneDNN's
     large-M kernel); a oneDNN-packed weight through oneDNN.
@@ -89,13 +89,13 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
         x2 = x2.contiguous()
     M = x2.shape[0]
     out = None
-    if packed.dim() == 4 and (M <= tile_max_rows() or dense is None):
+    if packed.dim() == 4 and (M <= TILE_MAX_ROWS or dense is None):
         out = tile_linear(x2, packed, bias)  # one row included: a row's result does not depend on M
     if out is None and packed.dim() == 4:  # past the kernel's rows, or the library was turned off after packing
         if dense is None:
             raise ValueError(f"packed_linear: the tile kernel declined x {x.dtype} {tuple(x.shape)} against the "
                              f"tile-packed weight {tuple(packed.shape)} (it takes bf16 x with K = "
-                             f"{packed.shape[1] * 32} and 1 to {tile_max_rows()} rows, with the C++ library on); "
+                             f"{packed.shape[1] * 32} and 1 to {TILE_MAX_ROWS} rows, with the C++ library on); "
                              f"pass the dense weight for the other cases")
         out = torch.nn.functional.linear(x2, dense, bias)
     if out is None:
@@ -107,11 +107,13 @@ def packed_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | No
 # ROOFLINE_CPU_AMX=0 turns it off (weights are then packed for the AVX-512 BF16 GEMM where the CPU has it, else for
 # oneDNN). Read when weights are packed.
 AMX = os.environ.get("ROOFLINE_CPU_AMX", "1") != "0"
-# Past this many rows packed_linear hands an AMX-packed layer to F.linear on the dense weight (oneDNN's reorder
-# is then amortized): on the Intel Xeon (AMX) of 2026-12-04, 2 threads, the default model's five shapes (4 layers'
-# worth), AMX kernel vs oneDNN packed vs F.linear: M = 32 3.39 / 4.58 / 6.48 ms, M = 64 4.95 / 6.86 / 9.29,
-# M = 128 9.87 / 10.56 / 13.37, M = 512 52.5 / 75.9 / 40.9, M = 1376 123.2 / 149.3 / 113.4.
-AMX_MAX_ROWS = 256
+# Past this many rows packed_linear hands a tile-packed layer to F.linear on the dense weight (oneDNN's reorder
+# is then amortized), and the CPU decode plan to the modules; the AVX-512 BF16 and VNNI kernels take at most this
+# many (their C++ checks 256). On the Intel Xeon (AMX) of 2026-12-04, 2 threads, the default model's five shapes
+# (4 layers' worth), AMX kernel vs oneDNN packed vs F.linear: M = 32 3.39 / 4.58 / 6.48 ms, M = 64 4.95 / 6.86 /
+# 9.29, M = 128 9.87 / 10.56 / 13.37, M = 512 52.5 / 75.9 / 40.9, M = 1376 123.2 / 149.3 / 113.4; on the AMD EPYC
+# (AVX-512 BF16) of 2026-12-07 the AVX-512 BF16 kernel ran 1.03-1.04x oneDNN packed at M = 64-256.
+TILE_MAX_ROWS = 256
 
 
 @functools.cache
@@ -191,13 +193,8 @@ def amx_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None 
     return _tiled("roofline_amx_linear_bf16", x, packed, bias, 1 << 62)
 
 
-# The AVX-512 BF16 small-M GEMM takes at most this many rows (C++ roofline_vnni_linear_bf16), as many as the AMX
-# kernel's AMX_MAX_ROWS, so that a speculative verify step of up to 256 rows stays in the CPU decode plan.
-VNNI_MAX_ROWS = 256
-
-
 def vnni_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """``x`` [M, K] bf16, 1 <= M <= ``VNNI_MAX_ROWS``, @ the weight packed by :func:`tile_pack` ^T (+ ``bias`` [N]
+    """``x`` [M, K] bf16, 1 <= M <= ``TILE_MAX_ROWS``, @ the weight packed by :func:`tile_pack` ^T (+ ``bias`` [N]
     bf16) -> [M, N] bf16 with AVX-512 BF16 dot products (C++ ``roofline_vnni_linear_bf16``: VDPBF16PS, Intel SDM,
     x's k pair broadcast against a tile row of 16 columns), for a CPU without AMX tiles. Each output is one fp32
     lane that takes the k pairs in order, the bias added in fp32, rounded once: the same operations at any M, so a
@@ -208,7 +205,7 @@ def vnni_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None
     of bf16) took 8.0 / 10.3 / 16.4 / 26.4 / 46.3 ms at M = 1 / 4 / 16 / 32 / 64, against 11.9 / 14.3 / 25.6 /
     40.9 / 68.6 for the one-row-style GEMV it replaces (16 lanes a row, summed across) and 12.5 / 10.3 / 17.2 /
     27.4 / 51.9 for oneDNN with the weight packed once (``python bench/cpu_linear.py --dtype bfloat16``)."""
-    return _tiled("roofline_vnni_linear_bf16", x, packed, bias, VNNI_MAX_ROWS)
+    return _tiled("roofline_vnni_linear_bf16", x, packed, bias, TILE_MAX_ROWS)
 
 
 def vnni_available() -> bool:
@@ -221,12 +218,6 @@ def tiles_available() -> bool:
     """A tile kernel runs here (:func:`amx_linear` or :func:`vnni_linear`): weights are then packed with
     :func:`tile_pack`."""
     return amx_available() or vnni_available()
-
-
-def tile_max_rows() -> int:
-    """Rows up to which :func:`packed_linear` runs a tile-packed weight through :func:`tile_linear`: ``AMX_MAX_ROWS``
-    with AMX, else ``VNNI_MAX_ROWS``."""
-    return AMX_MAX_ROWS if amx_available() else VNNI_MAX_ROWS
 
 
 def tile_linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:

@@ -26,6 +26,8 @@ import functools
 
 import torch
 
+from roofline.kernels.cpu_bf16 import TILE_MAX_ROWS
+
 INT8_MAX = 127.0
 MIN_SCALE = 1e-10  # the scale floor of roofline.kernels.quant_types.quantize_per_token_int8
 
@@ -54,7 +56,7 @@ def w8a8_dynamic_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: to
     """``x`` [..., K] (any float dtype) @ (``qweight`` int8 [N, K] * ``weight_scale`` float32 [N])^T (+ ``bias``
     [N]) with ``x`` quantized per token to INT8 -> [..., N] in ``x``'s dtype. CPU tensors. ``row_parallel``: K is
     this rank's shard of a row-parallel layer (``quantize_rows_int8``); the caller all-reduces the output.
-    ``packed``: ``qweight``'s tiles (:func:`tile_pack_int8`), which 2 to :func:`tile_max_rows_int8` rows go
+    ``packed``: ``qweight``'s tiles (:func:`tile_pack_int8`), which 2 to ``cpu_bf16.TILE_MAX_ROWS`` rows go
     through (:func:`tile_linear_w8a8`, bit-identical to the torch path and to :func:`gemv_w8a8`'s rows).
 
     Raises:
@@ -66,7 +68,7 @@ def w8a8_dynamic_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: to
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] == 1 and not row_parallel and (y := gemv_w8a8(x2, qweight, weight_scale, bias)) is not None:
         return y.reshape(*x.shape[:-1], qweight.shape[0])
-    if (packed is not None and not row_parallel and 1 < x2.shape[0] <= tile_max_rows_int8()
+    if (packed is not None and not row_parallel and 1 < x2.shape[0] <= TILE_MAX_ROWS
             and (y := tile_linear_w8a8(x2, packed, weight_scale, bias)) is not None):
         return y.reshape(*x.shape[:-1], qweight.shape[0])
     xq, xs = quantize_rows_int8(x2 if x2.dtype == torch.float32 else x2.float(), row_parallel)
@@ -167,17 +169,13 @@ def amx_linear_w8a8(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.T
     return _tiled_w8a8("roofline_amx_linear_w8a8", x, packed, weight_scale, bias, 1 << 62)
 
 
-# The AVX-512 VNNI W8A8 GEMM takes at most this many rows (C++ roofline_vnni_linear_w8a8), as the AMX kernel's.
-VNNI_MAX_ROWS = 256
-
-
 def vnni_linear_w8a8(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor,
                      bias: torch.Tensor | None = None) -> torch.Tensor | None:
-    """:func:`amx_linear_w8a8` for a CPU without AMX-INT8, on the same tiles and 1 to ``VNNI_MAX_ROWS`` rows
+    """:func:`amx_linear_w8a8` for a CPU without AMX-INT8, on the same tiles and 1 to ``cpu_bf16.TILE_MAX_ROWS`` rows
     (``roofline_vnni_linear_w8a8``): the int32 sums by AVX-512 VNNI ``vpdpbusd`` (Intel SDM; x's k quad, plus 128,
     broadcast against a tile row of 16 columns, and 128 times each column's sum taken off), exact, so every row is
     bit-identical to :func:`gemv_w8a8`'s and the torch path's at any M. None where it does not apply."""
-    return _tiled_w8a8("roofline_vnni_linear_w8a8", x, packed, weight_scale, bias, VNNI_MAX_ROWS)
+    return _tiled_w8a8("roofline_vnni_linear_w8a8", x, packed, weight_scale, bias, TILE_MAX_ROWS)
 
 
 def tile_linear_w8a8(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.Tensor,
@@ -185,13 +183,6 @@ def tile_linear_w8a8(x: torch.Tensor, packed: torch.Tensor, weight_scale: torch.
     """The tile kernel this CPU has: :func:`amx_linear_w8a8` with AMX-INT8, else :func:`vnni_linear_w8a8`."""
     fn = amx_linear_w8a8 if amx_int8_available() else vnni_linear_w8a8
     return fn(x, packed, weight_scale, bias)
-
-
-def tile_max_rows_int8() -> int:
-    """Rows up to which :func:`w8a8_dynamic_linear` takes :func:`tile_linear_w8a8`."""
-    from roofline.kernels.cpu_bf16 import AMX_MAX_ROWS
-
-    return AMX_MAX_ROWS if amx_int8_available() else VNNI_MAX_ROWS
 
 
 @functools.cache

@@ -869,8 +869,8 @@ extern "C" int roofline_gemv_w8a8(const void* x, int x_bf16, const int8_t* w, co
   if (nan) s = std::numeric_limits<float>::quiet_NaN();  // torch's inf-norm is NaN: the whole row comes out NaN
   for (int64_t k = 0; k < K; ++k) {
     const float v = x_bf16 ? widen(((const uint16_t*)x)[k]) : ((const float*)x)[k];
-    const float r = nan ? 0.f : std::nearbyint(v / s);  // NaN: code 0 (the scale makes every output NaN)
-    xq[k] = (uint8_t)((int)(r == r ? r : 0.f) + 128);
+    const float r = std::nearbyint(v / s);  // NaN (any NaN in the row, or inf / inf): code 0
+    xq[k] = (uint8_t)((r == r ? (int)r : 0) + 128);
   }
   const int64_t kc = K / 64;
   const __m512i ones = _mm512_set1_epi8(1);
@@ -1011,7 +1011,7 @@ static inline void vnni_block_s8(const int8_t* q, int64_t K, const int8_t* w0, i
     const __m512i off = _mm512_slli_epi32(sw[j], 7);  // 128 * sum_k w[n, k]
     const __m512 wsv = _mm512_loadu_ps(ws + j * 16);
     const __m512 b = !bias ? _mm512_setzero_ps()
-                     : bias_bf16 ? load16((const uint16_t*)bias + j * 16) : _mm512_loadu_ps((const float*)bias + j * 16);
+                     : bias_bf16 ? load16((const uint16_t*)bias + j * 16) : load16((const float*)bias + j * 16);
     for (int m = 0; m < MB; ++m) {
       __m512 o = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(acc[m][j], off)),
                                _mm512_mul_ps(_mm512_set1_ps(sx[m]), wsv));
@@ -1055,8 +1055,9 @@ extern "C" int roofline_vnni_linear_w8a8(const void* x, int x_bf16, const int8_t
     const int8_t* w0 = wp + sb * 2 * kc * 1024;
     const void* b0 = !bias ? nullptr : (const char*)bias + sb * 32 * (bias_bf16 ? 2 : 4);
     void* y0 = (char*)y + sb * 32 * ysz;
-    if (N - sb * 32 >= 32) vnni_rows_s8<2>(q.data(), M, K, w0, kc, sx.data(), ws + sb * 32, b0, bias_bf16, y0, y_bf16, N);
-    else vnni_rows_s8<1>(q.data(), M, K, w0, kc, sx.data(), ws + sb * 32, b0, bias_bf16, y0, y_bf16, N);
+    const float* ws0 = ws + sb * 32;
+    if (N - sb * 32 >= 32) vnni_rows_s8<2>(q.data(), M, K, w0, kc, sx.data(), ws0, b0, bias_bf16, y0, y_bf16, N);
+    else vnni_rows_s8<1>(q.data(), M, K, w0, kc, sx.data(), ws0, b0, bias_bf16, y0, y_bf16, N);
   }
   return 1;
 #else
@@ -1154,28 +1155,28 @@ extern "C" int roofline_amx_linear_w8a8(const void* x, int x_bf16, const int8_t*
 // module path; what it removes is the Python between them (~230 us a layer at one row). Per layer:
 // h = rmsnorm(x [+ residual]); qkv = h W_qkv^T (+ b); RoPE + the KV store; attention over each row's blocks (bf16
 // out); o = a W_o^T; h = rmsnorm(o + residual); gate_up; SiLU-and-mul; x = down. Then the final norm into x.
-// A linear is bf16 (kind 0 / 3: W [N, K] bf16, its tiles for AMX / AVX-512 BF16 in amx, bias bf16 or null), INT8
-// W8A8 (kind 1 / 4: W int8 [N, K], scale fp32 [N], bias bf16/fp32 or null, its tiles for AMX-INT8 / AVX-512 VNNI
-// or null: one row only without them) or fp32 (kind 2). Returns 0 with nothing written where a piece would decline (no AVX-512 BF16 / VNNI,
-// a K it does not take, no AMX tiles past one row, a position, slot or block out of range, a row's blocks past its
-// table).
+// A linear is bf16 (kind 0 / 3: W [N, K] bf16, its tiles for AMX / AVX-512 BF16, bias bf16 or null), INT8 W8A8
+// (kind 1 / 4: W int8 [N, K], scale fp32 [N], bias bf16/fp32 or null, its tiles for AMX-INT8 / AVX-512 VNNI or null:
+// one row only without them) or fp32 (kind 2). Returns 0 with nothing written where a piece would decline (no
+// AVX-512 BF16 / VNNI, a K it does not take, no tiles past one row, a position, slot or block out of range, a row's
+// blocks past its table).
 struct RooflineLinear { int32_t kind; int32_t bias_bf16; const void* w; const float* scale; const void* bias;
-                        int64_t N, K; const void* amx; };
+                        int64_t N, K; const void* tiles; };
 struct RooflineLayer { const void* norm1; const void* norm2; float eps1, eps2;  // bf16 or fp32, as x
                        RooflineLinear qkv, o, gate_up, down; void* k_cache; void* v_cache; };
 
 // A linear of the plan on M rows, as roofline.kernels.cpu_bf16.packed_linear / cpu_int8 run it: kind 0 (bf16) the
 // AMX GEMM on the tile-packed copy, kind 3 (bf16) the AVX-512 BF16 GEMM on the same layout (1-256 rows; the rows of
 // either do not depend on M); kind 1 / 4 (INT8 W8A8) the GEMV at one row, at more the AMX-INT8 / AVX-512 VNNI GEMM
-// (2-256 rows) on the tiles (amx) (the same bits: exact int32 sums either way).
+// (2-256 rows) on the tiles (the same bits: exact int32 sums either way).
 static int plan_linear(const RooflineLinear& l, const uint16_t* x, uint16_t* y, int64_t M, int nthreads) {
-  if (l.kind == 0) return roofline_amx_linear_bf16(x, (const uint16_t*)l.amx, (const uint16_t*)l.bias, y, M, l.N,
+  if (l.kind == 0) return roofline_amx_linear_bf16(x, (const uint16_t*)l.tiles, (const uint16_t*)l.bias, y, M, l.N,
                                                    l.K, nthreads);
-  if (l.kind == 3) return roofline_vnni_linear_bf16(x, (const uint16_t*)l.amx, (const uint16_t*)l.bias, y, M, l.N,
+  if (l.kind == 3) return roofline_vnni_linear_bf16(x, (const uint16_t*)l.tiles, (const uint16_t*)l.bias, y, M, l.N,
                                                     l.K, nthreads);
-  if (M > 1 && l.kind == 1) return roofline_amx_linear_w8a8(x, 1, (const int8_t*)l.amx, l.scale, l.bias, l.bias_bf16,
+  if (M > 1 && l.kind == 1) return roofline_amx_linear_w8a8(x, 1, (const int8_t*)l.tiles, l.scale, l.bias, l.bias_bf16,
                                                             y, 1, M, l.N, l.K, nthreads);
-  if (M > 1) return roofline_vnni_linear_w8a8(x, 1, (const int8_t*)l.amx, l.scale, l.bias, l.bias_bf16, y, 1, M, l.N,
+  if (M > 1) return roofline_vnni_linear_w8a8(x, 1, (const int8_t*)l.tiles, l.scale, l.bias, l.bias_bf16, y, 1, M, l.N,
                                               l.K, nthreads);
   return roofline_gemv_w8a8(x, 1, (const int8_t*)l.w, l.scale, l.bias, l.bias_bf16, y, 1, l.N, l.K, nthreads);
 }
@@ -1191,9 +1192,9 @@ static bool plan_linear_ok(const RooflineLinear& l, int64_t M) {
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
   if (l.kind == 0 || l.kind == 3)
-    return l.amx != nullptr && l.K % 32 == 0 && l.N % 16 == 0 && (l.kind == 0 || M <= 256);
+    return l.tiles != nullptr && l.K % 32 == 0 && l.N % 16 == 0 && (l.kind == 0 || M <= 256);
   return (l.kind == 1 || l.kind == 4) && l.K % 64 == 0 && l.K <= 16384
-         && (M == 1 || (l.amx != nullptr && l.N % 16 == 0 && (l.kind == 1 || M <= 256)));
+         && (M == 1 || (l.tiles != nullptr && l.N % 16 == 0 && (l.kind == 1 || M <= 256)));
 #else
   (void)l; (void)M;
   return false;

@@ -18,7 +18,7 @@ default dtype; its norms and SiLU run the same C++ in the modules, its linears t
 decoder (no q/k norm, no MoE), bf16 linears tile-packed after loading (``UnquantizedLinearMethod``; a CPU with
 AVX-512 BF16 or AMX-BF16) or ``--quantization int8`` (W8A8: the GEMV at one row, the AMX-INT8 or AVX-512 VNNI GEMM at
 more), an fp32 or bf16 KV cache the C++ attention reads, one process, at most
-``cpu_bf16.tile_max_rows()`` rows (256, with AMX or AVX-512 BF16; fp32: ``cpu_f32.MAX_ROWS``; past that the
+``cpu_bf16.TILE_MAX_ROWS`` rows (256, with AMX or AVX-512 BF16 / VNNI; fp32: ``cpu_f32.MAX_ROWS``; past that the
 modules run oneDNN's or MKL's large-M GEMM). On the default model in fp32
 (Intel Xeon with AMX, 2 cores, 2026-12-06) a batch-1 token took 23.5 ms with the plan against 35.1 ms without,
 the same tokens. Speculative decoding's verify passes run in it too: a chain's are decode rows
@@ -48,7 +48,7 @@ ENABLED = os.environ.get("ROOFLINE_CPU_PLAN", "1") != "0"
 class _Linear(ctypes.Structure):
     _fields_ = [("kind", ctypes.c_int32), ("bias_bf16", ctypes.c_int32), ("w", ctypes.c_void_p),
                 ("scale", ctypes.c_void_p), ("bias", ctypes.c_void_p), ("N", ctypes.c_int64), ("K", ctypes.c_int64),
-                ("amx", ctypes.c_void_p)]
+                ("tiles", ctypes.c_void_p)]
 
 
 class _Layer(ctypes.Structure):
@@ -95,11 +95,10 @@ def _linear(module) -> tuple[_Linear, str | None]:
             return _Linear(), "a bias that is not bf16 or fp32"
         from roofline.kernels.cpu_int8 import amx_int8_available
 
-        amx = getattr(module, "tile_qweight", None)  # tiles for more than one row (kind 1: AMX-INT8, 4: VNNI)
+        tiles = getattr(module, "tile_qweight", None)  # for more than one row (kind 1: AMX-INT8, 4: AVX-512 VNNI)
         return _Linear(1 if amx_int8_available() else 4, int(bias is not None and bias.dtype == torch.bfloat16),
-                       q.data_ptr(), s.data_ptr(),
-                       None if bias is None else bias.data_ptr(), q.shape[0], q.shape[1],
-                       None if amx is None else amx.data_ptr()), None
+                       q.data_ptr(), s.data_ptr(), None if bias is None else bias.data_ptr(), q.shape[0], q.shape[1],
+                       None if tiles is None else tiles.data_ptr()), None
     return _Linear(), f"the {type(method).__name__} weight format"
 
 
@@ -109,17 +108,15 @@ class CpuDecodePlan:
 
     def __init__(self, lib, layers, model, backend, cache_bf16: bool, one_row_why: str = "", final_norm=None,
                  dtype: torch.dtype = torch.bfloat16):
-        from roofline.kernels.cpu_bf16 import tile_max_rows
+        from roofline.kernels.cpu_bf16 import TILE_MAX_ROWS
         from roofline.kernels.cpu_f32 import MAX_ROWS
-        from roofline.kernels.cpu_int8 import tile_max_rows_int8
 
         self.lib, self.layers, self.model, self.backend = lib, layers, model, backend
         self.final_norm = final_norm  # an RMSNorm module applied after the last layer, or None (x + residual)
         self.cache_bf16 = cache_bf16
         self.dtype = dtype  # the model's: bf16 (roofline_decode_step) or fp32 (roofline_decode_step_f32)
         self.one_row_why = one_row_why  # why a step takes one row only ("": up to max_rows)
-        self.max_rows = 1 if one_row_why else (MAX_ROWS if dtype == torch.float32 else min(
-            tile_max_rows() if kind in (0, 3) else tile_max_rows_int8() for kind in {ly.qkv.kind for ly in layers}))
+        self.max_rows = 1 if one_row_why else (MAX_ROWS if dtype == torch.float32 else TILE_MAX_ROWS)
 
     @classmethod
     def build(cls, model, backend, dtype: torch.dtype, device: torch.device, *,
@@ -237,7 +234,7 @@ class CpuDecodePlan:
             raise _Unsupported("projection sizes that do not match the heads")
         # More than one row of INT8 W8A8 needs every linear's tiles (bf16 linears always have theirs).
         one_row_why = ""
-        if dtype == torch.bfloat16 and not all(getattr(ly, name).amx for ly in layers
+        if dtype == torch.bfloat16 and not all(getattr(ly, name).tiles for ly in layers
                                                for name in ("qkv", "o", "gate_up", "down")):
             one_row_why = "INT8 W8A8 linears without tiles (no AMX-INT8 or AVX-512 VNNI kernel)"
         return layers, cache_bf16, one_row_why

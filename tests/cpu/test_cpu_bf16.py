@@ -150,7 +150,7 @@ def _check_tile_kernel(kernel, m, n, k, max_rows):
 def test_amx_linear_matches_float64_and_f_linear(m, n, k):
     """AMX tiles: every row chunk of 32 and the tails of 1-16 and 17-31 rows (bit-identical to ``F.linear`` on the
     Xeon of 2026-12-04 up to M = 33)."""
-    _check_tile_kernel(cpu_bf16.amx_linear, m, n, k, cpu_bf16.AMX_MAX_ROWS)
+    _check_tile_kernel(cpu_bf16.amx_linear, m, n, k, cpu_bf16.TILE_MAX_ROWS)
 
 
 @needs_vnni
@@ -158,7 +158,7 @@ def test_amx_linear_matches_float64_and_f_linear(m, n, k):
 @pytest.mark.parametrize("n,k", [(960, 576), (576, 1536), (48, 64), (16, 32)])  # 48, 16: a last panel of 16
 def test_vnni_linear_matches_float64_and_f_linear(m, n, k):
     """AVX-512 BF16: every block of 8 rows and its tails, panels of 32 columns and a last one of 16."""
-    _check_tile_kernel(cpu_bf16.vnni_linear, m, n, k, cpu_bf16.VNNI_MAX_ROWS)
+    _check_tile_kernel(cpu_bf16.vnni_linear, m, n, k, cpu_bf16.TILE_MAX_ROWS)
 
 
 @needs_vnni
@@ -206,7 +206,7 @@ def test_tile_kernels_decline_what_they_do_not_cover(kernel):
     assert fn(torch.randn(4, 64).bfloat16(), torch.cat([p, p], 1)[:, ::2]) is None  # tiles not contiguous
     assert fn(torch.randn(4, 64).bfloat16(), p.reshape(2, 2, 8, 64)) is None  # not [N/16, K/32, 16, 32]
     if kernel == "vnni_linear":
-        assert fn(torch.randn(cpu_bf16.VNNI_MAX_ROWS + 1, 64).bfloat16(), p) is None  # past its rows
+        assert fn(torch.randn(cpu_bf16.TILE_MAX_ROWS + 1, 64).bfloat16(), p) is None  # past its rows
     with pytest.raises(ValueError, match=r"tile kernel declined x torch.float32 \(4, 64\) against the tile-packed"):
         cpu_bf16.packed_linear(torch.randn(4, 64), p)  # no dense weight to fall back on: the error says why
 

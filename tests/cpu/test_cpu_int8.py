@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from roofline.kernels import cpu_int8
+from roofline.kernels import cpu_bf16, cpu_int8
 from roofline.kernels.cpu_int8 import quantize_rows_int8, w8a8_dynamic_linear
 from roofline.kernels.quant_types import quantize_per_token_int8
 from roofline.quant.quantize import quantize_int8_per_channel
@@ -287,7 +287,7 @@ def test_tile_w8a8_declines_what_it_does_not_cover(kernel):
     assert fn(torch.randn(2, 128), torch.cat([p, p], 1)[:, ::2], s) is None  # tiles not contiguous
     assert fn(torch.randn(2, 128), p.reshape(2, 2, 32, 32), s) is None  # not [N/16, K/64, 16, 64]
     if kernel == "vnni_linear_w8a8":
-        assert fn(torch.randn(cpu_int8.VNNI_MAX_ROWS + 1, 128), p, s) is None  # past its rows
+        assert fn(torch.randn(cpu_bf16.TILE_MAX_ROWS + 1, 128), p, s) is None  # past its rows
 
 
 @needs_int8_tiles

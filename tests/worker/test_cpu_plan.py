@@ -59,7 +59,7 @@ def test_plan_is_bit_identical_to_the_modules(dtype, kv, quantization):
         assert multi == (cpu_bf16.tiles_available() and (quantization is None or amx_int8_available()
                                                          or vnni_int8_available()))
         if multi and quantization is None:
-            assert plan.max_rows == cpu_bf16.tile_max_rows()
+            assert plan.max_rows == cpu_bf16.TILE_MAX_ROWS
     if worker.cpu_summary is not None:
         assert worker.cpu_summary.endswith(f"CPU decode plan: on ({plan.describe()})")
         assert (f"1-{plan.max_rows} rows" in plan.describe()) == multi
