@@ -94,7 +94,10 @@ def test_fused_eagle_features_come_out_of_the_target_graphs(tmp_path):
     # The prefill's rows are the prompt's; a decode step's first row is the position after the tokens so far.
     torch.testing.assert_close(seen[0], full[:len(prompt)], rtol=2e-2, atol=2e-2)
     assert torch.equal(seen[0][:, 576:], full[:len(prompt), 576:])
-    assert len(seen) > 2 and all(len(s) == 3 for s in seen[1:]), [len(s) for s in seen]  # 1 + 2 drafts per step
+    # 1 + 2 drafts per step; near max_tokens the controller drafts fewer (no draft past the last token).
+    rows = [len(s) for s in seen[1:]]
+    assert len(rows) > 2 and rows[0] == 3 and all(1 <= r <= 3 for r in rows), rows
+    assert rows == sorted(rows, reverse=True), rows
     # A verify step's first row is the last emitted token, at the position after the tokens before it: the
     # stream there is the full sequence's (later rows read drafts, which may have been rejected).
     last = len(prompt) - 1
