@@ -18,6 +18,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 TILES = [(128, 64, 128, 4, 3), (128, 64, 64, 4, 4), (128, 128, 64, 8, 3), (128, 128, 128, 8, 2), (128, 64, 128, 8, 3)]
+# Unswapped tiles (x as wgmma's A from shared memory, the converted codes staged to shared memory as B), 128 rows of
+# x a program: does the shared-memory B path beat the register-A swap at M = 128 / 256 (`--no-swap-tiles` omits)?
+NOSWAP_TILES = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3), (128, 128, 64, 4, 4)]
 
 
 def main() -> int:
@@ -35,6 +38,7 @@ def main() -> int:
     ap.add_argument("--table", required=True)
     ap.add_argument("--ms", default="128,256")
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--no-swap-tiles", action="store_true", help="also time the unswapped NOSWAP_TILES")
     args = ap.parse_args()
     args.dry_run = False
     sw = Sweep(args)
@@ -51,6 +55,8 @@ def main() -> int:
             ref = x.double() @ ref_w.t()
             cur = kernel_config("int8", m, n, k, dev)
             cands = [("bf16", None), ("table", cur)] + [("probe", qg.GemmConfig(*t, swap_ab=True)) for t in TILES]
+            if args.no_swap_tiles:
+                cands += [("probe", qg.GemmConfig(*t)) for t in NOSWAP_TILES]
             for path, cfg in cands:
                 fn = (lambda: F.linear(x, dense)) if path == "bf16" else (
                     lambda cfg=cfg: qg.w8a16_gemm(x, c8.q, c8.scales, config=cfg))
