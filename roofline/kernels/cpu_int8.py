@@ -57,7 +57,8 @@ def w8a8_dynamic_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: to
     [N]) with ``x`` quantized per token to INT8 -> [..., N] in ``x``'s dtype. CPU tensors. ``row_parallel``: K is
     this rank's shard of a row-parallel layer (``quantize_rows_int8``); the caller all-reduces the output.
     ``packed``: ``qweight``'s tiles (:func:`tile_pack_int8`), which 2 to ``cpu_bf16.TILE_MAX_ROWS`` rows go
-    through (:func:`tile_linear_w8a8`, bit-identical to the torch path and to :func:`gemv_w8a8`'s rows).
+    through (:func:`tile_linear_w8a8`, bit-identical to the torch path and to :func:`gemv_w8a8`'s rows), and one
+    row too on a CPU without AMX-INT8 (:func:`vnni_linear_w8a8`; one row takes :func:`gemv_w8a8` otherwise).
 
     Raises:
         ValueError: ``x``'s last dim is not ``qweight``'s K, or ``qweight`` is not int8.
@@ -66,10 +67,17 @@ def w8a8_dynamic_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: to
         raise ValueError(f"w8a8_dynamic_linear: x [..., {x.shape[-1]}] needs int8 qweight [N, {x.shape[-1]}], "
                          f"got {qweight.dtype} {tuple(qweight.shape)}")
     x2 = x.reshape(-1, x.shape[-1])
-    if x2.shape[0] == 1 and not row_parallel and (y := gemv_w8a8(x2, qweight, weight_scale, bias)) is not None:
+    # One row: the VNNI tile kernel where there are tiles and no AMX (AMD EPYC Zen 4, 2026-12-07: the default
+    # model's 121 linears at M = 1 in 9.8 / 7.3 ms for fp32 / bf16 x against the GEMV's 11.6 / 9.1, medians of 7
+    # alternated passes); with AMX (a 16-row tile for one row: unmeasured) or without tiles the GEMV. Same bits.
+    one_row_tiles = packed is not None and not amx_int8_available()
+    if (x2.shape[0] == 1 and not row_parallel and not one_row_tiles
+            and (y := gemv_w8a8(x2, qweight, weight_scale, bias)) is not None):
         return y.reshape(*x.shape[:-1], qweight.shape[0])
-    if (packed is not None and not row_parallel and 1 < x2.shape[0] <= TILE_MAX_ROWS
+    if (packed is not None and not row_parallel and 1 <= x2.shape[0] <= TILE_MAX_ROWS
             and (y := tile_linear_w8a8(x2, packed, weight_scale, bias)) is not None):
+        return y.reshape(*x.shape[:-1], qweight.shape[0])
+    if x2.shape[0] == 1 and not row_parallel and (y := gemv_w8a8(x2, qweight, weight_scale, bias)) is not None:
         return y.reshape(*x.shape[:-1], qweight.shape[0])
     xq, xs = quantize_rows_int8(x2 if x2.dtype == torch.float32 else x2.float(), row_parallel)
     out = torch._int_mm(xq, qweight.t()) * (xs * weight_scale)  # [M, N] int32 * [M, N] float32 -> float32

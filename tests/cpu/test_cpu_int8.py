@@ -228,7 +228,7 @@ def test_tile_pack_int8_is_the_tdpbssd_tile_layout():
 def _check_w8a8_tiles(kernel, m, n, k, dtype):
     """``kernel`` (M rows: the same per-row quantization, exact int32 sums, the same fp32 epilogue) gives every row
     the bits of ``gemv_w8a8`` on that row alone and of the torch path on the batch, with and without a bias of either
-    dtype; and ``w8a8_dynamic_linear`` takes the tiles at 2 or more rows."""
+    dtype; and ``w8a8_dynamic_linear`` with the tiles gives the same bits at any M."""
     gen = torch.Generator().manual_seed(m * 7 + n + k)
     cw = quantize_int8_per_channel(0.02 * torch.randn(n, k, generator=gen))
     q, s = cw.q.to(torch.int8).contiguous(), cw.scales.float().contiguous()
@@ -268,6 +268,25 @@ def test_vnni_w8a8_rows_are_bit_identical_to_the_gemv_and_the_torch_path(m, n, k
     if n == 49152 and m > 9:
         pytest.skip("the LM head shape at a few row counts is enough")
     _check_w8a8_tiles(cpu_int8.vnni_linear_w8a8, m, n, k, dtype)
+
+
+@needs_vnni_int8
+def test_one_row_takes_the_vnni_tiles_without_amx(monkeypatch):
+    """Without AMX-INT8 a single row with tiles goes through the VNNI GEMM (faster than the GEMV at M = 1 on an AMD
+    EPYC Zen 4) and not through ``gemv_w8a8``; without tiles it still takes the GEMV. Same bits either way."""
+    monkeypatch.setattr(cpu_int8, "amx_int8_available", lambda: False)
+    gen = torch.Generator().manual_seed(5)
+    cw = quantize_int8_per_channel(0.02 * torch.randn(96, 576, generator=gen))
+    q, s = cw.q.to(torch.int8).contiguous(), cw.scales.float().contiguous()
+    x = torch.randn(1, 576, generator=gen)
+    want = cpu_int8.gemv_w8a8(x, q, s)
+    calls = []
+    gemv = cpu_int8.gemv_w8a8
+    monkeypatch.setattr(cpu_int8, "gemv_w8a8", lambda *a, **kw: calls.append(1) or gemv(*a, **kw))
+    assert torch.equal(w8a8_dynamic_linear(x, q, s, packed=cpu_int8.tile_pack_int8(q)), want)
+    assert calls == []
+    assert torch.equal(w8a8_dynamic_linear(x, q, s), want)
+    assert calls == [1]
 
 
 @needs_int8_tiles
