@@ -68,6 +68,10 @@ def parse_args(argv=None):
     ap.add_argument("--merge-into", default=None,
                     help="an existing table: keep its rows for the formats not swept, write the union to --table")
     ap.add_argument("--from-json", default=None, help="rebuild --table from an earlier run's --out JSON (no GPU)")
+    ap.add_argument("--skip-gemv", action="store_true",
+                    help="time the tiled kernels only (no M = 1 / 4 GEMV stage); with --merge-into the swept formats "
+                         "keep the earlier table's gemv rows")
+    ap.add_argument("--tiled-ms", default=None, help=f"comma list of M for the tiled stage (default {TILED_M})")
     return ap.parse_args(argv)
 
 
@@ -227,6 +231,7 @@ def main(argv=None) -> int:
     shapes = DRY_SHAPES if args.dry_run else SHAPES
     if args.shapes:
         shapes = {s: shapes[s] for s in args.shapes.split(",")}
+    tiled_ms = [int(v) for v in args.tiled_ms.split(",")] if args.tiled_ms else TILED_M
     bw = sw.bandwidth()
     print(f"copy bandwidth {bw / 1e12:.2f} TB/s", flush=True)
     dt = sw.dtype
@@ -311,7 +316,7 @@ def main(argv=None) -> int:
             return us
 
         # ---- small M: every GEMV candidate x split, against the other path
-        for m in (1, 4):
+        for m in () if args.skip_gemv else (1, 4):
             x = (torch.randn(m, k, device=sw.dev) * 0.5).to(dt)
             for fmt in formats:
                 if args.dry_run and fmt == "fp8_w8a16":
@@ -335,7 +340,7 @@ def main(argv=None) -> int:
                           f"({(wbytes[fmt] + m * (k + n) * 2) / bw * 1e6 / best[0]:.2f} of bound) vs other "
                           f"{base if base is None else round(base, 1)} us  {best[1]}", flush=True)
         # ---- larger M: our tiled kernels (default config and neighbours) against the other paths
-        for m in ([20] if args.dry_run else TILED_M):
+        for m in ([20] if args.dry_run else tiled_ms):
             x = (torch.randn(m, k, device=sw.dev) * 0.5).to(dt)
             for fmt in [f for f in ("dense", "int8_int8", "fp8") if f in formats]:
                 timed(fmt, m, "other", lambda fmt=fmt: other(fmt, x), x)
@@ -354,6 +359,8 @@ def main(argv=None) -> int:
                     tiles = SWAP_TILES if not args.dry_run else [(32, 64, 4, 1)]
                     alts += [C(bm_, bn, bk, nw, st, swap_ab=True) for bn, bk, nw, st in tiles
                              for bm_ in dict.fromkeys((sm, max(16, sm // 2)))]
+                    if m >= 128 and not args.dry_run:  # bench/gpu_w8_swap_probe.py's winners on the H200, 2026-12-07
+                        alts += [C(128, 64, 128, 4, 3, swap_ab=True), C(128, 128, 64, 4, 4)]
                 for cfg in dict.fromkeys(alts):
                     timed(fmt, m, "tiled", lambda cfg=cfg: ours(fmt, x, cfg), x, cfg)
         print(f"{shape} done at {time.time() - sw.t0:.0f} s", flush=True)
@@ -373,7 +380,16 @@ def main(argv=None) -> int:
     if args.merge_into:
         old = json.loads(Path(args.merge_into).read_text())
         for part in ("gemv", "fused_max_m", "tiled"):
-            table[part] = {**{f: r for f, r in old.get(part, {}).items() if f not in formats}, **table[part]}
+            keep = (lambda f: True) if part == "gemv" and args.skip_gemv else (lambda f: f not in formats)
+            table[part] = {**{f: r for f, r in old.get(part, {}).items() if keep(f)},
+                           **({} if part == "gemv" and args.skip_gemv else table[part])}
+        if args.skip_gemv:  # the earlier GEMV rows stand: where ours lost from M = 16 on, it still won at M <= 4
+            for fmt, rows in table["fused_max_m"].items():
+                for r in rows:
+                    was = [o["fused_max_m"] for o in old.get("fused_max_m", {}).get(fmt, [])
+                           if (o["n"], o["k"]) == (r["n"], r["k"])]
+                    if r["fused_max_m"] == 0 and was:
+                        r["fused_max_m"] = min(was[0], 4)
         table["_source"] += f"; formats {','.join(formats)} re-swept, the others kept from the earlier table"
     if args.table:
         Path(args.table).parent.mkdir(parents=True, exist_ok=True)
@@ -381,7 +397,7 @@ def main(argv=None) -> int:
     print(f"wrote {args.out} ({len(sw.rows)} rows) in {time.time() - sw.t0:.0f} s")
     for fmt, rows in fused_max.items():
         print(f"[fused_max_m] {fmt:<9} " + " ".join(f"({r['n']},{r['k']}):{r['fused_max_m']}" for r in rows))
-    for m in TILED_M if not args.dry_run else [20]:
+    for m in tiled_ms if not args.dry_run else [20]:
         line = []
         for fmt in formats:
             tot = sum(min(t.get((fmt, n, k, m, p), float("inf")) for p in ("other", "tiled")) for n, k in shapes.values())
