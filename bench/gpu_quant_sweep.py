@@ -55,6 +55,8 @@ TILED_M = [16, 32, 64, 128, 256, 4096]
 # (block_n, block_k, num_warps, num_stages); block_m follows M (16 up to 128 rows of x a program, and half that).
 SWAP_TILES = [(64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (64, 256, 4, 3),
               (128, 64, 8, 5), (256, 64, 8, 3)]
+# The warp-specialized Gluon INT8 GEMM (roofline.kernels.w8a16_ws; sm_90): (block_m, block_n, block_k, stages).
+WS_TILES = [(64, 128, 64, 4), (64, 256, 64, 4), (128, 128, 64, 4), (128, 64, 128, 3), (64, 128, 128, 3)]
 
 
 def parse_args(argv=None):
@@ -71,6 +73,7 @@ def parse_args(argv=None):
     ap.add_argument("--skip-gemv", action="store_true",
                     help="time the tiled kernels only (no M = 1 / 4 GEMV stage); with --merge-into the swept formats "
                          "keep the earlier table's gemv rows")
+    ap.add_argument("--ws", action="store_true", help="int8: also time the warp-specialized Gluon GEMM (WS_TILES)")
     ap.add_argument("--tiled-ms", default=None, help=f"comma list of M for the tiled stage (default {TILED_M})")
     return ap.parse_args(argv)
 
@@ -361,6 +364,9 @@ def main(argv=None) -> int:
                              for bm_ in dict.fromkeys((sm, max(16, sm // 2)))]
                     if m >= 128 and not args.dry_run:  # bench/gpu_w8_swap_probe.py's winners on the H200, 2026-12-07
                         alts += [C(128, 64, 128, 4, 3, swap_ab=True), C(128, 128, 64, 4, 4)]
+                if fmt == "int8" and args.ws and not args.dry_run:
+                    alts += [C(bm_, bn, bk, bm_ // 16, st, ws=True) for bm_, bn, bk, st in WS_TILES
+                             if m >= 64 or bm_ == 64]
                 for cfg in dict.fromkeys(alts):
                     timed(fmt, m, "tiled", lambda cfg=cfg: ours(fmt, x, cfg), x, cfg)
         print(f"{shape} done at {time.time() - sw.t0:.0f} s", flush=True)

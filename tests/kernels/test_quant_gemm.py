@@ -183,6 +183,65 @@ def test_w8a16_matches_f64(m, n, k, cfg, dtype, ptx, monkeypatch):
     assert rel_err(out, qg.ref_w8a16_gemm(x, p.q, p.scales)) < TOL[dtype]
 
 
+WS_CONFIGS = {"ws64": GemmConfig(64, 128, 64, 4, 4, ws=True), "ws128": GemmConfig(128, 128, 64, 8, 4, ws=True),
+              "ws64n256": GemmConfig(64, 256, 64, 4, 4, ws=True), "ws128k128": GemmConfig(128, 64, 128, 8, 3, ws=True)}
+
+
+def _ws_runs() -> bool:
+    from roofline.kernels import w8a16_ws
+
+    x = torch.zeros(64, 64, dtype=torch.bfloat16, device=DEVICE)
+    return w8a16_ws.ws_unsupported_reason(x, torch.zeros(64, 64, dtype=torch.int8, device=DEVICE), 64, 64, 64, 2) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("m,n,k", [(1, 96, 512), (64, 256, 512), (100, 200, 336), (128, 384, 4096), (256, 4096, 4096),
+                                   (300, 512, 1024)])
+@pytest.mark.parametrize("cfg", list(WS_CONFIGS))
+def test_w8a16_ws_matches_f64(m, n, k, cfg, dtype):
+    """The warp-specialized Gluon W8A16 GEMM (sm_90; M, N and K tails: TMA zero fill, masked stores) within the
+    dtype's tolerance of float64; elsewhere (the CPU, fp32 x) the config falls back to the Triton default, same
+    tolerance."""
+    if dtype == torch.float32 and m * n * k > 2**24:
+        pytest.skip("the fp32 fallback at the 8B's shapes is slow under the interpreter")
+    if DEVICE == "cpu" and m * n * k > 2**23:
+        pytest.skip("the interpreter: the small shapes cover the fallback")
+    cw = quantize_int8_per_channel(torch.randn(n, k, generator=torch.Generator().manual_seed(n + k)))
+    p = _to(qg.prepare_int8(cw), DEVICE)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEVICE)
+    out = qg.w8a16_gemm(x, p.q, p.scales, config=WS_CONFIGS[cfg])
+    assert out.shape == (m, n) and out.dtype == dtype
+    ref64 = x.cpu().double() @ (cw.q.double() * cw.scales.double()[:, None]).t()
+    assert rel_err(out.cpu(), ref64) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_w8a16_ws_extreme_codes_and_runs_on_sm90(dtype):
+    """-128 and 127 through the Gluon kernel's PTX conversion, exactly (every q * s is exact in 16 bits); and on an
+    sm_90 GPU the kernel really runs (no silent fallback)."""
+    if not _ws_runs():
+        pytest.skip("the Gluon W8A16 kernel needs sm_90 and Gluon")
+    from roofline.kernels import w8a16_ws
+
+    q = torch.tensor([[-128, 127, -1, 0] * 16, [1, -127, 5, -5] * 16] * 32, dtype=torch.int8)
+    s = torch.tensor([0.5, 2.0] * 32)
+    x = torch.eye(64)[:70 % 64 + 64].to(dtype)
+    want = (q.float() * s[:, None]).t()[:x.shape[0]]
+    got = w8a16_ws.w8a16_ws_gemm(x.cuda(), q.cuda(), s.cuda(), 64, 64, 64, 2)
+    assert torch.equal(got.cpu().float(), want)
+    out = qg.w8a16_gemm(x.cuda(), q.cuda(), s.cuda(), config=WS_CONFIGS["ws64"])
+    assert torch.equal(out.cpu().float(), want)
+
+
+def test_ws_is_refused_outside_int8():
+    cw = _int4_case(32, 64, 32, torch.float32)
+    p = _to(qg.prepare_int4(cw, torch.float32), DEVICE)
+    with pytest.raises(ValueError, match="ws is an INT8 W8A16 config only"):
+        qg.w4a16_gemm(torch.randn(2, 64).to(DEVICE), p.qweight, p.scales, p.zeros, 32, config=WS_CONFIGS["ws64"])
+
+
 @pytest.mark.parametrize("ptx", [False, pytest.param(True, marks=gpu_only, id="ptx")])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_w8a16_extreme_codes(dtype, ptx, monkeypatch):

@@ -1,0 +1,67 @@
+"""Compile the warp-specialized W8A16 Gluon GEMM (``roofline/kernels/gluon_w8a16_ws.py``) for sm_90 without a GPU
+and print registers / spills per config: catches layout and type errors before a device call.
+
+    /work/tr36/bin/python bench/gluon_aot_w8a16.py        (a torch-free Triton 3.6 venv, as the H200's)
+
+Exit status 1 if any config fails to compile."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+import sys
+import traceback
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+from gluon_aot_check import desc_sig, ptxas_usage  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS): the sweep's (gpu_quant_sweep.WS_TILES) and the tests'
+    (64, 128, 64, 4, 4), (64, 256, 64, 4, 4), (128, 128, 64, 4, 4), (128, 64, 128, 3, 4), (64, 128, 128, 3, 4),
+    (64, 64, 64, 2, 4),
+]
+
+
+def maxnreg(num_warps: int, cvt_warps: int) -> int:
+    """The kernel-wide register cap that lets every warp of the three partitions be resident (65,536 registers)."""
+    return min(255, 65536 // (32 * (num_warps + cvt_warps + 1)) // 8 * 8)
+
+
+def main() -> int:
+    spec = importlib.util.spec_from_file_location("gluon_w8a16_ws", ROOT / "roofline/kernels/gluon_w8a16_ws.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    bad = 0
+    for dtype, gdt in (("bf16", gl.bfloat16), ("fp16", gl.float16)):
+        for bm, bn, bk, stages, cw in CONFIGS:
+            nw = bm // 16
+            x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gdt)
+            q_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.int8)
+            w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gdt)
+            sig = {"x_desc": desc_sig(dtype, [bm, bk], x_layout), "q_desc": desc_sig("i8", [bn, bk], q_layout),
+                   "S": "*fp32", "Out": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32",
+                   "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "STAGES": "constexpr",
+                   "CVT_WARPS": "constexpr", "CVT_REGS": "constexpr", "W_LAYOUT": "constexpr",
+                   "num_warps": "constexpr"}
+            cx = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, CVT_WARPS=cw, CVT_REGS=128,
+                      W_LAYOUT=w_layout, num_warps=nw)
+            name = f"{dtype} BM{bm} BN{bn} BK{bk} S{stages} cvt{cw}"
+            try:
+                k = triton.compile(GluonASTSource(mod.gluon_w8a16_ws_kernel, sig, constexprs=cx),
+                                   target=GPUTarget("cuda", 90, 32),
+                                   options={"num_warps": nw, "maxnreg": maxnreg(nw, cw)})
+                regs, spill = ptxas_usage(k.asm["ptx"])
+                print(f"{name:<36} ok  regs {regs:>4} spill {spill:>5} smem {k.metadata.shared:>7}", flush=True)
+            except Exception:  # noqa: BLE001 - report every config
+                bad += 1
+                print(f"{name:<36} FAILED\n{traceback.format_exc()[-3000:]}", flush=True)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""INT8 weight-only (W8A16) GEMM for M = 64-256 on Hopper (sm_90) in Gluon, warp-specialized: the @gluon.jit
+kernel only, no torch import, so that ``bench/gluon_aot_w8a16.py`` can compile it for sm_90 without a GPU. The
+launcher is ``roofline.kernels.w8a16_ws.w8a16_ws_gemm``.
+
+out [M, N] = (x [M, K] @ q [N, K]^T) * scale [N], x bf16 / fp16, q int8 codes (per output channel), fp32
+accumulation, the scale in the epilogue (``quant_gemm.ref_w8a16_gemm``'s math).
+
+Why: at M = 128 / 256 on the H200 the Triton swap-AB kernel (the converted codes as ``wgmma``'s register A
+operand) took 1.5-1.9x cuBLAS bf16's time a layer, and the same kernel fed a 16-bit weight with no conversion at
+all was already 1.17-1.40x (``bench/results/int8-cvt-h200-20261207/``): the loads, the conversion and the MMAs
+share the same warps. Here each runs in its own partition (``gl.warp_specialize``), as cuBLAS's and CUTLASS's
+Hopper GEMMs run:
+
+- loader (1 warp): TMA copies of the x tile [BLOCK_M, BLOCK_K] and the code tile [BLOCK_N, BLOCK_K] into a ring
+  of STAGES shared-memory stages (``ready``: one mbarrier per stage with the bytes expected);
+- converter (CVT_WARPS warps): the codes from shared memory into registers, to bf16 / fp16 in PTX (four a
+  register: ``prmt`` + ``lop3`` + ``sub.bf16x2``, exact, as ``quant_gemm._int8x4_to_16bit``), stored as the 16-bit
+  tile [BLOCK_N, BLOCK_K] in the MMA's swizzled layout (``converted``);
+- MMA (the default partition, BLOCK_M / 16 warps): ``warpgroup_mma`` with both operands in shared memory (x as A,
+  the converted tile's transposed view as B), async, one group in flight; a stage goes back to the loader
+  (``empty``) once its product has completed; then the epilogue (scale, cast, masked store).
+
+A stage's 16-bit tile is rewritten only after the loader refilled that stage, which waits for the MMA that read it,
+so one ``empty`` barrier orders both buffers. Grid: one program per (BLOCK_M, BLOCK_N) output tile, M tiles
+fastest (the programs that share a weight tile run together, so its codes come from DRAM once).
+
+References: NVIDIA CUTLASS 3.x Hopper warp-specialized GEMM (producer / consumer pipelines); "Machete" mixed-input
+GEMM (vLLM, 2024); Frantar et al. 2024 (MARLIN) for the PRMT / LOP3 conversions; PTX ISA 8.x ``wgmma.mma_async``.
+"""
+
+from __future__ import annotations
+
+try:
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+except ImportError:  # pragma: no cover - Triton without Gluon's Hopper module
+    gluon = None
+
+if gluon is not None:
+
+    @gluon.jit
+    def _codes_to_16bit(q, DTYPE: gl.constexpr):
+        # int8 codes -> bf16 / fp16, exact, four a 32-bit register (quant_gemm._int8x4_to_16bit's PTX).
+        if DTYPE == gl.bfloat16:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 t, u, a, b, lo, hi, base; mov.b32 lo, 0x007F007F; mov.b32 hi, 0x00800080; "
+                "mov.b32 base, 0x43004300; prmt.b32 t, $2, 0, 0x4140; prmt.b32 u, $2, 0, 0x4342; "
+                "lop3.b32 a, t, lo, base, 0xEA; lop3.b32 b, t, hi, base, 0xEA; sub.rn.bf16x2 $0, a, b; "
+                "lop3.b32 a, u, lo, base, 0xEA; lop3.b32 b, u, hi, base, 0xEA; sub.rn.bf16x2 $1, a, b; }",
+                "=r,=r,r", [q], dtype=gl.bfloat16, is_pure=True, pack=4)
+        else:
+            return gl.inline_asm_elementwise(
+                "{ .reg .b32 t, m; xor.b32 t, $2, 0x80808080; mov.b32 m, 0x64806480; "
+                "prmt.b32 $0, t, 0x64646464, 0x4140; prmt.b32 $1, t, 0x64646464, 0x4342; "
+                "sub.f16x2 $0, $0, m; sub.f16x2 $1, $1, m; }",
+                "=r,=r,r", [q], dtype=gl.float16, is_pure=True, pack=4)
+
+    @gluon.jit
+    def _w8_loader(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k_tiles,
+                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+        for i in range(k_tiles):
+            s = i % STAGES
+            # Barriers start in phase 0 not completed: waiting on parity 1 passes at once (the ring starts empty).
+            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(x_desc, [off_m, i * BLOCK_K], ready.index(s), x_smem.index(s))
+            tma.async_copy_global_to_shared(q_desc, [off_n, i * BLOCK_K], ready.index(s), q_smem.index(s))
+
+    @gluon.jit
+    def _w8_converter(q_smem, w_smem, ready, converted, k_tiles, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                      CVT_WARPS: gl.constexpr):
+        # 16 consecutive codes of a row per thread (one 16-byte shared-memory read), rows over the lanes and warps.
+        layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_K // 16), BLOCK_K // 16], [CVT_WARPS, 1], [1, 0])
+        for i in range(k_tiles):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+            q = q_smem.index(s).load(layout)
+            w_smem.index(s).store(_codes_to_16bit(q, w_smem.dtype))
+            fence_async_shared()  # the generic-proxy stores before the MMA's async-proxy reads
+            gl.thread_barrier()
+            mbarrier.arrive(converted.index(s), count=1)
+
+    @gluon.jit
+    def _w8_mma(x_smem, w_smem, ready, converted, empty, S, Out, M, N, off_m, off_n, k_tiles, stride_om,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                             instr_shape=[16, BLOCK_N, 16])
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+        for i in range(k_tiles):
+            s = i % STAGES
+            mbarrier.wait(ready.index(s), (i // STAGES) & 1)  # x's TMA copy (the converter saw it too)
+            mbarrier.wait(converted.index(s), (i // STAGES) & 1)
+            acc = warpgroup_mma(x_smem.index(s), w_smem.index(s).permute((1, 0)), acc, is_async=True)
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc, ))  # product i - 1 has completed
+            if i > 0:
+                gl.thread_barrier()
+                mbarrier.arrive(empty.index((i - 1) % STAGES), count=1)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
+        rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
+        cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
+        scale = gl.load(S + cols, mask=cols < N, other=0.0)
+        out = acc * scale[None, :]
+        ptrs = Out + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
+        gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+
+    @gluon.jit
+    def gluon_w8a16_ws_kernel(x_desc, q_desc, S, Out, M, N, K, stride_om,
+                              BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                              STAGES: gl.constexpr, CVT_WARPS: gl.constexpr, CVT_REGS: gl.constexpr,
+                              W_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+        """x_desc: TMA descriptor of x [M, K] (bf16 / fp16, block [BLOCK_M, BLOCK_K]); q_desc: of the codes [N, K]
+        int8 (block [BLOCK_N, BLOCK_K]); S: float32 [N] channel scales; Out: [M, N] in x's dtype, row stride
+        stride_om; W_LAYOUT: the NVMMA shared layout of a [BLOCK_N, BLOCK_K] 16-bit tile. Grid
+        (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),); num_warps = BLOCK_M // 16 (the MMA partition)."""
+        pid = gl.program_id(0)
+        num_m = gl.cdiv(M, BLOCK_M)
+        off_m = (pid % num_m) * BLOCK_M
+        off_n = (pid // num_m) * BLOCK_N
+        k_tiles = gl.cdiv(K, BLOCK_K)
+        x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], q_desc.layout)
+        w_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], W_LAYOUT)
+        ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        converted = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(STAGES):
+            mbarrier.init(ready.index(i), count=1)
+            mbarrier.init(converted.index(i), count=1)
+            mbarrier.init(empty.index(i), count=1)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_w8_mma, (x_smem, w_smem, ready, converted, empty, S, Out, M, N, off_m, off_n, k_tiles, stride_om,
+                       BLOCK_M, BLOCK_N, STAGES, num_warps)),
+            (_w8_converter, (q_smem, w_smem, ready, converted, k_tiles, BLOCK_K, STAGES, CVT_WARPS)),
+            (_w8_loader, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k_tiles, BLOCK_K, STAGES)),
+        ], [CVT_WARPS, 1], [CVT_REGS, 24])

@@ -1,0 +1,81 @@
+"""Launcher of the warp-specialized INT8 W8A16 Gluon GEMM (``roofline.kernels.gluon_w8a16_ws``) for Hopper:
+TMA descriptors, the register cap and the grid. ``quant_gemm.w8a16_gemm`` runs it for a ``GemmConfig`` with
+``ws=True`` where :func:`ws_unsupported_reason` says it can, and Triton's tiled kernel (``quant_gemm.CONFIGS``'
+default for M) otherwise."""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+try:
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from roofline.kernels.gluon_w8a16_ws import gluon_w8a16_ws_kernel
+except ImportError:  # pragma: no cover - Triton without Gluon's Hopper module
+    gluon_w8a16_ws_kernel = None
+
+MAX_SMEM = 232448  # bytes of dynamic shared memory a block may use on sm_90 (CUDA C++ guide, H100 / H200: 227 KB)
+CVT_WARPS = 4
+CVT_REGS = 128
+
+
+@functools.cache
+def _sm90(index: int | None) -> bool:
+    return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def smem_bytes(block_m: int, block_n: int, block_k: int, stages: int) -> int:
+    """Shared memory of one program: per stage the x tile (16-bit), the code tile (8-bit) and the converted tile
+    (16-bit), plus three mbarriers a stage."""
+    return stages * (block_m * block_k * 2 + block_n * block_k + block_n * block_k * 2 + 24)
+
+
+def ws_unsupported_reason(x: torch.Tensor, q: torch.Tensor, block_m: int, block_n: int, block_k: int,
+                          stages: int) -> str | None:
+    """Why the kernel cannot run this call (None: it can): Gluon missing, not an sm_90 GPU, x not bf16/fp16 with
+    16-byte aligned rows, K not a multiple of 16, a tile that does not fit (BLOCK_M 64 or 128, BLOCK_K a multiple of
+    64, shared memory over ``MAX_SMEM``)."""
+    if gluon_w8a16_ws_kernel is None:
+        return "triton.experimental.gluon's Hopper module is not importable"
+    if not (x.is_cuda and _sm90(x.device.index)):
+        return "not an sm_90 GPU"
+    if x.dtype not in (torch.bfloat16, torch.float16) or q.dtype != torch.int8:
+        return f"x {x.dtype} / codes {q.dtype} (bf16 or fp16 x, int8 codes)"
+    k = x.shape[1]
+    if k % 16 or x.stride(1) != 1 or (x.stride(0) * 2) % 16 or x.data_ptr() % 16 or q.data_ptr() % 16:
+        return "TMA needs K % 16 == 0 and 16-byte aligned, row-contiguous x and codes"
+    if block_m not in (64, 128) or block_k % 64 or block_n % 64 or smem_bytes(block_m, block_n, block_k, stages) > MAX_SMEM:
+        return f"tile {block_m}x{block_n}x{block_k} x {stages} stages does not fit"
+    return None
+
+
+def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_m: int, block_n: int,
+                  block_k: int, stages: int) -> torch.Tensor:
+    """``x`` [M, K] bf16/fp16 @ (``q`` int8 [N, K] * ``scales`` float32 [N])^T -> [M, N] in x's dtype (fp32
+    accumulation, the scale in the epilogue). The caller checked :func:`ws_unsupported_reason`."""
+    m, k = x.shape
+    n = q.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    gdt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
+    x_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gdt)
+    q_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.int8)
+    w_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gdt)
+    x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, block_k], x_layout)
+    q_desc = TensorDescriptor(q, [n, k], [q.stride(0), 1], [block_n, block_k], q_layout)
+    num_warps = block_m // 16
+    maxnreg = min(255, 65536 // (32 * (num_warps + CVT_WARPS + 1)) // 8 * 8)
+    grid = (triton_cdiv(m, block_m) * triton_cdiv(n, block_n),)
+    gluon_w8a16_ws_kernel[grid](
+        x_desc, q_desc, scales, out, m, n, k, out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, CVT_WARPS=CVT_WARPS, CVT_REGS=CVT_REGS,
+        W_LAYOUT=w_layout, num_warps=num_warps, maxnreg=maxnreg)
+    return out
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    return -(-a // b)
