@@ -109,7 +109,7 @@ def kernel_config(fmt: str, m: int, n: int, k: int, device: torch.device):
     """The measured fastest config of our kernel for ``fmt`` at ``m`` rows and the nearest measured (N, K), or None
     (``quant_gemm.CONFIGS``' default): at ``m <= GEMV_MAX_M`` the table's ``gemv`` rows (the M = 1 row for m = 1,
     the M = 4 row otherwise); above, its ``tiled`` rows (the row of the smallest measured M >= m; None past the
-    largest)."""
+    largest, and None below a smallest measured M over 16 that is at least twice m)."""
     from roofline.kernels.quant_gemm import GemmConfig
 
     table = _table(device)
@@ -120,8 +120,14 @@ def kernel_config(fmt: str, m: int, n: int, k: int, device: torch.device):
     if not rows:
         return None
     near = _nearest(rows, n, k)
-    above = [r for r in rows if (r["n"], r["k"]) == (near["n"], near["k"]) and r["m"] >= m]
-    return GemmConfig(**min(above, key=lambda r: r["m"])["config"]) if above else None
+    same = [r for r in rows if (r["n"], r["k"]) == (near["n"], near["k"])]
+    above = [r for r in same if r["m"] >= m]
+    if not above:
+        return None
+    row = min(above, key=lambda r: r["m"])
+    if m * 2 <= row["m"] and row["m"] > 16 and not any(r["m"] < m for r in same):
+        return None  # nothing measured near this M (a table swept at large M only): not a tile twice its size
+    return GemmConfig(**row["config"])
 
 
 def dense_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

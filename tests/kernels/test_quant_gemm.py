@@ -636,6 +636,12 @@ def test_engine_reads_the_dispatch_table(monkeypatch):
     assert gemm.kernel_config("int8", 64, 4096, 4096, dev).swap_ab
     assert gemm.kernel_config("int8", 65, 4096, 4096, dev) is None  # past the largest measured M: CONFIGS' default
     assert gemm.kernel_config("int8", 40, 28672, 4096, dev) is None  # that shape measured only M = 16
+    # A shape swept at large M only (rows from M = 128): its rows serve M = 65..128, not M = 8 or 64.
+    table["tiled"]["int8"] = [dict(n=4096, k=4096, m=128, config=swap), dict(n=4096, k=4096, m=256, config=swap)]
+    assert gemm.kernel_config("int8", 8, 4096, 4096, dev) is None
+    assert gemm.kernel_config("int8", 64, 4096, 4096, dev) is None
+    assert gemm.kernel_config("int8", 65, 4096, 4096, dev) == GemmConfig(**swap)
+    assert gemm.kernel_config("int8", 200, 4096, 4096, dev) == GemmConfig(**swap)
 
 
 @pytest.mark.parametrize("tensor_cores", [True, False])
