@@ -389,13 +389,13 @@ def main(argv=None) -> int:
             keep = (lambda f: True) if part == "gemv" and args.skip_gemv else (lambda f: f not in formats)
             table[part] = {**{f: r for f, r in old.get(part, {}).items() if keep(f)},
                            **({} if part == "gemv" and args.skip_gemv else table[part])}
-        if args.skip_gemv:  # the earlier GEMV rows stand: where ours lost from M = 16 on, it still won at M <= 4
+        if args.skip_gemv:  # below the smallest swept M the earlier table's verdict stands
             for fmt, rows in table["fused_max_m"].items():
                 for r in rows:
                     was = [o["fused_max_m"] for o in old.get("fused_max_m", {}).get(fmt, [])
                            if (o["n"], o["k"]) == (r["n"], r["k"])]
                     if r["fused_max_m"] == 0 and was:
-                        r["fused_max_m"] = min(was[0], 4)
+                        r["fused_max_m"] = min(was[0], min(tiled_ms) - 1)
         table["_source"] += f"; formats {','.join(formats)} re-swept, the others kept from the earlier table"
     if args.table:
         Path(args.table).parent.mkdir(parents=True, exist_ok=True)
