@@ -26,7 +26,7 @@ NOSWAP_TILES = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3
 def main() -> int:
     import torch
     import torch.nn.functional as F
-    from gpu_quant_sweep import SHAPES, TOL, Sweep
+    from gpu_quant_sweep import SHAPES, TOL, WS_TILES, Sweep
 
     from roofline.kernels import quant_gemm as qg
     from roofline.kernels.linear_dispatch import kernel_config
@@ -39,6 +39,7 @@ def main() -> int:
     ap.add_argument("--ms", default="128,256")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-swap-tiles", action="store_true", help="also time the unswapped NOSWAP_TILES")
+    ap.add_argument("--ws", action="store_true", help="also time the warp-specialized Gluon GEMM (sweep's WS_TILES)")
     args = ap.parse_args()
     args.dry_run = False
     sw = Sweep(args)
@@ -57,6 +58,8 @@ def main() -> int:
             cands = [("bf16", None), ("table", cur)] + [("probe", qg.GemmConfig(*t, swap_ab=True)) for t in TILES]
             if args.no_swap_tiles:
                 cands += [("probe", qg.GemmConfig(*t)) for t in NOSWAP_TILES]
+            if args.ws:
+                cands += [("ws", qg.GemmConfig(bm, bn, bk, bm // 16, st, ws=True)) for bm, bn, bk, st in WS_TILES]
             for path, cfg in cands:
                 fn = (lambda: F.linear(x, dense)) if path == "bf16" else (
                     lambda cfg=cfg: qg.w8a16_gemm(x, c8.q, c8.scales, config=cfg))
@@ -78,7 +81,11 @@ def main() -> int:
             tab = next((r["us"] for r in got if r["path"] == "table"), None)
             print(f"{shape:>8} M={m:<4} bf16 {bf:7.1f}  table {tab:7.1f}  best {best['us']:7.1f} ({best['path']}) "
                   f"{best['config']}", flush=True)
-            if best["path"] == "probe":
+            ws = [r for r in got if r["path"] == "ws"]
+            if ws:
+                w = min(ws, key=lambda r: r["us"])
+                print(f"{'':>8} ws best {w['us']:7.1f} {w['config']}", flush=True)
+            if best["path"] in ("probe", "ws"):
                 tiled = table.setdefault("tiled", {}).setdefault("int8", [])
                 tiled[:] = [r for r in tiled if (r["n"], r["k"], r["m"]) != (n, k, m)]
                 tiled.append(dict(n=n, k=k, m=m, config=best["config"], us=best["us"]))
