@@ -47,7 +47,9 @@ if gluon is not None:
 
     @gluon.jit
     def _codes_to_16bit(q, DTYPE: gl.constexpr):
-        # int8 codes -> bf16 / fp16, exact, four a 32-bit register (quant_gemm._int8x4_to_16bit's PTX).
+        # int8 codes -> bf16 / fp16, exact, four a 32-bit register (quant_gemm._int8x4_to_16bit's PTX; the fp16 form
+        # is gluon_decode_kernels._int8_to_f16x4's, repeated because this module imports nothing from roofline, so
+        # that the ahead-of-time check compiles it without torch).
         if DTYPE == gl.bfloat16:
             return gl.inline_asm_elementwise(
                 "{ .reg .b32 t, u, a, b, lo, hi, base; mov.b32 lo, 0x007F007F; mov.b32 hi, 0x00800080; "
