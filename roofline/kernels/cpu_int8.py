@@ -61,11 +61,17 @@ def w8a8_dynamic_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: to
     row too on a CPU without AMX-INT8 (:func:`vnni_linear_w8a8`; one row takes :func:`gemv_w8a8` otherwise).
 
     Raises:
-        ValueError: ``x``'s last dim is not ``qweight``'s K, or ``qweight`` is not int8.
+        ValueError: ``x``'s last dim is not ``qweight``'s K, ``qweight`` is not int8, or ``weight_scale`` / ``bias``
+            do not have N elements.
     """
     if x.shape[-1] != qweight.shape[1] or qweight.dtype != torch.int8:
         raise ValueError(f"w8a8_dynamic_linear: x [..., {x.shape[-1]}] needs int8 qweight [N, {x.shape[-1]}], "
                          f"got {qweight.dtype} {tuple(qweight.shape)}")
+    n = qweight.shape[0]
+    if weight_scale.numel() != n or (bias is not None and bias.numel() != n):
+        raise ValueError(f"w8a8_dynamic_linear: qweight has N = {n} output channels; weight_scale has "
+                         f"{weight_scale.numel()}" + ("" if bias is None else f" and bias {bias.numel()}")
+                         + f" (each needs {n})")
     x2 = x.reshape(-1, x.shape[-1])
     # One row: the VNNI tile kernel where there are tiles and no AMX (AMD EPYC Zen 4, 2026-12-07: the default
     # model's 121 linears at M = 1 in 9.8 / 7.3 ms for fp32 / bf16 x against the GEMV's 11.6 / 9.1, medians of 7

@@ -78,6 +78,10 @@ def test_bad_shapes_name_the_values():
         w8a8_dynamic_linear(torch.randn(2, 12), cw.q, cw.scales)
     with pytest.raises(ValueError, match=r"got torch.float32 \(8, 16\)"):
         w8a8_dynamic_linear(torch.randn(2, 16), cw.q.float(), cw.scales)
+    with pytest.raises(ValueError, match=r"N = 8 output channels; weight_scale has 9 \(each needs 8\)"):
+        w8a8_dynamic_linear(torch.randn(2, 16), cw.q, torch.ones(9))
+    with pytest.raises(ValueError, match=r"weight_scale has 8 and bias 7 \(each needs 8\)"):
+        w8a8_dynamic_linear(torch.randn(1, 16), cw.q, cw.scales, torch.zeros(7))
 
 
 def test_int8_method_on_cpu_runs_w8a8():
