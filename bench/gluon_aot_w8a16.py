@@ -38,19 +38,20 @@ def main() -> int:
     spec.loader.exec_module(mod)
     bad = 0
     for dtype, gdt in (("bf16", gl.bfloat16), ("fp16", gl.float16)):
-        for bm, bn, bk, stages, cw in CONFIGS:
+        for (bm, bn, bk, stages, cw), split in [(c, 1) for c in CONFIGS] + [(CONFIGS[2], 4)]:
             nw = bm // 16
             x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gdt)
             q_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.int8)
             w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gdt)
             sig = {"x_desc": desc_sig(dtype, [bm, bk], x_layout), "q_desc": desc_sig("i8", [bn, bk], q_layout),
-                   "S": "*fp32", "Out": f"*{dtype}", "M": "i32", "N": "i32", "K": "i32", "stride_om": "i32",
+                   "S": "*fp32", "Out": f"*{dtype}", "P": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+                   "stride_om": "i32", "k_per_split": "i32",
                    "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "STAGES": "constexpr",
-                   "CVT_WARPS": "constexpr", "CVT_REGS": "constexpr", "W_LAYOUT": "constexpr",
+                   "SPLIT_K": "constexpr", "CVT_WARPS": "constexpr", "CVT_REGS": "constexpr", "W_LAYOUT": "constexpr",
                    "num_warps": "constexpr"}
-            cx = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, CVT_WARPS=cw, CVT_REGS=128,
+            cx = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, SPLIT_K=split, CVT_WARPS=cw, CVT_REGS=128,
                       W_LAYOUT=w_layout, num_warps=nw)
-            name = f"{dtype} BM{bm} BN{bn} BK{bk} S{stages} cvt{cw}"
+            name = f"{dtype} BM{bm} BN{bn} BK{bk} S{stages} cvt{cw} split{split}"
             try:
                 k = triton.compile(GluonASTSource(mod.gluon_w8a16_ws_kernel, sig, constexprs=cx),
                                    target=GPUTarget("cuda", 90, 32),

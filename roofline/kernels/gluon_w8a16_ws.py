@@ -21,8 +21,10 @@ Hopper GEMMs run:
   (``empty``) once its product has completed; then the epilogue (scale, cast, masked store).
 
 A stage's 16-bit tile is rewritten only after the loader refilled that stage, which waits for the MMA that read it,
-so one ``empty`` barrier orders both buffers. Grid: one program per (BLOCK_M, BLOCK_N) output tile, M tiles
-fastest (the programs that share a weight tile run together, so its codes come from DRAM once).
+so one ``empty`` barrier orders both buffers. Grid: one program per (BLOCK_M, BLOCK_N) output tile and K split, M
+tiles fastest (the programs that share a weight tile run together, so its codes come from DRAM once). Split-K
+(SPLIT_K > 1, for the projections whose N gives fewer tiles than SMs: o_proj at M = 128 is 32 tiles of 128 x 128)
+writes fp32 partial sums that the launcher adds in split order (deterministic).
 
 References: NVIDIA CUTLASS 3.x Hopper warp-specialized GEMM (producer / consumer pipelines); "Machete" mixed-input
 GEMM (vLLM, 2024); Frantar et al. 2024 (MARLIN) for the PRMT / LOP3 conversions; PTX ISA 8.x ``wgmma.mma_async``.
@@ -65,15 +67,15 @@ if gluon is not None:
                 "=r,=r,r", [q], dtype=gl.float16, is_pure=True, pack=4)
 
     @gluon.jit
-    def _w8_loader(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k_tiles,
+    def _w8_loader(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, k_tiles,
                    BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
         for i in range(k_tiles):
             s = i % STAGES
             # Barriers start in phase 0 not completed: waiting on parity 1 passes at once (the ring starts empty).
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
             mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [off_m, i * BLOCK_K], ready.index(s), x_smem.index(s))
-            tma.async_copy_global_to_shared(q_desc, [off_n, i * BLOCK_K], ready.index(s), q_smem.index(s))
+            tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + i) * BLOCK_K], ready.index(s), x_smem.index(s))
+            tma.async_copy_global_to_shared(q_desc, [off_n, (k0 + i) * BLOCK_K], ready.index(s), q_smem.index(s))
 
     @gluon.jit
     def _w8_converter(q_smem, w_smem, ready, converted, k_tiles, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
@@ -90,8 +92,9 @@ if gluon is not None:
             mbarrier.arrive(converted.index(s), count=1)
 
     @gluon.jit
-    def _w8_mma(x_smem, w_smem, ready, converted, empty, S, Out, M, N, off_m, off_n, k_tiles, stride_om,
-                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    def _w8_mma(x_smem, w_smem, ready, converted, empty, S, Out, P, M, N, off_m, off_n, split, k_tiles, stride_om,
+                BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
+                num_warps: gl.constexpr):
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
@@ -107,25 +110,34 @@ if gluon is not None:
         acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc, ))
         rows = off_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, acc_layout))
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
-        scale = gl.load(S + cols, mask=cols < N, other=0.0)
-        out = acc * scale[None, :]
-        ptrs = Out + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
-        gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < M)[:, None] & (cols < N)[None, :])
+        mask = (rows < M)[:, None] & (cols < N)[None, :]
+        if SPLIT_K == 1:
+            scale = gl.load(S + cols, mask=cols < N, other=0.0)
+            out = acc * scale[None, :]
+            ptrs = Out + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
+            gl.store(ptrs, out.to(Out.dtype.element_ty), mask=mask)
+        else:  # this split's fp32 partial sums [M, N] of P [SPLIT_K, M, N]; the launcher adds them in split order
+            ptrs = P + (split * M + rows).to(gl.int64)[:, None] * N + cols[None, :]
+            gl.store(ptrs, acc, mask=mask)
 
     @gluon.jit
-    def gluon_w8a16_ws_kernel(x_desc, q_desc, S, Out, M, N, K, stride_om,
+    def gluon_w8a16_ws_kernel(x_desc, q_desc, S, Out, P, M, N, K, stride_om, k_per_split,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                              STAGES: gl.constexpr, CVT_WARPS: gl.constexpr, CVT_REGS: gl.constexpr,
-                              W_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+                              STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CVT_WARPS: gl.constexpr,
+                              CVT_REGS: gl.constexpr, W_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
         """x_desc: TMA descriptor of x [M, K] (bf16 / fp16, block [BLOCK_M, BLOCK_K]); q_desc: of the codes [N, K]
         int8 (block [BLOCK_N, BLOCK_K]); S: float32 [N] channel scales; Out: [M, N] in x's dtype, row stride
-        stride_om; W_LAYOUT: the NVMMA shared layout of a [BLOCK_N, BLOCK_K] 16-bit tile. Grid
-        (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N),); num_warps = BLOCK_M // 16 (the MMA partition)."""
+        stride_om; P: float32 [SPLIT_K, M, N] partial sums when SPLIT_K > 1 (Out and S unused then: the launcher
+        sums P in split order, scales and casts); k_per_split: K tiles of BLOCK_K per split (no split empty);
+        W_LAYOUT: the NVMMA shared layout of a [BLOCK_N, BLOCK_K] 16-bit tile. Grid
+        (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K); num_warps = BLOCK_M // 16 (the MMA partition)."""
         pid = gl.program_id(0)
+        split = gl.program_id(1)
         num_m = gl.cdiv(M, BLOCK_M)
         off_m = (pid % num_m) * BLOCK_M
         off_n = (pid // num_m) * BLOCK_N
-        k_tiles = gl.cdiv(K, BLOCK_K)
+        k0 = split * k_per_split
+        k_tiles = gl.minimum(k_per_split, gl.cdiv(K, BLOCK_K) - k0)
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
         q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], q_desc.layout)
         w_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], W_LAYOUT)
@@ -138,8 +150,9 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=1)
         fence_async_shared()
         gl.warp_specialize([
-            (_w8_mma, (x_smem, w_smem, ready, converted, empty, S, Out, M, N, off_m, off_n, k_tiles, stride_om,
-                       BLOCK_M, BLOCK_N, STAGES, num_warps)),
+            (_w8_mma, (x_smem, w_smem, ready, converted, empty, S, Out, P, M, N, off_m, off_n, split, k_tiles,
+                       stride_om, BLOCK_M, BLOCK_N, STAGES, SPLIT_K, num_warps)),
             (_w8_converter, (q_smem, w_smem, ready, converted, k_tiles, BLOCK_K, STAGES, CVT_WARPS)),
-            (_w8_loader, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k_tiles, BLOCK_K, STAGES)),
+            (_w8_loader, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, k_tiles, BLOCK_K,
+                          STAGES)),
         ], [CVT_WARPS, 1], [CVT_REGS, 24])

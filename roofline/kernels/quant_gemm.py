@@ -425,7 +425,8 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
         from roofline.kernels import w8a16_ws
 
         if w8a16_ws.ws_unsupported_reason(x, w, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages) is None:
-            return w8a16_ws.w8a16_ws_gemm(x, w, s, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages)
+            return w8a16_ws.w8a16_ws_gemm(x, w, s, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages,
+                                          cfg.split_k)
         return _launch_gemm(fmt, table, x, w, s, z, xs, n, group, out_dtype, pick_config(table, m), quant_x)
     _qgemm_kernel[(tiles_mn, split)](
         x, w, s, z if z is not None else s, xs if xs is not None else s, out, partials, counters,

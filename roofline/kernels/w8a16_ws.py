@@ -52,10 +52,28 @@ def ws_unsupported_reason(x: torch.Tensor, q: torch.Tensor, block_m: int, block_
     return None
 
 
+def choose_ws_split(tiles: int, k_tiles: int, num_sms: int) -> int:
+    """K splits for the ws kernel: one resident program per SM (its shared memory takes the SM), so split until the
+    grid has about one program per SM, a power of two, each split >= 8 K tiles. 1 where the tiles fill the GPU.
+    Llama-3-8B at M = 128, BLOCK 128 x 128 x 64, 132 SMs: o_proj (32 tiles, 64 K tiles) 4, qkv (48) 2, down (32,
+    224 K tiles) 4, gate_up (224) 1."""
+    split = 1
+    while tiles * split * 2 <= num_sms and k_tiles // (split * 2) >= 8:
+        split *= 2
+    return split
+
+
+@functools.cache
+def _num_sms(index: int | None) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
 def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_m: int, block_n: int,
-                  block_k: int, stages: int) -> torch.Tensor:
+                  block_k: int, stages: int, split_k: int | None = None) -> torch.Tensor:
     """``x`` [M, K] bf16/fp16 @ (``q`` int8 [N, K] * ``scales`` float32 [N])^T -> [M, N] in x's dtype (fp32
-    accumulation, the scale in the epilogue). The caller checked :func:`ws_unsupported_reason`."""
+    accumulation, the scale in the epilogue). ``split_k`` None: :func:`choose_ws_split`; with more than one split
+    the fp32 partial sums are added in split order, then scaled and cast (deterministic). The caller checked
+    :func:`ws_unsupported_reason`."""
     m, k = x.shape
     n = q.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -69,11 +87,21 @@ def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_
     q_desc = TensorDescriptor(q, [n, k], [q.stride(0), 1], [block_n, block_k], q_layout)
     num_warps = block_m // 16
     maxnreg = min(255, 65536 // (32 * (num_warps + CVT_WARPS + 1)) // 8 * 8)
-    grid = (triton_cdiv(m, block_m) * triton_cdiv(n, block_n),)
-    gluon_w8a16_ws_kernel[grid](
-        x_desc, q_desc, scales, out, m, n, k, out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, CVT_WARPS=CVT_WARPS, CVT_REGS=CVT_REGS,
-        W_LAYOUT=w_layout, num_warps=num_warps, maxnreg=maxnreg)
+    tiles = triton_cdiv(m, block_m) * triton_cdiv(n, block_n)
+    k_tiles = triton_cdiv(k, block_k)
+    split = split_k or choose_ws_split(tiles, k_tiles, _num_sms(x.device.index))
+    per_split = triton_cdiv(k_tiles, max(1, min(split, k_tiles)))
+    split = triton_cdiv(k_tiles, per_split)  # no empty trailing split
+    partials = torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+    gluon_w8a16_ws_kernel[(tiles, split)](
+        x_desc, q_desc, scales, out, partials, m, n, k, out.stride(0), per_split,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT_K=split, CVT_WARPS=CVT_WARPS,
+        CVT_REGS=CVT_REGS, W_LAYOUT=w_layout, num_warps=num_warps, maxnreg=maxnreg)
+    if split > 1:
+        acc = partials[0]
+        for i in range(1, split):
+            acc = acc + partials[i]
+        out.copy_(acc * scales)
     return out
 
 

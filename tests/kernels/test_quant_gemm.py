@@ -184,7 +184,17 @@ def test_w8a16_matches_f64(m, n, k, cfg, dtype, ptx, monkeypatch):
 
 
 WS_CONFIGS = {"ws64": GemmConfig(64, 128, 64, 4, 4, ws=True), "ws128": GemmConfig(128, 128, 64, 8, 4, ws=True),
-              "ws64n256": GemmConfig(64, 256, 64, 4, 4, ws=True), "ws128k128": GemmConfig(128, 64, 128, 8, 3, ws=True)}
+              "ws64n256": GemmConfig(64, 256, 64, 4, 4, ws=True), "ws128k128": GemmConfig(128, 64, 128, 8, 3, ws=True),
+              "ws128split3": GemmConfig(128, 128, 64, 8, 4, split_k=3, ws=True)}  # 3 K splits, fp32 partials
+
+
+def test_ws_split_fills_the_sms_in_whole_k_runs():
+    """choose_ws_split: one resident program per SM, so split K until the grid reaches about the SM count, in
+    powers of two of >= 8 K tiles each (the docstring's Llama-3-8B cases at M = 128, 128 x 128 x 64 tiles)."""
+    from roofline.kernels.w8a16_ws import choose_ws_split
+
+    assert [choose_ws_split(t, kt, 132) for t, kt in [(32, 64), (48, 64), (32, 224), (224, 64)]] == [4, 2, 4, 1]
+    assert choose_ws_split(1, 16, 132) == 2 and choose_ws_split(1, 15, 132) == 1  # >= 8 K tiles a split
 
 
 def _ws_runs() -> bool:
