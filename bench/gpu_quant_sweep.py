@@ -386,9 +386,10 @@ def main(argv=None) -> int:
     if args.merge_into:
         old = json.loads(Path(args.merge_into).read_text())
         for part in ("gemv", "fused_max_m", "tiled"):
-            keep = (lambda f: True) if part == "gemv" and args.skip_gemv else (lambda f: f not in formats)
-            table[part] = {**{f: r for f, r in old.get(part, {}).items() if keep(f)},
-                           **({} if part == "gemv" and args.skip_gemv else table[part])}
+            if part == "gemv" and args.skip_gemv:  # nothing swept there: the earlier rows, every format's
+                table[part] = old.get(part, {})
+            else:
+                table[part] = {**{f: r for f, r in old.get(part, {}).items() if f not in formats}, **table[part]}
         if args.skip_gemv:  # below the smallest swept M the earlier table's verdict stands
             for fmt, rows in table["fused_max_m"].items():
                 for r in rows:

@@ -73,18 +73,17 @@ def w8a8_dynamic_linear(x: torch.Tensor, qweight: torch.Tensor, weight_scale: to
                          f"{weight_scale.numel()}" + ("" if bias is None else f" and bias {bias.numel()}")
                          + f" (each needs {n})")
     x2 = x.reshape(-1, x.shape[-1])
-    # One row: the VNNI tile kernel where there are tiles and no AMX (AMD EPYC Zen 4, 2026-12-07: the default
-    # model's 121 linears at M = 1 in 9.8 / 7.3 ms for fp32 / bf16 x against the GEMV's 11.6 / 9.1, medians of 7
-    # alternated passes); with AMX (a 16-row tile for one row: unmeasured) or without tiles the GEMV. Same bits.
-    one_row_tiles = packed is not None and not amx_int8_available()
-    if (x2.shape[0] == 1 and not row_parallel and not one_row_tiles
-            and (y := gemv_w8a8(x2, qweight, weight_scale, bias)) is not None):
-        return y.reshape(*x.shape[:-1], qweight.shape[0])
-    if (packed is not None and not row_parallel and 1 <= x2.shape[0] <= TILE_MAX_ROWS
-            and (y := tile_linear_w8a8(x2, packed, weight_scale, bias)) is not None):
-        return y.reshape(*x.shape[:-1], qweight.shape[0])
-    if x2.shape[0] == 1 and not row_parallel and (y := gemv_w8a8(x2, qweight, weight_scale, bias)) is not None:
-        return y.reshape(*x.shape[:-1], qweight.shape[0])
+    rows = x2.shape[0]
+    if not row_parallel:
+        # The tiles at 2 to TILE_MAX_ROWS rows, and at one row too where there is no AMX (the VNNI GEMM; AMD EPYC
+        # Zen 4, 2026-12-07: the default model's 121 linears at M = 1 in 9.8 / 7.3 ms for fp32 / bf16 x against the
+        # GEMV's 11.6 / 9.1, medians of 7 alternated passes; AMX's 16-row tile at one row is unmeasured); else, or
+        # where the tiles decline, the GEMV at one row. Same bits either way.
+        if (packed is not None and 1 <= rows <= TILE_MAX_ROWS and (rows > 1 or not amx_int8_available())
+                and (y := tile_linear_w8a8(x2, packed, weight_scale, bias)) is not None):
+            return y.reshape(*x.shape[:-1], n)
+        if rows == 1 and (y := gemv_w8a8(x2, qweight, weight_scale, bias)) is not None:
+            return y.reshape(*x.shape[:-1], n)
     xq, xs = quantize_rows_int8(x2 if x2.dtype == torch.float32 else x2.float(), row_parallel)
     out = torch._int_mm(xq, qweight.t()) * (xs * weight_scale)  # [M, N] int32 * [M, N] float32 -> float32
     if bias is not None:

@@ -24,7 +24,7 @@ A stage's 16-bit tile is rewritten only after the loader refilled that stage, wh
 so one ``empty`` barrier orders both buffers. Grid: one program per (BLOCK_M, BLOCK_N) output tile and K split, M
 tiles fastest (the programs that share a weight tile run together, so its codes come from DRAM once). Split-K
 (SPLIT_K > 1, for the projections whose N gives fewer tiles than SMs: o_proj at M = 128 is 32 tiles of 128 x 128)
-writes fp32 partial sums that the launcher adds in split order (deterministic).
+writes fp32 partial sums that the launcher sums (torch.sum: deterministic).
 
 References: NVIDIA CUTLASS 3.x Hopper warp-specialized GEMM (producer / consumer pipelines); "Machete" mixed-input
 GEMM (vLLM, 2024); Frantar et al. 2024 (MARLIN) for the PRMT / LOP3 conversions; PTX ISA 8.x ``wgmma.mma_async``.
@@ -116,7 +116,7 @@ if gluon is not None:
             out = acc * scale[None, :]
             ptrs = Out + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
             gl.store(ptrs, out.to(Out.dtype.element_ty), mask=mask)
-        else:  # this split's fp32 partial sums [M, N] of P [SPLIT_K, M, N]; the launcher adds them in split order
+        else:  # this split's fp32 partial sums [M, N] of P [SPLIT_K, M, N]; the launcher sums them
             ptrs = P + (split * M + rows).to(gl.int64)[:, None] * N + cols[None, :]
             gl.store(ptrs, acc, mask=mask)
 
@@ -128,7 +128,7 @@ if gluon is not None:
         """x_desc: TMA descriptor of x [M, K] (bf16 / fp16, block [BLOCK_M, BLOCK_K]); q_desc: of the codes [N, K]
         int8 (block [BLOCK_N, BLOCK_K]); S: float32 [N] channel scales; Out: [M, N] in x's dtype, row stride
         stride_om; P: float32 [SPLIT_K, M, N] partial sums when SPLIT_K > 1 (Out and S unused then: the launcher
-        sums P in split order, scales and casts); k_per_split: K tiles of BLOCK_K per split (no split empty);
+        sums P, scales and casts); k_per_split: K tiles of BLOCK_K per split (no split empty);
         W_LAYOUT: the NVMMA shared layout of a [BLOCK_N, BLOCK_K] 16-bit tile. Grid
         (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K); num_warps = BLOCK_M // 16 (the MMA partition)."""
         pid = gl.program_id(0)

@@ -50,6 +50,7 @@ _TABLES = Path(__file__).with_name("dispatch_tables")
 # W8A8 at M <= 4: the GEMV that quantizes x itself (one launch instead of two). Dense: cuBLAS.
 DEFAULT_FUSED_MAX_M = {"int4": 64, "int8": 64, "int8_int8": 4, "fp8": 4, "dense": 0, "fp8_w8a16": 16}
 GEMV_MAX_M = 4  # the GEMV kernels' range (roofline.kernels.quant_gemv)
+TILED_MIN_M = 16  # the smallest M a table's tiled rows are swept at (bench/gpu_quant_sweep.TILED_M): they serve below
 
 
 def _flat(x: torch.Tensor) -> torch.Tensor:
@@ -109,7 +110,7 @@ def kernel_config(fmt: str, m: int, n: int, k: int, device: torch.device):
     """The measured fastest config of our kernel for ``fmt`` at ``m`` rows and the nearest measured (N, K), or None
     (``quant_gemm.CONFIGS``' default): at ``m <= GEMV_MAX_M`` the table's ``gemv`` rows (the M = 1 row for m = 1,
     the M = 4 row otherwise); above, its ``tiled`` rows (the row of the smallest measured M >= m; None past the
-    largest, and None below a smallest measured M over 16 that is at least twice m)."""
+    largest, and None below a smallest measured M over ``TILED_MIN_M`` that is at least twice m)."""
     from roofline.kernels.quant_gemm import GemmConfig
 
     table = _table(device)
@@ -125,7 +126,7 @@ def kernel_config(fmt: str, m: int, n: int, k: int, device: torch.device):
     if not above:
         return None
     row = min(above, key=lambda r: r["m"])
-    if m * 2 <= row["m"] and row["m"] > 16 and not any(r["m"] < m for r in same):
+    if m * 2 <= row["m"] and row["m"] > TILED_MIN_M and not any(r["m"] < m for r in same):
         return None  # nothing measured near this M (a table swept at large M only): not a tile twice its size
     return GemmConfig(**row["config"])
 

@@ -377,6 +377,15 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
     if k == 0:
         return out.zero_()
     cfg = config or pick_config(table, m)
+    if cfg.ws:  # the warp-specialized Gluon GEMM where it runs, else the Triton default for M
+        if fmt != FMT_INT8:
+            raise ValueError(f"ws is an INT8 W8A16 config only, got format {fmt}: {cfg}")
+        from roofline.kernels import w8a16_ws
+
+        if w8a16_ws.ws_unsupported_reason(x, w, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages) is None:
+            return w8a16_ws.w8a16_ws_gemm(x, w, s, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages,
+                                          cfg.split_k)
+        cfg = pick_config(table, m)
     block_k = cfg.block_k
     scales_mode = 0  # INT4 scales: 0 gathered per element, 1 one row per tile, 2 one row after the dot
     if cfg.gemv and fmt == FMT_INT4:
@@ -419,15 +428,6 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
         raise ValueError(f"fused activation quantization is a GEMV config only, got {cfg}")
     if cfg.swap_ab and fmt not in (FMT_INT8, FMT_FP8_W8A16):
         raise ValueError(f"swap_ab is a weight-only 8-bit (int8, fp8 W8A16) config only, got format {fmt}: {cfg}")
-    if cfg.ws:
-        if fmt != FMT_INT8:
-            raise ValueError(f"ws is an INT8 W8A16 config only, got format {fmt}: {cfg}")
-        from roofline.kernels import w8a16_ws
-
-        if w8a16_ws.ws_unsupported_reason(x, w, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages) is None:
-            return w8a16_ws.w8a16_ws_gemm(x, w, s, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages,
-                                          cfg.split_k)
-        return _launch_gemm(fmt, table, x, w, s, z, xs, n, group, out_dtype, pick_config(table, m), quant_x)
     _qgemm_kernel[(tiles_mn, split)](
         x, w, s, z if z is not None else s, xs if xs is not None else s, out, partials, counters,
         m, n, k, per_split,

@@ -10,6 +10,7 @@ import functools
 import torch
 
 try:
+    import triton
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
@@ -63,17 +64,14 @@ def choose_ws_split(tiles: int, k_tiles: int, num_sms: int) -> int:
     return split
 
 
-@functools.cache
-def _num_sms(index: int | None) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_m: int, block_n: int,
                   block_k: int, stages: int, split_k: int | None = None) -> torch.Tensor:
     """``x`` [M, K] bf16/fp16 @ (``q`` int8 [N, K] * ``scales`` float32 [N])^T -> [M, N] in x's dtype (fp32
     accumulation, the scale in the epilogue). ``split_k`` None: :func:`choose_ws_split`; with more than one split
-    the fp32 partial sums are added in split order, then scaled and cast (deterministic). The caller checked
+    the fp32 partial sums are summed (``torch.sum``, deterministic), then scaled and cast. The caller checked
     :func:`ws_unsupported_reason`."""
+    from roofline.kernels.quant_gemm import _num_sms
+
     m, k = x.shape
     n = q.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -87,23 +85,15 @@ def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_
     q_desc = TensorDescriptor(q, [n, k], [q.stride(0), 1], [block_n, block_k], q_layout)
     num_warps = block_m // 16
     maxnreg = min(255, 65536 // (32 * (num_warps + CVT_WARPS + 1)) // 8 * 8)
-    tiles = triton_cdiv(m, block_m) * triton_cdiv(n, block_n)
-    k_tiles = triton_cdiv(k, block_k)
-    split = split_k or choose_ws_split(tiles, k_tiles, _num_sms(x.device.index))
-    per_split = triton_cdiv(k_tiles, max(1, min(split, k_tiles)))
-    split = triton_cdiv(k_tiles, per_split)  # no empty trailing split
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    k_tiles = triton.cdiv(k, block_k)
+    per_split = triton.cdiv(k_tiles, min(split_k or choose_ws_split(tiles, k_tiles, _num_sms(x.device)), k_tiles))
+    split = triton.cdiv(k_tiles, per_split)  # no empty trailing split
     partials = torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     gluon_w8a16_ws_kernel[(tiles, split)](
         x_desc, q_desc, scales, out, partials, m, n, k, out.stride(0), per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT_K=split, CVT_WARPS=CVT_WARPS,
         CVT_REGS=CVT_REGS, W_LAYOUT=w_layout, num_warps=num_warps, maxnreg=maxnreg)
     if split > 1:
-        acc = partials[0]
-        for i in range(1, split):
-            acc = acc + partials[i]
-        out.copy_(acc * scales)
+        out.copy_(partials.sum(0) * scales)
     return out
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
