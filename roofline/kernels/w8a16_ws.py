@@ -65,13 +65,12 @@ def choose_ws_split(tiles: int, k_tiles: int, num_sms: int) -> int:
 
 
 def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_m: int, block_n: int,
-                  block_k: int, stages: int, split_k: int | None = None) -> torch.Tensor:
+                  block_k: int, stages: int, split_k: int | None = None, num_sms: int | None = None) -> torch.Tensor:
     """``x`` [M, K] bf16/fp16 @ (``q`` int8 [N, K] * ``scales`` float32 [N])^T -> [M, N] in x's dtype (fp32
     accumulation, the scale in the epilogue). ``split_k`` None: :func:`choose_ws_split`; with more than one split
-    the fp32 partial sums are summed (``torch.sum``, deterministic), then scaled and cast. The caller checked
+    the fp32 partial sums are summed (``torch.sum``, deterministic), then scaled and cast. ``num_sms``: the GPU's
+    (``quant_gemm`` passes its count; None: asked of the device). The caller checked
     :func:`ws_unsupported_reason`."""
-    from roofline.kernels.quant_gemm import _num_sms
-
     m, k = x.shape
     n = q.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -87,7 +86,8 @@ def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_
     maxnreg = min(255, 65536 // (32 * (num_warps + CVT_WARPS + 1)) // 8 * 8)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
-    per_split = triton.cdiv(k_tiles, min(split_k or choose_ws_split(tiles, k_tiles, _num_sms(x.device)), k_tiles))
+    per_split = triton.cdiv(k_tiles, min(split_k or choose_ws_split(
+        tiles, k_tiles, num_sms or torch.cuda.get_device_properties(x.device).multi_processor_count), k_tiles))
     split = triton.cdiv(k_tiles, per_split)  # no empty trailing split
     partials = torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     gluon_w8a16_ws_kernel[(tiles, split)](
