@@ -27,11 +27,6 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS): the sweep's (gpu_
 ]
 
 
-def maxnreg(num_warps: int, cvt_warps: int) -> int:
-    """The kernel-wide register cap that lets every warp of the three partitions be resident (65,536 registers)."""
-    return min(255, 65536 // (32 * (num_warps + cvt_warps + 1)) // 8 * 8)
-
-
 def main() -> int:
     spec = importlib.util.spec_from_file_location("gluon_w8a16_ws", ROOT / "roofline/kernels/gluon_w8a16_ws.py")
     mod = importlib.util.module_from_spec(spec)
@@ -55,9 +50,9 @@ def main() -> int:
             try:
                 k = triton.compile(GluonASTSource(mod.gluon_w8a16_ws_kernel, sig, constexprs=cx),
                                    target=GPUTarget("cuda", 90, 32),
-                                   options={"num_warps": nw, "maxnreg": maxnreg(nw, cw)})
+                                   options={"num_warps": nw, "maxnreg": mod.ws_maxnreg(nw, cw)})
                 regs, spill = ptxas_usage(k.asm["ptx"])
-                print(f"{name:<36} ok  regs {regs:>4} spill {spill:>5} smem {k.metadata.shared:>7}", flush=True)
+                print(f"{name:<36} ok  regs {regs:>4} spill {spill:>5} smem {k.metadata.shared:>7} warps {k.metadata.num_warps}", flush=True)
             except Exception:  # noqa: BLE001 - report every config
                 bad += 1
                 print(f"{name:<36} FAILED\n{traceback.format_exc()[-3000:]}", flush=True)

@@ -32,6 +32,17 @@ GEMM (vLLM, 2024); Frantar et al. 2024 (MARLIN) for the PRMT / LOP3 conversions;
 
 from __future__ import annotations
 
+
+def ws_maxnreg(num_warps: int, cvt_warps: int) -> int:
+    """The kernel-wide register cap (``maxnreg``) that lets every warp be resident in the SM's 65,536 registers:
+    the MMA partition's ``num_warps``, the converter's ``cvt_warps`` and the 1-warp loader, rounded up to whole
+    warpgroups of 4 (Triton pads a warp-specialized kernel's warps so, for ``setmaxnreg``: 4 + 4 + 1 launch as 12
+    warps, 8 + 4 + 1 as 16), so 168 and 128 registers. Without the rounding the driver refused the launch on the
+    H100 (2026-12-07: "threads, Required: 384, Hardware limit: 256" at a cap of 224)."""
+    warps = -(-(num_warps + cvt_warps + 1) // 4) * 4
+    return min(255, 65536 // (32 * warps) // 8 * 8)
+
+
 try:
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl

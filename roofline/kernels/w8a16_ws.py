@@ -14,7 +14,7 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from roofline.kernels.gluon_w8a16_ws import gluon_w8a16_ws_kernel
+    from roofline.kernels.gluon_w8a16_ws import gluon_w8a16_ws_kernel, ws_maxnreg
 except ImportError:  # pragma: no cover - Triton without Gluon's Hopper module
     gluon_w8a16_ws_kernel = None
 
@@ -83,7 +83,7 @@ def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, block_k], x_layout)
     q_desc = TensorDescriptor(q, [n, k], [q.stride(0), 1], [block_n, block_k], q_layout)
     num_warps = block_m // 16
-    maxnreg = min(255, 65536 // (32 * (num_warps + CVT_WARPS + 1)) // 8 * 8)
+    maxnreg = ws_maxnreg(num_warps, CVT_WARPS)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
     per_split = triton.cdiv(k_tiles, min(split_k or choose_ws_split(
