@@ -39,7 +39,7 @@ def main() -> int:
             q_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.int8)
             w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gdt)
             sig = {"x_desc": desc_sig(dtype, [bm, bk], x_layout), "q_desc": desc_sig("i8", [bn, bk], q_layout),
-                   "S": "*fp32", "Out": f"*{dtype}", "P": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+                   "S": "*fp32", "Out": f"*{dtype}", "P": "*fp32", "C": "*i32", "M": "i32", "N": "i32", "K": "i32",
                    "stride_om": "i32", "k_per_split": "i32",
                    "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "STAGES": "constexpr",
                    "SPLIT_K": "constexpr", "CVT_WARPS": "constexpr", "CVT_REGS": "constexpr", "W_LAYOUT": "constexpr",

@@ -24,7 +24,8 @@ A stage's 16-bit tile is rewritten only after the loader refilled that stage, wh
 so one ``empty`` barrier orders both buffers. Grid: one program per (BLOCK_M, BLOCK_N) output tile and K split, M
 tiles fastest (the programs that share a weight tile run together, so its codes come from DRAM once). Split-K
 (SPLIT_K > 1, for the projections whose N gives fewer tiles than SMs: o_proj at M = 128 is 32 tiles of 128 x 128)
-writes fp32 partial sums that the launcher sums (torch.sum: deterministic).
+writes fp32 partial sums; the last split of a tile to arrive sums them in split order (deterministic) in the same
+launch.
 
 References: NVIDIA CUTLASS 3.x Hopper warp-specialized GEMM (producer / consumer pipelines); "Machete" mixed-input
 GEMM (vLLM, 2024); Frantar et al. 2024 (MARLIN) for the PRMT / LOP3 conversions; PTX ISA 8.x ``wgmma.mma_async``.
@@ -103,7 +104,8 @@ if gluon is not None:
             mbarrier.arrive(converted.index(s), count=1)
 
     @gluon.jit
-    def _w8_mma(x_smem, w_smem, ready, converted, empty, S, Out, P, M, N, off_m, off_n, split, k_tiles, stride_om,
+    def _w8_mma(x_smem, w_smem, ready, converted, empty, S, Out, P, C, M, N, off_m, off_n, tile, split, k_tiles,
+                stride_om,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
                 num_warps: gl.constexpr):
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -127,19 +129,32 @@ if gluon is not None:
             out = acc * scale[None, :]
             ptrs = Out + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
             gl.store(ptrs, out.to(Out.dtype.element_ty), mask=mask)
-        else:  # this split's fp32 partial sums [M, N] of P [SPLIT_K, M, N]; the launcher sums them
-            ptrs = P + (split * M + rows).to(gl.int64)[:, None] * N + cols[None, :]
-            gl.store(ptrs, acc, mask=mask)
+        else:
+            # This split's fp32 partial sums into P [SPLIT_K, M, N]; the tile's last split to arrive (an acq_rel
+            # counter per output tile) sums all SPLIT_K in split order (deterministic), scales, stores, and re-arms
+            # the counter: one launch, as quant_gemm's Triton split-K (splitk._splitk_epilogue).
+            mn = rows.to(gl.int64)[:, None] * N + cols[None, :]
+            gl.store(P + split.to(gl.int64) * M * N + mn, acc, mask=mask)
+            gl.thread_barrier()  # every warp of this partition has stored its part of the tile
+            arrived = gl.atomic_add(C + tile, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
+                for sp in gl.static_range(SPLIT_K):
+                    total += gl.load(P + sp * M * N + mn, mask=mask, other=0.0, cache_modifier=".cg")
+                scale = gl.load(S + cols, mask=cols < N, other=0.0)
+                ptrs = Out + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
+                gl.store(ptrs, (total * scale[None, :]).to(Out.dtype.element_ty), mask=mask)
+                gl.atomic_xchg(C + tile, 0)
 
     @gluon.jit
-    def gluon_w8a16_ws_kernel(x_desc, q_desc, S, Out, P, M, N, K, stride_om, k_per_split,
+    def gluon_w8a16_ws_kernel(x_desc, q_desc, S, Out, P, C, M, N, K, stride_om, k_per_split,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                               STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CVT_WARPS: gl.constexpr,
                               CVT_REGS: gl.constexpr, W_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
         """x_desc: TMA descriptor of x [M, K] (bf16 / fp16, block [BLOCK_M, BLOCK_K]); q_desc: of the codes [N, K]
         int8 (block [BLOCK_N, BLOCK_K]); S: float32 [N] channel scales; Out: [M, N] in x's dtype, row stride
-        stride_om; P: float32 [SPLIT_K, M, N] partial sums when SPLIT_K > 1 (Out and S unused then: the launcher
-        sums P, scales and casts); k_per_split: K tiles of BLOCK_K per split (no split empty);
+        stride_om; P: float32 [SPLIT_K, M, N] partial sums when SPLIT_K > 1; C: int32 arrival counters, one per
+        output tile, zero (the kernel leaves them zero); k_per_split: K tiles of BLOCK_K per split (no split empty);
         W_LAYOUT: the NVMMA shared layout of a [BLOCK_N, BLOCK_K] 16-bit tile. Grid
         (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K); num_warps = BLOCK_M // 16 (the MMA partition)."""
         pid = gl.program_id(0)
@@ -161,7 +176,7 @@ if gluon is not None:
             mbarrier.init(empty.index(i), count=1)
         fence_async_shared()
         gl.warp_specialize([
-            (_w8_mma, (x_smem, w_smem, ready, converted, empty, S, Out, P, M, N, off_m, off_n, split, k_tiles,
+            (_w8_mma, (x_smem, w_smem, ready, converted, empty, S, Out, P, C, M, N, off_m, off_n, pid, split, k_tiles,
                        stride_om, BLOCK_M, BLOCK_N, STAGES, SPLIT_K, num_warps)),
             (_w8_converter, (q_smem, w_smem, ready, converted, k_tiles, BLOCK_K, STAGES, CVT_WARPS)),
             (_w8_loader, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, k_tiles, BLOCK_K,

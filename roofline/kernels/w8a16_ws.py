@@ -65,12 +65,14 @@ def choose_ws_split(tiles: int, k_tiles: int, num_sms: int) -> int:
 
 
 def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_m: int, block_n: int,
-                  block_k: int, stages: int, split_k: int | None = None, num_sms: int | None = None) -> torch.Tensor:
+                  block_k: int, stages: int, split_k: int | None = None, num_sms: int | None = None,
+                  counters: torch.Tensor | None = None) -> torch.Tensor:
     """``x`` [M, K] bf16/fp16 @ (``q`` int8 [N, K] * ``scales`` float32 [N])^T -> [M, N] in x's dtype (fp32
     accumulation, the scale in the epilogue). ``split_k`` None: :func:`choose_ws_split`; with more than one split
-    the fp32 partial sums are summed (``torch.sum``, deterministic), then scaled and cast. ``num_sms``: the GPU's
-    (``quant_gemm`` passes its count; None: asked of the device). The caller checked
-    :func:`ws_unsupported_reason`."""
+    the fp32 partial sums go to a scratch buffer and the last split of each output tile sums them in split order
+    (deterministic) in the same launch. ``num_sms``: the GPU's (``quant_gemm`` passes its count; None: asked of the
+    device); ``counters``: a zeroed int32 buffer of at least one counter per output tile, left zeroed
+    (``quant_gemm`` passes its own; None: a fresh one). The caller checked :func:`ws_unsupported_reason`."""
     m, k = x.shape
     n = q.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -90,10 +92,10 @@ def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_
         tiles, k_tiles, num_sms or torch.cuda.get_device_properties(x.device).multi_processor_count), k_tiles))
     split = triton.cdiv(k_tiles, per_split)  # no empty trailing split
     partials = torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+    if counters is None or split == 1:
+        counters = torch.zeros(tiles if split > 1 else 1, dtype=torch.int32, device=x.device)
     gluon_w8a16_ws_kernel[(tiles, split)](
-        x_desc, q_desc, scales, out, partials, m, n, k, out.stride(0), per_split,
+        x_desc, q_desc, scales, out, partials, counters, m, n, k, out.stride(0), per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT_K=split, CVT_WARPS=CVT_WARPS,
         CVT_REGS=CVT_REGS, W_LAYOUT=w_layout, num_warps=num_warps, maxnreg=maxnreg)
-    if split > 1:
-        out.copy_(partials.sum(0) * scales)
     return out

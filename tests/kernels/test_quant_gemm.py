@@ -246,6 +246,31 @@ def test_w8a16_ws_extreme_codes_and_runs_on_sm90(dtype):
     assert torch.equal(out.cpu().float(), want)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("split", [2, 3, 5])
+def test_w8a16_ws_split_k_reduces_in_kernel_deterministically(split):
+    """Split-K in the Gluon kernel: the last split of each tile sums the fp32 partials in split order in the same
+    launch: within bf16's tolerance of float64, bit-identical call after call (the counters were re-armed to 0,
+    or the second call would never reduce) and the counters are left zero. 15 K tiles: splits of 8 + 7, 3 x 5 and
+    5 x 3 tiles."""
+    if not _ws_runs():
+        pytest.skip("the Gluon W8A16 kernel needs sm_90 and Gluon")
+    from roofline.kernels import w8a16_ws
+
+    m, n, k, bk = 70, 320, 64 * 15, 64
+    g = torch.Generator().manual_seed(split)
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8).cuda()
+    s = (torch.rand(n, generator=g) + 0.5).cuda()
+    x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
+    counters = torch.zeros(64, dtype=torch.int32, device="cuda")
+    runs = [w8a16_ws.w8a16_ws_gemm(x, q, s, 64, 64, bk, 3, split_k=split, counters=counters) for _ in range(3)]
+    assert all(torch.equal(r, runs[0]) for r in runs[1:])
+    assert int(counters.abs().sum()) == 0
+    ref64 = x.cpu().double() @ (q.cpu().double() * s.cpu().double()[:, None]).t()
+    assert rel_err(runs[0].cpu(), ref64) < TOL[torch.bfloat16]
+
+
 def test_ws_is_refused_outside_int8():
     cw = _int4_case(32, 64, 32, torch.float32)
     p = _to(qg.prepare_int4(cw, torch.float32), DEVICE)
