@@ -36,6 +36,7 @@ GEMM (vLLM, 2024); Frantar et al. 2024 (MARLIN) for the PRMT / LOP3 conversions;
 
 from __future__ import annotations
 
+
 MAX_SMEM = 232448  # bytes of dynamic shared memory a block may use on sm_90 (CUDA C++ guide, H100 / H200: 227 KB)
 SMEM_SLACK = 1024  # bytes left to the compiler's own scratch (the split-K counter's broadcast)
 MAX_Q_STAGES = 16
