@@ -42,10 +42,9 @@ def main() -> int:
                    "S": "*fp32", "Out": f"*{dtype}", "P": "*fp32", "C": "*i32", "M": "i32", "N": "i32", "K": "i32",
                    "stride_om": "i32", "k_per_split": "i32",
                    "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "STAGES": "constexpr",
-                   "Q_STAGES": "constexpr", "SPLIT_K": "constexpr", "CVT_WARPS": "constexpr", "CVT_REGS": "constexpr", "W_LAYOUT": "constexpr",
+                   "SPLIT_K": "constexpr", "CVT_WARPS": "constexpr", "CVT_REGS": "constexpr", "W_LAYOUT": "constexpr",
                    "num_warps": "constexpr"}
-            cx = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages,
-                      Q_STAGES=mod.code_stages(bm, bn, bk, stages), SPLIT_K=split, CVT_WARPS=cw, CVT_REGS=128,
+            cx = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, SPLIT_K=split, CVT_WARPS=cw, CVT_REGS=128,
                       W_LAYOUT=w_layout, num_warps=nw)
             name = f"{dtype} BM{bm} BN{bn} BK{bk} S{stages} cvt{cw} split{split}"
             try:
@@ -53,7 +52,7 @@ def main() -> int:
                                    target=GPUTarget("cuda", 90, 32),
                                    options={"num_warps": nw, "maxnreg": mod.ws_maxnreg(nw, cw)})
                 regs, spill = ptxas_usage(k.asm["ptx"])
-                print(f"{name:<36} ok  regs {regs:>4} spill {spill:>5} smem {k.metadata.shared:>7} code stages {cx['Q_STAGES']:>2} warps {k.metadata.num_warps}", flush=True)
+                print(f"{name:<36} ok  regs {regs:>4} spill {spill:>5} smem {k.metadata.shared:>7} warps {k.metadata.num_warps}", flush=True)
             except Exception:  # noqa: BLE001 - report every config
                 bad += 1
                 print(f"{name:<36} FAILED\n{traceback.format_exc()[-3000:]}", flush=True)

@@ -11,20 +11,17 @@ all was already 1.17-1.40x (``bench/results/int8-cvt-h200-20261207/``): the load
 share the same warps. Here each runs in its own partition (``gl.warp_specialize``), as cuBLAS's and CUTLASS's
 Hopper GEMMs run:
 
-- two loaders (1 warp each), TMA copies into shared-memory rings: the x tiles [BLOCK_M, BLOCK_K] into STAGES
-  stages (``ready``: one mbarrier per stage with the bytes expected), and the code tiles [BLOCK_N, BLOCK_K] into
-  a deeper ring of Q_STAGES (``q_ready`` / ``q_free``), so that the weight stream runs ahead of the MMAs by more
-  than a load's latency from HBM (the launcher gives that ring the shared memory the tile leaves);
-- converter (CVT_WARPS warps): the codes from shared memory into registers (their stage then goes back to its
-  loader), to bf16 / fp16 in PTX (four a register: ``prmt`` + ``lop3`` + ``sub.bf16x2``, exact, as
-  ``quant_gemm._int8x4_to_16bit``), stored as the 16-bit tile [BLOCK_N, BLOCK_K] in the MMA's swizzled layout
-  (``converted``);
+- loader (1 warp): TMA copies of the x tile [BLOCK_M, BLOCK_K] and the code tile [BLOCK_N, BLOCK_K] into a ring
+  of STAGES shared-memory stages (``ready``: one mbarrier per stage with the bytes expected);
+- converter (CVT_WARPS warps): the codes from shared memory into registers, to bf16 / fp16 in PTX (four a
+  register: ``prmt`` + ``lop3`` + ``sub.bf16x2``, exact, as ``quant_gemm._int8x4_to_16bit``), stored as the 16-bit
+  tile [BLOCK_N, BLOCK_K] in the MMA's swizzled layout (``converted``);
 - MMA (the default partition, BLOCK_M / 16 warps): ``warpgroup_mma`` with both operands in shared memory (x as A,
-  the converted tile's transposed view as B), async, one group in flight; a stage goes back to the x loader
+  the converted tile's transposed view as B), async, one group in flight; a stage goes back to the loader
   (``empty``) once its product has completed; then the epilogue (scale, cast, masked store).
 
-A stage's 16-bit tile is rewritten only after the x loader refilled that stage, which waits for the MMA that read
-it, so one ``empty`` barrier orders both buffers. Grid: one program per (BLOCK_M, BLOCK_N) output tile and K split, M
+A stage's 16-bit tile is rewritten only after the loader refilled that stage, which waits for the MMA that read it,
+so one ``empty`` barrier orders both buffers. Grid: one program per (BLOCK_M, BLOCK_N) output tile and K split, M
 tiles fastest (the programs that share a weight tile run together, so its codes come from DRAM once). Split-K
 (SPLIT_K > 1, for the projections whose N gives fewer tiles than SMs: o_proj at M = 128 is 32 tiles of 128 x 128)
 writes fp32 partial sums; the last split of a tile to arrive sums them in split order (deterministic) in the same
@@ -37,32 +34,13 @@ GEMM (vLLM, 2024); Frantar et al. 2024 (MARLIN) for the PRMT / LOP3 conversions;
 from __future__ import annotations
 
 
-MAX_SMEM = 232448  # bytes of dynamic shared memory a block may use on sm_90 (CUDA C++ guide, H100 / H200: 227 KB)
-SMEM_SLACK = 1024  # bytes left to the compiler's own scratch (the split-K counter's broadcast)
-MAX_Q_STAGES = 16
-
-
-def smem_bytes(block_m: int, block_n: int, block_k: int, stages: int, q_stages: int | None = None) -> int:
-    """Shared memory of one program: per stage the x tile (16-bit) and the converted tile (16-bit), per code stage
-    the code tile (8-bit) (``q_stages`` None: as many as ``stages``), plus their mbarriers."""
-    q_stages = stages if q_stages is None else q_stages
-    return stages * (block_m * block_k * 2 + block_n * block_k * 2 + 24) + q_stages * (block_n * block_k + 16)
-
-
-def code_stages(block_m: int, block_n: int, block_k: int, stages: int) -> int:
-    """The code ring's depth: the shared memory the x and converted rings leave (one program per SM: the tile's
-    shared memory takes the SM anyway), at least ``stages`` and at most ``MAX_Q_STAGES``."""
-    free = MAX_SMEM - SMEM_SLACK - smem_bytes(block_m, block_n, block_k, stages, 0)
-    return max(stages, min(MAX_Q_STAGES, free // (block_n * block_k + 16)))
-
-
 def ws_maxnreg(num_warps: int, cvt_warps: int) -> int:
     """The kernel-wide register cap (``maxnreg``) that lets every warp be resident in the SM's 65,536 registers:
-    the MMA partition's ``num_warps``, the converter's ``cvt_warps`` and the two 1-warp loaders, rounded up to
-    whole warpgroups of 4 (Triton pads a warp-specialized kernel's warps so, for ``setmaxnreg``: 4 + 4 + 2 launch
-    as 12 warps, 8 + 4 + 2 as 16), so 168 and 128 registers. Without the rounding the driver refused the launch on the
+    the MMA partition's ``num_warps``, the converter's ``cvt_warps`` and the 1-warp loader, rounded up to whole
+    warpgroups of 4 (Triton pads a warp-specialized kernel's warps so, for ``setmaxnreg``: 4 + 4 + 1 launch as 12
+    warps, 8 + 4 + 1 as 16), so 168 and 128 registers. Without the rounding the driver refused the launch on the
     H100 (2026-12-07: "threads, Required: 384, Hardware limit: 256" at a cap of 224)."""
-    warps = -(-(num_warps + cvt_warps + 2) // 4) * 4
+    warps = -(-(num_warps + cvt_warps + 1) // 4) * 4
     return min(255, 65536 // (32 * warps) // 8 * 8)
 
 
@@ -101,39 +79,26 @@ if gluon is not None:
                 "=r,=r,r", [q], dtype=gl.float16, is_pure=True, pack=4)
 
     @gluon.jit
-    def _w8_x_loader(x_desc, x_smem, ready, empty, off_m, k0, k_tiles, BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+    def _w8_loader(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, k_tiles,
+                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
         for i in range(k_tiles):
             s = i % STAGES
             # Barriers start in phase 0 not completed: waiting on parity 1 passes at once (the ring starts empty).
             mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes)
+            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + i) * BLOCK_K], ready.index(s), x_smem.index(s))
+            tma.async_copy_global_to_shared(q_desc, [off_n, (k0 + i) * BLOCK_K], ready.index(s), q_smem.index(s))
 
     @gluon.jit
-    def _w8_q_loader(q_desc, q_smem, q_ready, q_free, off_n, k0, k_tiles, BLOCK_K: gl.constexpr,
-                     Q_STAGES: gl.constexpr):
-        for i in range(k_tiles):
-            s = i % Q_STAGES
-            mbarrier.wait(q_free.index(s), ((i // Q_STAGES) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [off_n, (k0 + i) * BLOCK_K], q_ready.index(s), q_smem.index(s))
-
-    @gluon.jit
-    def _w8_converter(q_smem, w_smem, q_ready, q_free, ready, converted, k_tiles, BLOCK_K: gl.constexpr,
-                      STAGES: gl.constexpr, Q_STAGES: gl.constexpr, CVT_WARPS: gl.constexpr):
+    def _w8_converter(q_smem, w_smem, ready, converted, k_tiles, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                      CVT_WARPS: gl.constexpr):
         # 16 consecutive codes of a row per thread (one 16-byte shared-memory read), rows over the lanes and warps.
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_K // 16), BLOCK_K // 16], [CVT_WARPS, 1], [1, 0])
         for i in range(k_tiles):
-            qs = i % Q_STAGES
-            mbarrier.wait(q_ready.index(qs), (i // Q_STAGES) & 1)
-            q = q_smem.index(qs).load(layout)
-            gl.thread_barrier()  # every warp has read its codes: the code stage goes back to its loader
-            mbarrier.arrive(q_free.index(qs), count=1)
-            w = _codes_to_16bit(q, w_smem.dtype)
             s = i % STAGES
-            # x of tile i landed in stage s: its loader waited for the MMA of tile i - STAGES, so w_smem[s] is free.
             mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            w_smem.index(s).store(w)
+            q = q_smem.index(s).load(layout)
+            w_smem.index(s).store(_codes_to_16bit(q, w_smem.dtype))
             fence_async_shared()  # the generic-proxy stores before the MMA's async-proxy reads
             gl.thread_barrier()
             mbarrier.arrive(converted.index(s), count=1)
@@ -184,15 +149,12 @@ if gluon is not None:
     @gluon.jit
     def gluon_w8a16_ws_kernel(x_desc, q_desc, S, Out, P, C, M, N, K, stride_om, k_per_split,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                              STAGES: gl.constexpr, Q_STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
-                              CVT_WARPS: gl.constexpr, CVT_REGS: gl.constexpr, W_LAYOUT: gl.constexpr,
-                              num_warps: gl.constexpr):
+                              STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CVT_WARPS: gl.constexpr,
+                              CVT_REGS: gl.constexpr, W_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
         """x_desc: TMA descriptor of x [M, K] (bf16 / fp16, block [BLOCK_M, BLOCK_K]); q_desc: of the codes [N, K]
         int8 (block [BLOCK_N, BLOCK_K]); S: float32 [N] channel scales; Out: [M, N] in x's dtype, row stride
         stride_om; P: float32 [SPLIT_K, M, N] partial sums when SPLIT_K > 1; C: int32 arrival counters, one per
         output tile, zero (the kernel leaves them zero); k_per_split: K tiles of BLOCK_K per split (no split empty);
-        STAGES: the ring of x tiles and converted tiles; Q_STAGES (>= STAGES): the deeper ring of code tiles, so
-        that the weight stream runs ahead of the MMAs by more than the latency of a load from HBM;
         W_LAYOUT: the NVMMA shared layout of a [BLOCK_N, BLOCK_K] 16-bit tile. Grid
         (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K); num_warps = BLOCK_M // 16 (the MMA partition)."""
         pid = gl.program_id(0)
@@ -203,26 +165,20 @@ if gluon is not None:
         k0 = split * k_per_split
         k_tiles = gl.minimum(k_per_split, gl.cdiv(K, BLOCK_K) - k0)
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_STAGES, BLOCK_N, BLOCK_K], q_desc.layout)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], q_desc.layout)
         w_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], W_LAYOUT)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         converted = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
-        q_free = gl.allocate_shared_memory(gl.int64, [Q_STAGES, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(STAGES):
             mbarrier.init(ready.index(i), count=1)
             mbarrier.init(converted.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
-        for i in gl.static_range(Q_STAGES):
-            mbarrier.init(q_ready.index(i), count=1)
-            mbarrier.init(q_free.index(i), count=1)
         fence_async_shared()
         gl.warp_specialize([
             (_w8_mma, (x_smem, w_smem, ready, converted, empty, S, Out, P, C, M, N, off_m, off_n, pid, split, k_tiles,
                        stride_om, BLOCK_M, BLOCK_N, STAGES, SPLIT_K, num_warps)),
-            (_w8_converter, (q_smem, w_smem, q_ready, q_free, ready, converted, k_tiles, BLOCK_K, STAGES, Q_STAGES,
-                             CVT_WARPS)),
-            (_w8_x_loader, (x_desc, x_smem, ready, empty, off_m, k0, k_tiles, BLOCK_K, STAGES)),
-            (_w8_q_loader, (q_desc, q_smem, q_ready, q_free, off_n, k0, k_tiles, BLOCK_K, Q_STAGES)),
-        ], [CVT_WARPS, 1, 1], [CVT_REGS, 24, 24])
+            (_w8_converter, (q_smem, w_smem, ready, converted, k_tiles, BLOCK_K, STAGES, CVT_WARPS)),
+            (_w8_loader, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, k_tiles, BLOCK_K,
+                          STAGES)),
+        ], [CVT_WARPS, 1], [CVT_REGS, 24])

@@ -14,11 +14,11 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from roofline.kernels.gluon_w8a16_ws import gluon_w8a16_ws_kernel
+    from roofline.kernels.gluon_w8a16_ws import gluon_w8a16_ws_kernel, ws_maxnreg
 except ImportError:  # pragma: no cover - Triton without Gluon's Hopper module
     gluon_w8a16_ws_kernel = None
-from roofline.kernels.gluon_w8a16_ws import MAX_SMEM, code_stages, smem_bytes, ws_maxnreg
 
+MAX_SMEM = 232448  # bytes of dynamic shared memory a block may use on sm_90 (CUDA C++ guide, H100 / H200: 227 KB)
 CVT_WARPS = 4
 CVT_REGS = 128
 
@@ -26,6 +26,12 @@ CVT_REGS = 128
 @functools.cache
 def _sm90(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
+
+
+def smem_bytes(block_m: int, block_n: int, block_k: int, stages: int) -> int:
+    """Shared memory of one program: per stage the x tile (16-bit), the code tile (8-bit) and the converted tile
+    (16-bit), plus three mbarriers a stage."""
+    return stages * (block_m * block_k * 2 + block_n * block_k + block_n * block_k * 2 + 24)
 
 
 def ws_unsupported_reason(x: torch.Tensor, q: torch.Tensor, block_m: int, block_n: int, block_k: int,
@@ -90,7 +96,6 @@ def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_
         counters = torch.zeros(tiles if split > 1 else 1, dtype=torch.int32, device=x.device)
     gluon_w8a16_ws_kernel[(tiles, split)](
         x_desc, q_desc, scales, out, partials, counters, m, n, k, out.stride(0), per_split,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages,
-        Q_STAGES=code_stages(block_m, block_n, block_k, stages), SPLIT_K=split, CVT_WARPS=CVT_WARPS,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT_K=split, CVT_WARPS=CVT_WARPS,
         CVT_REGS=CVT_REGS, W_LAYOUT=w_layout, num_warps=num_warps, maxnreg=maxnreg)
     return out
