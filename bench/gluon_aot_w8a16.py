@@ -21,9 +21,11 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 from gluon_aot_check import desc_sig, ptxas_usage  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS): the sweep's (gpu_quant_sweep.WS_TILES) and the tests'
-    (64, 128, 64, 4, 4), (64, 256, 64, 4, 4), (128, 128, 64, 4, 4), (128, 64, 128, 3, 4), (64, 128, 128, 3, 4),
-    (64, 64, 64, 2, 4),
+CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS, ws): the sweep's (gpu_quant_sweep.WS_TILES) and the
+    # tests'; ws 2: no loader warp (the converter issues the copies)
+    (64, 128, 64, 4, 4, 1), (64, 256, 64, 4, 4, 1), (128, 128, 64, 4, 4, 1), (128, 64, 128, 3, 4, 1),
+    (64, 128, 128, 3, 4, 1), (64, 64, 64, 2, 4, 1), (128, 256, 64, 3, 4, 2), (128, 128, 64, 4, 4, 2),
+    (64, 256, 64, 4, 4, 2), (128, 256, 64, 2, 4, 2),
 ]
 
 
@@ -33,7 +35,7 @@ def main() -> int:
     spec.loader.exec_module(mod)
     bad = 0
     for dtype, gdt in (("bf16", gl.bfloat16), ("fp16", gl.float16)):
-        for (bm, bn, bk, stages, cw), split in [(c, 1) for c in CONFIGS] + [(CONFIGS[2], 4)]:
+        for (bm, bn, bk, stages, cw, ws), split in [(c, 1) for c in CONFIGS] + [(CONFIGS[2], 4)]:
             nw = bm // 16
             x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gdt)
             q_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.int8)
@@ -43,14 +45,15 @@ def main() -> int:
                    "stride_om": "i32", "k_per_split": "i32",
                    "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "STAGES": "constexpr",
                    "SPLIT_K": "constexpr", "CVT_WARPS": "constexpr", "CVT_REGS": "constexpr", "W_LAYOUT": "constexpr",
-                   "num_warps": "constexpr"}
+                   "num_warps": "constexpr", "LOADER": "constexpr"}
             cx = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, SPLIT_K=split, CVT_WARPS=cw, CVT_REGS=128,
-                      W_LAYOUT=w_layout, num_warps=nw)
-            name = f"{dtype} BM{bm} BN{bn} BK{bk} S{stages} cvt{cw} split{split}"
+                      W_LAYOUT=w_layout, num_warps=nw,
+                      LOADER=ws == 1)
+            name = f"{dtype} BM{bm} BN{bn} BK{bk} S{stages} cvt{cw} ws{ws} split{split}"
             try:
                 k = triton.compile(GluonASTSource(mod.gluon_w8a16_ws_kernel, sig, constexprs=cx),
                                    target=GPUTarget("cuda", 90, 32),
-                                   options={"num_warps": nw, "maxnreg": mod.ws_maxnreg(nw, cw)})
+                                   options={"num_warps": nw, "maxnreg": mod.ws_maxnreg(nw, cw, ws == 1)})
                 regs, spill = ptxas_usage(k.asm["ptx"])
                 print(f"{name:<36} ok  regs {regs:>4} spill {spill:>5} smem {k.metadata.shared:>7} warps {k.metadata.num_warps}", flush=True)
             except Exception:  # noqa: BLE001 - report every config

@@ -56,7 +56,10 @@ TILED_M = [16, 32, 64, 128, 256, 4096]
 SWAP_TILES = [(64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (64, 256, 4, 3),
               (128, 64, 8, 5), (256, 64, 8, 3)]
 # The warp-specialized Gluon INT8 GEMM (roofline.kernels.w8a16_ws; sm_90): (block_m, block_n, block_k, stages).
-WS_TILES = [(64, 128, 64, 4), (64, 256, 64, 4), (128, 128, 64, 4), (128, 64, 128, 3), (64, 128, 128, 3)]
+# (block_m, block_n, block_k, stages, ws): ws 1 with a loader warp, 2 the converter issues the copies (168 registers
+# for a 128-row MMA, which 128 x 256 needs)
+WS_TILES = [(64, 128, 64, 4, 1), (64, 256, 64, 4, 1), (128, 128, 64, 4, 1), (128, 64, 128, 3, 1), (64, 128, 128, 3, 1),
+            (128, 256, 64, 3, 2), (128, 128, 64, 4, 2), (64, 256, 64, 4, 2)]
 
 
 def parse_args(argv=None):
@@ -365,7 +368,7 @@ def main(argv=None) -> int:
                     if m >= 128 and not args.dry_run:  # bench/gpu_w8_swap_probe.py's winners on the H200, 2026-12-07
                         alts += [C(128, 64, 128, 4, 3, swap_ab=True), C(128, 128, 64, 4, 4)]
                 if fmt == "int8" and args.ws and not args.dry_run:
-                    alts += [C(bm_, bn, bk, bm_ // 16, st, ws=True) for bm_, bn, bk, st in WS_TILES
+                    alts += [C(bm_, bn, bk, bm_ // 16, st, ws=ws) for bm_, bn, bk, st, ws in WS_TILES
                              if m >= 64 or bm_ == 64]
                 for cfg in dict.fromkeys(alts):
                     timed(fmt, m, "tiled", lambda cfg=cfg: ours(fmt, x, cfg), x, cfg)

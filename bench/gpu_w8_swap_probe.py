@@ -59,7 +59,7 @@ def main() -> int:
             if args.no_swap_tiles:
                 cands += [("probe", qg.GemmConfig(*t)) for t in NOSWAP_TILES]
             if args.ws:
-                cands += [("ws", qg.GemmConfig(bm, bn, bk, bm // 16, st, ws=True)) for bm, bn, bk, st in WS_TILES]
+                cands += [("ws", qg.GemmConfig(bm, bn, bk, bm // 16, st, ws=ws)) for bm, bn, bk, st, ws in WS_TILES]
             for path, cfg in cands:
                 fn = (lambda: F.linear(x, dense)) if path == "bf16" else (
                     lambda cfg=cfg: qg.w8a16_gemm(x, c8.q, c8.scales, config=cfg))

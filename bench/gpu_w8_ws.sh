@@ -5,7 +5,8 @@
 #   2. bench/gpu_w8_swap_probe.py --ws at M = 128 / 256 (and PROBE_MS): per projection bf16 cuBLAS, the table's
 #      kernel, the 128-row swap tiles and the ws tiles, the winners merged into this GPU's table (table_new.json);
 #   3. bench decode (bf16, int8) with that table at BATCHES.
-# OUT must be set; run from the repo root. Short form: TESTS_S=60 PROBE_MS=256 PROBE_S=60 DECODE_S=40.
+# OUT must be set; run from the repo root. Short form: TESTS_S=60 PROBE_MS=256 PROBE_S=60 DECODE_S=40; QUANTS
+# (none,int8) the formats decoded.
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)
 name=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
@@ -22,7 +23,7 @@ echo "probe rc $?" | tee -a "$OUT/log"; grep -vi warning "$OUT/probe.log" | tail
 if [ -f "$OUT/table_new.json" ]; then
   cp "$T" /tmp/table_committed.json; cp "$OUT/table_new.json" "$T"
   timeout ${DECODE_S:-60} python3 -m roofline.cli bench decode --model llama-3-8b --batch-sizes ${BATCHES:-1,8,64,128,256} \
-    --contexts 1k --quantization none,int8 --out-dir /tmp/ws_decode > "$OUT/decode.log" 2>&1
+    --contexts 1k --quantization ${QUANTS:-none,int8} --out-dir /tmp/ws_decode > "$OUT/decode.log" 2>&1
   echo "decode rc $?" | tee -a "$OUT/log"; grep -E "measured|x$" "$OUT/decode.log" | tee -a "$OUT/log"
   cp /tmp/table_committed.json "$T"
 fi

@@ -34,13 +34,14 @@ GEMM (vLLM, 2024); Frantar et al. 2024 (MARLIN) for the PRMT / LOP3 conversions;
 from __future__ import annotations
 
 
-def ws_maxnreg(num_warps: int, cvt_warps: int) -> int:
+def ws_maxnreg(num_warps: int, cvt_warps: int, loader: bool = True) -> int:
     """The kernel-wide register cap (``maxnreg``) that lets every warp be resident in the SM's 65,536 registers:
     the MMA partition's ``num_warps``, the converter's ``cvt_warps`` and the 1-warp loader, rounded up to whole
     warpgroups of 4 (Triton pads a warp-specialized kernel's warps so, for ``setmaxnreg``: 4 + 4 + 1 launch as 12
     warps, 8 + 4 + 1 as 16), so 168 and 128 registers. Without the rounding the driver refused the launch on the
-    H100 (2026-12-07: "threads, Required: 384, Hardware limit: 256" at a cap of 224)."""
-    warps = -(-(num_warps + cvt_warps + 1) // 4) * 4
+    H100 (2026-12-07: "threads, Required: 384, Hardware limit: 256" at a cap of 224). Without the loader warp
+    (``loader`` False) 4 + 4 and 8 + 4 warps: 255 and 168 registers."""
+    warps = -(-(num_warps + cvt_warps + int(loader)) // 4) * 4
     return min(255, 65536 // (32 * warps) // 8 * 8)
 
 
@@ -82,26 +83,56 @@ if gluon is not None:
     def _w8_loader(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, k_tiles,
                    BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
         for i in range(k_tiles):
-            s = i % STAGES
-            # Barriers start in phase 0 not completed: waiting on parity 1 passes at once (the ring starts empty).
-            mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
-            mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + i) * BLOCK_K], ready.index(s), x_smem.index(s))
-            tma.async_copy_global_to_shared(q_desc, [off_n, (k0 + i) * BLOCK_K], ready.index(s), q_smem.index(s))
+            _w8_issue(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, i, BLOCK_K, STAGES)
 
     @gluon.jit
-    def _w8_converter(q_smem, w_smem, ready, converted, k_tiles, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                      CVT_WARPS: gl.constexpr):
-        # 16 consecutive codes of a row per thread (one 16-byte shared-memory read), rows over the lanes and warps.
+    def _w8_issue(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, i, BLOCK_K: gl.constexpr,
+                  STAGES: gl.constexpr):
+        # TMA copies of tile i's x and codes into stage i % STAGES, once the MMA has released it.
+        s = i % STAGES
+        # Barriers start in phase 0 not completed: waiting on parity 1 passes at once (the ring starts empty).
+        mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
+        mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + i) * BLOCK_K], ready.index(s), x_smem.index(s))
+        tma.async_copy_global_to_shared(q_desc, [off_n, (k0 + i) * BLOCK_K], ready.index(s), q_smem.index(s))
+
+    @gluon.jit
+    def _w8_convert(q_smem, w_smem, ready, converted, i, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                    STAGES: gl.constexpr, CVT_WARPS: gl.constexpr):
+        # Tile i's codes -> 16-bit tile in the MMA's layout, 64 rows at a time (16 consecutive codes of a row a
+        # thread: one 16-byte shared-memory read; ~50 registers, not ~100 at BLOCK_N 256).
         layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_K // 16), BLOCK_K // 16], [CVT_WARPS, 1], [1, 0])
+        s = i % STAGES
+        mbarrier.wait(ready.index(s), (i // STAGES) & 1)
+        for r in gl.static_range(0, BLOCK_N, 64):
+            q = q_smem.index(s).slice(r, 64).load(layout)
+            w_smem.index(s).slice(r, 64).store(_codes_to_16bit(q, w_smem.dtype))
+        fence_async_shared()  # the generic-proxy stores before the MMA's async-proxy reads
+        gl.thread_barrier()
+        mbarrier.arrive(converted.index(s), count=1)
+
+    @gluon.jit
+    def _w8_converter(q_smem, w_smem, ready, converted, k_tiles, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                      STAGES: gl.constexpr, CVT_WARPS: gl.constexpr):
         for i in range(k_tiles):
-            s = i % STAGES
-            mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-            q = q_smem.index(s).load(layout)
-            w_smem.index(s).store(_codes_to_16bit(q, w_smem.dtype))
-            fence_async_shared()  # the generic-proxy stores before the MMA's async-proxy reads
-            gl.thread_barrier()
-            mbarrier.arrive(converted.index(s), count=1)
+            _w8_convert(q_smem, w_smem, ready, converted, i, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS)
+
+    @gluon.jit
+    def _w8_converter_loader(x_desc, q_desc, x_smem, q_smem, w_smem, ready, empty, converted, off_m, off_n, k0,
+                             k_tiles, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
+                             CVT_WARPS: gl.constexpr):
+        # The converter that also issues the TMA copies (no loader warp: 4 + 8 warps launch as 12, so the MMA gets
+        # 168 registers, which a 128 x 256 tile's 128-register accumulator needs). Copies run STAGES - 1 tiles
+        # ahead; tile i + STAGES - 1's are issued after tile i is converted, once the MMA has released its stage
+        # (product i - 1 done), so the conversion of tile i + 1 overlaps product i.
+        for j in gl.static_range(STAGES - 1):
+            if j < k_tiles:
+                _w8_issue(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, j, BLOCK_K, STAGES)
+        for i in range(k_tiles):
+            _w8_convert(q_smem, w_smem, ready, converted, i, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS)
+            if i + STAGES - 1 < k_tiles:
+                _w8_issue(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, i + STAGES - 1, BLOCK_K,
+                          STAGES)
 
     @gluon.jit
     def _w8_mma(x_smem, w_smem, ready, converted, empty, S, Out, P, C, M, N, off_m, off_n, tile, split, k_tiles,
@@ -150,13 +181,15 @@ if gluon is not None:
     def gluon_w8a16_ws_kernel(x_desc, q_desc, S, Out, P, C, M, N, K, stride_om, k_per_split,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                               STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CVT_WARPS: gl.constexpr,
-                              CVT_REGS: gl.constexpr, W_LAYOUT: gl.constexpr, num_warps: gl.constexpr):
+                              CVT_REGS: gl.constexpr, W_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
+                              LOADER: gl.constexpr = True):
         """x_desc: TMA descriptor of x [M, K] (bf16 / fp16, block [BLOCK_M, BLOCK_K]); q_desc: of the codes [N, K]
         int8 (block [BLOCK_N, BLOCK_K]); S: float32 [N] channel scales; Out: [M, N] in x's dtype, row stride
         stride_om; P: float32 [SPLIT_K, M, N] partial sums when SPLIT_K > 1; C: int32 arrival counters, one per
         output tile, zero (the kernel leaves them zero); k_per_split: K tiles of BLOCK_K per split (no split empty);
         W_LAYOUT: the NVMMA shared layout of a [BLOCK_N, BLOCK_K] 16-bit tile. Grid
-        (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K); num_warps = BLOCK_M // 16 (the MMA partition)."""
+        (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K); num_warps = BLOCK_M // 16 (the MMA partition). LOADER
+        False: no loader warp, the converter issues the copies (``GemmConfig.ws == 2``)."""
         pid = gl.program_id(0)
         split = gl.program_id(1)
         num_m = gl.cdiv(M, BLOCK_M)
@@ -175,10 +208,18 @@ if gluon is not None:
             mbarrier.init(converted.index(i), count=1)
             mbarrier.init(empty.index(i), count=1)
         fence_async_shared()
-        gl.warp_specialize([
-            (_w8_mma, (x_smem, w_smem, ready, converted, empty, S, Out, P, C, M, N, off_m, off_n, pid, split, k_tiles,
-                       stride_om, BLOCK_M, BLOCK_N, STAGES, SPLIT_K, num_warps)),
-            (_w8_converter, (q_smem, w_smem, ready, converted, k_tiles, BLOCK_K, STAGES, CVT_WARPS)),
-            (_w8_loader, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, k_tiles, BLOCK_K,
-                          STAGES)),
-        ], [CVT_WARPS, 1], [CVT_REGS, 24])
+        if LOADER:
+            gl.warp_specialize([
+                (_w8_mma, (x_smem, w_smem, ready, converted, empty, S, Out, P, C, M, N, off_m, off_n, pid, split,
+                           k_tiles, stride_om, BLOCK_M, BLOCK_N, STAGES, SPLIT_K, num_warps)),
+                (_w8_converter, (q_smem, w_smem, ready, converted, k_tiles, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS)),
+                (_w8_loader, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, k_tiles, BLOCK_K,
+                              STAGES)),
+            ], [CVT_WARPS, 1], [CVT_REGS, 24])
+        else:
+            gl.warp_specialize([
+                (_w8_mma, (x_smem, w_smem, ready, converted, empty, S, Out, P, C, M, N, off_m, off_n, pid, split,
+                           k_tiles, stride_om, BLOCK_M, BLOCK_N, STAGES, SPLIT_K, num_warps)),
+                (_w8_converter_loader, (x_desc, q_desc, x_smem, q_smem, w_smem, ready, empty, converted, off_m,
+                                        off_n, k0, k_tiles, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS)),
+            ], [CVT_WARPS], [CVT_REGS])

@@ -385,7 +385,8 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
         if w8a16_ws.ws_unsupported_reason(x, w, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages) is None:
             tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
             return w8a16_ws.w8a16_ws_gemm(x, w, s, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages,
-                                          cfg.split_k, _num_sms(x.device), _counters(x.device, tiles))
+                                          cfg.split_k, _num_sms(x.device), _counters(x.device, tiles),
+                                          loader=cfg.ws != 2)
         cfg = pick_config(table, m)
     block_k = cfg.block_k
     scales_mode = 0  # INT4 scales: 0 gathered per element, 1 one row per tile, 2 one row after the dot

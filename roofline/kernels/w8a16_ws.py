@@ -66,13 +66,15 @@ def choose_ws_split(tiles: int, k_tiles: int, num_sms: int) -> int:
 
 def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_m: int, block_n: int,
                   block_k: int, stages: int, split_k: int | None = None, num_sms: int | None = None,
-                  counters: torch.Tensor | None = None) -> torch.Tensor:
+                  counters: torch.Tensor | None = None, loader: bool = True) -> torch.Tensor:
     """``x`` [M, K] bf16/fp16 @ (``q`` int8 [N, K] * ``scales`` float32 [N])^T -> [M, N] in x's dtype (fp32
     accumulation, the scale in the epilogue). ``split_k`` None: :func:`choose_ws_split`; with more than one split
     the fp32 partial sums go to a scratch buffer and the last split of each output tile sums them in split order
     (deterministic) in the same launch. ``num_sms``: the GPU's (``quant_gemm`` passes its count; None: asked of the
     device); ``counters``: a zeroed int32 buffer of at least one counter per output tile, left zeroed
-    (``quant_gemm`` passes its own; None: a fresh one). The caller checked :func:`ws_unsupported_reason`."""
+    (``quant_gemm`` passes its own; None: a fresh one). ``loader`` False (``GemmConfig.ws == 2``): no loader warp,
+    the converter issues the TMA copies, so the MMA partition gets more registers (168 at BLOCK_M 128, which
+    128 x 256 tiles need). The caller checked :func:`ws_unsupported_reason`."""
     m, k = x.shape
     n = q.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -85,7 +87,7 @@ def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, block_k], x_layout)
     q_desc = TensorDescriptor(q, [n, k], [q.stride(0), 1], [block_n, block_k], q_layout)
     num_warps = block_m // 16
-    maxnreg = ws_maxnreg(num_warps, CVT_WARPS)
+    maxnreg = ws_maxnreg(num_warps, CVT_WARPS, loader)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
     per_split = triton.cdiv(k_tiles, min(split_k or choose_ws_split(
@@ -97,5 +99,5 @@ def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_
     gluon_w8a16_ws_kernel[(tiles, split)](
         x_desc, q_desc, scales, out, partials, counters, m, n, k, out.stride(0), per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT_K=split, CVT_WARPS=CVT_WARPS,
-        CVT_REGS=CVT_REGS, W_LAYOUT=w_layout, num_warps=num_warps, maxnreg=maxnreg)
+        CVT_REGS=CVT_REGS, W_LAYOUT=w_layout, num_warps=num_warps, LOADER=loader, maxnreg=maxnreg)
     return out

@@ -185,7 +185,10 @@ def test_w8a16_matches_f64(m, n, k, cfg, dtype, ptx, monkeypatch):
 
 WS_CONFIGS = {"ws64": GemmConfig(64, 128, 64, 4, 4, ws=True), "ws128": GemmConfig(128, 128, 64, 8, 4, ws=True),
               "ws64n256": GemmConfig(64, 256, 64, 4, 4, ws=True), "ws128k128": GemmConfig(128, 64, 128, 8, 3, ws=True),
-              "ws128split3": GemmConfig(128, 128, 64, 8, 4, split_k=3, ws=True)}  # 3 K splits, fp32 partials
+              "ws128split3": GemmConfig(128, 128, 64, 8, 4, split_k=3, ws=True),  # 3 K splits, fp32 partials
+              # no loader warp (the converter issues the copies): 128 x 256 and 64 x 256 tiles, split-K
+              "ws2n256": GemmConfig(128, 256, 64, 8, 3, ws=2), "ws2m64": GemmConfig(64, 256, 64, 4, 4, ws=2),
+              "ws2split3": GemmConfig(128, 128, 64, 8, 4, split_k=3, ws=2)}
 
 
 def test_ws_split_fills_the_sms_in_whole_k_runs():
@@ -240,16 +243,18 @@ def test_w8a16_ws_extreme_codes_and_runs_on_sm90(dtype):
     rows = list(range(64)) + list(range(6))  # 70 rows: a second M tile of 6 (TMA zero fill, masked store)
     x = torch.eye(64)[rows].to(dtype)
     want = (q.float() * s[:, None]).t()[rows]
-    got = w8a16_ws.w8a16_ws_gemm(x.cuda(), q.cuda(), s.cuda(), 64, 64, 64, 2)
-    assert torch.equal(got.cpu().float(), want)
+    for loader in (True, False):
+        got = w8a16_ws.w8a16_ws_gemm(x.cuda(), q.cuda(), s.cuda(), 64, 64, 64, 2, loader=loader)
+        assert torch.equal(got.cpu().float(), want)
     out = qg.w8a16_gemm(x.cuda(), q.cuda(), s.cuda(), config=WS_CONFIGS["ws64"])
     assert torch.equal(out.cpu().float(), want)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("loader", [True, False])
 @pytest.mark.parametrize("split", [2, 3, 5])
-def test_w8a16_ws_split_k_reduces_in_kernel_deterministically(split):
+def test_w8a16_ws_split_k_reduces_in_kernel_deterministically(split, loader):
     """Split-K in the Gluon kernel: the last split of each tile sums the fp32 partials in split order in the same
     launch: within bf16's tolerance of float64, bit-identical call after call (the counters were re-armed to 0,
     or the second call would never reduce) and the counters are left zero. 15 K tiles: splits of 8 + 7, 3 x 5 and
@@ -264,7 +269,8 @@ def test_w8a16_ws_split_k_reduces_in_kernel_deterministically(split):
     s = (torch.rand(n, generator=g) + 0.5).cuda()
     x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
     counters = torch.zeros(64, dtype=torch.int32, device="cuda")
-    runs = [w8a16_ws.w8a16_ws_gemm(x, q, s, 64, 64, bk, 3, split_k=split, counters=counters) for _ in range(3)]
+    runs = [w8a16_ws.w8a16_ws_gemm(x, q, s, 64, 64, bk, 3, split_k=split, counters=counters, loader=loader)
+            for _ in range(3)]
     assert all(torch.equal(r, runs[0]) for r in runs[1:])
     assert int(counters.abs().sum()) == 0
     ref64 = x.cpu().double() @ (q.cpu().double() * s.cpu().double()[:, None]).t()
