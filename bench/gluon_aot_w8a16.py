@@ -27,6 +27,8 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS, ws): the sweep's (
     (64, 128, 128, 3, 4, 1), (64, 64, 64, 2, 4, 1), (128, 256, 64, 3, 4, 2), (128, 128, 64, 4, 4, 2),
     (64, 256, 64, 4, 4, 2), (128, 256, 64, 2, 4, 2),
 ]
+INT4_CONFIGS = [(128, 128, 64, 4, 4, 1), (128, 128, 64, 4, 4, 2), (64, 128, 64, 4, 4, 1), (128, 256, 64, 3, 4, 2),
+                (64, 256, 64, 4, 4, 2)]
 
 
 def main() -> int:
@@ -34,31 +36,34 @@ def main() -> int:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     bad = 0
+    int4 = [(c, 1, True) for c in INT4_CONFIGS] + [(INT4_CONFIGS[0], 3, True)]
     for dtype, gdt in (("bf16", gl.bfloat16), ("fp16", gl.float16)):
-        for (bm, bn, bk, stages, cw, ws), split in [(c, 1) for c in CONFIGS] + [(CONFIGS[2], 4)]:
+        for (bm, bn, bk, stages, cw, ws), split, is4 in [(c, 1, False) for c in CONFIGS] + [(CONFIGS[2], 4, False)] + int4:
             nw = bm // 16
             x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gdt)
-            q_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.int8)
+            q_block = [bk // 8, bn] if is4 else [bn, bk]
+            q_layout = gl.NVMMASharedLayout.get_default_for(q_block, gl.int32 if is4 else gl.int8)
             w_layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gdt)
-            sig = {"x_desc": desc_sig(dtype, [bm, bk], x_layout), "q_desc": desc_sig("i8", [bn, bk], q_layout),
-                   "S": "*fp32", "Out": f"*{dtype}", "P": "*fp32", "C": "*i32", "M": "i32", "N": "i32", "K": "i32",
-                   "stride_om": "i32", "k_per_split": "i32",
+            sig = {"x_desc": desc_sig(dtype, [bm, bk], x_layout),
+                   "q_desc": desc_sig("i32" if is4 else "i8", q_block, q_layout),
+                   "S": f"*{dtype}" if is4 else "*fp32", "Out": f"*{dtype}", "P": "*fp32", "C": "*i32", "M": "i32",
+                   "N": "i32", "K": "i32", "stride_om": "i32", "k_per_split": "i32",
                    "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "STAGES": "constexpr",
                    "SPLIT_K": "constexpr", "CVT_WARPS": "constexpr", "CVT_REGS": "constexpr", "W_LAYOUT": "constexpr",
-                   "num_warps": "constexpr", "LOADER": "constexpr"}
+                   "num_warps": "constexpr", "LOADER": "constexpr", "Z": f"*{dtype}" if is4 else "*fp32",
+                   "GROUP": "i32", "INT4": "constexpr"}
             cx = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, SPLIT_K=split, CVT_WARPS=cw, CVT_REGS=128,
-                      W_LAYOUT=w_layout, num_warps=nw,
-                      LOADER=ws == 1)
-            name = f"{dtype} BM{bm} BN{bn} BK{bk} S{stages} cvt{cw} ws{ws} split{split}"
+                      W_LAYOUT=w_layout, num_warps=nw, LOADER=ws == 1, INT4=is4)
+            name = f"{'int4' if is4 else 'int8'} {dtype} BM{bm} BN{bn} BK{bk} S{stages} cvt{cw} ws{ws} split{split}"
             try:
                 k = triton.compile(GluonASTSource(mod.gluon_w8a16_ws_kernel, sig, constexprs=cx),
                                    target=GPUTarget("cuda", 90, 32),
                                    options={"num_warps": nw, "maxnreg": mod.ws_maxnreg(nw, cw, ws == 1)})
                 regs, spill = ptxas_usage(k.asm["ptx"])
-                print(f"{name:<36} ok  regs {regs:>4} spill {spill:>5} smem {k.metadata.shared:>7} warps {k.metadata.num_warps}", flush=True)
+                print(f"{name:<42} ok  regs {regs:>4} spill {spill:>5} smem {k.metadata.shared:>7} warps {k.metadata.num_warps}", flush=True)
             except Exception:  # noqa: BLE001 - report every config
                 bad += 1
-                print(f"{name:<36} FAILED\n{traceback.format_exc()[-3000:]}", flush=True)
+                print(f"{name:<42} FAILED\n{traceback.format_exc()[-3000:]}", flush=True)
     return 1 if bad else 0
 
 

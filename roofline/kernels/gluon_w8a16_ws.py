@@ -81,64 +81,104 @@ if gluon is not None:
 
     @gluon.jit
     def _w8_loader(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, k_tiles,
-                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr):
+                   BLOCK_K: gl.constexpr, STAGES: gl.constexpr, INT4: gl.constexpr):
         for i in range(k_tiles):
-            _w8_issue(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, i, BLOCK_K, STAGES)
+            _w8_issue(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, i, BLOCK_K, STAGES, INT4)
 
     @gluon.jit
     def _w8_issue(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, i, BLOCK_K: gl.constexpr,
-                  STAGES: gl.constexpr):
-        # TMA copies of tile i's x and codes into stage i % STAGES, once the MMA has released it.
+                  STAGES: gl.constexpr, INT4: gl.constexpr):
+        # TMA copies of tile i's x and codes into stage i % STAGES, once the MMA has released it. The codes: INT8
+        # [BLOCK_N, BLOCK_K] of [N, K]; INT4 the words [BLOCK_K / 8, BLOCK_N] of qweight [K / 8, N].
         s = i % STAGES
         # Barriers start in phase 0 not completed: waiting on parity 1 passes at once (the ring starts empty).
         mbarrier.wait(empty.index(s), ((i // STAGES) & 1) ^ 1)
         mbarrier.expect(ready.index(s), x_desc.block_type.nbytes + q_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(x_desc, [off_m, (k0 + i) * BLOCK_K], ready.index(s), x_smem.index(s))
-        tma.async_copy_global_to_shared(q_desc, [off_n, (k0 + i) * BLOCK_K], ready.index(s), q_smem.index(s))
+        if INT4:
+            tma.async_copy_global_to_shared(q_desc, [(k0 + i) * (BLOCK_K // 8), off_n], ready.index(s),
+                                            q_smem.index(s))
+        else:
+            tma.async_copy_global_to_shared(q_desc, [off_n, (k0 + i) * BLOCK_K], ready.index(s), q_smem.index(s))
 
     @gluon.jit
-    def _w8_convert(q_smem, w_smem, ready, converted, i, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                    STAGES: gl.constexpr, CVT_WARPS: gl.constexpr):
-        # Tile i's codes -> 16-bit tile in the MMA's layout, 64 rows at a time (16 consecutive codes of a row a
-        # thread: one 16-byte shared-memory read; ~50 registers, not ~100 at BLOCK_N 256).
-        layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_K // 16), BLOCK_K // 16], [CVT_WARPS, 1], [1, 0])
+    def _int4_words_to_16bit(words, sc, zp, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, DTYPE: gl.constexpr):
+        # words int32 [BLOCK_K / 8, BLOCK_N] (nibble j of word r: input channel 8 r + j), sc / zp fp32 [BLOCK_N]
+        # (the tile's group) -> (q - z) * s [BLOCK_N, BLOCK_K] in DTYPE, as ref_dequantize_int4 in fp32 then
+        # rounded: 0x4B000000 | q is the float 2^23 + q, so (2^23 + q) - (2^23 + z) = q - z exactly (z in 0..15).
+        zb = (zp + 8388608.0)[None, :]
+        s2 = sc[None, :]
+        v0 = (((words & 15) | 0x4B000000).to(gl.float32, bitcast=True) - zb) * s2
+        v1 = ((((words >> 4) & 15) | 0x4B000000).to(gl.float32, bitcast=True) - zb) * s2
+        v2 = ((((words >> 8) & 15) | 0x4B000000).to(gl.float32, bitcast=True) - zb) * s2
+        v3 = ((((words >> 12) & 15) | 0x4B000000).to(gl.float32, bitcast=True) - zb) * s2
+        v4 = ((((words >> 16) & 15) | 0x4B000000).to(gl.float32, bitcast=True) - zb) * s2
+        v5 = ((((words >> 20) & 15) | 0x4B000000).to(gl.float32, bitcast=True) - zb) * s2
+        v6 = ((((words >> 24) & 15) | 0x4B000000).to(gl.float32, bitcast=True) - zb) * s2
+        v7 = ((((words >> 28) & 15) | 0x4B000000).to(gl.float32, bitcast=True) - zb) * s2
+        # [KW, BN, a, b, c] holds nibble j = a + 2 b + 4 c -> [BN, KW, c, b, a] -> [BN, BLOCK_K] (channel 8 r + j)
+        w = gl.join(gl.join(gl.join(v0.to(DTYPE), v1.to(DTYPE)), gl.join(v2.to(DTYPE), v3.to(DTYPE))),
+                    gl.join(gl.join(v4.to(DTYPE), v5.to(DTYPE)), gl.join(v6.to(DTYPE), v7.to(DTYPE))))
+        w = gl.permute(w, (1, 0, 4, 3, 2))
+        return gl.reshape(w, [BLOCK_N, BLOCK_K])
+
+    @gluon.jit
+    def _w8_convert(q_smem, w_smem, ready, converted, i, S, Z, N, off_n, kt, GROUP, BLOCK_N: gl.constexpr,
+                    BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CVT_WARPS: gl.constexpr, INT4: gl.constexpr):
+        # Tile i's codes -> 16-bit tile in the MMA's layout. INT8: 64 rows at a time (16 consecutive codes of a row
+        # a thread: one 16-byte shared-memory read; ~50 registers, not ~100 at BLOCK_N 256). INT4: the words
+        # [BLOCK_K / 8, BLOCK_N] (4 consecutive columns a thread), dequantized with the scale and zero point of
+        # K tile kt's group (GROUP a multiple of BLOCK_K; S, Z [K / GROUP, N] in x's dtype).
         s = i % STAGES
         mbarrier.wait(ready.index(s), (i // STAGES) & 1)
-        for r in gl.static_range(0, BLOCK_N, 64):
-            q = q_smem.index(s).slice(r, 64).load(layout)
-            w_smem.index(s).slice(r, 64).store(_codes_to_16bit(q, w_smem.dtype))
+        if INT4:
+            wl: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [CVT_WARPS, 1], [1, 0])
+            cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, wl))
+            g = (kt * BLOCK_K) // GROUP
+            sc = gl.load(S + g * N + cols, mask=cols < N, other=0.0).to(gl.float32)
+            zp = gl.load(Z + g * N + cols, mask=cols < N, other=0.0).to(gl.float32)
+            words = q_smem.index(s).load(wl)
+            w_smem.index(s).store(_int4_words_to_16bit(words, sc, zp, BLOCK_N, BLOCK_K, w_smem.dtype))
+        else:
+            layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_K // 16), BLOCK_K // 16], [CVT_WARPS, 1],
+                                                    [1, 0])
+            for r in gl.static_range(0, BLOCK_N, 64):
+                q = q_smem.index(s).slice(r, 64).load(layout)
+                w_smem.index(s).slice(r, 64).store(_codes_to_16bit(q, w_smem.dtype))
         fence_async_shared()  # the generic-proxy stores before the MMA's async-proxy reads
         gl.thread_barrier()
         mbarrier.arrive(converted.index(s), count=1)
 
     @gluon.jit
-    def _w8_converter(q_smem, w_smem, ready, converted, k_tiles, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                      STAGES: gl.constexpr, CVT_WARPS: gl.constexpr):
+    def _w8_converter(q_smem, w_smem, ready, converted, k_tiles, S, Z, N, off_n, k0, GROUP, BLOCK_N: gl.constexpr,
+                      BLOCK_K: gl.constexpr, STAGES: gl.constexpr, CVT_WARPS: gl.constexpr, INT4: gl.constexpr):
         for i in range(k_tiles):
-            _w8_convert(q_smem, w_smem, ready, converted, i, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS)
+            _w8_convert(q_smem, w_smem, ready, converted, i, S, Z, N, off_n, k0 + i, GROUP, BLOCK_N, BLOCK_K, STAGES,
+                        CVT_WARPS, INT4)
 
     @gluon.jit
     def _w8_converter_loader(x_desc, q_desc, x_smem, q_smem, w_smem, ready, empty, converted, off_m, off_n, k0,
-                             k_tiles, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                             CVT_WARPS: gl.constexpr):
+                             k_tiles, S, Z, N, GROUP, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
+                             STAGES: gl.constexpr, CVT_WARPS: gl.constexpr, INT4: gl.constexpr):
         # The converter that also issues the TMA copies (no loader warp: 4 + 8 warps launch as 12, so the MMA gets
         # 168 registers, which a 128 x 256 tile's 128-register accumulator needs). Copies run STAGES - 1 tiles
         # ahead; tile i + STAGES - 1's are issued after tile i is converted, once the MMA has released its stage
         # (product i - 1 done), so the conversion of tile i + 1 overlaps product i.
         for j in gl.static_range(STAGES - 1):
             if j < k_tiles:
-                _w8_issue(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, j, BLOCK_K, STAGES)
+                _w8_issue(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, j, BLOCK_K, STAGES, INT4)
         for i in range(k_tiles):
-            _w8_convert(q_smem, w_smem, ready, converted, i, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS)
+            _w8_convert(q_smem, w_smem, ready, converted, i, S, Z, N, off_n, k0 + i, GROUP, BLOCK_N, BLOCK_K, STAGES,
+                        CVT_WARPS, INT4)
             if i + STAGES - 1 < k_tiles:
                 _w8_issue(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, i + STAGES - 1, BLOCK_K,
-                          STAGES)
+                          STAGES, INT4)
 
     @gluon.jit
     def _w8_mma(x_smem, w_smem, ready, converted, empty, S, Out, P, C, M, N, off_m, off_n, tile, split, k_tiles,
                 stride_om,
                 BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, SPLIT_K: gl.constexpr,
-                num_warps: gl.constexpr):
+                num_warps: gl.constexpr, INT4: gl.constexpr):
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                              instr_shape=[16, BLOCK_N, 16])
         acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
@@ -156,8 +196,10 @@ if gluon is not None:
         cols = off_n + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, acc_layout))
         mask = (rows < M)[:, None] & (cols < N)[None, :]
         if SPLIT_K == 1:
-            scale = gl.load(S + cols, mask=cols < N, other=0.0)
-            out = acc * scale[None, :]
+            if INT4:  # the converter applied the group scales
+                out = acc
+            else:
+                out = acc * gl.load(S + cols, mask=cols < N, other=0.0)[None, :]
             ptrs = Out + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
             gl.store(ptrs, out.to(Out.dtype.element_ty), mask=mask)
         else:
@@ -172,9 +214,10 @@ if gluon is not None:
                 total = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, acc_layout)
                 for sp in gl.static_range(SPLIT_K):
                     total += gl.load(P + sp * M * N + mn, mask=mask, other=0.0, cache_modifier=".cg")
-                scale = gl.load(S + cols, mask=cols < N, other=0.0)
+                if not INT4:
+                    total = total * gl.load(S + cols, mask=cols < N, other=0.0)[None, :]
                 ptrs = Out + rows.to(gl.int64)[:, None] * stride_om + cols[None, :]
-                gl.store(ptrs, (total * scale[None, :]).to(Out.dtype.element_ty), mask=mask)
+                gl.store(ptrs, total.to(Out.dtype.element_ty), mask=mask)
                 gl.atomic_xchg(C + tile, 0)
 
     @gluon.jit
@@ -182,14 +225,17 @@ if gluon is not None:
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                               STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CVT_WARPS: gl.constexpr,
                               CVT_REGS: gl.constexpr, W_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
-                              LOADER: gl.constexpr = True):
+                              LOADER: gl.constexpr = True, Z=None, GROUP=0, INT4: gl.constexpr = False):
         """x_desc: TMA descriptor of x [M, K] (bf16 / fp16, block [BLOCK_M, BLOCK_K]); q_desc: of the codes [N, K]
         int8 (block [BLOCK_N, BLOCK_K]); S: float32 [N] channel scales; Out: [M, N] in x's dtype, row stride
         stride_om; P: float32 [SPLIT_K, M, N] partial sums when SPLIT_K > 1; C: int32 arrival counters, one per
         output tile, zero (the kernel leaves them zero); k_per_split: K tiles of BLOCK_K per split (no split empty);
         W_LAYOUT: the NVMMA shared layout of a [BLOCK_N, BLOCK_K] 16-bit tile. Grid
         (cdiv(M, BLOCK_M) * cdiv(N, BLOCK_N), SPLIT_K); num_warps = BLOCK_M // 16 (the MMA partition). LOADER
-        False: no loader warp, the converter issues the copies (``GemmConfig.ws == 2``)."""
+        False: no loader warp, the converter issues the copies (``GemmConfig.ws == 2``). INT4 (W4A16, the same
+        partitions): q_desc over qweight int32 [K / 8, N] (block [BLOCK_K / 8, BLOCK_N]), S and Z the group scales
+        and zero points [K / GROUP, N] in x's dtype, applied by the converter (GROUP a multiple of BLOCK_K); the
+        epilogue then only casts."""
         pid = gl.program_id(0)
         split = gl.program_id(1)
         num_m = gl.cdiv(M, BLOCK_M)
@@ -198,7 +244,10 @@ if gluon is not None:
         k0 = split * k_per_split
         k_tiles = gl.minimum(k_per_split, gl.cdiv(K, BLOCK_K) - k0)
         x_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_M, BLOCK_K], x_desc.layout)
-        q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], q_desc.layout)
+        if INT4:
+            q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_K // 8, BLOCK_N], q_desc.layout)
+        else:
+            q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], q_desc.layout)
         w_smem = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BLOCK_N, BLOCK_K], W_LAYOUT)
         ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         converted = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -211,15 +260,17 @@ if gluon is not None:
         if LOADER:
             gl.warp_specialize([
                 (_w8_mma, (x_smem, w_smem, ready, converted, empty, S, Out, P, C, M, N, off_m, off_n, pid, split,
-                           k_tiles, stride_om, BLOCK_M, BLOCK_N, STAGES, SPLIT_K, num_warps)),
-                (_w8_converter, (q_smem, w_smem, ready, converted, k_tiles, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS)),
+                           k_tiles, stride_om, BLOCK_M, BLOCK_N, STAGES, SPLIT_K, num_warps, INT4)),
+                (_w8_converter, (q_smem, w_smem, ready, converted, k_tiles, S, Z, N, off_n, k0, GROUP, BLOCK_N,
+                                 BLOCK_K, STAGES, CVT_WARPS, INT4)),
                 (_w8_loader, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, k_tiles, BLOCK_K,
-                              STAGES)),
+                              STAGES, INT4)),
             ], [CVT_WARPS, 1], [CVT_REGS, 24])
         else:
             gl.warp_specialize([
                 (_w8_mma, (x_smem, w_smem, ready, converted, empty, S, Out, P, C, M, N, off_m, off_n, pid, split,
-                           k_tiles, stride_om, BLOCK_M, BLOCK_N, STAGES, SPLIT_K, num_warps)),
+                           k_tiles, stride_om, BLOCK_M, BLOCK_N, STAGES, SPLIT_K, num_warps, INT4)),
                 (_w8_converter_loader, (x_desc, q_desc, x_smem, q_smem, w_smem, ready, empty, converted, off_m,
-                                        off_n, k0, k_tiles, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS)),
+                                        off_n, k0, k_tiles, S, Z, N, GROUP, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS,
+                                        INT4)),
             ], [CVT_WARPS], [CVT_REGS])

@@ -28,27 +28,27 @@ def _sm90(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
 
 
-def smem_bytes(block_m: int, block_n: int, block_k: int, stages: int) -> int:
-    """Shared memory of one program: per stage the x tile (16-bit), the code tile (8-bit) and the converted tile
-    (16-bit), plus three mbarriers a stage."""
-    return stages * (block_m * block_k * 2 + block_n * block_k + block_n * block_k * 2 + 24)
-
-
 def ws_unsupported_reason(x: torch.Tensor, q: torch.Tensor, block_m: int, block_n: int, block_k: int,
-                          stages: int) -> str | None:
+                          stages: int, group_size: int | None = None) -> str | None:
     """Why the kernel cannot run this call (None: it can): Gluon missing, not an sm_90 GPU, x not bf16/fp16 with
     16-byte aligned rows, K not a multiple of 16, a tile that does not fit (BLOCK_M 64 or 128, BLOCK_K a multiple of
-    64, shared memory over ``MAX_SMEM``)."""
+    64, shared memory over ``MAX_SMEM``). ``q`` int8 [N, K] codes, or (``group_size`` given) INT4 qweight int32
+    [K / 8, N], whose group size must be a multiple of BLOCK_K and N a multiple of 4 (16-byte TMA rows)."""
     if gluon_w8a16_ws_kernel is None:
         return "triton.experimental.gluon's Hopper module is not importable"
     if not (x.is_cuda and _sm90(x.device.index)):
         return "not an sm_90 GPU"
-    if x.dtype not in (torch.bfloat16, torch.float16) or q.dtype != torch.int8:
-        return f"x {x.dtype} / codes {q.dtype} (bf16 or fp16 x, int8 codes)"
+    int4 = group_size is not None
+    if x.dtype not in (torch.bfloat16, torch.float16) or q.dtype != (torch.int32 if int4 else torch.int8):
+        return f"x {x.dtype} / codes {q.dtype} (bf16 or fp16 x, {'int32 INT4 words' if int4 else 'int8 codes'})"
     k = x.shape[1]
     if k % 16 or x.stride(1) != 1 or (x.stride(0) * 2) % 16 or x.data_ptr() % 16 or q.data_ptr() % 16:
         return "TMA needs K % 16 == 0 and 16-byte aligned, row-contiguous x and codes"
-    if block_m not in (64, 128) or block_k % 64 or block_n % 64 or smem_bytes(block_m, block_n, block_k, stages) > MAX_SMEM:
+    if int4 and (group_size % block_k or q.shape[1] % 4):
+        return f"INT4 group size {group_size} not a multiple of BLOCK_K {block_k}, or N {q.shape[1]} not of 4"
+    code_bytes = block_n * block_k // 2 if int4 else block_n * block_k
+    need = stages * (block_m * block_k * 2 + code_bytes + block_n * block_k * 2 + 24)
+    if block_m not in (64, 128) or block_k % 64 or block_n % 64 or need > MAX_SMEM:
         return f"tile {block_m}x{block_n}x{block_k} x {stages} stages does not fit"
     return None
 
@@ -75,17 +75,40 @@ def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_
     (``quant_gemm`` passes its own; None: a fresh one). ``loader`` False (``GemmConfig.ws == 2``): no loader warp,
     the converter issues the TMA copies, so the MMA partition gets more registers (168 at BLOCK_M 128, which
     128 x 256 tiles need). The caller checked :func:`ws_unsupported_reason`."""
-    m, k = x.shape
     n = q.shape[0]
+    q_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.int8)
+    q_desc = TensorDescriptor(q, [n, x.shape[1]], [q.stride(0), 1], [block_n, block_k], q_layout)
+    return _launch(x, q_desc, n, scales, scales, block_k, False, block_m, block_n, block_k, stages, split_k, num_sms,
+                   counters, loader)
+
+
+def w4a16_ws_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
+                  group_size: int, block_m: int, block_n: int, block_k: int, stages: int, split_k: int | None = None,
+                  num_sms: int | None = None, counters: torch.Tensor | None = None,
+                  loader: bool = True) -> torch.Tensor:
+    """INT4 on the same kernel: ``x`` [M, K] bf16/fp16 @ W^T, W = (q - zeros) * scales per group of
+    ``group_size`` input channels, ``qweight`` int32 [K / 8, N] (``quant_layouts.pack_int4``), ``scales`` /
+    ``zeros`` [K / G, N] in x's dtype -> [M, N] in x's dtype. The converter partition dequantizes each code tile
+    in fp32 (``quant_gemm.ref_w4a16_gemm``'s math) and stores it rounded to x's dtype; fp32 accumulation. Other
+    arguments as :func:`w8a16_ws_gemm`; the caller checked :func:`ws_unsupported_reason` with ``group_size``."""
+    n = qweight.shape[1]
+    q_layout = gl.NVMMASharedLayout.get_default_for([block_k // 8, block_n], gl.int32)
+    q_desc = TensorDescriptor(qweight, [qweight.shape[0], n], [qweight.stride(0), 1], [block_k // 8, block_n],
+                              q_layout)
+    return _launch(x, q_desc, n, scales, zeros, group_size, True, block_m, block_n, block_k, stages, split_k,
+                   num_sms, counters, loader)
+
+
+def _launch(x, q_desc, n, scales, zeros, group, int4, block_m, block_n, block_k, stages, split_k, num_sms, counters,
+            loader) -> torch.Tensor:
+    m, k = x.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     gdt = gl.bfloat16 if x.dtype == torch.bfloat16 else gl.float16
     x_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gdt)
-    q_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.int8)
     w_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gdt)
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, block_k], x_layout)
-    q_desc = TensorDescriptor(q, [n, k], [q.stride(0), 1], [block_n, block_k], q_layout)
     num_warps = block_m // 16
     maxnreg = ws_maxnreg(num_warps, CVT_WARPS, loader)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
@@ -99,5 +122,6 @@ def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_
     gluon_w8a16_ws_kernel[(tiles, split)](
         x_desc, q_desc, scales, out, partials, counters, m, n, k, out.stride(0), per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT_K=split, CVT_WARPS=CVT_WARPS,
-        CVT_REGS=CVT_REGS, W_LAYOUT=w_layout, num_warps=num_warps, LOADER=loader, maxnreg=maxnreg)
+        CVT_REGS=CVT_REGS, W_LAYOUT=w_layout, num_warps=num_warps, LOADER=loader, Z=zeros, GROUP=group, INT4=int4,
+        maxnreg=maxnreg)
     return out
