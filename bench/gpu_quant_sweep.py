@@ -55,7 +55,7 @@ TILED_M = [16, 32, 64, 128, 256, 4096]
 # (block_n, block_k, num_warps, num_stages); block_m follows M (16 up to 128 rows of x a program, and half that).
 SWAP_TILES = [(64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (64, 256, 4, 3),
               (128, 64, 8, 5), (256, 64, 8, 3)]
-# The warp-specialized Gluon INT8 GEMM (roofline.kernels.w8a16_ws; sm_90): (block_m, block_n, block_k, stages).
+# The warp-specialized Gluon INT8 GEMM (roofline.kernels.ws_gemm; sm_90): (block_m, block_n, block_k, stages).
 # (block_m, block_n, block_k, stages, ws): ws 1 with a loader warp, 2 the converter issues the copies (168 registers
 # for a 128-row MMA, which 128 x 256 needs)
 WS_TILES = [(64, 128, 64, 4, 1), (64, 256, 64, 4, 1), (128, 128, 64, 4, 1), (128, 64, 128, 3, 1), (64, 128, 128, 3, 1),

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 28, one device call: INT4 through the warp-specialized Gluon GEMM (w8a16_ws.w4a16_ws_gemm), for the
+# Issue 28, one device call: INT4 through the warp-specialized Gluon GEMM (ws_gemm.w4a16_ws_gemm), for the
 # batches where INT4 is slower than bf16 (0.675 / 0.701x at 128 / 256 on the H100, 2026-12-07):
 #   1. its GPU tests (float64 and ref_ twin tolerances, M / N tails, groups 64 / 128, split-K, every code exactly);
 #   2. bench/gpu_w4_ws_probe.py at M = PROBE_MS against dequantize+cuBLAS and our Triton INT4 kernel (winners merged

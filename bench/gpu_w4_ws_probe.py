@@ -1,4 +1,4 @@
-"""INT4 (g128) at M = 128 / 256 through the warp-specialized Gluon GEMM (``w8a16_ws.w4a16_ws_gemm``: the converter
+"""INT4 (g128) at M = 128 / 256 through the warp-specialized Gluon GEMM (``ws_gemm.w4a16_ws_gemm``: the converter
 partition dequantizes each code tile into shared memory) against the two paths the dispatch table chooses between
 there today, bf16 cuBLAS as the yardstick; timed as ``gpu_quant_sweep.Sweep.time_us`` does (CUDA graph, L2
 flushed), every candidate checked against float64 first.

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 28, one device call: the warp-specialized INT8 W8A16 Gluon GEMM (roofline/kernels/gluon_w8a16_ws.py,
+# Issue 28, one device call: the warp-specialized INT8 W8A16 Gluon GEMM (roofline/kernels/gluon_ws_gemm.py,
 # GemmConfig.ws; written and AOT-compiled for sm_90 on 2026-12-07, not yet run on a GPU), most informative first:
 #   1. its GPU tests (float64 tolerance at M / N / K tails, extreme codes, the sm_90 path really taken);
 #   2. bench/gpu_w8_swap_probe.py --ws at M = 128 / 256 (and PROBE_MS): per projection bf16 cuBLAS, the table's

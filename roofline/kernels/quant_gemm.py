@@ -380,17 +380,17 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
     if cfg.ws:  # the warp-specialized Gluon GEMM where it runs, else the Triton default for M
         if fmt not in (FMT_INT8, FMT_INT4):
             raise ValueError(f"ws is an INT8 / INT4 weight-only config only, got format {fmt}: {cfg}")
-        from roofline.kernels import w8a16_ws
+        from roofline.kernels import ws_gemm
 
         int4 = fmt == FMT_INT4
-        if w8a16_ws.ws_unsupported_reason(x, w, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages,
+        if ws_gemm.ws_unsupported_reason(x, w, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages,
                                           group if int4 else None) is None:
             tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
             args = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, cfg.split_k, _num_sms(x.device),
                     _counters(x.device, tiles))
             if int4:
-                return w8a16_ws.w4a16_ws_gemm(x, w, s, z, group, *args, loader=cfg.ws != 2)
-            return w8a16_ws.w8a16_ws_gemm(x, w, s, *args, loader=cfg.ws != 2)
+                return ws_gemm.w4a16_ws_gemm(x, w, s, z, group, *args, loader=cfg.ws != 2)
+            return ws_gemm.w8a16_ws_gemm(x, w, s, *args, loader=cfg.ws != 2)
         cfg = pick_config(table, m)
     block_k = cfg.block_k
     scales_mode = 0  # INT4 scales: 0 gathered per element, 1 one row per tile, 2 one row after the dot

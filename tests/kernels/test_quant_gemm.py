@@ -194,17 +194,17 @@ WS_CONFIGS = {"ws64": GemmConfig(64, 128, 64, 4, 4, ws=True), "ws128": GemmConfi
 def test_ws_split_fills_the_sms_in_whole_k_runs():
     """choose_ws_split: one resident program per SM, so split K until the grid reaches about the SM count, in
     powers of two of >= 8 K tiles each (the docstring's Llama-3-8B cases at M = 128, 128 x 128 x 64 tiles)."""
-    from roofline.kernels.w8a16_ws import choose_ws_split
+    from roofline.kernels.ws_gemm import choose_ws_split
 
     assert [choose_ws_split(t, kt, 132) for t, kt in [(32, 64), (48, 64), (32, 224), (224, 64)]] == [4, 2, 4, 1]
     assert choose_ws_split(1, 16, 132) == 2 and choose_ws_split(1, 15, 132) == 1  # >= 8 K tiles a split
 
 
 def _ws_runs() -> bool:
-    from roofline.kernels import w8a16_ws
+    from roofline.kernels import ws_gemm
 
     x = torch.zeros(64, 64, dtype=torch.bfloat16, device=DEVICE)
-    return w8a16_ws.ws_unsupported_reason(x, torch.zeros(64, 64, dtype=torch.int8, device=DEVICE), 64, 64, 64, 2) is None
+    return ws_gemm.ws_unsupported_reason(x, torch.zeros(64, 64, dtype=torch.int8, device=DEVICE), 64, 64, 64, 2) is None
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -236,7 +236,7 @@ def test_w8a16_ws_extreme_codes_and_runs_on_sm90(dtype):
     sm_90 GPU the kernel really runs (no silent fallback)."""
     if not _ws_runs():
         pytest.skip("the Gluon W8A16 kernel needs sm_90 and Gluon")
-    from roofline.kernels import w8a16_ws
+    from roofline.kernels import ws_gemm
 
     q = torch.tensor([[-128, 127, -1, 0] * 16, [1, -127, 5, -5] * 16] * 32, dtype=torch.int8)
     s = torch.tensor([0.5, 2.0] * 32)
@@ -244,7 +244,7 @@ def test_w8a16_ws_extreme_codes_and_runs_on_sm90(dtype):
     x = torch.eye(64)[rows].to(dtype)
     want = (q.float() * s[:, None]).t()[rows]
     for loader in (True, False):
-        got = w8a16_ws.w8a16_ws_gemm(x.cuda(), q.cuda(), s.cuda(), 64, 64, 64, 2, loader=loader)
+        got = ws_gemm.w8a16_ws_gemm(x.cuda(), q.cuda(), s.cuda(), 64, 64, 64, 2, loader=loader)
         assert torch.equal(got.cpu().float(), want)
     out = qg.w8a16_gemm(x.cuda(), q.cuda(), s.cuda(), config=WS_CONFIGS["ws64"])
     assert torch.equal(out.cpu().float(), want)
@@ -261,7 +261,7 @@ def test_w8a16_ws_split_k_reduces_in_kernel_deterministically(split, loader):
     5 x 3 tiles."""
     if not _ws_runs():
         pytest.skip("the Gluon W8A16 kernel needs sm_90 and Gluon")
-    from roofline.kernels import w8a16_ws
+    from roofline.kernels import ws_gemm
 
     m, n, k, bk = 70, 320, 64 * 15, 64
     g = torch.Generator().manual_seed(split)
@@ -269,7 +269,7 @@ def test_w8a16_ws_split_k_reduces_in_kernel_deterministically(split, loader):
     s = (torch.rand(n, generator=g) + 0.5).cuda()
     x = torch.randn(m, k, generator=g).to(torch.bfloat16).cuda()
     counters = torch.zeros(64, dtype=torch.int32, device="cuda")
-    runs = [w8a16_ws.w8a16_ws_gemm(x, q, s, 64, 64, bk, 3, split_k=split, counters=counters, loader=loader)
+    runs = [ws_gemm.w8a16_ws_gemm(x, q, s, 64, 64, bk, 3, split_k=split, counters=counters, loader=loader)
             for _ in range(3)]
     assert all(torch.equal(r, runs[0]) for r in runs[1:])
     assert int(counters.abs().sum()) == 0
@@ -318,7 +318,7 @@ def test_w4a16_ws_runs_on_sm90_and_refuses_groups_it_cannot_tile():
     w4a16_gemm call then takes the Triton default, still right)."""
     if not _ws_runs():
         pytest.skip("the Gluon kernel needs sm_90 and Gluon")
-    from roofline.kernels import w8a16_ws
+    from roofline.kernels import ws_gemm
     from roofline.kernels.quant_layouts import pack_int4
 
     n, k = 64, 128
@@ -327,11 +327,11 @@ def test_w4a16_ws_runs_on_sm90_and_refuses_groups_it_cannot_tile():
     scales = torch.full((k // 64, n), 0.5)
     x = torch.eye(k)[:70 % k].to(torch.bfloat16)  # rows pick input channels
     qw = pack_int4(q).cuda()
-    got = w8a16_ws.w4a16_ws_gemm(x.cuda(), qw, scales.bfloat16().cuda(), zeros.bfloat16().cuda(), 64, 64, 64, 64, 2)
+    got = ws_gemm.w4a16_ws_gemm(x.cuda(), qw, scales.bfloat16().cuda(), zeros.bfloat16().cuda(), 64, 64, 64, 64, 2)
     g = torch.arange(k) // 64
     w = (q.float() - zeros.t()[:, g]) * scales.t()[:, g]  # [N, K]
     assert torch.equal(got.cpu().float(), w.t()[:70])
-    assert "group size 32" in w8a16_ws.ws_unsupported_reason(x.cuda(), qw, 64, 64, 64, 2, group_size=32)
+    assert "group size 32" in ws_gemm.ws_unsupported_reason(x.cuda(), qw, 64, 64, 64, 2, group_size=32)
 
 
 @pytest.mark.parametrize("ptx", [False, pytest.param(True, marks=gpu_only, id="ptx")])

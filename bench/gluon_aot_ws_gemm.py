@@ -1,7 +1,7 @@
-"""Compile the warp-specialized W8A16 Gluon GEMM (``roofline/kernels/gluon_w8a16_ws.py``) for sm_90 without a GPU
+"""Compile the warp-specialized W8A16 Gluon GEMM (``roofline/kernels/gluon_ws_gemm.py``) for sm_90 without a GPU
 and print registers / spills per config: catches layout and type errors before a device call.
 
-    /work/tr36/bin/python bench/gluon_aot_w8a16.py        (a torch-free Triton 3.6 venv, as the H200's)
+    /work/tr36/bin/python bench/gluon_aot_ws_gemm.py        (a torch-free Triton 3.6 venv, as the H200's)
 
 Exit status 1 if any config fails to compile."""
 
@@ -32,7 +32,7 @@ INT4_CONFIGS = [(128, 128, 64, 4, 4, 1), (128, 128, 64, 4, 4, 2), (64, 128, 64, 
 
 
 def main() -> int:
-    spec = importlib.util.spec_from_file_location("gluon_w8a16_ws", ROOT / "roofline/kernels/gluon_w8a16_ws.py")
+    spec = importlib.util.spec_from_file_location("gluon_ws_gemm", ROOT / "roofline/kernels/gluon_ws_gemm.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     bad = 0
@@ -56,7 +56,7 @@ def main() -> int:
                       W_LAYOUT=w_layout, num_warps=nw, LOADER=ws == 1, INT4=is4)
             name = f"{'int4' if is4 else 'int8'} {dtype} BM{bm} BN{bn} BK{bk} S{stages} cvt{cw} ws{ws} split{split}"
             try:
-                k = triton.compile(GluonASTSource(mod.gluon_w8a16_ws_kernel, sig, constexprs=cx),
+                k = triton.compile(GluonASTSource(mod.gluon_ws_gemm_kernel, sig, constexprs=cx),
                                    target=GPUTarget("cuda", 90, 32),
                                    options={"num_warps": nw, "maxnreg": mod.ws_maxnreg(nw, cw, ws == 1)})
                 regs, spill = ptxas_usage(k.asm["ptx"])

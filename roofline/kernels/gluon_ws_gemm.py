@@ -1,9 +1,11 @@
-"""INT8 weight-only (W8A16) GEMM for M = 64-256 on Hopper (sm_90) in Gluon, warp-specialized: the @gluon.jit
-kernel only, no torch import, so that ``bench/gluon_aot_w8a16.py`` can compile it for sm_90 without a GPU. The
-launcher is ``roofline.kernels.w8a16_ws.w8a16_ws_gemm``.
+"""Weight-only GEMM for M = 64-256 on Hopper (sm_90) in Gluon, warp-specialized, for INT8 (W8A16) and INT4
+(W4A16) codes: the @gluon.jit kernel only, no torch import, so that ``bench/gluon_aot_ws_gemm.py`` can compile it
+for sm_90 without a GPU. The launchers are ``roofline.kernels.ws_gemm.w8a16_ws_gemm`` and ``w4a16_ws_gemm``.
 
-out [M, N] = (x [M, K] @ q [N, K]^T) * scale [N], x bf16 / fp16, q int8 codes (per output channel), fp32
-accumulation, the scale in the epilogue (``quant_gemm.ref_w8a16_gemm``'s math).
+INT8: out [M, N] = (x [M, K] @ q [N, K]^T) * scale [N], x bf16 / fp16, q int8 codes (per output channel), fp32
+accumulation, the scale in the epilogue (``quant_gemm.ref_w8a16_gemm``'s math). INT4: out = x @ W^T with W = (q -
+zero) * scale per group of input channels, dequantized by the converter (``quant_gemm.ref_w4a16_gemm``'s math, the
+16-bit tile rounded once), the epilogue only casts.
 
 Why: at M = 128 / 256 on the H200 the Triton swap-AB kernel (the converted codes as ``wgmma``'s register A
 operand) took 1.5-1.9x cuBLAS bf16's time a layer, and the same kernel fed a 16-bit weight with no conversion at
@@ -11,11 +13,14 @@ all was already 1.17-1.40x (``bench/results/int8-cvt-h200-20261207/``): the load
 share the same warps. Here each runs in its own partition (``gl.warp_specialize``), as cuBLAS's and CUTLASS's
 Hopper GEMMs run:
 
-- loader (1 warp): TMA copies of the x tile [BLOCK_M, BLOCK_K] and the code tile [BLOCK_N, BLOCK_K] into a ring
-  of STAGES shared-memory stages (``ready``: one mbarrier per stage with the bytes expected);
+- loader (1 warp): TMA copies of the x tile [BLOCK_M, BLOCK_K] and the code tile (INT8 [BLOCK_N, BLOCK_K]; INT4
+  the words [BLOCK_K / 8, BLOCK_N] of qweight [K / 8, N]) into a ring of STAGES shared-memory stages (``ready``:
+  one mbarrier per stage with the bytes expected); with ``LOADER`` False (``GemmConfig.ws == 2``) the converter
+  issues these copies itself, STAGES - 1 tiles ahead, and the MMA gets the loader's registers;
 - converter (CVT_WARPS warps): the codes from shared memory into registers, to bf16 / fp16 in PTX (four a
-  register: ``prmt`` + ``lop3`` + ``sub.bf16x2``, exact, as ``quant_gemm._int8x4_to_16bit``), stored as the 16-bit
-  tile [BLOCK_N, BLOCK_K] in the MMA's swizzled layout (``converted``);
+  register: ``prmt`` + ``lop3`` + ``sub.bf16x2``, exact, as ``quant_gemm._int8x4_to_16bit``; INT4: nibbles to
+  fp32 by the 2^23 magic, minus the zero point, times the group scale), stored as the 16-bit tile
+  [BLOCK_N, BLOCK_K] in the MMA's swizzled layout (``converted``);
 - MMA (the default partition, BLOCK_M / 16 warps): ``warpgroup_mma`` with both operands in shared memory (x as A,
   the converted tile's transposed view as B), async, one group in flight; a stage goes back to the loader
   (``empty``) once its product has completed; then the epilogue (scale, cast, masked store).
@@ -221,7 +226,7 @@ if gluon is not None:
                 gl.atomic_xchg(C + tile, 0)
 
     @gluon.jit
-    def gluon_w8a16_ws_kernel(x_desc, q_desc, S, Out, P, C, M, N, K, stride_om, k_per_split,
+    def gluon_ws_gemm_kernel(x_desc, q_desc, S, Out, P, C, M, N, K, stride_om, k_per_split,
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                               STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CVT_WARPS: gl.constexpr,
                               CVT_REGS: gl.constexpr, W_LAYOUT: gl.constexpr, num_warps: gl.constexpr,

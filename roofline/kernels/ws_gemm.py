@@ -1,7 +1,7 @@
-"""Launcher of the warp-specialized INT8 W8A16 Gluon GEMM (``roofline.kernels.gluon_w8a16_ws``) for Hopper:
-TMA descriptors, the register cap and the grid. ``quant_gemm.w8a16_gemm`` runs it for a ``GemmConfig`` with
-``ws=True`` where :func:`ws_unsupported_reason` says it can, and Triton's tiled kernel (``quant_gemm.CONFIGS``'
-default for M) otherwise."""
+"""Launcher of the warp-specialized weight-only Gluon GEMM (``roofline.kernels.gluon_ws_gemm``) for Hopper, INT8
+(W8A16) and INT4 (W4A16): TMA descriptors, the register cap and the grid. ``quant_gemm.w8a16_gemm`` and
+``w4a16_gemm`` run it for a ``GemmConfig`` with ``ws`` set where :func:`ws_unsupported_reason` says it can, and
+Triton's tiled kernel (``quant_gemm.CONFIGS``' default for M) otherwise."""
 
 from __future__ import annotations
 
@@ -14,9 +14,9 @@ try:
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from roofline.kernels.gluon_w8a16_ws import gluon_w8a16_ws_kernel, ws_maxnreg
+    from roofline.kernels.gluon_ws_gemm import gluon_ws_gemm_kernel, ws_maxnreg
 except ImportError:  # pragma: no cover - Triton without Gluon's Hopper module
-    gluon_w8a16_ws_kernel = None
+    gluon_ws_gemm_kernel = None
 
 MAX_SMEM = 232448  # bytes of dynamic shared memory a block may use on sm_90 (CUDA C++ guide, H100 / H200: 227 KB)
 CVT_WARPS = 4
@@ -34,7 +34,7 @@ def ws_unsupported_reason(x: torch.Tensor, q: torch.Tensor, block_m: int, block_
     16-byte aligned rows, K not a multiple of 16, a tile that does not fit (BLOCK_M 64 or 128, BLOCK_K a multiple of
     64, shared memory over ``MAX_SMEM``). ``q`` int8 [N, K] codes, or (``group_size`` given) INT4 qweight int32
     [K / 8, N], whose group size must be a multiple of BLOCK_K and N a multiple of 4 (16-byte TMA rows)."""
-    if gluon_w8a16_ws_kernel is None:
+    if gluon_ws_gemm_kernel is None:
         return "triton.experimental.gluon's Hopper module is not importable"
     if not (x.is_cuda and _sm90(x.device.index)):
         return "not an sm_90 GPU"
@@ -119,7 +119,7 @@ def _launch(x, q_desc, n, scales, zeros, group, int4, block_m, block_n, block_k,
     partials = torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     if counters is None or split == 1:
         counters = torch.zeros(tiles if split > 1 else 1, dtype=torch.int32, device=x.device)
-    gluon_w8a16_ws_kernel[(tiles, split)](
+    gluon_ws_gemm_kernel[(tiles, split)](
         x_desc, q_desc, scales, out, partials, counters, m, n, k, out.stride(0), per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT_K=split, CVT_WARPS=CVT_WARPS,
         CVT_REGS=CVT_REGS, W_LAYOUT=w_layout, num_warps=num_warps, LOADER=loader, Z=zeros, GROUP=group, INT4=int4,
