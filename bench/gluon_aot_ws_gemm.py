@@ -36,9 +36,9 @@ def main() -> int:
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     bad = 0
-    int4 = [(c, 1, True) for c in INT4_CONFIGS] + [(INT4_CONFIGS[0], 3, True)]
+    int4 = [(c, 1, 1) for c in INT4_CONFIGS] + [(INT4_CONFIGS[0], 3, 1)] + [(c, 1, 2) for c in INT4_CONFIGS]
     for dtype, gdt in (("bf16", gl.bfloat16), ("fp16", gl.float16)):
-        for (bm, bn, bk, stages, cw, ws), split, is4 in [(c, 1, False) for c in CONFIGS] + [(CONFIGS[2], 4, False)] + int4:
+        for (bm, bn, bk, stages, cw, ws), split, is4 in [(c, 1, 0) for c in CONFIGS] + [(CONFIGS[2], 4, 0)] + int4:
             nw = bm // 16
             x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gdt)
             q_block = [bk // 8, bn] if is4 else [bn, bk]
@@ -54,7 +54,7 @@ def main() -> int:
                    "GROUP": "i32", "INT4": "constexpr"}
             cx = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, SPLIT_K=split, CVT_WARPS=cw, CVT_REGS=128,
                       W_LAYOUT=w_layout, num_warps=nw, LOADER=ws == 1, INT4=is4)
-            name = f"{'int4' if is4 else 'int8'} {dtype} BM{bm} BN{bn} BK{bk} S{stages} cvt{cw} ws{ws} split{split}"
+            name = f"{('int8', 'int4', 'int4p')[is4]} {dtype} BM{bm} BN{bn} BK{bk} S{stages} cvt{cw} ws{ws} split{split}"
             try:
                 k = triton.compile(GluonASTSource(mod.gluon_ws_gemm_kernel, sig, constexprs=cx),
                                    target=GPUTarget("cuda", 90, 32),

@@ -32,6 +32,7 @@ def main() -> int:
     from gpu_quant_sweep import SHAPES, TOL, WS_TILES, Sweep
 
     from roofline.kernels import quant_gemm as qg
+    from roofline.kernels import ws_gemm
     from roofline.kernels.dequant import dequantize_int4
     from roofline.kernels.linear_dispatch import kernel_config
     from roofline.kernels.quant_layouts import prepare_int4
@@ -44,6 +45,7 @@ def main() -> int:
     ap.add_argument("--ms", default="128,256")
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--packed", action="store_true", help="also time the packed 16-bit INT4 dequantization")
     args = ap.parse_args()
     args.dry_run = False
     sw = Sweep(args)
@@ -72,6 +74,10 @@ def main() -> int:
                 cfg = qg.GemmConfig(bm, bn, bk, bm // 16, st, ws=ws)
                 cands.append(("ws", cfg, lambda cfg=cfg: qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, g,
                                                                          config=cfg)))
+                if args.packed:  # the packed 16-bit dequantization (not selectable from the table yet)
+                    cands.append(("ws_packed", cfg, lambda cfg=cfg: ws_gemm.w4a16_ws_gemm(
+                        x, p.qweight, p.scales, p.zeros, g, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages,
+                        loader=cfg.ws != 2, int4_packed=True)))
             for path, cfg, fn in cands:
                 row = dict(shape=shape, n=n, k=k, m=m, fmt="int4", path=path,
                            config=None if cfg is None else {kk: v for kk, v in asdict(cfg).items() if v is not None})
@@ -86,10 +92,11 @@ def main() -> int:
                     row["error"] = f"{type(e).__name__}: {str(e)[:160]}"
                 rows.append(row)
             got = {path: min((r for r in rows if (r["shape"], r["m"], r["path"]) == (shape, m, path) and "us" in r),
-                             key=lambda r: r["us"], default=None) for path in ("bf16", "dequant", "table", "ws")}
+                             key=lambda r: r["us"], default=None)
+                   for path in ("bf16", "dequant", "table", "ws", "ws_packed")}
             us = {path: (r["us"] if r else float("nan")) for path, r in got.items()}
             print(f"{shape:>8} M={m:<4} bf16 {us['bf16']:7.1f}  dequant {us['dequant']:7.1f}  table {us['table']:7.1f}"
-                  f"  ws {us['ws']:7.1f} {got['ws'] and got['ws']['config']}", flush=True)
+                  f"  ws {us['ws']:7.1f} (packed {us['ws_packed']:7.1f}) {got['ws'] and got['ws']['config']}", flush=True)
             if got["ws"] and all(got[o] is None or got["ws"]["us"] < got[o]["us"] for o in ("dequant", "table")):
                 won[m] = got["ws"]
         if len(won) == len(ms):
@@ -105,7 +112,7 @@ def main() -> int:
                                               rows=rows), indent=1))
     Path(args.table).write_text(json.dumps(table, indent=1))
     for m in ms:
-        for path in ("bf16", "dequant", "table", "ws"):
+        for path in ("bf16", "dequant", "table", "ws", "ws_packed"):
             tot = sum(min((r["us"] for r in rows if (r["shape"], r["m"], r["path"]) == (s, m, path) and "us" in r),
                           default=float("nan")) for s in SHAPES)
             print(f"[layer sum] M={m} {path}: {tot:.0f} us")

@@ -78,25 +78,27 @@ def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_
     n = q.shape[0]
     q_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.int8)
     q_desc = TensorDescriptor(q, [n, x.shape[1]], [q.stride(0), 1], [block_n, block_k], q_layout)
-    return _launch(x, q_desc, n, scales, scales, block_k, False, block_m, block_n, block_k, stages, split_k, num_sms,
+    return _launch(x, q_desc, n, scales, scales, block_k, 0, block_m, block_n, block_k, stages, split_k, num_sms,
                    counters, loader)
 
 
 def w4a16_ws_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                   group_size: int, block_m: int, block_n: int, block_k: int, stages: int, split_k: int | None = None,
                   num_sms: int | None = None, counters: torch.Tensor | None = None,
-                  loader: bool = True) -> torch.Tensor:
+                  loader: bool = True, int4_packed: bool = False) -> torch.Tensor:
     """INT4 on the same kernel: ``x`` [M, K] bf16/fp16 @ W^T, W = (q - zeros) * scales per group of
     ``group_size`` input channels, ``qweight`` int32 [K / 8, N] (``quant_layouts.pack_int4``), ``scales`` /
     ``zeros`` [K / G, N] in x's dtype -> [M, N] in x's dtype. The converter partition dequantizes each code tile
     in fp32 (``quant_gemm.ref_w4a16_gemm``'s math) and stores it rounded to x's dtype; fp32 accumulation. Other
-    arguments as :func:`w8a16_ws_gemm`; the caller checked :func:`ws_unsupported_reason` with ``group_size``."""
+    arguments as :func:`w8a16_ws_gemm`; the caller checked :func:`ws_unsupported_reason` with ``group_size``.
+    ``int4_packed``: the dequantization in packed 16-bit math instead of fp32, meant to give the same bits in
+    about a third of the instructions (compiled for sm_90 on 2026-12-07, not yet run on a GPU, so off)."""
     n = qweight.shape[1]
     q_layout = gl.NVMMASharedLayout.get_default_for([block_k // 8, block_n], gl.int32)
     q_desc = TensorDescriptor(qweight, [qweight.shape[0], n], [qweight.stride(0), 1], [block_k // 8, block_n],
                               q_layout)
-    return _launch(x, q_desc, n, scales, zeros, group_size, True, block_m, block_n, block_k, stages, split_k,
-                   num_sms, counters, loader)
+    return _launch(x, q_desc, n, scales, zeros, group_size, 2 if int4_packed else 1, block_m, block_n, block_k,
+                   stages, split_k, num_sms, counters, loader)
 
 
 def _launch(x, q_desc, n, scales, zeros, group, int4, block_m, block_n, block_k, stages, split_k, num_sms, counters,

@@ -334,6 +334,36 @@ def test_w4a16_ws_runs_on_sm90_and_refuses_groups_it_cannot_tile():
     assert "group size 32" in ws_gemm.ws_unsupported_reason(x.cuda(), qw, 64, 64, 64, 2, group_size=32)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("loader", [True, False])
+def test_w4a16_ws_packed_math_gives_the_same_bits(dtype, loader):
+    """The converter's packed 16-bit dequantization (two codes an instruction) gives bit-identical outputs to its
+    fp32 form: (q - z) is exact in 16 bits and the product with the scale is rounded once either way. Every code
+    against zero points 0..15, scales spanning 2^-12..2^4 (fp16 subnormal products included), two groups a tile
+    column, M and N tails."""
+    if not _ws_runs():
+        pytest.skip("the Gluon kernel needs sm_90 and Gluon")
+    from roofline.kernels import ws_gemm
+    from roofline.kernels.quant_layouts import pack_int4
+
+    g = torch.Generator().manual_seed(7)
+    n, k, m, group = 200, 512, 130, 64
+    q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
+    zeros = torch.randint(0, 16, (k // group, n), generator=g).to(dtype)
+    scales = torch.exp2(torch.randint(-12, 5, (k // group, n), generator=g).float()
+                        + torch.rand(k // group, n, generator=g)).to(dtype)
+    x = torch.randn(m, k, generator=g).to(dtype).cuda()
+    args = (x, pack_int4(q).cuda(), scales.cuda(), zeros.cuda(), group, 128, 128, 64, 3)
+    fp32 = ws_gemm.w4a16_ws_gemm(*args, loader=loader)
+    packed = ws_gemm.w4a16_ws_gemm(*args, loader=loader, int4_packed=True)
+    assert torch.equal(fp32, packed)
+    gi = torch.arange(k) // group
+    w64 = (q.double() - zeros.double().t()[:, gi]) * scales.double().t()[:, gi]
+    assert rel_err(packed.cpu(), x.cpu().double() @ w64.t()) < TOL[dtype]
+
+
 @pytest.mark.parametrize("ptx", [False, pytest.param(True, marks=gpu_only, id="ptx")])
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_w8a16_extreme_codes(dtype, ptx, monkeypatch):
