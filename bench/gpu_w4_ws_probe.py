@@ -7,9 +7,11 @@ flushed), every candidate checked against float64 first.
 - "table": our Triton INT4 kernel with the table's config for M (``kernel_config``);
 - "ws": ``gpu_quant_sweep.WS_TILES``.
 
-Writes ``--out`` (rows in the sweep's format) and ``--table``: ``--merge-into``'s table where, for each projection
-on which a ws tile beat both paths at every probed M, the ws tiles become its ``tiled`` int4 rows and its
-``fused_max_m`` the largest probed M (so the dispatch takes the kernel there).
+Writes ``--out`` (rows in the sweep's format) and ``--table``: ``--merge-into``'s table where, per projection,
+the run of probed M (ascending) on which one of our kernels (ws or the Triton INT4) beat dequantize + cuBLAS gets
+that kernel's config as its ``tiled`` int4 rows, and ``fused_max_m`` becomes the run's last M (dequantize + cuBLAS
+above it; no run: capped below the smallest probed M). The packed 16-bit dequantization (``--packed``) is timed
+beside, not merged: no config field selects it yet.
 
 Usage (GPU, repo root): python bench/gpu_w4_ws_probe.py --out OUT.json --merge-into TABLE --table NEW_TABLE
 """
@@ -97,17 +99,26 @@ def main() -> int:
             us = {path: (r["us"] if r else float("nan")) for path, r in got.items()}
             print(f"{shape:>8} M={m:<4} bf16 {us['bf16']:7.1f}  dequant {us['dequant']:7.1f}  table {us['table']:7.1f}"
                   f"  ws {us['ws']:7.1f} (packed {us['ws_packed']:7.1f}) {got['ws'] and got['ws']['config']}", flush=True)
-            if got["ws"] and all(got[o] is None or got["ws"]["us"] < got[o]["us"] for o in ("dequant", "table")):
-                won[m] = got["ws"]
-        if len(won) == len(ms):
-            tiled = table.setdefault("tiled", {}).setdefault("int4", [])
-            tiled[:] = [r for r in tiled if (r["n"], r["k"]) != (n, k) or r["m"] < min(ms)]
-            tiled += [dict(n=n, k=k, m=m, config=r["config"], us=r["us"]) for m, r in won.items()]
-            tiled.sort(key=lambda r: (r["n"], r["k"], r["m"]))
-            for r in table["fused_max_m"]["int4"]:
-                if (r["n"], r["k"]) == (n, k):
-                    r["fused_max_m"] = max(r["fused_max_m"], max(ms))
-            print(f"{shape:>8} -> ws rows at M = {ms}", flush=True)
+            ours = [r for r in (got["ws"], got["table"]) if r is not None]
+            best = min(ours, key=lambda r: r["us"]) if ours else None
+            won[m] = best if best and (got["dequant"] is None or best["us"] < got["dequant"]["us"]) else None
+        # Our kernel up to the end of the run of probed M (ascending) where it beat dequantize + cuBLAS; dequantize
+        # + cuBLAS above. Below the smallest probed M the table's value stands.
+        run = []
+        for m in ms:
+            if won[m] is None:
+                break
+            run.append(m)
+        tiled = table.setdefault("tiled", {}).setdefault("int4", [])
+        tiled[:] = [r for r in tiled if (r["n"], r["k"]) != (n, k) or r["m"] < min(ms)]
+        tiled += [dict(n=n, k=k, m=m, config=won[m]["config"], us=won[m]["us"]) for m in run
+                  if won[m]["config"] is not None]
+        tiled.sort(key=lambda r: (r["n"], r["k"], r["m"]))
+        for r in table["fused_max_m"]["int4"]:
+            if (r["n"], r["k"]) == (n, k):
+                r["fused_max_m"] = max(run) if run else min(r["fused_max_m"], min(ms) - 1)
+        print(f"{shape:>8} -> our kernel at M = {run or 'none'} ({[won[m]['path'] for m in run]}), dequantize + "
+              f"cuBLAS above", flush=True)
     Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                                               rows=rows), indent=1))
     Path(args.table).write_text(json.dumps(table, indent=1))
