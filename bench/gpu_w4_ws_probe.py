@@ -55,6 +55,7 @@ def main() -> int:
     g = args.group_size
     ms = [int(m) for m in args.ms.split(",")]
     rows, dev = [], torch.device("cuda")
+    counters = torch.zeros(1 << 14, dtype=torch.int32, device=dev)  # split-K arrivals, left zeroed by the kernel
     for shape, (n, k) in SHAPES.items():
         gen = torch.Generator(device="cuda").manual_seed(n + k)
         w = torch.randn(n, k, device="cuda", generator=gen) * 0.02
@@ -74,12 +75,14 @@ def main() -> int:
             cands.append(("table", cur, lambda cfg=cur: qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, g, config=cfg)))
             for bm, bn, bk, st, ws in WS_TILES:
                 cfg = qg.GemmConfig(bm, bn, bk, bm // 16, st, ws=ws)
+                if ws_gemm.ws_unsupported_reason(x, p.qweight, bm, bn, bk, st, g) is not None:
+                    continue  # w4a16_gemm would time the Triton fallback under a ws config
                 cands.append(("ws", cfg, lambda cfg=cfg: qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, g,
                                                                          config=cfg)))
                 if args.packed:  # the packed 16-bit dequantization (not selectable from the table yet)
                     cands.append(("ws_packed", cfg, lambda cfg=cfg: ws_gemm.w4a16_ws_gemm(
                         x, p.qweight, p.scales, p.zeros, g, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages,
-                        loader=cfg.ws != 2, int4_packed=True)))
+                        counters=counters, loader=cfg.ws != 2, int4_packed=True)))
             for path, cfg, fn in cands:
                 row = dict(shape=shape, n=n, k=k, m=m, fmt="int4", path=path,
                            config=None if cfg is None else {kk: v for kk, v in asdict(cfg).items() if v is not None})

@@ -19,14 +19,14 @@ Hopper GEMMs run:
   issues these copies itself, STAGES - 1 tiles ahead, and the MMA gets the loader's registers;
 - converter (CVT_WARPS warps): the codes from shared memory into registers, to bf16 / fp16 in PTX (four a
   register: ``prmt`` + ``lop3`` + ``sub.bf16x2``, exact, as ``quant_gemm._int8x4_to_16bit``; INT4: nibbles to
-  fp32 by the 2^23 magic, minus the zero point, times the group scale), stored as the 16-bit tile
-  [BLOCK_N, BLOCK_K] in the MMA's swizzled layout (``converted``);
+  fp32 by the 2^23 magic, minus the zero point, times the group scale; or, with ``INT4`` 2, in packed 16-bit math,
+  the same bits), stored as the 16-bit tile [BLOCK_N, BLOCK_K] in the MMA's swizzled layout (``converted``);
 - MMA (the default partition, BLOCK_M / 16 warps): ``warpgroup_mma`` with both operands in shared memory (x as A,
   the converted tile's transposed view as B), async, one group in flight; a stage goes back to the loader
-  (``empty``) once its product has completed; then the epilogue (scale, cast, masked store).
+  (``empty``) once its product has completed; then the epilogue (INT8: scale, cast; INT4: cast; masked store).
 
-A stage's 16-bit tile is rewritten only after the loader refilled that stage, which waits for the MMA that read it,
-so one ``empty`` barrier orders both buffers. Grid: one program per (BLOCK_M, BLOCK_N) output tile and K split, M
+A stage's 16-bit tile is rewritten only after the copies refilled that stage (the loader's, or with ``LOADER``
+False the converter's), which wait for the MMA that read it, so one ``empty`` barrier orders both buffers. Grid: one program per (BLOCK_M, BLOCK_N) output tile and K split, M
 tiles fastest (the programs that share a weight tile run together, so its codes come from DRAM once). Split-K
 (SPLIT_K > 1, for the projections whose N gives fewer tiles than SMs: o_proj at M = 128 is 32 tiles of 128 x 128)
 writes fp32 partial sums; the last split of a tile to arrive sums them in split order (deterministic) in the same

@@ -39,10 +39,10 @@ class GemmConfig:
     # Tiled weight-only 8-bit (int8, fp8 W8A16): out^T = W @ x^T, the converted codes as the MMA's A operand in
     # registers (``quant_gemm._qgemm_kernel``'s SWAP_AB). Other formats refuse it.
     swap_ab: bool = False
-    # INT8 W8A16 only: the warp-specialized Gluon GEMM on sm_90 (``roofline.kernels.ws_gemm``: 1 (True) a TMA
-    # loader, a converter and an MMA partition; 2 the converter issues the copies itself (no loader warp: more
-    # registers for the MMA, which 128 x 256 tiles need); block_m 64 / 128, num_warps unused, split_k None:
-    # ws_gemm.choose_ws_split); elsewhere the tiled default.
+    # INT8 W8A16 and INT4 W4A16 only: the warp-specialized Gluon GEMM on sm_90 (``roofline.kernels.ws_gemm``:
+    # 1 (True) a TMA loader, a converter and an MMA partition; 2 the converter issues the copies itself (no loader
+    # warp: more registers for the MMA, which 128 x 256 tiles need); block_m 64 / 128, num_warps unused, split_k
+    # None: ws_gemm.choose_ws_split); elsewhere the tiled default.
     ws: int = 0
     # GEMV configs take num_stages=1: the kernel prefetches the next tile itself, and Triton's pipeliner on top of
     # that gave wrong 16-bit results on the H200 (triton 3.6, 2026-12-01).

@@ -32,7 +32,7 @@ def ws_unsupported_reason(x: torch.Tensor, q: torch.Tensor, block_m: int, block_
                           stages: int, group_size: int | None = None) -> str | None:
     """Why the kernel cannot run this call (None: it can): Gluon missing, not an sm_90 GPU, x not bf16/fp16 with
     16-byte aligned rows, K not a multiple of 16, a tile that does not fit (BLOCK_M 64 or 128, BLOCK_K a multiple of
-    64, shared memory over ``MAX_SMEM``). ``q`` int8 [N, K] codes, or (``group_size`` given) INT4 qweight int32
+    64, BLOCK_N a multiple of 64 up to 256 (``wgmma``'s N), shared memory over ``MAX_SMEM``). ``q`` int8 [N, K] codes, or (``group_size`` given) INT4 qweight int32
     [K / 8, N], whose group size must be a multiple of BLOCK_K and N a multiple of 4 (16-byte TMA rows)."""
     if gluon_ws_gemm_kernel is None:
         return "triton.experimental.gluon's Hopper module is not importable"
@@ -48,7 +48,7 @@ def ws_unsupported_reason(x: torch.Tensor, q: torch.Tensor, block_m: int, block_
         return f"INT4 group size {group_size} not a multiple of BLOCK_K {block_k}, or N {q.shape[1]} not of 4"
     code_bytes = block_n * block_k // 2 if int4 else block_n * block_k
     need = stages * (block_m * block_k * 2 + code_bytes + block_n * block_k * 2 + 24)
-    if block_m not in (64, 128) or block_k % 64 or block_n % 64 or need > MAX_SMEM:
+    if block_m not in (64, 128) or block_k % 64 or block_n % 64 or block_n > 256 or need > MAX_SMEM:
         return f"tile {block_m}x{block_n}x{block_k} x {stages} stages does not fit"
     return None
 
@@ -119,8 +119,9 @@ def _launch(x, q_desc, n, scales, zeros, group, int4, block_m, block_n, block_k,
         tiles, k_tiles, num_sms or torch.cuda.get_device_properties(x.device).multi_processor_count), k_tiles))
     split = triton.cdiv(k_tiles, per_split)  # no empty trailing split
     partials = torch.empty((split, m, n) if split > 1 else (1,), dtype=torch.float32, device=x.device)
-    if counters is None or split == 1:
-        counters = torch.zeros(tiles if split > 1 else 1, dtype=torch.int32, device=x.device)
+    if counters is None:  # split 1 never touches the counters: no memset then
+        counters = (torch.zeros(tiles, dtype=torch.int32, device=x.device) if split > 1
+                    else torch.empty(1, dtype=torch.int32, device=x.device))
     gluon_ws_gemm_kernel[(tiles, split)](
         x_desc, q_desc, scales, out, partials, counters, m, n, k, out.stride(0), per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT_K=split, CVT_WARPS=CVT_WARPS,

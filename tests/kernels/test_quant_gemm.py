@@ -339,29 +339,49 @@ def test_w4a16_ws_runs_on_sm90_and_refuses_groups_it_cannot_tile():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("loader", [True, False])
 def test_w4a16_ws_packed_math_gives_the_same_bits(dtype, loader):
-    """The converter's packed 16-bit dequantization (two codes an instruction) gives bit-identical outputs to its
-    fp32 form: (q - z) is exact in 16 bits and the product with the scale is rounded once either way. Every code
-    against zero points 0..15, scales spanning 2^-12..2^4 (fp16 subnormal products included), two groups a tile
-    column, M and N tails."""
+    """Both forms of the converter's dequantization (fp32; packed 16-bit, two codes an instruction) give exactly
+    round((q - z) * s) in x's dtype for every weight: x is the identity, so each output is one weight, bit for bit.
+    Random codes, zero points 0..15 and scales per group (8 groups of 64, so the 3-stage ring wraps), fp16 scales
+    down to 2^-20 (subnormal products), an N tail (200 of 256)."""
     if not _ws_runs():
         pytest.skip("the Gluon kernel needs sm_90 and Gluon")
     from roofline.kernels import ws_gemm
     from roofline.kernels.quant_layouts import pack_int4
 
     g = torch.Generator().manual_seed(7)
-    n, k, m, group = 200, 512, 130, 64
+    n, k, group = 200, 512, 64
     q = torch.randint(0, 16, (n, k), generator=g, dtype=torch.uint8)
     zeros = torch.randint(0, 16, (k // group, n), generator=g).to(dtype)
-    scales = torch.exp2(torch.randint(-12, 5, (k // group, n), generator=g).float()
+    low = -20 if dtype == torch.float16 else -12
+    scales = torch.exp2(torch.randint(low, 5, (k // group, n), generator=g).float()
                         + torch.rand(k // group, n, generator=g)).to(dtype)
-    x = torch.randn(m, k, generator=g).to(dtype).cuda()
-    args = (x, pack_int4(q).cuda(), scales.cuda(), zeros.cuda(), group, 128, 128, 64, 3)
-    fp32 = ws_gemm.w4a16_ws_gemm(*args, loader=loader)
-    packed = ws_gemm.w4a16_ws_gemm(*args, loader=loader, int4_packed=True)
-    assert torch.equal(fp32, packed)
+    x = torch.eye(k).to(dtype).cuda()
     gi = torch.arange(k) // group
-    w64 = (q.double() - zeros.double().t()[:, gi]) * scales.double().t()[:, gi]
-    assert rel_err(packed.cpu(), x.cpu().double() @ w64.t()) < TOL[dtype]
+    want = ((q.float() - zeros.float().t()[:, gi]) * scales.float().t()[:, gi]).to(dtype).t()  # [K, N]
+    args = (x, pack_int4(q).cuda(), scales.cuda(), zeros.cuda(), group, 128, 128, 64, 3)
+    assert torch.equal(ws_gemm.w4a16_ws_gemm(*args, loader=loader).cpu(), want)
+    assert torch.equal(ws_gemm.w4a16_ws_gemm(*args, loader=loader, int4_packed=True).cpu(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_w4a16_gemm_takes_the_ws_kernel_for_a_ws_config(monkeypatch):
+    """``quant_gemm.w4a16_gemm`` with a ws config runs ``ws_gemm.w4a16_ws_gemm`` on sm_90 (no silent fallback
+    to the Triton kernel), and the Triton kernel for a group it cannot tile (32 under BLOCK_K 64); both right."""
+    if not _ws_runs():
+        pytest.skip("the Gluon kernel needs sm_90 and Gluon")
+    from roofline.kernels import ws_gemm
+
+    calls = []
+    real = ws_gemm.w4a16_ws_gemm
+    monkeypatch.setattr(ws_gemm, "w4a16_ws_gemm", lambda *a, **kw: calls.append(a[4]) or real(*a, **kw))
+    for group in (64, 32):
+        cw = _int4_case(256, 512, group, torch.bfloat16, seed=group)
+        p = _to(qg.prepare_int4(cw, torch.bfloat16), "cuda")
+        x = torch.randn(100, 512, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16).cuda()
+        out = qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, group, config=W4_WS_CONFIGS["ws128"])
+        assert rel_err(out.cpu(), x.cpu().double() @ _int4_f64(cw).t()) < TOL[torch.bfloat16]
+    assert calls == [64]
 
 
 @pytest.mark.parametrize("ptx", [False, pytest.param(True, marks=gpu_only, id="ptx")])
