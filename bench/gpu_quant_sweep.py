@@ -55,11 +55,22 @@ TILED_M = [16, 32, 64, 128, 256, 4096]
 # (block_n, block_k, num_warps, num_stages); block_m follows M (16 up to 128 rows of x a program, and half that).
 SWAP_TILES = [(64, 64, 4, 4), (64, 128, 4, 4), (128, 64, 4, 4), (128, 128, 4, 3), (128, 128, 8, 4), (64, 256, 4, 3),
               (128, 64, 8, 5), (256, 64, 8, 3)]
-# The warp-specialized Gluon INT8 GEMM (roofline.kernels.ws_gemm; sm_90): (block_m, block_n, block_k, stages).
-# (block_m, block_n, block_k, stages, ws): ws 1 with a loader warp, 2 the converter issues the copies (168 registers
-# for a 128-row MMA, which 128 x 256 needs)
+# The warp-specialized Gluon GEMM (roofline.kernels.ws_gemm; sm_90, INT8 and INT4): (block_m, block_n, block_k,
+# stages, ws): ws 1 with a loader warp, 2 the converter issues the copies (168 registers for a 128-row MMA, which
+# 128 x 256 needs)
 WS_TILES = [(64, 128, 64, 4, 1), (64, 256, 64, 4, 1), (128, 128, 64, 4, 1), (128, 64, 128, 3, 1), (64, 128, 128, 3, 1),
             (128, 256, 64, 3, 2), (128, 128, 64, 4, 2), (64, 256, 64, 4, 2)]
+
+
+def ws_configs(x, q, group_size=None, max_block_m=128):
+    """``GemmConfig``s of the WS_TILES (``block_m`` <= ``max_block_m``) that the ws kernel runs for this x and these
+    codes (``q`` int8 [N, K], or with ``group_size`` INT4 qweight): a refused tile would be timed as the Triton
+    fallback under a ws name."""
+    from roofline.kernels.quant_gemm import GemmConfig
+    from roofline.kernels.ws_gemm import ws_unsupported_reason
+
+    return [GemmConfig(bm, bn, bk, bm // 16, st, ws=ws) for bm, bn, bk, st, ws in WS_TILES
+            if bm <= max_block_m and ws_unsupported_reason(x, q, bm, bn, bk, st, group_size) is None]
 
 
 def parse_args(argv=None):
@@ -368,8 +379,7 @@ def main(argv=None) -> int:
                     if m >= 128 and not args.dry_run:  # bench/gpu_w8_swap_probe.py's winners on the H200, 2026-12-07
                         alts += [C(128, 64, 128, 4, 3, swap_ab=True), C(128, 128, 64, 4, 4)]
                 if fmt == "int8" and args.ws and not args.dry_run:
-                    alts += [C(bm_, bn, bk, bm_ // 16, st, ws=ws) for bm_, bn, bk, st, ws in WS_TILES
-                             if m >= 64 or bm_ == 64]
+                    alts += ws_configs(x, c8.q, max_block_m=128 if m >= 64 else 64)
                 for cfg in dict.fromkeys(alts):
                     timed(fmt, m, "tiled", lambda cfg=cfg: ours(fmt, x, cfg), x, cfg)
         print(f"{shape} done at {time.time() - sw.t0:.0f} s", flush=True)

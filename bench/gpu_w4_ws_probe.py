@@ -5,7 +5,7 @@ flushed), every candidate checked against float64 first.
 
 - "dequant": ``dequantize_int4`` then ``F.linear`` (the path above the table's ``fused_max_m``);
 - "table": our Triton INT4 kernel with the table's config for M (``kernel_config``);
-- "ws": ``gpu_quant_sweep.WS_TILES``.
+- "ws": ``gpu_quant_sweep.WS_TILES`` (those the kernel runs for these shapes: ``ws_configs``).
 
 Writes ``--out`` (rows in the sweep's format) and ``--table``: ``--merge-into``'s table where, per projection,
 the run of probed M (ascending) on which one of our kernels (ws or the Triton INT4) beat dequantize + cuBLAS gets
@@ -31,7 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 def main() -> int:
     import torch
     import torch.nn.functional as F
-    from gpu_quant_sweep import SHAPES, TOL, WS_TILES, Sweep
+    from gpu_quant_sweep import SHAPES, TOL, Sweep, ws_configs
 
     from roofline.kernels import quant_gemm as qg
     from roofline.kernels import ws_gemm
@@ -73,10 +73,7 @@ def main() -> int:
                                                                             torch.bfloat16)))]
             cur = kernel_config("int4", m, n, k, dev)
             cands.append(("table", cur, lambda cfg=cur: qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, g, config=cfg)))
-            for bm, bn, bk, st, ws in WS_TILES:
-                cfg = qg.GemmConfig(bm, bn, bk, bm // 16, st, ws=ws)
-                if ws_gemm.ws_unsupported_reason(x, p.qweight, bm, bn, bk, st, g) is not None:
-                    continue  # w4a16_gemm would time the Triton fallback under a ws config
+            for cfg in ws_configs(x, p.qweight, g):
                 cands.append(("ws", cfg, lambda cfg=cfg: qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, g,
                                                                          config=cfg)))
                 if args.packed:  # the packed 16-bit dequantization (not selectable from the table yet)

@@ -26,7 +26,7 @@ NOSWAP_TILES = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 128, 8, 3
 def main() -> int:
     import torch
     import torch.nn.functional as F
-    from gpu_quant_sweep import SHAPES, TOL, WS_TILES, Sweep
+    from gpu_quant_sweep import SHAPES, TOL, Sweep, ws_configs
 
     from roofline.kernels import quant_gemm as qg
     from roofline.kernels.linear_dispatch import kernel_config
@@ -59,7 +59,7 @@ def main() -> int:
             if args.no_swap_tiles:
                 cands += [("probe", qg.GemmConfig(*t)) for t in NOSWAP_TILES]
             if args.ws:
-                cands += [("ws", qg.GemmConfig(bm, bn, bk, bm // 16, st, ws=ws)) for bm, bn, bk, st, ws in WS_TILES]
+                cands += [("ws", cfg) for cfg in ws_configs(x, c8.q)]
             for path, cfg in cands:
                 fn = (lambda: F.linear(x, dense)) if path == "bf16" else (
                     lambda cfg=cfg: qg.w8a16_gemm(x, c8.q, c8.scales, config=cfg))
