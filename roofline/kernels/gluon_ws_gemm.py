@@ -63,7 +63,26 @@ try:
 except ImportError:  # pragma: no cover - Triton without Gluon's Hopper module
     gluon = None
 
+
+def _int4_pairs_asm(magic: str, op: str) -> str:
+    """PTX for ``_int4_words_to_16bit_packed``: word $8 -> its 8 codes, (q - z) * s in 16 bits, as $0..$7 (nibble
+    j in $j); $9 the 16-bit magic + z, $10 the scale. ``magic``: the 16-bit pair whose low mantissa bits take a
+    nibble (0x43004300 bf16 128, 0x64006400 fp16 1024); ``op``: the packed type (bf16x2, f16x2). Nibbles j and
+    j + 4 of the word go through one register: shifted right by 4 j, masked to bits 0-3 and 16-19, OR'ed into
+    the magic (``lop3`` 0xEA = (a & b) | c)."""
+    return ("{ .reg .b32 t0, t1, t2, t3, w1, w2, w3, z2, s2, m, b; mov.b32 z2, {$9, $9}; mov.b32 s2, {$10, $10}; "
+            f"mov.b32 m, 0x000F000F; mov.b32 b, {magic}; "
+            "shr.u32 w1, $8, 4; shr.u32 w2, $8, 8; shr.u32 w3, $8, 12; "
+            "lop3.b32 t0, $8, m, b, 0xEA; lop3.b32 t1, w1, m, b, 0xEA; "
+            "lop3.b32 t2, w2, m, b, 0xEA; lop3.b32 t3, w3, m, b, 0xEA; "
+            + "".join(f"sub.rn.{op} t{i}, t{i}, z2; " for i in range(4))
+            + "".join(f"mul.rn.{op} t{i}, t{i}, s2; " for i in range(4))
+            + "mov.b32 {$0, $4}, t0; mov.b32 {$1, $5}, t1; mov.b32 {$2, $6}, t2; mov.b32 {$3, $7}, t3; }")
+
+
 if gluon is not None:
+    _INT4_PAIRS_BF16: gl.constexpr = gl.constexpr(_int4_pairs_asm("0x43004300", "bf16x2"))
+    _INT4_PAIRS_F16: gl.constexpr = gl.constexpr(_int4_pairs_asm("0x64006400", "f16x2"))
 
     @gluon.jit
     def _codes_to_16bit(q, DTYPE: gl.constexpr):
@@ -137,33 +156,16 @@ if gluon is not None:
         # against the fp32 form's ~7. (Written 2026-12-07, compiled for sm_90, not yet run on a GPU: off unless
         # the launcher asks for it, ``ws_gemm.w4a16_ws_gemm(int4_packed=True)``.)
         if DTYPE == gl.bfloat16:
+            asm: gl.constexpr = _INT4_PAIRS_BF16
             w2, zb = gl.broadcast(words, (zp + 128.0).to(DTYPE)[None, :])
-            w2, s2 = gl.broadcast(words, sc.to(DTYPE)[None, :])
-            v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
-                "{ .reg .b32 t0, t1, t2, t3, w1, w2, w3, z2, s2, m, b; mov.b32 z2, {$9, $9}; mov.b32 s2, {$10, $10}; "
-                "mov.b32 m, 0x000F000F; mov.b32 b, 0x43004300; "
-                "shr.u32 w1, $8, 4; shr.u32 w2, $8, 8; shr.u32 w3, $8, 12; "
-                "lop3.b32 t0, $8, m, b, 0xEA; lop3.b32 t1, w1, m, b, 0xEA; "
-                "lop3.b32 t2, w2, m, b, 0xEA; lop3.b32 t3, w3, m, b, 0xEA; "
-                "sub.rn.bf16x2 t0, t0, z2; sub.rn.bf16x2 t1, t1, z2; sub.rn.bf16x2 t2, t2, z2; "
-                "sub.rn.bf16x2 t3, t3, z2; mul.rn.bf16x2 t0, t0, s2; mul.rn.bf16x2 t1, t1, s2; "
-                "mul.rn.bf16x2 t2, t2, s2; mul.rn.bf16x2 t3, t3, s2; "
-                "mov.b32 {$0, $4}, t0; mov.b32 {$1, $5}, t1; mov.b32 {$2, $6}, t2; mov.b32 {$3, $7}, t3; }",
-                "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [w2, zb, s2], dtype=(gl.bfloat16, ) * 8, is_pure=True, pack=1)
         else:
+            asm: gl.constexpr = _INT4_PAIRS_F16
             w2, zb = gl.broadcast(words, (zp + 1024.0).to(DTYPE)[None, :])
-            w2, s2 = gl.broadcast(words, sc.to(DTYPE)[None, :])
-            v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
-                "{ .reg .b32 t0, t1, t2, t3, w1, w2, w3, z2, s2, m, b; mov.b32 z2, {$9, $9}; mov.b32 s2, {$10, $10}; "
-                "mov.b32 m, 0x000F000F; mov.b32 b, 0x64006400; "
-                "shr.u32 w1, $8, 4; shr.u32 w2, $8, 8; shr.u32 w3, $8, 12; "
-                "lop3.b32 t0, $8, m, b, 0xEA; lop3.b32 t1, w1, m, b, 0xEA; "
-                "lop3.b32 t2, w2, m, b, 0xEA; lop3.b32 t3, w3, m, b, 0xEA; "
-                "sub.rn.f16x2 t0, t0, z2; sub.rn.f16x2 t1, t1, z2; sub.rn.f16x2 t2, t2, z2; "
-                "sub.rn.f16x2 t3, t3, z2; mul.rn.f16x2 t0, t0, s2; mul.rn.f16x2 t1, t1, s2; "
-                "mul.rn.f16x2 t2, t2, s2; mul.rn.f16x2 t3, t3, s2; "
-                "mov.b32 {$0, $4}, t0; mov.b32 {$1, $5}, t1; mov.b32 {$2, $6}, t2; mov.b32 {$3, $7}, t3; }",
-                "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [w2, zb, s2], dtype=(gl.float16, ) * 8, is_pure=True, pack=1)
+        w2, s2 = gl.broadcast(words, sc.to(DTYPE)[None, :])
+        dt = zb.dtype
+        v0, v1, v2, v3, v4, v5, v6, v7 = gl.inline_asm_elementwise(
+            asm, "=h,=h,=h,=h,=h,=h,=h,=h,r,h,h", [w2, zb, s2], dtype=(dt, dt, dt, dt, dt, dt, dt, dt), is_pure=True,
+            pack=1)
         w = gl.join(gl.join(gl.join(v0, v1), gl.join(v2, v3)), gl.join(gl.join(v4, v5), gl.join(v6, v7)))
         w = gl.permute(w, (1, 0, 4, 3, 2))
         return gl.reshape(w, [BLOCK_N, BLOCK_K])
