@@ -140,13 +140,23 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     executors = [None if e in ("", "auto") else e for e in args.executor.split(",")]
     pdls = [int(p) for p in str(getattr(args, "pdl", "") or "").split(",") if p != ""] or [None]
     int4ks = [k for k in str(getattr(args, "int4_kernel", "") or "").split(",") if k] or [None]
-    configs = [(q, kv, ex, pdl, i4) for ex in executors for q in quants for pdl in pdls
-               for i4 in (int4ks if q == "int4" else [None]) for kv in args.kv_cache_dtype.split(",") if kv]
+    reduces = [r for r in str(getattr(args, "attention_reduce", "") or "").split(",") if r] or [None]
+    bad = [r for r in reduces if r not in (None, "fused", "kernel")]
+    if bad:
+        raise ValueError(f"--attention-reduce {bad[0]!r}: expected fused or kernel")
+    configs = [(q, kv, ex, pdl, i4, red) for ex in executors for q in quants for pdl in pdls
+               for i4 in (int4ks if q == "int4" else [None]) for kv in args.kv_cache_dtype.split(",") if kv
+               for red in reduces]
     formats = [_label(q, kv, len(quants) > 1) + (f"@{ex}" if len(executors) > 1 else "")
                + (f"+pdl{pdl}" if len(pdls) > 1 else "") + (f"+{i4}" if i4 and len(int4ks) > 1 else "")
-               for q, kv, ex, pdl, i4 in configs]
+               + (f"+{red}" if len(reduces) > 1 else "")
+               for q, kv, ex, pdl, i4, red in configs]
     rows, meta, bandwidth, peak = [], {}, None, None
-    for (quant, kv, ex, pdl, i4), fmt in zip(configs, formats, strict=True):
+    for (quant, kv, ex, pdl, i4, red), fmt in zip(configs, formats, strict=True):
+        if red is not None:  # the decode attention's split reduction (roofline.kernels.decode_attention)
+            from roofline.kernels import decode_attention
+
+            decode_attention.FUSED_REDUCE = red == "fused"
         if pdl is not None:  # the GEMM kernels' programmatic-dependent-launch mode, before the graphs are captured
             from roofline.kernels import pdl as pdl_mod
 
@@ -286,6 +296,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
                    help="comma list of INT4 decode GEMMs to measure in turn for --quantization int4: mma (the "
                         "Gluon tensor-core kernel, the default where it applies) or triton (roofline.kernels."
                         "w4a16_mma)")
+    p.add_argument("--attention-reduce", default="",
+                   help="comma list of decode-attention split reductions to measure in turn: fused (the split "
+                        "kernel's last program merges the splits, one launch; the default) or kernel (a second "
+                        "reduction kernel) (roofline.kernels.decode_attention.FUSED_REDUCE)")
     p.add_argument("--out-dir", default="bench/results")
     p.set_defaults(func=run_decode_bench)
     return p

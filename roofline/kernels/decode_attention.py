@@ -11,6 +11,9 @@ at small batch. Each sequence's context is cut into ``num_splits`` chunks handle
       log-sum-exp lse_s (base 2).
   stage 2, grid (num_seqs, H): out = sum_s 2^(lse_s - lse) o_s with lse = log2 sum_s 2^lse_s.
 
+The "old" kernel runs stage 2 itself (``FUSED_REDUCE``): the last of a (sequence, kv head)'s split programs to
+finish, counted by an atomic arrival counter, merges the partials, so a decode step's attention is one launch.
+
 Bytes: 2 * seq_len * H_kv * (D * itemsize + scale bytes) per sequence (K and V once); q, out and the
 fp32 partials are O(H * D * num_splits), negligible at long context. So the kernel is HBM-bound and its
 figure of merit is achieved bandwidth on KV reads against the device's measured read bandwidth.
@@ -78,6 +81,7 @@ from roofline.kernels.gluon_decode import (
     log_fallback_once,
 )
 from roofline.kernels.prefill_attention import ref_paged_attention
+from roofline.kernels.splitk import arrival_counters
 
 try:
     import triton
@@ -180,7 +184,7 @@ if triton is not None:
 
     @triton.jit
     def _decode_split_kernel(
-        Q, KC, VC, KS, VS, BlockTables, SeqLens, MidO, MidLse, TreeLo, TreeBits,
+        Q, KC, VC, KS, VS, BlockTables, SeqLens, MidO, MidLse, TreeLo, TreeBits, Out, Counters,
         scale_log2e,
         stride_qs, stride_qh,
         stride_kb, stride_ks, stride_kh,
@@ -189,10 +193,11 @@ if triton is not None:
         stride_bt,
         stride_ms, stride_mh, stride_msp,  # MidO [num_seqs, H, num_splits, D] (MidLse has no D dim)
         stride_ls, stride_lh,
+        stride_os, stride_oh,  # Out [num_seqs, H, D] (FUSED only)
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, PAGE: tl.constexpr,
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_ALIGN: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, DOT_F16: tl.constexpr,
-        PDL: tl.constexpr = 0, TREE: tl.constexpr = 0,
+        PDL: tl.constexpr = 0, TREE: tl.constexpr = 0, FUSED: tl.constexpr = 0,
     ):
         # TREE: the row is a speculative token-tree node (a decode row per node): keys at positions p >= TreeLo[row]
         # (the tree region) are seen only where bit p - TreeLo[row] of TreeBits[row] is set (its ancestors and
@@ -279,9 +284,39 @@ if triton is not None:
         if QUANT == 2:  # fp8: the per-head V scale, once per split
             o = o * tl.load(VS + kv_head)
         lse = tl.where(l_i > 0, m_i + tl.log2(safe_l), float("-inf"))
-        mid = MidO + seq.to(tl.int64) * stride_ms + heads[:, None] * stride_mh + split * stride_msp + offs_d[None, :]
-        tl.store(mid, o, mask=gmask[:, None] & dmask[None, :])
-        tl.store(MidLse + seq.to(tl.int64) * stride_ls + heads * stride_lh + split, lse, mask=gmask)
+        hd_mask = gmask[:, None] & dmask[None, :]
+        out_ptrs = Out + seq.to(tl.int64) * stride_os + heads[:, None] * stride_oh + offs_d[None, :]
+        if FUSED and NUM_SPLITS == 1:  # the one split is the answer (seq_len 0: l_i = 0, o = 0, as the reduction)
+            tl.store(out_ptrs, o.to(Out.dtype.element_ty), mask=hd_mask)
+        else:
+            mid_row = MidO + seq.to(tl.int64) * stride_ms + heads[:, None] * stride_mh + offs_d[None, :]
+            lse_row = MidLse + seq.to(tl.int64) * stride_ls + heads * stride_lh
+            tl.store(mid_row + split * stride_msp, o, mask=hd_mask)
+            tl.store(lse_row + split, lse, mask=gmask)
+            if FUSED:
+                # Last arrival reduces (as splitk._splitk_epilogue): the (sequence, kv head)'s last split program
+                # to count itself in merges all NUM_SPLITS partials, in split order, as _decode_reduce_kernel
+                # does, then re-arms the counter. .cg loads: the other programs' partials are in L2, not our L1.
+                tl.debug_barrier()
+                pair = seq * tl.num_programs(1) + kv_head
+                arrived = tl.atomic_add(Counters + pair, 1, sem="acq_rel", scope="gpu")
+                if arrived == NUM_SPLITS - 1:
+                    m_all = tl.full([BLOCK_H], float("-inf"), tl.float32)
+                    for sp in range(NUM_SPLITS):
+                        m_all = tl.maximum(m_all, tl.load(lse_row + sp, mask=gmask, other=float("-inf"),
+                                                          cache_modifier=".cg"))
+                    m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # seq_len 0: every split empty
+                    den = tl.zeros([BLOCK_H], tl.float32)
+                    total = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+                    for sp in range(NUM_SPLITS):
+                        w = tl.exp2(tl.load(lse_row + sp, mask=gmask, other=float("-inf"),
+                                            cache_modifier=".cg") - m_all)  # 0 for an empty split
+                        den += w
+                        total += w[:, None] * tl.load(mid_row + sp * stride_msp, mask=hd_mask, other=0.0,
+                                                      cache_modifier=".cg")
+                    total = total / tl.where(den > 0, den, 1.0)[:, None]
+                    tl.store(out_ptrs, total.to(Out.dtype.element_ty), mask=hd_mask)
+                    tl.atomic_xchg(Counters + pair, 0)
 
     @triton.jit
     def _decode_reduce_kernel(
@@ -316,6 +351,11 @@ LOG2E = 1.4426950408889634
 # --variants old,mma,fma``, bench/results/kvdecode-20261204/): "mma" took 0.89-1.00x of "old"'s time on int8 and
 # 0.97-1.00x on fp8 at every point; on bf16 it was 0.99-1.06x, so bf16 keeps "old". "fma" lost everywhere (2-13x).
 DEFAULT_VARIANT = {KV_QUANT_NONE: "old", KV_QUANT_PER_TOKEN: "mma", KV_QUANT_PER_HEAD: "mma"}
+# The "old" kernel merges its splits itself (the last split program of a (sequence, kv head) to finish reduces,
+# ``_decode_split_kernel``'s FUSED), so a decode step's attention is one launch, not two; False: the separate
+# ``_decode_reduce_kernel``, as the other variants always do. Read at launch (before graph capture); ``roofline
+# bench decode --attention-reduce fused,kernel`` measures both.
+FUSED_REDUCE = True
 # Every stage-1 kernel ``variant`` names: the Triton ones and the Gluon one (int8/fp8 caches, query_len 1).
 ALL_VARIANTS = (*VARIANTS, "gluon")
 __all__ = ["ALL_VARIANTS", "MAX_PACKED_ROWS", "VARIANTS", "DEFAULT_VARIANT", "choose_num_splits", "default_block_n",
@@ -453,8 +493,11 @@ def paged_decode_attention(
         out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    mid_o = torch.empty((num_rows, num_heads, num_splits, head_dim), dtype=torch.float32, device=q.device)
-    mid_lse = torch.empty((num_rows, num_heads, num_splits), dtype=torch.float32, device=q.device)
+    fused = variant == "old" and FUSED_REDUCE
+    # fused with one split: the split kernel writes out directly, no partials
+    mid_shape = (num_rows, num_heads, 0 if fused and num_splits == 1 else num_splits)
+    mid_o = torch.empty((*mid_shape, head_dim), dtype=torch.float32, device=q.device)
+    mid_lse = torch.empty(mid_shape, dtype=torch.float32, device=q.device)
     block_d = triton.next_power_of_2(head_dim)
     per_token_stride = num_kv_heads if quant == KV_QUANT_PER_TOKEN else 0
     align = split_align(block_size, block_n)
@@ -464,6 +507,7 @@ def paged_decode_attention(
             k_scale if k_scale is not None else q, v_scale if v_scale is not None else q,  # unused unless quantized
             block_tables, seq_lens, mid_o, mid_lse,
             tree_lo if tree else seq_lens, tree_bits if tree else seq_lens,  # unused unless TREE
+            out, arrival_counters(q.device, num_seqs * num_kv_heads) if fused else seq_lens,  # unused unless FUSED
             scale * LOG2E,
             q.stride(0), q.stride(1),
             k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
@@ -472,14 +516,17 @@ def paged_decode_attention(
             block_tables.stride(0),
             mid_o.stride(0), mid_o.stride(1), mid_o.stride(2),
             mid_lse.stride(0), mid_lse.stride(1),
+            out.stride(0), out.stride(1),
             GROUP=group, BLOCK_H=max(16, triton.next_power_of_2(group)), PAGE=block_size,
             HEAD_DIM=head_dim, BLOCK_D=block_d, BLOCK_N=block_n, SPLIT_ALIGN=align, NUM_SPLITS=num_splits,
             DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", QUANT=quant,
             # H200, batch 8 x 32k / 64 x 4k (bench/results/attention-20261201/decode-quant-*.json): fp8 codes ->
             # fp16 (one packed cvt on sm_90) with fp16 dots runs 1.15-1.23x bf16 KV, codes -> bf16 0.94-1.15x.
-            DOT_F16=bool(quant) and q.dtype == torch.bfloat16, TREE=int(tree),
+            DOT_F16=bool(quant) and q.dtype == torch.bfloat16, TREE=int(tree), FUSED=int(fused),
             num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(q.device),
         )
+        if fused:
+            return out
     elif variant == "gluon":
         launch_gluon_split(q, k_cache, v_cache, k_scale, v_scale, block_tables, seq_lens, mid_o, mid_lse,
                            scale * LOG2E, quant, per_token_stride, num_splits, align, block_n, num_warps,

@@ -177,7 +177,7 @@ def gate_select_experts(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, 
 
     Grid (cdiv(E, GATE_BLOCK_E), T): each program streams GATE_BLOCK_E rows of the gate weight for one token; the
     last program of a token to finish (an arrival counter per token from the shared split-K counter buffer,
-    ``quant_gemm._counters``, re-armed by that program) runs the router on the token's whole logit row.
+    ``splitk.arrival_counters``, re-armed by that program) runs the router on the token's whole logit row.
     Deterministic: every logit is one program's fixed-order sum, and the routing reads them all after the last
     arrival. Meant for decode (small T): every token's programs re-read the weight (from L2 after the first).
 

@@ -63,6 +63,7 @@ except ImportError:  # pragma: no cover
     triton = None
 
 from roofline.kernels import pdl
+from roofline.kernels.splitk import arrival_counters as _counters
 
 # isort: off
 from roofline.kernels.act_quant import (  # noqa: F401 - the family, re-exported: callers use quant_gemm.X
@@ -318,18 +319,6 @@ def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
     return 4  # the CPU interpreter: small splits still get exercised
-
-
-_COUNTERS: dict[torch.device, torch.Tensor] = {}
-
-
-def _counters(device: torch.device, n: int) -> torch.Tensor:
-    """A zeroed int32 buffer of >= n split-K arrival counters for ``device``; the kernel leaves it zeroed."""
-    buf = _COUNTERS.get(device)
-    if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 16384), dtype=torch.int32, device=device)
-        _COUNTERS[device] = buf
-    return buf
 
 
 def choose_split_k(tiles_mn: int, k_tiles: int, num_sms: int, programs_per_sm: int = 4,

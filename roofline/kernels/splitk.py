@@ -1,7 +1,26 @@
 """The split-K epilogue shared by the GEMV kernels (``roofline.kernels.quant_gemv``): its own module so that the
-GEMV does not import ``quant_gemm`` (which launches the GEMV): no import cycle between the two."""
+GEMV does not import ``quant_gemm`` (which launches the GEMV): no import cycle between the two. Also the
+arrival counters every last-arrival reduction uses (split-K GEMMs, the MoE router, split-KV decode attention)."""
 
 from __future__ import annotations
+
+import torch
+
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
+    """A zeroed int32 buffer of >= n arrival counters for ``device``, shared by every kernel that reduces by last
+    arrival: each program atomically counts itself in (acq_rel, gpu scope), and the last one reduces and writes
+    0 back, so the buffer is zero again when the kernel ends. Kernels of one stream may share it because each
+    uses it only after its programmatic-dependent-launch wait (``roofline.kernels.pdl``), i.e. after the kernel
+    before it has finished."""
+    buf = _COUNTERS.get(device)
+    if buf is None or buf.numel() < n:
+        buf = torch.zeros(max(n, 16384), dtype=torch.int32, device=device)
+        _COUNTERS[device] = buf
+    return buf
+
 
 try:
     import triton

@@ -74,3 +74,44 @@ def test_decode_ignores_stale_cache_slots():
     poison_stale_slots(kc, vc, meta)
     out = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 0.125, num_splits=4, block_n=16)
     assert rel_err(out, ref_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 0.125)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("num_splits", [1, 2, 5])
+def test_fused_reduction_matches_the_reduce_kernel(monkeypatch, num_splits, dtype):
+    # The "old" kernel's last-arrival reduction (FUSED_REDUCE) against the separate _decode_reduce_kernel on the same
+    # partials: equal up to the order of one fp32 sum, and the arrival counters back at 0 after every call.
+    import roofline.kernels.decode_attention as da
+    from roofline.kernels.splitk import arrival_counters
+
+    q, kc, vc, meta = make_paged_case([1] * 4, [1, 40, 97, 3], 8, 2, 64, 16, dtype, seed=num_splits)
+    outs = {}
+    for fused in (False, True, True):  # the second fused call runs on the counters the first one re-armed
+        monkeypatch.setattr(da, "FUSED_REDUCE", fused)
+        outs.setdefault(fused, []).append(paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 0.125,
+                                                                 num_splits=num_splits, block_n=16, variant="old"))
+        assert int(arrival_counters(q.device, 1).abs().sum()) == 0
+    assert torch.equal(outs[True][0], outs[True][1])
+    tol = 1e-6 if dtype == torch.float32 else TOL[dtype]
+    assert rel_err(outs[True][0], outs[False][0]) < tol
+    ref = ref_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 0.125)
+    assert rel_err(outs[True][0], ref) < TOL[dtype]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_fused_reduction_replays_in_a_cuda_graph():
+    # Counters re-armed inside the graph: every replay equals the eager call, bit for bit.
+    q, kc, vc, meta = make_paged_case([1] * 8, [1, 4097, 900, 30, 2048, 64, 5000, 700], 32, 8, 128, 16,
+                                      torch.bfloat16, seed=5)
+    eager = paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 0.088)
+    out = torch.empty_like(q)
+    paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 0.088, out=out)  # compile outside capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_decode_attention(q, kc, vc, meta.block_tables, meta.seq_lens, 0.088, out=out)
+    for _ in range(3):
+        out.zero_()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, eager)
