@@ -10,8 +10,8 @@ flushed), every candidate checked against float64 first.
 Writes ``--out`` (rows in the sweep's format) and ``--table``: ``--merge-into``'s table where, per projection,
 the run of probed M (ascending) on which one of our kernels (ws or the Triton INT4) beat dequantize + cuBLAS gets
 that kernel's config as its ``tiled`` int4 rows, and ``fused_max_m`` becomes the run's last M (dequantize + cuBLAS
-above it; no run: capped below the smallest probed M). The packed 16-bit dequantization (``--packed``) is timed
-beside, not merged: no config field selects it yet.
+above it; no run: capped below the smallest probed M). The ws kernel dequantizes in packed 16-bit math (its
+default); ``--fp32`` also times the fp32 form of the same tiles ("ws_fp32", not merged).
 
 Usage (GPU, repo root): python bench/gpu_w4_ws_probe.py --out OUT.json --merge-into TABLE --table NEW_TABLE
 """
@@ -47,7 +47,7 @@ def main() -> int:
     ap.add_argument("--ms", default="128,256")
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--packed", action="store_true", help="also time the packed 16-bit INT4 dequantization")
+    ap.add_argument("--fp32", action="store_true", help="also time the ws kernel's fp32 INT4 dequantization")
     args = ap.parse_args()
     args.dry_run = False
     sw = Sweep(args)
@@ -76,10 +76,10 @@ def main() -> int:
             for cfg in ws_configs(x, p.qweight, g):
                 cands.append(("ws", cfg, lambda cfg=cfg: qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, g,
                                                                          config=cfg)))
-                if args.packed:  # the packed 16-bit dequantization (not selectable from the table yet)
-                    cands.append(("ws_packed", cfg, lambda cfg=cfg: ws_gemm.w4a16_ws_gemm(
+                if args.fp32:  # the fp32 dequantization (the same bits; not selectable from the table)
+                    cands.append(("ws_fp32", cfg, lambda cfg=cfg: ws_gemm.w4a16_ws_gemm(
                         x, p.qweight, p.scales, p.zeros, g, cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages,
-                        counters=counters, loader=cfg.ws != 2, int4_packed=True)))
+                        counters=counters, loader=cfg.ws != 2, int4_packed=False)))
             for path, cfg, fn in cands:
                 row = dict(shape=shape, n=n, k=k, m=m, fmt="int4", path=path,
                            config=None if cfg is None else {kk: v for kk, v in asdict(cfg).items() if v is not None})
@@ -95,10 +95,10 @@ def main() -> int:
                 rows.append(row)
             got = {path: min((r for r in rows if (r["shape"], r["m"], r["path"]) == (shape, m, path) and "us" in r),
                              key=lambda r: r["us"], default=None)
-                   for path in ("bf16", "dequant", "table", "ws", "ws_packed")}
+                   for path in ("bf16", "dequant", "table", "ws", "ws_fp32")}
             us = {path: (r["us"] if r else float("nan")) for path, r in got.items()}
             print(f"{shape:>8} M={m:<4} bf16 {us['bf16']:7.1f}  dequant {us['dequant']:7.1f}  table {us['table']:7.1f}"
-                  f"  ws {us['ws']:7.1f} (packed {us['ws_packed']:7.1f}) {got['ws'] and got['ws']['config']}", flush=True)
+                  f"  ws {us['ws']:7.1f} (fp32 {us['ws_fp32']:7.1f}) {got['ws'] and got['ws']['config']}", flush=True)
             ours = [r for r in (got["ws"], got["table"]) if r is not None]
             best = min(ours, key=lambda r: r["us"]) if ours else None
             won[m] = best if best and (got["dequant"] is None or best["us"] < got["dequant"]["us"]) else None
@@ -123,7 +123,7 @@ def main() -> int:
                                               rows=rows), indent=1))
     Path(args.table).write_text(json.dumps(table, indent=1))
     for m in ms:
-        for path in ("bf16", "dequant", "table", "ws", "ws_packed"):
+        for path in ("bf16", "dequant", "table", "ws", "ws_fp32"):
             tot = sum(min((r["us"] for r in rows if (r["shape"], r["m"], r["path"]) == (s, m, path) and "us" in r),
                           default=float("nan")) for s in SHAPES)
             print(f"[layer sum] M={m} {path}: {tot:.0f} us")

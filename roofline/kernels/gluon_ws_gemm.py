@@ -153,8 +153,7 @@ if gluon is not None:
         # pair (j, j + 4) of a word OR'ed into 0x4300 (bf16 128) / 0x6400 (fp16 1024) halves is the pair 128 + q
         # (1024 + q), exact; minus 128 + z, exact (an integer in -15..15); times the scale, one rounding of an
         # exact product, as the fp32 form's product rounded to DTYPE: the same bits. About 2 instructions a code
-        # against the fp32 form's ~7. (Written 2026-12-07, compiled for sm_90, not yet run on a GPU: off unless
-        # the launcher asks for it, ``ws_gemm.w4a16_ws_gemm(int4_packed=True)``.)
+        # against the fp32 form's ~7. The launcher's default (``ws_gemm.w4a16_ws_gemm(int4_packed=True)``).
         if DTYPE == gl.bfloat16:
             asm: gl.constexpr = _INT4_PAIRS_BF16
             w2, zb = gl.broadcast(words, (zp + 128.0).to(DTYPE)[None, :])

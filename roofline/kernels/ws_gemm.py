@@ -85,14 +85,16 @@ def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_
 def w4a16_ws_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                   group_size: int, block_m: int, block_n: int, block_k: int, stages: int, split_k: int | None = None,
                   num_sms: int | None = None, counters: torch.Tensor | None = None,
-                  loader: bool = True, int4_packed: bool = False) -> torch.Tensor:
+                  loader: bool = True, int4_packed: bool = True) -> torch.Tensor:
     """INT4 on the same kernel: ``x`` [M, K] bf16/fp16 @ W^T, W = (q - zeros) * scales per group of
     ``group_size`` input channels, ``qweight`` int32 [K / 8, N] (``quant_layouts.pack_int4``), ``scales`` /
     ``zeros`` [K / G, N] in x's dtype -> [M, N] in x's dtype. The converter partition dequantizes each code tile
-    in fp32 (``quant_gemm.ref_w4a16_gemm``'s math) and stores it rounded to x's dtype; fp32 accumulation. Other
-    arguments as :func:`w8a16_ws_gemm`; the caller checked :func:`ws_unsupported_reason` with ``group_size``.
-    ``int4_packed``: the dequantization in packed 16-bit math instead of fp32, meant to give the same bits in
-    about a third of the instructions (compiled for sm_90 on 2026-12-07, not yet run on a GPU, so off)."""
+    to round((q - z) * s) in x's dtype (``quant_gemm.ref_w4a16_gemm``'s weights) and stores it; fp32
+    accumulation. Other arguments as :func:`w8a16_ws_gemm`; the caller checked :func:`ws_unsupported_reason` with
+    ``group_size``. ``int4_packed`` (default): the dequantization in packed 16-bit math, two codes an instruction;
+    False: in fp32. Both give the same bits (a GPU test compares every weight); on the H100 the packed form took
+    0.90-0.97x the fp32 form's time on every probed tile at M = 128 / 256
+    (bench/results/ws-validate-20261207/)."""
     n = qweight.shape[1]
     q_layout = gl.NVMMASharedLayout.get_default_for([block_k // 8, block_n], gl.int32)
     q_desc = TensorDescriptor(qweight, [qweight.shape[0], n], [qweight.stride(0), 1], [block_k // 8, block_n],
