@@ -198,6 +198,7 @@ if triton is not None:
         HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_ALIGN: tl.constexpr,
         NUM_SPLITS: tl.constexpr, DOT_PRECISION: tl.constexpr, QUANT: tl.constexpr, DOT_F16: tl.constexpr,
         PDL: tl.constexpr = 0, TREE: tl.constexpr = 0, FUSED: tl.constexpr = 0,
+        GROUP_P2: tl.constexpr = 1, SPLITS_P2: tl.constexpr = 1, RED_SPLITS: tl.constexpr = 1,
     ):
         # TREE: the row is a speculative token-tree node (a decode row per node): keys at positions p >= TreeLo[row]
         # (the tree region) are seen only where bit p - TreeLo[row] of TreeBits[row] is set (its ancestors and
@@ -301,21 +302,34 @@ if triton is not None:
                 pair = seq * tl.num_programs(1) + kv_head
                 arrived = tl.atomic_add(Counters + pair, 1, sem="acq_rel", scope="gpu")
                 if arrived == NUM_SPLITS - 1:
-                    m_all = tl.full([BLOCK_H], float("-inf"), tl.float32)
-                    for sp in range(NUM_SPLITS):
-                        m_all = tl.maximum(m_all, tl.load(lse_row + sp, mask=gmask, other=float("-inf"),
-                                                          cache_modifier=".cg"))
+                    # All splits' loads at once (a serial loop over splits cost ~1.5% of a batch-1 step on the
+                    # H100): lse as [GROUP_P2, SPLITS_P2], the partials in chunks of RED_SPLITS splits as
+                    # [GROUP_P2, RED_SPLITS, BLOCK_D] (<= 4K values, bounded registers at 64 splits).
+                    offs_r = tl.arange(0, GROUP_P2)
+                    rmask = offs_r < GROUP
+                    rheads = kv_head * GROUP + offs_r
+                    lse_rows = MidLse + seq.to(tl.int64) * stride_ls + rheads * stride_lh
+                    offs_sp = tl.arange(0, SPLITS_P2)
+                    lse_all = tl.load(lse_rows[:, None] + offs_sp[None, :],
+                                      mask=rmask[:, None] & (offs_sp < NUM_SPLITS)[None, :], other=float("-inf"),
+                                      cache_modifier=".cg")  # [GROUP_P2, SPLITS_P2]
+                    m_all = tl.max(lse_all, axis=1)
                     m_all = tl.where(m_all == float("-inf"), 0.0, m_all)  # seq_len 0: every split empty
-                    den = tl.zeros([BLOCK_H], tl.float32)
-                    total = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-                    for sp in range(NUM_SPLITS):
-                        w = tl.exp2(tl.load(lse_row + sp, mask=gmask, other=float("-inf"),
-                                            cache_modifier=".cg") - m_all)  # 0 for an empty split
-                        den += w
-                        total += w[:, None] * tl.load(mid_row + sp * stride_msp, mask=hd_mask, other=0.0,
-                                                      cache_modifier=".cg")
+                    den = tl.sum(tl.exp2(lse_all - m_all[:, None]), axis=1)  # empty splits weigh 0
+                    mid_rows = MidO + seq.to(tl.int64) * stride_ms + rheads * stride_mh
+                    offs_c = tl.arange(0, RED_SPLITS)
+                    total = tl.zeros([GROUP_P2, BLOCK_D], tl.float32)
+                    for c in tl.static_range(0, SPLITS_P2, RED_SPLITS):
+                        cmask = rmask[:, None] & (c + offs_c < NUM_SPLITS)[None, :]  # [GROUP_P2, RED_SPLITS]
+                        w = tl.exp2(tl.load(lse_rows[:, None] + c + offs_c[None, :], mask=cmask,
+                                            other=float("-inf"), cache_modifier=".cg") - m_all[:, None])
+                        part = tl.load(mid_rows[:, None, None] + (c + offs_c)[None, :, None] * stride_msp
+                                       + offs_d[None, None, :], mask=cmask[:, :, None] & dmask[None, None, :],
+                                       other=0.0, cache_modifier=".cg")  # [GROUP_P2, RED_SPLITS, BLOCK_D]
+                        total += tl.sum(part * w[:, :, None], axis=1)
                     total = total / tl.where(den > 0, den, 1.0)[:, None]
-                    tl.store(out_ptrs, total.to(Out.dtype.element_ty), mask=hd_mask)
+                    tl.store(Out + seq.to(tl.int64) * stride_os + rheads[:, None] * stride_oh + offs_d[None, :],
+                             total.to(Out.dtype.element_ty), mask=rmask[:, None] & dmask[None, :])
                     tl.atomic_xchg(Counters + pair, 0)
 
     @triton.jit
@@ -501,6 +515,7 @@ def paged_decode_attention(
     block_d = triton.next_power_of_2(head_dim)
     per_token_stride = num_kv_heads if quant == KV_QUANT_PER_TOKEN else 0
     align = split_align(block_size, block_n)
+    group_p2, splits_p2 = triton.next_power_of_2(group), triton.next_power_of_2(num_splits)
     if variant == "old":
         _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
             q, k_cache, v_cache,
@@ -523,6 +538,8 @@ def paged_decode_attention(
             # H200, batch 8 x 32k / 64 x 4k (bench/results/attention-20261201/decode-quant-*.json): fp8 codes ->
             # fp16 (one packed cvt on sm_90) with fp16 dots runs 1.15-1.23x bf16 KV, codes -> bf16 0.94-1.15x.
             DOT_F16=bool(quant) and q.dtype == torch.bfloat16, TREE=int(tree), FUSED=int(fused),
+            GROUP_P2=group_p2, SPLITS_P2=splits_p2,
+            RED_SPLITS=min(splits_p2, max(1, 4096 // (group_p2 * block_d))),  # <= 4K partial values a chunk
             num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(q.device),
         )
         if fused:

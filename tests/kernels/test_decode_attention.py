@@ -77,14 +77,16 @@ def test_decode_ignores_stale_cache_slots():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("num_splits", [1, 2, 5])
-def test_fused_reduction_matches_the_reduce_kernel(monkeypatch, num_splits, dtype):
+@pytest.mark.parametrize("num_splits,head_dim,group", [(1, 64, 4), (2, 64, 4), (5, 64, 3), (32, 128, 4)])
+def test_fused_reduction_matches_the_reduce_kernel(monkeypatch, num_splits, head_dim, group, dtype):
     # The "old" kernel's last-arrival reduction (FUSED_REDUCE) against the separate _decode_reduce_kernel on the same
-    # partials: equal up to the order of one fp32 sum, and the arrival counters back at 0 after every call.
+    # partials: equal up to the order of one fp32 sum, and the arrival counters back at 0 after every call. A group of
+    # 3 pads to 4 rows; 32 splits at D 128 merge in 4 chunks of 8 (RED_SPLITS), most of them empty for the short rows.
     import roofline.kernels.decode_attention as da
     from roofline.kernels.splitk import arrival_counters
 
-    q, kc, vc, meta = make_paged_case([1] * 4, [1, 40, 97, 3], 8, 2, 64, 16, dtype, seed=num_splits)
+    q, kc, vc, meta = make_paged_case([1] * 4, [1, 40, 97, 3] if num_splits < 32 else [1, 700, 390, 3], 2 * group, 2,
+                                      head_dim, 16, dtype, seed=num_splits)
     outs = {}
     for fused in (False, True, True):  # the second fused call runs on the counters the first one re-armed
         monkeypatch.setattr(da, "FUSED_REDUCE", fused)
