@@ -80,9 +80,13 @@ class LlamaMLP(nn.Module):
         return self.down_proj(silu_and_mul(self.gate_up_proj(x), quant_for=self.down_proj))
 
 
-# HF names of an expert's gate, up and down projections, per architecture (Qwen's are the default).
-_EXPERT_NAMES = {"MixtralForCausalLM": ("w1", "w3", "w2")}
-_QWEN_EXPERT_NAMES = ("gate_proj", "up_proj", "down_proj")
+def moe_checkpoint_names(architecture: str) -> tuple[str, tuple[str, str, str]]:
+    """The HF checkpoint's name of an MoE layer's block and of an expert's gate, up and down projections: Mixtral's
+    ``block_sparse_moe`` with ``w1`` / ``w3`` / ``w2``, Qwen-MoE's ``mlp`` with ``gate_proj`` / ``up_proj`` /
+    ``down_proj``."""
+    if architecture == "MixtralForCausalLM":
+        return "block_sparse_moe", ("w1", "w3", "w2")
+    return "mlp", ("gate_proj", "up_proj", "down_proj")
 
 
 class LlamaSparseMoeBlock(nn.Module):
@@ -97,7 +101,7 @@ class LlamaSparseMoeBlock(nn.Module):
         self.experts = FusedMoE(config.num_experts, config.num_experts_per_tok, config.hidden_size,
                                 config.moe_intermediate_size, renormalize=config.norm_topk_prob,
                                 quant_config=quant_config, prefix=f"{prefix}.experts",
-                                checkpoint_names=_EXPERT_NAMES.get(config.architecture, _QWEN_EXPERT_NAMES))
+                                checkpoint_names=moe_checkpoint_names(config.architecture)[1])
         self.has_shared_expert = config.shared_expert_intermediate_size > 0
         if self.has_shared_expert:
             self.shared_expert = LlamaMLP(config, quant_config, f"{prefix}.shared_expert",
@@ -120,8 +124,7 @@ class LlamaDecoderLayer(nn.Module):
         tail = prefix.rsplit(".", 1)[-1]  # "model.layers.7": the checkpoint's layer index (PP stages offset it)
         hf_layer_id = int(tail) if tail.isdigit() else layer_id  # a drafter's lone layer ("layer") has none
         if config.is_moe_layer(hf_layer_id):
-            # Mixtral's checkpoint calls the MoE block ``block_sparse_moe``; Qwen's ``mlp``.
-            self.mlp_name = "block_sparse_moe" if config.architecture == "MixtralForCausalLM" else "mlp"
+            self.mlp_name = moe_checkpoint_names(config.architecture)[0]
             self.add_module(self.mlp_name, LlamaSparseMoeBlock(config, quant_config, f"{prefix}.{self.mlp_name}"))
         else:
             self.mlp_name = "mlp"

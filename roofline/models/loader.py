@@ -193,37 +193,79 @@ def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:
     return field.contents()
 
 
-def gguf_config(path: Path) -> ModelConfig:
-    """ModelConfig from a GGUF file's metadata (llama.* keys, as llama.cpp's converter writes them)."""
+# llama.cpp's ``general.architecture`` -> the HF architecture it was converted from (llama.cpp's
+# convert_hf_to_gguf.py). "llama" also holds Mistral and, with ``llama.expert_count`` > 0, Mixtral.
+GGUF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                      "qwen2moe": "Qwen2MoeForCausalLM", "qwen3moe": "Qwen3MoeForCausalLM"}
 
+
+def gguf_config(path: Path) -> ModelConfig:
+    """ModelConfig from a GGUF file's metadata, as llama.cpp's converter writes it: the ``{arch}.*`` keys
+    (``gguf.Keys.LLM`` / ``gguf.Keys.Attention``) of the architectures in :data:`GGUF_ARCHITECTURES`.
+
+    Mixture of experts (``{arch}.expert_count`` > 0): ``expert_used_count`` is the top-k, ``expert_feed_forward_length``
+    an expert's width (Mixtral: ``feed_forward_length``), ``expert_shared_feed_forward_length`` Qwen2-MoE's shared
+    expert; a layer is MoE where its router tensor (``blk.N.ffn_gate_inp``) is present; top-k renormalization
+    follows ``{arch}.expert_weights_norm`` where written, else llama.cpp's rule (Qwen3-MoE and Mixtral yes,
+    Qwen2-MoE no).
+
+    Raises:
+        ValueError: an architecture not in :data:`GGUF_ARCHITECTURES` (names it and the supported ones), or
+            an unreadable file.
+    """
     reader = _gguf_reader(str(path))
     arch = _gguf_field(reader, "general.architecture")
-    if arch != "llama":
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: 'llama'")
+    if arch not in GGUF_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
+                         f"{', '.join(repr(a) for a in GGUF_ARCHITECTURES)}")
     names = {t.name for t in reader.tensors}
-    heads = int(_gguf_field(reader, "llama.attention.head_count"))
-    hidden = int(_gguf_field(reader, "llama.embedding_length"))
+
+    def key(name: str, default: Any = None) -> Any:
+        return _gguf_field(reader, f"{arch}.{name}", default)
+
+    heads = int(key("attention.head_count"))
+    hidden = int(key("embedding_length"))
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id", 2)
-    vocab = _gguf_field(reader, "llama.vocab_size")
+    vocab = key("vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
-    rope_dim = _gguf_field(reader, "llama.rope.dimension_count")
+    head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // heads
+    layers = int(key("block_count"))
+    intermediate = int(key("feed_forward_length"))
+    moe: dict[str, Any] = {}
+    architecture = GGUF_ARCHITECTURES[arch]
+    experts = int(key("expert_count", 0) or 0)
+    if experts:
+        if arch == "llama":
+            architecture = "MixtralForCausalLM"
+        elif arch not in ("qwen2moe", "qwen3moe"):
+            raise ValueError(f"GGUF architecture {arch!r} with {arch}.expert_count {experts}: experts are read for "
+                             f"'llama' (Mixtral), 'qwen2moe' and 'qwen3moe'")
+        sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names]
+        moe = dict(num_experts=experts, num_experts_per_tok=int(key("expert_used_count")),
+                   moe_intermediate_size=int(key("expert_feed_forward_length", intermediate)),
+                   norm_topk_prob=bool(key("expert_weights_norm", arch != "qwen2moe")),
+                   shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0) or 0),
+                   mlp_only_layers=tuple(i for i in range(layers) if i not in sparse))
     return ModelConfig(
-        architecture="LlamaForCausalLM",
+        architecture=architecture,
         vocab_size=int(vocab),
         hidden_size=hidden,
-        intermediate_size=int(_gguf_field(reader, "llama.feed_forward_length")),
-        num_hidden_layers=int(_gguf_field(reader, "llama.block_count")),
+        intermediate_size=intermediate,
+        num_hidden_layers=layers,
         num_attention_heads=heads,
-        num_key_value_heads=int(_gguf_field(reader, "llama.attention.head_count_kv", heads)),
-        head_dim=int(rope_dim) if rope_dim else hidden // heads,
-        rms_norm_eps=float(_gguf_field(reader, "llama.attention.layer_norm_rms_epsilon", 1e-5)),
-        rope_theta=float(_gguf_field(reader, "llama.rope.freq_base", 10000.0)),
-        max_position_embeddings=int(_gguf_field(reader, "llama.context_length", 4096)),
+        num_key_value_heads=int(key("attention.head_count_kv", heads)),
+        head_dim=int(head_dim),
+        rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
+        rope_theta=float(key("rope.freq_base", 10000.0)),
+        max_position_embeddings=int(key("context_length", 4096)),
         tie_word_embeddings="output.weight" not in names,
+        attention_bias="blk.0.attn_q.bias" in names,
+        qk_norm="blk.0.attn_q_norm.weight" in names,
         bos_token_id=_gguf_field(reader, "tokenizer.ggml.bos_token_id"),
         eos_token_ids=(int(eos),),
         name=path.stem,
+        **moe,
     )
 
 
@@ -265,15 +307,28 @@ _GGUF_NAMES = {
     "attn_output": "self_attn.o_proj", "ffn_gate": "mlp.gate_proj", "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj", "attn_norm": "input_layernorm", "ffn_norm": "post_attention_layernorm",
     "attn_q_norm": "self_attn.q_norm", "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj", "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj", "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
 }
+# An MoE layer's tensors: the router, and each expert's gate / up / down (index into moe_checkpoint_names), either
+# stacked [E, ...] (``ffn_*_exps``, llama.cpp's layout since 2024) or one tensor per expert (``ffn_gate.<e>``,
+# the older Mixtral files).
+_GGUF_EXPERT_PROJ = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
+_GGUF_PER_EXPERT = re.compile(r"^(ffn_gate|ffn_up|ffn_down)\.(\d+)$")
 
 
 def iter_gguf(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:
-    """Dequantize every GGUF tensor (with the ``gguf`` package) and name it as Hugging Face does."""
+    """Dequantize every GGUF tensor (with the ``gguf`` package) and name it as Hugging Face does: an MoE layer's
+    stacked experts ``[E, ...]`` become E per-expert tensors, and llama.cpp's q / k row permutation (interleaved
+    RoPE, applied by its converter to the "llama" architecture only) is undone."""
     import gguf
     import numpy as np
 
+    from roofline.models.llama import moe_checkpoint_names
+
     reader = _gguf_reader(str(path))
+    permuted = _gguf_field(reader, "general.architecture") == "llama"
+    block, expert_names = moe_checkpoint_names(config.architecture)
     for t in reader.tensors:
         data = gguf.quants.dequantize(t.data, t.tensor_type)
         tensor = torch.from_numpy(np.array(data, dtype=np.float32))  # copy: GGUF memmaps are read-only
@@ -286,13 +341,27 @@ def iter_gguf(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tens
             yield "lm_head.weight", tensor
         elif name.startswith("blk."):
             _, layer, kind, suffix = name.split(".", 3)
-            if kind not in _GGUF_NAMES:
+            prefix = f"model.layers.{layer}"
+            per_expert = _GGUF_PER_EXPERT.match(f"{kind}.{suffix.rsplit('.', 1)[0]}") if config.num_experts else None
+            if kind == "ffn_gate_inp":
+                yield f"{prefix}.{block}.gate.{suffix}", tensor
+            elif kind in _GGUF_EXPERT_PROJ:
+                proj = expert_names[_GGUF_EXPERT_PROJ[kind]]
+                for e in range(tensor.shape[0]):
+                    yield f"{prefix}.{block}.experts.{e}.{proj}.{suffix}", tensor[e]
+            elif per_expert is not None:
+                proj = expert_names[("ffn_gate", "ffn_up", "ffn_down").index(per_expert.group(1))]
+                yield f"{prefix}.{block}.experts.{per_expert.group(2)}.{proj}.{suffix.rsplit('.', 1)[1]}", tensor
+            elif kind not in _GGUF_NAMES:
                 raise ValueError(f"unexpected GGUF tensor {name!r}")
-            if kind == "attn_q":
-                tensor = _unpermute_gguf(tensor, config.num_attention_heads)
-            elif kind == "attn_k":
-                tensor = _unpermute_gguf(tensor, config.num_key_value_heads)
-            yield f"model.layers.{layer}.{_GGUF_NAMES[kind]}.{suffix}", tensor
+            else:
+                if permuted and kind == "attn_q":
+                    tensor = _unpermute_gguf(tensor, config.num_attention_heads)
+                elif permuted and kind == "attn_k":
+                    tensor = _unpermute_gguf(tensor, config.num_key_value_heads)
+                elif kind == "ffn_gate_inp_shexp" and tensor.dim() == 1:
+                    tensor = tensor[None, :]  # llama.cpp stores Qwen2-MoE's [1, H] shared-expert gate as [H]
+                yield f"{prefix}.{_GGUF_NAMES[kind]}.{suffix}", tensor
         elif name == "rope_freqs.weight":
             continue  # llama3 scaling factors; we recompute them from the config
         else:
@@ -429,6 +498,8 @@ def load_tokenizer(source: ModelSource) -> Any:
     encode and decode with it."""
     if source.format == "gguf":
         assert source.path is not None
+        if "tokenizer.ggml.tokens" not in _gguf_reader(str(source.path)).fields:
+            return None  # a GGUF without a vocabulary: prompts must be token ids
         files = [source.path]
     elif source.path is not None and source.path.is_dir():
         files = [source.path / f for f in _TOKENIZER_FILES if (source.path / f).exists()]

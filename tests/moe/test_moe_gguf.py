@@ -1,0 +1,189 @@
+"""GGUF checkpoints of MoE and Qwen models load to the model their HF checkpoint gives.
+
+Each tiny HF model (the MoE cases of ``test_moe_models`` and dense Qwen2 / Qwen3) is saved as safetensors, then
+written as a GGUF the way llama.cpp's ``convert_hf_to_gguf.py`` writes it: gguf-py's tensor names and ``{arch}.*``
+keys, experts stacked into ``ffn_*_exps`` [E, ...] (or one tensor per expert, the older Mixtral files), q / k rows
+permuted for the "llama" architecture only, Qwen2-MoE's shared-expert gate stored as [H], no vocabulary. Loaded
+through ``LLM(path.gguf)`` in fp32 on the CPU, greedy tokens equal HF's and prefill logits agree within the dense
+architectures' tolerance.
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from test_moe_models import COMMON, LOGIT_TOL, NUM_NEW, PROMPTS, SEED, make_hf_model, save  # noqa: E402
+from test_parity import hf_greedy, prefill_logits  # noqa: E402
+
+from roofline import LLM, SamplingParams  # noqa: E402
+from roofline.models.loader import gguf_config, iter_safetensors  # noqa: E402
+
+gguf = pytest.importorskip("gguf")
+
+GGUF_ARCH = {"MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
+             "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
+T = gguf.MODEL_TENSOR
+_LAYER = {"self_attn.q_proj": T.ATTN_Q, "self_attn.k_proj": T.ATTN_K, "self_attn.v_proj": T.ATTN_V,
+          "self_attn.o_proj": T.ATTN_OUT, "self_attn.q_norm": T.ATTN_Q_NORM, "self_attn.k_norm": T.ATTN_K_NORM,
+          "input_layernorm": T.ATTN_NORM, "post_attention_layernorm": T.FFN_NORM, "mlp.gate_proj": T.FFN_GATE,
+          "mlp.up_proj": T.FFN_UP, "mlp.down_proj": T.FFN_DOWN, "mlp.gate": T.FFN_GATE_INP,
+          "block_sparse_moe.gate": T.FFN_GATE_INP, "mlp.shared_expert.gate_proj": T.FFN_GATE_SHEXP,
+          "mlp.shared_expert.up_proj": T.FFN_UP_SHEXP, "mlp.shared_expert.down_proj": T.FFN_DOWN_SHEXP,
+          "mlp.shared_expert_gate": T.FFN_GATE_INP_SHEXP}
+_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight$")
+_PROJ = {"gate_proj": 0, "w1": 0, "up_proj": 1, "w3": 1, "down_proj": 2, "w2": 2}
+_STACKED = (T.FFN_GATE_EXP, T.FFN_UP_EXP, T.FFN_DOWN_EXP)
+_PER_EXPERT = (T.FFN_GATE, T.FFN_UP, T.FFN_DOWN)
+
+
+def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """llama.cpp's ``LlamaModel.permute``: rotate-half rows to interleaved pairs."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_gguf(hf_dir: Path, hf_config, out: Path, per_expert: bool = False) -> Path:
+    """``hf_dir``'s safetensors as a GGUF file (fp32 tensors), as llama.cpp's converter names and lays them out."""
+    arch_hf = hf_config.architectures[0]
+    arch = GGUF_ARCH[arch_hf]
+    c = hf_config
+    w = gguf.GGUFWriter(str(out), arch)
+    w.add_block_count(c.num_hidden_layers)
+    w.add_context_length(c.max_position_embeddings)
+    w.add_embedding_length(c.hidden_size)
+    w.add_feed_forward_length(c.intermediate_size)
+    w.add_head_count(c.num_attention_heads)
+    w.add_head_count_kv(c.num_key_value_heads)
+    w.add_layer_norm_rms_eps(c.rms_norm_eps)
+    w.add_rope_freq_base(c.rope_parameters["rope_theta"] if getattr(c, "rope_parameters", None) else c.rope_theta)
+    w.add_vocab_size(c.vocab_size)
+    w.add_eos_token_id(c.eos_token_id)
+    w.add_bos_token_id(c.bos_token_id)
+    if getattr(c, "head_dim", None):
+        w.add_key_length(c.head_dim)
+        w.add_value_length(c.head_dim)
+    experts = getattr(c, "num_local_experts", None) or getattr(c, "num_experts", None)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(c.num_experts_per_tok)
+        if arch != "llama":
+            w.add_expert_feed_forward_length(c.moe_intermediate_size)
+        if getattr(c, "shared_expert_intermediate_size", 0):
+            w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    stacks: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
+    for name, t in iter_safetensors(hf_dir):
+        t = t.float()
+        if (m := _EXPERT.match(name)) is not None:
+            layer, e, proj = int(m.group(1)), int(m.group(2)), _PROJ[m.group(3)]
+            if per_expert:
+                w.add_tensor(f"{gguf.TENSOR_NAMES[_PER_EXPERT[proj]].format(bid=layer)}.{e}.weight", t.numpy())
+            else:
+                stacks.setdefault((layer, proj), {})[e] = t
+            continue
+        if name == "model.embed_tokens.weight":
+            gname = gguf.TENSOR_NAMES[T.TOKEN_EMBD] + ".weight"
+        elif name == "model.norm.weight":
+            gname = gguf.TENSOR_NAMES[T.OUTPUT_NORM] + ".weight"
+        elif name == "lm_head.weight":
+            gname = gguf.TENSOR_NAMES[T.OUTPUT] + ".weight"
+        else:
+            m = re.match(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)$", name)
+            layer, module, kind = int(m.group(1)), m.group(2), m.group(3)
+            gname = f"{gguf.TENSOR_NAMES[_LAYER[module]].format(bid=layer)}.{kind}"
+            if arch == "llama" and module in ("self_attn.q_proj", "self_attn.k_proj"):
+                heads = c.num_attention_heads if module == "self_attn.q_proj" else c.num_key_value_heads
+                t = _permute(t, heads)
+            if module == "mlp.shared_expert_gate":
+                t = t.reshape(-1)  # [1, H] -> [H], as llama.cpp stores it
+        w.add_tensor(gname, t.contiguous().numpy())
+    for (layer, proj), by_e in sorted(stacks.items()):
+        w.add_tensor(f"{gguf.TENSOR_NAMES[_STACKED[proj]].format(bid=layer)}.weight",
+                     torch.stack([by_e[e] for e in range(len(by_e))]).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def make_dense_qwen(name: str):
+    import transformers as tf
+
+    cfg_cls, model_cls, extra = {"qwen2": (tf.Qwen2Config, tf.Qwen2ForCausalLM, {}),
+                                 "qwen3": (tf.Qwen3Config, tf.Qwen3ForCausalLM, dict(head_dim=32))}[name]
+    torch.manual_seed(SEED)
+    model = model_cls(cfg_cls(**{**COMMON, **extra})).float().eval()
+    gen = torch.Generator().manual_seed(SEED + 1)
+    with torch.no_grad():  # non-trivial norms and biases
+        for pname, p in model.named_parameters():
+            if pname.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif "norm" in pname:
+                p.copy_(1.0 + torch.randn(p.shape, generator=gen) * 0.3)
+    return model
+
+
+@pytest.fixture(scope="module", params=["mixtral", "mixtral-per-expert", "qwen2_moe", "qwen3_moe", "qwen2", "qwen3"])
+def gguf_case(request, tmp_path_factory):
+    name = request.param
+    hf = make_dense_qwen(name) if name in ("qwen2", "qwen3") else make_hf_model(name.split("-")[0])
+    d = tmp_path_factory.mktemp(name)
+    save(hf, d / "hf")
+    path = write_gguf(d / "hf", hf.config, d / f"{name}.gguf", per_expert=name.endswith("per-expert"))
+    llm = LLM(str(path), device="cpu", dtype="float32", attention_backend="torch", max_model_len=128,
+              num_kv_blocks=32)
+    return name, hf, llm, path
+
+
+def test_gguf_config_matches_the_hf_config(gguf_case):
+    name, hf, llm, path = gguf_case
+    cfg, c = gguf_config(path), hf.config
+    assert cfg.architecture == c.architectures[0]
+    assert (cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+            cfg.vocab_size) == (c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads,
+                                c.vocab_size)
+    assert cfg.head_dim == (getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads)
+    assert cfg.attention_bias == (name in ("qwen2", "qwen2_moe"))
+    assert cfg.qk_norm == (name in ("qwen3", "qwen3_moe"))
+    if name.startswith("mixtral"):
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob) == \
+            (8, 2, c.intermediate_size, True)
+    elif name == "qwen2_moe":
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.moe_intermediate_size, cfg.norm_topk_prob,
+                cfg.shared_expert_intermediate_size) == (8, 2, 32, False, 48)
+    elif name == "qwen3_moe":  # layer 1 is dense (mlp_only_layers): no router tensor there
+        assert (cfg.num_experts, cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.mlp_only_layers) == (6, 3, True, (1,))
+    else:
+        assert cfg.num_experts == 0
+
+
+def test_gguf_moe_logits_and_greedy_tokens_match_transformers(gguf_case):
+    name, hf, llm, _ = gguf_case
+    assert llm.engine.tokenizer is None  # a GGUF without a vocabulary: token ids only
+    worst = 0.0
+    for ids in PROMPTS:
+        with torch.no_grad():
+            ref = hf(torch.tensor([ids])).logits[0].float()
+        worst = max(worst, (prefill_logits(llm, ids) - ref).abs().max().item())
+    assert worst < LOGIT_TOL, (name, worst)
+    outs = llm.generate([{"prompt_token_ids": ids} for ids in PROMPTS],
+                        SamplingParams(temperature=0, max_tokens=NUM_NEW, ignore_eos=True), use_tqdm=False)
+    for ids, ro in zip(PROMPTS, outs, strict=True):
+        assert ro.outputs[0].token_ids == hf_greedy(hf, ids, NUM_NEW), (name, len(ids))
+
+
+def test_unsupported_gguf_architecture_is_named(tmp_path):
+    w = gguf.GGUFWriter(str(tmp_path / "x.gguf"), "gpt2")
+    w.add_block_count(1)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'.*'qwen3moe'"):
+        gguf_config(tmp_path / "x.gguf")
