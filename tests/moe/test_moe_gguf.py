@@ -48,8 +48,9 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir: Path, hf_config, out: Path, per_expert: bool = False) -> Path:
-    """``hf_dir``'s safetensors as a GGUF file (fp32 tensors), as llama.cpp's converter names and lays them out."""
+def write_gguf(hf_dir: Path, hf_config, out: Path, per_expert: bool = False, expert_qtype=None) -> Path:
+    """``hf_dir``'s safetensors as a GGUF file (fp32 tensors; stacked experts in ``expert_qtype`` if given, a
+    ``gguf.GGMLQuantizationType``), as llama.cpp's converter names and lays them out."""
     arch_hf = hf_config.architectures[0]
     arch = GGUF_ARCH[arch_hf]
     c = hf_config
@@ -103,8 +104,12 @@ def write_gguf(hf_dir: Path, hf_config, out: Path, per_expert: bool = False) -> 
                 t = t.reshape(-1)  # [1, H] -> [H], as llama.cpp stores it
         w.add_tensor(gname, t.contiguous().numpy())
     for (layer, proj), by_e in sorted(stacks.items()):
-        w.add_tensor(f"{gguf.TENSOR_NAMES[_STACKED[proj]].format(bid=layer)}.weight",
-                     torch.stack([by_e[e] for e in range(len(by_e))]).numpy())
+        stacked = torch.stack([by_e[e] for e in range(len(by_e))]).numpy()
+        name = f"{gguf.TENSOR_NAMES[_STACKED[proj]].format(bid=layer)}.weight"
+        if expert_qtype is None:
+            w.add_tensor(name, stacked)
+        else:
+            w.add_tensor(name, gguf.quants.quantize(stacked, expert_qtype), raw_dtype=expert_qtype)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -187,3 +192,25 @@ def test_unsupported_gguf_architecture_is_named(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="unsupported GGUF architecture 'gpt2'.*'qwen3moe'"):
         gguf_config(tmp_path / "x.gguf")
+
+
+def test_quantized_stacked_experts_dequantize_per_expert(tmp_path):
+    # Q8_0 experts [E, I, H] (real MoE GGUFs quantize them): each yielded expert tensor is that expert's slice
+    # dequantized, at the HF shape the loader expects.
+    import numpy as np
+
+    from roofline.models.loader import iter_gguf
+
+    hf = make_hf_model("qwen3_moe")
+    save(hf, tmp_path / "hf")
+    q8 = gguf.GGMLQuantizationType.Q8_0
+    path = write_gguf(tmp_path / "hf", hf.config, tmp_path / "q8.gguf", expert_qtype=q8)
+    want = dict(iter_safetensors(tmp_path / "hf"))
+    got = dict(iter_gguf(path, gguf_config(path)))
+    experts = [n for n in want if ".experts." in n]
+    assert len(experts) == 3 * 6 and set(experts) <= set(got)
+    for n in experts:
+        ref = gguf.quants.dequantize(gguf.quants.quantize(want[n].float().numpy(), q8), q8)
+        assert got[n].shape == want[n].shape
+        assert np.array_equal(got[n].numpy(), ref), n
+        assert 0 < (got[n] - want[n].float()).abs().max() < 0.02 * want[n].abs().max()  # really quantized
