@@ -210,8 +210,8 @@ def gguf_config(path: Path) -> ModelConfig:
     Qwen2-MoE no).
 
     Raises:
-        ValueError: an architecture not in :data:`GGUF_ARCHITECTURES` (names it and the supported ones), or
-            an unreadable file.
+        ValueError: an architecture not in :data:`GGUF_ARCHITECTURES` (names it and the supported ones), a
+            required key missing (names it), or an unreadable file.
     """
     reader = _gguf_reader(str(path))
     arch = _gguf_field(reader, "general.architecture")
@@ -223,15 +223,21 @@ def gguf_config(path: Path) -> ModelConfig:
     def key(name: str, default: Any = None) -> Any:
         return _gguf_field(reader, f"{arch}.{name}", default)
 
-    heads = int(key("attention.head_count"))
-    hidden = int(key("embedding_length"))
+    def required(name: str) -> int:
+        value = key(name)
+        if value is None:
+            raise ValueError(f"GGUF file {str(path)!r} ({arch}) has no {arch}.{name} key")
+        return int(value)
+
+    heads = required("attention.head_count")
+    hidden = required("embedding_length")
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id", 2)
     vocab = key("vocab_size")
     if vocab is None:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
     head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // heads
-    layers = int(key("block_count"))
-    intermediate = int(key("feed_forward_length"))
+    layers = required("block_count")
+    intermediate = required("feed_forward_length")
     moe: dict[str, Any] = {}
     architecture = GGUF_ARCHITECTURES[arch]
     experts = int(key("expert_count", 0) or 0)
@@ -242,7 +248,7 @@ def gguf_config(path: Path) -> ModelConfig:
             raise ValueError(f"GGUF architecture {arch!r} with {arch}.expert_count {experts}: experts are read for "
                              f"'llama' (Mixtral), 'qwen2moe' and 'qwen3moe'")
         sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names]
-        moe = dict(num_experts=experts, num_experts_per_tok=int(key("expert_used_count")),
+        moe = dict(num_experts=experts, num_experts_per_tok=required("expert_used_count"),
                    moe_intermediate_size=int(key("expert_feed_forward_length", intermediate)),
                    norm_topk_prob=bool(key("expert_weights_norm", arch != "qwen2moe")),
                    shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0) or 0),

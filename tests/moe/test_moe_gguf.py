@@ -194,6 +194,27 @@ def test_unsupported_gguf_architecture_is_named(tmp_path):
         gguf_config(tmp_path / "x.gguf")
 
 
+def test_gguf_missing_keys_are_named(tmp_path):
+    def write(name, **keys):
+        w = gguf.GGUFWriter(str(tmp_path / name), "qwen3moe")
+        w.add_embedding_length(64)
+        w.add_head_count(4)
+        w.add_block_count(1)
+        w.add_vocab_size(256)
+        for k, v in keys.items():
+            w.add_uint32(k, v)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        return tmp_path / name
+
+    with pytest.raises(ValueError, match="has no qwen3moe.feed_forward_length key"):
+        gguf_config(write("a.gguf"))
+    with pytest.raises(ValueError, match="has no qwen3moe.expert_used_count key"):
+        gguf_config(write("b.gguf", **{"qwen3moe.feed_forward_length": 96, "qwen3moe.expert_count": 4}))
+
+
 def test_quantized_stacked_experts_dequantize_per_expert(tmp_path):
     # Q8_0 experts [E, I, H] (real MoE GGUFs quantize them): each yielded expert tensor is that expert's slice
     # dequantized, at the HF shape the loader expects.
