@@ -210,7 +210,7 @@ def gate_select_experts(x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, 
     weights = torch.empty(num_tokens, top_k, dtype=torch.float32, device=x.device)
     ids = torch.empty(num_tokens, top_k, dtype=torch.int64, device=x.device)
     if num_tokens:
-        from roofline.kernels.quant_gemm import _counters
+        from roofline.kernels.splitk import arrival_counters as _counters
 
         logits = torch.empty(num_tokens, num_experts, dtype=torch.float32, device=x.device)
         block_k = min(GATE_BLOCK_K, triton.next_power_of_2(max(hidden, 16)))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []  # outgrown buffers: CUDA graphs captured with them still replay on them
 
 
 def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
@@ -14,10 +15,14 @@ def arrival_counters(device: torch.device, n: int) -> torch.Tensor:
     arrival: each program atomically counts itself in (acq_rel, gpu scope), and the last one reduces and writes
     0 back, so the buffer is zero again when the kernel ends. Kernels of one stream may share it because each
     uses it only after its programmatic-dependent-launch wait (``roofline.kernels.pdl``), i.e. after the kernel
-    before it has finished."""
+    before it has finished; kernels on different streams must not run concurrently on it. A request for more
+    counters than the buffer holds (decode attention asks for rows x kv heads) allocates a larger one and keeps
+    the old one alive, zeroed, for the graphs that captured it."""
     buf = _COUNTERS.get(device)
     if buf is None or buf.numel() < n:
-        buf = torch.zeros(max(n, 16384), dtype=torch.int32, device=device)
+        if buf is not None:
+            _RETIRED.append(buf)
+        buf = torch.zeros(max(n, 2 * buf.numel() if buf is not None else 16384), dtype=torch.int32, device=device)
         _COUNTERS[device] = buf
     return buf
 

@@ -151,7 +151,8 @@ def w4a16_mma_gemm(x: torch.Tensor, qweight_mma: torch.Tensor, scales: torch.Ten
     Raises:
         ValueError: shapes or dtypes that disagree, or more than 64 rows.
     """
-    from roofline.kernels.quant_gemm import _counters, _num_sms, choose_split_k
+    from roofline.kernels.quant_gemm import _num_sms, choose_split_k
+    from roofline.kernels.splitk import arrival_counters as _counters
 
     kt, n16 = qweight_mma.shape
     n, k = n16 // 16, kt * MMA_K_TILE

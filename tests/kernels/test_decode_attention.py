@@ -117,3 +117,19 @@ def test_fused_reduction_replays_in_a_cuda_graph():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, eager)
+
+
+def test_outgrown_arrival_counters_stay_alive():
+    # A CUDA graph captured with the old buffer keeps replaying its atomics on it: growing must not free it.
+    import weakref
+
+    from roofline.kernels.splitk import arrival_counters
+
+    dev = torch.device("cpu")
+    old = arrival_counters(dev, 64)
+    ref = weakref.ref(old)
+    new = arrival_counters(dev, old.numel() + 1)
+    assert new.numel() > old.numel() and new.data_ptr() != old.data_ptr()
+    del old
+    assert ref() is not None and int(ref().abs().sum()) == 0
+    assert arrival_counters(dev, 8) is new
