@@ -39,7 +39,13 @@ class RotaryEmbedding:
         self.max_positions = max_positions
         with torch.device(device or "cpu"):  # computed where it is used (cos/sin round differently per device)
             inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-            if scaling is not None:
+            if scaling is not None and "freq_factors" in scaling:  # a GGUF's rope_freqs tensor (llama.cpp)
+                factors = torch.tensor(scaling["freq_factors"], dtype=torch.float32)
+                if factors.shape != inv_freq.shape:
+                    raise ValueError(f"rope freq_factors has {factors.numel()} values; head_dim {head_dim} "
+                                     f"needs {inv_freq.numel()}")
+                inv_freq = inv_freq / factors
+            elif scaling is not None:
                 inv_freq = llama3_inv_freq(inv_freq, scaling)
             t = torch.arange(max_positions, dtype=torch.float32)
             freqs = torch.outer(t, inv_freq)  # [max_positions, head_dim/2]

@@ -182,6 +182,8 @@ def _gguf_reader(path: str) -> Any:
 
     try:
         return gguf.GGUFReader(path)
+    except (IndexError, KeyError) as e:  # a file cut inside its header
+        raise ValueError(f"cannot read GGUF file {path!r}: {type(e).__name__}: {e}") from e
     except ValueError as e:
         raise ValueError(f"cannot read GGUF file {path!r}: {e}") from e
 
@@ -205,20 +207,23 @@ def gguf_config(path: Path) -> ModelConfig:
 
     Mixture of experts (``{arch}.expert_count`` > 0): ``expert_used_count`` is the top-k, ``expert_feed_forward_length``
     an expert's width (Mixtral: ``feed_forward_length``), ``expert_shared_feed_forward_length`` Qwen2-MoE's shared
-    expert; a layer is MoE where its router tensor (``blk.N.ffn_gate_inp``) is present; top-k renormalization
-    follows ``{arch}.expert_weights_norm`` where written, else llama.cpp's rule (Qwen3-MoE and Mixtral yes,
-    Qwen2-MoE no).
+    expert (both widths read from the tensors' shapes where they are stacked); a layer is MoE where its router
+    tensor (``blk.N.ffn_gate_inp``) is present; top-k renormalization follows ``{arch}.expert_weights_norm`` where
+    written, else llama.cpp's rule (Qwen3-MoE and Mixtral yes, Qwen2-MoE no). A ``rope_freqs`` tensor (Llama 3.1's
+    per-frequency RoPE divisors, as llama.cpp's converter writes them) becomes ``rope_scaling["freq_factors"]``.
 
     Raises:
         ValueError: an architecture not in :data:`GGUF_ARCHITECTURES` (names it and the supported ones), a
-            required key missing (names it), or an unreadable file.
+            required key missing (names it), experts without router tensors, a ``rope.scaling.type`` other than
+            none, or an unreadable file.
     """
     reader = _gguf_reader(str(path))
     arch = _gguf_field(reader, "general.architecture")
     if arch not in GGUF_ARCHITECTURES:
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: "
                          f"{', '.join(repr(a) for a in GGUF_ARCHITECTURES)}")
-    names = {t.name for t in reader.tensors}
+    tensors = {t.name: t for t in reader.tensors}
+    names = set(tensors)
 
     def key(name: str, default: Any = None) -> Any:
         return _gguf_field(reader, f"{arch}.{name}", default)
@@ -233,8 +238,12 @@ def gguf_config(path: Path) -> ModelConfig:
     hidden = required("embedding_length")
     eos = _gguf_field(reader, "tokenizer.ggml.eos_token_id", 2)
     vocab = key("vocab_size")
-    if vocab is None:
+    if vocab is None and "tokenizer.ggml.tokens" in reader.fields:
         vocab = len(reader.fields["tokenizer.ggml.tokens"].data)
+    if vocab is None and "token_embd.weight" in tensors:
+        vocab = int(tensors["token_embd.weight"].shape[1])  # GGUF shapes are innermost-first: [H, vocab]
+    if vocab is None:
+        raise ValueError(f"GGUF file {str(path)!r} has no {arch}.vocab_size, tokenizer.ggml.tokens or token_embd")
     head_dim = key("attention.key_length") or key("rope.dimension_count") or hidden // heads
     layers = required("block_count")
     intermediate = required("feed_forward_length")
@@ -247,12 +256,36 @@ def gguf_config(path: Path) -> ModelConfig:
         elif arch not in ("qwen2moe", "qwen3moe"):
             raise ValueError(f"GGUF architecture {arch!r} with {arch}.expert_count {experts}: experts are read for "
                              f"'llama' (Mixtral), 'qwen2moe' and 'qwen3moe'")
+        top_k = required("expert_used_count")
         sparse = [i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" in names]
-        moe = dict(num_experts=experts, num_experts_per_tok=required("expert_used_count"),
-                   moe_intermediate_size=int(key("expert_feed_forward_length", intermediate)),
+        if not sparse:
+            raise ValueError(f"GGUF file {str(path)!r} has {arch}.expert_count {experts} but no layer's router "
+                             f"tensor (blk.N.ffn_gate_inp.weight)")
+
+        def width(tensor: str, fallback: int) -> int:
+            # An expert's width from its gate tensor (innermost-first [H, I(, E)]), which is what gets loaded; the
+            # keys only where the tensor is stored per expert (older Mixtral files)
+            t = tensors.get(f"blk.{sparse[0]}.{tensor}.weight")
+            return int(t.shape[1]) if t is not None else fallback
+
+        moe = dict(num_experts=experts, num_experts_per_tok=top_k,
+                   moe_intermediate_size=width("ffn_gate_exps", int(key("expert_feed_forward_length", intermediate))),
                    norm_topk_prob=bool(key("expert_weights_norm", arch != "qwen2moe")),
-                   shared_expert_intermediate_size=int(key("expert_shared_feed_forward_length", 0) or 0),
+                   shared_expert_intermediate_size=width("ffn_gate_shexp", 0),
                    mlp_only_layers=tuple(i for i in range(layers) if i not in sparse))
+    scaling_type = key("rope.scaling.type")
+    if scaling_type not in (None, "none"):
+        raise ValueError(f"GGUF file {str(path)!r}: {arch}.rope.scaling.type {scaling_type!r} is not supported "
+                         f"(llama3-style rope_freqs factors are)")
+    rope_scaling = None
+    if "rope_freqs.weight" in tensors:  # Llama 3.1's long-context factors, per frequency (llama.cpp's converter)
+        import gguf
+        import numpy as np
+
+        t = tensors["rope_freqs.weight"]
+        factors = np.asarray(gguf.quants.dequantize(t.data, t.tensor_type), dtype=np.float64).reshape(-1)
+        if not np.all(factors == 1.0):
+            rope_scaling = (("freq_factors", tuple(float(f) for f in factors)), ("rope_type", "gguf_rope_freqs"))
     return ModelConfig(
         architecture=architecture,
         vocab_size=int(vocab),
@@ -265,6 +298,7 @@ def gguf_config(path: Path) -> ModelConfig:
         rms_norm_eps=float(key("attention.layer_norm_rms_epsilon", 1e-5)),
         rope_theta=float(key("rope.freq_base", 10000.0)),
         max_position_embeddings=int(key("context_length", 4096)),
+        rope_scaling=rope_scaling,
         tie_word_embeddings="output.weight" not in names,
         attention_bias="blk.0.attn_q.bias" in names,
         qk_norm="blk.0.attn_q_norm.weight" in names,
@@ -369,7 +403,7 @@ def iter_gguf(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tens
                     tensor = tensor[None, :]  # llama.cpp stores Qwen2-MoE's [1, H] shared-expert gate as [H]
                 yield f"{prefix}.{_GGUF_NAMES[kind]}.{suffix}", tensor
         elif name == "rope_freqs.weight":
-            continue  # llama3 scaling factors; we recompute them from the config
+            continue  # Llama 3.1's scaling factors: gguf_config put them in the config (rope_scaling)
         else:
             raise ValueError(f"unexpected GGUF tensor {name!r}")
 

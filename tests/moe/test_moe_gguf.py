@@ -27,7 +27,7 @@ from roofline.models.loader import gguf_config, iter_safetensors  # noqa: E402
 
 gguf = pytest.importorskip("gguf")
 
-GGUF_ARCH = {"MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
              "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 T = gguf.MODEL_TENSOR
 _LAYER = {"self_attn.q_proj": T.ATTN_Q, "self_attn.k_proj": T.ATTN_K, "self_attn.v_proj": T.ATTN_V,
@@ -48,13 +48,50 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_gguf(hf_dir: Path, hf_config, out: Path, per_expert: bool = False, expert_qtype=None) -> Path:
+class _Writer:
+    """gguf.GGUFWriter that leaves out the keys named in ``omit`` (e.g. "expert_feed_forward_length")."""
+
+    def __init__(self, path: Path, arch: str, omit: frozenset[str]):
+        self.w, self.arch, self.omit = gguf.GGUFWriter(str(path), arch), arch, omit
+
+    def __getattr__(self, name):
+        if name.startswith("add_") and name[4:] in self.omit:
+            return lambda *a, **k: None
+        return getattr(self.w, name)
+
+
+def _llama3_rope_factors(c) -> torch.Tensor:
+    """llama.cpp's ``rope_freqs`` for a Llama 3.1 rope_scaling (LlamaModel.generate_extra_tensors): per frequency,
+    1 for short wavelengths, ``factor`` for long ones, 1 / ((1 - s) / factor + s) between."""
+    import math
+
+    rs = c.rope_parameters if getattr(c, "rope_parameters", None) else c.rope_scaling
+    base = rs.get("rope_theta", getattr(c, "rope_theta", 10000.0))
+    dim = c.hidden_size // c.num_attention_heads
+    freqs = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    factor, low, high, old = (rs["factor"], rs["low_freq_factor"], rs["high_freq_factor"],
+                              rs["original_max_position_embeddings"])
+    out = []
+    for f in freqs.tolist():
+        wavelen = 2 * math.pi / f
+        if wavelen < old / high:
+            out.append(1.0)
+        elif wavelen > old / low:
+            out.append(factor)
+        else:
+            smooth = (old / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return torch.tensor(out, dtype=torch.float32)
+
+
+def write_gguf(hf_dir: Path, hf_config, out: Path, per_expert: bool = False, expert_qtype=None,
+               omit: frozenset[str] = frozenset()) -> Path:
     """``hf_dir``'s safetensors as a GGUF file (fp32 tensors; stacked experts in ``expert_qtype`` if given, a
-    ``gguf.GGMLQuantizationType``), as llama.cpp's converter names and lays them out."""
+    ``gguf.GGMLQuantizationType``), as llama.cpp's converter names and lays them out; ``omit``: keys left out."""
     arch_hf = hf_config.architectures[0]
     arch = GGUF_ARCH[arch_hf]
     c = hf_config
-    w = gguf.GGUFWriter(str(out), arch)
+    w = _Writer(out, arch, omit)
     w.add_block_count(c.num_hidden_layers)
     w.add_context_length(c.max_position_embeddings)
     w.add_embedding_length(c.hidden_size)
@@ -77,6 +114,9 @@ def write_gguf(hf_dir: Path, hf_config, out: Path, per_expert: bool = False, exp
             w.add_expert_feed_forward_length(c.moe_intermediate_size)
         if getattr(c, "shared_expert_intermediate_size", 0):
             w.add_expert_shared_feed_forward_length(c.shared_expert_intermediate_size)
+    rs = c.rope_parameters if getattr(c, "rope_parameters", None) else getattr(c, "rope_scaling", None)
+    if rs and rs.get("rope_type") == "llama3":
+        w.add_tensor(gguf.TENSOR_NAMES[T.ROPE_FREQS] + ".weight", _llama3_rope_factors(c).numpy())
     stacks: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
     for name, t in iter_safetensors(hf_dir):
         t = t.float()
@@ -235,3 +275,66 @@ def test_quantized_stacked_experts_dequantize_per_expert(tmp_path):
         assert got[n].shape == want[n].shape
         assert np.array_equal(got[n].numpy(), ref), n
         assert 0 < (got[n] - want[n].float()).abs().max() < 0.02 * want[n].abs().max()  # really quantized
+
+
+def test_llama31_rope_freqs_match_transformers(tmp_path):
+    # A Llama 3.1-style rope_scaling (original context 64, so the tiny head's frequencies span all three bands):
+    # the GGUF carries it as the rope_freqs tensor, which must give HF's angles.
+    import transformers as tf
+
+    torch.manual_seed(SEED)
+    rope = dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                original_max_position_embeddings=64, rope_theta=10000.0)
+    cfg = tf.LlamaConfig(**{**COMMON, "hidden_size": 64, "num_attention_heads": 4}, rope_scaling=rope)
+    hf = tf.LlamaForCausalLM(cfg).float().eval()
+    save(hf, tmp_path / "hf")
+    factors = _llama3_rope_factors(hf.config)
+    assert factors.min() == 1.0 and factors.max() == 8.0 and ((factors > 1) & (factors < 8)).any()
+    path = write_gguf(tmp_path / "hf", hf.config, tmp_path / "l31.gguf")
+    assert dict(gguf_config(path).rope_scaling)["freq_factors"] == tuple(factors.double().tolist())
+    llm = LLM(str(path), device="cpu", dtype="float32", attention_backend="torch", max_model_len=128,
+              num_kv_blocks=32)
+    ids = PROMPTS[1]
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0].float()
+    assert (prefill_logits(llm, ids) - ref).abs().max().item() < LOGIT_TOL
+
+
+@pytest.mark.parametrize("name,omit", [("qwen3_moe", "expert_feed_forward_length"),
+                                       ("qwen2_moe", "expert_shared_feed_forward_length"),
+                                       ("qwen3_moe", "vocab_size")])
+def test_gguf_widths_and_vocab_come_from_the_tensors(tmp_path, name, omit):
+    # llama.cpp accepts files without these keys; the stacked tensors' shapes say what gets loaded.
+    hf = make_hf_model(name)
+    save(hf, tmp_path / "hf")
+    path = write_gguf(tmp_path / "hf", hf.config, tmp_path / "x.gguf", omit=frozenset({omit}))
+    cfg = gguf_config(path)
+    assert (cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size, cfg.vocab_size) == \
+        (32, 48 if name == "qwen2_moe" else 0, 256)
+    llm = LLM(str(path), device="cpu", dtype="float32", attention_backend="torch", max_model_len=128,
+              num_kv_blocks=32)
+    out = llm.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=4,
+                                                                          ignore_eos=True), use_tqdm=False)
+    assert out[0].outputs[0].token_ids == hf_greedy(hf, PROMPTS[0], 4)
+
+
+def test_bad_gguf_files_are_named(tmp_path):
+    hf = make_hf_model("mixtral")
+    save(hf, tmp_path / "hf")
+    good = write_gguf(tmp_path / "hf", hf.config, tmp_path / "good.gguf")
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(good.read_bytes()[:100])
+    with pytest.raises(ValueError, match="cannot read GGUF file .*cut.gguf"):
+        gguf_config(cut)
+    # experts announced, router tensors gone
+    w = gguf.GGUFWriter(str(tmp_path / "norouter.gguf"), "qwen3moe")
+    for k, v in {"embedding_length": 64, "attention.head_count": 4, "block_count": 1, "vocab_size": 256,
+                 "feed_forward_length": 96, "expert_count": 4, "expert_used_count": 2}.items():
+        w.add_uint32(f"qwen3moe.{k}", v)
+    w.add_tensor("token_embd.weight", torch.zeros(256, 64).numpy())
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    with pytest.raises(ValueError, match="expert_count 4 but no layer's router tensor"):
+        gguf_config(tmp_path / "norouter.gguf")
