@@ -296,15 +296,16 @@ if triton is not None:
             tl.store(lse_row + split, lse, mask=gmask)
             if FUSED:
                 # Last arrival reduces (as splitk._splitk_epilogue): the (sequence, kv head)'s last split program
-                # to count itself in merges all NUM_SPLITS partials, in split order, as _decode_reduce_kernel
-                # does, then re-arms the counter. .cg loads: the other programs' partials are in L2, not our L1.
+                # to count itself in merges all NUM_SPLITS partials with _decode_reduce_kernel's weights (its fp32
+                # sum in another order), then re-arms the counter. .cg loads: the other programs' partials are in L2, not our L1.
                 tl.debug_barrier()
                 pair = seq * tl.num_programs(1) + kv_head
                 arrived = tl.atomic_add(Counters + pair, 1, sem="acq_rel", scope="gpu")
                 if arrived == NUM_SPLITS - 1:
                     # All splits' loads at once (a serial loop over splits cost ~1.5% of a batch-1 step on the
                     # H100): lse as [GROUP_P2, SPLITS_P2], the partials in chunks of RED_SPLITS splits as
-                    # [GROUP_P2, RED_SPLITS, BLOCK_D] (<= 4K values, bounded registers at 64 splits).
+                    # [GROUP_P2, RED_SPLITS, BLOCK_D] (<= max(4K, GROUP_P2 x BLOCK_D) values: bounded registers at
+                    # 64 splits).
                     offs_r = tl.arange(0, GROUP_P2)
                     rmask = offs_r < GROUP
                     rheads = kv_head * GROUP + offs_r
@@ -539,7 +540,7 @@ def paged_decode_attention(
             # fp16 (one packed cvt on sm_90) with fp16 dots runs 1.15-1.23x bf16 KV, codes -> bf16 0.94-1.15x.
             DOT_F16=bool(quant) and q.dtype == torch.bfloat16, TREE=int(tree), FUSED=int(fused),
             GROUP_P2=group_p2, SPLITS_P2=splits_p2,
-            RED_SPLITS=min(splits_p2, max(1, 4096 // (group_p2 * block_d))),  # <= 4K partial values a chunk
+            RED_SPLITS=min(splits_p2, max(1, 4096 // (group_p2 * block_d))),  # <= 4K values a chunk (or 1 split)
             num_warps=num_warps, num_stages=num_stages, **pdl.launch_kwargs(q.device),
         )
         if fused:

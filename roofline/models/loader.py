@@ -371,7 +371,8 @@ def iter_gguf(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tens
     block, expert_names = moe_checkpoint_names(config.architecture)
     for t in reader.tensors:
         data = gguf.quants.dequantize(t.data, t.tensor_type)
-        tensor = torch.from_numpy(np.array(data, dtype=np.float32))  # copy: GGUF memmaps are read-only
+        # a copy only where needed: an F32 tensor is the file's read-only memmap, a dequantized one a new array
+        tensor = torch.from_numpy(np.require(np.asarray(data), dtype=np.float32, requirements=["C", "W"]))
         name = t.name
         if name == "token_embd.weight":
             yield "model.embed_tokens.weight", tensor
