@@ -232,6 +232,13 @@ class EngineArgs:
         if quantization == "auto":  # the fastest format for this device, named with its measured quality
             quantization, requested_dtype, quantization_note = self._auto_quantization(on_cuda)
             logging.getLogger(__name__).info("quantization auto: %s", quantization_note)
+        if model_config.num_experts and quantization not in (None, "none"):
+            from roofline.quant.moe import MOE_METHODS
+
+            if quantization in QUANTIZATION_METHODS and quantization not in MOE_METHODS:  # before any layer is built
+                raise ValueError(f"--quantization {quantization}: {model_config.architecture} has "
+                                 f"{model_config.num_experts} experts, and {quantization!r} has no expert (MoE) "
+                                 f"kernel; formats with one: {', '.join(MOE_METHODS)} (or none: 16-bit experts)")
         dtype = requested_dtype if requested_dtype != "auto" else ("bfloat16" if on_cuda else "float32")
         kv_dtype = {"auto": dtype, "fp8": "fp8_e4m3"}.get(self.kv_cache_dtype, self.kv_cache_dtype)
         triton_ok = on_cuda and _triton_importable()

@@ -103,9 +103,16 @@ def _read_prompts(path: str) -> list[str]:
                 record = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{what} line {lineno} is not JSON ({e.msg})") from None
+            ids = record.get("prompt_token_ids") if isinstance(record, dict) else None
+            if ids is not None:  # vLLM's TokensPrompt: a model without a tokenizer takes these only
+                if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+                    raise ValueError(f"{what} line {lineno}: 'prompt_token_ids' must be a non-empty list of "
+                                     f"integers >= 0, got {json.dumps(ids)[:80]}")
+                prompts.append({"prompt_token_ids": ids})
+                continue
             if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
-                raise ValueError(f"{what} line {lineno} must be a JSON object with a string 'prompt' key, "
-                                 f"got {line[:80]!r}")
+                raise ValueError(f"{what} line {lineno} must be a JSON object with a string 'prompt' key "
+                                 f"(or a 'prompt_token_ids' list), got {line[:80]!r}")
             prompts.append(record["prompt"])
         else:
             prompts.append(line)
@@ -144,6 +151,10 @@ def run_generate(args: argparse.Namespace) -> int:
     else:
         from roofline.bench.datasets import sample_sharegpt
 
+        if llm.tokenizer is None:
+            raise ValueError("this model has no tokenizer (dummy weights, or a GGUF file without a vocabulary), so "
+                             "ShareGPT prompts cannot be encoded; give --prompts-file FILE.jsonl with one "
+                             '{"prompt_token_ids": [...]} object per line')
         n = args.sharegpt or 32
         max_len = llm.engine.config.scheduler_config.max_model_len
         reqs = sample_sharegpt(llm.tokenizer, n, seed=args.dataset_seed,
@@ -156,9 +167,9 @@ def run_generate(args: argparse.Namespace) -> int:
         use_template = not (args.prompt or args.prompts_file) and llm.tokenizer is not None \
             and getattr(llm.tokenizer, "chat_template", None) is not None
     display = [p if isinstance(p, str) else None for p in prompts]
-    if use_template:
+    if use_template:  # text prompts only: token ids go in as they are
         prompts = [{"prompt_token_ids": llm.apply_chat_template([{"role": "user", "content": p}])}
-                   for p in prompts]
+                   if isinstance(p, str) else p for p in prompts]
     params = params_list or base_params
     outputs = llm.generate(prompts, params, use_tqdm=not args.no_progress)
     for i, ro in enumerate(outputs[: args.show]):

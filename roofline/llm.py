@@ -126,7 +126,7 @@ class LLM:
     ) -> list[RequestOutput]:
         """Apply the model's chat template to one conversation or a list of them, then generate."""
         if self.tokenizer is None:
-            raise ValueError("chat needs a tokenizer; this model has none (dummy weights)")
+            raise ValueError("chat needs a tokenizer; this model has none (dummy weights, or a GGUF file without a vocabulary)")
         if not isinstance(messages, (list, tuple)) or not all(isinstance(m, (dict, list, tuple)) for m in messages):
             raise TypeError("messages must be a conversation (a list of {'role': ..., 'content': ...} dicts) or a "
                             f"list of conversations; got {type(messages).__name__}"

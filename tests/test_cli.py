@@ -97,6 +97,8 @@ def _prompts_file_cases(tmp_path):
     bad_json.write_text('{"prompt": "a"}\nnot json\n')
     no_key = tmp_path / "nokey.jsonl"
     no_key.write_text('{"text": "a"}\n')
+    bad_ids = tmp_path / "badids.jsonl"
+    bad_ids.write_text('{"prompt_token_ids": [1, 2]}\n{"prompt_token_ids": [1, -2]}\n')
     return [
         ("/dev/null", ValueError, "--prompts-file '/dev/null' is not a regular file (a device, pipe or socket); "
                                   "give a text file with one prompt per line"),
@@ -108,7 +110,9 @@ def _prompts_file_cases(tmp_path):
         (str(blank), ValueError, f"--prompts-file {str(blank)!r} has no prompts (only blank lines)"),
         (str(bad_json), ValueError, f"--prompts-file {str(bad_json)!r} line 2 is not JSON (Expecting value)"),
         (str(no_key), ValueError, f"--prompts-file {str(no_key)!r} line 1 must be a JSON object with a string "
-                                  "'prompt' key, got '{\"text\": \"a\"}'"),
+                                  "'prompt' key (or a 'prompt_token_ids' list), got '{\"text\": \"a\"}'"),
+        (str(bad_ids), ValueError, f"--prompts-file {str(bad_ids)!r} line 2: 'prompt_token_ids' must be a non-empty "
+                                   "list of integers >= 0, got [1, -2]"),
     ]
 
 
@@ -150,8 +154,8 @@ def test_prompts_file_lines_and_jsonl_are_read(tmp_path):
     text.write_text("first prompt\n\nsecond\n")
     assert _read_prompts(str(text)) == ["first prompt", "second"]
     jsonl = tmp_path / "p.jsonl"
-    jsonl.write_text('{"prompt": "a b"}\n\n{"prompt": "c", "id": 2}\n')
-    assert _read_prompts(str(jsonl)) == ["a b", "c"]
+    jsonl.write_text('{"prompt": "a b"}\n\n{"prompt": "c", "id": 2}\n{"prompt_token_ids": [1, 5, 0]}\n')
+    assert _read_prompts(str(jsonl)) == ["a b", "c", {"prompt_token_ids": [1, 5, 0]}]
 
 
 def test_negative_show_is_refused_before_the_model_loads(no_model):

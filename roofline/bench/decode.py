@@ -138,8 +138,15 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     contexts = parse_sizes(args.contexts)
     quants = [None if q in ("none", "") else q for q in args.quantization.split(",")]
     executors = [None if e in ("", "auto") else e for e in args.executor.split(",")]
-    pdls = [int(p) for p in str(getattr(args, "pdl", "") or "").split(",") if p != ""] or [None]
+    if args.steps < 1 or args.warmup < 0:
+        raise ValueError(f"--steps must be >= 1 and --warmup >= 0, got {args.steps} and {args.warmup}")
+    pdls = [p for p in str(getattr(args, "pdl", "") or "").split(",") if p != ""]
+    if any(p not in ("0", "1", "2") for p in pdls):
+        raise ValueError(f"--pdl {','.join(pdls)!r}: expected modes 0, 1 or 2")
+    pdls = [int(p) for p in pdls] or [None]
     int4ks = [k for k in str(getattr(args, "int4_kernel", "") or "").split(",") if k] or [None]
+    if any(k not in (None, "mma", "triton") for k in int4ks):
+        raise ValueError(f"--int4-kernel {','.join(map(str, int4ks))!r}: expected mma or triton")
     reduces = [r for r in str(getattr(args, "attention_reduce", "") or "").split(",") if r] or [None]
     bad = [r for r in reduces if r not in (None, "fused", "kernel")]
     if bad:

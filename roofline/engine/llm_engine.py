@@ -134,7 +134,7 @@ class LLMEngine:
     def tokenize(self, prompt: str) -> list[int]:
         """Token ids of ``prompt``. Raises ValueError: no tokenizer, or text that is not valid Unicode."""
         if self.tokenizer is None:
-            raise ValueError("this model has no tokenizer (dummy weights); pass prompt token ids")
+            raise ValueError("this model has no tokenizer (dummy weights, or a GGUF file without a vocabulary); pass prompt token ids")
         check_unicode(prompt, "prompt")
         return list(self.tokenizer(prompt, add_special_tokens=True).input_ids)
 

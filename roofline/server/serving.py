@@ -126,7 +126,7 @@ class OpenAIServing:
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if self.tokenizer is None:
-            raise bad_request("this model has no tokenizer (dummy weights); send the prompt as token ids",
+            raise bad_request("this model has no tokenizer (dummy weights, or a GGUF file without a vocabulary); send the prompt as token ids",
                               param="prompt")
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens).input_ids)
 

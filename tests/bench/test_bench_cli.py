@@ -5,8 +5,11 @@ timed tests)."""
 from __future__ import annotations
 
 import json
+import re
 
-from roofline.cli import main
+import pytest
+
+from roofline.cli import build_parser, main
 
 
 def test_bench_decode_writes_rows_beside_the_floor(tmp_path):
@@ -115,3 +118,20 @@ def test_git_sha_marks_a_tree_that_differs_from_head(tmp_path, monkeypatch):
     assert json.loads(path.read_text())["git_commit"] == f"{head}-dirty"
     monkeypatch.setenv("ROOFLINE_GIT_SHA", "abc123")
     assert git_sha() == "abc123"
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--attention-reduce", "fused,bogus"], "--attention-reduce 'bogus': expected fused or kernel"),
+    (["--pdl", "1,x"], "--pdl '1,x': expected modes 0, 1 or 2"),
+    (["--int4-kernel", "marlin"], "--int4-kernel 'marlin': expected mma or triton"),
+    (["--steps", "0"], "--steps must be >= 1 and --warmup >= 0, got 0 and"),
+    (["--warmup", "-1"], "--warmup >= 0, got"),
+])
+def test_bench_decode_bad_flags_are_named_before_the_model_loads(flags, message, monkeypatch):
+    import roofline.bench.decode as decode
+
+    monkeypatch.setattr(decode, "build_engine", lambda *a, **k: pytest.fail("the engine was built first"))
+    args = build_parser().parse_args(["bench", "decode", "--model", "smollm2-135m", "--batch-sizes", "1",
+                                      "--contexts", "8", *flags])
+    with pytest.raises(ValueError, match=re.escape(message)):
+        decode.run_decode_bench(args)

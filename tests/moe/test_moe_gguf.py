@@ -338,3 +338,34 @@ def test_bad_gguf_files_are_named(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="expert_count 4 but no layer's router tensor"):
         gguf_config(tmp_path / "norouter.gguf")
+
+
+def test_generate_cli_takes_token_ids_for_a_gguf_without_vocabulary(tmp_path, capsys):
+    # `roofline generate` on a vocabulary-less GGUF: token ids from a JSONL prompts file (vLLM's prompt_token_ids)
+    # run (5 tokens each); without prompts (the ShareGPT default) the missing tokenizer is named, no traceback.
+    from roofline.cli import build_parser
+    from roofline.commands import run_generate
+
+    hf = make_hf_model("qwen3_moe")
+    save(hf, tmp_path / "hf")
+    path = write_gguf(tmp_path / "hf", hf.config, tmp_path / "q.gguf")
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text("".join(f'{{"prompt_token_ids": {p}}}\n' for p in PROMPTS))
+    common = ["generate", "--model", str(path), "--device", "cpu", "--dtype", "float32", "--attention-backend", "torch",
+              "--floor", "none", "--no-progress", "--temperature", "0", "--max-tokens", "5", "--ignore-eos"]
+    assert run_generate(build_parser().parse_args([*common, "--prompts-file", str(ids)])) == 0
+    out = capsys.readouterr().out
+    assert out.count("output [0] (5 tokens, finish_reason=length)") == len(PROMPTS)
+    with pytest.raises(ValueError, match="no tokenizer .*GGUF file without a vocabulary.*prompt_token_ids"):
+        run_generate(build_parser().parse_args(common))
+
+
+def test_moe_quantization_without_expert_kernel_is_refused_first(tmp_path):
+    # int4 on an MoE model: the missing expert kernel is named before anything else (it used to ask for another
+    # group size first, and only then say that int4 has no expert kernel)
+    hf = make_hf_model("mixtral")
+    save(hf, tmp_path / "hf")
+    path = write_gguf(tmp_path / "hf", hf.config, tmp_path / "m.gguf")
+    with pytest.raises(ValueError, match=r"--quantization int4: MixtralForCausalLM has 8 experts, and 'int4' has no "
+                                         r"expert \(MoE\) kernel; formats with one: int8, fp8"):
+        LLM(str(path), device="cpu", dtype="float32", quantization="int4", max_model_len=128, num_kv_blocks=32)
