@@ -40,9 +40,9 @@ def _reuse_dequantized_gguf():
     load on a 2-core CPU, and the suite builds dozens of engines: keep the last file's dequantized tensors for
     the session and give each load copies. A file's first load runs the real path; loads in spawned worker
     processes (tensor and pipeline parallel tests) always do."""
-    from roofline.models import loader
+    from roofline.models import gguf_file
 
-    real = loader.iter_gguf
+    real = gguf_file.iter_gguf
     cache: dict[tuple, list] = {}
 
     def iter_gguf(path, config):
@@ -53,9 +53,9 @@ def _reuse_dequantized_gguf():
         for name, tensor in cache[key]:
             yield name, tensor.clone()
 
-    loader.iter_gguf = iter_gguf
+    gguf_file.iter_gguf = iter_gguf
     yield
-    loader.iter_gguf = real
+    gguf_file.iter_gguf = real
 
 
 @pytest.fixture(scope="session")

@@ -23,7 +23,8 @@ from test_moe_models import COMMON, LOGIT_TOL, NUM_NEW, PROMPTS, SEED, make_hf_m
 from test_parity import hf_greedy, prefill_logits  # noqa: E402
 
 from roofline import LLM, SamplingParams  # noqa: E402
-from roofline.models.loader import gguf_config, iter_safetensors  # noqa: E402
+from roofline.models.gguf_file import gguf_config  # noqa: E402
+from roofline.models.loader import iter_safetensors  # noqa: E402
 
 gguf = pytest.importorskip("gguf")
 
@@ -260,7 +261,7 @@ def test_quantized_stacked_experts_dequantize_per_expert(tmp_path):
     # dequantized, at the HF shape the loader expects.
     import numpy as np
 
-    from roofline.models.loader import iter_gguf
+    from roofline.models.gguf_file import iter_gguf
 
     hf = make_hf_model("qwen3_moe")
     save(hf, tmp_path / "hf")
