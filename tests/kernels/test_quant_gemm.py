@@ -120,10 +120,15 @@ W4_SHAPES = [(1, 64, 256, 32), (5, 80, 256, 64), (19, 48, 384, 128)]
 @pytest.mark.parametrize("m,n,k,group_size", W4_SHAPES)
 @pytest.mark.parametrize("cfg", ["default", "split3", "unpack", "tiled", "bk128"])
 def test_w4a16_matches_f64(m, n, k, group_size, cfg, dtype):
+    _check_w4a16(m, n, k, group_size, CONFIGS[cfg], dtype)
+
+
+def _check_w4a16(m, n, k, group_size, config, dtype):
+    # w4a16_gemm with ``config`` within the dtype's tolerance of float64 and of the ref_ twin
     cw = _int4_case(n, k, group_size, dtype, seed=m + n)
     p = _to(qg.prepare_int4(cw, dtype), DEVICE)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEVICE)
-    out = qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, group_size, config=CONFIGS[cfg])
+    out = qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, group_size, config=config)
     assert out.shape == (m, n) and out.dtype == dtype
     ref64 = x.cpu().double() @ _int4_f64(cw).t()
     assert rel_err(out.cpu(), ref64) < TOL[dtype]
@@ -300,14 +305,7 @@ def test_w4a16_ws_matches_f64(m, n, k, group_size, cfg, dtype):
         pytest.skip("the interpreter: the small shapes cover the fallback")
     if dtype == torch.float32 and m * n * k > 2**24:
         pytest.skip("the fp32 fallback at the 8B's shapes is slow")
-    cw = _int4_case(n, k, group_size, dtype, seed=m + n)
-    p = _to(qg.prepare_int4(cw, dtype), DEVICE)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m)).to(dtype).to(DEVICE)
-    out = qg.w4a16_gemm(x, p.qweight, p.scales, p.zeros, group_size, config=W4_WS_CONFIGS[cfg])
-    assert out.shape == (m, n) and out.dtype == dtype
-    ref64 = x.cpu().double() @ _int4_f64(cw).t()
-    assert rel_err(out.cpu(), ref64) < TOL[dtype]
-    assert rel_err(out, qg.ref_w4a16_gemm(x, p.qweight, p.scales, p.zeros, group_size)) < TOL[dtype]
+    _check_w4a16(m, n, k, group_size, W4_WS_CONFIGS[cfg], dtype)
 
 
 @pytest.mark.gpu
