@@ -297,7 +297,8 @@ if triton is not None:
             if FUSED:
                 # Last arrival reduces (as splitk._splitk_epilogue): the (sequence, kv head)'s last split program
                 # to count itself in merges all NUM_SPLITS partials with _decode_reduce_kernel's weights (its fp32
-                # sum in another order), then re-arms the counter. .cg loads: the other programs' partials are in L2, not our L1.
+                # sum in another order), then re-arms the counter. .cg loads: the other programs' partials are in
+                # L2, not our L1.
                 tl.debug_barrier()
                 pair = seq * tl.num_programs(1) + kv_head
                 arrived = tl.atomic_add(Counters + pair, 1, sem="acq_rel", scope="gpu")

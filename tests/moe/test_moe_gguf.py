@@ -28,7 +28,8 @@ from roofline.models.loader import iter_safetensors  # noqa: E402
 
 gguf = pytest.importorskip("gguf")
 
-GGUF_ARCH = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe", "Qwen3MoeForCausalLM": "qwen3moe",
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "MixtralForCausalLM": "llama", "Qwen2MoeForCausalLM": "qwen2moe",
+             "Qwen3MoeForCausalLM": "qwen3moe",
              "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3"}
 T = gguf.MODEL_TENSOR
 _LAYER = {"self_attn.q_proj": T.ATTN_Q, "self_attn.k_proj": T.ATTN_K, "self_attn.v_proj": T.ATTN_V,
