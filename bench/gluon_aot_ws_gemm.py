@@ -26,9 +26,13 @@ CONFIGS = [  # (BLOCK_M, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS, ws): the sweep's (
     (64, 128, 64, 4, 4, 1), (64, 256, 64, 4, 4, 1), (128, 128, 64, 4, 4, 1), (128, 64, 128, 3, 4, 1),
     (64, 128, 128, 3, 4, 1), (64, 64, 64, 2, 4, 1), (128, 256, 64, 3, 4, 2), (128, 128, 64, 4, 4, 2),
     (64, 256, 64, 4, 4, 2), (128, 256, 64, 2, 4, 2),
+    # 8 converter warps; 256-row tiles (two warpgroups, two m64 wgmma each a K step)
+    (128, 128, 64, 4, 8, 2), (128, 128, 64, 4, 8, 1), (256, 128, 64, 3, 4, 2), (256, 128, 64, 3, 8, 2),
+    (256, 64, 128, 3, 4, 2), (128, 256, 64, 3, 8, 2),
 ]
 INT4_CONFIGS = [(128, 128, 64, 4, 4, 1), (128, 128, 64, 4, 4, 2), (64, 128, 64, 4, 4, 1), (128, 256, 64, 3, 4, 2),
-                (64, 256, 64, 4, 4, 2)]
+                (64, 256, 64, 4, 4, 2), (128, 128, 64, 4, 8, 2), (256, 128, 64, 4, 4, 2), (256, 128, 64, 4, 8, 2),
+                (128, 256, 64, 3, 8, 2)]
 
 
 def main() -> int:
@@ -39,7 +43,7 @@ def main() -> int:
     int4 = [(c, 1, 1) for c in INT4_CONFIGS] + [(INT4_CONFIGS[0], 3, 1)] + [(c, 1, 2) for c in INT4_CONFIGS]
     for dtype, gdt in (("bf16", gl.bfloat16), ("fp16", gl.float16)):
         for (bm, bn, bk, stages, cw, ws), split, is4 in [(c, 1, 0) for c in CONFIGS] + [(CONFIGS[2], 4, 0)] + int4:
-            nw = bm // 16
+            nw = 4 if bm == 64 else 8  # ws_gemm.mma_warps
             x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gdt)
             q_block = [bk // 8, bn] if is4 else [bn, bk]
             q_layout = gl.NVMMASharedLayout.get_default_for(q_block, gl.int32 if is4 else gl.int8)
@@ -52,7 +56,7 @@ def main() -> int:
                    "SPLIT_K": "constexpr", "CVT_WARPS": "constexpr", "CVT_REGS": "constexpr", "W_LAYOUT": "constexpr",
                    "num_warps": "constexpr", "LOADER": "constexpr", "Z": f"*{dtype}" if is4 else "*fp32",
                    "GROUP": "i32", "INT4": "constexpr"}
-            cx = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, SPLIT_K=split, CVT_WARPS=cw, CVT_REGS=128,
+            cx = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, SPLIT_K=split, CVT_WARPS=cw, CVT_REGS=min(128, mod.ws_maxnreg(nw, cw, ws == 1)),
                       W_LAYOUT=w_layout, num_warps=nw, LOADER=ws == 1, INT4=is4)
             name = f"{('int8', 'int4', 'int4p')[is4]} {dtype} BM{bm} BN{bn} BK{bk} S{stages} cvt{cw} ws{ws} split{split}"
             try:

@@ -41,9 +41,12 @@ class GemmConfig:
     swap_ab: bool = False
     # INT8 W8A16 and INT4 W4A16 only: the warp-specialized Gluon GEMM on sm_90 (``roofline.kernels.ws_gemm``:
     # 1 (True) a TMA loader, a converter and an MMA partition; 2 the converter issues the copies itself (no loader
-    # warp: more registers for the MMA, which 128 x 256 tiles need); block_m 64 / 128, num_warps unused, split_k
+    # warp: more registers for the MMA, which 128 x 256 tiles need); block_m 64 / 128 / 256, num_warps unused, split_k
     # None: ws_gemm.choose_ws_split); elsewhere the tiled default.
     ws: int = 0
+    # ws only: the converter partition's warps (None: ws_gemm.CVT_WARPS, 4); 8 doubles the warps that convert
+    # codes (one a scheduler is latency-bound), at 128 registers a thread for every partition without the loader.
+    cvt_warps: int | None = None
     # GEMV configs take num_stages=1: the kernel prefetches the next tile itself, and Triton's pipeliner on top of
     # that gave wrong 16-bit results on the H200 (triton 3.6, 2026-12-01).
 

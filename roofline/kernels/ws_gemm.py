@@ -23,6 +23,12 @@ CVT_WARPS = 4
 CVT_REGS = 128
 
 
+def mma_warps(block_m: int) -> int:
+    """Warps of the MMA partition: one warpgroup (4) for a 64-row tile, two (8) for 128 or 256 rows (at 256 each
+    warpgroup issues two m64 ``wgmma`` a K step, so a weight tile is converted once for 256 rows)."""
+    return 4 if block_m == 64 else 8
+
+
 @functools.cache
 def _sm90(index: int | None) -> bool:
     return torch.cuda.get_device_capability(index)[0] == 9
@@ -31,7 +37,7 @@ def _sm90(index: int | None) -> bool:
 def ws_unsupported_reason(x: torch.Tensor, q: torch.Tensor, block_m: int, block_n: int, block_k: int,
                           stages: int, group_size: int | None = None) -> str | None:
     """Why the kernel cannot run this call (None: it can): Gluon missing, not an sm_90 GPU, x not bf16/fp16 with
-    16-byte aligned rows, K not a multiple of 16, a tile that does not fit (BLOCK_M 64 or 128, BLOCK_K a multiple of
+    16-byte aligned rows, K not a multiple of 16, a tile that does not fit (BLOCK_M 64, 128 or 256, BLOCK_K a multiple of
     64, BLOCK_N a multiple of 64 up to 256 (``wgmma``'s N), shared memory over ``MAX_SMEM``). ``q`` int8 [N, K] codes, or (``group_size`` given) INT4 qweight int32
     [K / 8, N], whose group size must be a multiple of BLOCK_K and N a multiple of 4 (16-byte TMA rows)."""
     if gluon_ws_gemm_kernel is None:
@@ -48,7 +54,7 @@ def ws_unsupported_reason(x: torch.Tensor, q: torch.Tensor, block_m: int, block_
         return f"INT4 group size {group_size} not a multiple of BLOCK_K {block_k}, or N {q.shape[1]} not of 4"
     code_bytes = block_n * block_k // 2 if int4 else block_n * block_k
     need = stages * (block_m * block_k * 2 + code_bytes + block_n * block_k * 2 + 24)
-    if block_m not in (64, 128) or block_k % 64 or block_n % 64 or block_n > 256 or need > MAX_SMEM:
+    if block_m not in (64, 128, 256) or block_k % 64 or block_n % 64 or block_n > 256 or need > MAX_SMEM:
         return f"tile {block_m}x{block_n}x{block_k} x {stages} stages does not fit"
     return None
 
@@ -66,7 +72,8 @@ def choose_ws_split(tiles: int, k_tiles: int, num_sms: int) -> int:
 
 def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_m: int, block_n: int,
                   block_k: int, stages: int, split_k: int | None = None, num_sms: int | None = None,
-                  counters: torch.Tensor | None = None, loader: bool = True) -> torch.Tensor:
+                  counters: torch.Tensor | None = None, loader: bool = True,
+                  cvt_warps: int = CVT_WARPS) -> torch.Tensor:
     """``x`` [M, K] bf16/fp16 @ (``q`` int8 [N, K] * ``scales`` float32 [N])^T -> [M, N] in x's dtype (fp32
     accumulation, the scale in the epilogue). ``split_k`` None: :func:`choose_ws_split`; with more than one split
     the fp32 partial sums go to a scratch buffer and the last split of each output tile sums them in split order
@@ -79,13 +86,13 @@ def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_
     q_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.int8)
     q_desc = TensorDescriptor(q, [n, x.shape[1]], [q.stride(0), 1], [block_n, block_k], q_layout)
     return _launch(x, q_desc, n, scales, scales, block_k, 0, block_m, block_n, block_k, stages, split_k, num_sms,
-                   counters, loader)
+                   counters, loader, cvt_warps)
 
 
 def w4a16_ws_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                   group_size: int, block_m: int, block_n: int, block_k: int, stages: int, split_k: int | None = None,
                   num_sms: int | None = None, counters: torch.Tensor | None = None,
-                  loader: bool = True, int4_packed: bool = True) -> torch.Tensor:
+                  loader: bool = True, int4_packed: bool = True, cvt_warps: int = CVT_WARPS) -> torch.Tensor:
     """INT4 on the same kernel: ``x`` [M, K] bf16/fp16 @ W^T, W = (q - zeros) * scales per group of
     ``group_size`` input channels, ``qweight`` int32 [K / 8, N] (``quant_layouts.pack_int4``), ``scales`` /
     ``zeros`` [K / G, N] in x's dtype -> [M, N] in x's dtype. The converter partition dequantizes each code tile
@@ -100,11 +107,11 @@ def w4a16_ws_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     q_desc = TensorDescriptor(qweight, [qweight.shape[0], n], [qweight.stride(0), 1], [block_k // 8, block_n],
                               q_layout)
     return _launch(x, q_desc, n, scales, zeros, group_size, 2 if int4_packed else 1, block_m, block_n, block_k,
-                   stages, split_k, num_sms, counters, loader)
+                   stages, split_k, num_sms, counters, loader, cvt_warps)
 
 
 def _launch(x, q_desc, n, scales, zeros, group, int4, block_m, block_n, block_k, stages, split_k, num_sms, counters,
-            loader) -> torch.Tensor:
+            loader, cvt_warps) -> torch.Tensor:
     m, k = x.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -113,8 +120,8 @@ def _launch(x, q_desc, n, scales, zeros, group, int4, block_m, block_n, block_k,
     x_layout = gl.NVMMASharedLayout.get_default_for([block_m, block_k], gdt)
     w_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gdt)
     x_desc = TensorDescriptor(x, [m, k], [x.stride(0), 1], [block_m, block_k], x_layout)
-    num_warps = block_m // 16
-    maxnreg = ws_maxnreg(num_warps, CVT_WARPS, loader)
+    num_warps = mma_warps(block_m)
+    maxnreg = ws_maxnreg(num_warps, cvt_warps, loader)
     tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
     k_tiles = triton.cdiv(k, block_k)
     per_split = triton.cdiv(k_tiles, min(split_k or choose_ws_split(
@@ -126,7 +133,7 @@ def _launch(x, q_desc, n, scales, zeros, group, int4, block_m, block_n, block_k,
                     else torch.empty(1, dtype=torch.int32, device=x.device))
     gluon_ws_gemm_kernel[(tiles, split)](
         x_desc, q_desc, scales, out, partials, counters, m, n, k, out.stride(0), per_split,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT_K=split, CVT_WARPS=CVT_WARPS,
-        CVT_REGS=CVT_REGS, W_LAYOUT=w_layout, num_warps=num_warps, LOADER=loader, Z=zeros, GROUP=group, INT4=int4,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT_K=split, CVT_WARPS=cvt_warps,
+        CVT_REGS=min(CVT_REGS, maxnreg), W_LAYOUT=w_layout, num_warps=num_warps, LOADER=loader, Z=zeros, GROUP=group, INT4=int4,
         maxnreg=maxnreg)
     return out

@@ -193,7 +193,11 @@ WS_CONFIGS = {"ws64": GemmConfig(64, 128, 64, 4, 4, ws=True), "ws128": GemmConfi
               "ws128split3": GemmConfig(128, 128, 64, 8, 4, split_k=3, ws=True),  # 3 K splits, fp32 partials
               # no loader warp (the converter issues the copies): 128 x 256 and 64 x 256 tiles, split-K
               "ws2n256": GemmConfig(128, 256, 64, 8, 3, ws=2), "ws2m64": GemmConfig(64, 256, 64, 4, 4, ws=2),
-              "ws2split3": GemmConfig(128, 128, 64, 8, 4, split_k=3, ws=2)}
+              "ws2split3": GemmConfig(128, 128, 64, 8, 4, split_k=3, ws=2),
+              # 256-row tiles (two m64 wgmma a warpgroup) and 8 converter warps
+              "ws2m256": GemmConfig(256, 128, 64, 8, 3, ws=2), "ws2cvt8": GemmConfig(128, 128, 64, 8, 4, ws=2,
+                                                                                       cvt_warps=8),
+              "ws1cvt8": GemmConfig(128, 128, 64, 8, 4, ws=1, cvt_warps=8)}
 
 
 def test_ws_split_fills_the_sms_in_whole_k_runs():
@@ -290,7 +294,9 @@ def test_ws_is_refused_outside_int8_and_int4():
 
 W4_WS_CONFIGS = {"ws128": GemmConfig(128, 128, 64, 8, 4, ws=1), "ws2n256": GemmConfig(128, 256, 64, 8, 3, ws=2),
                  "ws64": GemmConfig(64, 128, 64, 4, 4, ws=1), "ws2split3": GemmConfig(128, 128, 64, 8, 4, split_k=3,
-                                                                                        ws=2)}
+                                                                                        ws=2),
+                 "ws2m256": GemmConfig(256, 128, 64, 8, 4, ws=2),
+                 "ws2cvt8": GemmConfig(128, 128, 64, 8, 4, ws=2, cvt_warps=8)}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
