@@ -67,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, FileNotFoundError, MemoryError) as e:
         print(f"roofline: error: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -348,6 +348,28 @@ def _versions(device: str) -> dict[str, Any]:
     return v
 
 
+def host_memory_available() -> int | None:
+    """Bytes of host memory a new allocation can take now: Linux's ``MemAvailable`` (/proc/meminfo, free plus
+    reclaimable page cache), capped by the cgroup v2 limit (``memory.max`` - ``memory.current``) when the process
+    runs under one. None where neither can be read (not Linux)."""
+    avail: int | None = None
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                avail = int(line.split()[1]) * 1024
+                break
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        if limit != "max":
+            room = int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
+            avail = room if avail is None else min(avail, room)
+    except (OSError, ValueError):
+        pass
+    return avail
+
+
 def _device_name_and_capacity(device: str) -> tuple[str, float | None]:
     import torch
 

@@ -143,3 +143,50 @@ def test_integer_gemm_rates_print_in_top_per_s(tmp_path, capsys, monkeypatch):
         "floor inputs:       10.0 GB/s, 3.000 TOP/s (measured); bound by memory"
     assert floor_inputs_line({**rep, "peak_dtype": "fp32"}) == \
         "floor inputs:       10.0 GB/s, 3.000 TFLOP/s (measured); bound by memory"
+
+
+def test_host_memory_available_reads_meminfo_and_the_cgroup_cap(tmp_path, monkeypatch):
+    """MemAvailable in bytes, capped by a cgroup v2 limit's headroom; None where neither file exists."""
+    from pathlib import Path
+
+    import roofline.hardware as hw
+
+    files = {"/proc/meminfo": "MemTotal: 100 kB\nMemAvailable:   2000 kB\n",
+             "/sys/fs/cgroup/memory.max": "1500000\n", "/sys/fs/cgroup/memory.current": "500000\n"}
+
+    def read_text(self, *a, **k):
+        if str(self) in files:
+            return files[str(self)]
+        raise FileNotFoundError(str(self))
+
+    monkeypatch.setattr(Path, "read_text", read_text)
+    assert hw.host_memory_available() == 1_000_000  # min(2000 kB, 1.5 MB - 0.5 MB)
+    files["/sys/fs/cgroup/memory.max"] = "max\n"
+    assert hw.host_memory_available() == 2000 * 1024
+    files.clear()
+    assert hw.host_memory_available() is None
+
+
+def test_a_cpu_model_larger_than_host_memory_is_refused_before_it_is_built():
+    """Llama-3-8B in fp32 (32.1 GB) on a 23 GB host: a MemoryError naming both sizes, not the OOM killer; in bf16
+    (16.1 GB) it passes; the CLI turns it into 'roofline: error: ...' and exit 2."""
+    import torch
+
+    from roofline.config import model_preset
+    from roofline.models.loader import check_host_memory
+
+    cfg = model_preset("llama-3-8b")
+    with pytest.raises(MemoryError, match=r"llama-3-8b: its 8\.03 B parameters in float32 need 32\.1 GB of host "
+                                          r"memory and 23\.0 GB is available"):
+        check_host_memory(cfg, torch.float32, available=23 * 10**9)
+    check_host_memory(cfg, torch.bfloat16, available=23 * 10**9)
+
+
+def test_cli_reports_a_model_too_large_for_host_memory(monkeypatch, capsys):
+    import roofline.hardware as hw
+    from roofline.cli import main
+
+    monkeypatch.setattr(hw, "host_memory_available", lambda: 10**9)
+    rc = main(["bench", "decode", "--model", "llama-3-8b", "--device", "cpu", "--batch-sizes", "1", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "roofline: error: llama-3-8b: its 8.03 B parameters" in err and "1.0 GB is available" in err

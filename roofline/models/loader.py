@@ -358,6 +358,26 @@ def _tokenizer(path: str, gguf: bool, stamp: tuple) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
+def check_host_memory(model_config: ModelConfig, dtype: torch.dtype, available: int | None = None) -> None:
+    """Refuse, before allocating, a CPU model whose weights in ``dtype`` need more bytes than the host has available
+    (``hardware.host_memory_available``, or ``available``): otherwise the kernel's OOM killer ends the process
+    with no message (Llama-3-8B in fp32 is 32.1 GB). Weights are built in ``dtype`` and quantized after load, so
+    ``num_params x dtype size`` is the peak's lower bound.
+
+    Raises:
+        MemoryError: naming the model, the bytes needed and the bytes available.
+    """
+    from roofline.hardware import host_memory_available
+
+    avail = host_memory_available() if available is None else available
+    need = model_config.num_params * torch.empty((), dtype=dtype).element_size()
+    if avail is not None and need > avail:
+        raise MemoryError(
+            f"{model_config.name}: its {model_config.num_params / 1e9:.2f} B parameters in {str(dtype).split('.')[-1]}"
+            f" need {need / 1e9:.1f} GB of host memory and {avail / 1e9:.1f} GB is available; use a smaller model, "
+            f"a 16-bit --dtype, or a GPU (--device cuda)")
+
+
 def load_model(model_config: ModelConfig, source: ModelSource, backend: Any, quant_config: Any,
                dtype: torch.dtype, device: torch.device, seed: int) -> torch.nn.Module:
     """The one build-and-load, for targets and drafts: build the architecture directly on ``device`` in
@@ -367,9 +387,12 @@ def load_model(model_config: ModelConfig, source: ModelSource, backend: Any, qua
 
     Raises:
         ValueError: from ``load_weights`` (a missing or misshapen tensor, named).
+        MemoryError: on the CPU, from :func:`check_host_memory` (the weights cannot fit in host memory).
     """
     from roofline.models.registry import build_model
 
+    if device.type == "cpu":
+        check_host_memory(model_config, dtype)
     prev_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
