@@ -131,6 +131,7 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     """
     import gc
 
+    from roofline.args import resolve_device
     from roofline.bench.common import parse_sizes, write_result
     from roofline.hardware import measure_gemm_flops, measure_read_bandwidth
 
@@ -151,6 +152,13 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     bad = [r for r in reduces if r not in (None, "fused", "kernel")]
     if bad:
         raise ValueError(f"--attention-reduce {bad[0]!r}: expected fused or kernel")
+    gpu_only = [f"--{name} {value}" for name, value in (("pdl", getattr(args, "pdl", "")),
+                                                       ("int4-kernel", getattr(args, "int4_kernel", "")),
+                                                       ("attention-reduce", getattr(args, "attention_reduce", "")))
+                if value]
+    if gpu_only and resolve_device(getattr(args, "device", "auto")) == "cpu":
+        raise ValueError(f"{', '.join(gpu_only)}: GPU kernel knobs (Triton / Gluon kernels on CUDA); this run is on "
+                         "the CPU, where they would change nothing")
     configs = [(q, kv, ex, pdl, i4, red) for ex in executors for q in quants for pdl in pdls
                for i4 in (int4ks if q == "int4" else [None]) for kv in args.kv_cache_dtype.split(",") if kv
                for red in reduces]

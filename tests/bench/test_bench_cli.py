@@ -126,6 +126,9 @@ def test_git_sha_marks_a_tree_that_differs_from_head(tmp_path, monkeypatch):
     (["--int4-kernel", "marlin"], "--int4-kernel 'marlin': expected mma or triton"),
     (["--steps", "0"], "--steps must be >= 1 and --warmup >= 0, got 0 and"),
     (["--warmup", "-1"], "--warmup >= 0, got"),
+    # GPU kernel knobs on the CPU would change nothing: refused, not printed as a 1.000x ratio
+    (["--device", "cpu", "--attention-reduce", "fused,kernel"], "--attention-reduce fused,kernel: GPU kernel knobs"),
+    (["--device", "cpu", "--pdl", "0,1", "--int4-kernel", "mma"], "--pdl 0,1, --int4-kernel mma: GPU kernel knobs"),
 ])
 def test_bench_decode_bad_flags_are_named_before_the_model_loads(flags, message, monkeypatch):
     import roofline.bench.decode as decode
