@@ -404,7 +404,10 @@ def load_model(model_config: ModelConfig, source: ModelSource, backend: Any, qua
         init_dummy_weights(model, seed)
     elif source.format == "gguf":
         assert source.path is not None
-        load_weights(model, gguf_file.iter_gguf(source.path, model_config))
+        try:
+            load_weights(model, gguf_file.iter_gguf(source.path, model_config))
+        except ValueError as e:  # name the tensors as the file does, beside their HF names
+            raise ValueError(f"{source.path}: {gguf_file.name_gguf_tensors(str(e))}") from e
     else:
         assert source.path is not None
         load_weights(model, iter_safetensors(source.path))

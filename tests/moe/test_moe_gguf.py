@@ -51,12 +51,15 @@ def _permute(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 class _Writer:
-    """gguf.GGUFWriter that leaves out the keys named in ``omit`` (e.g. "expert_feed_forward_length")."""
+    """gguf.GGUFWriter that leaves out the keys named in ``omit`` (e.g. "expert_feed_forward_length") and the
+    tensors named "tensor:<gguf name>" there."""
 
     def __init__(self, path: Path, arch: str, omit: frozenset[str]):
         self.w, self.arch, self.omit = gguf.GGUFWriter(str(path), arch), arch, omit
 
     def __getattr__(self, name):
+        if name == "add_tensor":  # "tensor:<gguf name>" in omit leaves that tensor out
+            return lambda t, *a, **k: None if f"tensor:{t}" in self.omit else self.w.add_tensor(t, *a, **k)
         if name.startswith("add_") and name[4:] in self.omit:
             return lambda *a, **k: None
         return getattr(self.w, name)
@@ -340,6 +343,20 @@ def test_bad_gguf_files_are_named(tmp_path):
     w.close()
     with pytest.raises(ValueError, match="expert_count 4 but no layer's router tensor"):
         gguf_config(tmp_path / "norouter.gguf")
+
+
+@pytest.mark.parametrize("name,tensor,label", [
+    ("qwen3_moe", "blk.0.ffn_up_exps.weight", "model.layers.0.mlp.experts.0.up_proj.weight (GGUF "
+                                              "blk.0.ffn_up_exps.weight[0])"),
+    ("mixtral", "blk.1.attn_k.weight", "model.layers.1.self_attn.qkv_proj.weight:k (GGUF blk.1.attn_k.weight)"),
+])
+def test_a_missing_gguf_tensor_is_named_as_the_file_names_it(tmp_path, name, tensor, label):
+    hf = make_hf_model(name)
+    save(hf, tmp_path / "hf")
+    path = write_gguf(tmp_path / "hf", hf.config, tmp_path / "m.gguf", omit=frozenset({f"tensor:{tensor}"}))
+    with pytest.raises(ValueError, match=re.escape(f"{path}: checkpoint is missing")) as e:
+        LLM(str(path), device="cpu", dtype="float32", attention_backend="torch", max_model_len=64)
+    assert label in str(e.value)
 
 
 def test_generate_cli_takes_token_ids_for_a_gguf_without_vocabulary(tmp_path, capsys):
