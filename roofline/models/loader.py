@@ -84,15 +84,35 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
     if load_format == "dummy":
         return ModelSource("dummy", path, path.name)
     if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"model file {str(path)!r} is not a .gguf file; pass a GGUF file or an HF directory")
+        if not is_gguf_file(path):
+            raise ValueError(f"model file {str(path)!r} is not a GGUF file (no .gguf suffix, no GGUF magic); pass "
+                             "a GGUF file or an HF directory")
+        if load_format in ("hf", "safetensors"):
+            raise ValueError(f"load_format {load_format!r} but {str(path)!r} is a GGUF file; use load_format "
+                             "'gguf' or 'auto'")
         return ModelSource("gguf", path, path.stem)
-    if not (path / "config.json").is_file():
+    hf_dir = (path / "config.json").is_file()
+    if not hf_dir or load_format == "gguf":
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
             return ModelSource("gguf", ggufs[0], ggufs[0].stem)
+        if load_format == "gguf":
+            raise FileNotFoundError(f"load_format 'gguf' but model directory {str(path)!r} holds {len(ggufs)} .gguf "
+                                    "files (one needed); pass the file's path")
         raise FileNotFoundError(f"model directory {str(path)!r} has no config.json (and not exactly one .gguf)")
     return ModelSource("hf", path, path.name)
+
+
+def is_gguf_file(path: Path) -> bool:
+    """A GGUF file: the ``.gguf`` suffix, or the format's magic ``GGUF`` in its first four bytes (as vLLM's
+    ``check_gguf_file``; llama.cpp's files are sometimes named without the suffix)."""
+    if path.suffix == ".gguf":
+        return True
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
 
 
 def resolve_draft_model(model: str, target_format: str) -> ModelSource:

@@ -388,3 +388,28 @@ def test_moe_quantization_without_expert_kernel_is_refused_first(tmp_path):
     with pytest.raises(ValueError, match=r"--quantization int4: MixtralForCausalLM has 8 experts, and 'int4' has no "
                                          r"expert \(MoE\) kernel; formats with one: int8, fp8"):
         LLM(str(path), device="cpu", dtype="float32", quantization="int4", max_model_len=128, num_kv_blocks=32)
+
+
+def test_load_format_and_gguf_detection(tmp_path):
+    """A GGUF is known by its suffix or its magic (vLLM's check_gguf_file); --load-format gguf picks the GGUF in a
+    directory that also has config.json; a GGUF given load_format safetensors, and a file that is neither, are
+    refused by name."""
+    from roofline.models.loader import resolve_model
+
+    hf = make_hf_model("qwen3_moe")
+    save(hf, tmp_path / "hf")
+    good = write_gguf(tmp_path / "hf", hf.config, tmp_path / "hf" / "m.gguf")
+    bare = tmp_path / "model.bin"
+    bare.write_bytes(good.read_bytes())
+    assert resolve_model(str(bare)).format == "gguf"
+    assert resolve_model(str(tmp_path / "hf")).format == "hf"  # config.json wins under auto
+    src = resolve_model(str(tmp_path / "hf"), "gguf")
+    assert (src.format, src.path) == ("gguf", good)
+    with pytest.raises(ValueError, match=r"load_format 'safetensors' but .*model.bin' is a GGUF file"):
+        resolve_model(str(bare), "safetensors")
+    (tmp_path / "notes.txt").write_text("hello")
+    with pytest.raises(ValueError, match=r"notes.txt' is not a GGUF file \(no .gguf suffix, no GGUF magic\)"):
+        resolve_model(str(tmp_path / "notes.txt"))
+    (tmp_path / "hf" / "m2.gguf").write_bytes(b"GGUF")
+    with pytest.raises(FileNotFoundError, match=r"load_format 'gguf' but model directory .* holds 2 .gguf files"):
+        resolve_model(str(tmp_path / "hf"), "gguf")
