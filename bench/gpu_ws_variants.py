@@ -24,8 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 # (block_m, block_n, block_k, stages, loader, cvt_warps)
 VARIANTS = [
     (128, 128, 64, 4, True, 4), (128, 128, 64, 4, False, 4), (128, 128, 64, 4, False, 8),
-    (128, 128, 64, 4, True, 8), (128, 256, 64, 3, False, 4), (128, 64, 128, 3, True, 4),
-    (256, 128, 64, 3, False, 4), (256, 128, 64, 4, False, 4), (256, 64, 128, 2, False, 4),
+    (128, 256, 64, 3, False, 4), (256, 128, 64, 3, False, 4), (256, 128, 64, 4, False, 4),
 ]
 
 
