@@ -4,6 +4,7 @@ dequantized with the ``gguf`` package and named as Hugging Face does, for ``roof
 from __future__ import annotations
 
 import functools
+import os
 import re
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,10 +22,11 @@ def gguf_reader(path: str) -> Any:
 
     try:
         return gguf.GGUFReader(path)
-    except (IndexError, KeyError) as e:  # a file cut inside its header
-        raise ValueError(f"cannot read GGUF file {path!r}: {type(e).__name__}: {e}") from e
-    except ValueError as e:
-        raise ValueError(f"cannot read GGUF file {path!r}: {e}") from e
+    except (IndexError, KeyError, ValueError) as e:  # a file cut inside its header (Index/KeyError) or its tensor
+        # data (gguf-py: "cannot reshape array of size ..."), or not a GGUF file at all
+        size = os.path.getsize(path)
+        raise ValueError(f"cannot read GGUF file {path!r} ({size:,} bytes: truncated, or not a GGUF file?): "
+                         f"{type(e).__name__}: {e}") from e
 
 
 def _gguf_field(reader: Any, key: str, default: Any = None) -> Any:

@@ -329,7 +329,11 @@ def test_bad_gguf_files_are_named(tmp_path):
     good = write_gguf(tmp_path / "hf", hf.config, tmp_path / "good.gguf")
     cut = tmp_path / "cut.gguf"
     cut.write_bytes(good.read_bytes()[:100])
-    with pytest.raises(ValueError, match="cannot read GGUF file .*cut.gguf"):
+    with pytest.raises(ValueError, match="cannot read GGUF file .*cut.gguf' \\(100 bytes: truncated"):
+        gguf_config(cut)
+    cut.write_bytes(good.read_bytes()[:-4096])  # inside the tensor data: gguf-py's reshape error, named as a cut
+    with pytest.raises(ValueError, match="cannot read GGUF file .*cut.gguf' \\([0-9,]+ bytes: truncated, or not a "
+                                         "GGUF file\\?\\): ValueError"):
         gguf_config(cut)
     # experts announced, router tensors gone
     w = gguf.GGUFWriter(str(tmp_path / "norouter.gguf"), "qwen3moe")
