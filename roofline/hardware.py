@@ -348,10 +348,44 @@ def _versions(device: str) -> dict[str, Any]:
     return v
 
 
+def _cgroup_memory_room() -> int | None:
+    """Bytes this process's memory cgroup still allows (limit - usage), or None without a limit: cgroup v2
+    (``memory.max`` / ``memory.current`` of the group named in /proc/self/cgroup's ``0::`` line) or v1 (the
+    ``memory`` controller's ``memory.limit_in_bytes`` / ``memory.usage_in_bytes``); each group's own directory, then
+    the mount's root (a container sees its group there)."""
+    try:
+        lines = Path("/proc/self/cgroup").read_text().splitlines()
+    except OSError:
+        lines = []
+    groups = {}
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        groups["v2" if controllers == "" else controllers] = path.lstrip("/")
+    candidates = []
+    for name, files in (("v2", ("memory.max", "memory.current")),
+                        ("memory", ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"))):
+        base = Path("/sys/fs/cgroup")
+        mount, leaf = (base, files) if name == "v2" else (base / "memory", tuple(f.split("/")[1] for f in files))
+        for d in ([mount / groups[name]] if groups.get(name) else []) + [mount]:
+            candidates.append((d / leaf[0], d / leaf[1]))
+    for limit_file, usage_file in candidates:
+        try:
+            limit = limit_file.read_text().strip()
+        except OSError:
+            continue
+        if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as ~2^63
+            return None
+        try:
+            return int(limit) - int(usage_file.read_text())
+        except (OSError, ValueError):
+            return None
+    return None
+
+
 def host_memory_available() -> int | None:
     """Bytes of host memory a new allocation can take now: Linux's ``MemAvailable`` (/proc/meminfo, free plus
-    reclaimable page cache), capped by the cgroup v2 limit (``memory.max`` - ``memory.current``) when the process
-    runs under one. None where neither can be read (not Linux)."""
+    reclaimable page cache), capped by the memory cgroup's headroom (:func:`_cgroup_memory_room`, v2 or v1) when
+    the process runs under a limit. None where neither can be read (not Linux)."""
     avail: int | None = None
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
@@ -361,12 +395,11 @@ def host_memory_available() -> int | None:
     except (OSError, ValueError, IndexError):
         pass
     try:
-        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
-        if limit != "max":
-            room = int(limit) - int(Path("/sys/fs/cgroup/memory.current").read_text())
-            avail = room if avail is None else min(avail, room)
-    except (OSError, ValueError):
-        pass
+        room = _cgroup_memory_room()
+    except ValueError:
+        room = None
+    if room is not None:
+        avail = room if avail is None else min(avail, room)
     return avail
 
 

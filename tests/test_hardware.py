@@ -145,14 +145,14 @@ def test_integer_gemm_rates_print_in_top_per_s(tmp_path, capsys, monkeypatch):
         "floor inputs:       10.0 GB/s, 3.000 TFLOP/s (measured); bound by memory"
 
 
-def test_host_memory_available_reads_meminfo_and_the_cgroup_cap(tmp_path, monkeypatch):
-    """MemAvailable in bytes, capped by a cgroup v2 limit's headroom; None where neither file exists."""
+def test_host_memory_available_reads_meminfo_and_the_cgroup_cap(monkeypatch):
+    """MemAvailable in bytes, capped by the process's cgroup headroom (v2 in its own group or the root, v1's
+    memory controller; v1's ~2^63 means no limit); None where nothing can be read."""
     from pathlib import Path
 
     import roofline.hardware as hw
 
-    files = {"/proc/meminfo": "MemTotal: 100 kB\nMemAvailable:   2000 kB\n",
-             "/sys/fs/cgroup/memory.max": "1500000\n", "/sys/fs/cgroup/memory.current": "500000\n"}
+    files = {}
 
     def read_text(self, *a, **k):
         if str(self) in files:
@@ -160,26 +160,47 @@ def test_host_memory_available_reads_meminfo_and_the_cgroup_cap(tmp_path, monkey
         raise FileNotFoundError(str(self))
 
     monkeypatch.setattr(Path, "read_text", read_text)
-    assert hw.host_memory_available() == 1_000_000  # min(2000 kB, 1.5 MB - 0.5 MB)
-    files["/sys/fs/cgroup/memory.max"] = "max\n"
+    meminfo = {"/proc/meminfo": "MemTotal: 100 kB\nMemAvailable:   2000 kB\n"}
+    files.update(meminfo, **{"/proc/self/cgroup": "0::/app.slice/x\n", "/sys/fs/cgroup/app.slice/x/memory.max":
+                             "1500000\n", "/sys/fs/cgroup/app.slice/x/memory.current": "500000\n"})
+    assert hw.host_memory_available() == 1_000_000  # min(2000 kB, 1.5 MB - 0.5 MB), the group's own files
+    files["/sys/fs/cgroup/app.slice/x/memory.max"] = "max\n"
+    assert hw.host_memory_available() == 2000 * 1024
+    files.clear()
+    files.update(meminfo, **{"/proc/self/cgroup": "4:memory:/docker/abc\n0::/\n",
+                             "/sys/fs/cgroup/memory/memory.limit_in_bytes": "800000\n",
+                             "/sys/fs/cgroup/memory/memory.usage_in_bytes": "300000\n"})
+    assert hw.host_memory_available() == 500_000  # v1, the container's view at the mount's root
+    files["/sys/fs/cgroup/memory/memory.limit_in_bytes"] = "9223372036854771712\n"
     assert hw.host_memory_available() == 2000 * 1024
     files.clear()
     assert hw.host_memory_available() is None
 
 
 def test_a_cpu_model_larger_than_host_memory_is_refused_before_it_is_built():
-    """Llama-3-8B in fp32 (32.1 GB) on a 23 GB host: a MemoryError naming both sizes, not the OOM killer; in bf16
-    (16.1 GB) it passes; the CLI turns it into 'roofline: error: ...' and exit 2."""
+    """Llama-3-8B in fp32 (32.1 GB) on a 23 GB host: a MemoryError naming the sizes, not the OOM killer; in bf16
+    with oneDNN's prepacked copy (16.1 + 15.0 GB) it is refused too, and without the copy (16.1 GB + 2 GiB of
+    headroom) it passes; the CLI turns it into 'roofline: error: ...' and exit 2."""
     import torch
 
     from roofline.config import model_preset
-    from roofline.models.loader import check_host_memory
+    from roofline.models.loader import check_host_memory, host_weight_bytes
 
     cfg = model_preset("llama-3-8b")
-    with pytest.raises(MemoryError, match=r"llama-3-8b: its 8\.03 B parameters in float32 need 32\.1 GB of host "
-                                          r"memory and 23\.0 GB is available"):
+    with pytest.raises(MemoryError, match=r"llama-3-8b: its 8\.03 B parameters in float32 need 32\.1 GB \+ 2 GiB for "
+                                          r"the KV cache and activations = 34\.3 GB of host memory and 23\.0 GB is "
+                                          r"available; use a smaller model, a 16-bit --dtype, or a GPU"):
         check_host_memory(cfg, torch.float32, available=23 * 10**9)
-    check_host_memory(cfg, torch.bfloat16, available=23 * 10**9)
+    # the packed copy: every linear weight and the LM head (8.03 B - 0.53 B input embedding - norms) once more
+    assert host_weight_bytes(cfg, torch.bfloat16, prepacked=True) - 2 * cfg.num_params == 2 * (
+        cfg.num_params - cfg.vocab_size * 4096 - 65 * 4096)
+    with pytest.raises(MemoryError, match=r"in bfloat16 need 16\.1 GB \+ 15\.0 GB prepacked for oneDNN \+ 2 GiB .* "
+                                          r"= 33\.2 GB .* use a smaller model, or a GPU"):
+        check_host_memory(cfg, torch.bfloat16, available=23 * 10**9, prepacked=True)
+    check_host_memory(cfg, torch.bfloat16, available=23 * 10**9, prepacked=False)
+    tied = model_preset("smollm2-135m")  # a tied embedding is the LM head, which is packed
+    h = tied.hidden_size
+    assert host_weight_bytes(tied, torch.bfloat16, prepacked=True) == 2 * (2 * tied.num_params - (2 * 30 + 1) * h)
 
 
 def test_cli_reports_a_model_too_large_for_host_memory(monkeypatch, capsys):

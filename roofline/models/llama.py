@@ -223,6 +223,8 @@ class LlamaModel(nn.Module):
         (another stage holds it). A tied LM head on a last stage without the embedding loads the embedding."""
         if name.startswith("model.layers."):
             i = int(name.split(".")[2])
+            if i >= len(self.layers):  # no stage has it: the loader names it as unexpected
+                return name
             return name if self.start_layer <= i < self.end_layer else None
         if name.startswith("model.embed_tokens."):
             if self.is_first_stage:

@@ -73,6 +73,7 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
     if model is None or model in (DEFAULT_MODEL, "default", "smollm2"):
         if load_format == "dummy":
             return ModelSource("dummy", None, "smollm2-135m")
+        _refuse_gguf_as_safetensors(load_format, "the default model", "")
         return ModelSource("gguf", default_model_path(), DEFAULT_MODEL)
     if load_format == "dummy" and model in MODEL_PRESETS:
         return ModelSource("dummy", None, model)
@@ -87,20 +88,26 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
         if not is_gguf_file(path):
             raise ValueError(f"model file {str(path)!r} is not a GGUF file (no .gguf suffix, no GGUF magic); pass "
                              "a GGUF file or an HF directory")
-        if load_format in ("hf", "safetensors"):
-            raise ValueError(f"load_format {load_format!r} but {str(path)!r} is a GGUF file; use load_format "
-                             "'gguf' or 'auto'")
+        _refuse_gguf_as_safetensors(load_format, repr(str(path)), "")
         return ModelSource("gguf", path, path.stem)
     hf_dir = (path / "config.json").is_file()
     if not hf_dir or load_format == "gguf":
         ggufs = sorted(path.glob("*.gguf"))
         if len(ggufs) == 1:
+            _refuse_gguf_as_safetensors(load_format, f"model directory {str(path)!r}",
+                                        f" (its only weights are {ggufs[0].name})")
             return ModelSource("gguf", ggufs[0], ggufs[0].stem)
         if load_format == "gguf":
             raise FileNotFoundError(f"load_format 'gguf' but model directory {str(path)!r} holds {len(ggufs)} .gguf "
                                     "files (one needed); pass the file's path")
         raise FileNotFoundError(f"model directory {str(path)!r} has no config.json (and not exactly one .gguf)")
     return ModelSource("hf", path, path.name)
+
+
+def _refuse_gguf_as_safetensors(load_format: str, what: str, detail: str) -> None:
+    if load_format in ("hf", "safetensors"):
+        raise ValueError(f"load_format {load_format!r} but {what} is a GGUF file{detail}; use load_format 'gguf' or "
+                         "'auto'")
 
 
 def is_gguf_file(path: Path) -> bool:
@@ -147,16 +154,31 @@ def checkpoint_quantization_config(source: ModelSource) -> dict[str, Any] | None
 
 
 def load_config(source: ModelSource) -> ModelConfig:
-    if source.format == "hf":
-        assert source.path is not None
-        return hf_model_config(json.loads((source.path / "config.json").read_text()), source.name)
+    """The source's ModelConfig: an HF directory's ``config.json``, a GGUF's metadata, a preset, or, for dummy
+    weights, a config path (a ``config.json``, a directory holding one, or a GGUF file, whose metadata gives the
+    shape as vLLM's dummy load of a GGUF does).
+
+    Raises:
+        ValueError: a config file that is not JSON, or lacks a required key (both named with the file).
+    """
     if source.format == "gguf":
         assert source.path is not None
         return gguf_file.gguf_config(source.path)
     if source.path is None:
         return model_preset(source.name)
+    if source.format == "dummy" and source.path.is_file() and is_gguf_file(source.path):
+        return gguf_file.gguf_config(source.path)
     cfg_path = source.path / "config.json" if source.path.is_dir() else source.path
-    return hf_model_config(json.loads(cfg_path.read_text()), source.name)
+    try:
+        cfg = json.loads(cfg_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{str(cfg_path)!r} is not a JSON model config ({type(e).__name__}: {e})") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{str(cfg_path)!r} is not a JSON object (a model config.json), got {type(cfg).__name__}")
+    try:
+        return hf_model_config(cfg, source.name)
+    except KeyError as e:
+        raise ValueError(f"{str(cfg_path)!r} lacks the required key {e.args[0]!r}") from e
 
 
 def sliding_window(cfg: dict[str, Any]) -> int | None:
@@ -378,11 +400,37 @@ def _tokenizer(path: str, gguf: bool, stamp: tuple) -> Any:
     return AutoTokenizer.from_pretrained(path)
 
 
-def check_host_memory(model_config: ModelConfig, dtype: torch.dtype, available: int | None = None) -> None:
-    """Refuse, before allocating, a CPU model whose weights in ``dtype`` need more bytes than the host has available
-    (``hardware.host_memory_available``, or ``available``): otherwise the kernel's OOM killer ends the process
-    with no message (Llama-3-8B in fp32 is 32.1 GB). Weights are built in ``dtype`` and quantized after load, so
-    ``num_params x dtype size`` is the peak's lower bound.
+# Host memory left for what comes after the weights on the CPU: the KV pool's default
+# (worker.CPU_DEFAULT_KV_CACHE_BYTES, 2 GiB) and a step's activations.
+CPU_HEADROOM_BYTES = 2 << 30
+
+
+def host_weight_bytes(model_config: ModelConfig, dtype: torch.dtype, prepacked: bool | None = None) -> int:
+    """Bytes a CPU model's weights hold in host memory once loaded: every parameter in ``dtype``, plus, where bf16
+    linears are prepacked for oneDNN (``cpu_bf16.should_prepack``: bf16 on a CPU with bf16 units, on by default),
+    the packed copy of each linear weight and of the LM head (all parameters but the norms and an untied input
+    embedding table), which the layer keeps beside its dense weight. ``prepacked`` None: as this CPU would."""
+    from roofline.kernels import cpu_bf16
+
+    size = torch.empty((), dtype=dtype).element_size()
+    total = model_config.num_params * size
+    if prepacked is None:
+        prepacked = dtype == torch.bfloat16 and cpu_bf16.PREPACK and cpu_bf16._cpu_has_bf16_units()
+    if prepacked:
+        h, layers = model_config.hidden_size, model_config.num_hidden_layers
+        norms = (2 * layers + 1) * h
+        lookup_only = 0 if model_config.tie_word_embeddings else model_config.vocab_size * h  # the LM head packs
+        total += (model_config.num_params - lookup_only - norms) * size
+    return total
+
+
+def check_host_memory(model_config: ModelConfig, dtype: torch.dtype, available: int | None = None,
+                      prepacked: bool | None = None) -> None:
+    """Refuse, before allocating, a CPU model whose weights (:func:`host_weight_bytes`) and ``CPU_HEADROOM_BYTES``
+    need more bytes than the host has available (``hardware.host_memory_available``, or ``available``): otherwise
+    the kernel's OOM killer ends the process with no message (Llama-3-8B: 32.1 GB in fp32; in bf16 16.1 GB plus a
+    15.0 GB prepacked copy). Weights are built in ``dtype`` and quantized after load, so this is the peak's lower
+    bound.
 
     Raises:
         MemoryError: naming the model, the bytes needed and the bytes available.
@@ -390,12 +438,18 @@ def check_host_memory(model_config: ModelConfig, dtype: torch.dtype, available: 
     from roofline.hardware import host_memory_available
 
     avail = host_memory_available() if available is None else available
-    need = model_config.num_params * torch.empty((), dtype=dtype).element_size()
+    dense = model_config.num_params * torch.empty((), dtype=dtype).element_size()
+    weights = host_weight_bytes(model_config, dtype, prepacked)
+    need = weights + CPU_HEADROOM_BYTES
     if avail is not None and need > avail:
+        name = str(dtype).split(".")[-1]
+        packed = f" + {(weights - dense) / 1e9:.1f} GB prepacked for oneDNN" if weights > dense else ""
+        hint = "a 16-bit --dtype, " if dtype == torch.float32 else ""
         raise MemoryError(
-            f"{model_config.name}: its {model_config.num_params / 1e9:.2f} B parameters in {str(dtype).split('.')[-1]}"
-            f" need {need / 1e9:.1f} GB of host memory and {avail / 1e9:.1f} GB is available; use a smaller model, "
-            f"a 16-bit --dtype, or a GPU (--device cuda)")
+            f"{model_config.name}: its {model_config.num_params / 1e9:.2f} B parameters in {name} need "
+            f"{dense / 1e9:.1f} GB{packed} + {CPU_HEADROOM_BYTES / 2**30:.0f} GiB for the KV cache and activations = "
+            f"{need / 1e9:.1f} GB of host memory and {avail / 1e9:.1f} GB is available; use a smaller model, "
+            f"{hint}or a GPU (--device cuda)")
 
 
 def load_model(model_config: ModelConfig, source: ModelSource, backend: Any, quant_config: Any,

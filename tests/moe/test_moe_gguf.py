@@ -398,7 +398,7 @@ def test_load_format_and_gguf_detection(tmp_path):
     """A GGUF is known by its suffix or its magic (vLLM's check_gguf_file); --load-format gguf picks the GGUF in a
     directory that also has config.json; a GGUF given load_format safetensors, and a file that is neither, are
     refused by name."""
-    from roofline.models.loader import resolve_model
+    from roofline.models.loader import load_config, resolve_model
 
     hf = make_hf_model("qwen3_moe")
     save(hf, tmp_path / "hf")
@@ -414,6 +414,41 @@ def test_load_format_and_gguf_detection(tmp_path):
     (tmp_path / "notes.txt").write_text("hello")
     with pytest.raises(ValueError, match=r"notes.txt' is not a GGUF file \(no .gguf suffix, no GGUF magic\)"):
         resolve_model(str(tmp_path / "notes.txt"))
+    # dummy weights at a GGUF's shape (its metadata, as vLLM's dummy load of a GGUF)
+    assert load_config(resolve_model(str(bare), "dummy")).num_experts == hf.config.num_experts
+    only = tmp_path / "only"  # a directory whose only weights are a GGUF, given safetensors
+    only.mkdir()
+    (only / "w.gguf").write_bytes(good.read_bytes())
+    with pytest.raises(ValueError, match=r"load_format 'safetensors' but model directory .*only' is a GGUF file \(its "
+                                         r"only weights are w.gguf\)"):
+        resolve_model(str(only), "safetensors")
+    with pytest.raises(ValueError, match=r"load_format 'hf' but the default model is a GGUF file"):
+        resolve_model(None, "hf")
     (tmp_path / "hf" / "m2.gguf").write_bytes(b"GGUF")
     with pytest.raises(FileNotFoundError, match=r"load_format 'gguf' but model directory .* holds 2 .gguf files"):
         resolve_model(str(tmp_path / "hf"), "gguf")
+    # config files that are not configs: named with the file, no traceback
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"bad/config.json' lacks the required key 'num_attention_heads'"):
+        load_config(resolve_model(str(bad)))
+    (bad / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match=r"bad/config.json' is not a JSON object"):
+        load_config(resolve_model(str(bad)))
+    with pytest.raises(ValueError, match=r"notes.txt' is not a JSON model config \(JSONDecodeError"):
+        load_config(resolve_model(str(tmp_path / "notes.txt"), "dummy"))
+
+
+def test_a_checkpoint_tensor_past_the_models_layers_is_refused(tmp_path):
+    """A tensor of a layer the model does not have (model.layers.99 in a 2-layer checkpoint) is named as
+    unexpected; it used to be skipped as "another pipeline stage's"."""
+    from safetensors.torch import save_file
+
+    hf = make_hf_model("qwen3_moe")
+    save(hf, tmp_path / "hf")
+    save_file({"model.layers.99.input_layernorm.weight": torch.ones(hf.config.hidden_size)},
+              str(tmp_path / "hf" / "zz-extra.safetensors"))
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model.layers.99.input_layernorm.weight' has no matching "
+                                         r"parameter"):
+        LLM(str(tmp_path / "hf"), device="cpu", dtype="float32", attention_backend="torch", max_model_len=64)
