@@ -84,6 +84,8 @@ def resolve_model(model: str | None, load_format: str = "auto") -> ModelSource:
         raise FileNotFoundError(f"model path {str(path)!r} does not exist{hint}")
     if load_format == "dummy":
         return ModelSource("dummy", path, path.name)
+    if not (path.is_file() or path.is_dir()):
+        raise ValueError(f"model path {str(path)!r} is neither a file nor a directory")
     if path.is_file():
         if not is_gguf_file(path):
             raise ValueError(f"model file {str(path)!r} is not a GGUF file (no .gguf suffix, no GGUF magic); pass "
@@ -229,7 +231,9 @@ def _safetensors_files(path: Path) -> list[Path]:
         return [path / f for f in sorted(set(weight_map.values()))]
     files = sorted(path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {str(path)!r}")
+        ggufs = sorted(path.glob("*.gguf"))
+        hint = f"; its weights are a GGUF ({ggufs[0].name}): use --load-format gguf" if len(ggufs) == 1 else ""
+        raise FileNotFoundError(f"no *.safetensors files in {str(path)!r}{hint}")
     return files
 
 
@@ -335,7 +339,7 @@ def load_weights(model: torch.nn.Module, weights: Iterator[tuple[str, torch.Tens
     missing = sorted(_shard_label(params, n, s) for n, s in _expected_shards(model, params) - loaded)
     if missing:
         shown = ", ".join(missing[:8]) + (f" (+{len(missing) - 8} more)" if len(missing) > 8 else "")
-        raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
+        raise ValueError(f"checkpoint is missing {len(missing)} tensor{'s' if len(missing) > 1 else ''}: {shown}")
     process_weights_after_loading(model)
 
 

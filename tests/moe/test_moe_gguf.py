@@ -452,3 +452,15 @@ def test_a_checkpoint_tensor_past_the_models_layers_is_refused(tmp_path):
     with pytest.raises(ValueError, match=r"checkpoint tensor 'model.layers.99.input_layernorm.weight' has no matching "
                                          r"parameter"):
         LLM(str(tmp_path / "hf"), device="cpu", dtype="float32", attention_backend="torch", max_model_len=64)
+
+
+def test_paths_that_are_not_models_are_named(tmp_path):
+    """A device file is neither a GGUF nor a directory; an HF directory whose weights are one GGUF points to
+    --load-format gguf."""
+    from roofline.models.loader import _safetensors_files, resolve_model
+
+    with pytest.raises(ValueError, match=r"model path '/dev/null' is neither a file nor a directory"):
+        resolve_model("/dev/null")
+    (tmp_path / "w.gguf").write_bytes(b"GGUF")
+    with pytest.raises(FileNotFoundError, match=r"its weights are a GGUF \(w.gguf\): use --load-format gguf"):
+        _safetensors_files(tmp_path)

@@ -153,7 +153,7 @@ def test_missing_expert_tensor_is_named(tmp_path):
     tensors = load_file(str(f))
     del tensors["model.layers.0.mlp.experts.4.up_proj.weight"]
     save_file(tensors, str(f), metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"checkpoint is missing 1 tensors: model\.layers\.0\.mlp\.experts\.4\."
+    with pytest.raises(ValueError, match=r"checkpoint is missing 1 tensor: model\.layers\.0\.mlp\.experts\.4\."
                                          r"up_proj\.weight"):
         LLM(str(path), device="cpu", dtype="float32", max_model_len=64, num_kv_blocks=8)
 
