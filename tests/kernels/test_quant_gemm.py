@@ -365,6 +365,36 @@ def test_w4a16_ws_packed_math_gives_the_same_bits(dtype, loader):
     args = (x, pack_int4(q).cuda(), scales.cuda(), zeros.cuda(), group, 128, 128, 64, 3)
     assert torch.equal(ws_gemm.w4a16_ws_gemm(*args, loader=loader, int4_packed=False).cpu(), want)
     assert torch.equal(ws_gemm.w4a16_ws_gemm(*args, loader=loader, int4_packed=True).cpu(), want)
+    # the converter reading the next group's scales ahead, 8 converter warps, 256-row tiles: the same bits
+    for kw in (dict(prefetch=False), dict(prefetch=True), dict(cvt_warps=8, prefetch=True)):
+        assert torch.equal(ws_gemm.w4a16_ws_gemm(*args, loader=loader, **kw).cpu(), want), kw
+    assert torch.equal(ws_gemm.w4a16_ws_gemm(*args[:5], 256, 128, 64, 3, loader=False).cpu(), want)  # 2 M tiles
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("block_n", [128, 256])
+def test_w8a16_ws_converter_variants_give_the_same_bits(block_n):
+    """INT8 codes through the converter with and without read-ahead, with 8 converter warps and in 256-row tiles:
+    x is the identity, so each output is code * scale rounded once, bit for bit the same in every variant."""
+    if not _ws_runs():
+        pytest.skip("the Gluon kernel needs sm_90 and Gluon")
+    from roofline.kernels import ws_gemm
+
+    g = torch.Generator().manual_seed(3)
+    n, k = 300, 512
+    q = torch.randint(-128, 128, (n, k), generator=g, dtype=torch.int8)
+    scales = torch.rand(n, generator=g) + 0.5
+    x = torch.eye(k).to(torch.bfloat16).cuda()
+    want = (q.float() * scales[:, None]).to(torch.bfloat16).t()  # [K, N]
+    args = (x, q.cuda(), scales.cuda(), 128, block_n, 64, 3)
+    for kw in (dict(prefetch=False), dict(prefetch=True), dict(loader=False, prefetch=True),
+               dict(loader=False, cvt_warps=8)):
+        if kw.get("cvt_warps") == 8 and block_n == 256:
+            continue  # 128 x 256 with 8 converter warps does not compile (ptxas)
+        assert torch.equal(ws_gemm.w8a16_ws_gemm(*args, **kw).cpu(), want), kw
+    got = ws_gemm.w8a16_ws_gemm(x, q.cuda(), scales.cuda(), 256, 128, 64, 3, loader=False)
+    assert torch.equal(got.cpu(), want)
 
 
 @pytest.mark.gpu
