@@ -112,6 +112,8 @@ def main() -> int:
                     rows.append(row)
                     print(f"{fmt} {shape:>8} M={m:<4} {path:<34} "
                           + (f"{row['us']:7.1f} us" if "us" in row else row["error"]), flush=True)
+            Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                                                      rows=rows), indent=1))  # so far: a timeout keeps it
     Path(args.out).write_text(json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
                                               rows=rows), indent=1))
     print("\nlayer sums (us; best ws = the fastest variant per projection):")

@@ -11,17 +11,17 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd)
 name=$(python3 -c "import torch; print(torch.cuda.get_device_name().replace(' ', '_'))")
 T=roofline/kernels/dispatch_tables/$name.json
 { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; python3 -c "import torch, triton; print(torch.__version__, triton.__version__)"; } | tee -a "$OUT/log"
-timeout ${TESTS_S:-150} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_quant_gemm.py -k "ws" > "$OUT/ws_tests.log" 2>&1
+timeout ${TESTS_S:-120} python3 -m pytest -q -p no:cacheprovider tests/kernels/test_quant_gemm.py -k "ws" > "$OUT/ws_tests.log" 2>&1
 rc=$?
 echo "ws tests rc $rc: $(tail -1 "$OUT/ws_tests.log")" | tee -a "$OUT/log"
 [ $rc = 0 ] || { grep -E "FAILED|Error" "$OUT/ws_tests.log" | head -20 | tee -a "$OUT/log"; exit 1; }
-timeout ${PROBE_S:-280} python3 bench/gpu_ws_variants.py --out "$OUT/variants.json" > "$OUT/variants.log" 2>&1
+timeout ${PROBE_S:-290} python3 bench/gpu_ws_variants.py --out "$OUT/variants.json" > "$OUT/variants.log" 2>&1
 echo "variants rc $?" | tee -a "$OUT/log"; grep -A40 "layer sums" "$OUT/variants.log" | tee -a "$OUT/log"
 [ -f "$OUT/variants.json" ] || exit 1
 cp "$T" "$OUT/table_new.json"
 python3 bench/ws_variants_merge.py "$OUT/variants.json" "$OUT/table_new.json" | tee "$OUT/merge.log" | tee -a "$OUT/log"
 cp "$T" /tmp/table_committed.json; cp "$OUT/table_new.json" "$T"
-timeout ${DECODE_S:-140} python3 -m roofline.cli bench decode --model llama-3-8b --batch-sizes ${BATCHES:-64,128,256} \
+timeout ${DECODE_S:-130} python3 -m roofline.cli bench decode --model llama-3-8b --batch-sizes ${BATCHES:-64,128,256} \
   --contexts 1k --quantization none,int8,int4 --out-dir /tmp/ws_decode > "$OUT/decode.log" 2>&1
 echo "decode rc $?" | tee -a "$OUT/log"; grep -E "measured|x$" "$OUT/decode.log" | tee -a "$OUT/log"
 cp /tmp/table_committed.json "$T"
