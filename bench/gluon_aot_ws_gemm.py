@@ -41,7 +41,7 @@ def main() -> int:
     spec.loader.exec_module(mod)
     bad = 0
     int4 = [(c, 1, 1) for c in INT4_CONFIGS] + [(INT4_CONFIGS[0], 3, 1)] + [(c, 1, 2) for c in INT4_CONFIGS]
-    for dtype, gdt, PF in (("bf16", gl.bfloat16, 1), ("fp16", gl.float16, 1), ("bf16", gl.bfloat16, 0)):
+    for dtype, gdt in (("bf16", gl.bfloat16), ("fp16", gl.float16)):
         for (bm, bn, bk, stages, cw, ws), split, is4 in [(c, 1, 0) for c in CONFIGS] + [(CONFIGS[2], 4, 0)] + int4:
             nw = 4 if bm == 64 else 8  # ws_gemm.mma_warps
             x_layout = gl.NVMMASharedLayout.get_default_for([bm, bk], gdt)
@@ -55,10 +55,10 @@ def main() -> int:
                    "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "BLOCK_K": "constexpr", "STAGES": "constexpr",
                    "SPLIT_K": "constexpr", "CVT_WARPS": "constexpr", "CVT_REGS": "constexpr", "W_LAYOUT": "constexpr",
                    "num_warps": "constexpr", "LOADER": "constexpr", "Z": f"*{dtype}" if is4 else "*fp32",
-                   "GROUP": "i32", "INT4": "constexpr", "PREFETCH": "constexpr"}
+                   "GROUP": "i32", "INT4": "constexpr"}
             cx = dict(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, STAGES=stages, SPLIT_K=split, CVT_WARPS=cw, CVT_REGS=min(128, mod.ws_maxnreg(nw, cw, ws == 1)),
-                      W_LAYOUT=w_layout, num_warps=nw, LOADER=ws == 1, INT4=is4, PREFETCH=PF)
-            name = f"{('int8', 'int4', 'int4p')[is4]} {dtype} pf{PF} BM{bm} BN{bn} BK{bk} S{stages} cvt{cw} ws{ws} split{split}"
+                      W_LAYOUT=w_layout, num_warps=nw, LOADER=ws == 1, INT4=is4)
+            name = f"{('int8', 'int4', 'int4p')[is4]} {dtype} BM{bm} BN{bn} BK{bk} S{stages} cvt{cw} ws{ws} split{split}"
             try:
                 k = triton.compile(GluonASTSource(mod.gluon_ws_gemm_kernel, sig, constexprs=cx),
                                    target=GPUTarget("cuda", 90, 32),

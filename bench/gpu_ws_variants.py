@@ -6,8 +6,7 @@ float64 first (``TOL``).
 Why: at stop 59 (H100) the ws kernel's time doubled from M = 128 to 256 (INT4 gate_up 115 -> 217 us, INT8 84 ->
 152) while cuBLAS bf16 went 91 -> 103: each 128-row tile converts the whole weight again, and four converter warps
 (one a scheduler) convert at ~5 codes a cycle an SM. Variants: ``cvt`` 8 converter warps; ``BM256`` one program
-for 256 rows (two warpgroups, two m64 wgmma each a K step), so each weight tile is converted once; ``pf`` 1 the
-converter reads ahead (``ws_gemm.CVT_PREFETCH``), 0 as before.
+for 256 rows (two warpgroups, two m64 wgmma each a K step), so each weight tile is converted once.
 
 Usage (GPU, repo root): python bench/gpu_ws_variants.py --out OUT.json [--ms 128,256] [--formats int8,int4]
 """
@@ -22,11 +21,11 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-# (block_m, block_n, block_k, stages, loader, cvt_warps, prefetch)
+# (block_m, block_n, block_k, stages, loader, cvt_warps). The converter's read-ahead (the "pf1" rows of
+# bench/results/ws-variants-h100-20261207/, against "pf0" without it) is no longer optional.
 VARIANTS = [
-    (128, 128, 64, 4, True, 4, 0), (128, 128, 64, 4, True, 4, 1), (128, 128, 64, 4, False, 8, 1),
-    (128, 256, 64, 3, False, 4, 0), (128, 256, 64, 3, False, 4, 1), (256, 128, 64, 3, False, 4, 1),
-    (256, 128, 64, 4, False, 4, 1),
+    (128, 128, 64, 4, True, 4), (128, 128, 64, 4, False, 8), (128, 256, 64, 3, False, 4),
+    (256, 128, 64, 3, False, 4), (256, 128, 64, 4, False, 4),
 ]
 
 
@@ -80,24 +79,23 @@ def main() -> int:
                 else:
                     cands = [("table", lambda: qg.w8a16_gemm(x, q8, scale, config=cur))]
                 cands.insert(0, ("bf16", lambda: F.linear(x, dense)))
-                for bm, bn, bk, st, loader, cvt, pf in VARIANTS:
+                for bm, bn, bk, st, loader, cvt in VARIANTS:
                     if bm > m:
                         continue
-                    name = f"ws {bm}x{bn}x{bk} s{st} {'ld' if loader else 'nold'} cvt{cvt} pf{pf}"
+                    name = f"ws {bm}x{bn}x{bk} s{st} {'ld' if loader else 'nold'} cvt{cvt}"
                     wq = p.qweight if fmt == "int4" else q8
                     why = ws_gemm.ws_unsupported_reason(x, wq, bm, bn, bk, st, g if fmt == "int4" else None)
                     if why:
                         rows.append(dict(fmt=fmt, shape=shape, m=m, path=name, error=why))
                         continue
                     if fmt == "int4":
-                        def fn(bm=bm, bn=bn, bk=bk, st=st, loader=loader, cvt=cvt, pf=pf):
+                        def fn(bm=bm, bn=bn, bk=bk, st=st, loader=loader, cvt=cvt):
                             return ws_gemm.w4a16_ws_gemm(x, p.qweight, p.scales, p.zeros, g, bm, bn, bk, st,
-                                                         counters=counters, loader=loader, cvt_warps=cvt,
-                                                         prefetch=bool(pf))
+                                                         counters=counters, loader=loader, cvt_warps=cvt)
                     else:
-                        def fn(bm=bm, bn=bn, bk=bk, st=st, loader=loader, cvt=cvt, pf=pf):
+                        def fn(bm=bm, bn=bn, bk=bk, st=st, loader=loader, cvt=cvt):
                             return ws_gemm.w8a16_ws_gemm(x, q8, scale, bm, bn, bk, st, counters=counters,
-                                                         loader=loader, cvt_warps=cvt, prefetch=bool(pf))
+                                                         loader=loader, cvt_warps=cvt)
                     cands.append((name, fn))
                 for path, fn in cands:
                     row = dict(fmt=fmt, shape=shape, n=n, k=k, m=m, path=path)
@@ -123,9 +121,9 @@ def main() -> int:
                 return sum(min((r["us"] for r in rows if r["fmt"] == fmt and r["m"] == m and r["shape"] == s
                                 and "us" in r and pred(r["path"])), default=float("nan"))
                            for s in args.shapes.split(","))
-            base = best(lambda p: p == "ws 128x128x64 s4 ld cvt4 pf0")
+            base = best(lambda p: p == "ws 128x128x64 s4 ld cvt4")
             print(f"{fmt} M={m}: bf16 {best(lambda p: p == 'bf16'):.0f}  table {best(lambda p: p == 'table'):.0f}"
-                  f"  ws 128x128 ld cvt4 pf0 {base:.0f}  best pf0 {best(lambda p: p.startswith('ws') and 'pf0' in p):.0f}"
+                  f"  ws 128x128 ld cvt4 {base:.0f}  best cvt4 {best(lambda p: p.startswith('ws') and 'cvt4' in p):.0f}"
                   f"  best ws {best(lambda p: p.startswith('ws')):.0f}")
             for s in args.shapes.split(","):
                 rs = sorted((r for r in rows if r["fmt"] == fmt and r["m"] == m and r["shape"] == s and "us" in r

@@ -15,18 +15,15 @@ import re
 import sys
 from pathlib import Path
 
-_NAME = re.compile(r"^ws (\d+)x(\d+)x(\d+) s(\d+) (ld|nold) cvt(\d+) pf(\d)$")
+_NAME = re.compile(r"^ws (\d+)x(\d+)x(\d+) s(\d+) (ld|nold) cvt(\d+)(?: pf1)?$")  # pf1: 2026-12-07's rows
 
 
 def config_of(path: str) -> dict:
-    """The table config of a variant's name ("ws 256x128x64 s3 nold cvt4 pf1"): ws 1 with the loader warp, 2
-    without; cvt_warps only where it is not the default 4 (the table cannot pin prefetch: run the merge only where
-    ``ws_gemm.CVT_PREFETCH`` is what the pf1 rows timed)."""
-    bm, bn, bk, st, ld, cvt, _ = _NAME.match(path).groups()  # prefetch: the launcher's default (CVT_PREFETCH)
+    """The table config of a variant's name ("ws 256x128x64 s3 nold cvt4"): ws 1 with the loader warp, 2 without.
+    Rows of 8 converter warps are never merged (GemmConfig has no such field: they lost everywhere)."""
+    bm, bn, bk, st, ld, cvt = _NAME.match(path).groups()
     cfg = dict(block_m=int(bm), block_n=int(bn), block_k=int(bk), num_warps=4 if bm == "64" else 8,
                num_stages=int(st), unpack=0, gemv=False, swap_ab=False, ws=1 if ld == "ld" else 2)
-    if cvt != "4":
-        cfg["cvt_warps"] = int(cvt)
     return cfg
 
 
@@ -43,7 +40,7 @@ def merge(rows: list[dict], table: dict, margin: float) -> list[str]:
             ours_won = []
             for m in ms:
                 rs = by[(fmt, n, k, m)]
-                ws = min((r for r in rs if r["path"].startswith("ws") and r["path"].endswith("pf1")),
+                ws = min((r for r in rs if _NAME.match(r["path"]) and " cvt4" in r["path"]),
                          key=lambda r: r["us"], default=None)
                 cur = next((r for r in rs if r["path"] == "table"), None)
                 deq = next((r for r in rs if r["path"] == "dequant"), None)

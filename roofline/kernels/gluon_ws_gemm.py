@@ -183,11 +183,12 @@ if gluon is not None:
 
     @gluon.jit
     def _w8_convert(q_smem, w_smem, ready, converted, i, sc, zp, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
-                    STAGES: gl.constexpr, CVT_WARPS: gl.constexpr, INT4: gl.constexpr, PREFETCH: gl.constexpr):
+                    STAGES: gl.constexpr, CVT_WARPS: gl.constexpr, INT4: gl.constexpr):
         # Tile i's codes -> 16-bit tile in the MMA's layout. INT8: 64 rows at a time (16 consecutive codes of a row
-        # a thread: one 16-byte shared-memory read; ~50 registers, not ~100 at BLOCK_N 256); with PREFETCH every
-        # slice's codes are read before the first converted slice is stored (the compiler keeps a shared-memory
-        # read after a store to another buffer, so otherwise each slice waits out the previous one's store). INT4:
+        # a thread: one 16-byte shared-memory read; ~50 registers, not ~100 at BLOCK_N 256), every slice's codes
+        # read before the first converted slice is stored (the compiler keeps a shared-memory read after a store
+        # to another buffer, so otherwise each slice waits out the previous one's store: 1-8% slower on the H100,
+        # bench/results/ws-variants-h100-20261207/). INT4:
         # the words [BLOCK_K / 8, BLOCK_N] (4 consecutive columns a thread), dequantized with sc / zp
         # (``_int4_group`` of this tile).
         s = i % STAGES
@@ -202,12 +203,12 @@ if gluon is not None:
         else:
             layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // (BLOCK_K // 16), BLOCK_K // 16], [CVT_WARPS, 1],
                                                     [1, 0])
-            if PREFETCH and BLOCK_N == 128:
+            if BLOCK_N == 128:
                 q0 = q_smem.index(s).slice(0, 64).load(layout)
                 q1 = q_smem.index(s).slice(64, 64).load(layout)
                 w_smem.index(s).slice(0, 64).store(_codes_to_16bit(q0, w_smem.dtype))
                 w_smem.index(s).slice(64, 64).store(_codes_to_16bit(q1, w_smem.dtype))
-            elif PREFETCH and BLOCK_N == 256:
+            elif BLOCK_N == 256:
                 q0 = q_smem.index(s).slice(0, 64).load(layout)
                 q1 = q_smem.index(s).slice(64, 64).load(layout)
                 q2 = q_smem.index(s).slice(128, 64).load(layout)
@@ -216,7 +217,7 @@ if gluon is not None:
                 w_smem.index(s).slice(64, 64).store(_codes_to_16bit(q1, w_smem.dtype))
                 w_smem.index(s).slice(128, 64).store(_codes_to_16bit(q2, w_smem.dtype))
                 w_smem.index(s).slice(192, 64).store(_codes_to_16bit(q3, w_smem.dtype))
-            else:
+            else:  # BLOCK_N 64: one slice
                 for r in gl.static_range(0, BLOCK_N, 64):
                     q = q_smem.index(s).slice(r, 64).load(layout)
                     w_smem.index(s).slice(r, 64).store(_codes_to_16bit(q, w_smem.dtype))
@@ -227,13 +228,14 @@ if gluon is not None:
     @gluon.jit
     def _w8_converter(x_desc, q_desc, x_smem, q_smem, w_smem, ready, empty, converted, off_m, off_n, k0, k_tiles,
                       S, Z, N, GROUP, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr, STAGES: gl.constexpr,
-                      CVT_WARPS: gl.constexpr, INT4: gl.constexpr, ISSUE: gl.constexpr, PREFETCH: gl.constexpr):
+                      CVT_WARPS: gl.constexpr, INT4: gl.constexpr, ISSUE: gl.constexpr):
         # Converts tiles 0..k_tiles-1. ISSUE (no loader warp: 4 + 8 warps launch as 12, so the MMA gets 168
         # registers, which a 128 x 256 tile's 128-register accumulator needs): this partition also issues the TMA
         # copies, STAGES - 1 tiles ahead; tile i + STAGES - 1's after tile i is converted, once the MMA has released
-        # its stage (product i - 1 done), so the conversion of tile i + 1 overlaps product i. INT4 with PREFETCH:
-        # the next tile's group scales and zero points are loaded (global memory) before this tile's conversion,
-        # so their latency hides behind it instead of stalling every tile.
+        # its stage (product i - 1 done), so the conversion of tile i + 1 overlaps product i. INT4: the next tile's
+        # group scales and zero points are loaded (global memory) before this tile's conversion, so their latency
+        # hides behind it instead of stalling every tile (INT4 gate_up at M = 128, 128 x 256 tiles: 116.7 ->
+        # 103.9 us on the H100).
         if ISSUE:
             for j in gl.static_range(STAGES - 1):
                 if j < k_tiles:
@@ -242,24 +244,17 @@ if gluon is not None:
         if INT4:
             sc, zp = _int4_group(S, Z, N, off_n, k0, GROUP, BLOCK_N, BLOCK_K, CVT_WARPS)
             for i in range(k_tiles):
-                if PREFETCH:
-                    sc_next, zp_next = _int4_group(S, Z, N, off_n, k0 + gl.minimum(i + 1, k_tiles - 1), GROUP,
-                                                   BLOCK_N, BLOCK_K, CVT_WARPS)
-                else:
-                    sc_next, zp_next = sc, zp
-                    sc, zp = _int4_group(S, Z, N, off_n, k0 + i, GROUP, BLOCK_N, BLOCK_K, CVT_WARPS)
-                _w8_convert(q_smem, w_smem, ready, converted, i, sc, zp, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS, INT4,
-                            PREFETCH)
-                if PREFETCH:
-                    sc, zp = sc_next, zp_next
+                sc_next, zp_next = _int4_group(S, Z, N, off_n, k0 + gl.minimum(i + 1, k_tiles - 1), GROUP, BLOCK_N,
+                                               BLOCK_K, CVT_WARPS)
+                _w8_convert(q_smem, w_smem, ready, converted, i, sc, zp, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS, INT4)
+                sc, zp = sc_next, zp_next
                 if ISSUE:
                     if i + STAGES - 1 < k_tiles:
                         _w8_issue(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, i + STAGES - 1,
                                   BLOCK_K, STAGES, INT4)
         else:
             for i in range(k_tiles):
-                _w8_convert(q_smem, w_smem, ready, converted, i, S, S, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS, INT4,
-                            PREFETCH)
+                _w8_convert(q_smem, w_smem, ready, converted, i, S, S, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS, INT4)
                 if ISSUE:
                     if i + STAGES - 1 < k_tiles:
                         _w8_issue(x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, i + STAGES - 1,
@@ -316,8 +311,7 @@ if gluon is not None:
                               BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, BLOCK_K: gl.constexpr,
                               STAGES: gl.constexpr, SPLIT_K: gl.constexpr, CVT_WARPS: gl.constexpr,
                               CVT_REGS: gl.constexpr, W_LAYOUT: gl.constexpr, num_warps: gl.constexpr,
-                              LOADER: gl.constexpr = True, Z=None, GROUP=0, INT4: gl.constexpr = 0,
-                              PREFETCH: gl.constexpr = 0):
+                              LOADER: gl.constexpr = True, Z=None, GROUP=0, INT4: gl.constexpr = 0):
         """x_desc: TMA descriptor of x [M, K] (bf16 / fp16, block [BLOCK_M, BLOCK_K]); q_desc: of the codes [N, K]
         int8 (block [BLOCK_N, BLOCK_K]); S: float32 [N] channel scales; Out: [M, N] in x's dtype, row stride
         stride_om; P: float32 [SPLIT_K, M, N] partial sums when SPLIT_K > 1; C: int32 arrival counters, one per
@@ -327,9 +321,7 @@ if gluon is not None:
         False: no loader warp, the converter issues the copies (``GemmConfig.ws == 2``). INT4 (W4A16, the same
         partitions): q_desc over qweight int32 [K / 8, N] (block [BLOCK_K / 8, BLOCK_N]), S and Z the group scales
         and zero points [K / GROUP, N] in x's dtype, applied by the converter (GROUP a multiple of BLOCK_K); the
-        epilogue then only casts. INT4 1: the dequantization in fp32; 2: in packed 16-bit math (the same bits).
-        PREFETCH 1: the converter reads ahead (INT8: every 64-row slice's codes before the first store; INT4: the
-        next tile's group scales during this tile's conversion); the same results."""
+        epilogue then only casts. INT4 1: the dequantization in fp32; 2: in packed 16-bit math (the same bits)."""
         pid = gl.program_id(0)
         split = gl.program_id(1)
         num_m = gl.cdiv(M, BLOCK_M)
@@ -356,7 +348,7 @@ if gluon is not None:
                 (_w8_mma, (x_smem, w_smem, ready, converted, empty, S, Out, P, C, M, N, off_m, off_n, pid, split,
                            k_tiles, stride_om, BLOCK_M, BLOCK_N, STAGES, SPLIT_K, num_warps, INT4)),
                 (_w8_converter, (x_desc, q_desc, x_smem, q_smem, w_smem, ready, empty, converted, off_m, off_n, k0,
-                                 k_tiles, S, Z, N, GROUP, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS, INT4, False, PREFETCH)),
+                                 k_tiles, S, Z, N, GROUP, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS, INT4, False)),
                 (_w8_loader, (x_desc, q_desc, x_smem, q_smem, ready, empty, off_m, off_n, k0, k_tiles, BLOCK_K,
                               STAGES, INT4)),
             ], [CVT_WARPS, 1], [CVT_REGS, 24])
@@ -365,5 +357,5 @@ if gluon is not None:
                 (_w8_mma, (x_smem, w_smem, ready, converted, empty, S, Out, P, C, M, N, off_m, off_n, pid, split,
                            k_tiles, stride_om, BLOCK_M, BLOCK_N, STAGES, SPLIT_K, num_warps, INT4)),
                 (_w8_converter, (x_desc, q_desc, x_smem, q_smem, w_smem, ready, empty, converted, off_m, off_n, k0,
-                                 k_tiles, S, Z, N, GROUP, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS, INT4, True, PREFETCH)),
+                                 k_tiles, S, Z, N, GROUP, BLOCK_N, BLOCK_K, STAGES, CVT_WARPS, INT4, True)),
             ], [CVT_WARPS], [CVT_REGS])

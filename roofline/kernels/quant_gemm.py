@@ -377,10 +377,9 @@ def _launch_gemm(fmt: int, table: str, x: torch.Tensor, w: torch.Tensor, s: torc
             tiles = triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n)
             args = (cfg.block_m, cfg.block_n, cfg.block_k, cfg.num_stages, cfg.split_k, _num_sms(x.device),
                     _counters(x.device, tiles))
-            kw = dict(loader=cfg.ws != 2, cvt_warps=cfg.cvt_warps or ws_gemm.CVT_WARPS)
             if int4:
-                return ws_gemm.w4a16_ws_gemm(x, w, s, z, group, *args, **kw)
-            return ws_gemm.w8a16_ws_gemm(x, w, s, *args, **kw)
+                return ws_gemm.w4a16_ws_gemm(x, w, s, z, group, *args, loader=cfg.ws != 2)
+            return ws_gemm.w8a16_ws_gemm(x, w, s, *args, loader=cfg.ws != 2)
         cfg = pick_config(table, m)
     block_k = cfg.block_k
     scales_mode = 0  # INT4 scales: 0 gathered per element, 1 one row per tile, 2 one row after the dot

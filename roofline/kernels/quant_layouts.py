@@ -44,9 +44,6 @@ class GemmConfig:
     # warp: more registers for the MMA, which 128 x 256 tiles need); block_m 64 / 128 / 256, num_warps unused, split_k
     # None: ws_gemm.choose_ws_split); elsewhere the tiled default.
     ws: int = 0
-    # ws only: the converter partition's warps (None: ws_gemm.CVT_WARPS, 4); 8 doubles the warps that convert
-    # codes (one a scheduler is latency-bound), at 128 registers a thread for every partition without the loader.
-    cvt_warps: int | None = None
     # GEMV configs take num_stages=1: the kernel prefetches the next tile itself, and Triton's pipeliner on top of
     # that gave wrong 16-bit results on the H200 (triton 3.6, 2026-12-01).
 

@@ -21,9 +21,6 @@ except ImportError:  # pragma: no cover - Triton without Gluon's Hopper module
 MAX_SMEM = 232448  # bytes of dynamic shared memory a block may use on sm_90 (CUDA C++ guide, H100 / H200: 227 KB)
 CVT_WARPS = 4
 CVT_REGS = 128
-# The converter reads ahead (gluon_ws_gemm_kernel's PREFETCH: INT8 all of a tile's code slices before the first
-# store, INT4 the next tile's group scales during this tile's conversion); the same results either way.
-CVT_PREFETCH = True
 
 
 def mma_warps(block_m: int) -> int:
@@ -76,7 +73,7 @@ def choose_ws_split(tiles: int, k_tiles: int, num_sms: int) -> int:
 def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_m: int, block_n: int,
                   block_k: int, stages: int, split_k: int | None = None, num_sms: int | None = None,
                   counters: torch.Tensor | None = None, loader: bool = True,
-                  cvt_warps: int = CVT_WARPS, prefetch: bool | None = None) -> torch.Tensor:
+                  cvt_warps: int = CVT_WARPS) -> torch.Tensor:
     """``x`` [M, K] bf16/fp16 @ (``q`` int8 [N, K] * ``scales`` float32 [N])^T -> [M, N] in x's dtype (fp32
     accumulation, the scale in the epilogue). ``split_k`` None: :func:`choose_ws_split`; with more than one split
     the fp32 partial sums go to a scratch buffer and the last split of each output tile sums them in split order
@@ -84,21 +81,20 @@ def w8a16_ws_gemm(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, block_
     device); ``counters``: a zeroed int32 buffer of at least one counter per output tile, left zeroed
     (``quant_gemm`` passes its own; None: a fresh one). ``loader`` False (``GemmConfig.ws == 2``): no loader warp,
     the converter issues the TMA copies, so the MMA partition gets more registers (168 at BLOCK_M 128, which
-    128 x 256 tiles need). ``cvt_warps``: the converter partition's warps (4 or 8); ``prefetch`` (None:
-    ``CVT_PREFETCH``): the converter reads ahead, the same results. The caller checked
-    :func:`ws_unsupported_reason`."""
+    128 x 256 tiles need). ``cvt_warps``: the converter partition's warps (4; 8 compiles, gives the same bits and
+    was 2-9% slower on every probed tile on the H100, bench/results/ws-variants-h100-20261207/, so no table row
+    asks for it). The caller checked :func:`ws_unsupported_reason`."""
     n = q.shape[0]
     q_layout = gl.NVMMASharedLayout.get_default_for([block_n, block_k], gl.int8)
     q_desc = TensorDescriptor(q, [n, x.shape[1]], [q.stride(0), 1], [block_n, block_k], q_layout)
     return _launch(x, q_desc, n, scales, scales, block_k, 0, block_m, block_n, block_k, stages, split_k, num_sms,
-                   counters, loader, cvt_warps, prefetch)
+                   counters, loader, cvt_warps)
 
 
 def w4a16_ws_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor,
                   group_size: int, block_m: int, block_n: int, block_k: int, stages: int, split_k: int | None = None,
                   num_sms: int | None = None, counters: torch.Tensor | None = None,
-                  loader: bool = True, int4_packed: bool = True, cvt_warps: int = CVT_WARPS,
-                  prefetch: bool | None = None) -> torch.Tensor:
+                  loader: bool = True, int4_packed: bool = True, cvt_warps: int = CVT_WARPS) -> torch.Tensor:
     """INT4 on the same kernel: ``x`` [M, K] bf16/fp16 @ W^T, W = (q - zeros) * scales per group of
     ``group_size`` input channels, ``qweight`` int32 [K / 8, N] (``quant_layouts.pack_int4``), ``scales`` /
     ``zeros`` [K / G, N] in x's dtype -> [M, N] in x's dtype. The converter partition dequantizes each code tile
@@ -113,11 +109,11 @@ def w4a16_ws_gemm(x: torch.Tensor, qweight: torch.Tensor, scales: torch.Tensor, 
     q_desc = TensorDescriptor(qweight, [qweight.shape[0], n], [qweight.stride(0), 1], [block_k // 8, block_n],
                               q_layout)
     return _launch(x, q_desc, n, scales, zeros, group_size, 2 if int4_packed else 1, block_m, block_n, block_k,
-                   stages, split_k, num_sms, counters, loader, cvt_warps, prefetch)
+                   stages, split_k, num_sms, counters, loader, cvt_warps)
 
 
 def _launch(x, q_desc, n, scales, zeros, group, int4, block_m, block_n, block_k, stages, split_k, num_sms, counters,
-            loader, cvt_warps, prefetch) -> torch.Tensor:
+            loader, cvt_warps) -> torch.Tensor:
     m, k = x.shape
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
@@ -141,5 +137,5 @@ def _launch(x, q_desc, n, scales, zeros, group, int4, block_m, block_n, block_k,
         x_desc, q_desc, scales, out, partials, counters, m, n, k, out.stride(0), per_split,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, STAGES=stages, SPLIT_K=split, CVT_WARPS=cvt_warps,
         CVT_REGS=min(CVT_REGS, maxnreg), W_LAYOUT=w_layout, num_warps=num_warps, LOADER=loader, Z=zeros,
-        GROUP=group, INT4=int4, PREFETCH=int(CVT_PREFETCH if prefetch is None else prefetch), maxnreg=maxnreg)
+        GROUP=group, INT4=int4, maxnreg=maxnreg)
     return out
