@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 28, one device call: the ws GEMM's 256-row tiles and 8 converter warps (GemmConfig.cvt_warps) at M = 128 /
+# Issue 28, one device call: the ws GEMM's 256-row tiles and 8 converter warps (ws_gemm cvt_warps) at M = 128 /
 # 256, then, with the winners merged into this GPU's dispatch table, bf16 / int8 / int4 decode at the large batches.
 #   1. tests/kernels/test_quant_gemm.py -k ws (the new configs included) on this GPU;
 #   2. bench/gpu_ws_variants.py (per projection: bf16 cuBLAS, the table's kernel, dequantize + cuBLAS, each variant);
