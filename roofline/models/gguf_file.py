@@ -212,10 +212,13 @@ def name_gguf_tensors(message: str) -> str:
     loading error about a GGUF file names the tensor as the file does: ``'model.layers.0.self_attn.q_proj.weight'
     (GGUF blk.0.attn_q.weight)``."""
     def sub(m: re.Match) -> str:
-        g = gguf_tensor_name(m.group(2))
-        return m.group(0) + (f" (GGUF {g})" if g else "")
+        name = m.group(2).rstrip(".")  # a sentence's full stop is not part of the name
+        g = gguf_tensor_name(name)
+        return m.group(1) + name + m.group(1) + (f" (GGUF {g})" if g else "") + m.group(2)[len(name):]
 
-    return re.sub(r"(['\"]?)((?:model\.[\w.]+|lm_head\.weight)(?::\w+)?)\1", sub, message)
+    # a name already followed by its GGUF name is left alone (applying this twice changes nothing)
+    pattern = r"(?<![\w.'\"])(['\"]?)((?:model\.[\w.]+|lm_head\.weight)(?::\w+)?)(?![\w:])\1(?! \(GGUF )"
+    return re.sub(pattern, sub, message)
 
 
 def iter_gguf(path: Path, config: ModelConfig) -> Iterator[tuple[str, torch.Tensor]]:

@@ -464,3 +464,23 @@ def test_paths_that_are_not_models_are_named(tmp_path):
     (tmp_path / "w.gguf").write_bytes(b"GGUF")
     with pytest.raises(FileNotFoundError, match=r"its weights are a GGUF \(w.gguf\): use --load-format gguf"):
         _safetensors_files(tmp_path)
+
+
+def test_gguf_names_are_added_once_beside_hf_names():
+    """name_gguf_tensors: quoted and bare names, a shard label, an expert, a sentence's full stop; applying it
+    twice changes nothing."""
+    from roofline.models.gguf_file import name_gguf_tensors
+
+    cases = {
+        "cannot load 'model.layers.0.self_attn.o_proj.weight': shape":
+            "cannot load 'model.layers.0.self_attn.o_proj.weight' (GGUF blk.0.attn_output.weight): shape",
+        "missing model.layers.2.mlp.gate_up_proj.weight:1.":
+            "missing model.layers.2.mlp.gate_up_proj.weight:1 (GGUF blk.2.ffn_up.weight).",
+        "missing 2: model.layers.1.mlp.experts.3.down_proj.weight, \"lm_head.weight\"":
+            "missing 2: model.layers.1.mlp.experts.3.down_proj.weight (GGUF blk.1.ffn_down_exps.weight[3]), "
+            "\"lm_head.weight\" (GGUF output.weight)",
+        "model.layers.0.foo.weight has no GGUF name": "model.layers.0.foo.weight has no GGUF name",
+    }
+    for message, want in cases.items():
+        assert name_gguf_tensors(message) == want
+        assert name_gguf_tensors(want) == want
