@@ -37,9 +37,10 @@ def _sm90(index: int | None) -> bool:
 def ws_unsupported_reason(x: torch.Tensor, q: torch.Tensor, block_m: int, block_n: int, block_k: int,
                           stages: int, group_size: int | None = None) -> str | None:
     """Why the kernel cannot run this call (None: it can): Gluon missing, not an sm_90 GPU, x not bf16/fp16 with
-    16-byte aligned rows, K not a multiple of 16, a tile that does not fit (BLOCK_M 64, 128 or 256, BLOCK_K a multiple of
-    64, BLOCK_N a multiple of 64 up to 256 (``wgmma``'s N), shared memory over ``MAX_SMEM``). ``q`` int8 [N, K] codes, or (``group_size`` given) INT4 qweight int32
-    [K / 8, N], whose group size must be a multiple of BLOCK_K and N a multiple of 4 (16-byte TMA rows)."""
+    16-byte aligned rows, K not a multiple of 16, a tile that does not fit (BLOCK_M 64, 128 or 256, BLOCK_K a
+    multiple of 64, BLOCK_N a multiple of 64 up to 256 (``wgmma``'s N), shared memory over ``MAX_SMEM``). ``q``
+    int8 [N, K] codes, or (``group_size`` given) INT4 qweight int32 [K / 8, N], whose group size must be a multiple
+    of BLOCK_K and N a multiple of 4 (16-byte TMA rows)."""
     if gluon_ws_gemm_kernel is None:
         return "triton.experimental.gluon's Hopper module is not importable"
     if not (x.is_cuda and _sm90(x.device.index)):
