@@ -350,33 +350,29 @@ def _versions(device: str) -> dict[str, Any]:
 
 def _cgroup_memory_room() -> int | None:
     """Bytes this process's memory cgroup still allows (limit - usage), or None without a limit: cgroup v2
-    (``memory.max`` / ``memory.current`` of the group named in /proc/self/cgroup's ``0::`` line) or v1 (the
-    ``memory`` controller's ``memory.limit_in_bytes`` / ``memory.usage_in_bytes``); each group's own directory, then
-    the mount's root (a container sees its group there)."""
+    (``memory.max`` / ``memory.current``) or v1 (``memory/memory.limit_in_bytes`` / ``memory.usage_in_bytes``),
+    in the group /proc/self/cgroup names, then at the mount's root (a container sees its own group there)."""
     try:
         lines = Path("/proc/self/cgroup").read_text().splitlines()
     except OSError:
         lines = []
-    groups = {}
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        groups["v2" if controllers == "" else controllers] = path.lstrip("/")
-    candidates = []
-    for name, files in (("v2", ("memory.max", "memory.current")),
-                        ("memory", ("memory/memory.limit_in_bytes", "memory/memory.usage_in_bytes"))):
-        base = Path("/sys/fs/cgroup")
-        mount, leaf = (base, files) if name == "v2" else (base / "memory", tuple(f.split("/")[1] for f in files))
-        for d in ([mount / groups[name]] if groups.get(name) else []) + [mount]:
-            candidates.append((d / leaf[0], d / leaf[1]))
-    for limit_file, usage_file in candidates:
+    groups = {controllers: path.lstrip("/") for _, controllers, path in (ln.split(":", 2) for ln in lines)}
+    root = Path("/sys/fs/cgroup")
+    candidates = []  # (directory, limit file, usage file), the process's own group first
+    for mount, controller, limit, usage in ((root, "", "memory.max", "memory.current"),
+                                            (root / "memory", "memory", "memory.limit_in_bytes",
+                                             "memory.usage_in_bytes")):
+        own = [mount / groups[controller]] if groups.get(controller) else []
+        candidates += [(d, limit, usage) for d in own + [mount]]
+    for d, limit_name, usage_name in candidates:
         try:
-            limit = limit_file.read_text().strip()
+            limit = (d / limit_name).read_text().strip()
         except OSError:
             continue
         if limit == "max" or int(limit) >= 1 << 60:  # v1 writes "no limit" as ~2^63
             return None
         try:
-            return int(limit) - int(usage_file.read_text())
+            return int(limit) - int((d / usage_name).read_text())
         except (OSError, ValueError):
             return None
     return None

@@ -152,10 +152,8 @@ def run_decode_bench(args: argparse.Namespace) -> int:
     bad = [r for r in reduces if r not in (None, "fused", "kernel")]
     if bad:
         raise ValueError(f"--attention-reduce {bad[0]!r}: expected fused or kernel")
-    gpu_only = [f"--{name} {value}" for name, value in (("pdl", getattr(args, "pdl", "")),
-                                                       ("int4-kernel", getattr(args, "int4_kernel", "")),
-                                                       ("attention-reduce", getattr(args, "attention_reduce", "")))
-                if value]
+    gpu_only = [f"--{flag} {','.join(map(str, values))}" for flag, values in
+                (("pdl", pdls), ("int4-kernel", int4ks), ("attention-reduce", reduces)) if values != [None]]
     if gpu_only and resolve_device(getattr(args, "device", "auto")) == "cpu":
         raise ValueError(f"{', '.join(gpu_only)}: GPU kernel knobs (Triton / Gluon kernels on CUDA); this run is on "
                          "the CPU, where they would change nothing")

@@ -43,10 +43,14 @@ def _cpu_has_bf16_units() -> bool:
     return features.avx512_bf16 or features.amx_bf16
 
 
+def prepacks(dtype: torch.dtype) -> bool:
+    """Linear weights of ``dtype`` on this CPU get a packed copy after loading: bf16, bf16 units, packing on."""
+    return PREPACK and dtype == torch.bfloat16 and _cpu_has_bf16_units()
+
+
 def should_prepack(weight: torch.Tensor) -> bool:
-    """Pack ``weight`` (a 2-D linear weight [N, K]): bf16, on a CPU with bf16 units, packing on."""
-    return (PREPACK and weight.device.type == "cpu" and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and _cpu_has_bf16_units())
+    """Pack ``weight`` (a 2-D linear weight [N, K]) on the CPU where :func:`prepacks` says so for its dtype."""
+    return weight.device.type == "cpu" and weight.dim() == 2 and prepacks(weight.dtype)
 
 
 def prepack(weight: torch.Tensor) -> torch.Tensor:

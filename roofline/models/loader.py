@@ -411,15 +411,15 @@ CPU_HEADROOM_BYTES = 2 << 30
 
 def host_weight_bytes(model_config: ModelConfig, dtype: torch.dtype, prepacked: bool | None = None) -> int:
     """Bytes a CPU model's weights hold in host memory once loaded: every parameter in ``dtype``, plus, where bf16
-    linears are prepacked for oneDNN (``cpu_bf16.should_prepack``: bf16 on a CPU with bf16 units, on by default),
+    linears are prepacked for oneDNN (``cpu_bf16.prepacks``: bf16 on a CPU with bf16 units, on by default),
     the packed copy of each linear weight and of the LM head (all parameters but the norms and an untied input
     embedding table), which the layer keeps beside its dense weight. ``prepacked`` None: as this CPU would."""
     from roofline.kernels import cpu_bf16
 
-    size = torch.empty((), dtype=dtype).element_size()
+    size = dtype.itemsize
     total = model_config.num_params * size
     if prepacked is None:
-        prepacked = dtype == torch.bfloat16 and cpu_bf16.PREPACK and cpu_bf16._cpu_has_bf16_units()
+        prepacked = cpu_bf16.prepacks(dtype)
     if prepacked:
         h, layers = model_config.hidden_size, model_config.num_hidden_layers
         norms = (2 * layers + 1) * h
@@ -442,7 +442,7 @@ def check_host_memory(model_config: ModelConfig, dtype: torch.dtype, available: 
     from roofline.hardware import host_memory_available
 
     avail = host_memory_available() if available is None else available
-    dense = model_config.num_params * torch.empty((), dtype=dtype).element_size()
+    dense = model_config.num_params * dtype.itemsize
     weights = host_weight_bytes(model_config, dtype, prepacked)
     need = weights + CPU_HEADROOM_BYTES
     if avail is not None and need > avail:
