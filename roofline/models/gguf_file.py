@@ -171,12 +171,6 @@ _GGUF_EXPERT_PROJ = {"ffn_gate_exps": 0, "ffn_up_exps": 1, "ffn_down_exps": 2}
 _GGUF_PER_EXPERT = re.compile(r"^(ffn_gate|ffn_up|ffn_down)\.(\d+)$")
 
 
-_OUR_STACKED = {"self_attn.qkv_proj.weight:q": "attn_q", "self_attn.qkv_proj.weight:k": "attn_k",
-                "self_attn.qkv_proj.weight:v": "attn_v", "self_attn.qkv_proj.bias:q": "attn_q",
-                "self_attn.qkv_proj.bias:k": "attn_k", "self_attn.qkv_proj.bias:v": "attn_v",
-                "mlp.gate_up_proj.weight:0": "ffn_gate", "mlp.gate_up_proj.weight:1": "ffn_up",
-                "mlp.shared_expert.gate_up_proj.weight:0": "ffn_gate_shexp",
-                "mlp.shared_expert.gate_up_proj.weight:1": "ffn_up_shexp"}
 _HF_TO_GGUF = {hf: g for g, hf in _GGUF_NAMES.items()}
 _HF_EXPERT = re.compile(r"^model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.(weight|bias)$")
 _HF_LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)\.(weight|bias)(:\w+)?$")
@@ -187,23 +181,28 @@ def gguf_tensor_name(name: str) -> str | None:
     (``model.layers.0.self_attn.qkv_proj.weight:q``), stands for: ``blk.0.attn_q.weight``; an expert's is its
     stacked tensor with the index, ``blk.3.ffn_up_exps.weight[5]``. None where there is none (a name not from a
     decoder of the architectures in :data:`GGUF_ARCHITECTURES`)."""
+    from roofline.models.llama import LlamaForCausalLM, moe_checkpoint_names
+
     top = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
     if name in top:
         return top[name]
     m = _HF_EXPERT.match(name)
-    if m is not None:
-        kind = {"w1": "gate", "gate_proj": "gate", "w3": "up", "up_proj": "up", "w2": "down",
-                "down_proj": "down"}.get(m.group(3))
-        return f"blk.{m.group(1)}.ffn_{kind}_exps.{m.group(4)}[{m.group(2)}]" if kind else None
+    if m is not None:  # an expert's projection (either architecture's names) -> its stacked tensor
+        stacked = {moe_checkpoint_names(arch)[1][i]: kind for kind, i in _GGUF_EXPERT_PROJ.items()
+                   for arch in ("MixtralForCausalLM", "Qwen3MoeForCausalLM")}
+        kind = stacked.get(m.group(3))
+        return f"blk.{m.group(1)}.{kind}.{m.group(4)}[{m.group(2)}]" if kind else None
     m = _HF_LAYER.match(name)
     if m is None:
         return None
     layer, part, suffix, shard = m.groups()
-    kind = _OUR_STACKED.get(f"{part}.{suffix}{shard}") if shard else None
-    if kind is None and not shard:
-        kind = ({"mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}.get(part)
-                or _HF_TO_GGUF.get(part))
+    if shard:  # our fused parameter's shard -> the HF projection it holds (the loader's stacked_params)
+        part = next((part[:-len(ours)] + hf for hf, ours, sid in LlamaForCausalLM.stacked_params
+                     if part.endswith(ours) and shard == f":{sid}"), None)
+        if part is None:
+            return None
+    kind = {"mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp"}.get(part) or _HF_TO_GGUF.get(part)
     return f"blk.{layer}.{kind}.{suffix}" if kind else None
 
 
