@@ -14,9 +14,10 @@
 #          defaults since 2026-12-06): plain, chain k 3, trees of 3 / 8 / 16 nodes, adaptive depth 1 and 4
 #   train  train-draft --method eagle --unroll (time-capped), then bench spec of the new head against the
 #          shipped one at depth 2 and 4
-#   data   train-draft's regeneration (REGEN_S seconds, up to 30,000 prompts, 512 at once) and target features
-#          only, kept in /tmp/cache for `recipes` (a call later, on the same warm machine); the token ids come
-#          back as $OUT/sequences.npz
+#   data   train-draft's regeneration (REGEN_S seconds, up to NPROMPTS = 30,000 prompts, MAX_SEQS = 512 at once)
+#          and target features only (with AUX=2,15 also the residual streams entering those layers, for EAGLE-3's
+#          fusion), kept in /tmp/cache for `recipes` / `long` (a call later, on the same warm machine); the token
+#          ids come back as $OUT/sequences.npz
 #   recipes  bench/gpu_train_recipes.py: one head per recipe in RECIPES from /tmp/cache, RECIPE_S seconds each
 #   long   the same, one process per recipe side by side, each head back as $OUT/head-NAME.tgz
 set -uo pipefail
@@ -92,8 +93,9 @@ for step in "$@"; do
       "{\"method\": \"eagle\", \"model\": \"$OUT/head\", \"num_speculative_tokens\": 4, \"tree_topk\": 4, \"tree_budget\": 16, \"adaptive\": false}" ;;
   data)
     timeout ${DATA_S:-560} python3 -m roofline.cli train-draft --method eagle --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
-      --device cuda --prompts-file .devcarry/sharegpt_train.json.xz --num-prompts 30000 --max-tokens 192 \
-      --max-regenerate-seconds ${REGEN_S:-400} --max-feature-seconds 90 --kv-cache-memory 24GiB --max-num-seqs 512 \
+      --device cuda --prompts-file .devcarry/sharegpt_train.json.xz --num-prompts ${NPROMPTS:-30000} --max-tokens 192 \
+      --max-regenerate-seconds ${REGEN_S:-400} --max-feature-seconds ${FEATURE_S:-90} --kv-cache-memory ${KV:-24GiB} \
+      --max-num-seqs ${MAX_SEQS:-512} ${AUX:+--aux-layers $AUX} \
       --steps 1 --batch-size 32 --cache-dir /tmp/cache --output /tmp/head-unused > "$OUT/data.log" 2>&1
     log "data rc $?"; grep -aE "regenerat|features|sequences" "$OUT/data.log" | tail -6 | tee -a "$OUT/log"; ls -la /tmp/cache | tee -a "$OUT/log"
     # the regenerated token ids alone (~13 MB), so that they can come back and travel again

@@ -11,7 +11,11 @@ acceptance.
     python bench/gpu_train_recipes.py --model /tmp/smol.gguf --cache /tmp/cache/data-....pt --seconds 120 \\
         --out $OUT/recipes base='{}' noise='{"feature_noise": 0.1}' cls1='{"cls_weight": 1.0}'
 
-A recipe is ``NAME=JSON`` with any of ``cls_weight``, ``unroll``, ``feature_noise``, ``lr``, ``batch_size``.
+A recipe is ``NAME=JSON`` with any of ``cls_weight``, ``unroll``, ``feature_noise``, ``lr``, ``batch_size`` and
+``aux_layers``. A cache written with ``--aux-layers`` (``data-...-aux2_15.pt``: each sequence's features [T, (1 + n) H],
+the final ones first) serves both kinds of recipe: one whose ``aux_layers`` names the cache's layers trains EAGLE-3's
+feature fusion on all of them, one without trains on the final features alone, so the two differ in nothing else.
+Only the columns a recipe reads are moved to the GPU (the cache is read memory-mapped).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import time
 from dataclasses import replace
 
@@ -28,7 +33,13 @@ from roofline.llm import LLM
 from roofline.spec_decode import train
 from roofline.spec_decode.heads import save_head
 
-KEYS = {"cls_weight", "unroll", "feature_noise", "lr", "batch_size"}
+KEYS = {"cls_weight", "unroll", "feature_noise", "lr", "batch_size", "aux_layers"}
+
+
+def cache_aux_layers(path: str) -> tuple[int, ...]:
+    """The fused layers a ``train-draft --cache-dir`` file holds, from its name's ``-auxA_B`` tag (() if none)."""
+    m = re.search(r"-aux(\d+(?:_\d+)*)\.pt$", path)
+    return tuple(int(x) for x in m.group(1).split("_")) if m else ()
 
 
 def main() -> None:
@@ -51,7 +62,12 @@ def main() -> None:
     llm = LLM(args.model, device=args.device, dtype="auto", enforce_eager=True, enable_prefix_caching=False,
               kv_cache_memory="1GiB", max_model_len=512)
     t0 = time.perf_counter()
-    seqs, feats = torch.load(args.cache, map_location=args.device)
+    seqs, feats_cpu = torch.load(args.cache, map_location="cpu", mmap=True)
+    cache_aux = cache_aux_layers(args.cache)
+    hidden = llm.engine.worker.model_config.hidden_size
+    for name, kw in recipes:
+        if tuple(kw.get("aux_layers", ())) not in ((), cache_aux):
+            raise SystemExit(f"recipe {name}: aux_layers {kw['aux_layers']} but the cache holds {list(cache_aux)}")
     print(f"{len(seqs)} sequences, {sum(len(s) for s, _ in seqs)} tokens from {args.cache} in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     tmap = train.token_map_from(seqs, args.draft_vocab_size, llm.engine.worker.model_config.vocab_size)
@@ -60,18 +76,22 @@ def main() -> None:
     for name, kw in recipes:
         kw = dict(kw)
         lr, bs = kw.pop("lr", 3e-4), kw.pop("batch_size", 32)
+        aux = tuple(kw.pop("aux_layers", ()))
+        width = hidden * (1 + len(aux))
+        feats = [f[:, :width].to(args.device) for f in feats_cpu]
         cfg, tensors, losses, stats = train.train_head(llm, "eagle", seqs, feats, steps=1_000_000, batch_size=bs,
                                                        lr=lr, max_seconds=args.seconds, progress=False,
-                                                       cls_rows=4096, **kw)
+                                                       cls_rows=4096, aux_layers=aux, **kw)
         tensors["token_map"] = tmap
+        del feats
         stats.update(recipe=name, lr=lr, batch_size=bs, first_loss=losses[0], last_loss=losses[-1],
-                     num_sequences=len(seqs), **kw)
+                     num_sequences=len(seqs), aux_layers=list(aux), **kw)
         cfg = replace(cfg, draft_vocab_size=args.draft_vocab_size, training=stats)
         d = os.path.join(args.out, name)
         save_head(d, cfg, tensors, torch.float16)
         train.plot_losses(losses, os.path.join(d, "loss.png"), f"eagle recipe {name}")
         row = {k: stats[k] for k in ("recipe", "val_top1", "val_top1_step2", "steps", "seconds", "last_loss")}
-        row.update(kw, lr=lr)
+        row.update(kw, lr=lr, aux_layers=list(aux))
         rows.append(row)
         print(json.dumps(row), flush=True)
     with open(os.path.join(args.out, "recipes.json"), "w") as f:
