@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Issue 30 on the H200: the default model with its EAGLE head at batch 1, against plain, in one process.
-# The GGUF (98 MB) is larger than one device call carries: parts p1 and p2 were copied to /tmp/g by two earlier
-# calls on the same warm machine, p3 comes with this one (.gg3/p3); the gguf package rides in .site/, the
-# ShareGPT prompts in .devcarry/ (carry both).
+# The GGUF (98 MB) is larger than one device call carries beside the repository: split it into parts .gg3/p1 ..
+# .gg3/pN (`split -n 4 -d -a 1 --numeric-suffixes=1 GGUF .gg3/p`), carry one a call on the same warm machine and
+# copy it to /tmp/g, the last with this call (`join` copies .gg3/p* there and joins /tmp/g/p1 .. pN); the gguf
+# package rides in .site/, the ShareGPT prompts in .devcarry/ (carry all three).
 #   bash bench/gpu_eagle.sh join spec [train]
 # Steps:
-#   join   /tmp/g/p1 + /tmp/g/p2 + .gg3/p3 -> /tmp/SmolLM2-135M-Instruct.Q4_1.gguf, sha256 checked
+#   join   /tmp/g/p1 + ... + /tmp/g/pN -> /tmp/SmolLM2-135M-Instruct.Q4_1.gguf, sha256 checked
 #   spec   roofline bench spec on cuda: plain and EAGLE chain / trees (fixed and adaptive), --repeats 2
 #   prefill  the tree-mask kernel and engine GPU tests, then bench spec (chain, trees, adaptive) with the tree
 #          verified by the prefill kernel, Gluon and Triton in turn (ROOFLINE_PREFILL_KERNEL), and as decode rows
@@ -40,7 +41,8 @@ spec() {  # OUT_NAME CONFIG...
 for step in "$@"; do
   case "$step" in
   join)
-    cat /tmp/g/p1 /tmp/g/p2 .gg3/p3 > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
+    mkdir -p /tmp/g; cp .gg3/p* /tmp/g/ 2>/dev/null
+    cat $(ls /tmp/g/p* | sort -V) > /tmp/SmolLM2-135M-Instruct.Q4_1.gguf
     sha256sum /tmp/SmolLM2-135M-Instruct.Q4_1.gguf | tee -a "$OUT/log" | grep -q "^$SHA" && log "gguf ok" || { log "gguf sha mismatch"; exit 1; } ;;
   spec)
     spec spec \
