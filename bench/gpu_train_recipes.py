@@ -78,7 +78,9 @@ def main() -> None:
         lr, bs = kw.pop("lr", 3e-4), kw.pop("batch_size", 32)
         aux = tuple(kw.pop("aux_layers", ()))
         width = hidden * (1 + len(aux))
+        t1 = time.perf_counter()
         feats = [f[:, :width].to(args.device) for f in feats_cpu]
+        print(f"recipe {name}: features [T, {width}] on {args.device} in {time.perf_counter() - t1:.0f} s", flush=True)
         cfg, tensors, losses, stats = train.train_head(llm, "eagle", seqs, feats, steps=1_000_000, batch_size=bs,
                                                        lr=lr, max_seconds=args.seconds, progress=False,
                                                        cls_rows=4096, aux_layers=aux, **kw)
