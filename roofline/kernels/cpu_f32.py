@@ -6,13 +6,14 @@ memory bound at small M. On the Intel Xeon (AMX) of 2026-12-06, 2 threads, the d
 weights, distinct tensors so nothing stays in cache) took 21.4 ms at M = 1 and 24.5 / 42.0 / 51.7 / 51.5 / 62.6 ms
 at M = 2 / 4 / 8 / 16 / 32: a speculative verify pass of 4 rows cost 2x a decode step in its linears. The C++ loop
 (``roofline_linear_f32`` in the library of ``roofline.kernels.cpu_paged_attention``: AVX-512F FMAs, four weight
-rows a step shared by up to four rows of x, weight rows prefetched, blocks of rows over the threads) took 21.4 /
+rows a step shared by up to four rows of x (on a CPU with AVX2 + FMA and no AVX-512F, such as most laptops', the
+same loop on 8-lane registers and two rows of x), weight rows prefetched, blocks of rows over the threads) took 21.4 /
 21.8 / 23.4 / 27.4 / 39.4 / 56.2 ms in the same process (``python bench/cpu_linear.py``,
 ``bench/results/cpu-f32-linear-20261206/``); at M = 48 both took 73 ms.
 
-Numerics: every output is one 16-lane fp32 accumulator over K in order, its lanes summed, then the bias added, so
-a row's result does not depend on M (a verify pass's rows are bit-identical to decode steps' single rows), and
-differs from MKL's by summation order only (~1e-7 relative; the tests compare with a float64 reference).
+Numerics: every output is one 16-lane (AVX2: 8-lane) fp32 accumulator over K in order, its lanes summed in a
+fixed order, then the bias added, so a row's result does not depend on M (a verify pass's rows are bit-identical to
+decode steps' single rows), and differs from MKL's by summation order only (~1e-7 relative; the tests compare with a float64 reference).
 ``ROOFLINE_CPU_GEMV=0`` turns it off with the other C++ linears (``roofline.kernels.cpu_bf16``).
 """
 
@@ -30,7 +31,7 @@ MAX_ROWS = 32
 def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor | None:
     """``x`` [..., K] fp32 @ ``weight`` [N, K] fp32^T (+ ``bias`` [N] fp32) -> [..., N] fp32 through the C++
     small-M loop, for 1 to ``MAX_ROWS`` rows of ``x`` on the CPU. None where it does not apply (other dtypes,
-    devices or row counts, K not a multiple of 16, a non-contiguous weight or bias, no library or no AVX-512F,
+    devices or row counts, K not a multiple of 16, a non-contiguous weight or bias, no library or neither AVX-512F nor AVX2 + FMA,
     ``ROOFLINE_CPU_GEMV=0``): the caller runs ``F.linear`` then."""
     K = x.shape[-1] if x.dim() else 0
     if (x.dtype != torch.float32 or weight.dtype != torch.float32 or x.device.type != "cpu"
@@ -51,7 +52,7 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 
 
 def available() -> bool:
-    """The loop runs here: the library built with AVX-512F and ``ROOFLINE_CPU_GEMV`` on (a 1 x 16 product)."""
+    """The loop runs here: the library built with AVX-512F or AVX2 + FMA and ``ROOFLINE_CPU_GEMV`` on (a 1 x 16 product)."""
     return linear_f32(torch.ones(1, 16), torch.ones(1, 16)) is not None
 
 

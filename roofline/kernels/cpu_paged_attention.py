@@ -377,58 +377,86 @@ static inline uint16_t narrow(float f) {
 // same operations at every M, so a row's result does not depend on the rows beside it (a speculative verify pass's
 // rows equal the decode steps' single rows). Four weight rows per step, x in chunks of four rows (the chunks after
 // the first re-read the four weight rows from L1); weight rows prefetched kPrefetch ahead; blocks of four rows
-// over the threads. Returns 0 (nothing written) without AVX-512F, K % 16 != 0 or M outside [1, 64].
+// over the threads. Without AVX-512F, on a CPU with AVX2 and FMA (most laptops: Intel client cores, AMD Zen 1-3),
+// the same loop on 8-lane registers: each output one 8-lane accumulator over K in order, its lanes summed in one
+// fixed order (roofline_hsum8), x in chunks of two rows (16 ymm registers: 8 accumulators, 4 weight vectors and
+// x), so again a row's result does not depend on M. Returns 0 (nothing written) without AVX-512F or AVX2 + FMA,
+// K % 16 != 0 or M outside [1, 64].
 #if defined(__AVX512F__)
+static constexpr int kF32Lanes = 16, kF32Rows = 4;  // lanes per register, x rows per chunk
+typedef __m512 f32vec;
+static inline f32vec f32_zero() { return _mm512_setzero_ps(); }
+static inline f32vec f32_load(const float* p) { return _mm512_loadu_ps(p); }
+static inline f32vec f32_fma(f32vec a, f32vec b, f32vec c) { return _mm512_fmadd_ps(a, b, c); }
+static inline float f32_sum(f32vec a) { return _mm512_reduce_add_ps(a); }
+#define ROOFLINE_LINEAR_F32 1
+#elif defined(__AVX2__) && defined(__FMA__)
+static constexpr int kF32Lanes = 8, kF32Rows = 2;
+typedef __m256 f32vec;
+static inline f32vec f32_zero() { return _mm256_setzero_ps(); }
+static inline f32vec f32_load(const float* p) { return _mm256_loadu_ps(p); }
+static inline f32vec f32_fma(f32vec a, f32vec b, f32vec c) { return _mm256_fmadd_ps(a, b, c); }
+static inline float f32_sum(f32vec a) {  // roofline_hsum8: ((0+4)+(2+6)) + ((1+5)+(3+7))
+  const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
+  return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));
+}
+#define ROOFLINE_LINEAR_F32 1
+#endif
+
+#if defined(ROOFLINE_LINEAR_F32)
 template <int MB>
 static inline void f32_block(const float* x, int64_t K, const float* w0, int64_t kc, bool prefetch, float* s) {
-  __m512 acc[MB][4];
+  f32vec acc[MB][4];
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_setzero_ps();
+    for (int r = 0; r < 4; ++r) acc[m][r] = f32_zero();
   for (int64_t c = 0; c < kc; ++c) {
-    __m512 wv[4];
+    f32vec wv[4];
     for (int r = 0; r < 4; ++r) {
-      if (prefetch) _mm_prefetch((const char*)(w0 + r * K + c * 16) + kPrefetch, _MM_HINT_T0);
-      wv[r] = _mm512_loadu_ps(w0 + r * K + c * 16);
+      if (prefetch) _mm_prefetch((const char*)(w0 + r * K + c * kF32Lanes) + kPrefetch, _MM_HINT_T0);
+      wv[r] = f32_load(w0 + r * K + c * kF32Lanes);
     }
     for (int m = 0; m < MB; ++m) {
-      const __m512 xv = _mm512_loadu_ps(x + m * K + c * 16);
-      for (int r = 0; r < 4; ++r) acc[m][r] = _mm512_fmadd_ps(xv, wv[r], acc[m][r]);
+      const f32vec xv = f32_load(x + m * K + c * kF32Lanes);
+      for (int r = 0; r < 4; ++r) acc[m][r] = f32_fma(xv, wv[r], acc[m][r]);
     }
   }
   for (int m = 0; m < MB; ++m)
-    for (int r = 0; r < 4; ++r) s[m * 4 + r] = _mm512_reduce_add_ps(acc[m][r]);
+    for (int r = 0; r < 4; ++r) s[m * 4 + r] = f32_sum(acc[m][r]);
 }
 #endif
 
 extern "C" int roofline_linear_f32(const float* x, const float* w, const float* bias, float* y, int64_t M, int64_t N,
                                    int64_t K, int nthreads) {
-#if defined(__AVX512F__)
+#if defined(ROOFLINE_LINEAR_F32)
   if (K % 16 != 0 || M < 1 || M > 64) return 0;
-  const int64_t kc = K / 16, nb = (N + 3) / 4;
+  const int64_t kc = K / kF32Lanes, nb = (N + 3) / 4;
   #pragma omp parallel for schedule(static) num_threads(nthreads)
   for (int64_t b = 0; b < nb; ++b) {
     const int64_t n0 = b * 4, rows = N - n0 < 4 ? N - n0 : 4;
     const float* w0 = w + n0 * K;
     float s[16];
-    for (int64_t m0 = 0; m0 < M; m0 += 4) {
-      const int mb = M - m0 < 4 ? (int)(M - m0) : 4;
+    for (int64_t m0 = 0; m0 < M; m0 += kF32Rows) {
+      const int mb = M - m0 < kF32Rows ? (int)(M - m0) : kF32Rows;
       const float* xm = x + m0 * K;
       if (rows == 4) {
         switch (mb) {
           case 1: f32_block<1>(xm, K, w0, kc, m0 == 0, s); break;
           case 2: f32_block<2>(xm, K, w0, kc, m0 == 0, s); break;
+#if defined(__AVX512F__)
           case 3: f32_block<3>(xm, K, w0, kc, m0 == 0, s); break;
           default: f32_block<4>(xm, K, w0, kc, m0 == 0, s); break;
+#endif
         }
         for (int m = 0; m < mb; ++m)
           for (int r = 0; r < 4; ++r) y[(m0 + m) * N + n0 + r] = s[m * 4 + r] + (bias ? bias[n0 + r] : 0.0f);
       } else {  // the last rows of N: one accumulator per output, the same operations as above
         for (int m = 0; m < mb; ++m)
           for (int64_t r = 0; r < rows; ++r) {
-            __m512 a = _mm512_setzero_ps();
+            f32vec a = f32_zero();
             for (int64_t c = 0; c < kc; ++c)
-              a = _mm512_fmadd_ps(_mm512_loadu_ps(xm + m * K + c * 16), _mm512_loadu_ps(w0 + r * K + c * 16), a);
-            y[(m0 + m) * N + n0 + r] = _mm512_reduce_add_ps(a) + (bias ? bias[n0 + r] : 0.0f);
+              a = f32_fma(f32_load(xm + m * K + c * kF32Lanes), f32_load(w0 + r * K + c * kF32Lanes), a);
+            y[(m0 + m) * N + n0 + r] = f32_sum(a) + (bias ? bias[n0 + r] : 0.0f);
           }
       }
     }
@@ -1190,7 +1218,7 @@ static int plan_linear(const RooflineLinear& l, const float* x, float* y, int64_
 }
 
 static bool plan_linear_ok(const RooflineLinear& l, int64_t M) {
-#if defined(__AVX512F__)
+#if defined(ROOFLINE_LINEAR_F32)
   if (l.kind == 2) return l.K % 16 == 0 && M <= 64;
 #endif
 #if defined(__AVX512BF16__) && defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -1364,9 +1392,11 @@ def _build() -> ctypes.CDLL | str:
     return f"the build failed ({why})"
 
 
-def _compile_and_load(cxx: str, name: str, where: Path | None) -> ctypes.CDLL | str:
+def _compile_and_load(cxx: str, name: str, where: Path | None, extra_flags: tuple[str, ...] = ()
+                      ) -> ctypes.CDLL | str:
     """Build (unless ``where`` already holds ``name``) and load; ``where`` None: a fresh temporary directory.
-    Returns the library, or a string when the compiler refused the source; OSError for file-system trouble."""
+    ``extra_flags`` follow ``-march=native`` (the tests build ``-mno-avx512f`` to run the AVX2 paths on an AVX-512
+    CPU). Returns the library, or a string when the compiler refused the source; OSError for file-system trouble."""
     if where is not None:
         so = where / name
         if so.exists():
@@ -1380,7 +1410,7 @@ def _compile_and_load(cxx: str, name: str, where: Path | None) -> ctypes.CDLL | 
         src = Path(tmp) / "kernel.cpp"
         src.write_text(_SOURCE)
         out = Path(tmp) / name
-        cmd = [cxx, "-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-o", str(out), str(src)]
+        cmd = [cxx, "-O3", "-march=native", *extra_flags, "-fopenmp", "-shared", "-fPIC", "-o", str(out), str(src)]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
         if r.returncode != 0:
             return f"the build failed: {' '.join(cmd)}: {r.stderr.strip()[-400:]}"

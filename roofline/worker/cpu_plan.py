@@ -14,7 +14,7 @@ module path's (``tests/worker/test_cpu_plan.py``); the embedding lookup and the 
 
 It applies where every piece has a C++ kernel: a bf16 model on CPU (``--dtype bfloat16``) or an fp32 one (the CPU's
 default dtype; its norms and SiLU run the same C++ in the modules, its linears the small-M fp32 linear of
-``roofline.kernels.cpu_f32``, so a CPU with AVX-512F, and an fp32 KV cache), the Llama-family dense
+``roofline.kernels.cpu_f32``, so a CPU with AVX-512F or AVX2 + FMA, and an fp32 KV cache), the Llama-family dense
 decoder (no q/k norm, no MoE), bf16 linears tile-packed after loading (``UnquantizedLinearMethod``; a CPU with
 AVX-512 BF16 or AMX-BF16) or ``--quantization int8`` (W8A8: the GEMV at one row, the AMX-INT8 or AVX-512 VNNI GEMM at
 more), an fp32 or bf16 KV cache the C++ attention reads, one process, at most
@@ -148,7 +148,7 @@ class CpuDecodePlan:
             from roofline.kernels import cpu_f32
 
             if not cpu_f32.available():
-                return "fp32 needs the small-M fp32 linear (AVX-512F)"
+                return "fp32 needs the small-M fp32 linear (AVX-512F or AVX2 + FMA)"
         if getattr(backend, "name", None) != "torch" or getattr(backend, "kv_pool", None) is None:
             return "not the torch attention backend with an allocated pool"
         return None

@@ -5,6 +5,8 @@ not apply."""
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,13 +14,14 @@ import torch.nn.functional as F
 from roofline.kernels import cpu_bf16, cpu_f32
 from roofline.kernels.cpu_paged_attention import unavailable_reason
 
-pytestmark = pytest.mark.skipif(unavailable_reason() is not None or not cpu_f32.available(),
-                                reason="needs the C++ kernel library built with AVX-512F")
+needs_linear = pytest.mark.skipif(unavailable_reason() is not None or not cpu_f32.available(),
+                                  reason="needs the C++ kernel library built with AVX-512F or AVX2 + FMA")
 
 # The default model's linear shapes [N, K] (qkv, o, gate_up, down), an N with a tail of 3 rows, the smallest K.
 SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (1027, 96), (5, 16)]
 
 
+@needs_linear
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 8, 17, cpu_f32.MAX_ROWS])
 @pytest.mark.parametrize("with_bias", [False, True])
@@ -39,6 +42,7 @@ def test_linear_f32_matches_float64_and_rows_do_not_depend_on_m(n, k, m, with_bi
     assert torch.equal(got, single)
 
 
+@needs_linear
 def test_linear_f32_declines_what_it_does_not_take(monkeypatch):
     w, x = torch.randn(32, 48), torch.randn(2, 48)
     assert cpu_f32.linear_f32(x, w) is not None
@@ -53,6 +57,7 @@ def test_linear_f32_declines_what_it_does_not_take(monkeypatch):
     assert torch.equal(cpu_f32.cpu_linear(x, w), F.linear(x, w))
 
 
+@needs_linear
 def test_linear_f32_keeps_leading_dims():
     gen = torch.Generator().manual_seed(3)
     w, x = torch.randn(64, 32, generator=gen), torch.randn(2, 3, 32, generator=gen)
@@ -61,6 +66,7 @@ def test_linear_f32_keeps_leading_dims():
     assert torch.equal(got, cpu_f32.linear_f32(x.reshape(6, 32), w).reshape(2, 3, 64))
 
 
+@needs_linear
 def test_engine_fp32_linears_and_head_take_it_at_decode_sizes(monkeypatch):
     """Every fp32 linear of the default model and its LM head run the loop at 1 and 4 rows (a decode step, a
     verify pass) and F.linear past MAX_ROWS; greedy tokens are those of the engine with it off."""
@@ -84,3 +90,42 @@ def test_engine_fp32_linears_and_head_take_it_at_decode_sizes(monkeypatch):
     monkeypatch.setattr(cpu_bf16, "GEMV", False)
     off = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     assert on == off
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((set(ln.split(":", 1)[1].split()) for ln in f if ln.startswith("flags")), set())
+    except OSError:
+        return set()
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags() or shutil.which("g++") is None,
+                    reason="needs an x86 CPU with AVX2 + FMA and g++")
+@pytest.mark.parametrize("n,k", [(960, 576), (1027, 96), (5, 16)])
+def test_avx2_build_matches_float64_and_rows_do_not_depend_on_m(tmp_path, n, k):
+    """The AVX2 + FMA loop (8-lane accumulators, x in chunks of two rows), built with ``-mno-avx512f`` so that it
+    runs on an AVX-512 CPU as on a laptop's: the same error bound and M-independence as the AVX-512 loop."""
+    import ctypes
+
+    from roofline.kernels import cpu_paged_attention as cpa
+
+    lib = cpa._compile_and_load(shutil.which("g++"), "avx2.so", tmp_path, ("-mno-avx512f",))
+    assert not isinstance(lib, str), lib
+
+    def linear(x, w):
+        y = torch.empty(x.shape[0], w.shape[0])
+        assert lib.roofline_linear_f32(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), x.shape[0], w.shape[0], k,
+                                       ctypes.c_int(2)) == 1
+        return y
+
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(cpu_f32.MAX_ROWS, k, generator=gen)
+    got = linear(x, w)
+    ref = x.double() @ w.double().t()
+    terms = x.double().abs() @ w.double().abs().t()
+    assert ((got.double() - ref).abs() <= (k + 2) * 2.0 ** -24 * terms).all()
+    for m in (1, 2, 3, 5):
+        assert torch.equal(linear(x[:m].contiguous(), w), got[:m])
+    assert torch.equal(torch.cat([linear(x[i:i + 1].contiguous(), w) for i in range(7)]), got[:7])

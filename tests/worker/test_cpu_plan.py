@@ -8,11 +8,22 @@ from __future__ import annotations
 import pytest
 import torch
 
-from roofline.kernels import cpu_bf16
+from roofline.kernels import cpu_bf16, cpu_f32
 from roofline.kernels import cpu_paged_attention as cpa
 
-pytestmark = pytest.mark.skipif(not cpu_bf16._cpu_has_bf16_units() or cpa.unavailable_reason() is not None,
-                                reason="needs AVX-512 BF16 / AMX and the C++ library")
+
+@pytest.fixture(autouse=True)
+def _needs_the_plan(request):
+    """A test of an fp32 model (its ``dtype`` parameter) needs the small-M fp32 linear (AVX-512F, or AVX2 + FMA:
+    so it runs on a laptop CPU too); the others need bf16 matrix units (AVX-512 BF16 or AMX)."""
+    callspec = getattr(request.node, "callspec", None)
+    dtype = callspec.params.get("dtype", "bfloat16") if callspec is not None else "bfloat16"
+    if cpa.unavailable_reason() is not None:
+        pytest.skip("needs the C++ library")
+    if dtype == "float32" and not cpu_f32.available():
+        pytest.skip("needs the small-M fp32 linear (AVX-512F, or AVX2 + FMA)")
+    if dtype != "float32" and not cpu_bf16._cpu_has_bf16_units():
+        pytest.skip("needs AVX-512 BF16 / AMX")
 
 
 class _Counting:
