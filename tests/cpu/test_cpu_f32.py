@@ -100,18 +100,25 @@ def _cpu_flags() -> set[str]:
         return set()
 
 
+@pytest.fixture(scope="module")
+def avx2_library(tmp_path_factory):
+    """The kernel library built with ``-mno-avx512f``: its AVX2 + FMA paths, on an AVX-512 CPU as on a laptop's."""
+    from roofline.kernels import cpu_paged_attention as cpa
+
+    lib = cpa._compile_and_load(shutil.which("g++"), "avx2.so", tmp_path_factory.mktemp("avx2"), ("-mno-avx512f",))
+    assert not isinstance(lib, str), lib
+    return lib
+
+
 @pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags() or shutil.which("g++") is None,
                     reason="needs an x86 CPU with AVX2 + FMA and g++")
 @pytest.mark.parametrize("n,k", [(960, 576), (1027, 96), (5, 16)])
-def test_avx2_build_matches_float64_and_rows_do_not_depend_on_m(tmp_path, n, k):
-    """The AVX2 + FMA loop (8-lane accumulators, x in chunks of two rows), built with ``-mno-avx512f`` so that it
-    runs on an AVX-512 CPU as on a laptop's: the same error bound and M-independence as the AVX-512 loop."""
+def test_avx2_build_matches_float64_and_rows_do_not_depend_on_m(avx2_library, n, k):
+    """The AVX2 + FMA loop (8-lane accumulators, x in chunks of two rows): the same error bound and M-independence
+    as the AVX-512 loop."""
     import ctypes
 
-    from roofline.kernels import cpu_paged_attention as cpa
-
-    lib = cpa._compile_and_load(shutil.which("g++"), "avx2.so", tmp_path, ("-mno-avx512f",))
-    assert not isinstance(lib, str), lib
+    lib = avx2_library
 
     def linear(x, w):
         y = torch.empty(x.shape[0], w.shape[0])
