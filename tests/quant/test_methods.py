@@ -603,3 +603,21 @@ def test_fp8_emulated_gemm_is_bitwise_batch_invariant():
         rows = list(range(0, m, 16))
         assert torch.equal(together[rows], alone[:len(rows)]), m
 
+
+
+def test_quantize_cli_act_order_is_gptq_default_and_refused_elsewhere(tmp_path):
+    """``roofline quantize``: GPTQ act-order on unless ``--no-desc-act``; either flag with another method is refused
+    by name before any model loads."""
+    import argparse
+
+    from roofline.quantize_cli import act_order, add_quantize_parser, run_quantize_command
+
+    assert act_order("gptq", None) is True and act_order("gptq", False) is False
+    assert act_order("awq", None) is False and act_order("rtn", None) is False
+    parser = argparse.ArgumentParser()
+    add_quantize_parser(parser.add_subparsers())
+    for flag in ("--desc-act", "--no-desc-act"):
+        args = parser.parse_args(["quantize", "-q", "int4", "--method", "awq", flag, "-o", str(tmp_path / "x")])
+        with pytest.raises(ValueError, match=f"{flag} \\(act-order\\) applies to --method gptq, not awq"):
+            run_quantize_command(args)
+    assert parser.parse_args(["quantize", "-q", "int4", "--method", "gptq", "-o", "x"]).desc_act is None
