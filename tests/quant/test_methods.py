@@ -618,6 +618,10 @@ def test_quantize_cli_act_order_is_gptq_default_and_refused_elsewhere(tmp_path):
     add_quantize_parser(parser.add_subparsers())
     for flag in ("--desc-act", "--no-desc-act"):
         args = parser.parse_args(["quantize", "-q", "int4", "--method", "awq", flag, "-o", str(tmp_path / "x")])
-        with pytest.raises(ValueError, match=f"{flag} \\(act-order\\) applies to --method gptq, not awq"):
+        with pytest.raises(ValueError, match=f"{flag} \\(act-order\\) applies to -q int4 --method gptq only, "
+                                             "got -q int4 --method awq$"):
             run_quantize_command(args)
+    args = parser.parse_args(["quantize", "-q", "int8", "--desc-act", "-o", str(tmp_path / "x")])
+    with pytest.raises(ValueError, match="got -q int8 --method rtn, -q int8's default$"):
+        run_quantize_command(args)
     assert parser.parse_args(["quantize", "-q", "int4", "--method", "gptq", "-o", "x"]).desc_act is None

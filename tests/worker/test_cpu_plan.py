@@ -57,6 +57,7 @@ def test_plan_is_bit_identical_to_the_modules(dtype, kv, quantization):
     llm = LLM(device="cpu", dtype=dtype, kv_cache_dtype=kv, quantization=quantization, max_model_len=512)
     worker = llm.engine.worker
     plan = worker.cpu_plan
+    assert plan is not None or dtype != "float32", "the fp32 linear runs here, so the fp32 plan must be built"
     if plan is None:
         pytest.skip("the plan does not apply on this CPU (no AVX-512 VNNI / BF16 GEMVs)")
     multi = plan.max_rows > 1
@@ -185,6 +186,7 @@ def test_verify_passes_run_in_the_plan_and_keep_greedy_output_bit_exact(spec, qu
     spec = dict(spec, adaptive=False)
     llm = LLM(device="cpu", dtype=dtype, max_model_len=512, speculative_config=spec, quantization=quantization)
     plan = llm.engine.worker.cpu_plan
+    assert dtype != "float32" or (plan is not None and plan.max_rows > 1), "the fp32 plan takes verify rows here"
     if plan is None or plan.max_rows == 1:
         pytest.skip("the plan takes one row here (INT8 W8A8 without AMX-INT8 tiles): verify passes run the modules")
     trees = {"steps": 0}
@@ -252,6 +254,8 @@ def test_eagle_draft_layer_runs_in_the_plan_close_to_its_modules(dtype):
     llm = LLM(device="cpu", dtype=dtype, max_model_len=512, speculative_config=spec)
     worker = llm.engine.worker
     prop = worker.proposer
+    assert dtype != "float32" or (prop.cpu_plan is not None and prop.cpu_plan.max_rows > 1), \
+        "the fp32 plan runs EAGLE's draft layer here"
     if prop.cpu_plan is None or prop.cpu_plan.max_rows == 1:
         pytest.skip("no multi-row CPU plan on this CPU (no AVX-512 BF16 or AMX tiles)")
     calls = {"n": 0, "trees": 0}
