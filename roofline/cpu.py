@@ -2,7 +2,7 @@
 
 ``detect_cpu_features`` reads the x86 flags of ``/proc/cpuinfo`` once and reports which matrix extensions
 oneDNN/FBGEMM can use: AMX (``amx_tile`` with ``amx_bf16``/``amx_int8``), AVX-512 BF16 (``avx512_bf16``),
-AVX-512 VNNI (``avx512_vnni``), AVX-512F. Source: Linux ``arch/x86/include/asm/cpufeatures.h`` flag names.
+AVX-512 VNNI (``avx512_vnni``), AVX-512F, and AVX2 with FMA (``avx2``, ``fma``). Source: Linux ``arch/x86/include/asm/cpufeatures.h`` flag names.
 ``startup_line`` is the one line the CLI prints to say what the machine offers and what was chosen, and why
 the chosen format runs fast or slowly here (``format_note``); ``fastest_dtype`` is bf16 where oneDNN has bf16
 matrix instructions (``scripts/run.sh`` asks for it).
@@ -49,6 +49,7 @@ class CpuFeatures:
     avx512_vnni: bool
     amx_bf16: bool
     amx_int8: bool
+    avx2_fma: bool = False  # AVX2 and FMA: the small-M fp32 linear's loop where there is no AVX-512F
 
     @property
     def best_matrix_isa(self) -> str:
@@ -81,7 +82,8 @@ def parse_cpuinfo(text: str) -> CpuFeatures:
     amx_tile = "amx_tile" in flags
     return CpuFeatures(model=model, cores=max(cores, 1), avx512f="avx512f" in flags,
                        avx512_bf16="avx512_bf16" in flags, avx512_vnni="avx512_vnni" in flags,
-                       amx_bf16=amx_tile and "amx_bf16" in flags, amx_int8=amx_tile and "amx_int8" in flags)
+                       amx_bf16=amx_tile and "amx_bf16" in flags, amx_int8=amx_tile and "amx_int8" in flags,
+                       avx2_fma={"avx2", "fma"} <= flags)
 
 
 @functools.cache

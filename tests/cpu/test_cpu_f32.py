@@ -11,6 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from roofline.cpu import detect_cpu_features
 from roofline.kernels import cpu_bf16, cpu_f32
 from roofline.kernels.cpu_paged_attention import unavailable_reason
 
@@ -92,14 +93,6 @@ def test_engine_fp32_linears_and_head_take_it_at_decode_sizes(monkeypatch):
     assert on == off
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((set(ln.split(":", 1)[1].split()) for ln in f if ln.startswith("flags")), set())
-    except OSError:
-        return set()
-
-
 @pytest.fixture(scope="module")
 def avx2_library(tmp_path_factory):
     """The kernel library built with ``-mno-avx512f``: its AVX2 + FMA paths, on an AVX-512 CPU as on a laptop's."""
@@ -110,7 +103,7 @@ def avx2_library(tmp_path_factory):
     return lib
 
 
-@pytest.mark.skipif(not {"avx2", "fma"} <= _cpu_flags() or shutil.which("g++") is None,
+@pytest.mark.skipif(not detect_cpu_features().avx2_fma or shutil.which("g++") is None,
                     reason="needs an x86 CPU with AVX2 + FMA and g++")
 @pytest.mark.parametrize("n,k", [(960, 576), (1027, 96), (5, 16)])
 def test_avx2_build_matches_float64_and_rows_do_not_depend_on_m(avx2_library, n, k):

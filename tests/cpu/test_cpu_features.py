@@ -31,6 +31,12 @@ def test_zen5_flags():
             "0.6x at 32; --quantization int8 is faster here)") in startup_line(f, "float32", 2, quantization="int4")
 
 
+def test_avx2_needs_fma_too():
+    assert not parse_cpuinfo(ZEN5).avx2_fma  # avx2 without fma
+    assert parse_cpuinfo(ZEN5.replace("avx2", "avx2 fma")).avx2_fma
+    assert not parse_cpuinfo(SPR).avx2_fma
+
+
 def test_amx_needs_tile_flag():
     assert parse_cpuinfo(SPR).best_matrix_isa == "amx"
     assert fastest_dtype(parse_cpuinfo(SPR)) == ("bfloat16", "AMX-BF16 tiles")
