@@ -89,7 +89,12 @@ def run_quantize_command(args: argparse.Namespace) -> int:
 def act_order(method: str, desc_act: bool | None) -> bool:
     """GPTQ act-order for ``method``: ``desc_act`` where given, else on for ``gptq`` (GPTQModel's and llm-compressor's
     default; on the default model GPTQ without it lost to RTN at group 64: perplexity 11.31 against 11.09, with it
-    10.35, README "Weight quantization, quality") and off for the methods it does not apply to."""
+    10.35, README "Weight quantization, quality") and off for the methods it does not apply to.
+
+    Raises:
+        ValueError: ``desc_act`` True for a method other than gptq."""
+    if desc_act and method != "gptq":
+        raise ValueError(f"desc_act (act-order) applies to int4 gptq only, got method {method}")
     return method == "gptq" if desc_act is None else desc_act
 
 
@@ -120,6 +125,8 @@ def quantize_checkpoint(model: str | None, quantization: str, method: str, outpu
         quantize_int8_per_channel,
     )
 
+    calib = "rtn" if quantization in ("int8", "fp8") else method
+    desc_act = act_order(calib, desc_act)  # before the model loads
     if dtype is None:
         dtype = "float32" if device in ("auto", "cpu") else "auto"
     llm = LLM(model=model, device=device, dtype=dtype,
@@ -127,10 +134,6 @@ def quantize_checkpoint(model: str | None, quantization: str, method: str, outpu
               max_num_batched_tokens=max(256, seq_len), enable_prefix_caching=False, enforce_eager=True)
     if llm.engine.worker.quant_config is not None:
         raise ValueError("the model is already quantized; roofline quantize needs unquantized weights")
-    calib = "rtn" if quantization in ("int8", "fp8") else method
-    if desc_act and calib != "gptq":
-        raise ValueError(f"desc_act (act-order) applies to int4 gptq only, got {quantization} {calib}")
-    desc_act = act_order(calib, desc_act)
     if quantization == "int4" or quantization == "smoothquant":
         tensors = calibrate_model(llm, calib, group_size=group_size, num_samples=num_samples, seq_len=seq_len,
                                   alpha=alpha, desc_act=desc_act)

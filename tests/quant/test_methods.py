@@ -613,7 +613,9 @@ def test_quantize_cli_act_order_is_gptq_default_and_refused_elsewhere(tmp_path):
     from roofline.quantize_cli import act_order, add_quantize_parser, run_quantize_command
 
     assert act_order("gptq", None) is True and act_order("gptq", False) is False
-    assert act_order("awq", None) is False and act_order("rtn", None) is False
+    assert act_order("awq", None) is False and act_order("rtn", False) is False
+    with pytest.raises(ValueError, match="applies to int4 gptq only, got method awq"):
+        act_order("awq", True)
     parser = argparse.ArgumentParser()
     add_quantize_parser(parser.add_subparsers())
     for flag in ("--desc-act", "--no-desc-act"):
