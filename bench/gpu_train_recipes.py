@@ -58,16 +58,15 @@ def main() -> None:
         kw = json.loads(spec or "{}")
         if not name or set(kw) - KEYS:
             raise SystemExit(f"recipe {r!r}: want NAME=JSON with keys among {sorted(KEYS)}")
+        if tuple(kw.get("aux_layers", ())) not in ((), cache_aux_layers(args.cache)):
+            raise SystemExit(f"recipe {name}: aux_layers {kw['aux_layers']} but the cache holds "
+                             f"{list(cache_aux_layers(args.cache))}")
         recipes.append((name, kw))
     llm = LLM(args.model, device=args.device, dtype="auto", enforce_eager=True, enable_prefix_caching=False,
               kv_cache_memory="1GiB", max_model_len=512)
     t0 = time.perf_counter()
     seqs, feats_cpu = torch.load(args.cache, map_location="cpu", mmap=True)
-    cache_aux = cache_aux_layers(args.cache)
     hidden = llm.engine.worker.model_config.hidden_size
-    for name, kw in recipes:
-        if tuple(kw.get("aux_layers", ())) not in ((), cache_aux):
-            raise SystemExit(f"recipe {name}: aux_layers {kw['aux_layers']} but the cache holds {list(cache_aux)}")
     print(f"{len(seqs)} sequences, {sum(len(s) for s, _ in seqs)} tokens from {args.cache} in "
           f"{time.perf_counter() - t0:.0f} s", flush=True)
     tmap = train.token_map_from(seqs, args.draft_vocab_size, llm.engine.worker.model_config.vocab_size)
