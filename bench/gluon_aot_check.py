@@ -6,7 +6,8 @@ Run with the torch-free Triton 3.6 venv that matches the H200 machine (the kerne
 
 Exit status 1 if any variant fails to compile. Variants: head_dim 64/128 x bf16/fp16 x block_size
 (PAGE) 16/32/64/128/256 x BLOCK_N 64/128 x stages 2/3 x plain / pipelined / ws / pingpong / ws2 / persistent, and ws /
-pingpong / persistent with the tree mask (the set ``roofline.kernels.gluon_prefill`` may launch). The "regs" column is ptxas's kernel-wide count (for ws: the
+pingpong / persistent with the tree mask (the set ``roofline.kernels.gluon_prefill`` may launch); ``--fp8``: the
+FP8 kernel (E4M3 q/K/V, bf16 out) at head_dim 64/128 x PAGE 16..256 x BLOCK_N 64/128 x stages 2/3/4. The "regs" column is ptxas's kernel-wide count (for ws: the
 maxnreg cap; the partitions' setmaxnreg budgets apply at run time).
 """
 
@@ -81,6 +82,27 @@ def compile_variant(mod, dtype: str, head_dim: int, page: int, block_m: int, blo
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
+def compile_fp8(mod, head_dim: int, page: int, block_n: int, stages: int, split: bool = True):
+    """``gluon_prefill_kernel_fp8`` (BLOCK_M 128, 8 warps) as ``roofline.kernels.gluon_prefill.launch_gluon_fp8``
+    launches it."""
+    page_rows = min(page, block_n)
+    q_layout = gl.NVMMASharedLayout.get_default_for([128, head_dim], gl.float8e4nv)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl.float8e4nv)
+    sig = {"q_desc": desc_sig("fp8e4nv", [128, head_dim], q_layout),
+           "qlo_desc": desc_sig("fp8e4nv", [128, head_dim], q_layout),
+           "k_desc": desc_sig("fp8e4nv", [page_rows, head_dim], kv_layout),
+           "v_desc": desc_sig("fp8e4nv", [page_rows, head_dim], kv_layout), "Out": "*bf16", "BlockTables": "*i32",
+           "QueryStartLoc": "*i32", "SeqLens": "*i32", "QScale": "*fp32", "KScale": "*fp32", "VScale": "*fp32",
+           "scale_log2e": "fp32", "stride_ot": "i32", "stride_oh": "i32", "stride_bt": "i32", "stride_qs": "i32",
+           "GROUP": "constexpr", "PAGE": "constexpr", "PAGE_ROWS": "constexpr", "HEAD_DIM": "constexpr",
+           "BLOCK_M": "constexpr", "BLOCK_N": "constexpr", "NUM_STAGES": "constexpr", "num_warps": "constexpr",
+           "Q_SPLIT": "constexpr"}
+    constexprs = dict(GROUP=4, PAGE=page, PAGE_ROWS=page_rows, HEAD_DIM=head_dim, BLOCK_M=128, BLOCK_N=block_n,
+                      NUM_STAGES=stages, num_warps=8, Q_SPLIT=split)
+    src = GluonASTSource(mod.gluon_prefill_kernel_fp8, sig, constexprs=constexprs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
+
+
 def ptxas_usage(ptx: str) -> tuple[str, str]:
     """Registers and spill bytes from the bundled ptxas -v (the kernel is not loaded, so no n_regs)."""
     ptxas = pathlib.Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -100,8 +122,11 @@ def main() -> int:
     ap.add_argument("--sass", action="store_true", help="also count SASS instructions (needs nvdisasm)")
     ap.add_argument("--quick", action="store_true", help="only the default variants")
     ap.add_argument("--new", action="store_true", help="only round 2's variants (pingpong, ws2, tree masks)")
+    ap.add_argument("--fp8", action="store_true", help="only the FP8 kernel")
     args = ap.parse_args()
     mod = load_kernels()
+    if args.fp8:
+        return check_fp8(mod)
     variants = []
     for dtype in ("bf16", "fp16"):
         for head_dim in (128, 64):
@@ -142,6 +167,29 @@ def main() -> int:
             print("   SASS lines", sass.count("\n"), "HGMMA", sass.count("HGMMA"), "UTMALDG",
                   sass.count("UTMALDG"))
     print(f"{len(variants) - failed}/{len(variants)} compiled")
+    return 1 if failed else 0
+
+
+def check_fp8(mod) -> int:
+    failed = total = 0
+    print(f"{'D':>4} {'page':>4} {'BN':>4} {'st':>3} {'split':>5} {'regs':>5} {'spill':>5} {'smem':>7} wgmma")
+    for head_dim in (128, 64):
+        for page in (16, 32, 64, 128, 256):
+            for block_n in (64, 128):
+                for stages in (2, 3, 4):
+                    for split in (True, False):
+                        total += 1
+                        try:
+                            k = compile_fp8(mod, head_dim, page, block_n, stages, split)
+                        except Exception as e:  # report and go on
+                            failed += 1
+                            print(head_dim, page, block_n, stages, split, "FAILED:", type(e).__name__,
+                                  str(e).splitlines()[0][:200])
+                            continue
+                        regs, spills = ptxas_usage(k.asm["ptx"])
+                        print(f"{head_dim:>4} {page:>4} {block_n:>4} {stages:>3} {split!s:>5} {regs:>5} "
+                              f"{spills:>5} {k.metadata.shared:>7} {k.asm['ptx'].count('wgmma.mma_async')}")
+    print(f"{total - failed}/{total} compiled")
     return 1 if failed else 0
 
 

@@ -7,6 +7,11 @@ keys in consecutive slots), "paged16" and "paged64" (shuffled blocks of 16 / 64)
 against SDPA's output (relative Frobenius error, must be < 1e-2 to count) and caught on failure, so one broken
 variant does not stop the others. Prints a table and writes JSON.
 
+``--fp8``: also an fp8_e4m3 cache (per-head scales, the engine's calibration rule) per layout: the Triton kernel
+(codes cast to bf16 in registers, the path before the FP8 kernel) and the Gluon FP8 kernel's configs
+(``FP8_VARIANTS``; "+quant" adds the per-token E4M3 quantization of q, which the wrapper runs). Their reference
+is fp32 SDPA over the dequantized codes (the kernel's own error; bound ``FP8_REL_TOL``).
+
     python3 bench/gpu_fa3_bench.py --out $OUT/fa3_bench.json [--seqs 4096,8192,16384] [--tokens 32768]
         [--variants gluon_pp_n128_s2,...] [--layouts contig,paged16]
 """
@@ -25,7 +30,7 @@ import torch.nn.functional as F
 from triton.testing import do_bench
 
 from roofline.bench.attention import _dense_kv, _paged_prefill_inputs
-from roofline.kernels.gluon_prefill import gluon_prefill_attention, gluon_unsupported_reason
+from roofline.kernels.gluon_prefill import FP8_REL_TOL, gluon_prefill_attention, gluon_unsupported_reason
 from roofline.kernels.prefill_attention import default_prefill_config, paged_prefill_attention
 
 GLUON_VARIANTS = {
@@ -46,6 +51,15 @@ GLUON_VARIANTS = {
     "gluon_ws2_n128_s2": dict(VARIANT="ws2", BLOCK_N=128, NUM_STAGES=2),
     "gluon_pst_n128_s2": dict(VARIANT="persistent", BLOCK_N=128, NUM_STAGES=2),  # persistent ping-pong
 }
+FP8_VARIANTS = {  # "1q": Q_SPLIT False (q as one E4M3 term: one QK product, less exact)
+    "gluon_fp8_n64_s3": dict(BLOCK_N=64, NUM_STAGES=3),
+    "gluon_fp8_n64_s4": dict(BLOCK_N=64, NUM_STAGES=4),
+    "gluon_fp8_n128_s2": dict(BLOCK_N=128, NUM_STAGES=2),
+    "gluon_fp8_n128_s3": dict(BLOCK_N=128, NUM_STAGES=3),
+    "gluon_fp8_1q_n64_s3": dict(BLOCK_N=64, NUM_STAGES=3, Q_SPLIT=False),
+    "gluon_fp8_1q_n128_s2": dict(BLOCK_N=128, NUM_STAGES=2, Q_SPLIT=False),
+}
+FP8 = [False]  # --fp8
 LAYOUTS = {"contig": 256, "paged16": 16, "paged64": 64}
 ACTIVE_LAYOUTS = set(LAYOUTS)  # --layouts; SDPA runs with "contig"
 MAX_REL_ERR = 1e-2
@@ -64,7 +78,7 @@ def inputs(layout, batch, seq, heads, kv_heads, head_dim):
     return q, kc, vc, meta
 
 
-def _record(row, name, fn, ref_bhsd, to_bhsd, log):
+def _record(row, name, fn, ref_bhsd, to_bhsd, log, max_err=MAX_REL_ERR):
     """Run ``fn`` once, check it against ``ref_bhsd`` ([B, H, S, D]), time it; failures are recorded, not raised."""
     log(f"  run {name}")  # the last "run" line before a timeout names a hung kernel
     try:
@@ -72,7 +86,7 @@ def _record(row, name, fn, ref_bhsd, to_bhsd, log):
         torch.cuda.synchronize()
         err = float((to_bhsd(out).float() - ref_bhsd.float()).norm() / ref_bhsd.float().norm())
         ms = do_bench(fn, return_mode="median")
-        r = dict(ms=ms, tflops=row["flops"] / ms / 1e9, rel_err_vs_sdpa=err, ok=err < MAX_REL_ERR)
+        r = dict(ms=ms, tflops=row["flops"] / ms / 1e9, rel_err_vs_sdpa=err, ok=err < max_err)
     except Exception as e:  # noqa: BLE001 - record and go on with the other variants
         traceback.print_exc()
         r = dict(error=f"{type(e).__name__}: {str(e)[:300]}", ok=False)
@@ -121,6 +135,52 @@ def _bench_layout(row, layout, log):
         _record(row, f"{name}_{layout}",
                 lambda gcfg=gcfg: gluon_prefill_attention(q, kc, vc, meta, scale, out=out, config=gcfg),
                 ref, to_bhsd, log)
+    if FP8[0]:
+        del ref
+        _bench_fp8(row, layout, q, kc, vc, meta, scale, out, to_bhsd, log)
+
+
+def _bench_fp8(row, layout, q, kc, vc, meta, scale, out, to_bhsd, log):
+    """The same point on an fp8_e4m3 cache: Triton (codes cast in registers) and the Gluon FP8 kernel."""
+    from roofline.attention.backend import FP8_CALIBRATION_HEADROOM
+    from roofline.kernels.act_quant import per_token_quant_fp8, per_token_quant_fp8_split
+    from roofline.kernels.common import FP8_E4M3_MAX, ref_quantize_fp8
+    from roofline.kernels.gluon_prefill import default_gluon_fp8_config, launch_gluon_fp8
+
+    batch, seq = row["batch"], row["seq"]
+    ks = kc.float().abs().amax(dim=(0, 1, 3)) * FP8_CALIBRATION_HEADROOM / FP8_E4M3_MAX
+    vs = vc.float().abs().amax(dim=(0, 1, 3)) * FP8_CALIBRATION_HEADROOM / FP8_E4M3_MAX
+    kq, vq = ref_quantize_fp8(kc.float(), ks), ref_quantize_fp8(vc.float(), vs)
+    kd = _dense_kv(kq, meta, batch, seq).float() * ks[None, :, None, None]
+    vd = _dense_kv(vq, meta, batch, seq).float() * vs[None, :, None, None]
+    ref = F.scaled_dot_product_attention(to_bhsd(q).float(), kd, vd, is_causal=True, enable_gqa=True)
+    del kd, vd
+    cfg = default_prefill_config(q.shape[2], torch.bfloat16, True, LAYOUTS[layout], seq)
+    _record(row, f"triton_fp8_{layout}",
+            lambda: paged_prefill_attention(q, kq, vq, meta, scale, out=out, config=cfg, k_scale=ks, v_scale=vs),
+            ref, to_bhsd, log, FP8_REL_TOL)
+    reason = gluon_unsupported_reason(q, kq, vq)
+    if reason is not None:
+        log(f"  gluon fp8 not run: {reason}")
+        return
+    _record(row, f"quant_q_only_{layout}", lambda: per_token_quant_fp8(q) and out, ref, to_bhsd, log, float("inf"))
+    _record(row, f"quant_q_split_only_{layout}", lambda: per_token_quant_fp8_split(q) and out, ref, to_bhsd, log,
+            float("inf"))
+    for name, gcfg in FP8_VARIANTS.items():
+        full = {**default_gluon_fp8_config(q.shape[2], LAYOUTS[layout]), **gcfg}
+        _record(row, f"{name}+quant_{layout}",
+                lambda gcfg=gcfg: gluon_prefill_attention(q, kq, vq, meta, scale, out=out, config=gcfg,
+                                                          k_scale=ks, v_scale=vs),
+                ref, to_bhsd, log, FP8_REL_TOL)
+        # the kernel alone: q already quantized (as a fused RoPE + quant would)
+        if full.get("Q_SPLIT", True):
+            q_fp8 = per_token_quant_fp8_split(q)
+        else:
+            hi, qs = per_token_quant_fp8(q)
+            q_fp8 = (hi, None, qs)
+        _record(row, f"{name}_{layout}",
+                lambda full=full, q_fp8=q_fp8: launch_gluon_fp8(q, kq, vq, meta, scale, out, full, ks, vs, q_fp8),
+                ref, to_bhsd, log, FP8_REL_TOL)
 
 
 def bench_point(seq, batch, heads, kv_heads, head_dim, log):
@@ -152,12 +212,15 @@ def main() -> int:
     ap.add_argument("--variants", default=",".join(GLUON_VARIANTS),
                     help="Gluon variants to run (comma list; bench/gpu_fa3.sh passes those its smoke step passed)")
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="KV layouts (comma list of LAYOUTS keys)")
+    ap.add_argument("--fp8", action="store_true", help="also the fp8_e4m3 cache (Triton and the Gluon FP8 kernel)")
+    ap.add_argument("--fp8-only", action="store_true", help="with --fp8: skip the bf16 Gluon variants")
     args = ap.parse_args()
+    FP8[0] = args.fp8
     t0 = time.time()
     ACTIVE_LAYOUTS.intersection_update(args.layouts.split(","))
     keep = [v for v in args.variants.split(",") if v]
     for name in list(GLUON_VARIANTS):
-        if name not in keep:
+        if name not in keep or args.fp8_only:
             del GLUON_VARIANTS[name]
 
     def log(msg):

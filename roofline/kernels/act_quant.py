@@ -166,6 +166,23 @@ if triton is not None:
         _store_codes(out.to(tl.float32), Q + row * stride_q, S + row, mask, FP8)  # masked columns are 0
 
     @triton.jit
+    def _split_quant_kernel(X, Hi, Lo, S, M, stride_x, K: tl.constexpr, ROWS: tl.constexpr):
+        # ROWS whole rows of K (a power of two) per program: amax, scale, hi = e4m3(x / scale), lo = e4m3(rest)
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, K)
+        rmask = rows < M
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), 448.0), 1e-10)
+        y = tl.div_rn(x, tl.zeros(x.shape, tl.float32) + scale[:, None])
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        hi = y.to(tl.float8e4nv)
+        lo = (y - hi.to(tl.float32)).to(tl.float8e4nv)
+        offs = rows[:, None] * K + cols[None, :]
+        tl.store(Hi + offs, hi, mask=rmask[:, None])
+        tl.store(Lo + offs, lo, mask=rmask[:, None])
+        tl.store(S + rows, scale, mask=rmask)
+
+    @triton.jit
     def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, FP8: tl.constexpr, BLOCK: tl.constexpr):
         # two passes over a row in BLOCK chunks (any K): amax, then the codes
         row = tl.program_id(0).to(tl.int64)
@@ -247,6 +264,50 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         _per_token_quant_kernel[(m,)](x2, q, scale, k, x2.stride(0), q.stride(0), FP8=True, BLOCK=block,
                                       num_warps=4 if block <= 1024 else 8)
     return q, scale
+
+
+def ref_per_token_quant_fp8_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Twin of :func:`per_token_quant_fp8_split`: ``hi, scale = ref_per_token_quant_fp8(x)`` and
+    ``lo = e4m3(x / scale - hi)`` (round to nearest even), so ``(hi + lo) * scale`` carries about 7 significant
+    bits of each element instead of E4M3's 4. Returns (hi, lo float8_e4m3fn ``[M, K]``, scale float32 ``[M, 1]``)."""
+    x2 = x.reshape(-1, x.shape[-1])
+    hi, scale = ref_per_token_quant_fp8(x2)
+    return hi, (x2.float() / scale - hi.float()).to(torch.float8_e4m3fn), scale
+
+
+def per_token_quant_fp8_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Two-term dynamic E4M3 per row, one launch: the codes and scale of :func:`per_token_quant_fp8` (``hi``) and
+    the E4M3 rounding of the remainder ``x / scale - hi`` (``lo``, same scale). Two FP8 products, ``hi . k`` and
+    ``lo . k``, into one accumulator then give q . k with q at about bf16's precision. The FP8 prefill attention
+    kernel (``roofline.kernels.gluon_prefill``) uses this for q: with q rounded to E4M3 alone, the default model's
+    KL against an unquantized cache rose from 7.1e-3 to 1.1e-2 (``bench/fp8_prefill_quality.py``).
+
+    Bit-exact on the GPU with :func:`ref_per_token_quant_fp8_split`.
+
+    Args:
+        x: [..., K] float16/bfloat16/float32, K a power of two <= 1024 (attention head sizes).
+
+    Returns:
+        (hi, lo float8_e4m3fn [M, K], scale float32 [M, 1]), M = prod of x's leading dims.
+
+    Raises:
+        RuntimeError: triton missing. ValueError: K not a power of two <= 1024.
+    """
+    if triton is None:
+        raise RuntimeError("triton is not installed; use ref_per_token_quant_fp8_split on this machine")
+    k = x.shape[-1]
+    if k > 1024 or k & (k - 1):
+        raise ValueError(f"per_token_quant_fp8_split: the last dim {k} must be a power of two <= 1024")
+    x2 = _as_rows(x, k, "per_token_quant_fp8_split")
+    m = x2.shape[0]
+    hi = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    lo = torch.empty_like(hi)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        rows = max(1, 4096 // k)  # rows per program: a few KB of x each
+        _split_quant_kernel[(triton.cdiv(m, rows),)](x2, hi, lo, scale, m, x2.stride(0), K=k, ROWS=rows,
+                                                      num_warps=4)
+    return hi, lo, scale
 
 
 def _codes_like(rows: int, k: int, fmt: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -5,7 +5,8 @@ and computes the same thing (query j of a chunk at position ctx + j; chunked pre
 verification). Kernel design: ``roofline.kernels.gluon_prefill_kernels``.
 
 What the Gluon kernel covers (``gluon_unsupported_reason`` says why not, else None): a CUDA device of compute
-capability 9.x, Triton with ``triton.experimental.gluon``, q and cache in bf16 or fp16 (no int8/fp8 codes),
+capability 9.x, Triton with ``triton.experimental.gluon``, q in bf16 or fp16 and the cache in q's dtype or in
+``float8_e4m3fn`` (``--kv-cache-dtype fp8_e4m3``: the FP8 kernel, FA3's FP8 forward; not int8 codes),
 head_dim 64 or 128, any block_size that is a power of two >= 16 (a tile of BLOCK_N keys is BLOCK_N /
 block_size TMA copies when block_size < BLOCK_N); a ``tree_mask`` only with the warp-specialized variants
 (``TREE_VARIANTS``). Anything else runs the Triton kernel, with one log line per reason.
@@ -22,7 +23,8 @@ from collections.abc import Callable
 
 import torch
 
-from roofline.kernels.common import PagedBatch, check_paged_attention_inputs, kv_quant_mode
+from roofline.kernels.act_quant import per_token_quant_fp8, per_token_quant_fp8_split
+from roofline.kernels.common import KV_QUANT_PER_HEAD, PagedBatch, check_paged_attention_inputs, kv_quant_mode
 from roofline.kernels.prefill_attention import LOG2E, check_tree_mask, paged_prefill_attention
 
 logger = logging.getLogger(__name__)
@@ -42,6 +44,9 @@ TWO_CONSUMER_VARIANTS = {"pingpong": True, "ws2": False, "persistent": True}
 # Variants with the tree mask (speculative tree verification). A tree call runs with BLOCK_N at most
 # TREE_BLOCK_N: the BLOCK_N 128 tree specialization spills (96 B under the 168-register cap; 0 at 64).
 TREE_VARIANTS = ("ws", "pingpong", "ws2", "persistent")
+# The FP8 kernel (``gluon_prefill_kernel_fp8``: E4M3 q, K, V and P on the FP8 tensor cores), the only variant for a
+# float8_e4m3fn cache and for nothing else.
+FP8_VARIANT = "fp8"
 TREE_BLOCK_N = 64
 WS_MAXNREG = 168  # warp-specialized: 12 warps x 168 = the register file; the loader drops to 32, consumers get 240
 
@@ -51,6 +56,7 @@ try:
 
     from roofline.kernels.gluon_prefill_kernels import (
         gluon_prefill_kernel,
+        gluon_prefill_kernel_fp8,
         gluon_prefill_kernel_persistent,
         gluon_prefill_kernel_pingpong,
         gluon_prefill_kernel_pipelined,
@@ -59,7 +65,8 @@ try:
 
     GLUON_KERNELS = {"plain": gluon_prefill_kernel, "pipelined": gluon_prefill_kernel_pipelined,
                      "ws": gluon_prefill_kernel_ws, "pingpong": gluon_prefill_kernel_pingpong,
-                     "ws2": gluon_prefill_kernel_pingpong, "persistent": gluon_prefill_kernel_persistent}
+                     "ws2": gluon_prefill_kernel_pingpong, "persistent": gluon_prefill_kernel_persistent,
+                     FP8_VARIANT: gluon_prefill_kernel_fp8}
 except Exception:  # pragma: no cover - no triton, or a triton without gluon
     gl = None
 
@@ -80,21 +87,38 @@ def default_gluon_config(head_dim: int, block_size: int) -> dict:
     return dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=2, num_warps=8, VARIANT="pingpong")
 
 
+def default_gluon_fp8_config(head_dim: int, block_size: int) -> dict:
+    """The FP8 kernel's tiles (an fp8_e4m3 cache): BLOCK_M 128 (two warpgroups), BLOCK_N 64, a 3-stage K/V ring
+    (Q 2 x 16 KB + K/V 48 KB + V^T 8 KB + P 16 KB of shared memory at D 128), no spills
+    (``bench/gluon_aot_check.py --fp8``), q as two E4M3 terms (Q_SPLIT; False: one, faster and less exact)."""
+    return dict(BLOCK_M=128, BLOCK_N=64, NUM_STAGES=3, num_warps=8, VARIANT=FP8_VARIANT, Q_SPLIT=True)
+
+
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on sm_90 (H100/H200)
 
 
-def gluon_config_reason(cfg: dict, head_dim: int, tree: bool = False) -> str | None:
+def gluon_config_reason(cfg: dict, head_dim: int, tree: bool = False, fp8: bool = False) -> str | None:
     """Why the full config ``cfg`` (BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, VARIANT) cannot run, or None.
-    Host-only (no device query): the rules of the kernels in ``roofline.kernels.gluon_prefill_kernels``."""
+    Host-only (no device query): the rules of the kernels in ``roofline.kernels.gluon_prefill_kernels``.
+    ``fp8``: the cache holds float8_e4m3fn codes (VARIANT ``FP8_VARIANT`` only)."""
     variant = cfg.get("VARIANT")
+    if fp8 != (variant == FP8_VARIANT):
+        return (f"VARIANT {variant!r} with a {'float8_e4m3fn' if fp8 else '16-bit'} cache: an fp8 cache runs "
+                f"VARIANT {FP8_VARIANT!r}, which needs one")
     if tree and variant not in TREE_VARIANTS:
         return f"tree_mask with VARIANT {variant!r}: the Gluon tree mask is in {TREE_VARIANTS} only"
     if cfg["BLOCK_N"] not in (64, 128) or cfg["BLOCK_M"] != 16 * cfg["num_warps"] or cfg["NUM_STAGES"] < 2 \
-            or variant not in GLUON_VARIANTS or (variant in TWO_CONSUMER_VARIANTS and cfg["BLOCK_M"] != 128):
+            or variant not in (*GLUON_VARIANTS, FP8_VARIANT) \
+            or (variant in (*TWO_CONSUMER_VARIANTS, FP8_VARIANT) and cfg["BLOCK_M"] != 128):
         return (f"config {cfg}: BLOCK_N must be 64 or 128, BLOCK_M 16 * num_warps (128 for "
-                f"{tuple(TWO_CONSUMER_VARIANTS)}), NUM_STAGES >= 2 and VARIANT one of {GLUON_VARIANTS}")
+                f"{(*TWO_CONSUMER_VARIANTS, FP8_VARIANT)}), NUM_STAGES >= 2 and VARIANT one of "
+                f"{(*GLUON_VARIANTS, FP8_VARIANT)}")
     block_n = min(cfg["BLOCK_N"], TREE_BLOCK_N) if tree else cfg["BLOCK_N"]
-    smem = 2 * head_dim * (cfg["BLOCK_M"] + 2 * cfg["NUM_STAGES"] * block_n)  # Q + the K/V ring, 16-bit
+    if fp8:  # 1-byte Q (both terms, allocated either way) + K/V ring, V^T [D, BLOCK_N], P [2, BLOCK_M, BLOCK_N]
+        smem = (head_dim * (2 * cfg["BLOCK_M"] + 2 * cfg["NUM_STAGES"] * block_n + block_n)
+                + 2 * cfg["BLOCK_M"] * block_n)
+    else:
+        smem = 2 * head_dim * (cfg["BLOCK_M"] + 2 * cfg["NUM_STAGES"] * block_n)  # Q + the K/V ring, 16-bit
     if smem > SMEM_LIMIT:
         return (f"config {cfg}: Q + {cfg['NUM_STAGES']} K/V stages need {smem} B of shared memory at head_dim "
                 f"{head_dim}, above the {SMEM_LIMIT} B a CTA may use")
@@ -112,16 +136,19 @@ def gluon_unsupported_reason(q: torch.Tensor, k_cache: torch.Tensor, v_cache: to
     cap = torch.cuda.get_device_capability(q.device)
     if cap[0] != 9:
         return f"compute capability {cap[0]}.{cap[1]} is not 9.x (Hopper)"
-    if q.dtype not in GLUON_DTYPES or k_cache.dtype != q.dtype:
-        return f"dtype q {q.dtype} / cache {k_cache.dtype}: needs both bf16 or both fp16"
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if q.dtype not in GLUON_DTYPES or not (fp8 or k_cache.dtype == q.dtype):
+        return (f"dtype q {q.dtype} / cache {k_cache.dtype}: needs q bf16 or fp16 and the cache in q's dtype or "
+                f"float8_e4m3fn")
     head_dim = q.shape[2]
     if head_dim not in GLUON_HEAD_DIMS:
         return f"head_dim {head_dim} not in {GLUON_HEAD_DIMS}"
     block_size = k_cache.shape[1]
     if block_size < 16 or block_size & (block_size - 1):
         return f"block_size {block_size} is not a power of two >= 16"
-    cfg = {**default_gluon_config(head_dim, block_size), **(config or {})}
-    reason = gluon_config_reason(cfg, head_dim, tree_mask is not None)
+    default = default_gluon_fp8_config if fp8 else default_gluon_config
+    cfg = {**default(head_dim, block_size), **(config or {})}
+    reason = gluon_config_reason(cfg, head_dim, tree_mask is not None, fp8)
     if reason is not None:
         return reason
     if q.stride(2) != 1 or q.stride(1) != head_dim or q.stride(0) % 8 or q.data_ptr() % 16:
@@ -164,7 +191,10 @@ def gluon_prefill_attention(
         scale: softmax scale. out: optional [num_tokens, H, D] output.
         config: optional dict(BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, VARIANT) over ``default_gluon_config``;
             a fallback runs the Triton kernel with its own default config.
-        k_scale, v_scale: as ``paged_prefill_attention``; either sends the call to Triton.
+        k_scale, v_scale: as ``paged_prefill_attention``. An fp8 cache (float32 [H_kv] scales) runs the FP8 kernel:
+            q is quantized per (token, head) to E4M3 (``per_token_quant_fp8``, one launch) and P to E4M3; the
+            result is within ``FP8_REL_TOL`` of the float64 oracle on the same cache codes. An int8 cache runs
+            the Triton kernel.
         tree_mask: as ``paged_prefill_attention`` ([num_seqs, W <= 64] int64 ancestor bitmasks); Gluon runs it
             with the ``TREE_VARIANTS`` (BLOCK_N capped at ``TREE_BLOCK_N``), the others fall back.
 
@@ -178,7 +208,11 @@ def gluon_prefill_attention(
     quant = kv_quant_mode(k_cache, k_scale, v_scale)
     num_seqs = meta.query_start_loc.shape[0] - 1
     check_tree_mask(tree_mask, num_seqs)
-    reason = "quantized KV cache" if quant else gluon_unsupported_reason(q, k_cache, v_cache, tree_mask, config)
+    fp8 = quant == KV_QUANT_PER_HEAD
+    if quant and not fp8:
+        reason = "int8 KV cache (the Gluon kernels read bf16/fp16 or fp8_e4m3 caches)"
+    else:
+        reason = gluon_unsupported_reason(q, k_cache, v_cache, tree_mask, config)
     if reason is not None:
         _log_once(reason)
         return paged_prefill_attention(q, k_cache, v_cache, meta, scale, out=out,
@@ -189,6 +223,9 @@ def gluon_prefill_attention(
         out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    if fp8:
+        return launch_gluon_fp8(q, k_cache, v_cache, meta, scale, out,
+                           {**default_gluon_fp8_config(head_dim, block_size), **(config or {})}, k_scale, v_scale)
     cfg = {**default_gluon_config(head_dim, block_size), **(config or {})}
     if tree_mask is not None:
         cfg["BLOCK_N"] = min(cfg["BLOCK_N"], TREE_BLOCK_N)
@@ -224,6 +261,114 @@ def gluon_prefill_attention(
         scale * LOG2E, out.stride(0), out.stride(1), meta.block_tables.stride(0),
         GROUP=num_heads // num_kv_heads, PAGE=block_size, PAGE_ROWS=page_rows, HEAD_DIM=head_dim,
         BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=cfg["NUM_STAGES"], num_warps=num_warps, **extra,
+    )
+    return out
+
+
+# Relative Frobenius error of the FP8 kernel against the float64 oracle on the same cache codes (q and P rounded
+# to E4M3: relative rounding error <= 2^-4 per element, averaging over the keys and D). Measured on the H200:
+# see tests/kernels/test_gluon_prefill.py.
+FP8_REL_TOL = 3e-2
+
+
+def ref_prefill_attention_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedBatch,
+                              scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                              block_n: int = 64, q_split: bool = True) -> torch.Tensor:
+    """Pure-torch twin of the FP8 kernel's arithmetic (``gluon_prefill_kernel_fp8``), in float32 on any device:
+    q rounded per (token, head) row to E4M3 (``ref_per_token_quant_fp8``; ``q_split``: two terms,
+    ``ref_per_token_quant_fp8_split``, as the kernel's Q_SPLIT), S from the codes times
+    q_scale * k_scale * scale, an online softmax over tiles of ``block_n`` keys (log2 units), each tile's P
+    rounded as e4m3(P * 448) before its product with the V codes, the row sum of the unrounded P, and
+    O = acc * v_scale / (448 * l). The same rounding points as the kernel, not its bits (exp2 and the order
+    of fp32 sums differ).
+
+    Args: as ``gluon_prefill_attention`` with an fp8_e4m3 cache (k_scale, v_scale float32 [H_kv]).
+    Returns: [num_tokens, H, D] in q's dtype.
+    """
+    from roofline.kernels.act_quant import ref_per_token_quant_fp8_split
+    from roofline.kernels.common import FP8_E4M3_MAX
+
+    num_tokens, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    hi, lo, q_scale = ref_per_token_quant_fp8_split(q)
+    q8 = (hi.float() + lo.float() if q_split else hi.float()).view(num_tokens, num_heads, head_dim)
+    q_scale = q_scale.view(num_tokens, num_heads)
+    ks = k_scale.float().repeat_interleave(group)  # [H]
+    vs = v_scale.float().repeat_interleave(group)
+    out = torch.empty_like(q)
+    flat_k = k_cache.reshape(-1, num_kv_heads, head_dim)
+    flat_v = v_cache.reshape(-1, num_kv_heads, head_dim)
+    qsl = meta.query_start_loc.tolist()
+    for i, seq_len in enumerate(meta.seq_lens.tolist()):
+        start, q_len = qsl[i], qsl[i + 1] - qsl[i]
+        if q_len == 0:
+            continue
+        pos = torch.arange(seq_len, device=q.device)
+        slots = meta.block_tables[i].long()[pos // block_size] * block_size + pos % block_size
+        k = flat_k[slots].float().repeat_interleave(group, dim=1)  # [S, H, D] codes
+        v = flat_v[slots].float().repeat_interleave(group, dim=1)
+        qi = q8[start:start + q_len]  # [Q, H, D]
+        row_scale = (q_scale[start:start + q_len] * ks * (scale * LOG2E)).t()[:, :, None]  # [H, Q, 1]
+        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
+        m = torch.full((num_heads, q_len, 1), float("-inf"), device=q.device)
+        l_sum = torch.zeros((num_heads, q_len, 1), device=q.device)
+        acc = torch.zeros((num_heads, q_len, head_dim), device=q.device)
+        for n0 in range(0, seq_len, block_n):
+            kt, vt = k[n0:n0 + block_n], v[n0:n0 + block_n]
+            s = torch.einsum("qhd,khd->hqk", qi, kt) * row_scale
+            keys = torch.arange(n0, n0 + kt.shape[0], device=q.device)
+            s = s.masked_fill(keys[None, None, :] > q_pos[None, :, None], float("-inf"))
+            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+            p = torch.exp2(s - m_new)
+            alpha = torch.exp2(m - m_new)
+            l_sum = l_sum * alpha + p.sum(-1, keepdim=True)
+            p8 = (p * FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
+            acc = acc * alpha + torch.einsum("hqk,khd->hqd", p8, vt)
+            m = m_new
+        o = acc * (vs[:, None, None] / FP8_E4M3_MAX) / l_sum
+        out[start:start + q_len] = o.transpose(0, 1).to(q.dtype)
+    return out
+
+
+def launch_gluon_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedBatch, scale: float,
+                     out: torch.Tensor, cfg: dict, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                     q_fp8: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor] | None = None) -> torch.Tensor:
+    """The FP8 kernel (``gluon_prefill_kernel_fp8``) on an fp8_e4m3 cache, no checks (``gluon_prefill_attention``
+    checks, then calls this). q [T, H, D] 16-bit is quantized here per (token, head) row to E4M3 with float32
+    scales (two terms with cfg["Q_SPLIT"], ``per_token_quant_fp8_split``), unless ``q_fp8`` = (hi, lo or None
+    float8_e4m3fn [T * H, D], scales float32 [T * H, 1]) gives them (row t * H + h). cfg: a full config
+    (``default_gluon_fp8_config``). Returns out."""
+    num_tokens, num_heads, head_dim = q.shape
+    _, block_size, num_kv_heads, _ = k_cache.shape
+    block_m, block_n = cfg["BLOCK_M"], cfg["BLOCK_N"]
+    page_rows = min(block_size, block_n)
+    split = cfg.get("Q_SPLIT", True)
+    if q_fp8 is None:  # [T * H, D] codes, [T * H, 1] scales: row t * H + h
+        if split:
+            q_fp8 = per_token_quant_fp8_split(q)
+        else:
+            hi, scale_q = per_token_quant_fp8(q)
+            q_fp8 = (hi, None, scale_q)
+    q8, q_lo, q_scale = q_fp8
+    q2 = q8.view(num_tokens, num_heads * head_dim)
+    fdt = gl.float8e4nv
+    q_layout = gl.NVMMASharedLayout.get_default_for([block_m, head_dim], fdt)
+    kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], fdt)
+    q_desc = TensorDescriptor(q2, list(q2.shape), [q2.stride(0), 1], [block_m, head_dim], q_layout)
+    qlo_desc = q_desc
+    if split:
+        lo2 = q_lo.view(num_tokens, num_heads * head_dim)
+        qlo_desc = TensorDescriptor(lo2, list(lo2.shape), [lo2.stride(0), 1], [block_m, head_dim], q_layout)
+    num_slots = k_cache.shape[0] * block_size
+    k_desc, v_desc = (TensorDescriptor(c, [num_slots, num_kv_heads * head_dim], [c.stride(1), 1],
+                                       [page_rows, head_dim], kv_layout) for c in (k_cache, v_cache))
+    grid = ((meta.max_query_len + block_m - 1) // block_m, meta.query_start_loc.shape[0] - 1, num_heads)
+    gluon_prefill_kernel_fp8[grid](
+        q_desc, qlo_desc, k_desc, v_desc, out, meta.block_tables, meta.query_start_loc, meta.seq_lens, q_scale, k_scale,
+        v_scale, scale * LOG2E, out.stride(0), out.stride(1), meta.block_tables.stride(0), num_heads,
+        GROUP=num_heads // num_kv_heads, PAGE=block_size, PAGE_ROWS=page_rows, HEAD_DIM=head_dim,
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"], Q_SPLIT=split,
     )
     return out
 

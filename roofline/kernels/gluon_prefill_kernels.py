@@ -995,3 +995,227 @@ def gluon_prefill_kernel_persistent(
                            empty_bars, BlockTables, QueryStartLoc, SeqLens, stride_bt, num_seqs, num_heads, num_m_blocks,
                            num_items, GROUP, PAGE, PAGE_ROWS, HEAD_DIM, BLOCK_M, BLOCK_N, NUM_STAGES)),
     ], [4, 1], [240, 24])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# FP8 variant (FlashAttention-3's FP8 forward, Shah et al. 2024, section 3.3): Q, K and V are E4M3 codes and both
+# products run on the FP8 tensor cores (twice the bf16 rate on Hopper). The pipelined structure above (QK of tile
+# j and PV of tile j - 1 in flight during the softmax of tile j), with three differences:
+#
+# - V^T: an FP8 wgmma reads its B operand from shared memory K-major only (the reduction dimension contiguous,
+#   PTX ISA "wgmma.mma_async": transpose is supported for 16-bit types only). For P V the reduction runs over the
+#   keys, but the cache holds V rows with D contiguous, so each V tile is transposed once, register-side, into a
+#   [D, BLOCK_N] buffer (FA3 does the same with LDSM/STSM in its producer warpgroup). The transpose also zeroes the
+#   rows at or past seq_len (stale slots may hold NaN codes).
+# - P goes through shared memory (a double buffer, the A operand from shared memory): Triton 3.6 cannot keep an
+#   8-bit register operand alive across ``warpgroup_mma_wait`` ("Unexpected bitwidth in WGMMAWaitGroupOp: 8"),
+#   and the softmax of tile j must overlap the P_{j-1} V_{j-1} product that reads P_{j-1}.
+# - Scales: q has one E4M3 scale per (token, head) row (``per_token_quant_fp8``), the cache one per KV head
+#   (``roofline.kernels.common``, static). S = (q8 . k8) * q_scale[row] * k_scale, folded into the per-row softmax
+#   scale. Q_SPLIT: q is two E4M3 terms with that scale, hi + lo (``per_token_quant_fp8_split``), and S is the sum of
+#   two FP8 products in one accumulator: q at ~7 significant bits instead of 4 (with q in E4M3 alone the default
+#   model's KL against an unquantized cache rose by 60%: bench/fp8_prefill_quality.py), for one more QK wgmma. P in [0, 1] is stored as e4m3(P * 448) (P_SCALE: the largest finite E4M3, OCP FP8 2023) so that small
+#   probabilities keep normal E4M3 precision down to 2^-6 / 448 instead of flushing below 2^-9; the 448 and
+#   v_scale divide out in the epilogue.
+# - Two-level accumulation: each tile's P V product starts from zero (``use_acc=False``: one MMA chain of BLOCK_N
+#   keys in the tensor core's reduced-precision FP8 accumulator) and is added to the fp32 O in registers, as FA3's
+#   FP8 path does (the wgmma FP8 accumulator keeps about 14 mantissa bits, DeepSeek-V3 report section 3.3.2).
+
+P_SCALE = gl.constexpr(448.0)
+
+
+@gluon.jit
+def _fp8_transpose_v(v_buf, vt_smem, tile, seq_len, BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+    """V tile ``tile`` [BLOCK_N, D] (E4M3, as TMA wrote it) -> V^T [D, BLOCK_N] in ``vt_smem``; keys at or past
+    seq_len are zeroed. Each thread moves 4 x 4 blocks (4-byte loads along D, 4-byte stores along the keys)."""
+    ld_layout: gl.constexpr = gl.BlockedLayout([4, 4], [4, 8], [BLOCK_N // 16, num_warps * 16 // BLOCK_N], [1, 0])
+    v = v_buf.load(ld_layout)
+    if tile * BLOCK_N + BLOCK_N > seq_len:
+        rows = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, ld_layout))
+        v = gl.where((rows < seq_len)[:, None], v, gl.zeros_like(v))
+    vt_smem.store(gl.permute(v, (1, 0)))
+    fence_async_shared()
+    gl.thread_barrier()
+
+
+@gluon.jit
+def _fp8_softmax_step(s, m_i, l_i, tile, offs_m_pos, seq_len, row_scale, MASKED: gl.constexpr,
+                      BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Online softmax of one S tile of code products; ``row_scale`` [BLOCK_M] = q_scale * k_scale * softmax
+    scale * log2(e). Returns P (fp32), the new max, the new sum and the rescale alpha (log2 units)."""
+    s = s * row_scale[:, None]
+    if MASKED:
+        offs_n = tile * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = (offs_n[None, :] <= offs_m_pos[:, None]) & (offs_n[None, :] < seq_len)
+        s = gl.where(visible, s, float("-inf"))
+    m_new = gl.maximum(m_i, gl.max(s, axis=1))
+    p = gl.exp2(s - m_new[:, None])
+    alpha = gl.exp2(m_i - m_new)
+    l_i = l_i * alpha + gl.sum(p, axis=1)
+    return p, m_new, l_i, alpha
+
+
+@gluon.jit
+def _fp8_qk(q_smem, qlo_smem, k_smem, k_bars, tile, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            NUM_STAGES: gl.constexpr, s_layout: gl.constexpr, Q_SPLIT: gl.constexpr):
+    """Issue S_tile = Q K_tile^T (async, FP8 codes, fp32 accumulator; Q_SPLIT: hi K^T + lo K^T) once the tile's
+    K has landed."""
+    stage = tile % NUM_STAGES
+    mbarrier.wait(k_bars.index(stage), (tile // NUM_STAGES) & 1)
+    kt = k_smem.index(stage).permute((1, 0))
+    s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(q_smem, kt, s, use_acc=False, is_async=True)
+    if Q_SPLIT:
+        s = warpgroup_mma(qlo_smem, kt, s, is_async=True)
+    return s
+
+
+@gluon.jit
+def _fp8_pv(p_smem, v_smem, vt_smem, v_bars, tile, seq_len, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+            HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, o_layout: gl.constexpr, num_warps: gl.constexpr):
+    """Issue P_tile V_tile (async, from zero: the first level of the two-level accumulation) once the tile's V
+    has landed and been transposed. The transpose's fence and barrier also publish P_tile (stored earlier) to
+    the tensor cores."""
+    stage = tile % NUM_STAGES
+    mbarrier.wait(v_bars.index(stage), (tile // NUM_STAGES) & 1)
+    _fp8_transpose_v(v_smem.index(stage), vt_smem, tile, seq_len, BLOCK_N, num_warps)
+    pv = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+    return warpgroup_mma(p_smem.index(tile % 2), vt_smem.permute((1, 0)), pv, use_acc=False, is_async=True)
+
+
+@gluon.jit
+def _fp8_step(q_smem, qlo_smem, k_smem, v_smem, vt_smem, p_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile,
+              n_tiles, seq_len, kv_col, acc, m_i, l_i, offs_m_pos, row_scale,
+              MASKED: gl.constexpr, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, BLOCK_M: gl.constexpr,
+              BLOCK_N: gl.constexpr, HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, s_layout: gl.constexpr,
+              o_layout: gl.constexpr, num_warps: gl.constexpr, Q_SPLIT: gl.constexpr):
+    """Tile ``tile`` >= 1: S_tile and P_{tile-1} V_{tile-1} in flight together, softmax of S_tile, then
+    O = (O + P_{tile-1} V_{tile-1}) * alpha_tile and the refill of tile - 1's stage."""
+    s = _fp8_qk(q_smem, qlo_smem, k_smem, k_bars, tile, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, Q_SPLIT)
+    pv = _fp8_pv(p_smem, v_smem, vt_smem, v_bars, tile - 1, seq_len, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                 o_layout, num_warps)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))  # the QK product(s), issued before the PV one
+    p, m_i, l_i, alpha = _fp8_softmax_step(s, m_i, l_i, tile, offs_m_pos, seq_len, row_scale, MASKED, BLOCK_N,
+                                           s_layout)
+    p_smem.index(tile % 2).store((p * P_SCALE).to(gl.float8e4nv))  # the other buffer is P_{tile-1}'s, in use
+    pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv, ))
+    acc = (acc + pv) * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    gl.thread_barrier()  # both warpgroups are done with tile - 1's stage and with V^T
+    nxt = tile - 1 + NUM_STAGES
+    if nxt < n_tiles:
+        _issue_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, nxt, seq_len, kv_col,
+                       PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def gluon_prefill_kernel_fp8(
+    q_desc, qlo_desc, k_desc, v_desc, Out, BlockTables, QueryStartLoc, SeqLens, QScale, KScale, VScale,
+    scale_log2e, stride_ot, stride_oh, stride_bt, stride_qs,
+    GROUP: gl.constexpr, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+    Q_SPLIT: gl.constexpr,
+):
+    """As ``gluon_prefill_kernel_pipelined`` (same grid) on E4M3 q / cache codes (section above). qlo_desc: q's
+    second E4M3 term when Q_SPLIT (q_desc again otherwise, unused). QScale: float32 per (token, head) q scales,
+    row stride ``stride_qs``; KScale, VScale: float32 [H_kv] cache scales; Out in the 16-bit dtype of the model."""
+    seq = gl.program_id(1)
+    head = gl.program_id(2)
+    q_start = gl.load(QueryStartLoc + seq)
+    q_len = gl.load(QueryStartLoc + seq + 1) - q_start
+    m_block = gl.num_programs(0) - 1 - gl.program_id(0)
+    m0 = m_block * BLOCK_M
+    if m0 < q_len:
+        seq_len = gl.load(SeqLens + seq)
+        ctx = seq_len - q_len
+        kv_head = head // GROUP
+        kv_col = kv_head * HEAD_DIM
+        bt_row = BlockTables + seq.to(gl.int64) * stride_bt
+
+        # FP8 wgmma: K of one instruction is 32 (8-bit operands).
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, BLOCK_N, 32])
+        o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                           instr_shape=[16, HEAD_DIM, 32])
+        p_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, BLOCK_N], gl.float8e4nv)
+        vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.float8e4nv)
+
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        qlo_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        vt_smem = gl.allocate_shared_memory(gl.float8e4nv, [HEAD_DIM, BLOCK_N], vt_layout)
+        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [2, BLOCK_M, BLOCK_N], p_smem_layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+        fence_async_shared()
+
+        n_full = (ctx + m0 + 1) // BLOCK_N
+        n_tiles = gl.cdiv(gl.minimum(seq_len, ctx + m0 + BLOCK_M), BLOCK_N)
+
+        if Q_SPLIT:
+            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(qlo_desc, [q_start + m0, head * HEAD_DIM], q_bar, qlo_smem)
+        else:
+            mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
+        for i in gl.static_range(NUM_STAGES):
+            if i < n_tiles:
+                _issue_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, i, seq_len, kv_col,
+                               PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
+
+        offs_m = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, s_layout))
+        offs_m_pos = ctx + offs_m
+        q_scale = gl.load(QScale + (q_start + offs_m).to(gl.int64) * stride_qs + head, mask=offs_m < q_len,
+                          other=1.0)
+        row_scale = q_scale * (gl.load(KScale + kv_head) * scale_log2e)
+        m_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+        mbarrier.wait(q_bar, 0)
+
+        # Tile 0: S and its softmax only (its PV product runs in the step of tile 1).
+        s = _fp8_qk(q_smem, qlo_smem, k_smem, k_bars, 0, BLOCK_M, BLOCK_N, NUM_STAGES, s_layout, Q_SPLIT)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+        if n_full > 0:
+            p, m_i, l_i, alpha = _fp8_softmax_step(s, m_i, l_i, 0, offs_m_pos, seq_len, row_scale, False, BLOCK_N,
+                                                   s_layout)
+        else:
+            p, m_i, l_i, alpha = _fp8_softmax_step(s, m_i, l_i, 0, offs_m_pos, seq_len, row_scale, True, BLOCK_N,
+                                                   s_layout)
+        p_smem.index(0).store((p * P_SCALE).to(gl.float8e4nv))
+        for tile in range(1, n_full):
+            acc, m_i, l_i = _fp8_step(
+                q_smem, qlo_smem, k_smem, v_smem, vt_smem, p_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile,
+                n_tiles, seq_len, kv_col, acc, m_i, l_i, offs_m_pos, row_scale,
+                False, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, s_layout, o_layout, num_warps,
+                Q_SPLIT)
+        for tile in range(gl.maximum(n_full, 1), n_tiles):
+            acc, m_i, l_i = _fp8_step(
+                q_smem, qlo_smem, k_smem, v_smem, vt_smem, p_smem, k_bars, v_bars, k_desc, v_desc, bt_row, tile,
+                n_tiles, seq_len, kv_col, acc, m_i, l_i, offs_m_pos, row_scale,
+                True, PAGE, PAGE_ROWS, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES, s_layout, o_layout, num_warps,
+                Q_SPLIT)
+        # The last tile's PV product.
+        pv = _fp8_pv(p_smem, v_smem, vt_smem, v_bars, n_tiles - 1, seq_len, BLOCK_M, BLOCK_N, HEAD_DIM, NUM_STAGES,
+                     o_layout, num_warps)
+        pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv, ))
+        acc = acc + pv
+
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+
+        # O = acc * v_scale / (P_SCALE * l): every valid row saw key 0 at least (l > 0).
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+        out = acc * (gl.load(VScale + kv_head) / P_SCALE) / l_o[:, None]
+        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
+        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+        ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
+        gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < q_len)[:, None])

@@ -19,15 +19,26 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernel_cases import TOL, attention_f64, make_paged_case, poison_stale_slots, rel_err  # noqa: E402
+from kernel_cases import (  # noqa: E402
+    TOL,
+    attention_f64,
+    make_paged_case,
+    poison_stale_quantized,
+    poison_stale_slots,
+    quantize_cache,
+    rel_err,
+)
 
 from roofline.kernels.gluon_prefill import (  # noqa: E402
+    FP8_REL_TOL,
     TREE_VARIANTS,
     choose_prefill_kernel,
     default_gluon_config,
+    default_gluon_fp8_config,
     gluon_config_reason,
     gluon_prefill_attention,
     gluon_unsupported_reason,
+    ref_prefill_attention_fp8,
 )
 from roofline.kernels.prefill_attention import (  # noqa: E402
     paged_prefill_attention,
@@ -193,7 +204,7 @@ def test_gluon_config_reason():
         assert gluon_config_reason({**cfg, "VARIANT": variant}, 128) is None
         assert gluon_config_reason({**cfg, "VARIANT": variant}, 128, tree=True) is None
         bad = gluon_config_reason({**cfg, "VARIANT": variant, "BLOCK_M": 64, "num_warps": 4}, 128)
-        assert bad is not None and "128 for ('pingpong', 'ws2', 'persistent')" in bad
+        assert bad is not None and "128 for ('pingpong', 'ws2', 'persistent', 'fp8')" in bad
     assert gluon_config_reason({**cfg, "VARIANT": "plain"}, 128, tree=True) == (
         f"tree_mask with VARIANT 'plain': the Gluon tree mask is in {TREE_VARIANTS} only")
     assert "VARIANT one of" in gluon_config_reason({**cfg, "VARIANT": "fa4"}, 128)
@@ -203,6 +214,18 @@ def test_gluon_config_reason():
     assert big is not None and "294912 B of shared memory at head_dim 128, above the 232448 B" in big
     # A tree call runs with BLOCK_N 64: 4 stages fit then (Q 32 KB + 128 KB).
     assert gluon_config_reason({**cfg, "VARIANT": "ws", "NUM_STAGES": 4}, 128, tree=True) is None
+    # The FP8 kernel: only for an fp8 cache, and an fp8 cache only with it; no tree mask; 1-byte tiles.
+    f8 = default_gluon_fp8_config(128, 16)
+    assert gluon_config_reason(f8, 128, fp8=True) is None
+    assert gluon_config_reason(cfg, 128, fp8=True) == (
+        "VARIANT 'pingpong' with a float8_e4m3fn cache: an fp8 cache runs VARIANT 'fp8', which needs one")
+    assert gluon_config_reason(f8, 128) == (
+        "VARIANT 'fp8' with a 16-bit cache: an fp8 cache runs VARIANT 'fp8', which needs one")
+    assert "tree_mask with VARIANT 'fp8'" in gluon_config_reason(f8, 128, tree=True, fp8=True)
+    # Q 2 x 16 KB + 4 stages of K/V at BLOCK_N 128 (128 KB) + V^T 16 KB + P 32 KB fit; 5 stages (+32 KB) do not.
+    assert gluon_config_reason({**f8, "BLOCK_N": 128, "NUM_STAGES": 4}, 128, fp8=True) is None
+    big = gluon_config_reason({**f8, "BLOCK_N": 128, "NUM_STAGES": 5}, 128, fp8=True)
+    assert big is not None and "245760 B of shared memory at head_dim 128, above the 232448 B" in big
 
 
 def _random_tree_mask(q_lens, width, seed):
@@ -304,3 +327,106 @@ def test_gluon_two_consumer_long_sequences(case, variant):
     assert err <= 1.5 * err_tri + 1e-4, f"gluon {err:.2e} vs triton {err_tri:.2e}"
     assert (out.float() - tri.float()).abs().max().item() < MAX_ABS_VS_TRITON
 
+
+
+# ------------------------------------------------------------------------------------------------------------
+# The FP8 kernel (an fp8_e4m3 cache): E4M3 q (per token and head), K, V (per head) and P (x 448). The oracle is
+# float64 attention of the unquantized q over the dequantized cache codes, so the error measured is the kernel's
+# own (q and P rounding, fp32 / FP8 accumulation), not the cache format's. Bound: FP8_REL_TOL (relative
+# Frobenius), and the Triton kernel on the same codes (q in bf16, p in bf16) must stay below TOL[bf16].
+
+FP8_TWIN_TOL = 1e-2  # the kernel against its torch twin: same rounding points; exp2 and fp32 sum order differ
+FP8_CONFIGS = {"n64_s3": None, "n128_s2": dict(BLOCK_N=128, NUM_STAGES=2), "n64_s2": dict(NUM_STAGES=2),
+               "n128_s3": dict(BLOCK_N=128, NUM_STAGES=3), "1q_n64_s3": dict(Q_SPLIT=False),
+               "1q_n128_s2": dict(BLOCK_N=128, NUM_STAGES=2, Q_SPLIT=False)}
+
+
+def _fp8_case(q_lens, seq_lens, heads, kv_heads, head_dim, block_size, seed, poison=True, dtype=torch.bfloat16):
+    q, kc, vc, meta = make_paged_case(q_lens, seq_lens, heads, kv_heads, head_dim, block_size, dtype, seed)
+    kq, vq, ks, vs = quantize_cache(kc, vc, "fp8_e4m3")
+    if poison:
+        poison_stale_quantized(kq, vq, meta, ks, vs)
+    return q, kq, vq, ks, vs, meta
+
+
+def _dequant(codes, scale):
+    return (codes.double() * scale.double()[:, None]).to(torch.float32)
+
+
+@pytest.mark.parametrize("block_size", [16, 64])
+@pytest.mark.parametrize("case", list(SMALL))
+def test_fp8_twin_error_vs_float64(case, block_size):
+    """The FP8 kernel's arithmetic (the torch twin: q per-row E4M3 in two terms or one, P as e4m3(P * 448), tiles
+    of 64 keys) against float64 over the dequantized codes, on the CPU: within FP8_REL_TOL; q's second term
+    lowers the error (the rest is P's rounding)."""
+    q_lens, seq_lens = SMALL[case]
+    q, kq, vq, ks, vs, meta = _fp8_case(q_lens, seq_lens, 8, 2, 64, block_size, seed=3 + block_size, poison=False,
+                                        dtype=torch.float32)
+    scale = 1 / math.sqrt(64)
+    ref64 = attention_f64(q, _dequant(kq, ks), _dequant(vq, vs), meta, scale)
+    err = rel_err(ref_prefill_attention_fp8(q, kq, vq, meta, scale, ks, vs), ref64)
+    err1 = rel_err(ref_prefill_attention_fp8(q, kq, vq, meta, scale, ks, vs, q_split=False), ref64)
+    print(f"fp8 twin {case} bs{block_size}: two-term q {err:.3e}, one-term q {err1:.3e}")
+    assert 1e-3 < err < FP8_REL_TOL and err1 < FP8_REL_TOL  # E4M3 rounding is visible, and bounded
+    assert err < 0.85 * err1  # the second term of q is not a no-op
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("config", list(FP8_CONFIGS))
+@pytest.mark.parametrize("heads,block_size", [((32, 8), 16), ((32, 8), 64), ((32, 8), 128), ((8, 8), 16)])
+@pytest.mark.parametrize("case", list(SMALL))
+def test_gluon_fp8_matches_float64(case, heads, block_size, config):
+    """fp8_e4m3 cache (NaN codes in every stale slot), D 128, GQA 32/8 and MHA, pages of 16/64/128, BLOCK_N 64
+    and 128: within FP8_REL_TOL of float64 over the dequantized codes; the Triton kernel (the fallback) on the
+    same codes within TOL[bf16]."""
+    q_lens, seq_lens = SMALL[case]
+    q, kq, vq, ks, vs, meta = _fp8_case(q_lens, seq_lens, *heads, 128, block_size, seed=block_size + heads[0])
+    scale = 1 / math.sqrt(128)
+    cfg = FP8_CONFIGS[config]
+    assert gluon_unsupported_reason(q, kq, vq, config=cfg) is None
+    out = torch.full_like(q, float("nan"))
+    gluon_prefill_attention(q, kq, vq, meta, scale, out=out, config=cfg, k_scale=ks, v_scale=vs)
+    tri = paged_prefill_attention(q, kq, vq, meta, scale, k_scale=ks, v_scale=vs)
+    ref64 = attention_f64(q, _dequant(kq, ks), _dequant(vq, vs), meta, scale)
+    twin = ref_prefill_attention_fp8(q, kq, vq, meta, scale, ks, vs, block_n=(cfg or {}).get("BLOCK_N", 64),
+                                     q_split=(cfg or {}).get("Q_SPLIT", True))
+    err, err_tri, err_twin = rel_err(out.cpu(), ref64), rel_err(tri.cpu(), ref64), rel_err(out, twin)
+    print(f"fp8 {case} {heads} bs{block_size} {config}: gluon {err:.3e} triton {err_tri:.3e} vs twin {err_twin:.3e}")
+    assert err < FP8_REL_TOL, f"vs float64: {err:.2e}"
+    assert err_tri < TOL[torch.bfloat16], f"triton vs float64: {err_tri:.2e}"
+    assert err_twin < FP8_TWIN_TOL, f"vs the torch twin of its arithmetic: {err_twin:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
+@pytest.mark.parametrize("config", ["n64_s3", "n128_s2"])
+@pytest.mark.parametrize("block_size", [16, 128])
+@pytest.mark.parametrize("case", list(LARGE))
+def test_gluon_fp8_long_sequences(case, block_size, config):
+    """4k-token prefills and chunks over a 6k context on an fp8 cache, against the Triton kernel on the same
+    codes (fp32 accumulation of exact codes; the float64 oracle on the host would take minutes here)."""
+    q_lens, seq_lens = LARGE[case]
+    q, kq, vq, ks, vs, meta = _fp8_case(q_lens, seq_lens, 32, 8, 128, block_size, seed=block_size, poison=False)
+    scale = 1 / math.sqrt(128)
+    out = gluon_prefill_attention(q, kq, vq, meta, scale, config=FP8_CONFIGS[config], k_scale=ks, v_scale=vs)
+    tri = paged_prefill_attention(q, kq, vq, meta, scale, k_scale=ks, v_scale=vs)
+    err = rel_err(out, tri)
+    print(f"fp8 long {case} bs{block_size} {config}: gluon vs triton {err:.3e}")
+    assert err < FP8_REL_TOL, f"vs the Triton kernel: {err:.2e}"
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
+def test_gluon_fp8_falls_back_for_tree_mask_and_int8():
+    """A tree mask on an fp8 cache, or an int8 cache, runs the Triton kernel: bit for bit its result."""
+    q, kq, vq, ks, vs, meta = _fp8_case([40, 9], [100, 9], 8, 2, 128, 16, seed=7, poison=False)
+    scale = 1 / math.sqrt(128)
+    tree = torch.full((2, 8), -1, dtype=torch.int64, device=q.device)
+    assert "tree_mask with VARIANT 'fp8'" in gluon_unsupported_reason(q, kq, vq, tree_mask=tree)
+    assert torch.equal(gluon_prefill_attention(q, kq, vq, meta, scale, k_scale=ks, v_scale=vs, tree_mask=tree),
+                       paged_prefill_attention(q, kq, vq, meta, scale, k_scale=ks, v_scale=vs, tree_mask=tree))
+    q, kc, vc, meta = make_paged_case([40, 9], [100, 9], 8, 2, 128, 16, torch.bfloat16, seed=8)
+    kq, vq, ks, vs = quantize_cache(kc, vc, "int8")
+    assert torch.equal(gluon_prefill_attention(q, kq, vq, meta, scale, k_scale=ks, v_scale=vs),
+                       paged_prefill_attention(q, kq, vq, meta, scale, k_scale=ks, v_scale=vs))
