@@ -151,9 +151,10 @@ def _bench_fp8(row, layout, q, kc, vc, meta, scale, out, to_bhsd, log):
     ks = kc.float().abs().amax(dim=(0, 1, 3)) * FP8_CALIBRATION_HEADROOM / FP8_E4M3_MAX
     vs = vc.float().abs().amax(dim=(0, 1, 3)) * FP8_CALIBRATION_HEADROOM / FP8_E4M3_MAX
     kq, vq = ref_quantize_fp8(kc.float(), ks), ref_quantize_fp8(vc.float(), vs)
-    kd = _dense_kv(kq, meta, batch, seq).float() * ks[None, :, None, None]
-    vd = _dense_kv(vq, meta, batch, seq).float() * vs[None, :, None, None]
-    ref = F.scaled_dot_product_attention(to_bhsd(q).float(), kd, vd, is_causal=True, enable_gqa=True)
+    # bf16 SDPA over the dequantized codes (fp32 SDPA would take the math path: S^2 scores in memory)
+    kd = (_dense_kv(kq, meta, batch, seq).float() * ks[None, :, None, None]).to(q.dtype)
+    vd = (_dense_kv(vq, meta, batch, seq).float() * vs[None, :, None, None]).to(q.dtype)
+    ref = F.scaled_dot_product_attention(to_bhsd(q), kd, vd, is_causal=True, enable_gqa=True)
     del kd, vd
     cfg = default_prefill_config(q.shape[2], torch.bfloat16, True, LAYOUTS[layout], seq)
     _record(row, f"triton_fp8_{layout}",

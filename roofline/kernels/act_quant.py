@@ -166,23 +166,6 @@ if triton is not None:
         _store_codes(out.to(tl.float32), Q + row * stride_q, S + row, mask, FP8)  # masked columns are 0
 
     @triton.jit
-    def _split_quant_kernel(X, Hi, Lo, S, M, stride_x, K: tl.constexpr, ROWS: tl.constexpr):
-        # ROWS whole rows of K (a power of two) per program: amax, scale, hi = e4m3(x / scale), lo = e4m3(rest)
-        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-        cols = tl.arange(0, K)
-        rmask = rows < M
-        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-        scale = tl.maximum(tl.div_rn(tl.max(tl.abs(x), axis=1), 448.0), 1e-10)
-        y = tl.div_rn(x, tl.zeros(x.shape, tl.float32) + scale[:, None])
-        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        hi = y.to(tl.float8e4nv)
-        lo = (y - hi.to(tl.float32)).to(tl.float8e4nv)
-        offs = rows[:, None] * K + cols[None, :]
-        tl.store(Hi + offs, hi, mask=rmask[:, None])
-        tl.store(Lo + offs, lo, mask=rmask[:, None])
-        tl.store(S + rows, scale, mask=rmask)
-
-    @triton.jit
     def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, FP8: tl.constexpr, BLOCK: tl.constexpr):
         # two passes over a row in BLOCK chunks (any K): amax, then the codes
         row = tl.program_id(0).to(tl.int64)
@@ -298,15 +281,10 @@ def per_token_quant_fp8_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     k = x.shape[-1]
     if k > 1024 or k & (k - 1):
         raise ValueError(f"per_token_quant_fp8_split: the last dim {k} must be a power of two <= 1024")
-    x2 = _as_rows(x, k, "per_token_quant_fp8_split")
-    m = x2.shape[0]
-    hi = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
-    lo = torch.empty_like(hi)
-    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
-    if m:
-        rows = max(1, 4096 // k)  # rows per program: a few KB of x each
-        _split_quant_kernel[(triton.cdiv(m, rows),)](x2, hi, lo, scale, m, x2.stride(0), K=k, ROWS=rows,
-                                                      num_warps=4)
+    hi, scale = per_token_quant_fp8(x)
+    # lo in torch: a Triton 3.6 kernel computing e4m3(y - float(e4m3(y))) in registers stored NaN codes on an H100
+    # (2026-12-07; hi and the scales were right), not yet understood. Three more passes over [M, K] here.
+    lo = (x.reshape(-1, k).float() / scale - hi.float()).to(torch.float8_e4m3fn)
     return hi, lo, scale
 
 
