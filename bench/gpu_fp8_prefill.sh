@@ -44,11 +44,11 @@ if [ "${1:-}" != bench-only ]; then
   rc=$?; tail -5 "$OUT/smoke.log" | tee -a "$OUT/log"
   if [ $rc -ne 0 ]; then echo "smoke rc $rc: stop" | tee -a "$OUT/log"; tail -60 "$OUT/smoke.log"; exit 1; fi
   echo "=== tests $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -s tests/kernels/test_gluon_prefill.py tests/kernels/test_act_quant_fused.py -k "fp8 or config_reason" \
+  timeout ${TESTS_TIMEOUT:-170} python3 -m pytest -q -p no:cacheprovider -s tests/kernels/test_gluon_prefill.py tests/kernels/test_act_quant_fused.py -k "${TESTS_K:-fp8 or config_reason}" \
     > "$OUT/tests.log" 2>&1
   echo "tests rc $?" | tee -a "$OUT/log"; grep -E "^fp8|passed|failed|Error" "$OUT/tests.log" | tail -80 | tee -a "$OUT/log"
 fi
 echo "=== bench $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
-timeout 280 python3 bench/gpu_fa3_bench.py --fp8 --variants gluon_pp_n128_s2 --layouts contig,paged16 \
+timeout ${BENCH_TIMEOUT:-250} python3 bench/gpu_fa3_bench.py --fp8 --variants gluon_pp_n128_s2 --layouts ${LAYOUTS:-contig,paged16} --seqs ${SEQS:-4096,8192,16384} \
   --out "$OUT/fa3_fp8.json" > "$OUT/bench.log" 2>&1
 echo "bench rc $?" | tee -a "$OUT/log"; sed -n '/^TFLOP/,$p' "$OUT/bench.log" | tee -a "$OUT/log"
