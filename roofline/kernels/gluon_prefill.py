@@ -31,6 +31,9 @@ logger = logging.getLogger(__name__)
 
 PREFILL_KERNEL_ENV = "ROOFLINE_PREFILL_KERNEL"  # "auto" (default: gluon on sm_90), "triton" or "gluon"
 PREFILL_KERNELS = ("auto", "triton", "gluon")
+# The FP8 kernel for an fp8_e4m3 cache: "1" runs it (sm_90), "0" (the default until the H200 table says it pays)
+# keeps the Triton kernel, which casts the codes to bf16 in registers. A config with VARIANT "fp8" runs it too.
+FP8_PREFILL_ENV = "ROOFLINE_GLUON_FP8_PREFILL"
 GLUON_HEAD_DIMS = (64, 128)
 GLUON_DTYPES = (torch.bfloat16, torch.float16)
 GLUON_VARIANTS = ("plain", "pipelined", "ws", "pingpong", "ws2", "persistent")
@@ -211,6 +214,8 @@ def gluon_prefill_attention(
     fp8 = quant == KV_QUANT_PER_HEAD
     if quant and not fp8:
         reason = "int8 KV cache (the Gluon kernels read bf16/fp16 or fp8_e4m3 caches)"
+    elif fp8 and (config or {}).get("VARIANT") != FP8_VARIANT and os.environ.get(FP8_PREFILL_ENV, "0") != "1":
+        reason = f"fp8_e4m3 cache: the Gluon FP8 kernel is opt-in ({FP8_PREFILL_ENV}=1)"
     else:
         reason = gluon_unsupported_reason(q, k_cache, v_cache, tree_mask, config)
     if reason is not None:
