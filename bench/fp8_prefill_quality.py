@@ -22,48 +22,35 @@ from __future__ import annotations
 
 import sys
 
-import torch
 import torch.nn.functional as F
 
 from roofline.attention import torch_backend
-from roofline.kernels.act_quant import ref_per_token_quant_fp8
-from roofline.kernels.common import FP8_E4M3_MAX
+from roofline.kernels.act_quant import ref_per_token_quant_fp8_split
+from roofline.kernels.gluon_prefill import default_gluon_fp8_config, ref_fp8_attention_tiles
+from roofline.kernels.prefill_attention import LOG2E
 
-BLOCK_N = 64  # the kernel's default tile of keys
-LOG2E = 1.4426950408889634
+# The kernel's default tile of keys. The committed results (bench/results/fp8-prefill-quality-cpu-20261207/) ran
+# with 64-key tiles, the default then; the tile only moves the running max P is rounded against.
+BLOCK_N = default_gluon_fp8_config(128, 16)["BLOCK_N"]
 ROUND = {"q": True, "p": True, "split": True}  # which roundings a mode applies
 
 
 def emulated_sdpa(q, k, v, attn_mask=None, scale=None, enable_gqa=False, **kw):
-    """SDPA over already-dequantized K/V ([H_kv, L, D]) with the FP8 kernel's roundings; 3-D calls only (the torch
-    backend's prefill chunks over a quantized cache); anything else runs torch's SDPA."""
+    """SDPA over already-dequantized K/V ([H_kv, L, D]) with the FP8 kernel's roundings
+    (``ref_fp8_attention_tiles``); 3-D calls only (the torch backend's prefill chunks over a quantized cache);
+    anything else runs torch's SDPA."""
     if q.dim() != 3 or attn_mask is None:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, scale=scale, enable_gqa=enable_gqa, **kw)
     h, n_q, d = q.shape
     group = h // k.shape[0]
     k, v = k.repeat_interleave(group, 0).float(), v.repeat_interleave(group, 0).float()
-    if ROUND["q"]:
-        q8, qs = ref_per_token_quant_fp8(q.float())  # rows (head, token): the same rule as per (token, head)
-        codes, qs = q8.float().view(h, n_q, d), qs.view(h, n_q, 1)
-        if ROUND["split"]:  # q = (hi + lo) * scale, lo = e4m3(q / scale - hi): two FP8 products into one S
-            codes = codes + (q.float() / qs - codes).to(torch.float8_e4m3fn).float()
-        qd = codes * qs  # the values the kernel's codes stand for
-    else:
-        qd = q.float()
-    m = torch.full((h, n_q, 1), float("-inf"))
-    l_sum = torch.zeros((h, n_q, 1))
-    acc = torch.zeros((h, n_q, d))
-    for n0 in range(0, k.shape[1], BLOCK_N):
-        s = torch.bmm(qd, k[:, n0:n0 + BLOCK_N].transpose(1, 2)) * (scale * LOG2E)
-        s = s.masked_fill(~attn_mask[None, :, n0:n0 + BLOCK_N], float("-inf"))
-        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-        p = torch.exp2(s - m_new)
-        alpha = torch.exp2(m - m_new)
-        l_sum = l_sum * alpha + p.sum(-1, keepdim=True)
-        p8 = (p * FP8_E4M3_MAX).to(torch.float8_e4m3fn).float() if ROUND["p"] else p * FP8_E4M3_MAX
-        acc = acc * alpha + torch.bmm(p8, v[:, n0:n0 + BLOCK_N])
-        m = m_new
-    return (acc / (FP8_E4M3_MAX * l_sum)).to(q.dtype)
+    qd = q.float()
+    if ROUND["q"]:  # rows (head, token): the same per-row rule as per (token, head)
+        hi, lo, qs = ref_per_token_quant_fp8_split(qd)
+        codes = hi.float() + lo.float() if ROUND["split"] else hi.float()
+        qd = (codes * qs).view(h, n_q, d)  # the values the kernel's codes stand for
+    o = ref_fp8_attention_tiles(qd, k, v, attn_mask, scale * LOG2E, BLOCK_N, round_p=ROUND["p"])
+    return o.to(q.dtype)
 
 
 class _FShim:

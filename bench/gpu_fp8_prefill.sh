@@ -40,7 +40,7 @@ fi
 if [ "${1:-}" != bench-only ]; then
   echo "=== smoke $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
   timeout 120 python3 -m pytest -q -p no:cacheprovider -s tests/kernels/test_gluon_prefill.py \
-    -k "test_gluon_fp8_matches_float64 and full_128 and heads0-16 and n64_s3" > "$OUT/smoke.log" 2>&1
+    -k "test_gluon_fp8_matches_float64 and full_128 and heads0-16 and n128_s3" > "$OUT/smoke.log" 2>&1
   rc=$?; tail -5 "$OUT/smoke.log" | tee -a "$OUT/log"
   if [ $rc -ne 0 ]; then echo "smoke rc $rc: stop" | tee -a "$OUT/log"; tail -60 "$OUT/smoke.log"; exit 1; fi
   echo "=== tests $(date -u +%H:%M:%S)" | tee -a "$OUT/log"

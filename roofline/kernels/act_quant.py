@@ -249,43 +249,43 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+def _fp8_remainder(x2: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """lo = e4m3(x / scale - hi) (round to nearest even) of rows x2 [M, K] with their E4M3 codes and scales."""
+    return (x2.float() / scale - hi.float()).to(torch.float8_e4m3fn)
+
+
 def ref_per_token_quant_fp8_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Twin of :func:`per_token_quant_fp8_split`: ``hi, scale = ref_per_token_quant_fp8(x)`` and
     ``lo = e4m3(x / scale - hi)`` (round to nearest even), so ``(hi + lo) * scale`` carries about 7 significant
     bits of each element instead of E4M3's 4. Returns (hi, lo float8_e4m3fn ``[M, K]``, scale float32 ``[M, 1]``)."""
     x2 = x.reshape(-1, x.shape[-1])
     hi, scale = ref_per_token_quant_fp8(x2)
-    return hi, (x2.float() / scale - hi.float()).to(torch.float8_e4m3fn), scale
+    return hi, _fp8_remainder(x2, hi, scale), scale
 
 
 def per_token_quant_fp8_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Two-term dynamic E4M3 per row, one launch: the codes and scale of :func:`per_token_quant_fp8` (``hi``) and
-    the E4M3 rounding of the remainder ``x / scale - hi`` (``lo``, same scale). Two FP8 products, ``hi . k`` and
-    ``lo . k``, into one accumulator then give q . k with q at about bf16's precision. The FP8 prefill attention
-    kernel (``roofline.kernels.gluon_prefill``) uses this for q: with q rounded to E4M3 alone, the default model's
-    KL against an unquantized cache rose from 7.1e-3 to 1.1e-2 (``bench/fp8_prefill_quality.py``).
+    """Two-term dynamic E4M3 per row: the codes and scale of :func:`per_token_quant_fp8` (``hi``, one launch) and
+    the E4M3 rounding of the remainder ``x / scale - hi`` (``lo``, same scale; in torch: a Triton kernel computing
+    e4m3(y - float(e4m3(y))) in registers stored NaN codes on an H100, 2026-12-07, not understood). Two FP8
+    products, ``hi . k`` and ``lo . k``, into one accumulator then give q . k with q at about bf16's precision. The
+    FP8 prefill attention kernel (``roofline.kernels.gluon_prefill``) uses this for q: with q rounded to E4M3
+    alone, the default model's KL against an unquantized cache rose from 7.2e-3 to 1.1e-2
+    (``bench/results/fp8-prefill-quality-cpu-20261207/``).
 
-    Bit-exact on the GPU with :func:`ref_per_token_quant_fp8_split`.
+    Bit-exact on the GPU with :func:`ref_per_token_quant_fp8_split` (``per_token_quant_fp8`` is, and lo is the
+    same torch expression).
 
     Args:
-        x: [..., K] float16/bfloat16/float32, K a power of two <= 1024 (attention head sizes).
+        x: [..., K] float16/bfloat16/float32.
 
     Returns:
         (hi, lo float8_e4m3fn [M, K], scale float32 [M, 1]), M = prod of x's leading dims.
 
     Raises:
-        RuntimeError: triton missing. ValueError: K not a power of two <= 1024.
+        RuntimeError: triton missing.
     """
-    if triton is None:
-        raise RuntimeError("triton is not installed; use ref_per_token_quant_fp8_split on this machine")
-    k = x.shape[-1]
-    if k > 1024 or k & (k - 1):
-        raise ValueError(f"per_token_quant_fp8_split: the last dim {k} must be a power of two <= 1024")
     hi, scale = per_token_quant_fp8(x)
-    # lo in torch: a Triton 3.6 kernel computing e4m3(y - float(e4m3(y))) in registers stored NaN codes on an H100
-    # (2026-12-07; hi and the scales were right), not yet understood. Three more passes over [M, K] here.
-    lo = (x.reshape(-1, k).float() / scale - hi.float()).to(torch.float8_e4m3fn)
-    return hi, lo, scale
+    return hi, _fp8_remainder(x.reshape(-1, x.shape[-1]), hi, scale), scale
 
 
 def _codes_like(rows: int, k: int, fmt: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

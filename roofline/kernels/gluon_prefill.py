@@ -273,27 +273,61 @@ def gluon_prefill_attention(
 
 
 # Relative Frobenius error of the FP8 kernel against the float64 oracle on the same cache codes (q and P rounded
-# to E4M3: relative rounding error <= 2^-4 per element, averaging over the keys and D). Measured on the H200:
-# see tests/kernels/test_gluon_prefill.py.
+# to E4M3). Its torch twin measures 1.7-1.9e-2 with q in two terms and 2.7-2.8e-2 with one (random cases, CPU);
+# the one-term kernel measured 2.70e-2 on an H100 (tests/kernels/test_gluon_prefill.py, one case).
 FP8_REL_TOL = 3e-2
+
+
+def ref_fp8_attention_tiles(qc: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor,
+                            row_scale: torch.Tensor | float, block_n: int, round_p: bool = True) -> torch.Tensor:
+    """The FP8 kernel's online softmax and PV over one sequence, in float32: tiles of ``block_n`` keys, log2
+    units, each tile's P rounded as e4m3(P * 448) (``round_p``) before its product with v, the row sum of the
+    unrounded P.
+
+    Args:
+        qc: [H, Q, D] float32 (q's code values, or values with ``row_scale`` the plain softmax scale).
+        k, v: [H, S, D] float32 (cache codes or values). visible: bool [Q, S] (False: masked key).
+        row_scale: [H, Q, 1] or a float: the factor that turns qc . k into log2-unit logits.
+        block_n: keys per tile (the kernel's BLOCK_N).
+
+    Returns:
+        acc / (448 * l): [H, Q, D] float32 (times v's scale for output values).
+    """
+    from roofline.kernels.common import FP8_E4M3_MAX
+
+    num_heads, q_len, head_dim = qc.shape
+    m = torch.full((num_heads, q_len, 1), float("-inf"), device=qc.device)
+    l_sum = torch.zeros((num_heads, q_len, 1), device=qc.device)
+    acc = torch.zeros((num_heads, q_len, head_dim), device=qc.device)
+    for n0 in range(0, k.shape[1], block_n):
+        s = torch.bmm(qc, k[:, n0:n0 + block_n].transpose(1, 2)) * row_scale
+        s = s.masked_fill(~visible[None, :, n0:n0 + block_n], float("-inf"))
+        m_new = torch.maximum(m, s.amax(-1, keepdim=True))
+        p = torch.exp2(s - m_new)
+        alpha = torch.exp2(m - m_new)
+        l_sum = l_sum * alpha + p.sum(-1, keepdim=True)
+        p8 = p * FP8_E4M3_MAX
+        if round_p:
+            p8 = p8.to(torch.float8_e4m3fn).float()
+        acc = acc * alpha + torch.bmm(p8, v[:, n0:n0 + block_n])
+        m = m_new
+    return acc / (FP8_E4M3_MAX * l_sum)
 
 
 def ref_prefill_attention_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedBatch,
                               scale: float, k_scale: torch.Tensor, v_scale: torch.Tensor,
-                              block_n: int = 64, q_split: bool = True) -> torch.Tensor:
+                              block_n: int = 128, q_split: bool = True) -> torch.Tensor:
     """Pure-torch twin of the FP8 kernel's arithmetic (``gluon_prefill_kernel_fp8``), in float32 on any device:
-    q rounded per (token, head) row to E4M3 (``ref_per_token_quant_fp8``; ``q_split``: two terms,
-    ``ref_per_token_quant_fp8_split``, as the kernel's Q_SPLIT), S from the codes times
-    q_scale * k_scale * scale, an online softmax over tiles of ``block_n`` keys (log2 units), each tile's P
-    rounded as e4m3(P * 448) before its product with the V codes, the row sum of the unrounded P, and
-    O = acc * v_scale / (448 * l). The same rounding points as the kernel, not its bits (exp2 and the order
-    of fp32 sums differ).
+    q rounded per (token, head) row to E4M3 (``ref_per_token_quant_fp8_split``: two terms with ``q_split``, as
+    the kernel's Q_SPLIT, else hi alone), S from the codes times q_scale * k_scale * scale, then
+    ``ref_fp8_attention_tiles`` and O = acc * v_scale. The same rounding points as the kernel, not its bits
+    (exp2 and the order of fp32 sums differ).
 
-    Args: as ``gluon_prefill_attention`` with an fp8_e4m3 cache (k_scale, v_scale float32 [H_kv]).
+    Args: as ``gluon_prefill_attention`` with an fp8_e4m3 cache (k_scale, v_scale float32 [H_kv]); ``block_n``
+        the kernel's BLOCK_N (default: ``default_gluon_fp8_config``'s).
     Returns: [num_tokens, H, D] in q's dtype.
     """
     from roofline.kernels.act_quant import ref_per_token_quant_fp8_split
-    from roofline.kernels.common import FP8_E4M3_MAX
 
     num_tokens, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -313,28 +347,12 @@ def ref_prefill_attention_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
             continue
         pos = torch.arange(seq_len, device=q.device)
         slots = meta.block_tables[i].long()[pos // block_size] * block_size + pos % block_size
-        k = flat_k[slots].float().repeat_interleave(group, dim=1)  # [S, H, D] codes
-        v = flat_v[slots].float().repeat_interleave(group, dim=1)
-        qi = q8[start:start + q_len]  # [Q, H, D]
+        k = flat_k[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)  # [H, S, D] codes
+        v = flat_v[slots].float().repeat_interleave(group, dim=1).transpose(0, 1)
         row_scale = (q_scale[start:start + q_len] * ks * (scale * LOG2E)).t()[:, :, None]  # [H, Q, 1]
-        q_pos = torch.arange(seq_len - q_len, seq_len, device=q.device)
-        m = torch.full((num_heads, q_len, 1), float("-inf"), device=q.device)
-        l_sum = torch.zeros((num_heads, q_len, 1), device=q.device)
-        acc = torch.zeros((num_heads, q_len, head_dim), device=q.device)
-        for n0 in range(0, seq_len, block_n):
-            kt, vt = k[n0:n0 + block_n], v[n0:n0 + block_n]
-            s = torch.einsum("qhd,khd->hqk", qi, kt) * row_scale
-            keys = torch.arange(n0, n0 + kt.shape[0], device=q.device)
-            s = s.masked_fill(keys[None, None, :] > q_pos[None, :, None], float("-inf"))
-            m_new = torch.maximum(m, s.amax(-1, keepdim=True))
-            p = torch.exp2(s - m_new)
-            alpha = torch.exp2(m - m_new)
-            l_sum = l_sum * alpha + p.sum(-1, keepdim=True)
-            p8 = (p * FP8_E4M3_MAX).to(torch.float8_e4m3fn).float()
-            acc = acc * alpha + torch.einsum("hqk,khd->hqd", p8, vt)
-            m = m_new
-        o = acc * (vs[:, None, None] / FP8_E4M3_MAX) / l_sum
-        out[start:start + q_len] = o.transpose(0, 1).to(q.dtype)
+        visible = pos[None, :] <= (pos[seq_len - q_len:])[:, None]  # [Q, S] causal
+        o = ref_fp8_attention_tiles(q8[start:start + q_len].transpose(0, 1), k, v, visible, row_scale, block_n)
+        out[start:start + q_len] = (o * vs[:, None, None]).transpose(0, 1).to(q.dtype)
     return out
 
 
