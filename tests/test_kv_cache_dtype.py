@@ -20,7 +20,7 @@ import torch
 from roofline import LLM, SamplingParams
 from roofline.attention.backend import FP8_CALIBRATION_HEADROOM
 from roofline.costmodel import kv_cache_bytes_per_token
-from roofline.cpu import detect_cpu_features
+from roofline.kernels import cpu_paged_attention as cpa
 
 PROMPTS = [
     "The capital of France is",
@@ -111,15 +111,13 @@ def test_int8_composes_with_chunked_prefill_and_preemption_and_agrees_with_fp32(
     assert sum(p == NUM_NEW for p in prefixes) >= AGREEMENT["int8"][0], prefixes
     assert min(prefixes) >= AGREEMENT["int8"][1], prefixes
     same = [batched[i] for i in PROBES] == alone  # per-token quantization: outputs ignore batch and schedule
-    if not same and not detect_cpu_features().avx512f:
-        # Known defect (2026-12-07, AMD EPYC Zen 3, AVX2 only, torch 2.13): one token of the probes differs batched
-        # against alone. A quantized cache never reaches the C++ attention (TorchAttentionBackend._use_cpu_kernel):
-        # torch SDPA runs it, and (1) its 4-D decode call gives a row other bits depending on which thread takes it
-        # (rows of a 7-row group differ from the row alone with 2 threads, agree with 1), (2) a preempted sequence
-        # recomputes its generated tokens through the 3-D prefill call, another algorithm than the decode rows
-        # they were (~1e-7 apart, enough to move an int8 code). The fix: run quantized-cache rows, prefill too, as
-        # per-row decode items of the C++ kernel reading the codes. AVX-512 CPUs hold the claim today.
-        pytest.xfail("torch SDPA on this CPU is not batch- or schedule-invariant for int8-cache rows")
+    if not same and cpa.unavailable_reason() is not None:
+        # Without the C++ kernel (no compiler) a quantized cache runs on torch SDPA, which on AVX2-only CPUs (AMD
+        # EPYC Zen 3, torch 2.13, 2026-12-07) is neither batch- nor schedule-invariant: its 4-D decode call gives a
+        # row other bits depending on which thread takes it, and a preempted sequence recomputes its tokens through
+        # the 3-D prefill call (~1e-7 apart, enough to move an int8 code). With the kernel every row of a quantized
+        # cache, prefill chunks' too, is one item over its own keys (TorchAttentionBackend.build_metadata).
+        pytest.xfail("torch SDPA (no C++ kernel) is not batch- or schedule-invariant for int8-cache rows")
     assert same
 
 

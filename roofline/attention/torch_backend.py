@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from roofline.attention.backend import AttentionBackend, AttentionMetadata, tree_visibility
+from roofline.attention.backend import AttentionBackend, AttentionMetadata, tree_decode_rows, tree_visibility
 from roofline.attention.kv_cache import KVCache
 from roofline.kernels.common import ref_dequantize
 from roofline.kernels.rope_cache import ref_rope_and_cache, ref_rotary, ref_write_kv_rows
@@ -102,6 +102,9 @@ class TorchAttentionMetadata(AttentionMetadata):
     decode_rows: torch.Tensor | None = None
     decode_tables: torch.Tensor | None = None
     decode_lens: torch.Tensor | None = None
+    # A token-tree step's ancestor masks in decode-row form (``tree_decode_rows``), [n] int64 each, or None.
+    decode_tree_lo: torch.Tensor | None = None
+    decode_tree_bits: torch.Tensor | None = None
     # Every row has a cache slot (no -1 padding), checked on the host: the store can skip the masked gather.
     all_slots_valid: bool = False
 
@@ -123,8 +126,25 @@ class TorchAttentionBackend(AttentionBackend):
         # Free on CPU; on a GPU it would sync, and the triton backend handles the store there.
         out.all_slots_valid = dev.type == "cpu" and bool((meta.slot_mapping >= 0).all())
         tables = meta.block_tables.cpu() if dev.type != "cpu" else meta.block_tables
+        cache0 = self.kv_pool.caches[0]
+        if dev.type == "cpu" and cache0.is_quantized and self._use_cpu_kernel(cache0):
+            # A quantized cache: every row, prefill chunks' and tree nodes' too, is one item of the C++ kernel
+            # reading the codes (row t of a chunk over its first L - q_len + t + 1 keys), so a row's bits depend
+            # on its own query and keys only, never on its batch, its chunking or a recompute after preemption.
+            num_rows = first_row[-1]
+            tree = tree_decode_rows(meta, num_rows) if meta.tree_mask is not None else None
+            if tree is not None:
+                table, out.decode_lens, out.decode_tree_lo, out.decode_tree_bits = tree
+                out.decode_tables = table.long().contiguous()
+            else:
+                seq = torch.repeat_interleave(torch.arange(len(qlens)), torch.tensor(qlens, dtype=torch.long))
+                t = torch.arange(num_rows) - torch.tensor(first_row[:-1], dtype=torch.long)[seq]
+                out.decode_lens = torch.tensor(slens, dtype=torch.long)[seq] - torch.tensor(qlens)[seq] + t + 1
+                out.decode_tables = tables.index_select(0, seq).long().contiguous()
+            out.decode_rows = torch.arange(num_rows)
+            return out
         dec = [i for i, n in enumerate(qlens) if n == 1]
-        if dec and dev.type == "cpu" and self._use_cpu_kernel(self.kv_pool.caches[0]):
+        if dec and dev.type == "cpu" and self._use_cpu_kernel(cache0):
             # The C++ kernel reads each row's own blocks: no buckets, groups or padding masks this step.
             idx = torch.tensor(dec, dtype=torch.long)
             out.decode_rows = torch.tensor([first_row[i] for i in dec], dtype=torch.long)
@@ -161,11 +181,9 @@ class TorchAttentionBackend(AttentionBackend):
         return out
 
     def _use_cpu_kernel(self, cache: KVCache) -> bool:
-        """The C++ decode kernel (``roofline.kernels.cpu_paged_attention``) for this step's decode rows: an
-        unquantized fp32 or bf16 CPU cache (checked once per step, in ``build_metadata``); its build failing is
-        logged once and the SDPA path kept."""
-        if cache.is_quantized:
-            return False
+        """The C++ decode kernel (``roofline.kernels.cpu_paged_attention``) for this step's decode rows (an fp32 or
+        bf16 CPU cache), or for all its rows (int8 / fp8 codes); checked once per step, in ``build_metadata``. Its
+        build failing is logged once and the SDPA path kept."""
         from roofline.kernels import cpu_paged_attention as cpa
 
         why = cpa.unavailable_reason()
@@ -231,7 +249,8 @@ class TorchAttentionBackend(AttentionBackend):
             direct = out.dtype in (torch.float32, torch.bfloat16)  # else (fp16) through an fp32 buffer
             dst = out if direct else torch.empty(q.shape, dtype=torch.float32)
             paged_decode_attention(q.float().contiguous(), cache.k, cache.v, meta.decode_tables, meta.decode_lens,
-                                   meta.decode_rows, self.scale, dst)
+                                   meta.decode_rows, self.scale, dst, tree_lo=meta.decode_tree_lo,
+                                   tree_bits=meta.decode_tree_bits, k_scale=cache.k_scale, v_scale=cache.v_scale)
             if not direct:
                 out.index_copy_(0, meta.decode_rows, dst.index_select(0, meta.decode_rows).to(out.dtype))
         for g in meta.decode_groups:

@@ -64,11 +64,38 @@ _SOURCE = r"""
 #include <omp.h>
 #include <sys/syscall.h>
 #include <unistd.h>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 static inline float widen(float x) { return x; }
 static inline float widen(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; std::memcpy(&f, &u, 4); return f; }
+
+// Quantized caches: int8 codes, and E4M3 codes (OCP FP8 2023: bias 7, no infinities, S.1111.111 NaN) as f8e4m3.
+// widen() gives the code's value; the caller applies the cache's scale (per slot or per KV head).
+struct f8e4m3 { uint8_t v; };
+static inline float widen(int8_t c) { return (float)c; }
+// E4M3 -> fp32 exactly, by integer arithmetic on the bits (vectorizes): a normal code's exponent e (1..15) and
+// mantissa m go to fp32's fields as e + 120 and m << 20; a subnormal m * 2^-9 is the normal 1.m' pattern of
+// (m + 8) * 2^-9 less 2^-6, computed the same way; S.1111.111 is NaN.
+static inline float widen(f8e4m3 c) {
+  const uint32_t em = c.v & 0x7fu, sign = (uint32_t)(c.v & 0x80u) << 24;
+  const uint32_t normal = (em << 20) + (120u << 23);
+  float f, sub;
+  std::memcpy(&f, &normal, 4);
+  const uint32_t shifted = ((em + 8u) << 20) + (120u << 23);  // (8 + m) * 2^-9 for em < 8, as a normal (e = 1)
+  std::memcpy(&sub, &shifted, 4);
+  const float mag = em < 8u ? sub - 0.015625f : f;
+  uint32_t u;
+  std::memcpy(&u, &mag, 4);
+  u = em == 0x7fu ? 0x7fc00000u : u;
+  u |= sign;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+template <typename KV> struct is_code { static constexpr bool value = false; };
+template <> struct is_code<int8_t> { static constexpr bool value = true; };
+template <> struct is_code<f8e4m3> { static constexpr bool value = true; };
 
 static inline uint16_t narrow(float f);
 static inline void put(float* p, float f) { *p = f; }
@@ -191,8 +218,14 @@ template <typename KV, typename O>
 static void decode(const float* q, const KV* kc, const KV* vc, const int64_t* tables, const int64_t* lens,
                    const int64_t* rows, O* out, int64_t n, int64_t H, int64_t Hkv, int64_t D, int64_t bs,
                    int64_t table_stride, float scale, int nthreads, const int64_t* tree_lo = nullptr,
-                   const uint64_t* tree_bits = nullptr) {
+                   const uint64_t* tree_bits = nullptr, const float* ksc = nullptr, const float* vsc = nullptr,
+                   int per_slot = 0) {
   const int64_t G = H / Hkv;
+  // Codes (int8, E4M3): each block's keys and values are dequantized once into fp32 (code x scale, the scales per
+  // slot [num_blocks * bs, Hkv] (per_slot) or per KV head [Hkv]: ref_dequantize's arithmetic), and the block then
+  // runs as an fp32 cache's block would: the same bits as this kernel over the dequantized cache.
+  constexpr bool CODES = is_code<KV>::value;
+  using E = typename std::conditional<CODES, float, KV>::type;  // the element type attention reads
   #pragma omp parallel for schedule(dynamic, 1) num_threads(nthreads)
   for (int64_t i = 0; i < n; ++i) {
     int64_t len = lens[i];
@@ -204,6 +237,7 @@ static void decode(const float* q, const KV* kc, const KV* vc, const int64_t* ta
     // region keys) gathered into a scratch laid out as blocks. So a tree node's result is, bit for bit, the decode
     // row of its position once its root-to-node path is the sequence's tail (the decode step after acceptance).
     static thread_local std::vector<KV> scratch_k, scratch_v;
+    static thread_local std::vector<float> scratch_ks, scratch_vs;  // their per-slot scales
     const uint64_t bits = tree_lo ? tree_bits[i] : ~0ull;
     int64_t direct = len;  // keys read through the table; past it, the scratch
     if (bits != ~0ull) {
@@ -211,12 +245,17 @@ static void decode(const float* q, const KV* kc, const KV* vc, const int64_t* ta
       direct = lo / bs * bs;
       scratch_k.resize((bs + 64) * row);
       scratch_v.resize((bs + 64) * row);
+      if (per_slot) { scratch_ks.resize((bs + 64) * Hkv); scratch_vs.resize((bs + 64) * Hkv); }
       int64_t kept = 0;
       for (int64_t t = direct; t < len; ++t) {
         if (t >= lo && !((bits >> (t - lo)) & 1)) continue;
-        const int64_t off = (tables[i * table_stride + t / bs] * bs + t % bs) * row;
+        const int64_t slot = tables[i * table_stride + t / bs] * bs + t % bs, off = slot * row;
         std::memcpy(scratch_k.data() + kept * row, kc + off, row * sizeof(KV));
         std::memcpy(scratch_v.data() + kept * row, vc + off, row * sizeof(KV));
+        if (per_slot) {
+          std::memcpy(scratch_ks.data() + kept * Hkv, ksc + slot * Hkv, Hkv * sizeof(float));
+          std::memcpy(scratch_vs.data() + kept * Hkv, vsc + slot * Hkv, Hkv * sizeof(float));
+        }
         ++kept;
       }
       len = direct + kept;
@@ -225,10 +264,38 @@ static void decode(const float* q, const KV* kc, const KV* vc, const int64_t* ta
     std::memset(acc, 0, sizeof(float) * H * D);
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
       const int64_t nk = (len - t0 < bs) ? (len - t0) : bs;
-      const KV* kblk = t0 < direct ? kc + tables[i * table_stride + t0 / bs] * bs * Hkv * D
-                                   : scratch_k.data() + (t0 - direct) * Hkv * D;
-      const KV* vblk = t0 < direct ? vc + tables[i * table_stride + t0 / bs] * bs * Hkv * D
-                                   : scratch_v.data() + (t0 - direct) * Hkv * D;
+      const KV* kcode = t0 < direct ? kc + tables[i * table_stride + t0 / bs] * bs * Hkv * D
+                                    : scratch_k.data() + (t0 - direct) * Hkv * D;
+      const KV* vcode = t0 < direct ? vc + tables[i * table_stride + t0 / bs] * bs * Hkv * D
+                                    : scratch_v.data() + (t0 - direct) * Hkv * D;
+      const E* kblk;
+      const E* vblk;
+      if constexpr (CODES) {
+        static thread_local std::vector<float> kdq_buf, vdq_buf;  // [bs, Hkv, D] fp32
+        const int64_t row = Hkv * D;
+        if ((int64_t)kdq_buf.size() < bs * row) { kdq_buf.resize(bs * row); vdq_buf.resize(bs * row); }
+        float* kdq = kdq_buf.data();
+        float* vdq = vdq_buf.data();
+        const float* ksb = per_slot ? (t0 < direct ? ksc + tables[i * table_stride + t0 / bs] * bs * Hkv
+                                                   : scratch_ks.data() + (t0 - direct) * Hkv) : ksc;
+        const float* vsb = per_slot ? (t0 < direct ? vsc + tables[i * table_stride + t0 / bs] * bs * Hkv
+                                                   : scratch_vs.data() + (t0 - direct) * Hkv) : vsc;
+        for (int64_t j = 0; j < nk; ++j)
+          for (int64_t h = 0; h < Hkv; ++h) {
+            const float sk = ksb[per_slot ? j * Hkv + h : h], sv = vsb[per_slot ? j * Hkv + h : h];
+            const KV* kj = kcode + j * row + h * D;
+            const KV* vj = vcode + j * row + h * D;
+            float* kd = kdq + j * row + h * D;
+            float* vd = vdq + j * row + h * D;
+            #pragma omp simd
+            for (int64_t d = 0; d < D; ++d) { kd[d] = widen(kj[d]) * sk; vd[d] = widen(vj[d]) * sv; }
+          }
+        kblk = kdq;
+        vblk = vdq;
+      } else {
+        kblk = kcode;
+        vblk = vcode;
+      }
 #if defined(__AVX512F__)
       if (t0 + bs < direct) {  // the next block's keys and values, while this one computes
         const int64_t nxt = tables[i * table_stride + t0 / bs + 1];
@@ -241,8 +308,8 @@ static void decode(const float* q, const KV* kc, const KV* vc, const int64_t* ta
       }
 #endif
       for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
-        const KV* kb = kblk + kvh * D;  // key j of the block: kb + j * Hkv * D
-        const KV* vb = vblk + kvh * D;
+        const E* kb = kblk + kvh * D;  // key j of the block: kb + j * Hkv * D
+        const E* vb = vblk + kvh * D;
         const float* qg0 = qrow + kvh * G * D;
         float* mg = m + kvh * G;
         float* lg = l + kvh * G;
@@ -302,7 +369,7 @@ static void decode(const float* q, const KV* kc, const KV* vc, const int64_t* ta
           const float* qg = qg0 + g * D;
           float mx = mg[g];
           for (int64_t j = 0; j < nk; ++j) {
-            const KV* kj = kb + j * Hkv * D;
+            const E* kj = kb + j * Hkv * D;
             float dot = 0.f;
             #pragma omp simd reduction(+:dot)
             for (int64_t d = 0; d < D; ++d) dot += qg[d] * widen(kj[d]);
@@ -318,7 +385,7 @@ static void decode(const float* q, const KV* kc, const KV* vc, const int64_t* ta
           #pragma omp simd
           for (int64_t d = 0; d < D; ++d) ag[d] *= corr;
           for (int64_t j = 0; j < nk; ++j) {
-            const KV* vj = vb + j * Hkv * D;
+            const E* vj = vb + j * Hkv * D;
             const float p = s[g * 64 + j];
             #pragma omp simd
             for (int64_t d = 0; d < D; ++d) ag[d] += p * widen(vj[d]);
@@ -344,6 +411,18 @@ void roofline_decode_f32(const float* q, const float* kc, const float* vc, const
                        tree_lo, tree_bits);
   else decode(q, kc, vc, tables, lens, rows, (float*)out, n, H, Hkv, D, bs, table_stride, scale, nthreads, tree_lo,
               tree_bits);
+}
+// Quantized caches: codes int8 (fp8 = 0) or E4M3 (fp8 = 1); scales float32 per slot [num_blocks * bs, Hkv]
+// (per_slot = 1) or per KV head [Hkv].
+void roofline_decode_codes(const float* q, const void* kc, const void* vc, const float* ksc, const float* vsc,
+                           int per_slot, int fp8, const int64_t* tables, const int64_t* lens, const int64_t* rows,
+                           void* out, int64_t n, int64_t H, int64_t Hkv, int64_t D, int64_t bs, int64_t table_stride,
+                           float scale, int nthreads, int out_bf16, const int64_t* tree_lo, const uint64_t* tree_bits) {
+#define ROOFLINE_CODES(KV, O) decode(q, (const KV*)kc, (const KV*)vc, tables, lens, rows, (O*)out, n, H, Hkv, D, bs, \
+                                     table_stride, scale, nthreads, tree_lo, tree_bits, ksc, vsc, per_slot)
+  if (fp8) { if (out_bf16) ROOFLINE_CODES(f8e4m3, uint16_t); else ROOFLINE_CODES(f8e4m3, float); }
+  else { if (out_bf16) ROOFLINE_CODES(int8_t, uint16_t); else ROOFLINE_CODES(int8_t, float); }
+#undef ROOFLINE_CODES
 }
 void roofline_decode_bf16(const float* q, const uint16_t* kc, const uint16_t* vc, const int64_t* tables,
                           const int64_t* lens, const int64_t* rows, void* out, int64_t n, int64_t H, int64_t Hkv,
@@ -1426,6 +1505,9 @@ def _load(so: Path) -> ctypes.CDLL:
         fn = getattr(lib, fn_name)
         fn.argtypes = [ptr] * 7 + [i64] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr, ptr]
         fn.restype = None
+    lib.roofline_decode_codes.argtypes = [ptr] * 5 + [ctypes.c_int] * 2 + [ptr] * 4 + [i64] * 6 \
+        + [ctypes.c_float, ctypes.c_int, ctypes.c_int, ptr, ptr]
+    lib.roofline_decode_codes.restype = None
     lib.roofline_rope_store.argtypes = [ptr] * 3 + [i64] * 3 + [ptr] * 6 + [i64] * 4 + [ctypes.c_int] * 3 + [i64] * 2 \
         + [ctypes.c_int]
     lib.roofline_rope_store.restype = ctypes.c_int
@@ -1469,11 +1551,15 @@ def unavailable_reason() -> str | None:
     return lib if isinstance(lib, str) else None
 
 
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.int8, torch.float8_e4m3fn)
+CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)  # quantized caches: codes plus float32 scales
+
+
 def supports(num_heads: int, head_dim: int, k_cache: torch.Tensor) -> bool:
-    """Whether the kernel runs ``num_heads`` query heads of ``head_dim`` over this cache: an fp32 or bf16 CPU cache
-    [num_blocks, block_size, H_kv, D] with block_size <= 64, H / H_kv <= 16, D <= 256, H <= 256 and H * D <= 16384,
-    and the library built."""
-    return (k_cache.device.type == "cpu" and k_cache.dtype in (torch.float32, torch.bfloat16) and k_cache.dim() == 4
+    """Whether the kernel runs ``num_heads`` query heads of ``head_dim`` over this cache: an fp32, bf16, int8 or
+    fp8_e4m3 CPU cache [num_blocks, block_size, H_kv, D] with block_size <= 64, H / H_kv <= 16, D <= 256, H <= 256
+    and H * D <= 16384, and the library built."""
+    return (k_cache.device.type == "cpu" and k_cache.dtype in CACHE_DTYPES and k_cache.dim() == 4
             and k_cache.shape[1] <= MAX_BLOCK and k_cache.shape[3] == head_dim <= MAX_HEAD_DIM
             and num_heads % k_cache.shape[2] == 0 and num_heads // k_cache.shape[2] <= MAX_GROUP
             and num_heads <= MAX_HEADS and num_heads * head_dim <= MAX_STATE
@@ -1483,12 +1569,21 @@ def supports(num_heads: int, head_dim: int, k_cache: torch.Tensor) -> bool:
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_tables: torch.Tensor, seq_lens: torch.Tensor, rows: torch.Tensor, scale: float,
                            out: torch.Tensor, tree_lo: torch.Tensor | None = None,
-                           tree_bits: torch.Tensor | None = None) -> None:
+                           tree_bits: torch.Tensor | None = None, k_scale: torch.Tensor | None = None,
+                           v_scale: torch.Tensor | None = None) -> None:
     """Attention of decode rows over their paged context, written into ``out`` (the rows not named are left).
+
+    Each row is one work item whose arithmetic depends only on its own query and keys, so its result is the same
+    bits in any batch and any chunking (a prefill chunk's rows can run as items too: row t of a chunk with L keys
+    after it, q_len rows, is an item over L - q_len + t + 1 keys).
 
     Args:
         q: [T, H, D] float32, contiguous (the step's rows; only ``rows`` are read).
-        k_cache, v_cache: [num_blocks, block_size, H_kv, D] float32 or bfloat16, contiguous.
+        k_cache, v_cache: [num_blocks, block_size, H_kv, D] float32 or bfloat16, or int8 / float8_e4m3fn codes
+            with ``k_scale`` / ``v_scale`` (``roofline.kernels.common``): float32, contiguous, per slot
+            [num_blocks, block_size, H_kv] or per KV head [H_kv]. A key's score is (q . codes) * k_scale * scale
+            and a value's weight p * v_scale, in fp32 (the scale applied to the dot product, as the GPU kernels
+            do, not to each element).
         block_tables: [n, max_blocks] int64, contiguous: row i's blocks in order.
         seq_lens: [n] int64: row i attends to its first seq_lens[i] cache positions (>= 1).
         rows: [n] int64: row i's index in q and out.
@@ -1518,6 +1613,21 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         raise ValueError(f"out {tuple(out.shape)} must have q's shape {tuple(q.shape)}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
         raise ValueError("k_cache and v_cache must be contiguous")
+    codes = k_cache.dtype in CODE_DTYPES
+    per_slot = False
+    if codes:
+        slot_shape, head_shape = tuple(k_cache.shape[:3]), (num_kv_heads,)
+        for name, t in (("k_scale", k_scale), ("v_scale", v_scale)):
+            if (t is None or t.dtype != torch.float32 or not t.is_contiguous()
+                    or tuple(t.shape) not in (slot_shape, head_shape)):
+                raise ValueError(f"a {k_cache.dtype} cache needs {name} as contiguous float32 {list(slot_shape)} "
+                                 f"(per slot) or {list(head_shape)} (per KV head), got "
+                                 f"{None if t is None else (t.dtype, tuple(t.shape))}")
+        per_slot = k_scale.dim() == 3
+        if v_scale.dim() != k_scale.dim():
+            raise ValueError(f"k_scale {tuple(k_scale.shape)} and v_scale {tuple(v_scale.shape)} must have one form")
+    elif k_scale is not None or v_scale is not None:
+        raise ValueError(f"k_scale / v_scale go with an int8 or fp8 cache, not {k_cache.dtype}")
     n = rows.shape[0]
     if (tree_lo is None) != (tree_bits is None):
         raise ValueError("tree_lo and tree_bits go together: pass both or neither")
@@ -1534,6 +1644,14 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                              f"{int(tree_lo[i])} with bit 0 {'set' if int(tree_bits[i]) & 1 else 'clear'} (key 0 "
                              f"must be seen: tree_lo >= 1 or bit 0 set)")
     if n == 0:
+        return
+    if codes:
+        lib.roofline_decode_codes(
+            q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), k_scale.data_ptr(), v_scale.data_ptr(),
+            int(per_slot), int(k_cache.dtype == torch.float8_e4m3fn), block_tables.data_ptr(), seq_lens.data_ptr(),
+            rows.data_ptr(), out.data_ptr(), n, q.shape[1], num_kv_heads, head_dim, k_cache.shape[1],
+            block_tables.stride(0), float(scale), torch.get_num_threads(), int(out.dtype == torch.bfloat16),
+            None if tree_lo is None else tree_lo.data_ptr(), None if tree_bits is None else tree_bits.data_ptr())
         return
     fn = lib.roofline_decode_f32 if k_cache.dtype == torch.float32 else lib.roofline_decode_bf16
     fn(q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), seq_lens.data_ptr(),

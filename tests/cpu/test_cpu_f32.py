@@ -93,16 +93,6 @@ def test_engine_fp32_linears_and_head_take_it_at_decode_sizes(monkeypatch):
     assert on == off
 
 
-@pytest.fixture(scope="module")
-def avx2_library(tmp_path_factory):
-    """The kernel library built with ``-mno-avx512f``: its AVX2 + FMA paths, on an AVX-512 CPU as on a laptop's."""
-    from roofline.kernels import cpu_paged_attention as cpa
-
-    lib = cpa._compile_and_load(shutil.which("g++"), "avx2.so", tmp_path_factory.mktemp("avx2"), ("-mno-avx512f",))
-    assert not isinstance(lib, str), lib
-    return lib
-
-
 @pytest.mark.skipif(not detect_cpu_features().avx2_fma or shutil.which("g++") is None,
                     reason="needs an x86 CPU with AVX2 + FMA and g++")
 @pytest.mark.parametrize("n,k", [(960, 576), (1027, 96), (5, 16)])

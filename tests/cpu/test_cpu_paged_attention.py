@@ -5,11 +5,14 @@ caches, rows scattered in the step's batch; batch invariance; refusals."""
 from __future__ import annotations
 
 import math
+import shutil
 
 import pytest
 import torch
 
+from roofline.cpu import detect_cpu_features
 from roofline.kernels import cpu_paged_attention as cpa
+from roofline.kernels.common import ref_dequantize
 
 pytestmark = pytest.mark.skipif(cpa.unavailable_reason() is not None,
                                 reason=f"kernel not built: {cpa.unavailable_reason()}")
@@ -245,6 +248,155 @@ def test_rope_and_store_declines_and_writes_nothing_out_of_range():
     assert cpa.rope_and_store(q, k, v, pos, cs, kc.half(), vc.half(), slots, torch.float32) is None  # fp16 cache
     assert cpa.rope_and_store(q, k, v, pos, cs.double(), kc, vc, slots, torch.float32) is None  # fp64 table
     assert cpa.rope_and_store(q.transpose(1, 2), k, v, pos, cs, kc, vc, slots, torch.float32) is None  # layout
+
+
+def _quantize(x: torch.Tensor, cache_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Cache rows [num_blocks, bs, H_kv, D] as the engine stores them: int8 with one scale per (slot, KV head),
+    fp8 E4M3 with one per KV head (``roofline.kernels.common``)."""
+    finite = torch.nan_to_num(x, nan=0.0)
+    if cache_dtype == torch.int8:
+        scale = (finite.abs().amax(-1) / 127).clamp_min(1e-8)  # [num_blocks, bs, H_kv]
+        codes = torch.round(x / scale[..., None]).clamp(-127, 127)
+        codes = torch.where(x.isnan(), torch.zeros_like(codes), codes).to(torch.int8)  # stale slots: any code
+        return codes.contiguous(), scale.float().contiguous()
+    scale = (finite.abs().amax(dim=(0, 1, 3)) / 448).float()  # [H_kv]
+    return (x / scale[:, None]).to(torch.float8_e4m3fn).contiguous(), scale.contiguous()
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+@pytest.mark.parametrize("lens,heads,kv_heads,head_dim,block_size", [
+    ([1, 17, 300, 64], 9, 3, 64, 16),
+    ([9, 50], 8, 2, 128, 16),
+    ([70, 33, 2], 16, 1, 32, 64),
+])
+def test_quantized_cache_matches_float64_oracle_on_its_codes(cache_dtype, lens, heads, kv_heads, head_dim,
+                                                             block_size):
+    """int8 (per-slot scales) and fp8 E4M3 (per-head scales) codes read where they lie: within 2e-6 of the float64
+    attention over the dequantized codes (codes x scale, what ``ref_dequantize`` gives), the same bound as fp32, and
+    bit-identical to the kernel over that dequantized fp32 cache; an fp8 cache's stale slots hold NaN codes, never
+    read. Per-head scales on an int8 cache work too."""
+    q, k, v, tables, lens_t, rows = _case(lens, heads, kv_heads, head_dim, block_size, torch.float32, seed=len(lens))
+    (kc, ks), (vc, vs) = _quantize(k, cache_dtype), _quantize(v, cache_dtype)
+    scale = 1 / math.sqrt(head_dim)
+    out = torch.full_like(q, -7.0)
+    cpa.paged_decode_attention(q, kc, vc, tables, lens_t, rows, scale, out, k_scale=ks, v_scale=vs)
+    per = (lambda s: s[..., None]) if ks.dim() == 3 else (lambda s: s[:, None])
+    want = _oracle(q, kc.double() * per(ks.double()), vc.double() * per(vs.double()), tables, lens_t, rows, scale)
+    for r in range(q.shape[0]):
+        if r in want:
+            err = (out[r].double() - want[r]).abs().max().item()
+            assert err < 2e-6, (r, err)
+        else:
+            assert torch.all(out[r] == -7.0)
+    # Each block is dequantized once (ref_dequantize's code x scale in fp32) and attended as an fp32 block: the
+    # same bits as the kernel over the dequantized fp32 cache.
+    kf, vf = ref_dequantize(kc, ks).contiguous(), ref_dequantize(vc, vs).contiguous()
+    out32 = torch.full_like(q, -7.0)
+    cpa.paged_decode_attention(q, kf, vf, tables, lens_t, rows, scale, out32)
+    assert torch.equal(out, out32)
+    if cache_dtype == torch.int8:  # the per-KV-head form on int8 codes
+        ks_h, vs_h = ks.amax(dim=(0, 1)).contiguous(), vs.amax(dim=(0, 1)).contiguous()
+        cpa.paged_decode_attention(q, kc, vc, tables, lens_t, rows, scale, out, k_scale=ks_h, v_scale=vs_h)
+        want = _oracle(q, kc.double() * ks_h.double()[:, None], vc.double() * vs_h.double()[:, None], tables, lens_t,
+                       rows, scale)
+        assert max((out[r].double() - w).abs().max().item() for r, w in want.items()) < 2e-6
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_quantized_cache_rows_ignore_batch_and_tree_rows_equal_their_chain(cache_dtype):
+    """A quantized-cache row alone equals itself in a batch, bit for bit; a prefill chunk's rows run as items
+    (row t over ctx + t + 1 keys) equal the decode rows of the same positions; a tree row whose mask keeps a prefix
+    of the region equals the causal row over those keys (the scratch path carries the per-slot scales)."""
+    q, k, v, tables, lens, rows = _case([40, 200, 9, 123], 9, 3, 64, 16, torch.float32, seed=5)
+    (kc, ks), (vc, vs) = _quantize(k, cache_dtype), _quantize(v, cache_dtype)
+    kw = dict(k_scale=ks, v_scale=vs)
+    full = torch.zeros_like(q)
+    cpa.paged_decode_attention(q, kc, vc, tables, lens, rows, 0.125, full, **kw)
+    for i in range(4):
+        alone = torch.zeros_like(q)
+        cpa.paged_decode_attention(q, kc, vc, tables[i:i + 1].contiguous(), lens[i:i + 1], rows[i:i + 1], 0.125,
+                                   alone, **kw)
+        assert torch.equal(alone[rows[i]], full[rows[i]])
+    # Sequence 1 (200 keys): its last 20 positions as one chunk's rows, and as a tree region whose rows keep
+    # every earlier region key (bits 2^(j+1) - 1): the same keys, so the same bits.
+    n = 20
+    qq = torch.randn(n, 9, 64, generator=torch.Generator().manual_seed(1))
+    tab = tables[1:2].expand(n, -1).contiguous()
+    row_lens = torch.arange(200 - n + 1, 201)
+    chunk = torch.zeros_like(qq)
+    cpa.paged_decode_attention(qq, kc, vc, tab, row_lens, torch.arange(n), 0.125, chunk, **kw)
+    for t in (0, 7, n - 1):
+        one = torch.zeros_like(qq)
+        cpa.paged_decode_attention(qq, kc, vc, tab[t:t + 1].contiguous(), row_lens[t:t + 1], torch.tensor([t]), 0.125,
+                                   one, **kw)
+        assert torch.equal(one[t], chunk[t])
+    tree = torch.zeros_like(qq)
+    lo = torch.full((n,), 200 - n, dtype=torch.int64)
+    bits = torch.tensor([(1 << (j + 1)) - 1 for j in range(n)], dtype=torch.int64)
+    cpa.paged_decode_attention(qq, kc, vc, tab, row_lens, torch.arange(n), 0.125, tree, tree_lo=lo, tree_bits=bits,
+                               **kw)
+    assert torch.allclose(tree, chunk, rtol=0, atol=1e-6)
+    hidden = bits.clone()
+    hidden[5:] &= ~(1 << 3)  # rows past node 3 no longer see it: their results must move
+    moved = torch.zeros_like(qq)
+    cpa.paged_decode_attention(qq, kc, vc, tab, row_lens, torch.arange(n), 0.125, moved, tree_lo=lo, tree_bits=hidden,
+                               **kw)
+    assert torch.equal(moved[:5], tree[:5]) and not torch.allclose(moved[5:], tree[5:])
+
+
+@pytest.mark.skipif(not detect_cpu_features().avx2_fma or shutil.which("g++") is None,
+                    reason="needs an x86 CPU with AVX2 + FMA and g++")
+@pytest.mark.parametrize("cache_dtype", [torch.int8, torch.float8_e4m3fn])
+def test_avx2_build_quantized_cache_matches_its_dequantized_fp32_cache(avx2_library, monkeypatch, cache_dtype):
+    """The library built without AVX-512 (a laptop's path, where the int8 batch-invariance defect was seen):
+    quantized-cache rows equal the fp32 rows over the dequantized cache bit for bit and the float64 oracle within
+    2e-6, and a row alone equals itself in a batch."""
+    monkeypatch.setattr(cpa, "_library", lambda: avx2_library)
+    q, k, v, tables, lens, rows = _case([1, 17, 300, 64], 9, 3, 64, 16, torch.float32, seed=7)
+    (kc, ks), (vc, vs) = _quantize(k, cache_dtype), _quantize(v, cache_dtype)
+    out, out32 = torch.zeros_like(q), torch.zeros_like(q)
+    cpa.paged_decode_attention(q, kc, vc, tables, lens, rows, 0.125, out, k_scale=ks, v_scale=vs)
+    kf, vf = ref_dequantize(kc, ks).contiguous(), ref_dequantize(vc, vs).contiguous()
+    cpa.paged_decode_attention(q, kf, vf, tables, lens, rows, 0.125, out32)
+    assert torch.equal(out, out32)
+    want = _oracle(q, kf, vf, tables, lens, rows, 0.125)
+    assert max((out[r].double() - w).abs().max().item() for r, w in want.items()) < 2e-6
+    for i in range(4):
+        alone = torch.zeros_like(q)
+        cpa.paged_decode_attention(q, kc, vc, tables[i:i + 1].contiguous(), lens[i:i + 1], rows[i:i + 1], 0.125,
+                                   alone, k_scale=ks, v_scale=vs)
+        assert torch.equal(alone[rows[i]], out[rows[i]])
+
+
+def test_every_e4m3_code_is_read_as_torch_reads_it():
+    """The kernel's E4M3 decoding (integer arithmetic, no table) against torch's float8_e4m3fn cast, all 256 codes:
+    a one-key row with a zero query outputs V's row, the 256 codes times a unit scale (NaN codes stay NaN)."""
+    codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    v = codes.view(1, 1, 1, 256).contiguous()
+    k = torch.zeros(1, 1, 1, 256, dtype=torch.uint8).view(torch.float8_e4m3fn)
+    out, one = torch.zeros(1, 1, 256), torch.ones(1)
+    cpa.paged_decode_attention(torch.zeros(1, 1, 256), k, v, torch.zeros(1, 1, dtype=torch.int64),
+                               torch.ones(1, dtype=torch.int64), torch.zeros(1, dtype=torch.int64), 0.1, out,
+                               k_scale=one, v_scale=one)
+    want = codes.float()
+    assert torch.equal(out[0, 0].isnan(), want.isnan()) and int(want.isnan().sum()) == 2
+    assert torch.equal(out[0, 0][~want.isnan()], want[~want.isnan()])
+
+
+def test_quantized_cache_scales_are_checked():
+    q, k, v, tables, lens, rows = _case([10], 9, 3, 64, 16, torch.float32)
+    (kc, ks), (vc, vs) = _quantize(k, torch.int8), _quantize(v, torch.int8)
+    out = torch.zeros_like(q)
+    with pytest.raises(ValueError, match=r"needs k_scale as contiguous float32 \[4, 16, 3\] \(per slot\) or \[3\]"):
+        cpa.paged_decode_attention(q, kc, vc, tables, lens, rows, 0.1, out)
+    with pytest.raises(ValueError, match="needs v_scale"):
+        cpa.paged_decode_attention(q, kc, vc, tables, lens, rows, 0.1, out, k_scale=ks, v_scale=vs.double())
+    with pytest.raises(ValueError, match="must have one form"):
+        cpa.paged_decode_attention(q, kc, vc, tables, lens, rows, 0.1, out, k_scale=ks,
+                                   v_scale=vs.amax(dim=(0, 1)).contiguous())
+    with pytest.raises(ValueError, match="go with an int8 or fp8 cache, not torch.float32"):
+        cpa.paged_decode_attention(q, k, v, tables, lens, rows, 0.1, out, k_scale=ks, v_scale=vs)
+    assert cpa.supports(9, 64, kc) and cpa.supports(9, 64, kc.view(torch.float8_e4m3fn))
 
 
 def test_a_row_alone_equals_itself_in_a_batch():

@@ -239,6 +239,26 @@ def test_tree_greedy_is_token_identical_on_the_tiny_model(tiny, tiny_dir, heads,
     assert llm.engine.spec_stats.num_drafts > 0
 
 
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_tree_greedy_is_token_identical_with_a_quantized_cache(tiny_dir, heads, kv):
+    """With an int8 / fp8 KV cache on the CPU every query row, a tree node's too (by its ancestor mask), is one
+    item of the C++ kernel over its own keys: an EAGLE tree's greedy tokens equal plain decoding's with the same
+    cache, the accepted nodes' codes (and int8's per-slot scales) compacted into place."""
+    rng = np.random.default_rng(2)
+    prompts = [{"prompt_token_ids": rng.integers(2, VOCAB, size=int(n)).tolist()} for n in (6, 21, 40)]
+    sp = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    plain = LLM(str(tiny_dir), kv_cache_dtype=kv, **COMMON)
+    ref = [o.outputs[0].token_ids for o in plain.generate(prompts, sp, use_tqdm=False)]
+    llm = LLM(str(tiny_dir), kv_cache_dtype=kv, speculative_config={
+        "method": "eagle", "model": heads["eagle"], "adaptive": False, "num_speculative_tokens": 3, "tree_topk": 2,
+        "tree_budget": 6}, **COMMON)
+    assert llm.engine.worker.kv_pool.caches[0].is_quantized
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, sp, use_tqdm=False)]
+    assert got == ref
+    stats = llm.engine.spec_stats
+    assert stats.num_drafts > 0 and stats.num_accepted_tokens > 0
+
+
 def test_tree_steps_as_decode_rows_see_what_the_prefill_form_sees(tiny_dir, heads):
     """``InputPreparer`` with ``tree_as_decode_rows`` (the Triton backend's default, whose CUDA graphs replay it)
     lays a tree verify step out as one decode row per query row with ``tree_lo`` / ``tree_bits``. On every tree
