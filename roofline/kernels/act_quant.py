@@ -166,6 +166,52 @@ if triton is not None:
         _store_codes(out.to(tl.float32), Q + row * stride_q, S + row, mask, FP8)  # masked columns are 0
 
     @triton.jit
+    def _e4m3_value(code):
+        # E4M3FN code bits (uint8) -> fp32, by integer arithmetic (OCP FP8 2023: bias 7; a saturating conversion
+        # never makes the NaN code, so it is not special-cased): normal (8 + m) * 2^(e - 10), subnormal m * 2^-9.
+        c = code.to(tl.int32)
+        e = (c >> 3) & 15
+        m = (c & 7).to(tl.float32)
+        mag = tl.where(e == 0, m * 0.001953125, (8.0 + m) * tl.exp2((e - 10).to(tl.float32)))
+        return tl.where((c & 128) != 0, -mag, mag)
+
+    @triton.jit
+    def _e4m3_ptx(y):
+        # fp32 -> E4M3FN bits (uint8): cvt.rn.satfinite.e4m3x2.f32 (PTX ISA 7.8, sm_89+), two lanes per instruction
+        return tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b16 l, h;
+            cvt.rn.satfinite.e4m3x2.f32 l, $2, $1;
+            cvt.rn.satfinite.e4m3x2.f32 h, $4, $3;
+            mov.b32 $0, {l, h};
+            }""",
+            constraints="=r,r,r,r,r", args=[y], dtype=tl.uint8, is_pure=True, pack=4)
+
+    @triton.jit
+    def _split_quant_kernel(X, Hi, Lo, S, M, stride_x, K: tl.constexpr, ROWS: tl.constexpr, PTX: tl.constexpr):
+        # ROWS whole rows of K (a power of two) per program: amax, scale, hi = e4m3(x / scale), lo = e4m3(the rest);
+        # hi read back from its bits (_e4m3_value), not by an fp8 -> fp32 cast (module note at SPLIT_LO). PTX: both
+        # roundings by inline cvt (Hi, Lo then uint8 views).
+        rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.arange(0, K)
+        rmask = rows < M
+        x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
+        scale = _row_scale(tl.max(tl.abs(x), axis=1), True)
+        y = tl.div_rn(x, tl.zeros(x.shape, tl.float32) + scale[:, None])
+        y = tl.minimum(tl.maximum(y, -448.0), 448.0)
+        if PTX:
+            hb = _e4m3_ptx(y)
+            hi = hb
+            lo = _e4m3_ptx(y - _e4m3_value(hb))
+        else:
+            hi = y.to(tl.float8e4nv)
+            lo = (y - _e4m3_value(hi.to(tl.uint8, bitcast=True))).to(tl.float8e4nv)
+        offs = rows[:, None] * K + cols[None, :]
+        tl.store(Hi + offs, hi, mask=rmask[:, None])
+        tl.store(Lo + offs, lo, mask=rmask[:, None])
+        tl.store(S + rows, scale, mask=rmask)
+
+    @triton.jit
     def _per_token_quant_kernel(X, Q, S, K, stride_x, stride_q, FP8: tl.constexpr, BLOCK: tl.constexpr):
         # two passes over a row in BLOCK chunks (any K): amax, then the codes
         row = tl.program_id(0).to(tl.int64)
@@ -249,14 +295,25 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
+# How ``per_token_quant_fp8_split`` computes lo on a GPU: one fused Triton kernel, "bits" (the default: hi read
+# back from its bits, 0.30 ms at 32k tokens x 32 heads x 128 on an H100) or "ptx" (both roundings by inline
+# cvt.rn.satfinite.e4m3x2.f32, 0.26-0.32 ms), or "torch" (per_token_quant_fp8, then five fp32 torch passes:
+# 2.7-3.2 ms). All three are bit-exact with the twin (bench/fp8_split_quant_probe.py,
+# bench/results/fp8-prefill-h100-20261207b/quantizer/). Reading hi back by Triton's own fp8 -> fp32 cast in
+# registers gave wrong values on the H100 (Triton 3.6: lo -160 where -4.5 was due, some NaN), hence the bits.
+SPLIT_LO = "bits"
+
+
 def _fp8_remainder(x2: torch.Tensor, hi: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """lo = e4m3(x / scale - hi) (round to nearest even) of rows x2 [M, K] with their E4M3 codes and scales."""
-    return (x2.float() / scale - hi.float()).to(torch.float8_e4m3fn)
+    """lo = e4m3(clamp(x / scale, +-448) - hi) (round to nearest even) of rows x2 [M, K] with their E4M3 codes and
+    scales (the clamp, as the kernel's: a row's amax element may divide to 448 + 1 ulp, whose remainder would be
+    -0 instead of +0)."""
+    return ((x2.float() / scale).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX) - hi.float()).to(torch.float8_e4m3fn)
 
 
 def ref_per_token_quant_fp8_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Twin of :func:`per_token_quant_fp8_split`: ``hi, scale = ref_per_token_quant_fp8(x)`` and
-    ``lo = e4m3(x / scale - hi)`` (round to nearest even), so ``(hi + lo) * scale`` carries about 7 significant
+    ``lo = e4m3(clamp(x / scale, +-448) - hi)`` (round to nearest even), so ``(hi + lo) * scale`` carries about 7 significant
     bits of each element instead of E4M3's 4. Returns (hi, lo float8_e4m3fn ``[M, K]``, scale float32 ``[M, 1]``)."""
     x2 = x.reshape(-1, x.shape[-1])
     hi, scale = ref_per_token_quant_fp8(x2)
@@ -264,16 +321,16 @@ def ref_per_token_quant_fp8_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.
 
 
 def per_token_quant_fp8_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Two-term dynamic E4M3 per row: the codes and scale of :func:`per_token_quant_fp8` (``hi``, one launch) and
-    the E4M3 rounding of the remainder ``x / scale - hi`` (``lo``, same scale; in torch: a Triton kernel computing
-    e4m3(y - float(e4m3(y))) in registers stored NaN codes on an H100, 2026-12-07, not understood). Two FP8
+    """Two-term dynamic E4M3 per row: the codes and scale of :func:`per_token_quant_fp8` (``hi``) and the E4M3
+    rounding of the remainder ``clamp(x / scale) - hi`` (``lo``, same scale), in one fused Triton kernel on a GPU
+    (``SPLIT_LO``; rows of a power of two <= 1,024 channels) and in torch otherwise. Two FP8
     products, ``hi . k`` and ``lo . k``, into one accumulator then give q . k with q at about bf16's precision. The
     FP8 prefill attention kernel (``roofline.kernels.gluon_prefill``) uses this for q: with q rounded to E4M3
     alone, the default model's KL against an unquantized cache rose from 7.2e-3 to 1.1e-2
     (``bench/results/fp8-prefill-quality-cpu-20261207/``).
 
-    Bit-exact on the GPU with :func:`ref_per_token_quant_fp8_split` (``per_token_quant_fp8`` is, and lo is the
-    same torch expression).
+    Bit-exact on the GPU with :func:`ref_per_token_quant_fp8_split` (every code of 1M rows x 128 on an H100,
+    2026-12-07; the tests check more shapes).
 
     Args:
         x: [..., K] float16/bfloat16/float32.
@@ -284,8 +341,22 @@ def per_token_quant_fp8_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     Raises:
         RuntimeError: triton missing.
     """
-    hi, scale = per_token_quant_fp8(x)
-    return hi, _fp8_remainder(x.reshape(-1, x.shape[-1]), hi, scale), scale
+    k = x.shape[-1]
+    if SPLIT_LO == "torch" or triton is None or not x.is_cuda or k & (k - 1) or k > 1024:
+        hi, scale = per_token_quant_fp8(x)
+        return hi, _fp8_remainder(x.reshape(-1, k), hi, scale), scale
+    x2 = _as_rows(x, k, "per_token_quant_fp8_split")
+    m = x2.shape[0]
+    hi = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    lo = torch.empty_like(hi)
+    scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
+    if m:
+        rows = max(1, 2048 // k)
+        ptx = SPLIT_LO == "ptx"
+        _split_quant_kernel[(triton.cdiv(m, rows),)](
+            x2, hi.view(torch.uint8) if ptx else hi, lo.view(torch.uint8) if ptx else lo, scale, m, x2.stride(0),
+            K=k, ROWS=rows, PTX=ptx, num_warps=4)
+    return hi, lo, scale
 
 
 def _codes_like(rows: int, k: int, fmt: str, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -336,8 +336,8 @@ def test_gluon_two_consumer_long_sequences(case, variant):
 # Frobenius), and the Triton kernel on the same codes (q in bf16, p in bf16) must stay below TOL[bf16].
 
 @pytest.fixture(autouse=True)
-def _fp8_kernel_on(monkeypatch):
-    monkeypatch.setenv("ROOFLINE_GLUON_FP8_PREFILL", "1")  # opt-in while the H200 table is missing
+def _fp8_kernel_default(monkeypatch):
+    monkeypatch.delenv("ROOFLINE_GLUON_FP8_PREFILL", raising=False)  # the default: on for an fp8_e4m3 cache
 
 
 FP8_TWIN_TOL = 1e-2  # the kernel against its torch twin: same rounding points; exp2 and fp32 sum order differ
@@ -369,8 +369,9 @@ def test_fp8_twin_error_vs_float64(case, block_size):
                                         dtype=torch.float32)
     scale = 1 / math.sqrt(64)
     ref64 = attention_f64(q, _dequant(kq, ks), _dequant(vq, vs), meta, scale)
-    err = rel_err(ref_prefill_attention_fp8(q, kq, vq, meta, scale, ks, vs), ref64)
-    err1 = rel_err(ref_prefill_attention_fp8(q, kq, vq, meta, scale, ks, vs, q_split=False), ref64)
+    # (.cpu(): on a GPU machine the case and the twin are on the GPU, the float64 oracle on the host)
+    err = rel_err(ref_prefill_attention_fp8(q, kq, vq, meta, scale, ks, vs).cpu(), ref64)
+    err1 = rel_err(ref_prefill_attention_fp8(q, kq, vq, meta, scale, ks, vs, q_split=False).cpu(), ref64)
     print(f"fp8 twin {case} bs{block_size}: two-term q {err:.3e}, one-term q {err1:.3e}")
     assert 1e-3 < err < FP8_REL_TOL and err1 < FP8_REL_TOL  # E4M3 rounding is visible, and bounded
     assert err < 0.85 * err1  # the second term of q is not a no-op
@@ -423,10 +424,16 @@ def test_gluon_fp8_long_sequences(case, block_size, config):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
-def test_gluon_fp8_falls_back_for_tree_mask_and_int8():
-    """A tree mask on an fp8 cache, or an int8 cache, runs the Triton kernel: bit for bit its result."""
+def test_gluon_fp8_falls_back_for_tree_mask_and_int8(monkeypatch):
+    """A tree mask on an fp8 cache, an int8 cache, or ROOFLINE_GLUON_FP8_PREFILL=0, runs the Triton kernel: bit
+    for bit its result; by default an fp8 cache runs the FP8 kernel (another result)."""
     q, kq, vq, ks, vs, meta = _fp8_case([40, 9], [100, 9], 8, 2, 128, 16, seed=7, poison=False)
     scale = 1 / math.sqrt(128)
+    tri = paged_prefill_attention(q, kq, vq, meta, scale, k_scale=ks, v_scale=vs)
+    assert not torch.equal(gluon_prefill_attention(q, kq, vq, meta, scale, k_scale=ks, v_scale=vs), tri)
+    monkeypatch.setenv("ROOFLINE_GLUON_FP8_PREFILL", "0")
+    assert torch.equal(gluon_prefill_attention(q, kq, vq, meta, scale, k_scale=ks, v_scale=vs), tri)
+    monkeypatch.delenv("ROOFLINE_GLUON_FP8_PREFILL")
     tree = torch.full((2, 8), -1, dtype=torch.int64, device=q.device)
     assert "tree_mask with VARIANT 'fp8'" in gluon_unsupported_reason(q, kq, vq, tree_mask=tree)
     assert torch.equal(gluon_prefill_attention(q, kq, vq, meta, scale, k_scale=ks, v_scale=vs, tree_mask=tree),
