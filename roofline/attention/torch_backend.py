@@ -129,8 +129,10 @@ class TorchAttentionBackend(AttentionBackend):
         cache0 = self.kv_pool.caches[0]
         if dev.type == "cpu" and cache0.is_quantized and self._use_cpu_kernel(cache0):
             # A quantized cache: every row, prefill chunks' and tree nodes' too, is one item of the C++ kernel
-            # reading the codes (row t of a chunk over its first L - q_len + t + 1 keys), so a row's bits depend
-            # on its own query and keys only, never on its batch, its chunking or a recompute after preemption.
+            # reading the codes (row t of a chunk over its first L - q_len + t + 1 keys), so a row's attention
+            # depends on its own query and keys only, never on its batch, its chunking or a recompute after
+            # preemption. (The codes themselves are as batch-invariant as the linears that wrote K and V: MKL's
+            # sgemm past the fp32 linear's 32 rows is not, and a ~1e-6 difference can move a code.)
             num_rows = first_row[-1]
             tree = tree_decode_rows(meta, num_rows) if meta.tree_mask is not None else None
             if tree is not None:

@@ -195,7 +195,10 @@ class CpuDecodePlan:
         caches = backend.kv_pool.caches
         k0 = caches[0].k
         cache_bf16 = k0.dtype == torch.bfloat16
-        if caches[0].is_quantized or not cpa.supports(backend.num_heads, backend.head_dim, k0):
+        if caches[0].is_quantized:
+            raise _Unsupported(f"a quantized KV cache ({k0.dtype}): the plan reads float32/bfloat16 caches (the C++ "
+                               f"attention still runs every row of this one, outside the plan)")
+        if not cpa.supports(backend.num_heads, backend.head_dim, k0):
             raise _Unsupported(
                 f"a KV cache the C++ attention does not read: {k0.dtype}, block size {k0.shape[1]}, "
                 f"{backend.num_heads}/{k0.shape[2]} heads of {backend.head_dim} (it reads float32/bfloat16 blocks "

@@ -164,7 +164,8 @@ class Worker:
                     "V %.3g..%.3g", n, stats["k_min"], stats["k_max"], stats["v_min"], stats["v_max"])
         if self.device.type == "cpu":
             logger.warning("fp8_e4m3 KV cache on CPU is the emulated path: torch float8_e4m3fn casts for the "
-                           "store, dequantized to fp32 inside the torch attention backend (no fp8 arithmetic)")
+                           "store, each block dequantized to fp32 by the C++ paged attention (torch SDPA without "
+                           "a compiler); no fp8 arithmetic")
 
     # ------------------------------------------------------------------------------ sizing
 
