@@ -1,15 +1,16 @@
 """Issue 29: a fast two-term E4M3 quantizer for the FP8 prefill kernel's q (``per_token_quant_fp8_split``), on a GPU.
 
-The shipped quantizer computes lo = e4m3(x / scale - hi) in torch (five fp32 passes: 2.0 ms of the 2.7 ms it takes
-at 32k tokens x 32 heads x 128 on an H100, as long as the 8k attention kernel itself); a fused Triton kernel doing
-the same in registers took 0.18 ms but stored NaN codes in lo (H100, 2026-12-07). This probe runs candidate kernels
+Until 2026-12-07 the quantizer computed lo = e4m3(x / scale - hi) in torch (five fp32 passes: 2.0 ms of the 2.7 ms
+it took at 32k tokens x 32 heads x 128 on an H100); a fused Triton kernel doing the same in registers took 0.18 ms
+but stored NaN codes in lo. This probe runs candidate kernels
 on the same rows, counts their codes that differ from the torch twin (``ref_per_token_quant_fp8_split``), shows
 the first mismatches, and times each (CUDA events, median of 20):
 
-    bits   act_quant.SPLIT_LO = "bits": fused, hi read back from its bits (no fp8 -> f32 cast)
-    ptx    act_quant.SPLIT_LO = "ptx": fused, both roundings by inline cvt.rn.satfinite.e4m3x2.f32
+    bits   act_quant.SPLIT_LO = "bits" (the default): fused, hi read back from its bits (no fp8 -> f32 cast)
     A      fused, as the kernel that failed: lo = (y - hi.to(f32)).to(e4m3)
-    D      lo alone, hi read back from memory (after per_token_quant_fp8)
+The committed logs (bench/results/fp8-prefill-h100-20261207b/quantizer/) also have two candidates since dropped:
+an inline-PTX cvt.rn.satfinite.e4m3x2.f32 kernel ("ptx", bit-exact, 0.26-0.32 ms) and lo alone with hi read back
+from memory ("D", right up to the sign of zero as "bits" was before the twin's clamp, 0.86 ms).
 
 Usage (a GPU machine): python bench/fp8_split_quant_probe.py [--rows 1048576] [--k 128]
 """
@@ -43,30 +44,13 @@ def _split_kernel(X, Hi, Lo, S, M, stride_x, K: tl.constexpr, ROWS: tl.constexpr
     tl.store(S + rows, scale, mask=rmask)
 
 
-@triton.jit
-def _lo_kernel(X, Hi, S, Lo, M, stride_x, K: tl.constexpr, ROWS: tl.constexpr):
-    rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
-    cols = tl.arange(0, K)
-    rmask = rows < M
-    x = tl.load(X + rows[:, None] * stride_x + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-    scale = tl.load(S + rows, mask=rmask, other=1.0)
-    hi = tl.load(Hi + rows[:, None] * K + cols[None, :], mask=rmask[:, None], other=0.0).to(tl.float32)
-    y = tl.div_rn(x, tl.zeros(x.shape, tl.float32) + scale[:, None])
-    y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-    tl.store(Lo + rows[:, None] * K + cols[None, :], (y - hi).to(tl.float8e4nv), mask=rmask[:, None])
-
-
 def run(x2: torch.Tensor, mode: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     m, k = x2.shape
     rows = 16
     hi = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x2.device)
     lo = torch.empty_like(hi)
     scale = torch.empty((m, 1), dtype=torch.float32, device=x2.device)
-    if mode == "D":
-        hi, scale = act_quant.per_token_quant_fp8(x2)
-        _lo_kernel[(triton.cdiv(m, rows),)](x2, hi, scale, lo, m, x2.stride(0), K=k, ROWS=rows, num_warps=4)
-        return hi, lo, scale
-    if mode in ("torch", "bits", "ptx"):
+    if mode in ("torch", "bits"):
         act_quant.SPLIT_LO = mode
         return act_quant.per_token_quant_fp8_split(x2)
     if mode == "one-term":
@@ -88,7 +72,7 @@ def main() -> None:
     want_hi, want_lo, want_s = act_quant.ref_per_token_quant_fp8_split(x)
     print(f"rows {args.rows} x {args.k} bf16, {torch.cuda.get_device_name()}, triton {triton.__version__}")
     print(f"{'mode':9s} {'hi diff':>9s} {'lo diff':>9s} {'lo NaN':>8s} {'scale diff':>10s} {'median ms':>10s}")
-    for mode in ("torch", "one-term", "bits", "ptx", "A", "D"):
+    for mode in ("torch", "one-term", "bits", "A"):
         try:
             hi, lo, s = run(x, mode)
             torch.cuda.synchronize()

@@ -139,9 +139,10 @@ class TorchAttentionBackend(AttentionBackend):
                 table, out.decode_lens, out.decode_tree_lo, out.decode_tree_bits = tree
                 out.decode_tables = table.long().contiguous()
             else:
-                seq = torch.repeat_interleave(torch.arange(len(qlens)), torch.tensor(qlens, dtype=torch.long))
-                t = torch.arange(num_rows) - torch.tensor(first_row[:-1], dtype=torch.long)[seq]
-                out.decode_lens = torch.tensor(slens, dtype=torch.long)[seq] - torch.tensor(qlens)[seq] + t + 1
+                q_lens = torch.tensor(qlens, dtype=torch.long)
+                seq = torch.repeat_interleave(torch.arange(len(qlens)), q_lens)  # each row's sequence
+                t = torch.arange(num_rows) - torch.tensor(first_row[:-1], dtype=torch.long)[seq]  # its row in it
+                out.decode_lens = (torch.tensor(slens, dtype=torch.long) - q_lens)[seq] + t + 1
                 out.decode_tables = tables.index_select(0, seq).long().contiguous()
             out.decode_rows = torch.arange(num_rows)
             return out

@@ -176,22 +176,9 @@ if triton is not None:
         return tl.where((c & 128) != 0, -mag, mag)
 
     @triton.jit
-    def _e4m3_ptx(y):
-        # fp32 -> E4M3FN bits (uint8): cvt.rn.satfinite.e4m3x2.f32 (PTX ISA 7.8, sm_89+), two lanes per instruction
-        return tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b16 l, h;
-            cvt.rn.satfinite.e4m3x2.f32 l, $2, $1;
-            cvt.rn.satfinite.e4m3x2.f32 h, $4, $3;
-            mov.b32 $0, {l, h};
-            }""",
-            constraints="=r,r,r,r,r", args=[y], dtype=tl.uint8, is_pure=True, pack=4)
-
-    @triton.jit
-    def _split_quant_kernel(X, Hi, Lo, S, M, stride_x, K: tl.constexpr, ROWS: tl.constexpr, PTX: tl.constexpr):
+    def _split_quant_kernel(X, Hi, Lo, S, M, stride_x, K: tl.constexpr, ROWS: tl.constexpr):
         # ROWS whole rows of K (a power of two) per program: amax, scale, hi = e4m3(x / scale), lo = e4m3(the rest);
-        # hi read back from its bits (_e4m3_value), not by an fp8 -> fp32 cast (module note at SPLIT_LO). PTX: both
-        # roundings by inline cvt (Hi, Lo then uint8 views).
+        # hi read back from its bits (_e4m3_value), not by an fp8 -> fp32 cast (module note at SPLIT_LO).
         rows = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
         cols = tl.arange(0, K)
         rmask = rows < M
@@ -199,13 +186,8 @@ if triton is not None:
         scale = _row_scale(tl.max(tl.abs(x), axis=1), True)
         y = tl.div_rn(x, tl.zeros(x.shape, tl.float32) + scale[:, None])
         y = tl.minimum(tl.maximum(y, -448.0), 448.0)
-        if PTX:
-            hb = _e4m3_ptx(y)
-            hi = hb
-            lo = _e4m3_ptx(y - _e4m3_value(hb))
-        else:
-            hi = y.to(tl.float8e4nv)
-            lo = (y - _e4m3_value(hi.to(tl.uint8, bitcast=True))).to(tl.float8e4nv)
+        hi = y.to(tl.float8e4nv)
+        lo = (y - _e4m3_value(hi.to(tl.uint8, bitcast=True))).to(tl.float8e4nv)
         offs = rows[:, None] * K + cols[None, :]
         tl.store(Hi + offs, hi, mask=rmask[:, None])
         tl.store(Lo + offs, lo, mask=rmask[:, None])
@@ -295,12 +277,12 @@ def per_token_quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return q, scale
 
 
-# How ``per_token_quant_fp8_split`` computes lo on a GPU: one fused Triton kernel, "bits" (the default: hi read
-# back from its bits, 0.30 ms at 32k tokens x 32 heads x 128 on an H100) or "ptx" (both roundings by inline
-# cvt.rn.satfinite.e4m3x2.f32, 0.26-0.32 ms), or "torch" (per_token_quant_fp8, then five fp32 torch passes:
-# 2.7-3.2 ms). All three are bit-exact with the twin (bench/fp8_split_quant_probe.py,
-# bench/results/fp8-prefill-h100-20261207b/quantizer/). Reading hi back by Triton's own fp8 -> fp32 cast in
-# registers gave wrong values on the H100 (Triton 3.6: lo -160 where -4.5 was due, some NaN), hence the bits.
+# How ``per_token_quant_fp8_split`` computes lo on a GPU: "bits", one fused Triton kernel that reads hi back from
+# its bits (0.30 ms at 32k tokens x 32 heads x 128 on an H100), or "torch" (per_token_quant_fp8, then five fp32
+# torch passes: 2.7-3.2 ms). Both are bit-exact with the twin (bench/fp8_split_quant_probe.py,
+# bench/results/fp8-prefill-h100-20261207b/quantizer/, where an inline-PTX cvt variant measured 0.26-0.32 ms).
+# Reading hi back by Triton's own fp8 -> fp32 cast in registers gave wrong values on the H100 (Triton 3.6: lo -160
+# where -4.5 was due, some NaN), hence the bits.
 SPLIT_LO = "bits"
 
 
@@ -352,10 +334,8 @@ def per_token_quant_fp8_split(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tens
     scale = torch.empty((m, 1), dtype=torch.float32, device=x.device)
     if m:
         rows = max(1, 2048 // k)
-        ptx = SPLIT_LO == "ptx"
-        _split_quant_kernel[(triton.cdiv(m, rows),)](
-            x2, hi.view(torch.uint8) if ptx else hi, lo.view(torch.uint8) if ptx else lo, scale, m, x2.stride(0),
-            K=k, ROWS=rows, PTX=ptx, num_warps=4)
+        _split_quant_kernel[(triton.cdiv(m, rows),)](x2, hi, lo, scale, m, x2.stride(0), K=k, ROWS=rows,
+                                                      num_warps=4)
     return hi, lo, scale
 
 

@@ -72,7 +72,7 @@ static inline float widen(float x) { return x; }
 static inline float widen(uint16_t h) { uint32_t u = (uint32_t)h << 16; float f; std::memcpy(&f, &u, 4); return f; }
 
 // Quantized caches: int8 codes, and E4M3 codes (OCP FP8 2023: bias 7, no infinities, S.1111.111 NaN) as f8e4m3.
-// widen() gives the code's value; the caller applies the cache's scale (per slot or per KV head).
+// widen() gives the code's value; decode() applies the cache's scale (per slot or per KV head) as it dequantizes.
 struct f8e4m3 { uint8_t v; };
 static inline float widen(int8_t c) { return (float)c; }
 // E4M3 -> fp32 exactly, by integer arithmetic on the bits (vectorizes): a normal code's exponent e (1..15) and
@@ -264,10 +264,10 @@ static void decode(const float* q, const KV* kc, const KV* vc, const int64_t* ta
     std::memset(acc, 0, sizeof(float) * H * D);
     for (int64_t t0 = 0; t0 < len; t0 += bs) {
       const int64_t nk = (len - t0 < bs) ? (len - t0) : bs;
-      const KV* kcode = t0 < direct ? kc + tables[i * table_stride + t0 / bs] * bs * Hkv * D
-                                    : scratch_k.data() + (t0 - direct) * Hkv * D;
-      const KV* vcode = t0 < direct ? vc + tables[i * table_stride + t0 / bs] * bs * Hkv * D
-                                    : scratch_v.data() + (t0 - direct) * Hkv * D;
+      // The block's first slot in the cache, or (past direct) in the scratch.
+      const int64_t slot0 = t0 < direct ? tables[i * table_stride + t0 / bs] * bs : t0 - direct;
+      const KV* kcode = (t0 < direct ? kc : scratch_k.data()) + slot0 * Hkv * D;
+      const KV* vcode = (t0 < direct ? vc : scratch_v.data()) + slot0 * Hkv * D;
       const E* kblk;
       const E* vblk;
       if constexpr (CODES) {
@@ -276,10 +276,8 @@ static void decode(const float* q, const KV* kc, const KV* vc, const int64_t* ta
         if ((int64_t)kdq_buf.size() < bs * row) { kdq_buf.resize(bs * row); vdq_buf.resize(bs * row); }
         float* kdq = kdq_buf.data();
         float* vdq = vdq_buf.data();
-        const float* ksb = per_slot ? (t0 < direct ? ksc + tables[i * table_stride + t0 / bs] * bs * Hkv
-                                                   : scratch_ks.data() + (t0 - direct) * Hkv) : ksc;
-        const float* vsb = per_slot ? (t0 < direct ? vsc + tables[i * table_stride + t0 / bs] * bs * Hkv
-                                                   : scratch_vs.data() + (t0 - direct) * Hkv) : vsc;
+        const float* ksb = per_slot ? (t0 < direct ? ksc : scratch_ks.data()) + slot0 * Hkv : ksc;
+        const float* vsb = per_slot ? (t0 < direct ? vsc : scratch_vs.data()) + slot0 * Hkv : vsc;
         for (int64_t j = 0; j < nk; ++j)
           for (int64_t h = 0; h < Hkv; ++h) {
             const float sk = ksb[per_slot ? j * Hkv + h : h], sv = vsb[per_slot ? j * Hkv + h : h];
@@ -1581,9 +1579,9 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
         q: [T, H, D] float32, contiguous (the step's rows; only ``rows`` are read).
         k_cache, v_cache: [num_blocks, block_size, H_kv, D] float32 or bfloat16, or int8 / float8_e4m3fn codes
             with ``k_scale`` / ``v_scale`` (``roofline.kernels.common``): float32, contiguous, per slot
-            [num_blocks, block_size, H_kv] or per KV head [H_kv]. A key's score is (q . codes) * k_scale * scale
-            and a value's weight p * v_scale, in fp32 (the scale applied to the dot product, as the GPU kernels
-            do, not to each element).
+            [num_blocks, block_size, H_kv] or per KV head [H_kv]. Each block is dequantized once (code x scale in
+            fp32, ``ref_dequantize``'s arithmetic) and attended as an fp32 block: the same bits as this function on
+            the dequantized fp32 cache.
         block_tables: [n, max_blocks] int64, contiguous: row i's blocks in order.
         seq_lens: [n] int64: row i attends to its first seq_lens[i] cache positions (>= 1).
         rows: [n] int64: row i's index in q and out.
