@@ -7,7 +7,8 @@ Run with the torch-free Triton 3.6 venv that matches the H200 machine (the kerne
 Exit status 1 if any variant fails to compile. Variants: head_dim 64/128 x bf16/fp16 x block_size
 (PAGE) 16/32/64/128/256 x BLOCK_N 64/128 x stages 2/3 x plain / pipelined / ws / pingpong / ws2 / persistent, and ws /
 pingpong / persistent with the tree mask (the set ``roofline.kernels.gluon_prefill`` may launch); ``--fp8``: the
-FP8 kernel (E4M3 q/K/V, bf16 out) at head_dim 64/128 x PAGE 16..256 x BLOCK_N 64/128 x stages 2/3/4. The "regs" column is ptxas's kernel-wide count (for ws: the
+FP8 kernels (E4M3 q/K/V, bf16 out) at head_dim 64/128 x PAGE 16..256 x BLOCK_N 64/128 x stages 2/3/4 ("fp8") or
+2/3 ("fp8pp", two-term q). The "regs" column is ptxas's kernel-wide count (for ws: the
 maxnreg cap; the partitions' setmaxnreg budgets apply at run time).
 """
 
@@ -82,9 +83,11 @@ def compile_variant(mod, dtype: str, head_dim: int, page: int, block_m: int, blo
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
 
 
-def compile_fp8(mod, head_dim: int, page: int, block_n: int, stages: int, split: bool = True):
-    """``gluon_prefill_kernel_fp8`` (BLOCK_M 128, 8 warps) as ``roofline.kernels.gluon_prefill.launch_gluon_fp8``
-    launches it."""
+def compile_fp8(mod, head_dim: int, page: int, block_n: int, stages: int, split: bool = True,
+                variant: str = "fp8", num_vt: int = 2, chunk: int = 32):
+    """``gluon_prefill_kernel_fp8`` (BLOCK_M 128, 8 warps) or, ``variant`` "fp8pp", ``gluon_prefill_kernel_fp8pp``
+    (3 warpgroups, num_warps 4 + workers, ``WS_MAXNREG``) as ``roofline.kernels.gluon_prefill.launch_gluon_fp8``
+    launches them."""
     page_rows = min(page, block_n)
     q_layout = gl.NVMMASharedLayout.get_default_for([128, head_dim], gl.float8e4nv)
     kv_layout = gl.NVMMASharedLayout.get_default_for([block_n, head_dim], gl.float8e4nv)
@@ -99,6 +102,11 @@ def compile_fp8(mod, head_dim: int, page: int, block_n: int, stages: int, split:
            "Q_SPLIT": "constexpr"}
     constexprs = dict(GROUP=4, PAGE=page, PAGE_ROWS=page_rows, HEAD_DIM=head_dim, BLOCK_M=128, BLOCK_N=block_n,
                       NUM_STAGES=stages, num_warps=8, Q_SPLIT=split)
+    if variant == "fp8pp":
+        sig.update(NUM_VT="constexpr", CHUNK="constexpr")
+        constexprs.update(num_warps=4, NUM_VT=num_vt, CHUNK=chunk)
+        src = GluonASTSource(mod.gluon_prefill_kernel_fp8pp, sig, constexprs=constexprs)
+        return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "maxnreg": WS_MAXNREG})
     src = GluonASTSource(mod.gluon_prefill_kernel_fp8, sig, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 8})
 
@@ -172,23 +180,28 @@ def main() -> int:
 
 def check_fp8(mod) -> int:
     failed = total = 0
-    print(f"{'D':>4} {'page':>4} {'BN':>4} {'st':>3} {'split':>5} {'regs':>5} {'spill':>5} {'smem':>7} wgmma")
-    for head_dim in (128, 64):
-        for page in (16, 32, 64, 128, 256):
-            for block_n in (64, 128):
-                for stages in (2, 3, 4):
-                    for split in (True, False):
-                        total += 1
-                        try:
-                            k = compile_fp8(mod, head_dim, page, block_n, stages, split)
-                        except Exception as e:  # report and go on
-                            failed += 1
-                            print(head_dim, page, block_n, stages, split, "FAILED:", type(e).__name__,
-                                  str(e).splitlines()[0][:200])
-                            continue
-                        regs, spills = ptxas_usage(k.asm["ptx"])
-                        print(f"{head_dim:>4} {page:>4} {block_n:>4} {stages:>3} {split!s:>5} {regs:>5} "
-                              f"{spills:>5} {k.metadata.shared:>7} {k.asm['ptx'].count('wgmma.mma_async')}")
+    print(f"{'variant':7} {'D':>4} {'page':>4} {'BN':>4} {'st':>3} {'split':>5} {'regs':>5} {'spill':>5} "
+          f"{'smem':>7} wgmma")
+    for variant in ("fp8", "fp8pp"):
+        for head_dim in (128, 64):
+            for page in (16, 32, 64, 128, 256):
+                for block_n in (64, 128):
+                    for stages in (2, 3, 4):
+                        for split in (True, False):
+                            if variant == "fp8pp" and (stages == 4 or not split):
+                                continue
+                            total += 1
+                            try:
+                                k = compile_fp8(mod, head_dim, page, block_n, stages, split, variant)
+                            except Exception as e:  # report and go on
+                                failed += 1
+                                print(variant, head_dim, page, block_n, stages, split, "FAILED:", type(e).__name__,
+                                      str(e).splitlines()[0][:200])
+                                continue
+                            regs, spills = ptxas_usage(k.asm["ptx"])
+                            print(f"{variant:7} {head_dim:>4} {page:>4} {block_n:>4} {stages:>3} {split!s:>5} "
+                                  f"{regs:>5} {spills:>5} {k.metadata.shared:>7} "
+                                  f"{k.asm['ptx'].count('wgmma.mma_async')}")
     print(f"{total - failed}/{total} compiled")
     return 1 if failed else 0
 

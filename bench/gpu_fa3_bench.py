@@ -58,6 +58,12 @@ FP8_VARIANTS = {  # "1q": Q_SPLIT False (q as one E4M3 term: one QK product, les
     "gluon_fp8_n128_s3": dict(BLOCK_N=128, NUM_STAGES=3),
     "gluon_fp8_1q_n64_s3": dict(BLOCK_N=64, NUM_STAGES=3, Q_SPLIT=False),
     "gluon_fp8_1q_n128_s2": dict(BLOCK_N=128, NUM_STAGES=2, Q_SPLIT=False),
+    # the ping-pong FP8 kernel (producer warpgroup transposes V into NUM_VT buffers, CHUNK keys at a time)
+    "gluon_fp8pp_n128_s2": dict(VARIANT="fp8pp", BLOCK_N=128, NUM_STAGES=2),
+    "gluon_fp8pp_n128_s3": dict(VARIANT="fp8pp", BLOCK_N=128, NUM_STAGES=3),
+    "gluon_fp8pp_n128_s2_vt3": dict(VARIANT="fp8pp", BLOCK_N=128, NUM_STAGES=2, NUM_VT=3),
+    "gluon_fp8pp_n128_s3_c16": dict(VARIANT="fp8pp", BLOCK_N=128, NUM_STAGES=3, CHUNK=16),
+    "gluon_fp8pp_n64_s3": dict(VARIANT="fp8pp", BLOCK_N=64, NUM_STAGES=3),
 }
 FP8 = [False]  # --fp8
 LAYOUTS = {"contig": 256, "paged16": 16, "paged64": 64}
@@ -215,8 +221,13 @@ def main() -> int:
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help="KV layouts (comma list of LAYOUTS keys)")
     ap.add_argument("--fp8", action="store_true", help="also the fp8_e4m3 cache (Triton and the Gluon FP8 kernel)")
     ap.add_argument("--fp8-only", action="store_true", help="with --fp8: skip the bf16 Gluon variants")
+    ap.add_argument("--fp8-variants", default=",".join(FP8_VARIANTS),
+                    help="with --fp8: the FP8 configs to run (comma list of FP8_VARIANTS keys)")
     args = ap.parse_args()
     FP8[0] = args.fp8
+    for name in list(FP8_VARIANTS):
+        if name not in args.fp8_variants.split(","):
+            del FP8_VARIANTS[name]
     t0 = time.time()
     ACTIVE_LAYOUTS.intersection_update(args.layouts.split(","))
     keep = [v for v in args.variants.split(",") if v]

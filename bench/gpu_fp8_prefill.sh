@@ -50,5 +50,6 @@ if [ "${1:-}" != bench-only ]; then
 fi
 echo "=== bench $(date -u +%H:%M:%S)" | tee -a "$OUT/log"
 timeout ${BENCH_TIMEOUT:-250} python3 bench/gpu_fa3_bench.py --fp8 --variants gluon_pp_n128_s2 --layouts ${LAYOUTS:-contig,paged16} --seqs ${SEQS:-4096,8192,16384} \
+  ${FP8_VARIANTS:+--fp8-variants $FP8_VARIANTS} \
   --out "$OUT/fa3_fp8.json" > "$OUT/bench.log" 2>&1
 echo "bench rc $?" | tee -a "$OUT/log"; sed -n '/^TFLOP/,$p' "$OUT/bench.log" | tee -a "$OUT/log"

@@ -50,9 +50,13 @@ TWO_CONSUMER_VARIANTS = {"pingpong": True, "ws2": False, "persistent": True}
 # Variants with the tree mask (speculative tree verification). A tree call runs with BLOCK_N at most
 # TREE_BLOCK_N: the BLOCK_N 128 tree specialization spills (96 B under the 168-register cap; 0 at 64).
 TREE_VARIANTS = ("ws", "pingpong", "ws2", "persistent")
-# The FP8 kernel (``gluon_prefill_kernel_fp8``: E4M3 q, K, V and P on the FP8 tensor cores), the only variant for a
-# float8_e4m3fn cache and for nothing else.
+# The FP8 kernels (E4M3 q, K, V and P on the FP8 tensor cores), the only variants for a float8_e4m3fn cache and for
+# nothing else: "fp8" (``gluon_prefill_kernel_fp8``: the pipelined skeleton, 8 warps, the V transpose on the
+# consumers' path) and "fp8pp" (``gluon_prefill_kernel_fp8pp``: the ping-pong skeleton, two consumer warpgroups
+# and a producer warpgroup that loads K / V and transposes V into NUM_VT buffers, CHUNK keys at a time).
 FP8_VARIANT = "fp8"
+FP8_PINGPONG = "fp8pp"
+FP8_VARIANTS = (FP8_VARIANT, FP8_PINGPONG)
 TREE_BLOCK_N = 64
 WS_MAXNREG = 168  # warp-specialized: 12 warps x 168 = the register file; the loader drops to 32, consumers get 240
 
@@ -63,6 +67,7 @@ try:
     from roofline.kernels.gluon_prefill_kernels import (
         gluon_prefill_kernel,
         gluon_prefill_kernel_fp8,
+        gluon_prefill_kernel_fp8pp,
         gluon_prefill_kernel_persistent,
         gluon_prefill_kernel_pingpong,
         gluon_prefill_kernel_pipelined,
@@ -72,7 +77,7 @@ try:
     GLUON_KERNELS = {"plain": gluon_prefill_kernel, "pipelined": gluon_prefill_kernel_pipelined,
                      "ws": gluon_prefill_kernel_ws, "pingpong": gluon_prefill_kernel_pingpong,
                      "ws2": gluon_prefill_kernel_pingpong, "persistent": gluon_prefill_kernel_persistent,
-                     FP8_VARIANT: gluon_prefill_kernel_fp8}
+                     FP8_VARIANT: gluon_prefill_kernel_fp8, FP8_PINGPONG: gluon_prefill_kernel_fp8pp}
 except Exception:  # pragma: no cover - no triton, or a triton without gluon
     gl = None
 
@@ -110,20 +115,25 @@ def gluon_config_reason(cfg: dict, head_dim: int, tree: bool = False, fp8: bool 
     Host-only (no device query): the rules of the kernels in ``roofline.kernels.gluon_prefill_kernels``.
     ``fp8``: the cache holds float8_e4m3fn codes (VARIANT ``FP8_VARIANT`` only)."""
     variant = cfg.get("VARIANT")
-    if fp8 != (variant == FP8_VARIANT):
+    if fp8 != (variant in FP8_VARIANTS):
         return (f"VARIANT {variant!r} with a {'float8_e4m3fn' if fp8 else '16-bit'} cache: an fp8 cache runs "
-                f"VARIANT {FP8_VARIANT!r}, which needs one")
+                f"VARIANT {' or '.join(map(repr, FP8_VARIANTS))}, which need one")
     if tree and variant not in TREE_VARIANTS:
         return f"tree_mask with VARIANT {variant!r}: the Gluon tree mask is in {TREE_VARIANTS} only"
     if cfg["BLOCK_N"] not in (64, 128) or cfg["BLOCK_M"] != 16 * cfg["num_warps"] or cfg["NUM_STAGES"] < 2 \
-            or variant not in (*GLUON_VARIANTS, FP8_VARIANT) \
-            or (variant in (*TWO_CONSUMER_VARIANTS, FP8_VARIANT) and cfg["BLOCK_M"] != 128):
+            or variant not in (*GLUON_VARIANTS, *FP8_VARIANTS) \
+            or (variant in (*TWO_CONSUMER_VARIANTS, *FP8_VARIANTS) and cfg["BLOCK_M"] != 128):
         return (f"config {cfg}: BLOCK_N must be 64 or 128, BLOCK_M 16 * num_warps (128 for "
-                f"{(*TWO_CONSUMER_VARIANTS, FP8_VARIANT)}), NUM_STAGES >= 2 and VARIANT one of "
-                f"{(*GLUON_VARIANTS, FP8_VARIANT)}")
+                f"{(*TWO_CONSUMER_VARIANTS, *FP8_VARIANTS)}), NUM_STAGES >= 2 and VARIANT one of "
+                f"{(*GLUON_VARIANTS, *FP8_VARIANTS)}")
+    if variant == FP8_PINGPONG and (cfg.get("NUM_VT", 2) not in (1, 2, 3) or cfg.get("CHUNK", 32) not in (16, 32, 64)
+                                    or cfg.get("CHUNK", 32) > cfg["BLOCK_N"]):
+        return (f"config {cfg}: {FP8_PINGPONG!r} needs NUM_VT in (1, 2, 3) and CHUNK in (16, 32, 64), at most "
+                f"BLOCK_N")
     block_n = min(cfg["BLOCK_N"], TREE_BLOCK_N) if tree else cfg["BLOCK_N"]
-    if fp8:  # 1-byte Q (both terms, allocated either way) + K/V ring, V^T [D, BLOCK_N], P [2, BLOCK_M, BLOCK_N]
-        smem = (head_dim * (2 * cfg["BLOCK_M"] + 2 * cfg["NUM_STAGES"] * block_n + block_n)
+    if fp8:  # 1-byte Q (both terms, allocated either way) + K/V ring, V^T [NUM_VT, D, BLOCK_N], P [2, BLOCK_M, BLOCK_N]
+        num_vt = cfg.get("NUM_VT", 2) if variant == FP8_PINGPONG else 1
+        smem = (head_dim * (2 * cfg["BLOCK_M"] + 2 * cfg["NUM_STAGES"] * block_n + num_vt * block_n)
                 + 2 * cfg["BLOCK_M"] * block_n)
     else:
         smem = 2 * head_dim * (cfg["BLOCK_M"] + 2 * cfg["NUM_STAGES"] * block_n)  # Q + the K/V ring, 16-bit
@@ -219,7 +229,7 @@ def gluon_prefill_attention(
     fp8 = quant == KV_QUANT_PER_HEAD
     if quant and not fp8:
         reason = "int8 KV cache (the Gluon kernels read bf16/fp16 or fp8_e4m3 caches)"
-    elif fp8 and (config or {}).get("VARIANT") != FP8_VARIANT and os.environ.get(FP8_PREFILL_ENV, "1") == "0":
+    elif fp8 and (config or {}).get("VARIANT") not in FP8_VARIANTS and os.environ.get(FP8_PREFILL_ENV, "1") == "0":
         reason = f"fp8_e4m3 cache: the Gluon FP8 kernel is off ({FP8_PREFILL_ENV}=0)"
     else:
         reason = gluon_unsupported_reason(q, k_cache, v_cache, tree_mask, config)
@@ -392,11 +402,18 @@ def launch_gluon_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     k_desc, v_desc = (TensorDescriptor(c, [num_slots, num_kv_heads * head_dim], [c.stride(1), 1],
                                        [page_rows, head_dim], kv_layout) for c in (k_cache, v_cache))
     grid = ((meta.max_query_len + block_m - 1) // block_m, meta.query_start_loc.shape[0] - 1, num_heads)
-    gluon_prefill_kernel_fp8[grid](
+    variant = cfg.get("VARIANT", FP8_VARIANT)
+    num_warps = cfg["num_warps"]
+    extra = {}
+    if variant == FP8_PINGPONG:  # 3 warpgroups: the default partition (consumer 0) + consumer 1 + the producer
+        num_warps = 4
+        extra = dict(maxnreg=WS_MAXNREG, NUM_VT=cfg.get("NUM_VT", 2), CHUNK=cfg.get("CHUNK", 32))
+    GLUON_KERNELS[variant][grid](
         q_desc, qlo_desc, k_desc, v_desc, out, meta.block_tables, meta.query_start_loc, meta.seq_lens, q_scale, k_scale,
         v_scale, scale * LOG2E, out.stride(0), out.stride(1), meta.block_tables.stride(0), num_heads,
         GROUP=num_heads // num_kv_heads, PAGE=block_size, PAGE_ROWS=page_rows, HEAD_DIM=head_dim,
-        BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=cfg["NUM_STAGES"], num_warps=cfg["num_warps"], Q_SPLIT=split,
+        BLOCK_M=block_m, BLOCK_N=block_n, NUM_STAGES=cfg["NUM_STAGES"], num_warps=num_warps, Q_SPLIT=split,
+        **extra,
     )
     return out
 

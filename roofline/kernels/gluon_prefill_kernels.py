@@ -1219,3 +1219,259 @@ def gluon_prefill_kernel_fp8(
         cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
         ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
         gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+# ------------------------------------------------------------------------------------------------------------
+# FP8 ping-pong variant (VARIANT "fp8pp"): the FP8 arithmetic above on the ping-pong skeleton, with FA3's FP8
+# producer (Shah et al. 2024, section 3.3: "in-kernel transpose" in the producer warpgroup). Three partitions of 4
+# warps: consumer warpgroups 0 and 1 (64 query rows each, 240 registers through setmaxnreg, GEMM issue alternating
+# through the named barriers 14 / 15 as in ``gluon_prefill_kernel_pingpong``) and a producer warpgroup (32
+# registers) that issues the TMA copies of K and V and transposes each V tile into a ring of NUM_VT V^T buffers,
+# CHUNK keys at a time (a chunk is CHUNK x D bytes: 8 registers a thread at CHUNK 32), zeroing the keys at or
+# past seq_len. So the transposes leave the consumers' critical path. Each warpgroup keeps its own double-buffered
+# P. Barriers: k_bars / v_bars (TMA landed), k_empty (count 2: both warpgroups' QK products of the stage landed),
+# vt_full (count 1: the producer published V^T), vt_empty (count 2: both PV products read it). The producer
+# reads the V stage itself, so it refills that stage right after the transpose; it refills K once k_empty says so.
+
+
+@gluon.jit
+def _fp8pp_transpose(v_buf, vt_buf, tile, seq_len, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr):
+    """V tile [BLOCK_N, D] -> V^T [D, BLOCK_N] (4 warps), CHUNK keys at a time; keys >= seq_len become 0."""
+    ld_layout: gl.constexpr = gl.BlockedLayout([4, 4], [4, 8], [CHUNK // 16, 64 // CHUNK], [1, 0])
+    for c in gl.static_range(BLOCK_N // CHUNK):
+        v = v_buf.slice(c * CHUNK, CHUNK).load(ld_layout)
+        if tile * BLOCK_N + (c + 1) * CHUNK > seq_len:
+            rows = tile * BLOCK_N + c * CHUNK + gl.arange(0, CHUNK, layout=gl.SliceLayout(1, ld_layout))
+            v = gl.where((rows < seq_len)[:, None], v, gl.zeros_like(v))
+        vt_buf.slice(c * CHUNK, CHUNK, dim=1).store(gl.permute(v, (1, 0)))
+
+
+@gluon.jit
+def _fp8pp_producer(k_desc, v_desc, k_smem, v_smem, vt_smem, k_bars, v_bars, k_empty, vt_full, vt_empty, bt_row,
+                    n_tiles, seq_len, kv_col, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, BLOCK_N: gl.constexpr,
+                    NUM_STAGES: gl.constexpr, NUM_VT: gl.constexpr, CHUNK: gl.constexpr):
+    for i in gl.static_range(NUM_STAGES):
+        if i < n_tiles:
+            _issue_one(k_desc, k_smem, k_bars, bt_row, i, i, seq_len, kv_col, PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
+            _issue_one(v_desc, v_smem, v_bars, bt_row, i, i, seq_len, kv_col, PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES)
+    for tile in range(0, n_tiles):
+        stage = tile % NUM_STAGES
+        vb = tile % NUM_VT
+        mbarrier.wait(v_bars.index(stage), (tile // NUM_STAGES) & 1)
+        mbarrier.wait(vt_empty.index(vb), ((tile // NUM_VT) & 1) ^ 1)  # parity 1 passes at once: empty ring
+        _fp8pp_transpose(v_smem.index(stage), vt_smem.index(vb), tile, seq_len, BLOCK_N, CHUNK)
+        fence_async_shared()  # V^T (generic stores) before the consumers' wgmma reads; V's reads before the refill
+        gl.thread_barrier()  # all 4 warps stored their chunks and read the V stage
+        mbarrier.arrive(vt_full.index(vb), count=1)
+        nxt = tile + NUM_STAGES
+        if nxt < n_tiles:
+            _issue_one(v_desc, v_smem, v_bars, bt_row, nxt, nxt, seq_len, kv_col, PAGE, PAGE_ROWS, BLOCK_N,
+                       NUM_STAGES)
+            mbarrier.wait(k_empty.index(stage), (tile // NUM_STAGES) & 1)  # both QK products of `tile` landed
+            _issue_one(k_desc, k_smem, k_bars, bt_row, nxt, nxt, seq_len, kv_col, PAGE, PAGE_ROWS, BLOCK_N,
+                       NUM_STAGES)
+
+
+@gluon.jit
+def _fp8pp_qk(q_half, qlo_half, k_buf, BLOCK_N: gl.constexpr, s_layout: gl.constexpr, Q_SPLIT: gl.constexpr):
+    kt = k_buf.permute((1, 0))
+    s = gl.zeros([64, BLOCK_N], gl.float32, s_layout)
+    s = warpgroup_mma(q_half, kt, s, use_acc=False, is_async=True)
+    if Q_SPLIT:
+        s = warpgroup_mma(qlo_half, kt, s, is_async=True)
+    return s
+
+
+@gluon.jit
+def _fp8pp_step(q_half, qlo_half, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty, tile, seq_len, acc,
+                m_i, l_i, offs_m_pos, row_scale, MASKED: gl.constexpr, WG: gl.constexpr, BLOCK_N: gl.constexpr,
+                HEAD_DIM: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_VT: gl.constexpr, s_layout: gl.constexpr,
+                o_layout: gl.constexpr, Q_SPLIT: gl.constexpr):
+    """One warpgroup's tile ``tile`` >= 1: S_tile and P_{tile-1} V_{tile-1} issued in its turn, the softmax of
+    S_tile and the store of P_tile while the other warpgroup's products run, then O = (O + PV) * alpha."""
+    stage = tile % NUM_STAGES
+    prev = tile - 1
+    vb = prev % NUM_VT
+    mbarrier.wait(k_bars.index(stage), (tile // NUM_STAGES) & 1)
+    mbarrier.wait(vt_full.index(vb), (prev // NUM_VT) & 1)
+    _pp_wait_turn(WG)
+    s = _fp8pp_qk(q_half, qlo_half, k_smem.index(stage), BLOCK_N, s_layout, Q_SPLIT)
+    pv = gl.zeros([64, HEAD_DIM], gl.float32, o_layout)
+    pv = warpgroup_mma(p_smem.index(2 * WG + prev % 2), vt_smem.index(vb).permute((1, 0)), pv, use_acc=False, is_async=True)
+    _pp_hand_over(WG)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=(s, ))
+    gl.thread_barrier()
+    mbarrier.arrive(k_empty.index(stage), count=1)
+    p, m_i, l_i, alpha = _fp8_softmax_step(s, m_i, l_i, tile, offs_m_pos, seq_len, row_scale, MASKED, BLOCK_N,
+                                           s_layout)
+    p_smem.index(2 * WG + tile % 2).store((p * P_SCALE).to(gl.float8e4nv))  # the other buffer is P_{tile-1}'s, in use
+    fence_async_shared()
+    pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv, ))
+    acc = (acc + pv) * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    gl.thread_barrier()  # P_tile stored by all 4 warps; V^T of prev read
+    mbarrier.arrive(vt_empty.index(vb), count=1)
+    return acc, m_i, l_i
+
+
+@gluon.jit
+def _fp8pp_consumer(q_smem, qlo_smem, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty, q_bar, Out,
+                    QScale, KScale, VScale, n_full, n_tiles, seq_len, ctx, m0, q_start, q_len, head, kv_head,
+                    stride_ot, stride_oh, stride_qs, scale_log2e, WG: gl.constexpr, HEAD_DIM: gl.constexpr,
+                    BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, NUM_VT: gl.constexpr, Q_SPLIT: gl.constexpr):
+    """Warpgroup WG of the FP8 ping-pong kernel: rows m0 + 64 WG ... m0 + 64 WG + 63 of the tile."""
+    HALF: gl.constexpr = 64
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 32])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HEAD_DIM, 32])
+    q_half = q_smem.slice(WG * HALF, HALF)
+    qlo_half = qlo_smem.slice(WG * HALF, HALF)
+    r0 = m0 + WG * HALF
+    offs_m = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    offs_m_pos = ctx + offs_m
+    q_scale = gl.load(QScale + (q_start + offs_m).to(gl.int64) * stride_qs + head, mask=offs_m < q_len, other=1.0)
+    row_scale = q_scale * (gl.load(KScale + kv_head) * scale_log2e)
+    acc = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+    m_i = gl.full([HALF], float("-inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    l_i = gl.zeros([HALF], gl.float32, gl.SliceLayout(1, s_layout))
+    if WG == 1:
+        _pp_hand_over(WG)  # warpgroup 0 goes first
+    mbarrier.wait(q_bar, 0)
+
+    # Tile 0: S only (no previous P).
+    mbarrier.wait(k_bars.index(0), 0)
+    _pp_wait_turn(WG)
+    s = _fp8pp_qk(q_half, qlo_half, k_smem.index(0), BLOCK_N, s_layout, Q_SPLIT)
+    _pp_hand_over(WG)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=(s, ))
+    gl.thread_barrier()
+    mbarrier.arrive(k_empty.index(0), count=1)
+    if n_full > 0:
+        p, m_i, l_i, alpha = _fp8_softmax_step(s, m_i, l_i, 0, offs_m_pos, seq_len, row_scale, False, BLOCK_N,
+                                               s_layout)
+    else:
+        p, m_i, l_i, alpha = _fp8_softmax_step(s, m_i, l_i, 0, offs_m_pos, seq_len, row_scale, True, BLOCK_N,
+                                               s_layout)
+    p_smem.index(2 * WG).store((p * P_SCALE).to(gl.float8e4nv))
+    fence_async_shared()
+    gl.thread_barrier()
+
+    for tile in range(1, n_full):
+        acc, m_i, l_i = _fp8pp_step(q_half, qlo_half, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty,
+                                    tile, seq_len, acc, m_i, l_i, offs_m_pos, row_scale, False, WG, BLOCK_N,
+                                    HEAD_DIM, NUM_STAGES, NUM_VT, s_layout, o_layout, Q_SPLIT)
+    for tile in range(gl.maximum(n_full, 1), n_tiles):
+        acc, m_i, l_i = _fp8pp_step(q_half, qlo_half, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty,
+                                    tile, seq_len, acc, m_i, l_i, offs_m_pos, row_scale, True, WG, BLOCK_N,
+                                    HEAD_DIM, NUM_STAGES, NUM_VT, s_layout, o_layout, Q_SPLIT)
+
+    # The last tile's PV product: the (n_tiles + 1)-th section; warpgroup 1 does not hand over after it.
+    last = n_tiles - 1
+    vb = last % NUM_VT
+    mbarrier.wait(vt_full.index(vb), (last // NUM_VT) & 1)
+    _pp_wait_turn(WG)
+    pv = gl.zeros([HALF, HEAD_DIM], gl.float32, o_layout)
+    pv = warpgroup_mma(p_smem.index(2 * WG + last % 2), vt_smem.index(vb).permute((1, 0)), pv, use_acc=False, is_async=True)
+    if WG == 0:
+        _pp_hand_over(WG)
+    pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv, ))
+    acc = acc + pv
+
+    # O = acc * v_scale / (P_SCALE * l): every valid row saw key 0 at least (l > 0).
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = acc * (gl.load(VScale + kv_head) / P_SCALE) / l_o[:, None]
+    rows = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
+    gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+@gluon.jit
+def _fp8pp_consumer0(q_smem, qlo_smem, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty, q_bar, Out,
+                     QScale, KScale, VScale, n_full, n_tiles, seq_len, ctx, m0, q_start, q_len, head, kv_head,
+                     stride_ot, stride_oh, stride_qs, scale_log2e, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, NUM_VT: gl.constexpr, Q_SPLIT: gl.constexpr):
+    _fp8pp_consumer(q_smem, qlo_smem, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty, q_bar, Out,
+                    QScale, KScale, VScale, n_full, n_tiles, seq_len, ctx, m0, q_start, q_len, head, kv_head,
+                    stride_ot, stride_oh, stride_qs, scale_log2e, 0, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_VT, Q_SPLIT)
+
+
+@gluon.jit
+def _fp8pp_consumer1(q_smem, qlo_smem, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty, q_bar, Out,
+                     QScale, KScale, VScale, n_full, n_tiles, seq_len, ctx, m0, q_start, q_len, head, kv_head,
+                     stride_ot, stride_oh, stride_qs, scale_log2e, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
+                     NUM_STAGES: gl.constexpr, NUM_VT: gl.constexpr, Q_SPLIT: gl.constexpr):
+    _fp8pp_consumer(q_smem, qlo_smem, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty, q_bar, Out,
+                    QScale, KScale, VScale, n_full, n_tiles, seq_len, ctx, m0, q_start, q_len, head, kv_head,
+                    stride_ot, stride_oh, stride_qs, scale_log2e, 1, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_VT, Q_SPLIT)
+
+
+@gluon.jit
+def gluon_prefill_kernel_fp8pp(
+    q_desc, qlo_desc, k_desc, v_desc, Out, BlockTables, QueryStartLoc, SeqLens, QScale, KScale, VScale,
+    scale_log2e, stride_ot, stride_oh, stride_bt, stride_qs,
+    GROUP: gl.constexpr, PAGE: gl.constexpr, PAGE_ROWS: gl.constexpr, HEAD_DIM: gl.constexpr,
+    BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr, NUM_STAGES: gl.constexpr, num_warps: gl.constexpr,
+    Q_SPLIT: gl.constexpr, NUM_VT: gl.constexpr, CHUNK: gl.constexpr,
+):
+    """As ``gluon_prefill_kernel_fp8`` (same arguments, grid and arithmetic; BLOCK_M 128), launched with num_warps
+    4 (the default partition is consumer warpgroup 0; warpgroup 1 and the producer warpgroup are workers). NUM_VT:
+    V^T buffers; CHUNK: keys per step of the producer's transpose."""
+    seq = gl.program_id(1)
+    head = gl.program_id(2)
+    q_start = gl.load(QueryStartLoc + seq)
+    q_len = gl.load(QueryStartLoc + seq + 1) - q_start
+    m_block = gl.num_programs(0) - 1 - gl.program_id(0)
+    m0 = m_block * BLOCK_M
+    if m0 < q_len:
+        seq_len = gl.load(SeqLens + seq)
+        ctx = seq_len - q_len
+        kv_head = head // GROUP
+        kv_col = kv_head * HEAD_DIM
+        bt_row = BlockTables + seq.to(gl.int64) * stride_bt
+
+        p_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([64, BLOCK_N], gl.float8e4nv)
+        vt_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([HEAD_DIM, BLOCK_N], gl.float8e4nv)
+        q_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        qlo_smem = gl.allocate_shared_memory(q_desc.dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(k_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(v_desc.dtype, [NUM_STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        vt_smem = gl.allocate_shared_memory(gl.float8e4nv, [NUM_VT, HEAD_DIM, BLOCK_N], vt_layout)
+        p_smem = gl.allocate_shared_memory(gl.float8e4nv, [4, 64, BLOCK_N], p_layout)  # warpgroup WG: 2 WG, 2 WG + 1
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        k_empty = gl.allocate_shared_memory(gl.int64, [NUM_STAGES, 1], mbarrier.MBarrierLayout())
+        vt_full = gl.allocate_shared_memory(gl.int64, [NUM_VT, 1], mbarrier.MBarrierLayout())
+        vt_empty = gl.allocate_shared_memory(gl.int64, [NUM_VT, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(NUM_STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+            mbarrier.init(k_empty.index(i), count=2)  # one arrival per consumer warpgroup
+        for i in gl.static_range(NUM_VT):
+            mbarrier.init(vt_full.index(i), count=1)
+            mbarrier.init(vt_empty.index(i), count=2)
+        fence_async_shared()
+
+        n_full = (ctx + m0 + 1) // BLOCK_N
+        n_tiles = gl.cdiv(gl.minimum(seq_len, ctx + m0 + BLOCK_M), BLOCK_N)
+        if Q_SPLIT:
+            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(qlo_desc, [q_start + m0, head * HEAD_DIM], q_bar, qlo_smem)
+        else:
+            mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
+
+        gl.warp_specialize([
+            (_fp8pp_consumer0, (q_smem, qlo_smem, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty, q_bar,
+                                Out, QScale, KScale, VScale, n_full, n_tiles, seq_len, ctx, m0, q_start, q_len, head,
+                                kv_head, stride_ot, stride_oh, stride_qs, scale_log2e, HEAD_DIM, BLOCK_N, NUM_STAGES,
+                                NUM_VT, Q_SPLIT)),
+            (_fp8pp_consumer1, (q_smem, qlo_smem, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty, q_bar,
+                                Out, QScale, KScale, VScale, n_full, n_tiles, seq_len, ctx, m0, q_start, q_len, head,
+                                kv_head, stride_ot, stride_oh, stride_qs, scale_log2e, HEAD_DIM, BLOCK_N, NUM_STAGES,
+                                NUM_VT, Q_SPLIT)),
+            (_fp8pp_producer, (k_desc, v_desc, k_smem, v_smem, vt_smem, k_bars, v_bars, k_empty, vt_full, vt_empty,
+                               bt_row, n_tiles, seq_len, kv_col, PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES, NUM_VT, CHUNK)),
+        ], [4, 4], [232, 48])

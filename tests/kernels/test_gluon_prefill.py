@@ -204,7 +204,7 @@ def test_gluon_config_reason():
         assert gluon_config_reason({**cfg, "VARIANT": variant}, 128) is None
         assert gluon_config_reason({**cfg, "VARIANT": variant}, 128, tree=True) is None
         bad = gluon_config_reason({**cfg, "VARIANT": variant, "BLOCK_M": 64, "num_warps": 4}, 128)
-        assert bad is not None and "128 for ('pingpong', 'ws2', 'persistent', 'fp8')" in bad
+        assert bad is not None and "128 for ('pingpong', 'ws2', 'persistent', 'fp8', 'fp8pp')" in bad
     assert gluon_config_reason({**cfg, "VARIANT": "plain"}, 128, tree=True) == (
         f"tree_mask with VARIANT 'plain': the Gluon tree mask is in {TREE_VARIANTS} only")
     assert "VARIANT one of" in gluon_config_reason({**cfg, "VARIANT": "fa4"}, 128)
@@ -218,10 +218,20 @@ def test_gluon_config_reason():
     f8 = default_gluon_fp8_config(128, 16)
     assert gluon_config_reason(f8, 128, fp8=True) is None
     assert gluon_config_reason(cfg, 128, fp8=True) == (
-        "VARIANT 'pingpong' with a float8_e4m3fn cache: an fp8 cache runs VARIANT 'fp8', which needs one")
+        "VARIANT 'pingpong' with a float8_e4m3fn cache: an fp8 cache runs VARIANT 'fp8' or 'fp8pp', which need one")
     assert gluon_config_reason(f8, 128) == (
-        "VARIANT 'fp8' with a 16-bit cache: an fp8 cache runs VARIANT 'fp8', which needs one")
+        "VARIANT 'fp8' with a 16-bit cache: an fp8 cache runs VARIANT 'fp8' or 'fp8pp', which need one")
     assert "tree_mask with VARIANT 'fp8'" in gluon_config_reason(f8, 128, tree=True, fp8=True)
+    pp = {**f8, "VARIANT": "fp8pp"}
+    assert gluon_config_reason(pp, 128, fp8=True) is None
+    assert gluon_config_reason({**pp, "NUM_VT": 3, "CHUNK": 64, "NUM_STAGES": 2}, 128, fp8=True) is None
+    for bad_key in ({"NUM_VT": 4}, {"CHUNK": 8}, {"CHUNK": 128}, {"BLOCK_N": 32}):
+        assert "fp8pp" in gluon_config_reason({**pp, **bad_key}, 128, fp8=True) or "BLOCK_N must be" in \
+            gluon_config_reason({**pp, **bad_key}, 128, fp8=True)
+    # 2 x 16 KB Q + 3 stages (96 KB) + 3 V^T buffers (48 KB) + P (32 KB) = 208 KB fit; 4 stages (240 KB) do not.
+    assert gluon_config_reason({**pp, "NUM_VT": 3}, 128, fp8=True) is None
+    big = gluon_config_reason({**pp, "NUM_VT": 3, "NUM_STAGES": 4}, 128, fp8=True)
+    assert big is not None and "245760 B of shared memory" in big
     # Q 2 x 16 KB + 4 stages of K/V at BLOCK_N 128 (128 KB) + V^T 16 KB + P 32 KB fit; 5 stages (+32 KB) do not.
     assert gluon_config_reason({**f8, "BLOCK_N": 128, "NUM_STAGES": 4}, 128, fp8=True) is None
     big = gluon_config_reason({**f8, "BLOCK_N": 128, "NUM_STAGES": 5}, 128, fp8=True)
@@ -341,9 +351,17 @@ def _fp8_kernel_default(monkeypatch):
 
 
 FP8_TWIN_TOL = 1e-2  # the kernel against its torch twin: same rounding points; exp2 and fp32 sum order differ
-FP8_CONFIGS = {"n128_s3": None, "n128_s2": dict(NUM_STAGES=2), "n64_s2": dict(BLOCK_N=64, NUM_STAGES=2),
-               "n64_s3": dict(BLOCK_N=64), "1q_n64_s3": dict(BLOCK_N=64, Q_SPLIT=False),
-               "1q_n128_s2": dict(NUM_STAGES=2, Q_SPLIT=False)}
+FP8_CONFIGS = {"n128_s3": dict(VARIANT="fp8"), "n128_s2": dict(VARIANT="fp8", NUM_STAGES=2),
+               "n64_s2": dict(VARIANT="fp8", BLOCK_N=64, NUM_STAGES=2), "n64_s3": dict(VARIANT="fp8", BLOCK_N=64),
+               "1q_n64_s3": dict(VARIANT="fp8", BLOCK_N=64, Q_SPLIT=False),
+               "1q_n128_s2": dict(VARIANT="fp8", NUM_STAGES=2, Q_SPLIT=False),
+               # the ping-pong kernel: its default, 2 stages, BLOCK_N 64, one V^T buffer (the ring's phases flip
+               # every tile), 3 buffers, and both other transpose chunks
+               "pp_n128_s3": dict(VARIANT="fp8pp"), "pp_n128_s2": dict(VARIANT="fp8pp", NUM_STAGES=2),
+               "pp_n64_s3": dict(VARIANT="fp8pp", BLOCK_N=64),
+               "pp_n128_s2_vt1": dict(VARIANT="fp8pp", NUM_STAGES=2, NUM_VT=1),
+               "pp_n128_s3_vt3_c16": dict(VARIANT="fp8pp", NUM_VT=3, CHUNK=16),
+               "pp_n64_s2_c64": dict(VARIANT="fp8pp", BLOCK_N=64, NUM_STAGES=2, CHUNK=64)}
 
 
 def _fp8_case(q_lens, seq_lens, heads, kv_heads, head_dim, block_size, seed, poison=True, dtype=torch.bfloat16):
@@ -406,7 +424,7 @@ def test_gluon_fp8_matches_float64(case, heads, block_size, config):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not HOPPER, reason="needs an sm_90 (Hopper) GPU")
-@pytest.mark.parametrize("config", ["n64_s3", "n128_s2"])
+@pytest.mark.parametrize("config", ["n64_s3", "n128_s2", "pp_n128_s3", "pp_n128_s2_vt1"])
 @pytest.mark.parametrize("block_size", [16, 128])
 @pytest.mark.parametrize("case", list(LARGE))
 def test_gluon_fp8_long_sequences(case, block_size, config):
