@@ -1109,6 +1109,30 @@ def _fp8_step(q_smem, qlo_smem, k_smem, v_smem, vt_smem, p_smem, k_bars, v_bars,
 
 
 @gluon.jit
+def _fp8_issue_q(q_desc, qlo_desc, q_smem, qlo_smem, q_bar, row, col, Q_SPLIT: gl.constexpr):
+    """TMA copies of q's E4M3 tile (and of its second term when Q_SPLIT) at [row, col], both on ``q_bar``."""
+    if Q_SPLIT:
+        mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(qlo_desc, [row, col], q_bar, qlo_smem)
+    else:
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [row, col], q_bar, q_smem)
+
+
+@gluon.jit
+def _fp8_store_out(acc, l_i, Out, VScale, kv_head, r0, q_start, q_len, head, stride_ot, stride_oh,
+                   ROWS: gl.constexpr, HEAD_DIM: gl.constexpr, o_layout: gl.constexpr):
+    """O = acc * v_scale / (P_SCALE * l) for query rows r0 ... r0 + ROWS - 1 of the chunk (those < q_len); every
+    valid row saw key 0 at least (l > 0)."""
+    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
+    out = acc * (gl.load(VScale + kv_head) / P_SCALE) / l_o[:, None]
+    rows = r0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
+    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
+    ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
+    gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < q_len)[:, None])
+
+
+@gluon.jit
 def gluon_prefill_kernel_fp8(
     q_desc, qlo_desc, k_desc, v_desc, Out, BlockTables, QueryStartLoc, SeqLens, QScale, KScale, VScale,
     scale_log2e, stride_ot, stride_oh, stride_bt, stride_qs,
@@ -1158,12 +1182,7 @@ def gluon_prefill_kernel_fp8(
         n_full = (ctx + m0 + 1) // BLOCK_N
         n_tiles = gl.cdiv(gl.minimum(seq_len, ctx + m0 + BLOCK_M), BLOCK_N)
 
-        if Q_SPLIT:
-            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(qlo_desc, [q_start + m0, head * HEAD_DIM], q_bar, qlo_smem)
-        else:
-            mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
+        _fp8_issue_q(q_desc, qlo_desc, q_smem, qlo_smem, q_bar, q_start + m0, head * HEAD_DIM, Q_SPLIT)
         for i in gl.static_range(NUM_STAGES):
             if i < n_tiles:
                 _issue_kv_tile(k_desc, v_desc, k_smem, v_smem, k_bars, v_bars, bt_row, i, seq_len, kv_col,
@@ -1212,13 +1231,8 @@ def gluon_prefill_kernel_fp8(
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
 
-        # O = acc * v_scale / (P_SCALE * l): every valid row saw key 0 at least (l > 0).
-        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-        out = acc * (gl.load(VScale + kv_head) / P_SCALE) / l_o[:, None]
-        rows = m0 + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, o_layout))
-        cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-        ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
-        gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < q_len)[:, None])
+        _fp8_store_out(acc, l_i, Out, VScale, kv_head, m0, q_start, q_len, head, stride_ot, stride_oh, BLOCK_M,
+                       HEAD_DIM, o_layout)
 
 
 # ------------------------------------------------------------------------------------------------------------
@@ -1377,13 +1391,8 @@ def _fp8pp_consumer(q_smem, qlo_smem, k_smem, vt_smem, p_smem, k_bars, k_empty, 
     pv = warpgroup_mma_wait(num_outstanding=0, deps=(pv, ))
     acc = acc + pv
 
-    # O = acc * v_scale / (P_SCALE * l): every valid row saw key 0 at least (l > 0).
-    l_o = gl.convert_layout(l_i, gl.SliceLayout(1, o_layout))
-    out = acc * (gl.load(VScale + kv_head) / P_SCALE) / l_o[:, None]
-    rows = r0 + gl.arange(0, HALF, layout=gl.SliceLayout(1, o_layout))
-    cols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, o_layout))
-    ptrs = Out + (q_start + rows).to(gl.int64)[:, None] * stride_ot + head * stride_oh + cols[None, :]
-    gl.store(ptrs, out.to(Out.dtype.element_ty), mask=(rows < q_len)[:, None])
+    _fp8_store_out(acc, l_i, Out, VScale, kv_head, r0, q_start, q_len, head, stride_ot, stride_oh, HALF, HEAD_DIM,
+                   o_layout)
 
 
 @gluon.jit
@@ -1456,12 +1465,7 @@ def gluon_prefill_kernel_fp8pp(
 
         n_full = (ctx + m0 + 1) // BLOCK_N
         n_tiles = gl.cdiv(gl.minimum(seq_len, ctx + m0 + BLOCK_M), BLOCK_N)
-        if Q_SPLIT:
-            mbarrier.expect(q_bar, 2 * q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(qlo_desc, [q_start + m0, head * HEAD_DIM], q_bar, qlo_smem)
-        else:
-            mbarrier.expect(q_bar, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [q_start + m0, head * HEAD_DIM], q_bar, q_smem)
+        _fp8_issue_q(q_desc, qlo_desc, q_smem, qlo_smem, q_bar, q_start + m0, head * HEAD_DIM, Q_SPLIT)
 
         gl.warp_specialize([
             (_fp8pp_consumer0, (q_smem, qlo_smem, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty, q_bar,
