@@ -1396,26 +1396,6 @@ def _fp8pp_consumer(q_smem, qlo_smem, k_smem, vt_smem, p_smem, k_bars, k_empty, 
 
 
 @gluon.jit
-def _fp8pp_consumer0(q_smem, qlo_smem, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty, q_bar, Out,
-                     QScale, KScale, VScale, n_full, n_tiles, seq_len, ctx, m0, q_start, q_len, head, kv_head,
-                     stride_ot, stride_oh, stride_qs, scale_log2e, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, NUM_VT: gl.constexpr, Q_SPLIT: gl.constexpr):
-    _fp8pp_consumer(q_smem, qlo_smem, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty, q_bar, Out,
-                    QScale, KScale, VScale, n_full, n_tiles, seq_len, ctx, m0, q_start, q_len, head, kv_head,
-                    stride_ot, stride_oh, stride_qs, scale_log2e, 0, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_VT, Q_SPLIT)
-
-
-@gluon.jit
-def _fp8pp_consumer1(q_smem, qlo_smem, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty, q_bar, Out,
-                     QScale, KScale, VScale, n_full, n_tiles, seq_len, ctx, m0, q_start, q_len, head, kv_head,
-                     stride_ot, stride_oh, stride_qs, scale_log2e, HEAD_DIM: gl.constexpr, BLOCK_N: gl.constexpr,
-                     NUM_STAGES: gl.constexpr, NUM_VT: gl.constexpr, Q_SPLIT: gl.constexpr):
-    _fp8pp_consumer(q_smem, qlo_smem, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty, q_bar, Out,
-                    QScale, KScale, VScale, n_full, n_tiles, seq_len, ctx, m0, q_start, q_len, head, kv_head,
-                    stride_ot, stride_oh, stride_qs, scale_log2e, 1, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_VT, Q_SPLIT)
-
-
-@gluon.jit
 def gluon_prefill_kernel_fp8pp(
     q_desc, qlo_desc, k_desc, v_desc, Out, BlockTables, QueryStartLoc, SeqLens, QScale, KScale, VScale,
     scale_log2e, stride_ot, stride_oh, stride_bt, stride_qs,
@@ -1468,14 +1448,14 @@ def gluon_prefill_kernel_fp8pp(
         _fp8_issue_q(q_desc, qlo_desc, q_smem, qlo_smem, q_bar, q_start + m0, head * HEAD_DIM, Q_SPLIT)
 
         gl.warp_specialize([
-            (_fp8pp_consumer0, (q_smem, qlo_smem, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty, q_bar,
-                                Out, QScale, KScale, VScale, n_full, n_tiles, seq_len, ctx, m0, q_start, q_len, head,
-                                kv_head, stride_ot, stride_oh, stride_qs, scale_log2e, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                                NUM_VT, Q_SPLIT)),
-            (_fp8pp_consumer1, (q_smem, qlo_smem, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty, q_bar,
-                                Out, QScale, KScale, VScale, n_full, n_tiles, seq_len, ctx, m0, q_start, q_len, head,
-                                kv_head, stride_ot, stride_oh, stride_qs, scale_log2e, HEAD_DIM, BLOCK_N, NUM_STAGES,
-                                NUM_VT, Q_SPLIT)),
+            (_fp8pp_consumer, (q_smem, qlo_smem, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty, q_bar, Out,
+                               QScale, KScale, VScale, n_full, n_tiles, seq_len, ctx, m0, q_start, q_len, head, kv_head,
+                               stride_ot, stride_oh, stride_qs, scale_log2e, 0, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_VT,
+                               Q_SPLIT)),
+            (_fp8pp_consumer, (q_smem, qlo_smem, k_smem, vt_smem, p_smem, k_bars, k_empty, vt_full, vt_empty, q_bar, Out,
+                               QScale, KScale, VScale, n_full, n_tiles, seq_len, ctx, m0, q_start, q_len, head, kv_head,
+                               stride_ot, stride_oh, stride_qs, scale_log2e, 1, HEAD_DIM, BLOCK_N, NUM_STAGES, NUM_VT,
+                               Q_SPLIT)),
             (_fp8pp_producer, (k_desc, v_desc, k_smem, v_smem, vt_smem, k_bars, v_bars, k_empty, vt_full, vt_empty,
                                bt_row, n_tiles, seq_len, kv_col, PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES, NUM_VT, CHUNK)),
         ], [4, 4], [232, 48])
