@@ -1238,19 +1238,23 @@ def gluon_prefill_kernel_fp8(
 # ------------------------------------------------------------------------------------------------------------
 # FP8 ping-pong variant (VARIANT "fp8pp"): the FP8 arithmetic above on the ping-pong skeleton, with FA3's FP8
 # producer (Shah et al. 2024, section 3.3: "in-kernel transpose" in the producer warpgroup). Three partitions of 4
-# warps: consumer warpgroups 0 and 1 (64 query rows each, 240 registers through setmaxnreg, GEMM issue alternating
-# through the named barriers 14 / 15 as in ``gluon_prefill_kernel_pingpong``) and a producer warpgroup (32
-# registers) that issues the TMA copies of K and V and transposes each V tile into a ring of NUM_VT V^T buffers,
-# CHUNK keys at a time (a chunk is CHUNK x D bytes: 8 registers a thread at CHUNK 32), zeroing the keys at or
-# past seq_len. So the transposes leave the consumers' critical path. Each warpgroup keeps its own double-buffered
-# P. Barriers: k_bars / v_bars (TMA landed), k_empty (count 2: both warpgroups' QK products of the stage landed),
-# vt_full (count 1: the producer published V^T), vt_empty (count 2: both PV products read it). The producer
-# reads the V stage itself, so it refills that stage right after the transpose; it refills K once k_empty says so.
+# warps: consumer warpgroups 0 and 1 (64 query rows each, GEMM issue alternating through the named barriers 14 / 15
+# as in ``gluon_prefill_kernel_pingpong``) and a producer warpgroup that issues the TMA copies of K and V and
+# transposes each V tile into a ring of NUM_VT V^T buffers, CHUNK keys at a time (a chunk is CHUNK x D bytes: 8
+# registers a thread at CHUNK 32), zeroing the keys at or past seq_len. So the transposes leave the consumers'
+# critical path. Registers through setmaxnreg: 232 (warpgroup 1), 48 (the producer; at 32 it spilled) and what is
+# left, 224, for warpgroup 0 (the default partition); no spills (bench/gluon_aot_check.py --fp8). Each warpgroup
+# keeps its own double-buffered P. Barriers: k_bars / v_bars (TMA landed), k_empty (count 2: both warpgroups' QK
+# products of the stage landed), vt_full (count 1: the producer published V^T), vt_empty (count 2: both PV products
+# read it). The producer reads the V stage itself, so it refills that stage right after the transpose; it refills K
+# of tile t + NUM_STAGES once k_empty says both QK products of tile t landed (so it transposes tile t + 1 only after
+# them; with NUM_VT 1 it also waits for both PV products of tile t - 1 before transposing tile t).
 
 
 @gluon.jit
 def _fp8pp_transpose(v_buf, vt_buf, tile, seq_len, BLOCK_N: gl.constexpr, CHUNK: gl.constexpr):
     """V tile [BLOCK_N, D] -> V^T [D, BLOCK_N] (4 warps), CHUNK keys at a time; keys >= seq_len become 0."""
+    gl.static_assert(CHUNK == 16 or CHUNK == 32 or CHUNK == 64, "CHUNK must be 16, 32 or 64 (4 warps of 4 x 4 blocks)")
     ld_layout: gl.constexpr = gl.BlockedLayout([4, 4], [4, 8], [CHUNK // 16, 64 // CHUNK], [1, 0])
     for c in gl.static_range(BLOCK_N // CHUNK):
         v = v_buf.slice(c * CHUNK, CHUNK).load(ld_layout)
@@ -1458,4 +1462,4 @@ def gluon_prefill_kernel_fp8pp(
                                Q_SPLIT)),
             (_fp8pp_producer, (k_desc, v_desc, k_smem, v_smem, vt_smem, k_bars, v_bars, k_empty, vt_full, vt_empty,
                                bt_row, n_tiles, seq_len, kv_col, PAGE, PAGE_ROWS, BLOCK_N, NUM_STAGES, NUM_VT, CHUNK)),
-        ], [4, 4], [232, 48])
+        ], [4, 4], [232, 48])  # setmaxnreg: warpgroup 1 232, the producer 48, warpgroup 0 (default) what is left: 224
