@@ -103,17 +103,20 @@ def default_gluon_fp8_config(head_dim: int, block_size: int) -> dict:
     (Q 2 x 16 KB + K/V 96 KB + V^T 16 KB + P 32 KB of shared memory at D 128), no spills
     (``bench/gluon_aot_check.py --fp8``), q as two E4M3 terms (Q_SPLIT; False: one, ~7% faster and less exact).
     The fastest of the configs timed on an H100 (``bench/results/fp8-prefill-h100-20261207/``: 440 TFLOP/s at 8k
-    contiguous, against 367-421 for BLOCK_N 64 or 2 stages)."""
-    return dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=3, num_warps=8, VARIANT=FP8_VARIANT, Q_SPLIT=True)
+    contiguous, against 367-421 for BLOCK_N 64 or 2 stages). NUM_VT and CHUNK are read by VARIANT "fp8pp" only
+    (its V^T buffers and the keys per step of its producer's transpose)."""
+    return dict(BLOCK_M=128, BLOCK_N=128, NUM_STAGES=3, num_warps=8, VARIANT=FP8_VARIANT, Q_SPLIT=True, NUM_VT=2,
+                CHUNK=32)
 
 
 SMEM_LIMIT = 227 * 1024  # bytes of shared memory one CTA may use on sm_90 (H100/H200)
 
 
 def gluon_config_reason(cfg: dict, head_dim: int, tree: bool = False, fp8: bool = False) -> str | None:
-    """Why the full config ``cfg`` (BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, VARIANT) cannot run, or None.
+    """Why the full config ``cfg`` (BLOCK_M, BLOCK_N, NUM_STAGES, num_warps, VARIANT; NUM_VT and CHUNK with "fp8pp")
+    cannot run, or None.
     Host-only (no device query): the rules of the kernels in ``roofline.kernels.gluon_prefill_kernels``.
-    ``fp8``: the cache holds float8_e4m3fn codes (VARIANT ``FP8_VARIANT`` only)."""
+    ``fp8``: the cache holds float8_e4m3fn codes (a VARIANT in ``FP8_VARIANTS`` only)."""
     variant = cfg.get("VARIANT")
     if fp8 != (variant in FP8_VARIANTS):
         return (f"VARIANT {variant!r} with a {'float8_e4m3fn' if fp8 else '16-bit'} cache: an fp8 cache runs "
@@ -126,13 +129,13 @@ def gluon_config_reason(cfg: dict, head_dim: int, tree: bool = False, fp8: bool 
         return (f"config {cfg}: BLOCK_N must be 64 or 128, BLOCK_M 16 * num_warps (128 for "
                 f"{(*TWO_CONSUMER_VARIANTS, *FP8_VARIANTS)}), NUM_STAGES >= 2 and VARIANT one of "
                 f"{(*GLUON_VARIANTS, *FP8_VARIANTS)}")
-    if variant == FP8_PINGPONG and (cfg.get("NUM_VT", 2) not in (1, 2, 3) or cfg.get("CHUNK", 32) not in (16, 32, 64)
-                                    or cfg.get("CHUNK", 32) > cfg["BLOCK_N"]):
+    if variant == FP8_PINGPONG and (cfg["NUM_VT"] not in (1, 2, 3) or cfg["CHUNK"] not in (16, 32, 64)
+                                    or cfg["CHUNK"] > cfg["BLOCK_N"]):
         return (f"config {cfg}: {FP8_PINGPONG!r} needs NUM_VT in (1, 2, 3) and CHUNK in (16, 32, 64), at most "
                 f"BLOCK_N")
     block_n = min(cfg["BLOCK_N"], TREE_BLOCK_N) if tree else cfg["BLOCK_N"]
     if fp8:  # 1-byte Q (both terms, allocated either way) + K/V ring, V^T [NUM_VT, D, BLOCK_N], P [2, BLOCK_M, BLOCK_N]
-        num_vt = cfg.get("NUM_VT", 2) if variant == FP8_PINGPONG else 1
+        num_vt = cfg["NUM_VT"] if variant == FP8_PINGPONG else 1
         smem = (head_dim * (2 * cfg["BLOCK_M"] + 2 * cfg["NUM_STAGES"] * block_n + num_vt * block_n)
                 + 2 * cfg["BLOCK_M"] * block_n)
     else:
@@ -407,7 +410,7 @@ def launch_gluon_fp8(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     extra = {}
     if variant == FP8_PINGPONG:  # 3 warpgroups: the default partition (consumer 0) + consumer 1 + the producer
         num_warps = 4
-        extra = dict(maxnreg=WS_MAXNREG, NUM_VT=cfg.get("NUM_VT", 2), CHUNK=cfg.get("CHUNK", 32))
+        extra = dict(maxnreg=WS_MAXNREG, NUM_VT=cfg["NUM_VT"], CHUNK=cfg["CHUNK"])
     GLUON_KERNELS[variant][grid](
         q_desc, qlo_desc, k_desc, v_desc, out, meta.block_tables, meta.query_start_loc, meta.seq_lens, q_scale, k_scale,
         v_scale, scale * LOG2E, out.stride(0), out.stride(1), meta.block_tables.stride(0), num_heads,
